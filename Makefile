@@ -1,0 +1,36 @@
+# KREX developer tasks. `make help` lists them.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.DEFAULT_GOAL := help
+
+help: ## Show this help
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+install: ## Create .venv, install KREX editable with dev extras, build shim + simulated GPU
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev]'
+	$(PY) -c "import krex.native as n; n.shim_path(); n.sim_dir(); print('krex installed:', n.LIB_DIR)"
+
+native: ## Rebuild only the C artifacts into krex/_lib (after editing interpose/)
+	$(PY) krex_build.py krex/_lib
+	$(PY) setup.py -q build_ext --inplace
+
+test: ## Run the whole test suite (unit + integration; gpu tests skip without a GPU)
+	$(PY) -m pytest -q tests
+
+lint: ## ruff + mypy
+	$(VENV)/bin/ruff check krex cli tests scripts krex_build.py setup.py
+	$(VENV)/bin/ruff format --check krex cli krex_build.py || true
+	$(VENV)/bin/mypy krex cli
+
+bench: ## Fast-path and region benchmarks (simulated GPU here; real numbers need a GPU)
+	$(PY) -m krex.cli.main bench
+
+clean: ## Remove build outputs
+	rm -rf build dist *.egg-info krex/_lib krex/_native*.so
+
+.PHONY: help install native test lint bench clean

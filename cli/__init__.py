@@ -1,0 +1,1 @@
+"""The `krex` command line: a thin click layer over the krex library."""

@@ -1,0 +1,122 @@
+/* KREX shared-memory ABI: the ONE definition of the segment layout, its
+ * constants and the shim <-> controller protocol.
+ *
+ * Both C (shim, cffi module) and Python (cffi cdef of this very file) read it.
+ * Rules that keep it cffi-parsable: only "#define NAME <integer>" lines besides
+ * the include guard and includes, no attributes, explicit padding.
+ * tests/unit/test_abi.py asserts that sizes and offsets agree in C and Python.
+ *
+ * Protocol (Dekker pairing, both sides seq_cst):
+ *   shim:       inflight++ ; g = gate ; if closed and not owner: inflight--, futex-wait(gate, g), retry
+ *   controller: gate = closed(epoch, owner) ; wait until every non-owner inflight == 0
+ * so any submission is either counted before the close or sees the gate closed.
+ */
+#ifndef KREX_ABI_H
+#define KREX_ABI_H
+#include <stdint.h>
+
+#define KREX_MAGIC 1480938059
+#define KREX_ABI_VERSION 1
+#define KREX_MAX_GPUS 16
+#define KREX_MAX_SLOTS 64
+#define KREX_MAX_PROCS 1024
+
+/* Gate word (a futex): 0 = open. Closed = (epoch24 << 8) | owner byte, where the
+ * owner byte is slot+1, or KREX_OWNER_NONE for an operator pause. Never 0 when closed. */
+#define KREX_GATE_OPEN 0
+#define KREX_OWNER_NONE 255
+
+/* Who holds a closed gate, and therefore what a waiting shim checks before failing open. */
+#define KREX_HOLDER_NONE 0
+#define KREX_HOLDER_REGION 1
+#define KREX_HOLDER_PAUSE 2
+
+#define KREX_SLOT_FREE 0
+#define KREX_SLOT_ACTIVE 1
+
+/* API classes: which counter a submission bumps. Only the first KREX_NGATED are gated. */
+#define KREX_CLS_KERNEL 0
+#define KREX_CLS_COPY 1
+#define KREX_CLS_MEMSET 2
+#define KREX_CLS_GRAPH 3
+#define KREX_CLS_PREFETCH 4
+#define KREX_NGATED 5
+#define KREX_CLS_LOOKUP 5
+#define KREX_CLS_CTX 6
+
+/* Per-process flags (krex_proc.flags): things a doctor should hear about. */
+#define KREX_PF_NO_REAL 1
+#define KREX_PF_SLOTS_FULL 2
+#define KREX_PF_FAILED_OPEN 4
+#define KREX_PF_HELPER_FAILED 8
+#define KREX_PF_DRAIN_TIMEOUT 16
+#define KREX_PF_LOOKUP_FALLBACK 32
+
+/* Header flags (krex_header.flags). */
+#define KREX_HF_PROCS_FULL 1
+
+#define KREX_HEARTBEAT_TIMEOUT_NS 2000000000
+
+struct krex_header {
+    uint32_t magic;
+    uint32_t abi_version;
+    uint32_t n_gpus;
+    uint32_t flags;
+    uint64_t size;
+    int64_t daemon_pid;
+    uint64_t heartbeat_ns;          /* CLOCK_MONOTONIC of the controller's last beat */
+    uint64_t heartbeat_timeout_ns;  /* a region older than this without a beat is dead */
+    uint64_t created_ns;
+    uint64_t proc_overflows;        /* processes that found no free record */
+    uint64_t reserved[8];
+};
+
+struct krex_gpu {
+    uint32_t gate;                  /* futex word, see above */
+    uint32_t drain_seq;             /* futex word: bumped to ask every helper to drain */
+    uint32_t holder;                /* KREX_HOLDER_* */
+    int32_t owner_slot;             /* -1 when none */
+    uint64_t epoch;                 /* bumped on every close and open */
+    uint64_t closed_ns;
+    uint64_t lease_deadline_ns;     /* pause: when it lapses (0 = never) */
+    int64_t holder_pid;             /* process that closed the gate */
+    uint64_t regions;               /* closes so far */
+    uint64_t fail_opens;            /* shims that gave up waiting on this gate */
+    uint64_t reserved[8];
+};
+
+struct krex_slot {
+    uint32_t state;                 /* KREX_SLOT_* */
+    int32_t gpu;
+    int64_t owner_pid;              /* the guardian (krex run) that claimed it */
+    uint64_t generation;            /* bumped on each claim, so stale handles notice */
+    uint32_t inflight;              /* used only by processes that found no krex_proc record */
+    uint32_t pad0;
+    uint64_t reserved[4];
+};
+
+struct krex_proc {
+    int64_t pid;                    /* 0 = free record */
+    int32_t slot;
+    uint32_t has_ctx;               /* 1 once the process submitted GPU work */
+    uint32_t inflight;              /* threads inside a gated call right now */
+    uint32_t drain_ack;             /* last drain_seq this process's helper finished */
+    uint32_t flags;                 /* KREX_PF_* */
+    int32_t gpu;
+    uint64_t start_ticks;           /* /proc/pid/stat field 22: tells pid reuse apart */
+    uint64_t submits[5];            /* per gated class; KREX_NGATED entries */
+    uint64_t blocked;               /* times a call waited at a closed gate */
+    uint64_t blocked_ns;
+    uint64_t fail_opens;
+    uint64_t drains;
+    uint64_t reserved[2];
+};
+
+struct krex_shm {
+    struct krex_header hdr;
+    struct krex_gpu gpus[16];       /* KREX_MAX_GPUS */
+    struct krex_slot slots[64];     /* KREX_MAX_SLOTS */
+    struct krex_proc procs[1024];   /* KREX_MAX_PROCS */
+};
+
+#endif

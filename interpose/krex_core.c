@@ -1,0 +1,311 @@
+/* See krex_core.h. Everything here is a slow path: the submission fast path
+ * lives inline in shim.c and only touches words this file sets up. */
+#define _GNU_SOURCE
+#include "krex_core.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SEQ __ATOMIC_SEQ_CST
+
+uint64_t krex_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t krex_shm_size(void) { return sizeof(struct krex_shm); }
+
+/* create: 0 attach only, 1 create if missing, 2 create fresh (fail if it exists). */
+struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *err) {
+    int flags = O_RDWR | (create ? O_CREAT : 0) | (create == 2 ? O_EXCL : 0);
+    int fd = shm_open(name, flags, 0660);
+    if (fd < 0) {
+        *err = errno;
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        *err = errno;
+        close(fd);
+        return NULL;
+    }
+    int fresh = st.st_size == 0;
+    if (fresh) {
+        if (!create || ftruncate(fd, sizeof(struct krex_shm)) < 0) {
+            *err = create ? errno : ENOENT;
+            close(fd);
+            return NULL;
+        }
+    } else if ((uint64_t)st.st_size < sizeof(struct krex_shm)) {
+        *err = EPROTO;
+        close(fd);
+        return NULL;
+    }
+    void *p = mmap(NULL, sizeof(struct krex_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        *err = errno;
+        return NULL;
+    }
+    struct krex_shm *shm = p;
+    if (fresh) {
+        /* ftruncate zero-fills; publish magic last so attachers never see half a header. */
+        shm->hdr.abi_version = KREX_ABI_VERSION;
+        shm->hdr.n_gpus = (uint32_t)(n_gpus > 0 && n_gpus <= KREX_MAX_GPUS ? n_gpus : 1);
+        shm->hdr.size = sizeof(struct krex_shm);
+        shm->hdr.heartbeat_timeout_ns = KREX_HEARTBEAT_TIMEOUT_NS;
+        shm->hdr.created_ns = krex_now_ns();
+        for (int g = 0; g < KREX_MAX_GPUS; g++) shm->gpus[g].owner_slot = -1;
+        for (int s = 0; s < KREX_MAX_SLOTS; s++) shm->slots[s].gpu = -1;
+        __atomic_store_n(&shm->hdr.magic, (uint32_t)KREX_MAGIC, SEQ);
+    } else {
+        /* A creator may still be initialising: wait briefly for the magic. */
+        for (int i = 0; i < 1000 && __atomic_load_n(&shm->hdr.magic, SEQ) == 0; i++) usleep(1000);
+        if (shm->hdr.magic != (uint32_t)KREX_MAGIC || shm->hdr.abi_version != KREX_ABI_VERSION) {
+            munmap(p, sizeof(struct krex_shm));
+            *err = EPROTO;
+            return NULL;
+        }
+    }
+    *err = 0;
+    return shm;
+}
+
+void krex_shm_close(struct krex_shm *shm) {
+    if (shm) munmap(shm, sizeof(struct krex_shm));
+}
+
+int krex_shm_unlink(const char *name) { return shm_unlink(name) == 0 ? 0 : errno; }
+
+int krex_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns) {
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
+    /* Shared (not PRIVATE) futex: waiters and wakers live in different processes. */
+    long r = syscall(SYS_futex, addr, FUTEX_WAIT, expected, timeout_ns ? &ts : NULL, NULL, 0);
+    return r == 0 ? 0 : errno;
+}
+
+int krex_futex_wake(uint32_t *addr) {
+    return (int)syscall(SYS_futex, addr, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+}
+
+uint32_t krex_load32(uint32_t *addr) { return __atomic_load_n(addr, SEQ); }
+
+uint64_t krex_pid_start_ticks(int64_t pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    /* comm may hold spaces and parens: fields restart after the last ')'. */
+    char *p = strrchr(buf, ')');
+    if (!p) return 0;
+    unsigned long long v = 0;
+    /* After ") " come fields 3..; start time is field 22. */
+    if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+               &v) != 1)
+        return 0;
+    return v;
+}
+
+int krex_pid_alive(int64_t pid, uint64_t start_ticks) {
+    if (pid <= 0) return 0;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
+    if (start_ticks) {
+        uint64_t now = krex_pid_start_ticks(pid);
+        if (now && now != start_ticks) return 0; /* pid was reused */
+    }
+    /* A zombie submits nothing and holds no context any more. */
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (n > 0) {
+            buf[n] = 0;
+            char *p = strrchr(buf, ')');
+            if (p && (p[2] == 'Z' || p[2] == 'X')) return 0;
+        }
+    }
+    return 1;
+}
+
+uint32_t krex_gate_close(struct krex_shm *shm, int gpu, int owner_slot, uint32_t holder,
+                         int64_t holder_pid, uint64_t lease_deadline_ns) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    uint64_t epoch = __atomic_add_fetch(&g->epoch, 1, SEQ);
+    uint32_t owner = owner_slot >= 0 ? (uint32_t)owner_slot + 1 : KREX_OWNER_NONE;
+    uint32_t word = (uint32_t)((epoch & 0xffffff) << 8) | owner;
+    g->owner_slot = owner_slot;
+    g->holder = holder;
+    g->holder_pid = holder_pid;
+    g->lease_deadline_ns = lease_deadline_ns;
+    g->closed_ns = krex_now_ns();
+    __atomic_add_fetch(&g->regions, 1, SEQ);
+    /* The store that publishes the close; the caller's in-flight reads come after it. */
+    __atomic_store_n(&g->gate, word, SEQ);
+    return word;
+}
+
+void krex_gate_open(struct krex_shm *shm, int gpu) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    __atomic_add_fetch(&g->epoch, 1, SEQ);
+    g->holder = KREX_HOLDER_NONE;
+    g->owner_slot = -1;
+    g->lease_deadline_ns = 0;
+    g->holder_pid = 0;
+    __atomic_store_n(&g->gate, KREX_GATE_OPEN, SEQ);
+    krex_futex_wake(&g->gate);
+}
+
+/* Threads of non-owner slots on this GPU that are inside a gated call. Dead
+ * processes are skipped: a SIGKILLed submitter must not stall every region. */
+int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max_pids) {
+    int total = 0, np = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->gpu != gpu || p->slot == owner_slot) continue;
+        uint32_t n = __atomic_load_n(&p->inflight, SEQ);
+        if (n == 0 || !krex_pid_alive(pid, p->start_ticks)) continue;
+        total += (int)n;
+        if (pids && np < max_pids) pids[np++] = pid;
+    }
+    for (int s = 0; s < KREX_MAX_SLOTS; s++) {
+        struct krex_slot *sl = &shm->slots[s];
+        if (sl->gpu != gpu || s == owner_slot || sl->state != KREX_SLOT_ACTIVE) continue;
+        total += (int)__atomic_load_n(&sl->inflight, SEQ);
+    }
+    return total;
+}
+
+uint32_t krex_drain_request(struct krex_shm *shm, int gpu) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    uint32_t seq = __atomic_add_fetch(&g->drain_seq, 1, SEQ);
+    krex_futex_wake(&g->drain_seq);
+    return seq;
+}
+
+/* Live sibling processes that hold GPU work and have not acked drain `seq` yet. */
+int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
+                       int64_t *pids, int max_pids) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->gpu != gpu || p->slot == owner_slot || !p->has_ctx) continue;
+        /* Sequence numbers wrap: compare by signed distance. */
+        if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
+        if (!krex_pid_alive(pid, p->start_ticks)) continue;
+        if (pids && n < max_pids) pids[n] = pid;
+        n++;
+    }
+    return n;
+}
+
+void krex_heartbeat(struct krex_shm *shm) {
+    __atomic_store_n(&shm->hdr.heartbeat_ns, krex_now_ns(), SEQ);
+}
+
+int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
+    for (int s = 0; s < KREX_MAX_SLOTS; s++) {
+        struct krex_slot *sl = &shm->slots[s];
+        uint32_t expect = KREX_SLOT_FREE;
+        if (__atomic_compare_exchange_n(&sl->state, &expect, KREX_SLOT_ACTIVE, 0, SEQ, SEQ)) {
+            sl->gpu = gpu;
+            sl->owner_pid = owner_pid;
+            sl->inflight = 0;
+            __atomic_add_fetch(&sl->generation, 1, SEQ);
+            return s;
+        }
+    }
+    return -1;
+}
+
+void krex_slot_release(struct krex_shm *shm, int slot) {
+    if (slot < 0 || slot >= KREX_MAX_SLOTS) return;
+    struct krex_slot *sl = &shm->slots[slot];
+    /* Forget the slot's dead processes; live stragglers keep their record. */
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid != 0 && p->slot == slot && !krex_pid_alive(pid, p->start_ticks))
+            __atomic_compare_exchange_n(&p->pid, &pid, 0, 0, SEQ, SEQ);
+    }
+    sl->owner_pid = 0;
+    sl->gpu = -1;
+    sl->inflight = 0;
+    __atomic_store_n(&sl->state, KREX_SLOT_FREE, SEQ);
+}
+
+static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
+    struct krex_proc fresh;
+    memset(&fresh, 0, sizeof fresh);
+    p->slot = slot;
+    p->gpu = gpu;
+    p->start_ticks = krex_pid_start_ticks(pid);
+    p->has_ctx = 0;
+    p->inflight = 0;
+    p->flags = 0;
+    p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
+    memcpy(p->submits, fresh.submits, sizeof p->submits);
+    p->blocked = p->blocked_ns = p->fail_opens = p->drains = 0;
+}
+
+/* Returns the record index for `pid`, claiming a free or dead one. An exec'd
+ * process keeps the pid and so finds its old record again. */
+int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        if (__atomic_load_n(&p->pid, SEQ) == pid) {
+            uint64_t st = krex_pid_start_ticks(pid);
+            if (!p->start_ticks || p->start_ticks == st) {
+                p->slot = slot;
+                p->gpu = gpu;
+                return i;
+            }
+        }
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < KREX_MAX_PROCS; i++) {
+            struct krex_proc *p = &shm->procs[i];
+            int64_t cur = __atomic_load_n(&p->pid, SEQ);
+            if (pass == 0 && cur != 0) continue;
+            if (pass == 1 && (cur == 0 || krex_pid_alive(cur, p->start_ticks))) continue;
+            /* Claim first, then fill: the pid CAS is the ownership token. */
+            if (__atomic_compare_exchange_n(&p->pid, &cur, pid, 0, SEQ, SEQ)) {
+                proc_init(p, slot, gpu, pid);
+                return i;
+            }
+        }
+    }
+    __atomic_or_fetch(&shm->hdr.flags, KREX_HF_PROCS_FULL, SEQ);
+    __atomic_add_fetch(&shm->hdr.proc_overflows, 1, SEQ);
+    return -1;
+}
+
+/* Free records of dead processes. Returns how many were freed. */
+int krex_proc_reap(struct krex_shm *shm) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid != 0 && !krex_pid_alive(pid, p->start_ticks) &&
+            __atomic_compare_exchange_n(&p->pid, &pid, 0, 0, SEQ, SEQ))
+            n++;
+    }
+    return n;
+}

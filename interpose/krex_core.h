@@ -1,0 +1,39 @@
+/* The C core shared by the shim (libkrex_interpose.so) and the cffi module
+ * (krex._native): segment attach, gate operations, process records, time.
+ * The block between the CDEF markers is fed to cffi verbatim. */
+#ifndef KREX_CORE_H
+#define KREX_CORE_H
+#include "krex_abi.h"
+
+/* CDEF-BEGIN */
+uint64_t krex_now_ns(void);
+struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *err);
+void krex_shm_close(struct krex_shm *shm);
+int krex_shm_unlink(const char *name);
+uint64_t krex_shm_size(void);
+
+/* Controller side of the gate protocol. */
+uint32_t krex_gate_close(struct krex_shm *shm, int gpu, int owner_slot, uint32_t holder,
+                         int64_t holder_pid, uint64_t lease_deadline_ns);
+void krex_gate_open(struct krex_shm *shm, int gpu);
+int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max_pids);
+uint32_t krex_drain_request(struct krex_shm *shm, int gpu);
+int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
+                       int64_t *pids, int max_pids);
+void krex_heartbeat(struct krex_shm *shm);
+
+/* Slots and process records. */
+int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid);
+void krex_slot_release(struct krex_shm *shm, int slot);
+int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
+int krex_proc_reap(struct krex_shm *shm);
+int krex_pid_alive(int64_t pid, uint64_t start_ticks);
+uint64_t krex_pid_start_ticks(int64_t pid);
+
+/* Futex helpers, also used by tests. */
+int krex_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns);
+int krex_futex_wake(uint32_t *addr);
+uint32_t krex_load32(uint32_t *addr);
+/* CDEF-END */
+
+#endif

@@ -1,0 +1,246 @@
+/* One simulated vendor library, built three times: -DSIM_API=0 libcudart.so.13,
+ * 1 libcuda.so.1, 2 libamdhip64.so. The table's entries are generated; the few
+ * functions that only order or wait (synchronise, events, devices) are written
+ * out below. Link with -Bsymbolic so &name means this library's function even
+ * when the shim interposes the same name. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../krex_tables.h"
+#include "sim_samples.h"
+#include "simgpu.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+static int sim_is_sync(const char *name, int cls) {
+    return (cls == KREX_CLS_COPY || cls == KREX_CLS_MEMSET) && !strstr(name, "Async");
+}
+
+#define SIM_GATED(name, cls, params, args, stream, cost)                                       \
+    EXPORT SIM_RET name params {                                                               \
+        simgpu_submit(#name, cls, (const void *)(stream), (uint64_t)(cost), KREX_HASH_ARGS args, \
+                      sim_is_sync(#name, cls));                                                \
+        return (SIM_RET)simgpu_rc();                                                           \
+    }
+#define SIM_BODY_KERNEL(n, p, a, s, c) SIM_GATED(n, KREX_CLS_KERNEL, p, a, s, c)
+#define SIM_BODY_COPY(n, p, a, s, c) SIM_GATED(n, KREX_CLS_COPY, p, a, s, c)
+#define SIM_BODY_MEMSET(n, p, a, s, c) SIM_GATED(n, KREX_CLS_MEMSET, p, a, s, c)
+#define SIM_BODY_GRAPH(n, p, a, s, c) SIM_GATED(n, KREX_CLS_GRAPH, p, a, s, c)
+#define SIM_BODY_PREFETCH(n, p, a, s, c) SIM_GATED(n, KREX_CLS_PREFETCH, p, a, s, c)
+#define SIM_BODY_LOOKUP(n, p, a, s, c) \
+    EXPORT SIM_RET n p { return (SIM_RET)sim_lookup(symbol, pfn, (uint64_t)flags); }
+#define SIM_BODY_CTXNEW(n, p, a, s, c)                   \
+    EXPORT SIM_RET n p {                                 \
+        static char fake_ctx[KREX_MAX_GPUS];             \
+        if (pctx) *pctx = (CUcontext)(void *)&fake_ctx[0]; \
+        simgpu_ctx_activate(0);                          \
+        return (SIM_RET)simgpu_rc();                     \
+    }
+#define SIM_BODY_CTXDEL(n, p, a, s, c) \
+    EXPORT SIM_RET n p {               \
+        (void)ctx;                     \
+        return (SIM_RET)simgpu_rc();   \
+    }
+
+#if SIM_API == 0
+#define SIM_RET cudaError_t
+#define SIM_TABLE "../api_cudart.def"
+#define SIM_FIRST 0
+#define SIM_LAST KREX_ID__END_CUDART
+#elif SIM_API == 1
+#define SIM_RET CUresult
+#define SIM_TABLE "../api_driver.def"
+#define SIM_FIRST (KREX_ID__END_CUDART + 1)
+#define SIM_LAST KREX_ID__END_DRIVER
+#else
+#define SIM_RET hipError_t
+#define SIM_TABLE "../api_hip.def"
+#define SIM_FIRST (KREX_ID__END_DRIVER + 1)
+#define SIM_LAST KREX_ID__END_HIP
+#endif
+
+static int sim_lookup(const char *symbol, void **pfn, uint64_t flags);
+
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
+    SIM_BODY_##cls(name, params, args, stream, cost)
+#include SIM_TABLE
+#undef X
+
+/* This library's own functions, by entry id. -Bsymbolic makes these addresses ours. */
+static void *const sim_fns[KREX_N_IDS] = {
+#define X(name, ...) [KREX_ID_##name] = (void *)name,
+#include SIM_TABLE
+#undef X
+};
+
+static int version_of(const char *name) {
+    const char *v = strstr(name, "_v");
+    return v ? atoi(v + 2) : 1;
+}
+
+/* What a vendor GetProcAddress does: pick the variant by flags and version. */
+__attribute__((unused)) static int sim_table_lookup(const char *symbol, void **pfn, uint64_t flags) {
+    int best = -1, want_pt = (flags & 2) != 0;
+    for (int i = SIM_FIRST; i < SIM_LAST; i++) {
+        const struct krex_entry *e = &krex_entries[i];
+        if (strcmp(e->lookup, symbol) != 0 || e->variant == KREX_VAR_V1) continue;
+        if ((e->variant == KREX_VAR_PT) != want_pt) continue;
+        if (best < 0 || version_of(e->name) > version_of(krex_entries[best].name)) best = i;
+    }
+    if (best < 0) {
+        /* Not in the table (e.g. a synchronise call): plain dynamic lookup. */
+        void *p = dlsym(RTLD_DEFAULT, symbol);
+        if (!p) return 500; /* CUDA_ERROR_NOT_FOUND */
+        *pfn = p;
+        return 0;
+    }
+    *pfn = sim_fns[best];
+    return 0;
+}
+
+/* ----------------------------------------------------------- CUDA runtime */
+#if SIM_API == 0
+int simgpu_cu_gpa(const char *symbol, void **pfn, uint64_t flags); /* from sim libcuda */
+
+static int sim_lookup(const char *symbol, void **pfn, uint64_t flags) {
+    /* cudaGetDriverEntryPoint hands out *driver* functions, via the driver. */
+    if (!pfn || !symbol) return 1;
+    return simgpu_cu_gpa(symbol, pfn, flags) == 0 ? 0 : 500;
+}
+
+struct sim_event { uint64_t t; };
+EXPORT cudaError_t cudaGetDeviceCount(int *n) { *n = simgpu_device_count(); return 0; }
+EXPORT cudaError_t cudaSetDevice(int d) { return simgpu_set_device(d); }
+EXPORT cudaError_t cudaGetDevice(int *d) { *d = simgpu_get_device(); return 0; }
+EXPORT cudaError_t cudaFree(void *p) { free(p); return 0; }
+EXPORT cudaError_t cudaMalloc(void **p, size_t n) {
+    simgpu_ctx_activate(simgpu_get_device());
+    *p = malloc(n ? n : 1);
+    return *p ? 0 : 2;
+}
+EXPORT cudaError_t cudaDeviceSynchronize(void) { simgpu_sync_all("cudaDeviceSynchronize"); return 0; }
+EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) { simgpu_sync_stream(s); return 0; }
+EXPORT cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    static uintptr_t next = 0x6000;
+    *s = (cudaStream_t)__atomic_add_fetch(&next, 16, __ATOMIC_RELAXED);
+    return 0;
+}
+EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) { (void)s; return 0; }
+EXPORT cudaError_t cudaEventCreate(void **e) { *e = calloc(1, sizeof(struct sim_event)); return 0; }
+EXPORT cudaError_t cudaEventDestroy(void *e) { free(e); return 0; }
+EXPORT cudaError_t cudaEventRecord(void *e, cudaStream_t s) {
+    /* The GPU stamps an event when the work queued before it has finished. */
+    uint64_t now = simgpu_now(), tail = simgpu_stream_tail(s);
+    ((struct sim_event *)e)->t = tail > now ? tail : now;
+    return 0;
+}
+EXPORT cudaError_t cudaEventSynchronize(void *e) { simgpu_sleep_until(((struct sim_event *)e)->t); return 0; }
+EXPORT cudaError_t cudaEventElapsedTime(float *ms, void *a, void *b) {
+    *ms = (float)((double)(((struct sim_event *)b)->t - ((struct sim_event *)a)->t) / 1e6);
+    return 0;
+}
+EXPORT cudaError_t cudaGetLastError(void) { return 0; }
+EXPORT const char *cudaGetErrorString(cudaError_t e) { return e ? "simulated error" : "no error"; }
+EXPORT cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return 0; }
+EXPORT cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return 0; }
+#endif
+
+/* ------------------------------------------------------------ CUDA driver */
+#if SIM_API == 1
+static int sim_lookup(const char *symbol, void **pfn, uint64_t flags) {
+    if (!pfn || !symbol) return 1;
+    return sim_table_lookup(symbol, pfn, flags);
+}
+EXPORT int simgpu_cu_gpa(const char *symbol, void **pfn, uint64_t flags) {
+    return sim_table_lookup(symbol, pfn, flags);
+}
+
+static __thread CUcontext t_ctx_stack[8];
+static __thread int t_ctx_depth;
+static char g_primary[KREX_MAX_GPUS];
+
+EXPORT CUresult cuInit(unsigned int flags) { (void)flags; return 0; }
+EXPORT CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+EXPORT CUresult cuDeviceGetCount(int *n) { *n = simgpu_device_count(); return 0; }
+EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    if (ordinal < 0 || ordinal >= simgpu_device_count()) return 101;
+    *d = ordinal;
+    return 0;
+}
+EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active) {
+    *flags = 0;
+    *active = simgpu_ctx_active(d);
+    return 0;
+}
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d) {
+    simgpu_ctx_activate(d); /* retaining creates the context, as on a real GPU */
+    *pctx = (CUcontext)(void *)&g_primary[d];
+    return 0;
+}
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return 0; }
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext c) {
+    if (t_ctx_depth >= 8) return 1;
+    t_ctx_stack[t_ctx_depth++] = c;
+    return 0;
+}
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *c) {
+    if (t_ctx_depth <= 0) return 201;
+    *c = t_ctx_stack[--t_ctx_depth];
+    return 0;
+}
+EXPORT CUresult cuCtxSynchronize(void) { simgpu_sync_all("cuCtxSynchronize"); return 0; }
+EXPORT CUresult cuStreamSynchronize(CUstream s) { simgpu_sync_stream(s); return 0; }
+EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *m) {
+    static __thread CUstreamCaptureMode cur;
+    CUstreamCaptureMode old = cur;
+    cur = *m;
+    *m = old;
+    return 0;
+}
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    simgpu_ctx_activate(simgpu_get_device());
+    *p = (CUdeviceptr)(uintptr_t)malloc(n ? n : 1);
+    return *p ? 0 : 2;
+}
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { free((void *)(uintptr_t)p); return 0; }
+#endif
+
+/* -------------------------------------------------------------------- HIP */
+#if SIM_API == 2
+static int sim_lookup(const char *symbol, void **pfn, uint64_t flags) {
+    if (!pfn || !symbol) return 1;
+    return sim_table_lookup(symbol, pfn, flags);
+}
+struct sim_event { uint64_t t; };
+EXPORT hipError_t hipGetDeviceCount(int *n) { *n = simgpu_device_count(); return 0; }
+EXPORT hipError_t hipSetDevice(int d) { return simgpu_set_device(d); }
+EXPORT hipError_t hipGetDevice(int *d) { *d = simgpu_get_device(); return 0; }
+EXPORT hipError_t hipDevicePrimaryCtxGetState(int d, unsigned int *flags, int *active) {
+    *flags = 0;
+    *active = simgpu_ctx_active(d);
+    return 0;
+}
+EXPORT hipError_t hipMalloc(void **p, size_t n) {
+    simgpu_ctx_activate(simgpu_get_device());
+    *p = malloc(n ? n : 1);
+    return *p ? 0 : 2;
+}
+EXPORT hipError_t hipFree(void *p) { free(p); return 0; }
+EXPORT hipError_t hipDeviceSynchronize(void) { simgpu_sync_all("hipDeviceSynchronize"); return 0; }
+EXPORT hipError_t hipStreamSynchronize(hipStream_t s) { simgpu_sync_stream(s); return 0; }
+EXPORT hipError_t hipEventCreate(void **e) { *e = calloc(1, sizeof(struct sim_event)); return 0; }
+EXPORT hipError_t hipEventDestroy(void *e) { free(e); return 0; }
+EXPORT hipError_t hipEventRecord(void *e, hipStream_t s) {
+    uint64_t now = simgpu_now(), tail = simgpu_stream_tail(s);
+    ((struct sim_event *)e)->t = tail > now ? tail : now;
+    return 0;
+}
+EXPORT hipError_t hipEventSynchronize(void *e) { simgpu_sleep_until(((struct sim_event *)e)->t); return 0; }
+EXPORT hipError_t hipEventElapsedTime(float *ms, void *a, void *b) {
+    *ms = (float)((double)(((struct sim_event *)b)->t - ((struct sim_event *)a)->t) / 1e6);
+    return 0;
+}
+#endif

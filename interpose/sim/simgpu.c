@@ -1,0 +1,224 @@
+/* See simgpu.h. One timeline word per simulated GPU in a shared segment,
+ * advanced with compare-and-swap: no locks, so freezing or killing a process in
+ * the middle of a call cannot wedge the device for everyone else. */
+#define _GNU_SOURCE
+#include "simgpu.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+struct sim_dev_shm {
+    uint32_t magic;
+    uint32_t ndev;
+    uint64_t busy_until[SIMGPU_MAX];
+};
+
+static struct sim_dev_shm *g_dev;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_trace_fd = -2;
+static int g_rc;
+static int g_visible[SIMGPU_MAX];
+static int g_nvisible = -1;
+static __thread int t_device;
+static int g_ctx_active[SIMGPU_MAX];
+
+#define NSTREAMS 256
+static struct { const void *s; uint64_t tail; } g_streams[NSTREAMS];
+static uint64_t g_proc_tail;
+
+EXPORT uint64_t simgpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+EXPORT void simgpu_sleep_until(uint64_t t) {
+    for (;;) {
+        uint64_t now = simgpu_now();
+        if (now >= t) return;
+        uint64_t d = t - now;
+        struct timespec ts = {(time_t)(d / 1000000000ull), (long)(d % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int env_int(const char *name, int dflt) {
+    const char *v = getenv(name);
+    return v && *v ? atoi(v) : dflt;
+}
+
+static void init_visible(void) {
+    int phys = env_int("KREX_SIM_GPUS", 1);
+    if (phys < 1) phys = 1;
+    if (phys > SIMGPU_MAX) phys = SIMGPU_MAX;
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    if (!vis) vis = getenv("HIP_VISIBLE_DEVICES");
+    g_nvisible = 0;
+    if (vis) {
+        char buf[256];
+        snprintf(buf, sizeof buf, "%s", vis);
+        for (char *tok = strtok(buf, ","); tok && g_nvisible < SIMGPU_MAX; tok = strtok(NULL, ",")) {
+            char *end;
+            long v = strtol(tok, &end, 10);
+            if (*end || v < 0 || v >= phys) break; /* like CUDA: stop at the first invalid id */
+            g_visible[g_nvisible++] = (int)v;
+        }
+    } else {
+        for (int i = 0; i < phys; i++) g_visible[g_nvisible++] = i;
+    }
+}
+
+static struct sim_dev_shm *dev_shm(void) {
+    if (g_dev) return g_dev;
+    pthread_mutex_lock(&g_lock);
+    if (!g_dev) {
+        char name[128];
+        const char *n = getenv("KREX_SIM_SHM");
+        if (n && *n) snprintf(name, sizeof name, "%s", n);
+        else snprintf(name, sizeof name, "/krex-sim-%d", (int)getuid());
+        int fd = shm_open(name, O_RDWR | O_CREAT, 0660);
+        if (fd >= 0 && ftruncate(fd, sizeof(struct sim_dev_shm)) == 0) {
+            void *p = mmap(NULL, sizeof(struct sim_dev_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (p != MAP_FAILED) g_dev = p;
+        }
+        if (fd >= 0) close(fd);
+        if (!g_dev) g_dev = calloc(1, sizeof(struct sim_dev_shm)); /* private fallback */
+    }
+    pthread_mutex_unlock(&g_lock);
+    return g_dev;
+}
+
+static void trace_write(const char *line, size_t n) {
+    if (g_trace_fd == -2) {
+        pthread_mutex_lock(&g_lock);
+        if (g_trace_fd == -2) {
+            const char *p = getenv("KREX_SIM_TRACE");
+            g_trace_fd = p && *p ? open(p, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+        }
+        pthread_mutex_unlock(&g_lock);
+    }
+    /* One write() with O_APPEND per line: lines from many processes never interleave. */
+    if (g_trace_fd >= 0) {
+        ssize_t w = write(g_trace_fd, line, n);
+        (void)w;
+    }
+}
+
+EXPORT void simgpu_trace(const char *fields) {
+    char line[768];
+    int n = snprintf(line, sizeof line, "{\"pid\":%d,\"tid\":%d,%s}\n", (int)getpid(),
+                     (int)syscall(SYS_gettid), fields);
+    if (n > 0 && n < (int)sizeof line) trace_write(line, (size_t)n);
+}
+
+EXPORT int simgpu_device_count(void) {
+    if (g_nvisible < 0) init_visible();
+    return g_nvisible;
+}
+EXPORT int simgpu_get_device(void) { return t_device; }
+EXPORT int simgpu_set_device(int dev) {
+    if (dev < 0 || dev >= simgpu_device_count()) return 101; /* cudaErrorInvalidDevice */
+    t_device = dev;
+    return 0;
+}
+EXPORT int simgpu_ctx_active(int dev) { return dev >= 0 && dev < SIMGPU_MAX && g_ctx_active[dev]; }
+EXPORT void simgpu_ctx_activate(int dev) {
+    if (dev >= 0 && dev < SIMGPU_MAX && !g_ctx_active[dev]) {
+        g_ctx_active[dev] = 1;
+        char f[64];
+        snprintf(f, sizeof f, "\"ev\":\"ctx\",\"dev\":%d,\"t\":%llu", dev, (unsigned long long)simgpu_now());
+        simgpu_trace(f);
+    }
+}
+EXPORT int simgpu_rc(void) { return g_rc; }
+EXPORT void simgpu_set_return(int rc) { g_rc = rc; }
+
+static uint64_t g_null_tail;
+
+static uint64_t *stream_slot(const void *s) {
+    if (!s) return &g_null_tail;
+    uintptr_t h = ((uintptr_t)s >> 4) % NSTREAMS;
+    for (int i = 0; i < NSTREAMS; i++) {
+        int k = (int)((h + (uintptr_t)i) % NSTREAMS);
+        if (g_streams[k].s == s) return &g_streams[k].tail;
+        if (g_streams[k].s == NULL) {
+            g_streams[k].s = s;
+            return &g_streams[k].tail;
+        }
+    }
+    return &g_proc_tail; /* table full: treat as the legacy stream */
+}
+
+EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint64_t cost_ns,
+                              uint64_t arghash, int sync) {
+    struct sim_dev_shm *d = dev_shm();
+    if (g_nvisible < 0) init_visible();
+    int dev = t_device < g_nvisible ? t_device : 0;
+    int phys = g_nvisible > 0 ? g_visible[dev] : 0;
+    simgpu_ctx_activate(dev);
+    uint64_t submit = simgpu_now();
+    pthread_mutex_lock(&g_lock);
+    uint64_t *tail = stream_slot(stream);
+    uint64_t after = *tail > submit ? *tail : submit;
+    uint64_t start, end, old = __atomic_load_n(&d->busy_until[phys], __ATOMIC_SEQ_CST);
+    do { /* time-slicing: the device runs one operation at a time, node-wide */
+        start = old > after ? old : after;
+        end = start + cost_ns;
+    } while (!__atomic_compare_exchange_n(&d->busy_until[phys], &old, end, 0, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST));
+    *tail = end;
+    if (end > g_proc_tail) g_proc_tail = end;
+    pthread_mutex_unlock(&g_lock);
+    char f[512];
+    const char *slot = getenv("KREX_SLOT");
+    snprintf(f, sizeof f,
+             "\"ev\":\"op\",\"api\":\"%s\",\"cls\":%d,\"gpu\":%d,\"stream\":%llu,\"submit\":%llu,"
+             "\"start\":%llu,\"end\":%llu,\"args\":\"%016llx\",\"slot\":%s",
+             api, cls, phys, (unsigned long long)(uintptr_t)stream, (unsigned long long)submit,
+             (unsigned long long)start, (unsigned long long)end, (unsigned long long)arghash,
+             slot && *slot ? slot : "-1");
+    simgpu_trace(f);
+    if (sync) simgpu_sleep_until(end);
+    return end;
+}
+
+EXPORT uint64_t simgpu_stream_tail(const void *stream) {
+    pthread_mutex_lock(&g_lock);
+    uint64_t t = stream ? *stream_slot(stream) : g_proc_tail;
+    pthread_mutex_unlock(&g_lock);
+    return t;
+}
+
+EXPORT void simgpu_sync_stream(const void *stream) { simgpu_sleep_until(simgpu_stream_tail(stream)); }
+
+EXPORT void simgpu_sync_all(const char *who) {
+    uint64_t until = simgpu_stream_tail(NULL);
+    simgpu_sleep_until(until);
+    char f[160];
+    snprintf(f, sizeof f, "\"ev\":\"sync\",\"api\":\"%s\",\"t\":%llu,\"until\":%llu", who,
+             (unsigned long long)simgpu_now(), (unsigned long long)until);
+    simgpu_trace(f);
+}
+
+static void atfork_child(void) {
+    /* A child has its own (empty) streams and contexts, like a CUDA child. */
+    pthread_mutex_init(&g_lock, NULL);
+    memset(g_streams, 0, sizeof g_streams);
+    memset(g_ctx_active, 0, sizeof g_ctx_active);
+    g_proc_tail = 0;
+    g_null_tail = 0;
+}
+
+__attribute__((constructor)) static void sim_init(void) {
+    pthread_atfork(NULL, NULL, atfork_child);
+    g_rc = env_int("KREX_SIM_RC", 0);
+}

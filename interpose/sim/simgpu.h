@@ -1,0 +1,30 @@
+/* The simulated GPU's device model (libkrexsim.so). It stands in for the GPU
+ * only: every process on the node shares one timeline per simulated GPU through
+ * shared memory, so kernels of different processes never overlap and a
+ * kernel's measured time grows when another process's work runs in between.
+ * It models time, not data: copies move no bytes. */
+#ifndef KREX_SIMGPU_H
+#define KREX_SIMGPU_H
+#include <stdint.h>
+
+#define SIMGPU_MAX 16
+
+/* Enqueue one operation on the calling process's current device. Returns its
+ * end time (CLOCK_MONOTONIC ns). sync: block the caller until it has finished. */
+uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint64_t cost_ns,
+                       uint64_t arghash, int sync);
+uint64_t simgpu_stream_tail(const void *stream); /* when work queued on it ends */
+void simgpu_sync_stream(const void *stream);
+void simgpu_sync_all(const char *who);          /* wait for all of this process's work */
+int simgpu_device_count(void);
+int simgpu_get_device(void);
+int simgpu_set_device(int dev);                  /* 0 or an error */
+int simgpu_ctx_active(int dev);
+void simgpu_ctx_activate(int dev);
+int simgpu_rc(void);                             /* what every simulated call returns */
+void simgpu_set_return(int rc);
+uint64_t simgpu_now(void);
+void simgpu_sleep_until(uint64_t t);
+void simgpu_trace(const char *json_fields);      /* append {"pid":..,<fields>} */
+
+#endif

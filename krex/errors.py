@@ -1,0 +1,53 @@
+"""The error hierarchy. Every failure the library reports is a KrexError with a
+`fix` hint; the CLI maps `exit_code` to the process exit status in one place
+(cli/main.py). The library itself never prints."""
+
+from __future__ import annotations
+
+
+class KrexError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+class UsageError(KrexError):
+    """Bad arguments or a malformed KREX_* variable."""
+
+    exit_code = 2
+
+
+class NotFound(KrexError):
+    """No segment, no daemon, unknown GPU, missing library."""
+
+    exit_code = 3
+
+
+class PermissionDenied(KrexError):
+    exit_code = 4
+
+
+class Timeout(KrexError):
+    """Stragglers did not finish in time (pause, region entry)."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, fix: str = "", stragglers: list[int] | None = None) -> None:
+        super().__init__(message, fix)
+        self.stragglers = stragglers or []
+
+
+class Busy(KrexError):
+    """The thing asked for is held by someone else (a gate, a daemon, a slot)."""
+
+    exit_code = 6
+
+
+class CommandNotFound(KrexError):
+    exit_code = 127
+
+
+class NotExecutable(KrexError):
+    exit_code = 126

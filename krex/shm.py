@@ -1,0 +1,333 @@
+"""A typed wrapper over the shared-memory segment (layout: interpose/krex_abi.h).
+
+`Segment` creates, attaches, snapshots and unlinks the segment and offers the
+gate operations the control plane is built from. Every constant comes from the
+cffi module, which read them from the ABI header."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError
+from krex.native import ffi, lib
+
+CLASS_NAMES = ("kernel", "copy", "memset", "graph", "prefetch")
+HOLDER_NAMES = {lib.KREX_HOLDER_NONE: "none", lib.KREX_HOLDER_REGION: "region", lib.KREX_HOLDER_PAUSE: "pause"}
+PROC_FLAG_NAMES = {
+    lib.KREX_PF_NO_REAL: "no-real-symbol",
+    lib.KREX_PF_SLOTS_FULL: "slots-full",
+    lib.KREX_PF_FAILED_OPEN: "failed-open",
+    lib.KREX_PF_HELPER_FAILED: "helper-failed",
+    lib.KREX_PF_DRAIN_TIMEOUT: "drain-timeout",
+    lib.KREX_PF_LOOKUP_FALLBACK: "lookup-fallback",
+}
+
+
+def default_name() -> str:
+    """The segment name: $KREX_SHM, else one per user."""
+    name = os.environ.get("KREX_SHM") or f"/krex-{os.getuid()}"
+    if not name.startswith("/") or "/" in name[1:] or len(name) > 120:
+        raise UsageError(
+            f"KREX_SHM={name!r} is not a valid shared-memory name",
+            "use a name like /krex-mine: one leading slash, no other slashes, at most 120 characters",
+        )
+    return name
+
+
+def now_ns() -> int:
+    return int(lib.krex_now_ns())
+
+
+@dataclass
+class GateInfo:
+    gpu: int
+    closed: bool
+    word: int
+    holder: str
+    owner_slot: int
+    epoch: int
+    lease_left_s: float | None
+    holder_pid: int
+    closes: int
+    fail_opens: int
+
+
+@dataclass
+class SlotInfo:
+    slot: int
+    gpu: int
+    owner_pid: int
+    owner_alive: bool
+    generation: int
+
+
+@dataclass
+class ProcInfo:
+    pid: int
+    slot: int
+    gpu: int
+    alive: bool
+    has_ctx: bool
+    inflight: int
+    drain_ack: int
+    submits: dict[str, int]
+    blocked: int
+    blocked_ms: float
+    fail_opens: int
+    drains: int
+    flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    name: str
+    n_gpus: int
+    daemon_pid: int
+    heartbeat_age_s: float | None
+    proc_overflows: int
+    gates: list[GateInfo]
+    slots: list[SlotInfo]
+    procs: list[ProcInfo]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepResult:
+    """Outcome of one controller step (wait for in-flight, drain)."""
+
+    ok: bool
+    seconds: float
+    count: int
+    stragglers: list[int]
+
+
+def _oserror(err: int, name: str) -> KrexError:
+    if err == errno.ENOENT:
+        return NotFound(
+            f"no KREX shared memory {name}: nothing has run under KREX on this machine yet",
+            "start a command with `krex run -- CMD` (or `krex daemon start`)",
+        )
+    if err in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(
+            f"permission denied opening shared memory {name}",
+            "run as the user who started KREX, or point KREX_SHM at a segment of your own",
+        )
+    if err == errno.EPROTO:
+        return KrexError(
+            f"shared memory {name} is not a KREX segment of ABI {lib.KREX_ABI_VERSION}",
+            f"remove it (`krex daemon stop`, or rm /dev/shm{name}) and start again",
+        )
+    return KrexError(f"cannot open shared memory {name}: {os.strerror(err)}", "check /dev/shm")
+
+
+class Segment:
+    """One mapping of the segment. Not thread-safe for writers; the daemon
+    serialises gate changes per GPU."""
+
+    def __init__(self, ptr: Any, name: str) -> None:
+        self._p = ptr
+        self.name = name
+
+    # ---------------------------------------------------------------- life
+    @classmethod
+    def attach(cls, name: str | None = None) -> Segment:
+        return cls._open(name or default_name(), 0, 0)
+
+    @classmethod
+    def create(cls, name: str | None = None, n_gpus: int = 1, exclusive: bool = False) -> Segment:
+        if not 1 <= n_gpus <= lib.KREX_MAX_GPUS:
+            raise UsageError(f"{n_gpus} GPUs is out of range", f"KREX supports 1..{lib.KREX_MAX_GPUS} GPUs")
+        return cls._open(name or default_name(), 2 if exclusive else 1, n_gpus)
+
+    @classmethod
+    def _open(cls, name: str, create: int, n_gpus: int) -> Segment:
+        err = ffi.new("int *")
+        p = lib.krex_shm_open(name.encode(), create, n_gpus, err)
+        if p == ffi.NULL:
+            raise _oserror(err[0], name)
+        return cls(p, name)
+
+    @staticmethod
+    def unlink(name: str | None = None) -> bool:
+        return lib.krex_shm_unlink((name or default_name()).encode()) == 0
+
+    def close(self) -> None:
+        if self._p is not None:
+            lib.krex_shm_close(self._p)
+            self._p = None
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def raw(self) -> Any:
+        if self._p is None:
+            raise KrexError("segment is closed")
+        return self._p
+
+    @property
+    def n_gpus(self) -> int:
+        return int(self.raw.hdr.n_gpus)
+
+    def check_gpu(self, gpu: int) -> None:
+        if not 0 <= gpu < self.n_gpus:
+            raise NotFound(
+                f"unknown GPU {gpu}: this node has {self.n_gpus} GPU(s) (0..{self.n_gpus - 1})",
+                "pick a GPU index from `krex status`",
+            )
+
+    # ------------------------------------------------------------- snapshot
+    def snapshot(self) -> Snapshot:
+        p = self.raw
+        now = now_ns()
+        hb = int(p.hdr.heartbeat_ns)
+        gates = []
+        for g in range(self.n_gpus):
+            gp = p.gpus[g]
+            word = int(gp.gate)
+            lease = int(gp.lease_deadline_ns)
+            gates.append(GateInfo(
+                gpu=g, closed=word != lib.KREX_GATE_OPEN, word=word,
+                holder=HOLDER_NAMES.get(int(gp.holder), "?"), owner_slot=int(gp.owner_slot),
+                epoch=int(gp.epoch), lease_left_s=(lease - now) / 1e9 if lease and word else None,
+                holder_pid=int(gp.holder_pid), closes=int(gp.regions), fail_opens=int(gp.fail_opens),
+            ))
+        slots = []
+        for s in range(lib.KREX_MAX_SLOTS):
+            sp = p.slots[s]
+            if sp.state == lib.KREX_SLOT_ACTIVE:
+                owner = int(sp.owner_pid)
+                slots.append(SlotInfo(s, int(sp.gpu), owner, bool(lib.krex_pid_alive(owner, 0)),
+                                      int(sp.generation)))
+        procs = []
+        for i in range(lib.KREX_MAX_PROCS):
+            r = p.procs[i]
+            if r.pid == 0:
+                continue
+            flags = [n for bit, n in PROC_FLAG_NAMES.items() if r.flags & bit]
+            procs.append(ProcInfo(
+                pid=int(r.pid), slot=int(r.slot), gpu=int(r.gpu),
+                alive=bool(lib.krex_pid_alive(r.pid, r.start_ticks)), has_ctx=bool(r.has_ctx),
+                inflight=int(r.inflight), drain_ack=int(r.drain_ack),
+                submits={n: int(r.submits[k]) for k, n in enumerate(CLASS_NAMES)},
+                blocked=int(r.blocked), blocked_ms=int(r.blocked_ns) / 1e6,
+                fail_opens=int(r.fail_opens), drains=int(r.drains), flags=flags,
+            ))
+        return Snapshot(
+            name=self.name, n_gpus=self.n_gpus, daemon_pid=int(p.hdr.daemon_pid),
+            heartbeat_age_s=(now - hb) / 1e9 if hb else None,
+            proc_overflows=int(p.hdr.proc_overflows), gates=gates, slots=slots, procs=procs,
+        )
+
+    # ------------------------------------------------------------ the gate
+    def gate_word(self, gpu: int) -> int:
+        return int(self.raw.gpus[gpu].gate)
+
+    def close_gate(self, gpu: int, owner_slot: int | None = None, *, holder: int | None = None,
+                   holder_pid: int = 0, lease_s: float | None = None) -> int:
+        """Close the gate: with an owner for a region, without one for a pause.
+        Returns the new gate word."""
+        self.check_gpu(gpu)
+        if holder is None:
+            holder = lib.KREX_HOLDER_REGION if owner_slot is not None else lib.KREX_HOLDER_PAUSE
+        deadline = now_ns() + int(lease_s * 1e9) if lease_s else 0
+        return int(lib.krex_gate_close(self.raw, gpu, -1 if owner_slot is None else owner_slot,
+                                       holder, holder_pid, deadline))
+
+    def open_gate(self, gpu: int) -> None:
+        self.check_gpu(gpu)
+        lib.krex_gate_open(self.raw, gpu)
+
+    def inflight(self, gpu: int, owner_slot: int | None = None) -> tuple[int, list[int]]:
+        pids = ffi.new("int64_t[64]")
+        n = lib.krex_gate_inflight(self.raw, gpu, -1 if owner_slot is None else owner_slot, pids, 64)
+        return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
+
+    def wait_inflight(self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0) -> StepResult:
+        """Wait until no non-owner thread is inside a gated call (protocol step 3)."""
+        t0 = time.monotonic()
+        delay = 20e-6
+        while True:
+            n, pids = self.inflight(gpu, owner_slot)
+            if n == 0:
+                return StepResult(True, time.monotonic() - t0, 0, [])
+            if time.monotonic() - t0 > timeout:
+                return StepResult(False, time.monotonic() - t0, n, pids)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def drain(self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0) -> StepResult:
+        """Ask every sibling helper to synchronise its contexts and wait for the
+        acks (protocol step 4). `count` is how many processes had to drain."""
+        t0 = time.monotonic()
+        seq = int(lib.krex_drain_request(self.raw, gpu))
+        owner = -1 if owner_slot is None else owner_slot
+        pids = ffi.new("int64_t[256]")
+        initial = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, ffi.NULL, 0))
+        delay = 20e-6
+        while True:
+            n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
+            if n == 0:
+                return StepResult(True, time.monotonic() - t0, initial, [])
+            if time.monotonic() - t0 > timeout:
+                return StepResult(False, time.monotonic() - t0, initial,
+                                  sorted(int(pids[i]) for i in range(min(n, 256))))
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def heartbeat(self) -> None:
+        lib.krex_heartbeat(self.raw)
+
+    def set_daemon(self, pid: int, heartbeat_timeout_s: float | None = None) -> None:
+        self.raw.hdr.daemon_pid = pid
+        if heartbeat_timeout_s:
+            self.raw.hdr.heartbeat_timeout_ns = int(heartbeat_timeout_s * 1e9)
+        self.heartbeat()
+
+    # -------------------------------------------------------- slots, procs
+    def claim_slot(self, gpu: int, owner_pid: int | None = None) -> int:
+        self.check_gpu(gpu)
+        self.reap()
+        s = int(lib.krex_slot_claim(self.raw, gpu, owner_pid or os.getpid()))
+        if s < 0:
+            raise Timeout(f"all {lib.KREX_MAX_SLOTS} slots are taken", "wait for commands to finish")
+        return s
+
+    def release_slot(self, slot: int) -> None:
+        lib.krex_slot_release(self.raw, slot)
+
+    def reap(self) -> int:
+        """Free process records and slots whose owners are dead."""
+        n = int(lib.krex_proc_reap(self.raw))
+        for s in range(lib.KREX_MAX_SLOTS):
+            sp = self.raw.slots[s]
+            if sp.state == lib.KREX_SLOT_ACTIVE and not lib.krex_pid_alive(sp.owner_pid, 0):
+                lib.krex_slot_release(self.raw, s)
+                n += 1
+        return n
+
+    def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
+        out = []
+        for i in range(lib.KREX_MAX_PROCS):
+            r = self.raw.procs[i]
+            if r.pid and r.slot == slot and (not alive_only or lib.krex_pid_alive(r.pid, r.start_ticks)):
+                out.append(int(r.pid))
+        return out
+
+
+def raise_stragglers(step: str, gpu: int, res: StepResult, timeout: float) -> None:
+    raise Timeout(
+        f"{step} on GPU {gpu} timed out after {timeout:g}s; stragglers: "
+        + ", ".join(str(p) for p in res.stragglers),
+        "raise --timeout, or find out why those processes are stuck in a GPU call",
+        res.stragglers,
+    )
