@@ -51,6 +51,7 @@
 #define KREX_PF_HELPER_FAILED 8
 #define KREX_PF_DRAIN_TIMEOUT 16
 #define KREX_PF_LOOKUP_FALLBACK 32
+#define KREX_PF_DRAIN_PARTIAL 64
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
@@ -109,7 +110,9 @@ struct krex_proc {
     uint64_t blocked_ns;
     uint64_t fail_opens;
     uint64_t drains;
-    uint64_t reserved[2];
+    uint32_t drain_partial;         /* last drain_seq acked WITHOUT a full sync (graph capture running) */
+    uint32_t captures;              /* graph captures in progress in this process */
+    uint64_t reserved[1];
 };
 
 struct krex_shm {

@@ -216,6 +216,21 @@ int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t s
     return n;
 }
 
+/* Siblings that acked `seq` without a full synchronise (a graph capture was running). */
+int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
+                       int64_t *pids, int max_pids) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->gpu != gpu || p->slot == owner_slot || !p->has_ctx) continue;
+        if (__atomic_load_n(&p->drain_partial, SEQ) != seq) continue;
+        if (pids && n < max_pids) pids[n] = pid;
+        n++;
+    }
+    return n;
+}
+
 void krex_heartbeat(struct krex_shm *shm) {
     __atomic_store_n(&shm->hdr.heartbeat_ns, krex_now_ns(), SEQ);
 }
@@ -263,6 +278,8 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);
     p->blocked = p->blocked_ns = p->fail_opens = p->drains = 0;
+    p->drain_partial = 0;
+    p->captures = 0;
 }
 
 /* Returns the record index for `pid`, claiming a free or dead one. An exec'd

@@ -20,6 +20,8 @@ int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *p
 uint32_t krex_drain_request(struct krex_shm *shm, int gpu);
 int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
                        int64_t *pids, int max_pids);
+int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
+                       int64_t *pids, int max_pids);
 void krex_heartbeat(struct krex_shm *shm);
 
 /* Slots and process records. */

@@ -33,6 +33,9 @@ typedef struct CUctxCreateParams_st CUctxCreateParams;
 typedef struct CUexecAffinityParam_st CUexecAffinityParam;
 typedef int CUdriverProcAddressQueryResult;
 typedef int CUstreamCaptureMode;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUgraphEdgeData_st CUgraphEdgeData;
 typedef struct CUmemLocation_st { int type; int id; } CUmemLocation;
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ;
@@ -52,6 +55,7 @@ typedef struct CUDA_LAUNCH_PARAMS_st {
 } CUDA_LAUNCH_PARAMS;
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_NOT_FOUND 500
+#define KREX_ERR_CAPTURE_INVALIDATED 901 /* same value in CUDA driver, runtime and HIP */
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
 
@@ -66,6 +70,11 @@ typedef struct dim3 { unsigned int x, y, z; } dim3;
 enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1,
     cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 };
 enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0 };
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2 };
+typedef struct CUgraph_st *cudaGraph_t;
+typedef struct CUgraphNode_st *cudaGraphNode_t;
+typedef struct cudaGraphEdgeData_st cudaGraphEdgeData;
 struct cudaPitchedPtr { void *ptr; size_t pitch; size_t xsize; size_t ysize; };
 struct cudaExtent { size_t width; size_t height; size_t depth; };
 struct cudaMemLocation { int type; int id; };
@@ -98,6 +107,8 @@ typedef void *hipDeviceptr_t;
 typedef enum hipMemcpyKind { hipMemcpyHostToHost = 0, hipMemcpyHostToDevice = 1,
     hipMemcpyDeviceToHost = 2, hipMemcpyDeviceToDevice = 3, hipMemcpyDefault = 4 } hipMemcpyKind;
 typedef int hipDriverProcAddressQueryResult;
+typedef int hipStreamCaptureMode;
+typedef struct ihipGraph *hipGraph_t;
 typedef struct hipPitchedPtr { void *ptr; size_t pitch; size_t xsize; size_t ysize; } hipPitchedPtr;
 typedef struct hipExtent { size_t width; size_t height; size_t depth; } hipExtent;
 struct hipMemcpy3DParms;

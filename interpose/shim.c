@@ -252,6 +252,29 @@ static void krex_ctx_del(void *ctx);
         return fn args;                                \
     }
 
+/* Graph captures are counted so the drain helper never synchronises a context
+ * while one of this process's streams is capturing (that would invalidate it). */
+static uint32_t g_captures;
+static void krex_capture_note(int delta) {
+    if (delta > 0) __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+    else if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) __atomic_sub_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+    if (g_proc) __atomic_store_n(&g_proc->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), __ATOMIC_RELAXED);
+}
+#define KREX_BODY_CAPBEGIN(fname, name, k, params, args) \
+    KREX_RET fname params {                              \
+        KREX_GET_FN(name, k)                             \
+        KREX_RET krex_rc = fn args;                      \
+        if (krex_rc == 0) krex_capture_note(1);          \
+        return krex_rc;                                  \
+    }
+#define KREX_BODY_CAPEND(fname, name, k, params, args)                            \
+    KREX_RET fname params {                                                       \
+        KREX_GET_FN(name, k)                                                      \
+        KREX_RET krex_rc = fn args;                                               \
+        if (krex_rc == 0 || krex_rc == KREX_ERR_CAPTURE_INVALIDATED) krex_capture_note(-1); \
+        return krex_rc;                                                           \
+    }
+
 #define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
     typedef KREX_RET(*krex_fn_##name) params;                             \
     KREX_EXPORT KREX_BODY_##cls(name, name, 0, params, args)              \
@@ -486,8 +509,19 @@ static void *krex_helper(void *arg) {
             krex_futex_wait(&g->drain_seq, cur, 1000ull * 1000 * 1000);
             continue;
         }
-        drain_cuda();
-        drain_hip();
+        /* A context synchronise would invalidate a capture in progress: give
+         * the capture a moment to end, else ack as partial so the controller
+         * marks the grant contaminated instead of silently clean. */
+        uint64_t t0 = krex_now_ns();
+        while (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0 && krex_now_ns() - t0 < 100000000ull)
+            usleep(1000);
+        if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
+            __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
+            __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
+        } else {
+            drain_cuda();
+            drain_hip();
+        }
         __atomic_fetch_add(&p->drains, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
         seen = cur;
@@ -559,6 +593,7 @@ static void atfork_child(void) {
     g_proc = NULL;
     g_helper_started = 0;
     g_failed_gate = 0;
+    g_captures = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) g_ctxs[i] = NULL;
 }
 

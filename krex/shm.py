@@ -24,6 +24,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_HELPER_FAILED: "helper-failed",
     lib.KREX_PF_DRAIN_TIMEOUT: "drain-timeout",
     lib.KREX_PF_LOOKUP_FALLBACK: "lookup-fallback",
+    lib.KREX_PF_DRAIN_PARTIAL: "drain-partial",
 }
 
 
@@ -105,6 +106,7 @@ class StepResult:
     seconds: float
     count: int
     stragglers: list[int]
+    partial: list[int] = field(default_factory=list)  # acked without a full sync (graph capture)
 
 
 def _oserror(err: int, name: str) -> KrexError:
@@ -277,7 +279,9 @@ class Segment:
         while True:
             n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
             if n == 0:
-                return StepResult(True, time.monotonic() - t0, initial, [])
+                np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
+                partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
+                return StepResult(True, time.monotonic() - t0, initial, [], partial)
             if time.monotonic() - t0 > timeout:
                 return StepResult(False, time.monotonic() - t0, initial,
                                   sorted(int(pids[i]) for i in range(min(n, 256))))

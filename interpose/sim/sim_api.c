@@ -39,6 +39,10 @@ static int sim_is_sync(const char *name, int cls) {
         simgpu_ctx_activate(0);                          \
         return (SIM_RET)simgpu_rc();                     \
     }
+#define SIM_BODY_CAPBEGIN(n, p, a, s, c) \
+    EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
+#define SIM_BODY_CAPEND(n, p, a, s, c) \
+    EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
 #define SIM_BODY_CTXDEL(n, p, a, s, c) \
     EXPORT SIM_RET n p {               \
         (void)ctx;                     \
@@ -139,7 +143,7 @@ EXPORT cudaError_t cudaEventRecord(void *e, cudaStream_t s) {
 }
 EXPORT cudaError_t cudaEventSynchronize(void *e) { simgpu_sleep_until(((struct sim_event *)e)->t); return 0; }
 EXPORT cudaError_t cudaEventElapsedTime(float *ms, void *a, void *b) {
-    *ms = (float)((double)(((struct sim_event *)b)->t - ((struct sim_event *)a)->t) / 1e6);
+    *ms = (float)((double)((int64_t)(((struct sim_event *)b)->t - ((struct sim_event *)a)->t)) / 1e6);
     return 0;
 }
 EXPORT cudaError_t cudaGetLastError(void) { return 0; }
@@ -240,7 +244,7 @@ EXPORT hipError_t hipEventRecord(void *e, hipStream_t s) {
 }
 EXPORT hipError_t hipEventSynchronize(void *e) { simgpu_sleep_until(((struct sim_event *)e)->t); return 0; }
 EXPORT hipError_t hipEventElapsedTime(float *ms, void *a, void *b) {
-    *ms = (float)((double)(((struct sim_event *)b)->t - ((struct sim_event *)a)->t) / 1e6);
+    *ms = (float)((double)((int64_t)(((struct sim_event *)b)->t - ((struct sim_event *)a)->t)) / 1e6);
     return 0;
 }
 #endif

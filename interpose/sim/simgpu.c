@@ -32,7 +32,7 @@ static __thread int t_device;
 static int g_ctx_active[SIMGPU_MAX];
 
 #define NSTREAMS 256
-static struct { const void *s; uint64_t tail; } g_streams[NSTREAMS];
+static struct { const void *s; int dev; uint64_t tail; } g_streams[NSTREAMS];
 static uint64_t g_proc_tail;
 
 EXPORT uint64_t simgpu_now(void) {
@@ -142,16 +142,18 @@ EXPORT void simgpu_ctx_activate(int dev) {
 EXPORT int simgpu_rc(void) { return g_rc; }
 EXPORT void simgpu_set_return(int rc) { g_rc = rc; }
 
-static uint64_t g_null_tail;
+static uint64_t g_null_tail[SIMGPU_MAX];
 
-static uint64_t *stream_slot(const void *s) {
-    if (!s) return &g_null_tail;
-    uintptr_t h = ((uintptr_t)s >> 4) % NSTREAMS;
+/* Streams belong to a device: the same handle on two devices is two queues. */
+static uint64_t *stream_slot(int dev, const void *s) {
+    if (!s) return &g_null_tail[dev];
+    uintptr_t h = (((uintptr_t)s >> 4) + (uintptr_t)dev * 7919u) % NSTREAMS;
     for (int i = 0; i < NSTREAMS; i++) {
         int k = (int)((h + (uintptr_t)i) % NSTREAMS);
-        if (g_streams[k].s == s) return &g_streams[k].tail;
+        if (g_streams[k].s == s && g_streams[k].dev == dev) return &g_streams[k].tail;
         if (g_streams[k].s == NULL) {
             g_streams[k].s = s;
+            g_streams[k].dev = dev;
             return &g_streams[k].tail;
         }
     }
@@ -167,7 +169,7 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
     simgpu_ctx_activate(dev);
     uint64_t submit = simgpu_now();
     pthread_mutex_lock(&g_lock);
-    uint64_t *tail = stream_slot(stream);
+    uint64_t *tail = stream_slot(dev, stream);
     uint64_t after = *tail > submit ? *tail : submit;
     uint64_t start, end, old = __atomic_load_n(&d->busy_until[phys], __ATOMIC_SEQ_CST);
     do { /* time-slicing: the device runs one operation at a time, node-wide */
@@ -193,7 +195,8 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
 
 EXPORT uint64_t simgpu_stream_tail(const void *stream) {
     pthread_mutex_lock(&g_lock);
-    uint64_t t = stream ? *stream_slot(stream) : g_proc_tail;
+    int dev = t_device < SIMGPU_MAX ? t_device : 0;
+    uint64_t t = stream ? *stream_slot(dev, stream) : g_null_tail[dev];
     pthread_mutex_unlock(&g_lock);
     return t;
 }
@@ -201,7 +204,9 @@ EXPORT uint64_t simgpu_stream_tail(const void *stream) {
 EXPORT void simgpu_sync_stream(const void *stream) { simgpu_sleep_until(simgpu_stream_tail(stream)); }
 
 EXPORT void simgpu_sync_all(const char *who) {
-    uint64_t until = simgpu_stream_tail(NULL);
+    pthread_mutex_lock(&g_lock);
+    uint64_t until = g_proc_tail;
+    pthread_mutex_unlock(&g_lock);
     simgpu_sleep_until(until);
     char f[160];
     snprintf(f, sizeof f, "\"ev\":\"sync\",\"api\":\"%s\",\"t\":%llu,\"until\":%llu", who,
@@ -215,7 +220,7 @@ static void atfork_child(void) {
     memset(g_streams, 0, sizeof g_streams);
     memset(g_ctx_active, 0, sizeof g_ctx_active);
     g_proc_tail = 0;
-    g_null_tail = 0;
+    memset(g_null_tail, 0, sizeof g_null_tail);
 }
 
 __attribute__((constructor)) static void sim_init(void) {

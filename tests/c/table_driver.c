@@ -6,7 +6,7 @@
  *                                      "threads": one thread per call, all at once
  *
  * PATHS is a comma list of: direct dlsym gpa gpa_pt gpa1 cudart_ep cudart_ep_pt hip_gpa hip_gpa_pt
- * Each call prints {"name","path","rc","hash","t0","t1"}; the simulated GPU
+ * Each call prints {"name","path","rc","hash","t0","t1","tid"}; the simulated GPU
  * records the hash of the arguments it received, so the two can be compared. */
 #define _GNU_SOURCE
 #define SIM_SAMPLES_DEFINE
@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "krex_tables.h"
@@ -123,9 +124,10 @@ static void *run_job(void *arg) {
     uint64_t t0 = krex_now_ns();
     int rc = callers[j->id](j->fp);
     uint64_t t1 = krex_now_ns();
-    printf("{\"name\":\"%s\",\"path\":\"%s\",\"rc\":%d,\"hash\":\"%016llx\",\"t0\":%llu,\"t1\":%llu}\n",
+    printf("{\"name\":\"%s\",\"path\":\"%s\",\"rc\":%d,\"hash\":\"%016llx\",\"t0\":%llu,\"t1\":%llu,"
+           "\"tid\":%d}\n",
            krex_entries[j->id].name, j->path, rc, (unsigned long long)hashers[j->id](),
-           (unsigned long long)t0, (unsigned long long)t1);
+           (unsigned long long)t0, (unsigned long long)t1, (int)syscall(SYS_gettid));
     fflush(stdout);
     return NULL;
 }

@@ -1,0 +1,1015 @@
+"""Freezing the sibling commands of a region on the CPU (region protocol, step 5).
+
+Three backends share one interface and `detect()` picks the first that works:
+
+- ``cgroup2``: write ``cgroup.freeze`` and wait until ``cgroup.events`` says ``frozen 1``.
+  Works with the v2 hierarchy mounted at /sys/fs/cgroup (pure) or /sys/fs/cgroup/unified (hybrid).
+- ``cgroup1``: the v1 freezer controller (``freezer.state``: FROZEN, wait while it reads FREEZING).
+- ``signal``: SIGSTOP/SIGCONT of process trees, for machines where no cgroup is writable.
+  Its state lives in a small JSON file per group so that a restarted daemon can still thaw.
+
+Each slot gets a group ``<hierarchy>/<root_name>/<slot_name>``. The parent group never holds
+processes itself, so cgroup v2's no-internal-process rule never blocks enabling controllers on it.
+Nothing here ever kills a process; the library never prints.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import json
+import os
+import re
+import select
+import signal
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError
+
+__all__ = [
+    "BACKENDS",
+    "Freezer",
+    "Group",
+    "Mount",
+    "cgroup1_freezer_mounts",
+    "cgroup2_mounts",
+    "detect",
+    "parse_mountinfo",
+    "preexec_join",
+]
+
+BACKENDS = ("cgroup2", "cgroup1", "signal")
+MOUNTINFO = "/proc/self/mountinfo"
+PROC = "/proc"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_+@:=-][A-Za-z0-9_.+@:=-]{0,199}$")
+# Stopped ('T'), traced ('t'), zombie ('Z') and dead ('X') tasks cannot run user code.
+_STOPPED_STATES = frozenset("TtZX")
+_FIX_ROOT = "run krexd as root, or delegate a writable cgroup subtree to the user running it"
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc/self/mountinfo
+
+
+@dataclass(frozen=True)
+class Mount:
+    mount_point: str
+    root: str  # the hierarchy path that is visible at mount_point
+    fstype: str
+    options: tuple[str, ...]  # per-mount options (rw/ro, ...)
+    super_options: tuple[str, ...]  # per-superblock options (v1 controllers live here)
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    mounts: list[Mount] = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if sep < 6 or len(fields) < sep + 4:
+            continue
+        mounts.append(
+            Mount(
+                mount_point=_unescape(fields[4]),
+                root=_unescape(fields[3]),
+                fstype=fields[sep + 1],
+                options=tuple(fields[5].split(",")),
+                super_options=tuple(fields[sep + 3].split(",")),
+            )
+        )
+    return mounts
+
+
+def _read_mounts() -> list[Mount]:
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+            return parse_mountinfo(f.read())
+    except OSError as exc:
+        raise NotFound(f"cannot read {MOUNTINFO}: {exc.strerror}", "mount /proc") from exc
+
+
+def cgroup2_mounts(mounts: Iterable[Mount]) -> list[str]:
+    """Mount points of the v2 hierarchy, the canonical places first (pure, then hybrid)."""
+    order = {"/sys/fs/cgroup": 0, "/sys/fs/cgroup/unified": 1}
+    found = [m.mount_point for m in mounts if m.fstype == "cgroup2"]
+    return sorted(dict.fromkeys(found), key=lambda p: order.get(p, 2))
+
+
+def cgroup1_freezer_mounts(mounts: Iterable[Mount]) -> list[str]:
+    found = [m.mount_point for m in mounts if m.fstype == "cgroup" and "freezer" in m.super_options]
+    return list(dict.fromkeys(found))
+
+
+# ---------------------------------------------------------------------------------------------
+# small file and /proc helpers
+
+
+def _error(exc: OSError, what: str, fix: str = "") -> KrexError:
+    msg = f"{what}: {exc.strerror or exc}"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(msg, fix or _FIX_ROOT)
+    if exc.errno == errno.EROFS:
+        return PermissionDenied(
+            msg, fix or "the cgroup filesystem is mounted read-only (a container without cgroup access?)"
+        )
+    if exc.errno in (errno.ENOENT, errno.ESRCH):
+        return NotFound(msg, fix)
+    return KrexError(msg, fix)
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _keyed(text: str, key: str) -> str | None:
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return v.strip()
+    return None
+
+
+@dataclass(frozen=True)
+class _Stat:
+    pid: int
+    state: str
+    ppid: int
+    start: int  # clock ticks since boot; tells a reused pid apart
+
+
+def _parse_stat(text: str, pid: int) -> _Stat | None:
+    # comm (field 2) may contain spaces and parentheses, so split after the last ')'.
+    rest = text[text.rfind(")") + 2 :].split()
+    if len(rest) < 20:
+        return None
+    return _Stat(pid=pid, state=rest[0], ppid=int(rest[1]), start=int(rest[19]))
+
+
+def _stat(pid: int) -> _Stat | None:
+    try:
+        with open(f"{PROC}/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return _parse_stat(f.read(), pid)
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_table() -> dict[int, _Stat]:
+    table: dict[int, _Stat] = {}
+    for entry in os.listdir(PROC):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                table[st.pid] = st
+    return table
+
+
+def _descendants(roots: Iterable[int], table: dict[int, _Stat]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for st in table.values():
+        children.setdefault(st.ppid, []).append(st.pid)
+    seen: set[int] = set()
+    todo = [r for r in roots if r in table]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo.extend(children.get(pid, ()))
+    return seen
+
+
+def _children(pid: int) -> list[int] | None:
+    """Children of a process from /proc/PID/task/*/children; None where the kernel lacks the file."""
+    try:
+        tids = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tids:
+        try:
+            kids.extend(int(x) for x in _read(f"{PROC}/{pid}/task/{tid}/children").split())
+        except FileNotFoundError:
+            if not os.path.exists(f"{PROC}/{pid}/task"):
+                return []  # the process is gone
+            return None  # CONFIG_PROC_CHILDREN is off
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def _tree(roots: dict[int, int]) -> dict[int, int]:
+    """The live processes among roots (pid -> start time) and all their descendants.
+
+    Walks the children files, so a signal freeze costs O(tree) rather than O(all processes).
+    Those files can miss a fork that races the read; callers re-check once everything is stopped.
+    """
+    found: dict[int, int] = {}
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        st = _stat(pid)
+        if st is None or (pid in roots and roots[pid] != st.start):
+            continue
+        kids = _children(pid)
+        if kids is None:
+            return _tree_by_scan(roots)
+        found[pid] = st.start
+        todo.extend(kids)
+    return found
+
+
+def _tree_by_scan(roots: dict[int, int]) -> dict[int, int]:
+    table = _proc_table()
+    alive = [p for p, s in roots.items() if p in table and table[p].start == s]
+    return {p: table[p].start for p in _descendants(alive, table)}
+
+
+def _task_states(pid: int) -> list[str]:
+    """States of every thread of a process; SIGSTOP stops the whole thread group."""
+    states: list[str] = []
+    try:
+        tids = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"{PROC}/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as f:
+                st = _parse_stat(f.read(), int(tid))
+        except (OSError, ValueError):
+            continue
+        if st is not None:
+            states.append(st.state)
+    return states
+
+
+def _stopped(pid: int) -> bool:
+    return all(s in _STOPPED_STATES for s in _task_states(pid))
+
+
+def _still_running(pid: int) -> bool:
+    """Best guess whether a process in a freezing cgroup has not stopped yet.
+
+    A v2-frozen task sleeps ('S') in the freezer trap, a v1-frozen one shows 'D' in
+    __refrigerator; a straggler is running ('R') or stuck in some other 'D' wait (a driver call).
+    """
+    try:
+        tids = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        base = f"{PROC}/{pid}/task/{tid}"
+        try:
+            st = _parse_stat(_read(f"{base}/stat"), int(tid))
+        except (OSError, ValueError):
+            continue
+        if st is None:
+            continue
+        if st.state == "R":
+            return True
+        if st.state == "D":
+            try:
+                if _read(f"{base}/wchan").strip() != "__refrigerator":
+                    return True
+            except OSError:
+                return True
+    return False
+
+
+def _self_and_ancestors() -> set[int]:
+    pids: set[int] = set()
+    pid = os.getpid()
+    while pid > 0 and pid not in pids:
+        pids.add(pid)
+        st = _stat(pid)
+        pid = st.ppid if st else 0
+    return pids
+
+
+def _check_name(kind: str, name: str, allow_slash: bool = False) -> str:
+    parts = name.split("/") if allow_slash else [name]
+    for part in parts:
+        if not _NAME_RE.fullmatch(part) or part.startswith("cgroup."):
+            raise UsageError(
+                f"invalid {kind} {name!r}",
+                "use letters, digits and _.+@:=- (no leading dot, not 'cgroup.*', at most 200 characters)",
+            )
+    return name
+
+
+def _sleep_step(step: float) -> float:
+    time.sleep(step)
+    return min(step * 2, 0.005)
+
+
+def _noop() -> None:
+    return None
+
+
+def preexec_join(group_path: str) -> Callable[[], None]:
+    """A `subprocess` preexec_fn that moves the child into a cgroup before it execs.
+
+    The child writes its own pid into ``cgroup.procs``, so its first instruction already runs
+    inside the group and every process it forks inherits the group. For the signal backend (whose
+    group path is not a cgroup) this is a no-op; register the child with ``Group.add()``.
+    """
+    procs = os.path.join(group_path, "cgroup.procs") if group_path else ""
+    if not procs or not os.path.isfile(procs):
+        return _noop
+
+    def join() -> None:
+        # Raw os.open/os.write, no buffered file object: this runs between fork and exec.
+        fd = os.open(procs, os.O_WRONLY)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+
+    return join
+
+
+# ---------------------------------------------------------------------------------------------
+# interface
+
+
+class Group(abc.ABC):
+    """One slot's set of processes that is frozen and thawed as a whole."""
+
+    backend: str = ""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name = name
+        self.path = path  # cgroup directory, or the signal backend's state file
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} at {self.path}>"
+
+    @abc.abstractmethod
+    def add(self, pid: int) -> None:
+        """Put a process, and the descendants it already has, into the group."""
+
+    @abc.abstractmethod
+    def pids(self) -> list[int]: ...
+
+    @abc.abstractmethod
+    def freeze(self, timeout: float = 2.0) -> float:
+        """Freeze and return the seconds until the kernel reported every process stopped.
+
+        On Timeout the freeze stays requested (stragglers stop once they can); call thaw()."""
+
+    @abc.abstractmethod
+    def thaw(self, timeout: float = 2.0) -> float: ...
+
+    @abc.abstractmethod
+    def is_frozen(self) -> bool: ...
+
+    @abc.abstractmethod
+    def freeze_requested(self) -> bool:
+        """Whether someone asked for this group to be frozen (even if not every process is yet)."""
+
+    @abc.abstractmethod
+    def remove(self) -> None:
+        """Thaw and forget the group. Processes still in it keep running; nothing is killed."""
+
+    def preexec(self) -> Callable[[], None]:
+        return preexec_join(self.path)
+
+    def _guard(self, pid: int) -> None:
+        # Freezing the daemon (or what it runs under) would deadlock the region protocol.
+        if pid <= 0 or pid in _self_and_ancestors():
+            raise UsageError(
+                f"refusing to put pid {pid} into freezer group {self.name}: it is this process or one "
+                "of its ancestors",
+                "add only the command's process tree",
+            )
+
+    def _timeout(self, what: str, timeout: float, stragglers: list[int]) -> Timeout:
+        return Timeout(
+            f"{what} {self.backend} group {self.name} did not finish within {timeout:g}s; "
+            f"{len(stragglers)} process(es) did not stop: {stragglers}",
+            "a process in uninterruptible sleep (D state, e.g. inside a driver call) stops only when the "
+            "call returns; raise the timeout or mark the region contaminated",
+            stragglers=stragglers,
+        )
+
+
+class Freezer(abc.ABC):
+    """A backend plus the parent group (or state directory) holding one group per slot."""
+
+    name: str = ""
+    _manual_thaw: str = ""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.fallback_reasons: list[str] = []  # why detect() skipped the backends before this one
+        self._own: set[str] = set()
+
+    def group(self, slot_name: str) -> Group:
+        """Create, or reuse, the group of one slot."""
+        _check_name("slot name", slot_name)
+        group = self._open(slot_name, create=True)
+        self._own.add(slot_name)
+        return group
+
+    def leftovers(self) -> list[str]:
+        """Groups that exist but were not made by this Freezer: a previous daemon's."""
+        return sorted(n for n in self._list() if n not in self._own)
+
+    def recover(self) -> int:
+        """Thaw every leftover group and remove the empty ones. Returns how many were thawed.
+
+        Keeps going past a group that fails, so one bad group cannot keep the others frozen."""
+        self._thaw_root()
+        thawed = 0
+        failures: list[str] = []
+        for name in self.leftovers():
+            try:
+                group = self._open(name, create=False)
+                if group.freeze_requested() or group.is_frozen():
+                    group.thaw()
+                    thawed += 1
+                if not group.pids():
+                    group.remove()
+            except KrexError as exc:
+                failures.append(f"{name}: {exc}")
+        if failures:
+            raise KrexError(
+                f"recover() left {len(failures)} group(s) under {self.root} unrecovered: "
+                + "; ".join(failures),
+                f"thaw them by hand: {self._manual_thaw}",
+            )
+        return thawed
+
+    def remove_root(self) -> bool:
+        """Remove the parent group if no slot group is left in it (daemon shutdown)."""
+        if self._list():
+            return False
+        try:
+            os.rmdir(self.root)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def describe(self) -> str: ...
+
+    @abc.abstractmethod
+    def _open(self, name: str, create: bool) -> Group: ...
+
+    @abc.abstractmethod
+    def _list(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def _thaw_root(self) -> None: ...
+
+    def _fallback_note(self) -> str:
+        return f" (skipped: {'; '.join(self.fallback_reasons)})" if self.fallback_reasons else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# cgroups (shared by v1 and v2)
+
+
+class _CgroupGroup(Group):
+    def add(self, pid: int) -> None:
+        self._guard(pid)
+        self._move(pid, missing_ok=False)
+        # Children forked before the move stay where they were; chase them until none is left
+        # outside (each pass moves one more generation).
+        for _ in range(64):
+            inside = set(self.pids())
+            outside = _descendants([pid], _proc_table()) - inside
+            if not outside:
+                return
+            for child in sorted(outside):
+                self._move(child, missing_ok=True)
+        raise KrexError(
+            f"the process tree of pid {pid} keeps forking outside group {self.name}",
+            "start the command with preexec_join() so that it is in the group before it execs",
+        )
+
+    def _move(self, pid: int, missing_ok: bool) -> None:
+        try:
+            _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+        except OSError as exc:
+            if missing_ok and exc.errno in (errno.ESRCH, errno.ENOENT):
+                return  # it exited meanwhile
+            if exc.errno == errno.ESRCH:
+                raise NotFound(f"no process {pid} to add to group {self.name}") from exc
+            raise _error(exc, f"cannot move pid {pid} into {self.path}") from exc
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for dirpath, _dirs, _files in os.walk(self.path):
+            try:
+                text = _read(os.path.join(dirpath, "cgroup.procs"))
+            except OSError:
+                continue
+            found.update(int(x) for x in text.split())
+        return sorted(found)
+
+    def remove(self) -> None:
+        if not os.path.isdir(self.path):
+            return
+        self.thaw()
+        # rmdir of a populated cgroup fails with EBUSY, which is what keeps this from ever
+        # touching a live process: such a group is left in place, thawed, for recover() later.
+        for dirpath, _dirs, _files in os.walk(self.path, topdown=False):
+            try:
+                os.rmdir(dirpath)
+            except OSError as exc:
+                if exc.errno in (errno.EBUSY, errno.ENOTEMPTY):
+                    return
+                if exc.errno != errno.ENOENT:
+                    raise _error(exc, f"cannot remove cgroup {dirpath}") from exc
+
+    def _stragglers(self) -> list[int]:
+        pids = self.pids()
+        return [p for p in pids if _still_running(p)] or pids
+
+
+class _Cgroup2Group(_CgroupGroup):
+    backend = "cgroup2"
+
+    def freeze(self, timeout: float = 2.0) -> float:
+        return self._set(True, timeout)
+
+    def thaw(self, timeout: float = 2.0) -> float:
+        return self._set(False, timeout)
+
+    def is_frozen(self) -> bool:
+        try:
+            return _keyed(_read(os.path.join(self.path, "cgroup.events")), "frozen") == "1"
+        except OSError:
+            return False
+
+    def freeze_requested(self) -> bool:
+        try:
+            return _read(os.path.join(self.path, "cgroup.freeze")).strip() == "1"
+        except OSError:
+            return False
+
+    def _set(self, frozen: bool, timeout: float) -> float:
+        t0 = time.perf_counter()
+        try:
+            _write(os.path.join(self.path, "cgroup.freeze"), "1" if frozen else "0")
+        except OSError as exc:
+            raise _error(exc, f"cannot write {self.path}/cgroup.freeze") from exc
+        if not self._wait_events("1" if frozen else "0", time.monotonic() + timeout):
+            if frozen:
+                raise self._timeout("freezing", timeout, self._stragglers())
+            raise self._timeout("thawing", timeout, [])
+        return time.perf_counter() - t0
+
+    def _wait_events(self, want: str, deadline: float) -> bool:
+        # cgroup.events supports poll(POLLPRI): the kernel wakes us when "frozen" flips, so the
+        # measured freeze time is not rounded up to a sleep step.
+        path = os.path.join(self.path, "cgroup.events")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise _error(exc, f"cannot open {path}") from exc
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLPRI | select.POLLERR)
+            while True:
+                os.lseek(fd, 0, os.SEEK_SET)
+                if _keyed(os.read(fd, 4096).decode(), "frozen") == want:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                poller.poll(min(left, 0.05) * 1000)
+        finally:
+            os.close(fd)
+
+
+class _Cgroup1Group(_CgroupGroup):
+    backend = "cgroup1"
+
+    def _state(self) -> str:
+        try:
+            return _read(os.path.join(self.path, "freezer.state")).strip()
+        except OSError as exc:
+            raise _error(exc, f"cannot read {self.path}/freezer.state") from exc
+
+    def _request(self, state: str) -> None:
+        try:
+            _write(os.path.join(self.path, "freezer.state"), state)
+        except OSError as exc:
+            raise _error(exc, f"cannot write {self.path}/freezer.state") from exc
+
+    def freeze(self, timeout: float = 2.0) -> float:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        self._request("FROZEN")
+        step, last_push = 0.0002, time.monotonic()
+        while self._state() != "FROZEN":
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout("freezing", timeout, self._stragglers())
+            if now - last_push > 0.1:
+                # Writing FROZEN again makes the kernel retry tasks that slipped past it.
+                self._request("FROZEN")
+                last_push = now
+            step = _sleep_step(step)
+        return time.perf_counter() - t0
+
+    def thaw(self, timeout: float = 2.0) -> float:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        self._request("THAWED")
+        step = 0.0002
+        while self._state() != "THAWED":
+            if time.monotonic() >= deadline:
+                raise self._timeout("thawing", timeout, [])
+            step = _sleep_step(step)
+        return time.perf_counter() - t0
+
+    def is_frozen(self) -> bool:
+        try:
+            return self._state() == "FROZEN"
+        except KrexError:
+            return False
+
+    def freeze_requested(self) -> bool:
+        try:
+            return _read(os.path.join(self.path, "freezer.self_freezing")).strip() == "1"
+        except OSError:
+            return False
+
+
+class _CgroupFreezer(Freezer):
+    def __init__(self, root: str, mount: str) -> None:
+        super().__init__(root)
+        self.mount = mount
+
+    def _list(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _error(exc, f"cannot list {self.root}") from exc
+
+    def _make_dir(self, name: str, create: bool) -> str:
+        path = os.path.join(self.root, name)
+        if create:
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise _error(exc, f"cannot create cgroup {path}") from exc
+        elif not os.path.isdir(path):
+            raise NotFound(f"no freezer group {path}")
+        return path
+
+
+class Cgroup2Freezer(_CgroupFreezer):
+    name = "cgroup2"
+    _manual_thaw = "echo 0 > <group>/cgroup.freeze"
+
+    @classmethod
+    def probe(cls, mount: str, root_name: str) -> Cgroup2Freezer:
+        root = os.path.join(mount, root_name)
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise _error(exc, f"cannot create cgroup {root}") from exc
+        if not os.path.exists(os.path.join(root, "cgroup.freeze")):
+            raise NotFound(
+                f"{root} has no cgroup.freeze: the kernel's cgroup v2 has no freezer",
+                "use Linux >= 5.2, or the cgroup1/signal backend",
+            )
+        try:
+            # Thawing the parent is harmless (we never freeze it) and proves we may write.
+            _write(os.path.join(root, "cgroup.freeze"), "0")
+        except OSError as exc:
+            raise _error(exc, f"cannot write {root}/cgroup.freeze") from exc
+        return cls(root, mount)
+
+    def _open(self, name: str, create: bool) -> Group:
+        return _Cgroup2Group(name, self._make_dir(name, create))
+
+    def _thaw_root(self) -> None:
+        with contextlib.suppress(OSError):
+            _write(os.path.join(self.root, "cgroup.freeze"), "0")
+
+    def describe(self) -> str:
+        layout = (
+            "pure" if self.mount == "/sys/fs/cgroup" else "hybrid" if "unified" in self.mount else "other"
+        )
+        return (
+            f"cgroup2: cgroup.freeze under {self.root} (v2 mounted at {self.mount}, {layout})"
+            + self._fallback_note()
+        )
+
+
+class Cgroup1Freezer(_CgroupFreezer):
+    name = "cgroup1"
+    _manual_thaw = "echo THAWED > <group>/freezer.state"
+
+    @classmethod
+    def probe(cls, mount: str, root_name: str) -> Cgroup1Freezer:
+        root = os.path.join(mount, root_name)
+        try:
+            os.makedirs(root, exist_ok=True)
+            _write(os.path.join(root, "freezer.state"), "THAWED")
+        except OSError as exc:
+            raise _error(exc, f"cannot set up v1 freezer group {root}") from exc
+        return cls(root, mount)
+
+    def _open(self, name: str, create: bool) -> Group:
+        return _Cgroup1Group(name, self._make_dir(name, create))
+
+    def _thaw_root(self) -> None:
+        with contextlib.suppress(OSError):
+            _write(os.path.join(self.root, "freezer.state"), "THAWED")
+
+    def describe(self) -> str:
+        return (
+            f"cgroup1: freezer.state under {self.root} (v1 freezer at {self.mount})" + self._fallback_note()
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# signals
+
+
+class _SignalGroup(Group):
+    """A process tree stopped with SIGSTOP.
+
+    Members are the recorded roots, their descendants, and every process ever seen in the tree
+    (so a grandchild orphaned to init is still frozen). (pid, start time) pairs guard against
+    pid reuse. The state file lets a new daemon thaw what a dead one stopped."""
+
+    backend = "signal"
+
+    def __init__(self, name: str, path: str) -> None:
+        super().__init__(name, path)
+        self._frozen = False
+        self._roots: dict[int, int] = {}
+        self._known: dict[int, int] = {}
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(_read(self.path))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise KrexError(f"unreadable freezer state {self.path}: {exc}", "delete the file") from exc
+        self._frozen = bool(data.get("frozen", False))
+        self._roots = {int(p): int(s) for p, s in data.get("roots", [])}
+        self._known = {int(p): int(s) for p, s in data.get("known", [])}
+
+    def _save(self) -> None:
+        data = {
+            "name": self.name,
+            "frozen": self._frozen,
+            "roots": sorted(self._roots.items()),
+            "known": sorted(self._known.items()),
+        }
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise _error(exc, f"cannot write freezer state {self.path}") from exc
+
+    def _members(self) -> dict[int, int]:
+        members = _tree({**self._known, **self._roots})
+        exclude = _self_and_ancestors()
+        return {p: s for p, s in members.items() if p not in exclude}
+
+    def _remember(self, members: dict[int, int]) -> None:
+        # Forgetting the dead keeps the file small; remembering the living keeps orphans tracked.
+        if members != self._known:
+            self._known = dict(members)
+            self._save()
+
+    def add(self, pid: int) -> None:
+        self._guard(pid)
+        st = _stat(pid)
+        if st is None:
+            raise NotFound(f"no process {pid} to add to group {self.name}")
+        self._roots[pid] = st.start
+        members = self._members()
+        self._known = members
+        self._save()
+        if self._frozen:
+            # Like a cgroup: a process joining a frozen group is frozen too.
+            self._signal(members, signal.SIGSTOP)
+
+    def pids(self) -> list[int]:
+        return sorted(self._members())
+
+    def _signal(self, pids: Iterable[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                continue
+            except OSError as exc:
+                raise _error(exc, f"cannot send {sig.name} to pid {pid}") from exc
+
+    def freeze(self, timeout: float = 2.0) -> float:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        members = self._members()
+        # Record the intent and the tree first: if we die halfway, recover() knows what to SIGCONT.
+        self._frozen = True
+        self._known = members
+        self._save()
+        step = 0.0002
+        while True:
+            running = [p for p in members if not _stopped(p)]
+            if running:
+                self._signal(running, signal.SIGSTOP)
+            else:
+                # All stopped; done unless a child was forked just before its parent stopped.
+                latest = self._members()
+                if latest.keys() == members.keys():
+                    return time.perf_counter() - t0
+                members = latest
+                self._remember(members)
+                continue
+            if time.monotonic() >= deadline:
+                stragglers = sorted(p for p in members if not _stopped(p))
+                raise self._timeout("freezing", timeout, stragglers)
+            step = _sleep_step(step)
+
+    def thaw(self, timeout: float = 2.0) -> float:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        members = self._members()
+        self._frozen = False
+        self._known = members
+        self._save()
+        self._signal(members, signal.SIGCONT)
+        step = 0.0002
+        while True:
+            still = sorted(p for p in members if "T" in _task_states(p))
+            if not still:
+                return time.perf_counter() - t0
+            if time.monotonic() >= deadline:
+                raise self._timeout("thawing", timeout, still)
+            self._signal(still, signal.SIGCONT)
+            step = _sleep_step(step)
+
+    def is_frozen(self) -> bool:
+        return self._frozen and all(_stopped(p) for p in self._members())
+
+    def freeze_requested(self) -> bool:
+        return self._frozen
+
+    def remove(self) -> None:
+        self.thaw()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class SignalFreezer(Freezer):
+    name = "signal"
+    _manual_thaw = "kill -CONT <pid> for each pid in the group's state file, then delete the file"
+
+    @classmethod
+    def probe(cls, root_name: str) -> SignalFreezer:
+        return cls(os.path.join(_state_base(), root_name, "signal"))
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise _error(exc, f"cannot create freezer state directory {root}") from exc
+
+    def _open(self, name: str, create: bool) -> Group:
+        path = os.path.join(self.root, f"{name}.json")
+        if not create and not os.path.exists(path):
+            raise NotFound(f"no freezer group {path}")
+        group = _SignalGroup(name, path)
+        if create and not os.path.exists(path):
+            group._save()
+        return group
+
+    def _list(self) -> list[str]:
+        try:
+            return sorted(e[: -len(".json")] for e in os.listdir(self.root) if e.endswith(".json"))
+        except FileNotFoundError:
+            return []
+
+    def _thaw_root(self) -> None:
+        return None
+
+    def remove_root(self) -> bool:
+        if not super().remove_root():
+            return False
+        # Also drop the per-root_name directory above "signal" when it is empty.
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.root))
+        return True
+
+    def describe(self) -> str:
+        return f"signal: SIGSTOP/SIGCONT of process trees, state in {self.root}" + self._fallback_note()
+
+
+def _state_base() -> str:
+    if os.geteuid() == 0 and os.access("/run", os.W_OK):
+        return "/run"
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(), f"krex-{os.geteuid()}")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.lstat(base)
+    # A shared /tmp lets anyone pre-create the directory; trust only our own.
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionDenied(
+            f"freezer state directory {base} is not a directory owned by uid {os.geteuid()}",
+            "remove it or set XDG_RUNTIME_DIR",
+        )
+    return base
+
+
+# ---------------------------------------------------------------------------------------------
+# detection
+
+
+def _make(backend: str, root_name: str) -> Freezer:
+    if backend == "signal":
+        return SignalFreezer.probe(root_name)
+    mounts = _read_mounts()
+    if backend == "cgroup2":
+        points = cgroup2_mounts(mounts)
+        if not points:
+            raise NotFound(
+                f"no cgroup v2 hierarchy is mounted (none in {MOUNTINFO})",
+                "mount -t cgroup2 none /sys/fs/cgroup, or choose the cgroup1 or signal freezer",
+            )
+        probe2: Callable[[str, str], Freezer] = Cgroup2Freezer.probe
+        return _first(points, root_name, probe2)
+    points = cgroup1_freezer_mounts(mounts)
+    if not points:
+        raise NotFound(
+            f"no cgroup v1 freezer hierarchy is mounted (none in {MOUNTINFO})",
+            "mount -t cgroup -o freezer freezer /sys/fs/cgroup/freezer, or choose another freezer",
+        )
+    probe1: Callable[[str, str], Freezer] = Cgroup1Freezer.probe
+    return _first(points, root_name, probe1)
+
+
+def _first(points: list[str], root_name: str, probe: Callable[[str, str], Freezer]) -> Freezer:
+    errors: list[KrexError] = []
+    for point in points:
+        try:
+            return probe(point, root_name)
+        except KrexError as exc:
+            errors.append(exc)
+    # A permission problem is the more useful report: it is the one an operator can fix.
+    denied = [e for e in errors if isinstance(e, PermissionDenied)]
+    raise (denied or errors)[0]
+
+
+def detect(prefer: str | None = None, root_name: str = "krex") -> Freezer:
+    """Return a working freezer: `prefer` forces one backend, None tries cgroup2, cgroup1, signal.
+
+    A forced backend that cannot work raises NotFound or PermissionDenied with a fix."""
+    if prefer is not None and prefer not in BACKENDS:
+        raise UsageError(f"unknown freezer backend {prefer!r}", f"choose one of {', '.join(BACKENDS)}")
+    _check_name("freezer root name", root_name, allow_slash=True)
+    if prefer is not None:
+        return _make(prefer, root_name)
+    reasons: list[str] = []
+    for backend in ("cgroup2", "cgroup1"):
+        try:
+            freezer = _make(backend, root_name)
+        except KrexError as exc:  # any reason a cgroup backend cannot work means: try the next one
+            reasons.append(f"{backend}: {exc}")
+            continue
+        freezer.fallback_reasons = reasons
+        return freezer
+    freezer = _make("signal", root_name)
+    freezer.fallback_reasons = reasons
+    return freezer

@@ -1,0 +1,120 @@
+/* A scripted victim for the integration tests: runs the actions given on the
+ * command line, in order, and prints one JSON line per action.
+ *
+ *   actor ACTION...
+ *
+ *   k:US       launch a US-microsecond simulated kernel with cudaLaunchKernel
+ *              (asynchronous: it returns at once, the kernel ends US later)
+ *   malloc     cudaMalloc (not gated; creates a context in the simulator)
+ *   sync       cudaDeviceSynchronize
+ *   fork       fork(); the child runs the remaining actions too, as "child"
+ *   sigwait    wait for SIGUSR1 (blocked from the start, so none is lost)
+ *   line       read one line from stdin; exit quietly at EOF
+ *   sleep:MS   sleep MS milliseconds
+ *   reap       parent: wait for every child; child: nothing
+ *   threads    only report (every line carries the thread count)
+ *
+ * Every line: {"act","role","pid","tid","rc","t0","t1","threads","helper"}, where
+ * t0/t1 are CLOCK_MONOTONIC ns around the action and helper is the shim's
+ * krex_shim_helper_running() (-1 when no shim is loaded). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "krex_cuda_types.h"
+
+extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
+                                    size_t sharedMem, cudaStream_t stream);
+extern cudaError_t cudaMalloc(void **p, size_t n);
+extern cudaError_t cudaDeviceSynchronize(void);
+
+static const char *role = "parent";
+
+static unsigned long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+static int count_threads(void) {
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    if (!d) return -1;
+    for (struct dirent *de; (de = readdir(d));) n += de->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+static int helper_running(void) {
+    int (*f)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "krex_shim_helper_running");
+    return f ? f() : -1;
+}
+
+static void report(const char *act, long rc, unsigned long long t0, unsigned long long t1) {
+    printf("{\"act\":\"%s\",\"role\":\"%s\",\"pid\":%d,\"tid\":%d,\"rc\":%ld,\"t0\":%llu,\"t1\":%llu,"
+           "\"threads\":%d,\"helper\":%d}\n",
+           act, role, (int)getpid(), (int)syscall(SYS_gettid), rc, t0, t1, count_threads(),
+           helper_running());
+    fflush(stdout);
+}
+
+int main(int argc, char **argv) {
+    sigset_t usr1;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    sigprocmask(SIG_BLOCK, &usr1, NULL);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    report("start", 0, now_ns(), now_ns());
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        unsigned long long t0 = now_ns();
+        long rc = 0;
+        if (!strncmp(a, "k:", 2)) {
+            dim3 grid = {(unsigned)strtoul(a + 2, NULL, 10), 1, 1}, block = {1, 1, 1};
+            rc = cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
+            report("k", rc, t0, now_ns());
+        } else if (!strcmp(a, "malloc")) {
+            void *p = NULL;
+            rc = cudaMalloc(&p, 64);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "sync")) {
+            rc = cudaDeviceSynchronize();
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "fork")) {
+            fflush(stdout);
+            pid_t p = fork();
+            if (p == 0) role = "child";
+            report(a, p, t0, now_ns());
+        } else if (!strcmp(a, "sigwait")) {
+            int sig = 0;
+            rc = sigwait(&usr1, &sig);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "line")) {
+            char buf[256];
+            if (!fgets(buf, sizeof buf, stdin)) return 0;
+            report(a, 0, t0, now_ns());
+        } else if (!strncmp(a, "sleep:", 6)) {
+            usleep((useconds_t)atoi(a + 6) * 1000);
+            report("sleep", 0, t0, now_ns());
+        } else if (!strcmp(a, "reap")) {
+            int status = 0, bad = 0;
+            while (wait(&status) > 0) bad += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+            report(a, bad, t0, now_ns());
+        } else if (!strcmp(a, "threads")) {
+            report(a, 0, t0, now_ns());
+        } else {
+            fprintf(stderr, "actor: unknown action %s\n", a);
+            return 2;
+        }
+    }
+    report("exit", 0, now_ns(), now_ns());
+    return 0;
+}

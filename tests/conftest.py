@@ -1,0 +1,33 @@
+"""Fixtures shared by the unit and integration tests.
+
+C victims (tests/c/*.c) are compiled once per session against the simulated
+GPU in krex/_lib; see tests/helpers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import Harness, victims  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bins() -> dict[str, Path]:
+    """{name: executable} for every tests/c/NAME.c."""
+    return victims()
+
+
+@pytest.fixture
+def harness(tmp_path: Path, bins: dict[str, Path]) -> Iterator[Harness]:
+    """A private KREX segment, simulated device and trace; every child killed
+    and every shared-memory name unlinked afterwards."""
+    h = Harness(tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()

@@ -1,0 +1,297 @@
+"""Shared machinery for the KREX test suite: building the C victims, running
+them under the shim against the simulated GPU, and reading the simulator's
+trace. conftest.py puts this directory's parent on sys.path."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from krex.native import LIB_DIR, lib, shim_path
+from krex.shm import ProcInfo, Segment
+
+REPO = Path(__file__).resolve().parents[2]
+INTERPOSE = REPO / "interpose"
+C_DIR = REPO / "tests" / "c"
+ALL_PATHS = ("direct", "dlsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt", "hip_gpa", "hip_gpa_pt")
+CC = os.environ.get("CC", "gcc")
+
+_counter = itertools.count()
+
+
+def unique_name(kind: str) -> str:
+    """A shared-memory name no other test (or test run) uses."""
+    return f"/krex-{kind}-{os.getpid()}-{next(_counter)}"
+
+
+# --------------------------------------------------------------------- victims
+
+_victims: dict[str, Path] | None = None
+_victims_lock = threading.Lock()
+
+
+def _compile(src: Path, out: Path) -> None:
+    text = src.read_text()
+    srcs = [str(src)]
+    if "krex_now_ns" in text:
+        srcs.append(str(INTERPOSE / "krex_core.c"))
+    cmd = [CC, "-O0", "-g", "-Wall", f"-I{INTERPOSE}", "-o", str(out), *srcs,
+           f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lcuda", "-l:libamdhip64.so",
+           "-lpthread", "-ldl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+
+
+def victims() -> dict[str, Path]:
+    """Compile every tests/c/*.c once per test session (like memray's test
+    victims); returns {stem: executable}."""
+    global _victims
+    with _victims_lock:
+        if _victims is None:
+            if not (LIB_DIR / "libcuda.so.1").exists():
+                raise RuntimeError(f"{LIB_DIR} has no simulated GPU libraries: run `make install` first")
+            outdir = Path(tempfile.mkdtemp(prefix="krex-victims-"))
+            atexit.register(shutil.rmtree, outdir, True)
+            srcs = sorted(C_DIR.glob("*.c"))
+            with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+                list(ex.map(lambda s: _compile(s, outdir / s.stem), srcs))
+            _victims = {s.stem: outdir / s.stem for s in srcs}
+        return _victims
+
+
+def driver_list() -> list[dict[str, Any]]:
+    """`table_driver list`: every (gated entry, path) pair the tables define."""
+    out = subprocess.run([str(victims()["table_driver"]), "list"], env=clean_env(), capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------- env
+
+def clean_env() -> dict[str, str]:
+    """os.environ without anything that would put a child under KREX (or the
+    simulator) by accident."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("KREX_", "SIM_")) and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES",
+                                                                   "HIP_VISIBLE_DEVICES")}
+
+
+# ----------------------------------------------------------------------- trace
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Complete lines only: a writer may be in the middle of the last one."""
+    try:
+        data = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in data.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def parse_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    """Poll `pred` until it returns something truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+# -------------------------------------------------------------------- children
+
+class Child:
+    """A victim process in its own session (so its forked children die with it),
+    with its stdout collected line by line in the background."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdin: int | None = subprocess.PIPE) -> None:
+        self.argv = argv
+        self.popen = subprocess.Popen(argv, env=env, stdin=stdin, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.pid = self.popen.pid
+        self.lines: list[dict[str, Any]] = []
+        self._q: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._stderr: list[str] = []
+        self._t = threading.Thread(target=self._pump, daemon=True)
+        self._t.start()
+        self._te = threading.Thread(target=self._pump_err, daemon=True)
+        self._te.start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            if line.startswith("{"):
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                self.lines.append(d)
+                self._q.put(d)
+        self._q.put(None)
+
+    def _pump_err(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            self._stderr.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._stderr)
+
+    def expect(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        """The next output line (in arrival order) that satisfies `pred`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                d = self._q.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                d = None
+                if time.monotonic() >= deadline:
+                    raise AssertionError(f"pid {self.pid}: no line for {what} within {timeout:g}s; "
+                                         f"got {self.lines[-5:]}, stderr {self.stderr[-500:]!r}") from None
+                continue
+            if d is None:
+                raise AssertionError(f"pid {self.pid} closed stdout before {what} "
+                                     f"(rc={self.popen.poll()}); got {self.lines[-5:]}, "
+                                     f"stderr {self.stderr[-500:]!r}")
+            if pred(d):
+                return d
+
+    def send(self, text: str = "\n") -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(text)
+        self.popen.stdin.flush()
+
+    def close_stdin(self) -> None:
+        if self.popen.stdin and not self.popen.stdin.closed:
+            self.popen.stdin.close()
+
+    def wait(self, timeout: float) -> int:
+        rc = self.popen.wait(timeout=timeout)
+        self._t.join(timeout=5)
+        self._te.join(timeout=5)
+        return rc
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill_group(self) -> None:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            try:
+                if f:
+                    f.close()
+            except OSError:
+                pass
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+# --------------------------------------------------------------------- harness
+
+class Harness:
+    """One KREX segment (1 GPU), one simulated device timeline and one trace
+    file, private to a test; tracks every child so teardown can kill them."""
+
+    def __init__(self, tmpdir: Path) -> None:
+        self.bins = victims()
+        self.name = unique_name("test")
+        self.sim_shm = unique_name("sim")
+        self.trace_path = tmpdir / "trace.jsonl"
+        self.seg = Segment.create(self.name, n_gpus=1, exclusive=True)
+        self.children: list[Child] = []
+
+    # environment
+    def env(self, slot: int | None, *, krex: bool = True, preload: bool = True, rc: int = 0,
+            **extra: str) -> dict[str, str]:
+        e = clean_env()
+        e.update(LD_LIBRARY_PATH=str(LIB_DIR), KREX_SIM_TRACE=str(self.trace_path),
+                 KREX_SIM_SHM=self.sim_shm, KREX_SIM_GPUS="1", KREX_SIM_RC=str(rc))
+        if preload:
+            e["LD_PRELOAD"] = str(shim_path())
+        if krex:
+            assert slot is not None
+            e.update(KREX_SHM=self.name, KREX_SLOT=str(slot))
+        e.update(extra)
+        return e
+
+    def claim(self) -> int:
+        return self.seg.claim_slot(0)
+
+    # processes
+    def spawn(self, prog: str, args: Iterable[str], env: dict[str, str], **kw: Any) -> Child:
+        c = Child([str(self.bins[prog]), *args], env, **kw)
+        self.children.append(c)
+        return c
+
+    def run(self, prog: str, args: Iterable[str], env: dict[str, str], timeout: float = 60) -> Child:
+        c = self.spawn(prog, args, env, stdin=subprocess.DEVNULL)
+        try:
+            c.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{prog} {' '.join(args)} did not finish in {timeout}s") from exc
+        return c
+
+    # observation
+    def events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.trace_path)
+
+    def ops(self, pid: int | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e.get("ev") == "op" and (pid is None or e["pid"] == pid)]
+
+    def proc(self, pid: int) -> ProcInfo | None:
+        for p in self.seg.snapshot().procs:
+            if p.pid == pid:
+                return p
+        return None
+
+    # teardown
+    def close(self) -> None:
+        try:
+            for g in range(self.seg.n_gpus):
+                self.seg.open_gate(g)
+        except Exception:
+            pass
+        for c in self.children:
+            c.kill_group()
+        self.seg.close()
+        Segment.unlink(self.name)
+        lib.krex_shm_unlink(self.sim_shm.encode())
