@@ -117,15 +117,141 @@ def status(as_json: bool) -> None:
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--device", type=DEVICE, default="auto", show_default=True, help="real GPU or the simulated one")
 @click.option("--gpu", type=int, default=None, help="GPU index (default: the least loaded)")
+@click.option("--report", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="write a JSON report: regions, waits, gate blocks, contamination")
+@click.option("--no-daemon", is_flag=True, help="claim a slot directly in shared memory (no regions, no freezing)")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def run(device: str, gpu: int | None, cmd: tuple[str, ...]) -> None:
-    """Run CMD under KREX and exit with its exit status."""
-    from krex.gpus import discover
-    from krex.launcher import run_direct
+def run(device: str, gpu: int | None, report: str | None, no_daemon: bool, cmd: tuple[str, ...]) -> None:
+    """Run CMD under KREX and exit with its exit status.
 
+    Starts the node daemon if none is running. CMD's whole process tree lives in
+    a slot of its own; only its marked regions get the GPU exclusively."""
+    from krex.gpus import discover
+    from krex.launcher import resolve_command, run_direct, run_guarded
+
+    resolve_command(list(cmd))  # fail on a bad command before touching anything
     info = discover(device)
-    rc = run_direct(list(cmd), "sim" if info.kind == "sim" else "gpu", gpu, info.count)
-    sys.exit(rc)
+    kind = "sim" if info.kind == "sim" else "gpu"
+    if no_daemon:
+        sys.exit(run_direct(list(cmd), kind, gpu, info.count))
+    res = run_guarded(list(cmd), kind, gpu, notify=lambda m: click.echo(m, err=True))
+    if report:
+        with open(report, "w") as f:
+            json.dump(res.report, f, indent=2)
+    sys.exit(res.exit_status)
+
+
+@cli.group()
+def daemon() -> None:
+    """Start, stop or inspect the node daemon (krexd)."""
+
+
+@daemon.command("start")
+@click.option("--device", type=DEVICE, default="auto", show_default=True)
+@click.option("--slots-per-gpu", type=click.IntRange(1, 64), default=None,
+              help="admission limit per GPU (default: from the GPU's CPU slice)")
+@click.option("--max-region", type=click.FloatRange(0.001), default=60.0, show_default=True,
+              help="seconds after which a region is ended by force")
+@click.option("--idle-exit", type=click.FloatRange(0.1), default=None, help="exit after this many idle seconds")
+@click.option("--freezer", type=click.Choice(["cgroup2", "cgroup1", "signal"]), default=None,
+              help="force a freezer backend (default: the first that works)")
+@click.option("--foreground", is_flag=True, help="run in this process instead of detaching")
+def daemon_start(device: str, slots_per_gpu: int | None, max_region: float, idle_exit: float | None,
+                 freezer: str | None, foreground: bool) -> None:
+    """Start krexd (krex run starts it on demand anyway)."""
+    from krex import paths
+    from krex.client import daemon_alive, start_background
+    from krex.daemon import Config
+    from krex.daemon import run as run_daemon
+    from krex.errors import Busy
+
+    if daemon_alive():
+        raise Busy(f"a KREX daemon is already running on {paths.socket_path()}",
+                   "use it, or stop it first with `krex daemon stop`")
+    if foreground:
+        run_daemon(Config(device=device, slots_per_gpu=slots_per_gpu, max_region_s=max_region,
+                          idle_exit_s=idle_exit, freezer=freezer))
+        return
+    extra = ["--max-region", str(max_region)]
+    if slots_per_gpu:
+        extra += ["--slots-per-gpu", str(slots_per_gpu)]
+    if freezer:
+        extra += ["--freezer", freezer]
+    pid = start_background(device, idle_exit, extra)
+    click.echo(f"krexd started (pid {pid}, socket {paths.socket_path()})")
+
+
+@daemon.command("stop")
+def daemon_stop() -> None:
+    """Stop krexd: regions end, siblings thaw, gates open."""
+    import time
+
+    from krex.client import Client, daemon_alive
+
+    c = Client.connect()
+    c.request({"op": "shutdown"})
+    c.close()
+    for _ in range(100):
+        if not daemon_alive():
+            click.echo("krexd stopped")
+            return
+        time.sleep(0.05)
+    click.echo("krexd is stopping")
+
+
+@daemon.command("status")
+@click.option("--json", "as_json", is_flag=True)
+def daemon_status(as_json: bool) -> None:
+    """Show the daemon's pid, socket, uptime, freezer and CPU partition."""
+    from krex.client import Client
+
+    c = Client.connect()
+    st = c.request({"op": "status"})
+    c.close()
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    d = st["daemon"]
+    click.echo(f"krexd pid {d['pid']}, socket {d['socket']}, up {d['uptime_s']} s")
+    click.echo(f"  device {d['device']} x{d['gpus']}, segment {d['shm']}, freezer {d['freezer']}")
+    click.echo(f"  regions so far {d['regions_done']}, max region {d['max_region_s']} s, "
+               f"slots per GPU {st['slots_per_gpu']}")
+    for line in _partition_lines(st["partition"]):
+        click.echo("  " + line)
+
+
+def _partition_lines(part: dict[str, Any]) -> list[str]:
+    out = [f"CPU partition: housekeeping {part.get('housekeeping')}"]
+    for s in part.get("slices", []):
+        out.append(f"  gpu {s['gpu']}: shared {s['shared']}, region cores {s['reserved']}")
+    if part.get("degraded"):
+        out.append(f"  DEGRADED: {part.get('reason')}")
+    return out
+
+
+@cli.command()
+@click.option("-n", "last", type=int, default=20, show_default=True, help="how many recent regions")
+@click.option("--json", "as_json", is_flag=True)
+def journal(last: int, as_json: bool) -> None:
+    """Print recent regions from the journal."""
+    from krex import journal as jr
+    from krex import paths
+
+    recs = jr.read(paths.journal_path(), last)
+    if as_json:
+        click.echo(json.dumps(recs, indent=2))
+        return
+    click.echo("{:>8} {:>3} {:>4} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>6}  {}".format(
+        "pid", "gpu", "slot", "wait_ms", "entry_ms", "drain_ms", "frz_ms", "pin_ms", "region_ms", "frozen",
+        "end / contamination"))
+    for r in recs:
+        note = r.get("end", "")
+        if r.get("contaminated"):
+            note += " CONTAMINATED: " + "; ".join(r.get("reasons", []))
+        click.echo("{:>8} {:>3} {:>4} {:>8.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>6}  {}".format(
+            r.get("owner_pid", 0), r.get("gpu", 0), r.get("owner_slot", 0), 1e3 * r.get("queue_wait_s", 0),
+            1e3 * r.get("entry_s", 0), 1e3 * r.get("drain_s", 0), 1e3 * r.get("freeze_s", 0),
+            1e3 * r.get("pin_s", 0), 1e3 * r.get("region_s", 0), r.get("siblings_frozen", 0), note))
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -1,0 +1,659 @@
+"""krexd: the per-node control plane.
+
+Owns the segment, the slot cgroups, the CPU partition and the journal, and runs
+the region protocol of DESIGN.md for each GPU on a worker thread of its own:
+
+  queue -> block (close gate) -> catch stragglers (in-flight == 0) -> drain
+        -> freeze siblings -> pin the measuring thread -> grant
+  end   -> unpin -> thaw -> open gate -> journal
+
+Clients talk JSON lines over a Unix socket (krex/protocol.py); who they are
+comes from SO_PEERCRED, never from the message (I6). Every region ends: on
+END, when its owner's connection closes or its pid dies, when --max-region runs
+out, or when the daemon stops (I4)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from krex import cpus, freezer, journal, paths
+from krex.errors import Busy, KrexError, NotFound, UsageError
+from krex.gpus import GpuInfo, discover
+from krex.native import lib
+from krex.protocol import LineReader, encode, peer_cred
+from krex.shm import Segment, default_name
+
+HEARTBEAT_S = 0.1
+HEARTBEAT_TIMEOUT_S = 1.5
+
+
+@dataclass
+class Config:
+    device: str = "auto"
+    slots_per_gpu: int | None = None
+    max_region_s: float = 60.0
+    drain_timeout_s: float = 5.0
+    freeze_timeout_s: float = 2.0
+    idle_exit_s: float | None = None
+    freezer: str | None = None
+    shm_name: str | None = None
+
+
+@dataclass
+class Slot:
+    slot: int
+    gpu: int
+    kind: str  # "run" (a krex run guardian) or "auto" (a self-registered process)
+    guardian_pid: int
+    group: freezer.Group
+    root_pids: set[int] = field(default_factory=set)
+    guardian_connected: bool = True
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class Region:
+    slot: int
+    gpu: int
+    pid: int
+    tid: int
+    t_request: float
+    granted: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    end_reason: str = ""
+    grant: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.stop = threading.Event()
+        self.started_at = time.time()
+        self.pid = os.getpid()
+        self.info: GpuInfo = discover(cfg.device)
+        self.sock_path = paths.socket_path()
+        self.journal_path = paths.journal_path()
+        self.shm_name = cfg.shm_name or default_name()
+        self.freezer = freezer.detect(cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex")
+        self.partition = cpus.partition(cpus.discover(), self.info.count, self.info.numa or None)
+        self.slots: dict[int, Slot] = {}
+        self.queues: dict[int, collections.deque[Region]] = {g: collections.deque() for g in range(self.info.count)}
+        self.current: dict[int, Region | None] = dict.fromkeys(range(self.info.count))
+        self.regions_done = 0
+        self.last_busy = time.monotonic()
+        self.seg: Segment
+        self._lock_fd: int | None = None
+        self._server: socket.socket | None = None
+
+    # ------------------------------------------------------------------ setup
+    def slots_per_gpu(self, gpu: int) -> int:
+        if self.cfg.slots_per_gpu:
+            return self.cfg.slots_per_gpu
+        return cpus.default_slots_per_gpu(self.partition, gpu)
+
+    def _take_lock(self) -> None:
+        paths.ensure_state_dir()
+        lp = paths.lock_path()
+        lp.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            pid = lp.read_text().strip() if lp.exists() else "?"
+            raise Busy(f"a KREX daemon is already running (pid {pid or '?'}, socket {self.sock_path})",
+                       "use it, or stop it first with `krex daemon stop`") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(self.pid).encode())
+        self._lock_fd = fd
+
+    def _recover(self) -> dict[str, int]:
+        """Leave nothing from a previous daemon frozen or closed (I4, I5)."""
+        thawed = self.freezer.recover()
+        reopened = 0
+        now = int(lib.krex_now_ns())
+        for g in range(self.seg.n_gpus):
+            gp = self.seg.raw.gpus[g]
+            live_pause = gp.holder == lib.KREX_HOLDER_PAUSE and (gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > now)
+            if gp.gate != lib.KREX_GATE_OPEN and not live_pause:
+                self.seg.open_gate(g)
+                reopened += 1
+        reaped = self.seg.reap()
+        # Slots whose guardian still lives are adopted when it reconnects; the rest go.
+        for s in range(lib.KREX_MAX_SLOTS):
+            sp = self.seg.raw.slots[s]
+            if sp.state == lib.KREX_SLOT_ACTIVE and not lib.krex_pid_alive(sp.owner_pid, 0):
+                self.seg.release_slot(s)
+        return {"thawed": thawed, "reopened": reopened, "reaped": reaped}
+
+    def _open_segment(self) -> None:
+        try:
+            seg = Segment.create(self.shm_name, n_gpus=self.info.count)
+        except KrexError:
+            Segment.unlink(self.shm_name)
+            seg = Segment.create(self.shm_name, n_gpus=self.info.count)
+        if seg.n_gpus != self.info.count:
+            busy = [p for p in seg.snapshot().procs if p.alive]
+            if busy:
+                raise Busy(f"segment {self.shm_name} was made for {seg.n_gpus} GPUs and is still in use",
+                           "stop the commands using it, or set KREX_SHM to another name")
+            seg.close()
+            Segment.unlink(self.shm_name)
+            seg = Segment.create(self.shm_name, n_gpus=self.info.count)
+        self.seg = seg
+
+    def _listen(self) -> socket.socket:
+        p = self.sock_path
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KrexError(f"cannot create socket directory {p.parent}: {e.strerror}",
+                            "set KREX_SOCKET (or KREX_STATE_DIR) to a writable place") from e
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o117)  # socket 0660: the owner and its group may connect, nobody else
+        try:
+            s.bind(str(p))
+        except OSError as e:
+            s.close()
+            raise KrexError(f"cannot create socket {p}: {e.strerror}",
+                            "set KREX_SOCKET to a writable path") from e
+        finally:
+            os.umask(old)
+        s.listen(128)
+        return s
+
+    def start(self) -> dict[str, int]:
+        self._take_lock()
+        self._open_segment()
+        self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
+        rec = self._recover()
+        self._server = self._listen()
+        for target in (self._heartbeat_loop, self._reaper_loop):
+            threading.Thread(target=target, daemon=True).start()
+        for g in range(self.info.count):
+            threading.Thread(target=self._gpu_loop, args=(g,), daemon=True, name=f"gpu{g}").start()
+        return rec
+
+    def serve_forever(self) -> None:
+        assert self._server is not None
+        self._server.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        with self.lock:
+            for g, r in self.current.items():
+                if r is not None:
+                    r.end_reason = r.end_reason or "daemon-stop"
+                    r.ended.set()
+            for q in self.queues.values():
+                for r in q:
+                    r.cancelled = True
+                    r.granted.set()
+            self.changed.notify_all()
+        deadline = time.monotonic() + 5
+        while any(self.current.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for g in range(self.seg.n_gpus):
+            gp = self.seg.raw.gpus[g]
+            if gp.gate != lib.KREX_GATE_OPEN and gp.holder == lib.KREX_HOLDER_REGION:
+                self.seg.open_gate(g)
+        for s in list(self.slots.values()):
+            with contextlib.suppress(KrexError):
+                s.group.thaw()
+        self.seg.raw.hdr.daemon_pid = 0
+        if self._server:
+            self._server.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.sock_path.unlink()
+
+    # ------------------------------------------------------------- background
+    def _heartbeat_loop(self) -> None:
+        while not self.stop.is_set():
+            self.seg.heartbeat()
+            time.sleep(HEARTBEAT_S)
+
+    def _reaper_loop(self) -> None:
+        while not self.stop.is_set():
+            time.sleep(0.1)
+            with self.lock:
+                for r in self.current.values():
+                    # A forked child can keep the owner's socket open: check the pid too.
+                    if r is not None and not r.ended.is_set() and not lib.krex_pid_alive(r.pid, 0):
+                        r.end_reason = "owner-died"
+                        r.ended.set()
+                for s in list(self.slots.values()):
+                    dead = False
+                    if s.kind == "auto":
+                        dead = not lib.krex_pid_alive(s.guardian_pid, 0)
+                    elif not s.guardian_connected:
+                        dead = not self._group_pids(s)
+                    if dead:
+                        self._release(s.slot, "owner-gone")
+                busy = bool(self.slots) or any(self.current.values())
+                if busy:
+                    self.last_busy = time.monotonic()
+            if (self.cfg.idle_exit_s is not None
+                    and time.monotonic() - self.last_busy > self.cfg.idle_exit_s):
+                self.stop.set()
+
+    def _group_pids(self, s: Slot) -> list[int]:
+        try:
+            pids = s.group.pids()
+        except KrexError:
+            pids = []
+        return [p for p in pids if lib.krex_pid_alive(p, 0)] or [p for p in s.root_pids if lib.krex_pid_alive(p, 0)]
+
+    # ------------------------------------------------------------------ slots
+    def _new_slot(self, gpu: int, kind: str, guardian_pid: int) -> Slot:
+        n = self.seg.claim_slot(gpu, guardian_pid)
+        group = self.freezer.group(f"slot-{n}")
+        with contextlib.suppress(KrexError):
+            group.thaw()
+        s = Slot(n, gpu, kind, guardian_pid, group)
+        cur = self.current.get(gpu)
+        if cur is not None and cur.granted.is_set() and not cur.ended.is_set():
+            # Joining during a region: start frozen so I3 holds for newcomers too.
+            with contextlib.suppress(KrexError):
+                group.freeze(self.cfg.freeze_timeout_s)
+        self.slots[n] = s
+        return s
+
+    def _release(self, n: int, reason: str) -> None:
+        with self.lock:
+            s = self.slots.pop(n, None)
+            if s is None:
+                return
+            for g, r in self.current.items():
+                if r is not None and r.slot == n and not r.ended.is_set():
+                    r.end_reason = reason
+                    r.ended.set()
+            for q in self.queues.values():
+                for r in q:
+                    if r.slot == n:
+                        r.cancelled = True
+                        r.granted.set()
+            with contextlib.suppress(KrexError):
+                s.group.remove()
+            self.seg.release_slot(n)
+            self.changed.notify_all()
+
+    def _slot_of_pid(self, pid: int) -> Slot | None:
+        """The slot a process belongs to: its cgroup, else its ancestry."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                lines = f.read().splitlines()
+            for s in self.slots.values():
+                # "<root>/slot-N" relative to whichever hierarchy the backend uses.
+                rel = "/" + "/".join(s.group.path.rstrip("/").split("/")[-2:])
+                if self.freezer.name != "signal" and any(line.endswith(rel) for line in lines):
+                    return s
+        except OSError:
+            pass
+        p = pid
+        for _ in range(64):
+            for s in self.slots.values():
+                if p in s.root_pids or (s.kind == "auto" and p == s.guardian_pid):
+                    return s
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    p = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return None
+            if p <= 1:
+                return None
+        return None
+
+    def _pick_gpu(self, want: int | None) -> int | None:
+        load = {g: sum(1 for s in self.slots.values() if s.gpu == g) for g in range(self.info.count)}
+        if want is not None:
+            return want if load[want] < self.slots_per_gpu(want) else None
+        free = [g for g in load if load[g] < self.slots_per_gpu(g)]
+        return min(free, key=lambda g: load[g]) if free else None
+
+    # ----------------------------------------------------------- the regions
+    def _gpu_loop(self, gpu: int) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                while not self.queues[gpu] and not self.stop.is_set():
+                    self.changed.wait(0.5)
+                if self.stop.is_set():
+                    return
+                req = self.queues[gpu].popleft()
+                if req.cancelled:
+                    continue
+                self.current[gpu] = req
+            try:
+                self._run_region(gpu, req)
+            finally:
+                with self.lock:
+                    self.current[gpu] = None
+                    self.regions_done += 1
+                    self.changed.notify_all()
+                req.released.set()
+
+    def _wait_operator_pause(self, gpu: int, req: Region) -> None:
+        gp = self.seg.raw.gpus[gpu]
+        while (gp.gate != lib.KREX_GATE_OPEN and gp.holder == lib.KREX_HOLDER_PAUSE and not self.stop.is_set()
+               and not req.ended.is_set()
+               and (gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > lib.krex_now_ns())):
+            time.sleep(0.01)
+
+    def _run_region(self, gpu: int, req: Region) -> None:
+        reasons: list[str] = []
+        t: dict[str, float] = {"queue_wait_s": time.monotonic() - req.t_request}
+        self._wait_operator_pause(gpu, req)
+        if req.ended.is_set():  # the owner left while queued
+            req.granted.set()
+            return
+        frozen: list[Slot] = []
+        old_aff: list[int] | None = None
+        t0 = time.monotonic()
+        try:
+            self.seg.close_gate(gpu, req.slot, holder=lib.KREX_HOLDER_REGION, holder_pid=self.pid)
+            t["block_s"] = time.monotonic() - t0
+            r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
+            t["inflight_s"] = r.seconds
+            if not r.ok:
+                reasons.append(f"in-flight submissions of pids {r.stragglers} did not finish")
+            r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s)
+            t["drain_s"] = r.seconds
+            drained = r.count
+            if not r.ok:
+                reasons.append(f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s")
+            if r.partial:
+                reasons.append(f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained")
+            t1 = time.monotonic()
+            with self.lock:
+                siblings = [s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot]
+            for s in siblings:
+                try:
+                    s.group.freeze(self.cfg.freeze_timeout_s)
+                except KrexError as e:
+                    reasons.append(f"slot {s.slot} did not freeze: {e}")
+                frozen.append(s)
+            t["freeze_s"] = time.monotonic() - t1
+            t2 = time.monotonic()
+            reserved = self.partition.slice_for(gpu).reserved
+            try:
+                old_aff = cpus.pin_thread(req.tid, reserved)
+            except KrexError as e:
+                reasons.append(f"could not pin thread {req.tid}: {e}")
+            t["pin_s"] = time.monotonic() - t2
+            t["entry_s"] = time.monotonic() - t0
+            req.grant = {
+                "ok": True, "gpu": gpu, "slot": req.slot, **{k: round(v, 6) for k, v in t.items()},
+                "drained": drained, "frozen_slots": [s.slot for s in frozen], "reserved_cpus": reserved,
+                "contaminated": bool(reasons), "reasons": reasons, "freezer": self.freezer.name,
+                "partition_degraded": self.partition.degraded,
+            }
+            t_grant = time.monotonic()
+            req.granted.set()
+            if not req.ended.wait(self.cfg.max_region_s):
+                req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
+            region_s = time.monotonic() - t_grant
+        finally:
+            if old_aff is not None:
+                with contextlib.suppress(KrexError):
+                    cpus.restore_thread(req.tid, old_aff)
+            t3 = time.monotonic()
+            for s in frozen:
+                with contextlib.suppress(KrexError):
+                    s.group.thaw()
+            thaw_s = time.monotonic() - t3
+            self.seg.open_gate(gpu)
+            if not req.granted.is_set():  # failed before the grant: tell the owner why
+                req.grant = {"ok": False, "error": "region setup failed", "reasons": reasons}
+                req.granted.set()
+        rec = {
+            "ts": time.time(), "gpu": gpu, "owner_slot": req.slot, "owner_pid": req.pid, "tid": req.tid,
+            **req.grant, "region_s": round(region_s, 6), "thaw_s": round(thaw_s, 6),
+            "end": req.end_reason or "end", "siblings_frozen": len(frozen),
+        }
+        rec.pop("ok", None)
+        req.record = rec
+        with contextlib.suppress(OSError):
+            journal.append(self.journal_path, rec)
+
+    # ----------------------------------------------------------- the clients
+    def _client(self, conn: socket.socket) -> None:
+        pid, uid, _ = peer_cred(conn)
+        reader = LineReader(conn)
+        owned: dict[str, Any] = {"region": None, "slot": None, "guardian": None}
+        try:
+            if uid not in (0, os.geteuid()):
+                conn.sendall(encode({"ok": False, "error": "permission denied: another user's daemon"}))
+                return
+            while not self.stop.is_set():
+                try:
+                    msg = reader.read()
+                except (ValueError, OSError):
+                    return
+                if msg is None:
+                    return
+                try:
+                    reply = self._handle(conn, pid, msg, owned)
+                except KrexError as e:
+                    reply = {"ok": False, "error": str(e), "fix": e.fix, "kind": type(e).__name__}
+                if reply is not None:
+                    conn.sendall(encode(reply))
+        except OSError:
+            pass
+        finally:
+            self._disconnect(pid, owned)
+            conn.close()
+
+    def _disconnect(self, pid: int, owned: dict[str, Any]) -> None:
+        r: Region | None = owned["region"]
+        if r is not None and not r.ended.is_set():
+            r.end_reason = "owner-exit"
+            r.cancelled = True
+            r.ended.set()
+            r.granted.set()
+        with self.lock:
+            n = owned["guardian"]
+            if n is not None and n in self.slots:
+                self.slots[n].guardian_connected = False  # released when its processes are gone
+            n = owned["slot"]
+            if n is not None and n in self.slots and self.slots[n].kind == "auto":
+                self._release(n, "owner-exit")
+
+    def _handle(self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any] | None:
+        op = msg.get("op")
+        if op == "hello":
+            return {"ok": True, "pid": self.pid, "shm": self.shm_name, "gpus": self.info.count}
+        if op == "status":
+            return {"ok": True, **self.status()}
+        if op == "admit":
+            return self._admit(conn, pid, msg, owned)
+        if op == "adopt":
+            return self._adopt(pid, msg, owned)
+        if op == "started":
+            with self.lock:
+                s = self.slots.get(owned["guardian"])
+                if s is None:
+                    raise UsageError("`started` before `admit`", "send admit first")
+                child = int(msg["pid"])
+                s.root_pids.add(child)
+                if self.freezer.name == "signal":
+                    s.group.add(child)
+            return {"ok": True}
+        if op == "release":
+            n = owned["guardian"]
+            if n is not None:
+                self._release(n, "command-exit")
+                owned["guardian"] = None
+            return {"ok": True}
+        if op == "register":
+            s = self._slot_for(pid, msg, owned)
+            return {"ok": True, "slot": s.slot, "gpu": s.gpu, "shm": self.shm_name}
+        if op == "begin":
+            return self._begin(pid, msg, owned)
+        if op == "end":
+            return self._end(pid, owned)
+        if op == "shutdown":
+            self.stop.set()
+            return {"ok": True}
+        raise UsageError(f"unknown operation {op!r}", "upgrade the client and the daemon together")
+
+    def _slot_for(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> Slot:
+        with self.lock:
+            s = self._slot_of_pid(pid)
+            if s is not None:
+                return s
+            gpu = msg.get("gpu")
+            want = int(gpu) if gpu is not None else 0
+            if not 0 <= want < self.info.count:
+                raise NotFound(f"unknown GPU {want}", f"this node has {self.info.count} GPU(s)")
+            s = self._new_slot(want, "auto", pid)
+            s.root_pids.add(pid)
+            with contextlib.suppress(KrexError):
+                s.group.add(pid)
+            owned["slot"] = s.slot
+            return s
+
+    def _admit(self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
+        want = msg.get("gpu")
+        if want is not None and not 0 <= int(want) < self.info.count:
+            raise NotFound(f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
+                           "pick a GPU index from `krex status`")
+        t0 = time.monotonic()
+        told = False
+        with self.lock:
+            while True:
+                gpu = self._pick_gpu(None if want is None else int(want))
+                if gpu is not None:
+                    s = self._new_slot(gpu, "run", pid)
+                    break
+                if not told:
+                    conn.sendall(encode({"event": "queued", "slots_busy": len(self.slots)}))
+                    told = True
+                self.changed.wait(0.5)
+                if self.stop.is_set():
+                    raise KrexError("daemon is stopping", "try again")
+        owned["guardian"] = s.slot
+        sl = self.partition.slice_for(gpu)
+        return {"ok": True, "slot": s.slot, "gpu": gpu, "physical": self.info.physical[gpu],
+                "shm": self.shm_name, "group": s.group.path, "freezer": self.freezer.name,
+                "shared_cpus": sl.shared, "admission_wait_s": round(time.monotonic() - t0, 6)}
+
+    def _adopt(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
+        """A guardian of a previous daemon reconnects and keeps its slot."""
+        n, gpu = int(msg["slot"]), int(msg["gpu"])
+        with self.lock:
+            sp = self.seg.raw.slots[n]
+            if sp.state != lib.KREX_SLOT_ACTIVE or sp.owner_pid != pid:
+                raise NotFound(f"slot {n} is not held by pid {pid}", "start the command again")
+            s = Slot(n, gpu, "run", pid, self.freezer.group(f"slot-{n}"), set(msg.get("pids", [])))
+            self.slots[n] = s
+            owned["guardian"] = n
+        return {"ok": True, "slot": n}
+
+    def _begin(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
+        if owned["region"] is not None and not owned["region"].released.is_set():
+            raise Busy("this connection already holds a region", "end it first")
+        s = self._slot_for(pid, msg, owned)
+        tid = int(msg.get("tid") or pid)
+        if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            raise UsageError(f"thread {tid} is not a thread of pid {pid}", "send your own thread id")
+        req = Region(s.slot, s.gpu, pid, tid, time.monotonic())
+        with self.lock:
+            self.queues[s.gpu].append(req)
+            self.changed.notify_all()
+        owned["region"] = req
+        req.granted.wait()
+        if req.cancelled:
+            raise KrexError("region cancelled", "the daemon is stopping or the slot was released")
+        return req.grant
+
+    def _end(self, pid: int, owned: dict[str, Any]) -> dict[str, Any]:
+        req: Region | None = owned["region"]
+        if req is None or req.released.is_set() and req.end_reason:
+            s = self._slot_of_pid(pid)
+            with self.lock:
+                cur = [r for r in self.current.values() if r is not None and s is not None and r.slot == s.slot]
+            if req is None and not cur:
+                raise UsageError("END without BEGIN: this process holds no region", "call begin first")
+            if req is None:
+                # I6: only the connection that began a region may end it.
+                raise Busy("that region belongs to another connection of your command", "end it where it began")
+        assert req is not None
+        req.ended.set()
+        req.released.wait(10)
+        owned["region"] = None
+        return {"ok": True, "end": req.end_reason or "end", "region": req.record}
+
+    # ----------------------------------------------------------------- status
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "daemon": {"pid": self.pid, "socket": str(self.sock_path), "uptime_s": round(time.time() - self.started_at, 1),
+                           "freezer": self.freezer.name, "freezer_detail": self.freezer.describe(),
+                           "device": self.info.kind, "gpus": self.info.count, "shm": self.shm_name,
+                           "regions_done": self.regions_done, "max_region_s": self.cfg.max_region_s},
+                "partition": self.partition.to_json(),
+                "slots": [{"slot": s.slot, "gpu": s.gpu, "kind": s.kind, "guardian_pid": s.guardian_pid,
+                           "pids": self._group_pids(s)} for s in self.slots.values()],
+                "regions": [{"gpu": g, "slot": r.slot, "pid": r.pid, "tid": r.tid,
+                             "granted": r.granted.is_set(), "age_s": round(time.monotonic() - r.t_request, 3)}
+                            for g, r in self.current.items() if r is not None],
+                "queues": {str(g): [{"slot": r.slot, "pid": r.pid} for r in q] for g, q in self.queues.items()},
+                "slots_per_gpu": [self.slots_per_gpu(g) for g in range(self.info.count)],
+            }
+
+
+def run(cfg: Config) -> None:
+    """Run the daemon in this process until stopped (SIGTERM/SIGINT or `shutdown`)."""
+    d = Daemon(cfg)
+    d.start()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: d.stop.set())
+    d.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m krex.daemon` entry used when the daemon is started in the background."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="krexd")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--slots-per-gpu", type=int, default=None)
+    ap.add_argument("--max-region", type=float, default=60.0)
+    ap.add_argument("--idle-exit", type=float, default=None)
+    ap.add_argument("--freezer", default=None)
+    a = ap.parse_args(argv)
+    try:
+        run(Config(device=a.device, slots_per_gpu=a.slots_per_gpu, max_region_s=a.max_region,
+                   idle_exit_s=a.idle_exit, freezer=a.freezer))
+    except KrexError as e:
+        os.write(2, f"krexd: error: {e}\n  fix: {e.fix}\n".encode())
+        raise SystemExit(e.exit_code) from None
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,112 @@
+"""`krex.region()`: mark the timed part of a benchmark.
+
+    with krex.region() as grant:      # exclusive GPU + pinned thread inside
+        ms = triton.testing.do_bench(fn)
+
+Also a decorator (``@krex.region()``). Thread-safe: one region per process at a
+time, other threads wait their turn; a nested region on the same thread is a
+no-op. Outside KREX it does nothing and warns once; with KREX_STRICT=1 it raises."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+from krex.errors import KrexError, NotFound
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_local = threading.local()
+_proc_lock = threading.Lock()  # one region per process: the daemon serialises per GPU anyway
+_client: Any = None
+_client_pid = 0
+_warned = False
+
+
+def under_krex() -> bool:
+    return bool(os.environ.get("KREX_SHM") or os.environ.get("KREX_SOCKET"))
+
+
+def _strict() -> bool:
+    return os.environ.get("KREX_STRICT", "") not in ("", "0")
+
+
+def _get_client() -> Any:
+    global _client, _client_pid
+    from krex.client import Client
+
+    if _client is None or _client_pid != os.getpid():  # a fork child needs its own connection
+        _client = Client.connect(autostart=True, device=os.environ.get("KREX_DEVICE", "auto"))
+        _client_pid = os.getpid()
+    return _client
+
+
+class region:  # noqa: N801 - reads like a keyword at call sites
+    """Context manager and decorator. `grant` holds the daemon's reply (timings,
+    contamination) after entry, None when nested or outside KREX."""
+
+    def __init__(self) -> None:
+        self.grant: dict[str, Any] | None = None
+        self.summary: dict[str, Any] | None = None
+        self._active = False
+
+    def __enter__(self) -> region:
+        global _warned
+        depth = getattr(_local, "depth", 0)
+        _local.depth = depth + 1
+        if depth:
+            return self  # nested: the outer region already holds the GPU
+        if not under_krex():
+            if _strict():
+                _local.depth = 0
+                raise NotFound("krex.region() used outside KREX (KREX_STRICT=1)",
+                               "run under `krex run -- ...` or eval \"$(krex env --export)\"")
+            if not _warned:
+                warnings.warn("krex.region(): not running under KREX; the region is not exclusive",
+                              RuntimeWarning, stacklevel=2)
+                _warned = True
+            return self
+        _proc_lock.acquire()
+        try:
+            self.grant = _get_client().request({"op": "begin", "tid": threading.get_native_id(),
+                                                "gpu": _visible_gpu()})
+            self._active = True
+        except BaseException:
+            _proc_lock.release()
+            _local.depth = 0
+            raise
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        _local.depth -= 1
+        if not self._active:
+            return
+        self._active = False
+        try:
+            self.summary = _get_client().request({"op": "end"})
+        except KrexError:
+            if et is None:
+                raise
+        finally:
+            _proc_lock.release()
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **k: Any) -> Any:
+            with region():
+                return fn(*a, **k)
+
+        return wrapper  # type: ignore[return-value]
+
+
+def _visible_gpu() -> int:
+    """GPU index for a self-registering process (krex run sets KREX_GPU)."""
+    raw = os.environ.get("KREX_GPU")
+    if raw and raw.isdigit():
+        return int(raw)
+    return 0
