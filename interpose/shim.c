@@ -19,7 +19,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "krex_core.h"
@@ -52,6 +56,12 @@ static uint64_t g_local_submits[KREX_NGATED];
 static uint32_t g_pending_flags;
 static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_helper_started;
+static char g_sock_path[108];
+static char g_daemon_cmd[1024];
+static int g_conn = -1;                  /* connection to krexd (registration + regions) */
+static pthread_mutex_t g_conn_lock = PTHREAD_MUTEX_INITIALIZER;
+static __thread int t_region_depth;
+extern char **environ;
 static __thread int t_depth __attribute__((tls_model("initial-exec")));
 
 static void *krex_real[KREX_N_IDS][KREX_NSLOT];
@@ -545,7 +555,126 @@ static void start_helper(void) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
+/* ------------------------------------------------------------ krexd client */
+
+/* One JSON line each way over the daemon's Unix socket. The daemon learns who
+ * we are from SO_PEERCRED; the message carries only what it cannot know. */
+static int conn_open(void) {
+    if (g_conn >= 0) return 0;
+    if (!g_sock_path[0]) return -1;
+    for (int attempt = 0; attempt < 100; attempt++) {
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) return -1;
+        struct sockaddr_un a;
+        memset(&a, 0, sizeof a);
+        a.sun_family = AF_UNIX;
+        memcpy(a.sun_path, g_sock_path, strlen(g_sock_path) + 1); /* length checked at init */
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+            g_conn = fd;
+            return 0;
+        }
+        int e = errno;
+        close(fd);
+        if (e != ENOENT && e != ECONNREFUSED) return -1;
+        if (attempt == 0 && g_daemon_cmd[0]) {
+            /* Nobody listens: start krexd on demand, in its own session. */
+            posix_spawnattr_t at;
+            posix_spawnattr_init(&at);
+            posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSID);
+            char *argv[] = {"/bin/sh", "-c", g_daemon_cmd, NULL};
+            pid_t pid;
+            posix_spawn(&pid, "/bin/sh", NULL, &at, argv, environ);
+            posix_spawnattr_destroy(&at);
+            klog("started krexd: %s", g_daemon_cmd);
+        }
+        if (!g_daemon_cmd[0]) return -1;
+        usleep(100000);
+    }
+    return -1;
+}
+
+/* Send a request and read one reply line into buf (events are skipped). */
+static int conn_call(const char *req, char *buf, size_t n) {
+    if (conn_open() != 0) return -1;
+    size_t len = strlen(req);
+    if (write(g_conn, req, len) != (ssize_t)len) goto broken;
+    for (;;) {
+        size_t got = 0;
+        while (got + 1 < n) {
+            ssize_t r = read(g_conn, buf + got, 1);
+            if (r <= 0) goto broken;
+            if (buf[got] == '\n') break;
+            got++;
+        }
+        buf[got] = 0;
+        if (!strstr(buf, "\"event\"")) return 0;
+    }
+broken:
+    close(g_conn);
+    g_conn = -1;
+    return -1;
+}
+
+static int json_int(const char *buf, const char *key, int *out) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(buf, pat);
+    if (!p) return -1;
+    return sscanf(p + strlen(pat), "%d", out) == 1 ? 0 : -1;
+}
+
+static int first_visible_gpu(void) {
+    return g_gpu >= 0 ? g_gpu : 0;
+}
+
+/* Opt-in processes (krex env, no KREX_SLOT) ask krexd for a slot on first use. */
+static int krex_self_register(void) {
+    char req[128], rep[4096];
+    snprintf(req, sizeof req, "{\"op\":\"register\",\"gpu\":%d}\n", first_visible_gpu());
+    pthread_mutex_lock(&g_conn_lock);
+    int rc = conn_call(req, rep, sizeof rep);
+    pthread_mutex_unlock(&g_conn_lock);
+    if (rc != 0 || !strstr(rep, "\"ok\":true")) return -1;
+    int slot = -1, gpu = -1;
+    if (json_int(rep, "slot", &slot) != 0 || json_int(rep, "gpu", &gpu) != 0) return -1;
+    g_slot = slot;
+    g_gpu = gpu;
+    return 0;
+}
+
+/* The C/C++ region markers (krex.h) resolve these at run time. 0 = granted or
+ * not under KREX; negative = refused. A nested begin on the same thread is a no-op. */
+KREX_EXPORT int krex_region_begin(void) {
+    if (g_mode == MODE_OFF || !g_sock_path[0]) return 0;
+    if (t_region_depth++ > 0) return 0;
+    char req[160], rep[8192];
+    snprintf(req, sizeof req, "{\"op\":\"begin\",\"tid\":%ld,\"gpu\":%d}\n", (long)syscall(SYS_gettid),
+             first_visible_gpu());
+    pthread_mutex_lock(&g_conn_lock);
+    int rc = conn_call(req, rep, sizeof rep);
+    pthread_mutex_unlock(&g_conn_lock);
+    if (rc != 0 || !strstr(rep, "\"ok\":true")) {
+        t_region_depth = 0;
+        klog("region refused: %s", rc ? "no daemon" : rep);
+        return -EIO;
+    }
+    return 0;
+}
+
+KREX_EXPORT int krex_region_end(void) {
+    if (g_mode == MODE_OFF || !g_sock_path[0]) return 0;
+    if (t_region_depth <= 0) return -EINVAL;
+    if (--t_region_depth > 0) return 0;
+    char rep[8192];
+    pthread_mutex_lock(&g_conn_lock);
+    int rc = conn_call("{\"op\":\"end\"}\n", rep, sizeof rep);
+    pthread_mutex_unlock(&g_conn_lock);
+    return rc == 0 && strstr(rep, "\"ok\":true") ? 0 : -EIO;
+}
+
 /* ------------------------------------------------------------ registration */
+
+static int krex_self_register(void);
 
 static int krex_register(void) {
     pthread_mutex_lock(&g_reg_lock);
@@ -558,6 +687,11 @@ static int krex_register(void) {
             g_mode = MODE_OFF;
             goto out;
         }
+    }
+    if (g_slot < 0 && krex_self_register() != 0) {
+        klog("self-registration with krexd failed; passing through");
+        g_mode = MODE_OFF;
+        goto out;
     }
     if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS) {
         g_mode = MODE_OFF;
@@ -594,6 +728,9 @@ static void atfork_child(void) {
     g_helper_started = 0;
     g_failed_gate = 0;
     g_captures = 0;
+    g_conn = -1; /* the parent's socket stays the parent's */
+    pthread_mutex_init(&g_conn_lock, NULL);
+    t_region_depth = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) g_ctxs[i] = NULL;
 }
 
@@ -616,11 +753,26 @@ __attribute__((constructor)) static void krex_init(void) {
     const char *name = getenv("KREX_SHM");
     const char *slot = getenv("KREX_SLOT");
     if (!name || !*name || strlen(name) >= sizeof g_shm_name) return;
-    if (!parse_int(slot, &g_slot)) {
-        klog("KREX_SHM set but KREX_SLOT=%s is not a slot number; passing through", slot ? slot : "");
+    const char *sock = getenv("KREX_SOCKET");
+    if (sock && strlen(sock) < sizeof g_sock_path) strcpy(g_sock_path, sock);
+    const char *dcmd = getenv("KREX_DAEMON_CMD");
+    if (dcmd && strlen(dcmd) < sizeof g_daemon_cmd) strcpy(g_daemon_cmd, dcmd);
+    if (slot && *slot && !parse_int(slot, &g_slot)) {
+        klog("KREX_SLOT=%s is not a slot number; passing through", slot);
         return;
     }
-    parse_int(getenv("KREX_GPU"), &g_gpu);
+    if (!slot || !*slot) {
+        g_slot = -1;
+        if (!g_sock_path[0]) {
+            klog("KREX_SHM set without KREX_SLOT or KREX_SOCKET; passing through");
+            return;
+        }
+    }
+    if (!parse_int(getenv("KREX_GPU"), &g_gpu)) {
+        /* An opt-in process names its GPU through CUDA_VISIBLE_DEVICES. */
+        const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+        if (!vis || !parse_int(vis, &g_gpu)) g_gpu = -1;
+    }
     strcpy(g_shm_name, name);
     pthread_atfork(NULL, NULL, atfork_child);
     g_mode = MODE_ON;

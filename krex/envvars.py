@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 
 from krex.errors import UsageError
 from krex.native import shim_path, sim_dir
@@ -18,9 +19,18 @@ def _prepend(var: str, value: str, base: dict[str, str]) -> str:
 def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Variables (only the ones KREX sets) that put a process under KREX."""
     base = dict(os.environ if base is None else base)
+    from krex import paths
+
+    sock = paths.socket_path()
+    log = paths.state_dir() / "krexd.log"
     env = {
         "LD_PRELOAD": _prepend("LD_PRELOAD", str(shim_path()), base),
         "KREX_SHM": shm_name,
+        "KREX_SOCKET": str(sock),
+        # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
+        "KREX_DAEMON_CMD": (f"mkdir -p {shlex.quote(str(log.parent))} && exec env -u LD_PRELOAD "
+                            f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --idle-exit 120 "
+                            f">>{shlex.quote(str(log))} 2>&1"),
     }
     if device == "sim":
         env["LD_LIBRARY_PATH"] = _prepend("LD_LIBRARY_PATH", str(sim_dir()), base)

@@ -149,6 +149,38 @@ EXPORT cudaError_t cudaEventElapsedTime(float *ms, void *a, void *b) {
 EXPORT cudaError_t cudaGetLastError(void) { return 0; }
 EXPORT const char *cudaGetErrorString(cudaError_t e) { return e ? "simulated error" : "no error"; }
 EXPORT cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return 0; }
+
+/* What nvcc's host stubs call, so a real `nvcc -cudart shared` program runs on
+ * the simulator: <<<grid, block>>> pushes a configuration, the stub pops it and
+ * calls __cudaLaunchKernel (a gated, table-generated entry). */
+static __thread struct { dim3 grid, block; size_t shmem; void *stream; } t_cfg;
+EXPORT void **__cudaRegisterFatBinary(void *fatbin) { static void *h; (void)fatbin; return &h; }
+EXPORT void __cudaRegisterFatBinaryEnd(void **h) { (void)h; }
+EXPORT void __cudaUnregisterFatBinary(void **h) { (void)h; }
+EXPORT void __cudaRegisterFunction(void **h, const char *hostFun, char *deviceFun, const char *deviceName,
+                                   int threadLimit, void *tid, void *bid, dim3 *bDim, dim3 *gDim, int *wSize) {
+    (void)h; (void)hostFun; (void)deviceFun; (void)deviceName; (void)threadLimit;
+    (void)tid; (void)bid; (void)bDim; (void)gDim; (void)wSize;
+}
+EXPORT void __cudaRegisterVar(void **h, char *hostVar, char *deviceAddress, const char *deviceName, int ext,
+                              size_t size, int constant, int global) {
+    (void)h; (void)hostVar; (void)deviceAddress; (void)deviceName; (void)ext; (void)size; (void)constant; (void)global;
+}
+EXPORT unsigned __cudaPushCallConfiguration(dim3 grid, dim3 block, size_t shmem, void *stream) {
+    t_cfg.grid = grid;
+    t_cfg.block = block;
+    t_cfg.shmem = shmem;
+    t_cfg.stream = stream;
+    return 0;
+}
+EXPORT cudaError_t __cudaPopCallConfiguration(dim3 *grid, dim3 *block, size_t *shmem, void *stream) {
+    *grid = t_cfg.grid;
+    *block = t_cfg.block;
+    *shmem = t_cfg.shmem;
+    *(void **)stream = t_cfg.stream;
+    return 0;
+}
+EXPORT cudaError_t __cudaGetKernel(cudaKernel_t *k, const void *fn) { *k = (cudaKernel_t)fn; return 0; }
 EXPORT cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return 0; }
 #endif
 

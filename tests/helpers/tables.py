@@ -50,8 +50,13 @@ def rows() -> tuple[Row, ...]:
     src = _DUMP
     for api, f in TABLES:
         src += f'#define KREX_API_NAME "{api}"\n#include "{f}"\n#undef KREX_API_NAME\n'
-    out = subprocess.run([CC, "-E", "-P", f"-I{INTERPOSE}", "-x", "c", "-"], input=src, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [CC, "-E", "-P", f"-I{INTERPOSE}", "-x", "c", "-"],
+        input=src,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return tuple(Row(**json.loads(chunk)) for chunk in out.replace("\n", " ").split("KREXROW")[1:])
 
 
@@ -81,6 +86,7 @@ def param_names(params: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- vendor headers
+
 
 def cuda_root() -> Path | None:
     """A CUDA toolkit with CUDA 13 (or newer) headers, or None."""

@@ -36,7 +36,9 @@ def test_drain_waits_for_sibling_work(harness: Harness) -> None:
     _submitted(child)
     (op,) = h.ops(child.pid)
     t_start = time.monotonic_ns()
-    assert t_start < op["end"], "the sibling's kernel ended before the drain began: the test would prove nothing"
+    assert t_start < op["end"], (
+        "the sibling's kernel ended before the drain began: the test would prove nothing"
+    )
 
     _close(h, owner)
     res = h.seg.drain(0, owner, timeout=10)
@@ -44,10 +46,13 @@ def test_drain_waits_for_sibling_work(harness: Harness) -> None:
 
     assert res.ok, res
     assert res.count == 1 and res.stragglers == [], res
-    assert op["end"] <= t_ret, f"I2: drain returned {(op['end'] - t_ret) / 1e6:.1f} ms before the sibling's kernel ended"
+    assert op["end"] <= t_ret, (
+        f"I2: drain returned {(op['end'] - t_ret) / 1e6:.1f} ms before the sibling's kernel ended"
+    )
     syncs = [e for e in h.events() if e.get("ev") == "sync" and e["pid"] == child.pid]
     assert any(e["until"] >= op["end"] and e["t"] <= t_ret for e in syncs), (
-        f"no synchronisation by the sibling's helper covering its kernel: {syncs}")
+        f"no synchronisation by the sibling's helper covering its kernel: {syncs}"
+    )
     assert all(e["tid"] != op["tid"] for e in syncs), "the drain ran on the app thread, not the helper"
     rec = h.proc(child.pid)
     assert rec is not None and rec.drains >= 1
@@ -110,11 +115,17 @@ class _PreemptedLib:
         return seq
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "krex/shm.py Segment.drain computes `count` with krex_drain_pending AFTER krex_drain_request; a helper "
-    "that acks in between (idle work, controller preempted) is not counted, so count reports 0 for a "
-    "sibling that did drain"))
-def test_drain_count_survives_controller_preemption(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "krex/shm.py Segment.drain computes `count` with krex_drain_pending AFTER krex_drain_request; "
+        "a helper that acks in between (idle work, controller preempted) is not counted, so count "
+        "reports 0 for a sibling that did drain"
+    ),
+)
+def test_drain_count_survives_controller_preemption(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     h = harness
     owner, sib = h.claim(), h.claim()
     child = h.spawn("actor", ["k:5", "line"], h.env(sib))

@@ -185,10 +185,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def _summary(s: Scenario) -> str:
     bad = sorted(s.problems.items())
     return f"{len(bad)} of {len(KEYS)} (entry, path) pairs fail:\n" + "\n".join(
-        f"  {n} via {p}: {'; '.join(m)}" for (n, p), m in bad[:60])
+        f"  {n} via {p}: {'; '.join(m)}" for (n, p), m in bad[:60]
+    )
 
 
 # ---------------------------------------------------------------- whole-run checks
+
 
 def test_list_covers_all_paths() -> None:
     assert {p for _, p in KEYS} == set(ALL_PATHS)
@@ -210,11 +212,14 @@ def test_closed_gate_all(runs: Any) -> None:
     assert s.info["jobs"] == len(KEYS)
     assert not s.info["ops_while_closed"], (
         "reached the GPU through a gate closed by another slot: "
-        + ", ".join(sorted({o['api'] for o in s.info["ops_while_closed"]})))
+        + ", ".join(sorted({o["api"] for o in s.info["ops_while_closed"]}))
+    )
     rec = s.info["record_while_closed"]
     assert rec is not None, "the driver never registered with the segment"
     assert rec.blocked >= len(KEYS), f"only {rec.blocked} of {len(KEYS)} calls blocked"
-    assert rec.inflight == 0 and s.info["inflight_while_closed"] == (0, []), "blocked calls must not count in-flight"
+    assert rec.inflight == 0 and s.info["inflight_while_closed"] == (0, []), (
+        "blocked calls must not count in-flight"
+    )
     assert not s.problems, _summary(s)
 
 
@@ -225,6 +230,7 @@ def test_owner_gate_all(runs: Any) -> None:
 
 
 # ------------------------------------------------------------ per (entry, path)
+
 
 @pytest.mark.parametrize("key", KEYS, ids=IDS)
 def test_open_passes_through(key: tuple[str, str], runs: Any) -> None:

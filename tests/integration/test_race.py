@@ -36,8 +36,13 @@ def _start_hammers(h: Harness, shim: bool) -> list[Child]:
     kids = []
     for _ in range(PROCS):
         slot = h.claim()
-        kids.append(h.spawn("hammer", ["60", str(THREADS), str(KERNEL_US), str(PAUSE_US)],
-                            h.env(slot, krex=shim, preload=shim)))
+        kids.append(
+            h.spawn(
+                "hammer",
+                ["60", str(THREADS), str(KERNEL_US), str(PAUSE_US)],
+                h.env(slot, krex=shim, preload=shim),
+            )
+        )
     for k in kids:
         k.expect(lambda d: "ready" in d, 30, "hammer ready")
     return kids
@@ -78,7 +83,9 @@ def _stop(kids: list[Child]) -> list[dict[str, Any]]:
     return out
 
 
-def _violations(ops: list[dict[str, Any]], intervals: list[tuple[int, int]]) -> list[tuple[dict[str, Any], int]]:
+def _violations(
+    ops: list[dict[str, Any]], intervals: list[tuple[int, int]]
+) -> list[tuple[dict[str, Any], int]]:
     starts = [a for a, _ in intervals]
     bad = []
     for o in ops:
@@ -98,7 +105,14 @@ def _run(h: Harness, shim: bool, cycles: int) -> dict[str, Any]:
     _wait_for_ops_after(h, intervals[-1][1], pids)
     results = _stop(kids)
     ops = [o for o in h.ops() if o["pid"] in pids]
-    return {"owner": owner, "kids": kids, "pids": pids, "intervals": intervals, "ops": ops, "results": results}
+    return {
+        "owner": owner,
+        "kids": kids,
+        "pids": pids,
+        "intervals": intervals,
+        "ops": ops,
+        "results": results,
+    }
 
 
 def test_no_submission_inside_closed_windows(harness: Harness) -> None:
@@ -108,7 +122,8 @@ def test_no_submission_inside_closed_windows(harness: Harness) -> None:
 
     bad = _violations(ops, intervals)
     assert not bad, f"{len(bad)} ops submitted while the gate was closed, e.g. " + "; ".join(
-        f"pid {o['pid']} {o['api']} submit {o['submit']} in window {i} {intervals[i]}" for o, i in bad[:5])
+        f"pid {o['pid']} {o['api']} submit {o['submit']} in window {i} {intervals[i]}" for o, i in bad[:5]
+    )
 
     # The check must have had something to catch.
     assert len(intervals) == CYCLES
@@ -117,7 +132,9 @@ def test_no_submission_inside_closed_windows(harness: Harness) -> None:
     after = [o for o in ops if o["submit"] > last]
     assert before and after, f"ops before the first close: {len(before)}, after the last open: {len(after)}"
     gap_starts = [b for _, b in intervals]
-    busy_gaps = {bisect.bisect_right(gap_starts, o["submit"]) - 1 for o in ops if first <= o["submit"] <= last}
+    busy_gaps = {
+        bisect.bisect_right(gap_starts, o["submit"]) - 1 for o in ops if first <= o["submit"] <= last
+    }
     assert len(busy_gaps) >= CYCLES // 10, f"only {len(busy_gaps)} of {CYCLES} open gaps saw a submission"
 
     # Every process was stopped by the gate at some point, and used all three paths.

@@ -55,10 +55,12 @@ def test_layout_c_count_matches_parse() -> None:
     lib.krex_abi_layout_c(out, n)
     vals = list(out)
     assert sentinel not in vals[: len(LAYOUT_ITEMS)]
-    assert vals[len(LAYOUT_ITEMS):] == [sentinel] * 4
+    assert vals[len(LAYOUT_ITEMS) :] == [sentinel] * 4
 
 
-@pytest.mark.parametrize("item", LAYOUT_ITEMS, ids=lambda it: f"{it[0]}-{it[1]}" + (f".{it[2]}" if it[2] else ""))
+@pytest.mark.parametrize(
+    "item", LAYOUT_ITEMS, ids=lambda it: f"{it[0]}-{it[1]}" + (f".{it[2]}" if it[2] else "")
+)
 def test_layout_c_matches_cffi(item: tuple[str, str, str | None]) -> None:
     n = len(LAYOUT_ITEMS)
     out = ffi.new(f"size_t[{n}]")
@@ -74,7 +76,7 @@ def _all_fields() -> list[tuple[str, str]]:
 def test_every_field_matches_gcc(tmp_path: Path) -> None:
     """Beyond LAYOUT_C's selection: every field of every struct, compiled by gcc
     from the same header, against cffi's view."""
-    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "krex_abi.h"', "int main(void) {"]
+    lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "krex_abi.h"', "int main(void) {"]
     for s in STRUCTS:
         lines.append(f'printf("sizeof {s} %zu\\n", sizeof(struct {s}));')
     for s, f in _all_fields():
@@ -114,13 +116,33 @@ def test_every_abi_define_reaches_python() -> None:
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("name", [
-    "KREX_MAGIC", "KREX_ABI_VERSION", "KREX_MAX_GPUS", "KREX_MAX_SLOTS", "KREX_MAX_PROCS",
-    "KREX_GATE_OPEN", "KREX_OWNER_NONE", "KREX_HOLDER_NONE", "KREX_HOLDER_REGION", "KREX_HOLDER_PAUSE",
-    "KREX_SLOT_FREE", "KREX_SLOT_ACTIVE", "KREX_CLS_KERNEL", "KREX_CLS_COPY", "KREX_CLS_MEMSET",
-    "KREX_CLS_GRAPH", "KREX_CLS_PREFETCH", "KREX_NGATED", "KREX_CLS_LOOKUP", "KREX_CLS_CTX",
-    "KREX_PF_FAILED_OPEN", "KREX_HEARTBEAT_TIMEOUT_NS",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KREX_MAGIC",
+        "KREX_ABI_VERSION",
+        "KREX_MAX_GPUS",
+        "KREX_MAX_SLOTS",
+        "KREX_MAX_PROCS",
+        "KREX_GATE_OPEN",
+        "KREX_OWNER_NONE",
+        "KREX_HOLDER_NONE",
+        "KREX_HOLDER_REGION",
+        "KREX_HOLDER_PAUSE",
+        "KREX_SLOT_FREE",
+        "KREX_SLOT_ACTIVE",
+        "KREX_CLS_KERNEL",
+        "KREX_CLS_COPY",
+        "KREX_CLS_MEMSET",
+        "KREX_CLS_GRAPH",
+        "KREX_CLS_PREFETCH",
+        "KREX_NGATED",
+        "KREX_CLS_LOOKUP",
+        "KREX_CLS_CTX",
+        "KREX_PF_FAILED_OPEN",
+        "KREX_HEARTBEAT_TIMEOUT_NS",
+    ],
+)
 def test_named_constant_exists(name: str) -> None:
     assert isinstance(getattr(lib, name), int)
 
@@ -128,6 +150,7 @@ def test_named_constant_exists(name: str) -> None:
 def test_constants_used_by_the_c_side_exist_in_python() -> None:
     """Every KREX_ identifier shim.c / krex_core.c use that names an ABI constant
     (as opposed to a macro or enum of the tables header) is visible to Python."""
+
     def code(f: str) -> str:  # without comments and string literals ("KREX_SHM" is an env var)
         text = (INTERPOSE / f).read_text()
         text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.S)
@@ -142,7 +165,9 @@ def test_constants_used_by_the_c_side_exist_in_python() -> None:
         local |= set(re.findall(r"#define\s+(KREX_\w+)", text))
         for body in re.findall(r"\benum\s+\w+\s*\{(.*?)\}", text, flags=re.S):
             local |= set(re.findall(r"\b(KREX_\w+)", body))
-    abi_used = {n for n in used if n not in local and not n.startswith(("KREX_ID_", "KREX_BODY_", "KREX_VAR_"))}
+    abi_used = {
+        n for n in used if n not in local and not n.startswith(("KREX_ID_", "KREX_BODY_", "KREX_VAR_"))
+    }
     assert {"KREX_MAX_GPUS", "KREX_HOLDER_REGION", "KREX_NGATED"} <= abi_used
     missing = sorted(n for n in abi_used if not hasattr(lib, n))
     assert not missing, f"the shim uses ABI names cffi does not know: {missing}"
@@ -155,5 +180,10 @@ def test_python_name_tables_cover_constants() -> None:
     assert set(PROC_FLAG_NAMES) == flags
     classes = sorted(v for k, v in ABI_DEFINES.items() if k.startswith("KREX_CLS_"))
     assert len(set(classes)) == len(classes), "two KREX_CLS_* share a value"
-    assert list(range(lib.KREX_NGATED)) == [lib.KREX_CLS_KERNEL, lib.KREX_CLS_COPY, lib.KREX_CLS_MEMSET,
-                                            lib.KREX_CLS_GRAPH, lib.KREX_CLS_PREFETCH]
+    assert list(range(lib.KREX_NGATED)) == [
+        lib.KREX_CLS_KERNEL,
+        lib.KREX_CLS_COPY,
+        lib.KREX_CLS_MEMSET,
+        lib.KREX_CLS_GRAPH,
+        lib.KREX_CLS_PREFETCH,
+    ]

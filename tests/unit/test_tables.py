@@ -31,14 +31,16 @@ from helpers.tables import (
 ROWS = rows()
 CUDA_ROWS = [r for r in ROWS if r.api in ("cudart", "driver")]
 ROOT = cuda_root()
-needs_cuda = pytest.mark.skipif(ROOT is None, reason="no CUDA 13 headers (/usr/local/cuda*/include, $CUDA_HOME)")
+needs_cuda = pytest.mark.skipif(
+    ROOT is None, reason="no CUDA 13 headers (/usr/local/cuda*/include, $CUDA_HOME)"
+)
 
 # Rows whose vendor declaration a C compiler cannot see, with the reason. They are
 # still checked: with nvcc when the toolkit has it, else against the declaration
 # text extracted from the header.
 CXX_ONLY = {
     "__cudaLaunchKernel": "declared only in crt/device_functions.h inside #ifdef __CUDACC__ "
-                          "(nvcc's host pass); neither C nor g++ -x c++ with crt/host_runtime.h sees it",
+    "(nvcc's host pass); neither C nor g++ -x c++ with crt/host_runtime.h sees it",
     "__cudaLaunchKernel_ptsz": "same as __cudaLaunchKernel",
 }
 SELFTEST = "__selftest_wrong_prototype__"
@@ -46,9 +48,12 @@ SELFTEST = "__selftest_wrong_prototype__"
 
 # ------------------------------------------------------------------ (a) prototypes
 
+
 def _c_assert(r: Row, label: str | None = None, params: str | None = None) -> str:
-    return (f"_Static_assert(__builtin_types_compatible_p(__typeof__(&{r.name}), "
-            f"{RET[r.api]} (*) {params or r.params}), \"{label or r.name}\");")
+    return (
+        f"_Static_assert(__builtin_types_compatible_p(__typeof__(&{r.name}), "
+        f'{RET[r.api]} (*) {params or r.params}), "{label or r.name}");'
+    )
 
 
 def _compile_errors(cmd: list[str], pattern: str) -> tuple[int, dict[int, list[str]]]:
@@ -75,8 +80,10 @@ def check_in_c(root: Path, tmp: Path) -> dict[str, str]:
     where[len(lines)] = SELFTEST
     src = tmp / "rows.c"
     src.write_text("\n".join(lines) + "\n")
-    _, errs = _compile_errors([CC, "-fsyntax-only", "-D__CUDA_API_VERSION_INTERNAL", f"-I{root / 'include'}",
-                               str(src)], r"rows\.c:(\d+):\d+: error: ([^\n]*)")
+    _, errs = _compile_errors(
+        [CC, "-fsyntax-only", "-D__CUDA_API_VERSION_INTERNAL", f"-I{root / 'include'}", str(src)],
+        r"rows\.c:(\d+):\d+: error: ([^\n]*)",
+    )
     unmapped = set(errs) - set(where)
     assert not unmapped, f"errors outside the assertions: {[errs[k] for k in sorted(unmapped)]}"
     out = {}
@@ -101,13 +108,16 @@ def check_with_nvcc(root: Path, tmp: Path, names: list[str]) -> dict[str, str] |
     where = {}
     for r in CUDA_ROWS:
         if r.name in names:
-            lines.append(f"static_assert(std::is_same<decltype(&{r.name}), {RET[r.api]} (*) {r.params}>::value, "
-                         f"\"{r.name}\");")
+            lines.append(
+                f"static_assert(std::is_same<decltype(&{r.name}), {RET[r.api]} (*) {r.params}>::value, "
+                f'"{r.name}");'
+            )
             where[len(lines)] = r.name
     src = tmp / "rows.cu"
     src.write_text("\n".join(lines) + "\n")
-    rc, errs = _compile_errors([str(nvcc), "-c", "-o", str(tmp / "rows.o"), str(src)],
-                               r"rows\.cu\((\d+)\): error: ([^\n]*)")
+    rc, errs = _compile_errors(
+        [str(nvcc), "-c", "-o", str(tmp / "rows.o"), str(src)], r"rows\.cu\((\d+)\): error: ([^\n]*)"
+    )
     if rc != 0 and not set(errs) & set(where):
         return None  # nvcc itself is unusable here (host compiler, ...): fall back
     return {n: ("mismatch: " + "; ".join(errs[ln]) if ln in errs else "ok") for ln, n in where.items()}
@@ -123,8 +133,9 @@ def check_extracted(root: Path, tmp: Path, names: list[str]) -> dict[str, str]:
     for r in CUDA_ROWS:
         if r.name not in names:
             continue
-        m = re.search(r'extern\s+"C"\s+cudaError_t\s+CUDARTAPI\s+' + re.escape(r.name) + r"\s*\(([^;]*?)\)\s*;",
-                      text)
+        m = re.search(
+            r'extern\s+"C"\s+cudaError_t\s+CUDARTAPI\s+' + re.escape(r.name) + r"\s*\(([^;]*?)\)\s*;", text
+        )
         if not m:
             out[r.name] = "undeclared"
             continue
@@ -133,8 +144,9 @@ def check_extracted(root: Path, tmp: Path, names: list[str]) -> dict[str, str]:
         where[len(lines)] = r.name
     src = tmp / "extracted.c"
     src.write_text("\n".join(lines) + "\n")
-    _, errs = _compile_errors([CC, "-fsyntax-only", f"-I{root / 'include'}", str(src)],
-                              r"extracted\.c:(\d+):\d+: error: ([^\n]*)")
+    _, errs = _compile_errors(
+        [CC, "-fsyntax-only", f"-I{root / 'include'}", str(src)], r"extracted\.c:(\d+):\d+: error: ([^\n]*)"
+    )
     for ln, n in where.items():
         out[n] = "mismatch: " + "; ".join(errs[ln]) if ln in errs else "ok"
     return out
@@ -172,7 +184,8 @@ def test_vendor_check_can_fail(vendor_check: dict[str, Any]) -> None:
 def test_only_known_rows_need_cxx(vendor_check: dict[str, Any]) -> None:
     assert vendor_check["undeclared_in_c"] == sorted(CXX_ONLY), (
         "rows a C compiler cannot find in the vendor headers changed; a new one is probably a typo "
-        f"in the table: {vendor_check['undeclared_in_c']}")
+        f"in the table: {vendor_check['undeclared_in_c']}"
+    )
 
 
 @needs_cuda
@@ -185,28 +198,42 @@ def test_extracted_declarations_match(tmp_path: Path) -> None:
 
 # -------------------------------------------------------- vendor entries vs table
 
-GATED_FAMILY = re.compile(r"^(cu|cuda)(Memcpy|Memset|MemPrefetch|MemDiscardAndPrefetch|Launch|GraphLaunch|GraphUpload)")
+GATED_FAMILY = re.compile(
+    r"^(cu|cuda)(Memcpy|Memset|MemPrefetch|MemDiscardAndPrefetch|Launch|GraphLaunch|GraphUpload)"
+)
 # Ordering-only calls stay ungated by design (DESIGN.md, consequence 6).
-UNGATED_BY_DESIGN = {"cuLaunchHostFunc", "cuLaunchHostFunc_ptsz", "cudaLaunchHostFunc", "cudaLaunchHostFunc_ptsz"}
+UNGATED_BY_DESIGN = {
+    "cuLaunchHostFunc",
+    "cuLaunchHostFunc_ptsz",
+    "cudaLaunchHostFunc",
+    "cudaLaunchHostFunc_ptsz",
+}
 KNOWN_GAPS = {
-    n: "deprecated pre-CUDA-4 launch API, still declared in CUDA 13's cuda.h (so still part of the driver API), "
-       "launches a kernel but is missing from api_driver.def, so it bypasses the gate"
+    n: "deprecated pre-CUDA-4 launch API, still declared in CUDA 13's cuda.h (so still part of the "
+    "driver API), launches a kernel but is missing from api_driver.def, so it bypasses the gate"
     for n in ("cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync")
 }
-KNOWN_GAPS.update({
-    n: "cudart's discard-and-prefetch (CUDA 13) is missing from api_cudart.def although the driver's "
-       "cuMemDiscardAndPrefetchBatchAsync is gated as PREFETCH; cudart reaches the driver through its "
-       "private export table, so this call bypasses the gate"
-    for n in ("cudaMemDiscardAndPrefetchBatchAsync", "cudaMemDiscardAndPrefetchBatchAsync_ptsz")
-})
+KNOWN_GAPS.update(
+    {
+        n: "cudart's discard-and-prefetch (CUDA 13) is missing from api_cudart.def although the driver's "
+        "cuMemDiscardAndPrefetchBatchAsync is gated as PREFETCH; cudart reaches the driver through its "
+        "private export table, so this call bypasses the gate"
+        for n in ("cudaMemDiscardAndPrefetchBatchAsync", "cudaMemDiscardAndPrefetchBatchAsync_ptsz")
+    }
+)
 
 
 def _vendor_submission_names() -> list[str]:
     if ROOT is None:
         return []
     src = "#include <cuda.h>\n#include <cuda_runtime_api.h>\n"
-    out = subprocess.run([CC, "-E", "-P", "-D__CUDA_API_VERSION_INTERNAL", f"-I{ROOT / 'include'}", "-x", "c", "-"],
-                         input=src, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [CC, "-E", "-P", "-D__CUDA_API_VERSION_INTERNAL", f"-I{ROOT / 'include'}", "-x", "c", "-"],
+        input=src,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     names = set(re.findall(r"\b(?:CUresult|cudaError_t)\s+(\w+)\s*\(", out))
     return sorted(n for n in names if GATED_FAMILY.match(n) and n not in UNGATED_BY_DESIGN)
 
@@ -220,10 +247,13 @@ def test_vendor_names_found() -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])) if n in KNOWN_GAPS else n
-    for n in VENDOR_NAMES
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])) if n in KNOWN_GAPS else n
+        for n in VENDOR_NAMES
+    ],
+)
 def test_vendor_submission_entry_is_gated(name: str) -> None:
     """Every kernel/copy/memset/prefetch/graph entry point the CUDA 13 headers
     declare (default, per-thread and legacy-ABI variants) has a gated table row."""
@@ -233,6 +263,7 @@ def test_vendor_submission_entry_is_gated(name: str) -> None:
 
 
 # ----------------------------------------------------------------- (b) well formed
+
 
 def test_rows_parsed() -> None:
     counts = Counter(r.api for r in ROWS)
@@ -298,13 +329,36 @@ def test_every_lookup_target_is_a_row_of_its_api() -> None:
 
 
 DESIGN_ENTRIES = [
-    "__cudaLaunchKernel", "__cudaLaunchKernel_ptsz", "cudaLaunchKernel", "cudaLaunchKernel_ptsz",
-    "cudaLaunchKernelExC", "cudaLaunchKernelExC_ptsz", "cudaLaunchCooperativeKernel",
-    "cudaLaunchCooperativeKernel_ptsz", "cudaGraphLaunch", "cudaGraphLaunch_ptsz", "cudaMemcpyAsync",
-    "cudaMemPrefetchAsync", "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
-    "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernelMultiDevice", "cuGraphLaunch", "cuGraphLaunch_ptsz",
-    "cuGraphUpload", "hipLaunchKernel", "hipModuleLaunchKernel", "hipExtModuleLaunchKernel", "hipExtLaunchKernel",
-    "hipGraphLaunch", "hipMemcpyAsync", "hipMemsetAsync", "hipMemPrefetchAsync", "hipLaunchKernel_spt",
+    "__cudaLaunchKernel",
+    "__cudaLaunchKernel_ptsz",
+    "cudaLaunchKernel",
+    "cudaLaunchKernel_ptsz",
+    "cudaLaunchKernelExC",
+    "cudaLaunchKernelExC_ptsz",
+    "cudaLaunchCooperativeKernel",
+    "cudaLaunchCooperativeKernel_ptsz",
+    "cudaGraphLaunch",
+    "cudaGraphLaunch_ptsz",
+    "cudaMemcpyAsync",
+    "cudaMemPrefetchAsync",
+    "cuLaunchKernel",
+    "cuLaunchKernel_ptsz",
+    "cuLaunchKernelEx",
+    "cuLaunchKernelEx_ptsz",
+    "cuLaunchCooperativeKernel",
+    "cuLaunchCooperativeKernelMultiDevice",
+    "cuGraphLaunch",
+    "cuGraphLaunch_ptsz",
+    "cuGraphUpload",
+    "hipLaunchKernel",
+    "hipModuleLaunchKernel",
+    "hipExtModuleLaunchKernel",
+    "hipExtLaunchKernel",
+    "hipGraphLaunch",
+    "hipMemcpyAsync",
+    "hipMemsetAsync",
+    "hipMemPrefetchAsync",
+    "hipLaunchKernel_spt",
 ]
 DESIGN_LOOKUPS = ["cuGetProcAddress", "cuGetProcAddress_v2", "cudaGetDriverEntryPoint", "hipGetProcAddress"]
 
@@ -323,8 +377,10 @@ def test_driver_covers_every_gated_row() -> None:
     gated = [r for r in ROWS if r.gated]
     missing = [(r.name, p) for r in gated for p in ("direct", "dlsym") if (r.name, p) not in listed]
     assert not missing, missing
-    for api, paths in (("driver", ("gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt")),
-                       ("hip", ("hip_gpa", "hip_gpa_pt"))):
+    for api, paths in (
+        ("driver", ("gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt")),
+        ("hip", ("hip_gpa", "hip_gpa_pt")),
+    ):
         via_lookup = {n for n, p in listed if p in paths}
         lookups = {r.lookup for r in gated if r.api == api and r.variant != "V1"}
         reached = {r.lookup for r in gated if r.name in via_lookup}
@@ -334,24 +390,52 @@ def test_driver_covers_every_gated_row() -> None:
 # ----------------------------------------------------------- (c) by-value layouts
 
 LAYOUT_EXPRS = [
-    "sizeof(dim3)", "sizeof(struct cudaPitchedPtr)", "sizeof(struct cudaExtent)",
-    "sizeof(struct cudaMemLocation)", "sizeof(CUmemLocation)",
-    "offsetof(CUlaunchConfig, hStream)", "offsetof(cudaLaunchConfig_t, stream)",
-    "offsetof(struct cudaPitchedPtr, pitch)", "offsetof(struct cudaPitchedPtr, ysize)",
-    "offsetof(struct cudaExtent, depth)", "offsetof(struct cudaMemLocation, id)", "offsetof(CUmemLocation, id)",
-    "sizeof(CUlaunchConfig)", "offsetof(CUlaunchConfig, gridDimX)", "offsetof(CUlaunchConfig, sharedMemBytes)",
-    "offsetof(CUlaunchConfig, attrs)", "offsetof(CUlaunchConfig, numAttrs)",
-    "sizeof(cudaLaunchConfig_t)", "offsetof(cudaLaunchConfig_t, gridDim)", "offsetof(cudaLaunchConfig_t, blockDim)",
-    "offsetof(cudaLaunchConfig_t, dynamicSmemBytes)", "offsetof(cudaLaunchConfig_t, attrs)",
+    "sizeof(dim3)",
+    "sizeof(struct cudaPitchedPtr)",
+    "sizeof(struct cudaExtent)",
+    "sizeof(struct cudaMemLocation)",
+    "sizeof(CUmemLocation)",
+    "offsetof(CUlaunchConfig, hStream)",
+    "offsetof(cudaLaunchConfig_t, stream)",
+    "offsetof(struct cudaPitchedPtr, pitch)",
+    "offsetof(struct cudaPitchedPtr, ysize)",
+    "offsetof(struct cudaExtent, depth)",
+    "offsetof(struct cudaMemLocation, id)",
+    "offsetof(CUmemLocation, id)",
+    "sizeof(CUlaunchConfig)",
+    "offsetof(CUlaunchConfig, gridDimX)",
+    "offsetof(CUlaunchConfig, sharedMemBytes)",
+    "offsetof(CUlaunchConfig, attrs)",
+    "offsetof(CUlaunchConfig, numAttrs)",
+    "sizeof(cudaLaunchConfig_t)",
+    "offsetof(cudaLaunchConfig_t, gridDim)",
+    "offsetof(cudaLaunchConfig_t, blockDim)",
+    "offsetof(cudaLaunchConfig_t, dynamicSmemBytes)",
+    "offsetof(cudaLaunchConfig_t, attrs)",
     "offsetof(cudaLaunchConfig_t, numAttrs)",
-    "sizeof(CUDA_LAUNCH_PARAMS)", "offsetof(CUDA_LAUNCH_PARAMS, gridDimX)", "offsetof(CUDA_LAUNCH_PARAMS, hStream)",
+    "sizeof(CUDA_LAUNCH_PARAMS)",
+    "offsetof(CUDA_LAUNCH_PARAMS, gridDimX)",
+    "offsetof(CUDA_LAUNCH_PARAMS, hStream)",
     "offsetof(CUDA_LAUNCH_PARAMS, kernelParams)",
-    "sizeof(CUresult)", "sizeof(cudaError_t)", "sizeof(CUdevice)", "sizeof(CUdeviceptr)", "sizeof(CUdeviceptr_v1)",
-    "sizeof(cuuint64_t)", "sizeof(enum cudaMemcpyKind)", "sizeof(CUstreamCaptureMode)",
-    "sizeof(CUdriverProcAddressQueryResult)", "sizeof(enum cudaDriverEntryPointQueryResult)",
-    "CUDA_SUCCESS", "CUDA_ERROR_NOT_FOUND", "cudaSuccess", "cudaErrorInitializationError",
-    "CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM", "cudaEnablePerThreadDefaultStream",
-    "CU_STREAM_CAPTURE_MODE_RELAXED", "cudaMemcpyHostToDevice", "cudaMemcpyDefault",
+    "sizeof(CUresult)",
+    "sizeof(cudaError_t)",
+    "sizeof(CUdevice)",
+    "sizeof(CUdeviceptr)",
+    "sizeof(CUdeviceptr_v1)",
+    "sizeof(cuuint64_t)",
+    "sizeof(enum cudaMemcpyKind)",
+    "sizeof(CUstreamCaptureMode)",
+    "sizeof(CUdriverProcAddressQueryResult)",
+    "sizeof(enum cudaDriverEntryPointQueryResult)",
+    "CUDA_SUCCESS",
+    "CUDA_ERROR_NOT_FOUND",
+    "cudaSuccess",
+    "cudaErrorInitializationError",
+    "CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM",
+    "cudaEnablePerThreadDefaultStream",
+    "CU_STREAM_CAPTURE_MODE_RELAXED",
+    "cudaMemcpyHostToDevice",
+    "cudaMemcpyDefault",
     # (ours, vendor) where the names differ
     ("KREX_ERR_CAPTURE_INVALIDATED", "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
     ("KREX_ERR_CAPTURE_INVALIDATED", "cudaErrorStreamCaptureInvalidated"),
@@ -367,8 +451,12 @@ def _print_exprs(tmp: Path, tag: str, includes: list[str], flags: list[str]) -> 
     exprs = [e if isinstance(e, str) else e[side] for e in LAYOUT_EXPRS]
     body = "\n".join(f'printf("%lld\\n", (long long)({e}));' for e in exprs)
     src = tmp / f"{tag}.c"
-    src.write_text("\n".join(["#include <stdio.h>", "#include <stddef.h>", *includes,
-                              "int main(void) {", body, "return 0; }"]) + "\n")
+    src.write_text(
+        "\n".join(
+            ["#include <stdio.h>", "#include <stddef.h>", *includes, "int main(void) {", body, "return 0; }"]
+        )
+        + "\n"
+    )
     exe = tmp / tag
     p = subprocess.run([CC, "-O0", *flags, "-o", str(exe), str(src)], capture_output=True, text=True)
     assert p.returncode == 0, f"{tag}: {p.stderr[-3000:]}"
@@ -381,8 +469,12 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, int], d
     assert ROOT is not None
     tmp = tmp_path_factory.mktemp("layouts")
     ours = _print_exprs(tmp, "ours", ['#include "krex_cuda_types.h"'], [f"-I{INTERPOSE}"])
-    vendor = _print_exprs(tmp, "vendor", ["#include <cuda.h>", "#include <cuda_runtime_api.h>"],
-                          ["-D__CUDA_API_VERSION_INTERNAL", f"-I{ROOT / 'include'}"])
+    vendor = _print_exprs(
+        tmp,
+        "vendor",
+        ["#include <cuda.h>", "#include <cuda_runtime_api.h>"],
+        ["-D__CUDA_API_VERSION_INTERNAL", f"-I{ROOT / 'include'}"],
+    )
     return ours, vendor
 
 

@@ -1,0 +1,204 @@
+"""Test victim for tests/integration/test_regions.py: one Python process that
+uses the simulated GPU through ctypes (under `krex run` the shim gates it) and
+the Python region API.
+
+    cp_worker.py MODE OUT_DIR [options]
+
+Modes (every output file is written atomically into OUT_DIR, named after --name):
+  regions  N regions in a loop; each launches --kernels kernels of --us us, then
+           synchronises and sleeps --sleep-ms. Records CLOCK_MONOTONIC right after
+           the region is granted (t_grant) and right before it is left (t_end),
+           the grant, and the thread affinity inside and after the region.
+           Output: NAME.json {"pid", "regions": [...], "errors": [...]}
+  hammer   until NAME.stop appears (or --seconds): launch a --us kernel, synchronise,
+           burn ~1 ms of CPU, bump a progress counter. The counter and the time of
+           the last bump live in NAME.progress (two int64: counter, monotonic ns,
+           plus the pid) through a shared mapping, so a test can read it live.
+           With --long-us, first queue one kernel that long and write NAME.ready.
+           At the end: NAME.json {"pid", "ticks": [monotonic ns of every bump]}
+  hold     enter a region, write NAME.ready ({"pid", "grant", "t_grant"}), then
+           sleep inside it until NAME.stop appears (forever if it never does).
+           Output: NAME.json {"pid", "t_end", "end": reply or error}
+  end      send {"op": "end"} on a fresh connection (krex.client.Client) without
+           ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
+class Gpu:
+    """The three runtime calls we need from the simulated libcudart."""
+
+    def __init__(self) -> None:
+        from krex.native import sim_dir
+
+        self.lib = ctypes.CDLL(str(sim_dir() / "libcudart.so.13"))
+        vp = ctypes.c_void_p
+        self.launch = self.lib.cudaLaunchKernel
+        self.launch.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+        self.launch.restype = ctypes.c_int
+        self.sync = self.lib.cudaDeviceSynchronize
+        self.sync.argtypes = []
+        self.sync.restype = ctypes.c_int
+        self.func = ctypes.cast(self.sync, vp)
+
+    def kernel(self, us: int) -> None:
+        rc = self.launch(self.func, Dim3(us, 1, 1), Dim3(1, 1, 1), None, 0, None)
+        if rc != 0:
+            raise RuntimeError(f"cudaLaunchKernel returned {rc}")
+
+    def synchronize(self) -> None:
+        rc = self.sync()
+        if rc != 0:
+            raise RuntimeError(f"cudaDeviceSynchronize returned {rc}")
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def mode_regions(a: argparse.Namespace, out: Path) -> int:
+    import krex
+    from krex.errors import KrexError
+
+    gpu = Gpu()
+    gpu.kernel(a.us)  # a context and a helper thread before the first region
+    gpu.synchronize()
+    recs: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for i in range(a.n):
+        if a.gap_kernels:
+            for _ in range(a.gap_kernels):
+                gpu.kernel(a.us)
+            gpu.synchronize()
+        try:
+            before = sorted(os.sched_getaffinity(0))
+            with krex.region() as r:
+                t_grant = time.monotonic_ns()
+                inside = sorted(os.sched_getaffinity(0))
+                for _ in range(a.kernels):
+                    gpu.kernel(a.us)
+                gpu.synchronize()
+                if a.sleep_ms:
+                    time.sleep(a.sleep_ms / 1000)
+                t_end = time.monotonic_ns()
+            after = sorted(os.sched_getaffinity(0))
+            recs.append({"i": i, "t_grant": t_grant, "t_end": t_end, "grant": r.grant, "summary": r.summary,
+                         "aff_before": before, "aff_inside": inside, "aff_after": after,
+                         "tid": threading.get_native_id()})
+        except KrexError as e:
+            errors.append(f"region {i}: {type(e).__name__}: {e}")
+        if a.pause_ms:
+            time.sleep(a.pause_ms / 1000)
+    write_json(out / f"{a.name}.json", {"pid": os.getpid(), "regions": recs, "errors": errors})
+    return 1 if errors else 0
+
+
+def mode_hammer(a: argparse.Namespace, out: Path) -> int:
+    gpu = Gpu()
+    prog = out / f"{a.name}.progress"
+    tmp = prog.with_name(prog.name + ".tmp")
+    tmp.write_bytes(struct.pack("qqq", 0, time.monotonic_ns(), os.getpid()))
+    os.replace(tmp, prog)
+    with open(prog, "r+b") as f:
+        mem = mmap.mmap(f.fileno(), 24)
+    stop = out / f"{a.name}.stop"
+    if a.long_us:
+        gpu.kernel(a.long_us)  # asynchronous: it returns at once and occupies the GPU long_us
+        write_json(out / f"{a.name}.ready", {"pid": os.getpid(), "t": time.monotonic_ns()})
+    deadline = time.monotonic() + a.seconds
+    ticks: list[int] = []
+    n = 0
+    while time.monotonic() < deadline and not stop.exists():
+        if a.us and not a.long_us:
+            gpu.kernel(a.us)
+            gpu.synchronize()
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+        n += 1
+        t = time.monotonic_ns()
+        ticks.append(t)
+        struct.pack_into("qq", mem, 0, n, t)
+    write_json(out / f"{a.name}.json", {"pid": os.getpid(), "ticks": ticks})
+    return 0
+
+
+def mode_hold(a: argparse.Namespace, out: Path) -> int:
+    import krex
+    from krex.errors import KrexError
+
+    gpu = Gpu()
+    gpu.kernel(a.us)
+    gpu.synchronize()
+    stop = out / f"{a.name}.stop"
+    result: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        with krex.region() as r:
+            t_grant = time.monotonic_ns()
+            write_json(out / f"{a.name}.ready", {"pid": os.getpid(), "grant": r.grant, "t_grant": t_grant})
+            while not stop.exists():
+                time.sleep(0.01)
+            result["t_end"] = time.monotonic_ns()
+        result["end"] = r.summary
+    except KrexError as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    write_json(out / f"{a.name}.json", result)
+    return 0
+
+
+def mode_end(a: argparse.Namespace, out: Path) -> int:
+    from krex.client import Client
+    from krex.errors import KrexError
+
+    c = Client.connect()
+    result: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        result["reply"] = c.request({"op": "end"})
+    except KrexError as e:
+        result["error"] = str(e)
+        result["kind"] = type(e).__name__
+    finally:
+        c.close()
+    write_json(out / f"{a.name}.json", result)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cp_worker")
+    p.add_argument("mode", choices=["regions", "hammer", "hold", "end"])
+    p.add_argument("out")
+    p.add_argument("--name", default="worker")
+    p.add_argument("-n", type=int, default=20, help="regions")
+    p.add_argument("--us", type=int, default=50, help="kernel length in microseconds")
+    p.add_argument("--kernels", type=int, default=2, help="kernels per region")
+    p.add_argument("--gap-kernels", type=int, default=0, help="kernels between regions")
+    p.add_argument("--sleep-ms", type=float, default=0.0, help="sleep inside each region")
+    p.add_argument("--pause-ms", type=float, default=0.0, help="sleep between regions")
+    p.add_argument("--seconds", type=float, default=60.0, help="upper bound on a hammer's life")
+    p.add_argument("--long-us", type=int, default=0, help="hammer: queue one kernel this long first")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    return {"regions": mode_regions, "hammer": mode_hammer, "hold": mode_hold, "end": mode_end}[a.mode](a, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
