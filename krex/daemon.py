@@ -15,6 +15,7 @@ out, or when the daemon stops (I4)."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import fcntl
 import os
@@ -98,6 +99,7 @@ class Daemon:
         self.seg: Segment
         self._lock_fd: int | None = None
         self._server: socket.socket | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
 
     # ------------------------------------------------------------------ setup
     def slots_per_gpu(self, gpu: int) -> int:
@@ -390,12 +392,18 @@ class Daemon:
             t1 = time.monotonic()
             with self.lock:
                 siblings = [s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot]
-            for s in siblings:
+            frozen.extend(siblings)
+            # All siblings at once: the kernel freezes cgroups concurrently, so entry
+            # costs the slowest group, not the sum.
+            futs = {s: self.pool.submit(s.group.freeze, self.cfg.freeze_timeout_s) for s in siblings}
+            for s, f in futs.items():
                 try:
-                    s.group.freeze(self.cfg.freeze_timeout_s)
+                    f.result()
                 except KrexError as e:
-                    reasons.append(f"slot {s.slot} did not freeze: {e}")
-                frozen.append(s)
+                    with self.lock:
+                        gone = s.slot not in self.slots  # the command ended meanwhile: nothing to freeze
+                    if not gone:
+                        reasons.append(f"slot {s.slot} did not freeze: {e}")
             t["freeze_s"] = time.monotonic() - t1
             t2 = time.monotonic()
             reserved = self.partition.slice_for(gpu).reserved
@@ -421,9 +429,9 @@ class Daemon:
                 with contextlib.suppress(KrexError):
                     cpus.restore_thread(req.tid, old_aff)
             t3 = time.monotonic()
-            for s in frozen:
+            for f in [self.pool.submit(s.group.thaw) for s in frozen]:
                 with contextlib.suppress(KrexError):
-                    s.group.thaw()
+                    f.result()
             thaw_s = time.monotonic() - t3
             self.seg.open_gate(gpu)
             if not req.granted.is_set():  # failed before the grant: tell the owner why

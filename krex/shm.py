@@ -271,10 +271,12 @@ class Segment:
         """Ask every sibling helper to synchronise its contexts and wait for the
         acks (protocol step 4). `count` is how many processes had to drain."""
         t0 = time.monotonic()
-        seq = int(lib.krex_drain_request(self.raw, gpu))
         owner = -1 if owner_slot is None else owner_slot
         pids = ffi.new("int64_t[256]")
-        initial = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, ffi.NULL, 0))
+        # Count who must drain BEFORE asking: a quick helper could ack in between.
+        nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
+        initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
+        seq = int(lib.krex_drain_request(self.raw, gpu))
         delay = 20e-6
         while True:
             n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))

@@ -25,7 +25,7 @@ def main() -> None:
     shim_env = dict(os.environ, **opt_in_env("gpu", seg.name), KREX_SLOT=str(slot), KREX_GPU="0")
     base_env = dict(os.environ)
     rows = []
-    for mode in ("rt", "drv"):
+    for mode in ("rt", "drv", "enq"):
         base, shim = [], []
         for _ in range(rounds):
             base.append(launch(binary, n, mode, base_env))

@@ -182,12 +182,14 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
     pthread_mutex_unlock(&g_lock);
     char f[512];
     const char *slot = getenv("KREX_SLOT");
+    char slotbuf[16] = "-1";
+    if (slot && *slot && strspn(slot, "0123456789") == strlen(slot) && strlen(slot) < sizeof slotbuf)
+        strcpy(slotbuf, slot); /* only digits reach the JSON */
     snprintf(f, sizeof f,
              "\"ev\":\"op\",\"api\":\"%s\",\"cls\":%d,\"gpu\":%d,\"stream\":%llu,\"submit\":%llu,"
              "\"start\":%llu,\"end\":%llu,\"args\":\"%016llx\",\"slot\":%s",
              api, cls, phys, (unsigned long long)(uintptr_t)stream, (unsigned long long)submit,
-             (unsigned long long)start, (unsigned long long)end, (unsigned long long)arghash,
-             slot && *slot ? slot : "-1");
+             (unsigned long long)start, (unsigned long long)end, (unsigned long long)arghash, slotbuf);
     simgpu_trace(f);
     if (sync) simgpu_sleep_until(end);
     return end;

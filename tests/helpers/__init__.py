@@ -270,6 +270,24 @@ class Child:
                 pass
 
 
+def stop_process(pid: int, timeout: float = 10) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is really stopped:
+    kill() returns before a thread running on another CPU has noticed."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            if stat[stat.rindex(")") + 2] not in "tT":
+                return False
+        return True
+
+    wait_until(stopped, timeout, f"pid {pid} to stop")
+
+
 # --------------------------------------------------------------------- harness
 
 

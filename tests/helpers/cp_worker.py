@@ -8,7 +8,8 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
   regions  N regions in a loop; each launches --kernels kernels of --us us, then
            synchronises and sleeps --sleep-ms. Records CLOCK_MONOTONIC right after
            the region is granted (t_grant) and right before it is left (t_end),
-           the grant, and the thread affinity inside and after the region.
+           the grant, and the thread affinity inside and after the region. --go FILE:
+           write NAME.waiting after warming up, start once FILE exists.
            Output: NAME.json {"pid", "regions": [...], "errors": [...]}
   hammer   until NAME.stop appears (or --seconds): launch a --us kernel, synchronise,
            burn ~1 ms of CPU, bump a progress counter. The counter and the time of
@@ -16,11 +17,13 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            plus the pid) through a shared mapping, so a test can read it live.
            With --long-us, first queue one kernel that long and write NAME.ready.
            At the end: NAME.json {"pid", "ticks": [monotonic ns of every bump]}
-  hold     enter a region, write NAME.ready ({"pid", "grant", "t_grant"}), then
+  hold     enter a region (with --child-end, first run `end` as a child process of the
+           same command), write NAME.ready ({"pid", "grant", "t_grant"}), then
            sleep inside it until NAME.stop appears (forever if it never does).
            Output: NAME.json {"pid", "t_end", "end": reply or error}
   end      send {"op": "end"} on a fresh connection (krex.client.Client) without
-           ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}
+           ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}; on an
+           error it also prints it on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -79,9 +82,15 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
     import krex
     from krex.errors import KrexError
 
+    if a.affinity:
+        os.sched_setaffinity(0, [int(c) for c in a.affinity.split(",")])
     gpu = Gpu()
     gpu.kernel(a.us)  # a context and a helper thread before the first region
     gpu.synchronize()
+    if a.go:
+        write_json(out / f"{a.name}.waiting", {"pid": os.getpid()})
+        while not Path(a.go).exists():
+            time.sleep(0.001)
     recs: list[dict[str, Any]] = []
     errors: list[str] = []
     for i in range(a.n):
@@ -91,6 +100,7 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
             gpu.synchronize()
         try:
             before = sorted(os.sched_getaffinity(0))
+            t_request = time.monotonic_ns()
             with krex.region() as r:
                 t_grant = time.monotonic_ns()
                 inside = sorted(os.sched_getaffinity(0))
@@ -101,8 +111,8 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
                     time.sleep(a.sleep_ms / 1000)
                 t_end = time.monotonic_ns()
             after = sorted(os.sched_getaffinity(0))
-            recs.append({"i": i, "t_grant": t_grant, "t_end": t_end, "grant": r.grant, "summary": r.summary,
-                         "aff_before": before, "aff_inside": inside, "aff_after": after,
+            recs.append({"i": i, "t_request": t_request, "t_grant": t_grant, "t_end": t_end, "grant": r.grant,
+                         "summary": r.summary, "aff_before": before, "aff_inside": inside, "aff_after": after,
                          "tid": threading.get_native_id()})
         except KrexError as e:
             errors.append(f"region {i}: {type(e).__name__}: {e}")
@@ -122,6 +132,9 @@ def mode_hammer(a: argparse.Namespace, out: Path) -> int:
         mem = mmap.mmap(f.fileno(), 24)
     stop = out / f"{a.name}.stop"
     if a.long_us:
+        if a.trigger:
+            while not Path(a.trigger).exists():
+                time.sleep(0.001)
         gpu.kernel(a.long_us)  # asynchronous: it returns at once and occupies the GPU long_us
         write_json(out / f"{a.name}.ready", {"pid": os.getpid(), "t": time.monotonic_ns()})
     deadline = time.monotonic() + a.seconds
@@ -154,6 +167,12 @@ def mode_hold(a: argparse.Namespace, out: Path) -> int:
     try:
         with krex.region() as r:
             t_grant = time.monotonic_ns()
+            if a.child_end:
+                # Another process of the same command (same slot), on a connection of its own.
+                import subprocess
+
+                subprocess.run([sys.executable, __file__, "end", str(out), "--name", f"{a.name}-child"],
+                               check=False, timeout=30)
             write_json(out / f"{a.name}.ready", {"pid": os.getpid(), "grant": r.grant, "t_grant": t_grant})
             while not stop.exists():
                 time.sleep(0.01)
@@ -176,10 +195,11 @@ def mode_end(a: argparse.Namespace, out: Path) -> int:
     except KrexError as e:
         result["error"] = str(e)
         result["kind"] = type(e).__name__
+        print(f"cp_worker: error: {e}", file=sys.stderr)
     finally:
         c.close()
     write_json(out / f"{a.name}.json", result)
-    return 0
+    return 1 if "error" in result else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,9 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause-ms", type=float, default=0.0, help="sleep between regions")
     p.add_argument("--seconds", type=float, default=60.0, help="upper bound on a hammer's life")
     p.add_argument("--long-us", type=int, default=0, help="hammer: queue one kernel this long first")
+    p.add_argument("--trigger", default="", help="hammer: queue the long kernel once this file exists")
+    p.add_argument("--go", default="", help="regions: start the first region once this file exists")
+    p.add_argument("--affinity", default="", help="regions: CPU list to run on (comma-separated)")
+    p.add_argument("--child-end", action="store_true", help="hold: a child process sends END in the region")
     a = p.parse_args(argv)
     out = Path(a.out)
-    return {"regions": mode_regions, "hammer": mode_hammer, "hold": mode_hold, "end": mode_end}[a.mode](a, out)
+    modes = {"regions": mode_regions, "hammer": mode_hammer, "hold": mode_hold, "end": mode_end}
+    return modes[a.mode](a, out)
 
 
 if __name__ == "__main__":

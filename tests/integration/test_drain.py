@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from helpers import Child, Harness, wait_until
+from helpers import Child, Harness, stop_process, wait_until
 
 import krex.shm
 from krex.native import lib
@@ -70,7 +72,7 @@ def test_drain_skips_idle_and_owner_processes(harness: Harness) -> None:
     _submitted(mine)
     try:
         for c in (idle, mine):
-            os.kill(c.pid, signal.SIGSTOP)
+            stop_process(c.pid)
         _close(h, owner)
         res = h.seg.drain(0, owner, timeout=2)
         assert res.ok and res.count == 0 and res.stragglers == [], res
@@ -85,7 +87,7 @@ def test_drain_reports_a_stopped_sibling(harness: Harness) -> None:
     child = h.spawn("actor", ["k:5", "line"], h.env(sib))
     _submitted(child)
     wait_until(lambda: h.proc(child.pid), 10, "the sibling's process record")
-    os.kill(child.pid, signal.SIGSTOP)
+    stop_process(child.pid)
     try:
         _close(h, owner)
         res = h.seg.drain(0, owner, timeout=0.5)
@@ -100,29 +102,23 @@ def test_drain_reports_a_stopped_sibling(harness: Harness) -> None:
 
 
 class _PreemptedLib:
-    """krex.native.lib, except that the controller is descheduled for 50 ms
-    right after krex_drain_request (as a loaded 2-core machine may do)."""
+    """krex.native.lib, except that the controller loses the CPU right after
+    krex_drain_request until the sibling's helper has acked (as can happen on a
+    loaded 2-core machine): a deterministic replay of that interleaving."""
 
-    def __init__(self, real: object) -> None:
+    def __init__(self, real: Any, acked: Callable[[int], bool]) -> None:
         self._real = real
+        self._acked = acked
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def krex_drain_request(self, shm: object, gpu: int) -> int:
-        seq = self._real.krex_drain_request(shm, gpu)
-        time.sleep(0.05)
+    def krex_drain_request(self, shm: Any, gpu: int) -> int:
+        seq = int(self._real.krex_drain_request(shm, gpu))
+        wait_until(lambda: self._acked(seq), 10, "the helper's ack")
         return seq
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "krex/shm.py Segment.drain computes `count` with krex_drain_pending AFTER krex_drain_request; "
-        "a helper that acks in between (idle work, controller preempted) is not counted, so count "
-        "reports 0 for a sibling that did drain"
-    ),
-)
 def test_drain_count_survives_controller_preemption(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,7 +128,7 @@ def test_drain_count_survives_controller_preemption(
     _submitted(child)
     wait_until(lambda: h.proc(child.pid), 10, "the sibling's process record")
     _close(h, owner)
-    monkeypatch.setattr(krex.shm, "lib", _PreemptedLib(lib))
+    monkeypatch.setattr(krex.shm, "lib", _PreemptedLib(lib, lambda seq: h.proc(child.pid).drain_ack == seq))
     res = h.seg.drain(0, owner, timeout=10)
     assert res.ok, res
     assert h.proc(child.pid).drains == 1, "the sibling's helper drained"

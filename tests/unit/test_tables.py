@@ -208,20 +208,6 @@ UNGATED_BY_DESIGN = {
     "cudaLaunchHostFunc",
     "cudaLaunchHostFunc_ptsz",
 }
-KNOWN_GAPS = {
-    n: "deprecated pre-CUDA-4 launch API, still declared in CUDA 13's cuda.h (so still part of the "
-    "driver API), launches a kernel but is missing from api_driver.def, so it bypasses the gate"
-    for n in ("cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync")
-}
-KNOWN_GAPS.update(
-    {
-        n: "cudart's discard-and-prefetch (CUDA 13) is missing from api_cudart.def although the driver's "
-        "cuMemDiscardAndPrefetchBatchAsync is gated as PREFETCH; cudart reaches the driver through its "
-        "private export table, so this call bypasses the gate"
-        for n in ("cudaMemDiscardAndPrefetchBatchAsync", "cudaMemDiscardAndPrefetchBatchAsync_ptsz")
-    }
-)
-
 
 def _vendor_submission_names() -> list[str]:
     if ROOT is None:
@@ -249,10 +235,7 @@ def test_vendor_names_found() -> None:
 @needs_cuda
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])) if n in KNOWN_GAPS else n
-        for n in VENDOR_NAMES
-    ],
+    VENDOR_NAMES,
 )
 def test_vendor_submission_entry_is_gated(name: str) -> None:
     """Every kernel/copy/memset/prefetch/graph entry point the CUDA 13 headers

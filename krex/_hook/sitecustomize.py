@@ -1,0 +1,81 @@
+"""KREX bootstrap for automatic regions (see docs/auto-regions.md).
+
+This directory goes on PYTHONPATH (`krex env` puts it there). Python imports
+the first sitecustomize it finds on sys.path at start-up; this one
+
+1. does nothing else but `import os` and a look at KREX_AUTO_REGION when the
+   variable is unset, empty or "0" (no krex import, no import hook);
+2. otherwise imports krex.autoregion and installs the import hook;
+3. in both cases runs the next sitecustomize on sys.path, if there is one, so a
+   sitecustomize of the user's or the distribution's is never hidden.
+
+An error (a malformed KREX_AUTO_REGION, krex not importable by this
+interpreter) is raised after the chained sitecustomize has run; Python's site
+module reports it on stderr as "Error in sitecustomize" and the program goes
+on, without automatic regions."""
+
+import os
+
+
+def _candidate(entry: str) -> bool:
+    """Cheap check: could sys.path entry `entry` hold a module named sitecustomize?"""
+    d = entry or "."
+    if not os.path.isdir(d):
+        return os.path.isfile(d)  # a zip or egg: let the real finder decide
+    import _imp
+
+    names = ["sitecustomize.py", "sitecustomize.pyc", os.path.join("sitecustomize", "__init__.py")]
+    names += ["sitecustomize" + suffix for suffix in _imp.extension_suffixes()]
+    return any(os.path.exists(os.path.join(d, n)) for n in names)
+
+
+def _chain() -> None:
+    import sys
+
+    def norm(p: str) -> str:
+        return os.path.normcase(os.path.realpath(p or "."))
+
+    here = norm(os.path.dirname(os.path.abspath(__file__)))
+    normed = [norm(p) if isinstance(p, str) else "" for p in sys.path]  # (old Pythons: no zip strict)
+    start = normed.index(here) + 1 if here in normed else 0
+    later = [sys.path[i] for i in range(start, len(normed)) if normed[i] and normed[i] != here]
+    if not any(_candidate(p) for p in later):
+        return
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
+
+    spec = PathFinder.find_spec("sitecustomize", later)
+    if spec is None or spec.loader is None:
+        return
+    module = module_from_spec(spec)
+    sys.modules["sitecustomize"] = module  # what `import sitecustomize` would have given
+    spec.loader.exec_module(module)
+
+
+def _main() -> None:
+    err: BaseException | None = None
+    value = os.environ.get("KREX_AUTO_REGION", "").strip()
+    if value and value != "0":
+        try:
+            from krex import autoregion
+        except ImportError as e:
+            import sys
+
+            err = ImportError(f"KREX_AUTO_REGION is set but {sys.executable} cannot import krex ({e}); "
+                              "install krex into this environment or unset KREX_AUTO_REGION")
+        else:
+            try:
+                autoregion.install(value)
+            except Exception as e:
+                fix = getattr(e, "fix", "")
+                if fix:
+                    e.args = (f"{e.args[0] if e.args else e}\n  fix: {fix}",)
+                err = e
+    try:
+        _chain()
+    finally:
+        if err is not None:
+            raise err
+
+
+_main()

@@ -1,0 +1,566 @@
+"""`krex batch`: run a file of commands under KREX, at most N at a time.
+
+Each command runs as its own `krex run` guardian *process*
+(``python -m krex.cli.main run --report F -- ...``), not a thread: a guardian
+installs signal handlers, forwards signals to its command's process group and
+thaws its own command if the daemon dies (I5), and all of that only works in a
+process of its own. Every guardian gets a process group of its own, so a
+Ctrl-C on the terminal reaches only the batch, which then forwards exactly one
+SIGINT to each running guardian (and escalates if they do not finish). (A
+session of its own, in fact: that is the same for the guardian, which needs no
+terminal, and it type-checks on Python 3.10, which lacks Popen(process_group=).)
+
+Input (`load_commands` / `parse_commands`):
+
+* a text file with one shell command per line, run as ``/bin/sh -c LINE``
+  (blank lines and lines starting with ``#`` are skipped), or
+* a JSON list whose items are argv lists (``[["python", "bench.py"], ...]``),
+  run without a shell; a plain string item is a shell line. A file named
+  ``*.json`` must be JSON; any other file is JSON if it starts with ``[`` and
+  parses as a list, else lines.
+
+Output (in `out_dir`): per command ``cmd-NNN.json`` (argv, exit status, wall
+time, stdout/stderr paths, and the `krex run` report: regions, waits, gate
+blocks, contamination), ``cmd-NNN.stdout`` and ``cmd-NNN.stderr``, and
+``summary.json`` (see `summarize`).
+
+The library never prints: progress goes to the `progress` callback as
+`BatchEvent`s, called on the thread that called `run_batch`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import queue
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from krex.errors import KrexError, NotFound, PermissionDenied, UsageError
+
+__all__ = [
+    "BatchCommand",
+    "BatchEvent",
+    "BatchFailed",
+    "BatchSummary",
+    "CommandResult",
+    "check_args",
+    "default_out_dir",
+    "load_commands",
+    "parse_commands",
+    "percentile",
+    "run_batch",
+    "summarize",
+]
+
+SHELL = "/bin/sh"
+FILE_HELP = "FILE holds one shell command per line (# comments), or a JSON list of argv lists"
+TICK_S = 0.5
+GRACE_S = 10.0  # after a cancel: how long guardians get for each escalation step (SIGINT, SIGTERM)
+
+
+class BatchFailed(KrexError):
+    """Some commands of a batch exited non-zero (everything was still written)."""
+
+    exit_code = 1
+
+
+# --------------------------------------------------------------------------------------- input
+
+
+@dataclass(frozen=True)
+class BatchCommand:
+    index: int  # 1-based position among the commands (comments and blank lines not counted)
+    argv: list[str]  # what `krex run` is given
+    line: str | None = None  # the shell line it came from, None for an argv item
+    source_line: int | None = None  # line number in the file, for text input
+
+    @property
+    def display(self) -> str:
+        return self.line if self.line is not None else shlex.join(self.argv)
+
+
+def _shell(index: int, line: str, source_line: int | None = None) -> BatchCommand:
+    return BatchCommand(index, [SHELL, "-c", line], line, source_line)
+
+
+def _from_json(data: Any, source: str) -> list[BatchCommand]:
+    if not isinstance(data, list):
+        raise UsageError(f"{source}: the JSON must be a list of commands, got {type(data).__name__}",
+                         'write e.g. [["python", "bench.py", "--n", "1"], ["./bench2"]]')
+    out: list[BatchCommand] = []
+    for i, item in enumerate(data):
+        where = f"{source}: item {i} ({json.dumps(item)[:60]})"
+        if isinstance(item, str):
+            if not item.strip():
+                raise UsageError(f"{where} is an empty command", "remove it, or give a command")
+            out.append(_shell(len(out) + 1, item.strip()))
+        elif isinstance(item, list) and item and all(isinstance(a, str) for a in item) and item[0]:
+            out.append(BatchCommand(len(out) + 1, list(item)))
+        else:
+            raise UsageError(f"{where} is not an argv list",
+                             "each item must be a non-empty list of strings (or a shell command string)")
+    return out
+
+
+def parse_commands(text: str, source: str = "<input>", force_json: bool = False) -> list[BatchCommand]:
+    """Parse batch input (see the module docstring). Raises UsageError when no command is in it."""
+    stripped = text.strip()
+    commands: list[BatchCommand] | None = None
+    if force_json or stripped.startswith("["):
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            if force_json:
+                raise UsageError(f"{source} is not valid JSON: {e}",
+                                 'give a JSON list of argv lists, e.g. [["python", "bench.py"]]') from None
+        else:
+            if force_json or isinstance(data, list):
+                commands = _from_json(data, source)
+    if commands is None:
+        commands = []
+        for no, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if line and not line.startswith("#"):
+                commands.append(_shell(len(commands) + 1, line, no))
+    if not commands:
+        raise UsageError(f"{source} holds no command", FILE_HELP)
+    return commands
+
+
+def load_commands(path: str) -> list[BatchCommand]:
+    """Read a batch file; ``-`` reads standard input."""
+    if path == "-":
+        return parse_commands(sys.stdin.read(), "<stdin>")
+    p = Path(path)
+    if not p.exists():
+        raise NotFound(f"batch file {path} does not exist", f"check the path; {FILE_HELP}")
+    if p.is_dir():
+        raise UsageError(f"batch file {path} is a directory", f"give a file; {FILE_HELP}")
+    try:
+        text = p.read_text(encoding="utf-8", errors="surrogateescape")
+    except PermissionError as e:
+        raise PermissionDenied(f"cannot read batch file {path}: {e.strerror}", "check its permissions") from e
+    except OSError as e:
+        raise KrexError(f"cannot read batch file {path}: {e.strerror}", "check the file") from e
+    return parse_commands(text, path, force_json=p.suffix.lower() == ".json")
+
+
+# -------------------------------------------------------------------------------------- output
+
+
+@dataclass
+class CommandResult:
+    command: BatchCommand
+    exit_status: int | None  # None: never started (the batch was cancelled first)
+    wall_s: float
+    started_at: float | None  # epoch seconds
+    ended_at: float | None
+    stdout: str
+    stderr: str
+    report: dict[str, Any] | None  # the `krex run --report` JSON; None if krex run wrote none
+    error: str | None = None  # why there is no report, or what went wrong around the command
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+    @property
+    def regions(self) -> list[dict[str, Any]]:
+        regs = (self.report or {}).get("regions") or []
+        return [r for r in regs if isinstance(r, dict)]
+
+    def to_json(self) -> dict[str, Any]:
+        regs = self.regions
+        return {
+            "index": self.command.index,
+            "command": self.command.display,
+            "argv": self.command.argv,
+            "shell": self.command.line is not None,
+            "source_line": self.command.source_line,
+            "exit_status": self.exit_status,
+            "ok": self.ok,
+            "not_run": self.exit_status is None,
+            "wall_s": round(self.wall_s, 6),
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "regions": len(regs),
+            "region_s": round(sum(_num(r.get("region_s")) for r in regs), 6),
+            "contaminated_regions": sum(1 for r in regs if r.get("contaminated")),
+            "warnings": self.warnings,
+            "error": self.error,
+            "report": self.report,
+        }
+
+
+def _num(v: Any) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _dist(values: Sequence[float]) -> dict[str, Any]:
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v, 6)
+
+    return {"count": len(values), "total_s": round(sum(values), 6), "p50_s": r(percentile(values, 50)),
+            "p95_s": r(percentile(values, 95)), "max_s": r(max(values) if values else None)}
+
+
+def summarize(results: Sequence[CommandResult], total_wall_s: float, jobs: int, device: str,
+              out_dir: str, interrupted: bool = False) -> dict[str, Any]:
+    """The batch summary (what summary.json holds). Pure: computed from the results only.
+
+    region_share = sum of region_s over all regions / sum of the commands' wall times.
+    region_waits: queue_wait_s of every region (time from asking for the GPU to the grant)."""
+    ran = [r for r in results if r.exit_status is not None]
+    failed = [r for r in ran if not r.ok]
+    regs = [reg for r in ran for reg in r.regions]
+    cmd_wall = sum(r.wall_s for r in ran)
+    region_s = sum(_num(reg.get("region_s")) for reg in regs)
+    admission = [_num((r.report or {}).get("admission_wait_s")) for r in ran if r.report]
+    return {
+        "commands": len(results),
+        "ran": len(ran),
+        "succeeded": len(ran) - len(failed),
+        "failures": len(failed),
+        "failed": [{"index": r.command.index, "exit_status": r.exit_status, "command": r.command.display,
+                    "stderr": r.stderr, "error": r.error} for r in failed],
+        "not_run": [r.command.index for r in results if r.exit_status is None],
+        "interrupted": interrupted,
+        "jobs": jobs,
+        "device": device,
+        "dir": out_dir,
+        "total_wall_s": round(total_wall_s, 6),
+        "command_wall_s": round(cmd_wall, 6),
+        "throughput_per_min": round(60.0 * len(ran) / total_wall_s, 3) if total_wall_s > 0 else None,
+        "regions": len(regs),
+        "region_s": round(region_s, 6),
+        "region_share": round(region_s / cmd_wall, 6) if cmd_wall > 0 else None,
+        "region_waits": _dist([_num(reg.get("queue_wait_s")) for reg in regs]),
+        "admission_waits": _dist(admission),
+        "contaminated_regions": sum(1 for reg in regs if reg.get("contaminated")),
+        "contaminated": [{"index": r.command.index, "reasons": reg.get("reasons", [])}
+                         for r in ran for reg in r.regions if reg.get("contaminated")],
+        "gate_blocks": sum(int(_num((r.report or {}).get("gate_blocks"))) for r in ran),
+        "fail_opens": sum(int(_num((r.report or {}).get("fail_opens"))) for r in ran),
+        "partition_degraded": any(bool(reg.get("partition_degraded")) for reg in regs),
+    }
+
+
+@dataclass
+class BatchSummary:
+    out_dir: Path
+    results: list[CommandResult]
+    data: dict[str, Any]  # summary.json
+
+    @property
+    def failures(self) -> int:
+        return int(self.data["failures"])
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.data["interrupted"])
+
+
+@dataclass
+class BatchEvent:
+    """Progress of a batch: `kind` "start" (a command started), "done" (one finished;
+    `result` set) or "tick" (time passed; sent about every TICK_S seconds)."""
+
+    kind: Literal["start", "done", "tick"]
+    total: int
+    done: int
+    running: int
+    failed: int
+    elapsed_s: float
+    command: BatchCommand | None = None
+    result: CommandResult | None = None
+    cancelling: bool = False
+
+
+def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    root = (base or Path.cwd()) / f"krex-batch-{stamp}"
+    p, n = root, 1
+    while p.exists():
+        n += 1
+        p = root.with_name(f"{root.name}-{n}")
+    return p
+
+
+def _prepare_dir(out_dir: Path) -> None:
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise UsageError(f"--out {out_dir} exists and is not a directory", "choose another --out")
+        if any(out_dir.iterdir()):
+            raise UsageError(f"--out {out_dir} is not empty",
+                             "choose a new directory (or leave --out away for ./krex-batch-<timestamp>/)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PermissionDenied(f"cannot create the output directory {out_dir}: {e.strerror}",
+                               "choose a writable --out") from e
+    if not os.access(out_dir, os.W_OK):
+        raise PermissionDenied(f"the output directory {out_dir} is not writable", "choose a writable --out")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _static_cudart_warning(cmd: BatchCommand) -> list[str]:
+    """`krex run` warns about a statically linked CUDA runtime, but for a shell line it
+    only sees /bin/sh; look at the line's first word ourselves."""
+    from krex.elfcheck import inspect
+
+    if cmd.line is not None:
+        try:
+            words = shlex.split(cmd.line)
+        except ValueError:
+            return []
+        if not words or "=" in words[0]:
+            return []
+        exe = words[0]
+    else:
+        exe = cmd.argv[0]
+    path = exe if "/" in exe else shutil.which(exe)
+    if not path or not os.path.isfile(path):
+        return []
+    if inspect(path).static_cudart:
+        return [f"{exe} links the CUDA runtime statically: KREX cannot gate its launches (freezing "
+                "still protects its siblings). Rebuild it with `nvcc -cudart shared`."]
+    return []
+
+
+def _tail(path: Path, n: int = 3) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])[-400:]
+
+
+# ----------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class _Running:
+    cmd: BatchCommand
+    proc: subprocess.Popen[bytes]
+    t0: float
+    started_at: float
+    report_path: Path
+    stdout: Path
+    stderr: Path
+
+
+def check_args(jobs: int, device: str) -> None:
+    """Validate the cheap arguments (before reading any file)."""
+    from krex.gpus import DEVICES
+
+    if jobs < 1:
+        raise UsageError(f"-j {jobs}: need at least one job slot", "give -j 1 or more (e.g. -j 4)")
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}", f"use --device {' or '.join(DEVICES)}")
+
+
+def _ensure_daemon(kind: str) -> None:
+    """Start krexd once, before the guardians: N guardians that all find no daemon
+    would otherwise race to start one each."""
+    from krex.client import Client
+
+    Client.connect(autostart=True, device=kind).close()
+
+
+def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
+              out_dir: Path | str | None = None, gpu: int | None = None,
+              progress: Callable[[BatchEvent], None] | None = None,
+              cancel: threading.Event | None = None,
+              python: str = sys.executable,
+              env: dict[str, str] | None = None) -> BatchSummary:
+    """Run `commands` under KREX, at most `jobs` at a time; write the results and the summary
+    to `out_dir` (default ./krex-batch-<timestamp>/) and return them.
+
+    A failing command does not stop the batch. Setting `cancel` (or a KeyboardInterrupt in the
+    calling thread) stops starting commands, forwards SIGINT to the running guardians (SIGTERM
+    and SIGKILL follow after GRACE_S each), and still writes everything: the commands that
+    never started are recorded with exit_status None and the summary says `interrupted`."""
+    from krex.gpus import discover
+
+    check_args(jobs, device)
+    if not commands:
+        raise UsageError("no commands to run", FILE_HELP)
+    info = discover(device)  # NotFound (with a fix) for --device gpu on a machine without one
+    kind = "sim" if info.kind == "sim" else "gpu"
+    if gpu is not None and not 0 <= gpu < info.count:
+        raise UsageError(f"--gpu {gpu}: this node has {info.count} {info.kind} GPU(s)",
+                         f"use --gpu {'0' if info.count == 1 else f'0..{info.count - 1}'}, "
+                         "or leave it away for the least loaded GPU")
+    out = Path(out_dir) if out_dir is not None else default_out_dir()
+    out = out.absolute()
+    _prepare_dir(out)
+    _ensure_daemon(kind)
+
+    width = max(3, len(str(len(commands))))
+    base_env = dict(os.environ if env is None else env)
+    cancel = cancel or threading.Event()
+    done_q: queue.Queue[tuple[int, float]] = queue.Queue()
+    results: dict[int, CommandResult] = {}
+    running: dict[int, _Running] = {}
+    pending = list(commands)
+    pending.reverse()  # pop() from the end = the file's order
+    t_batch = time.monotonic()
+    failed = 0
+    next_tick = t_batch + TICK_S
+    cancel_step = 0  # 0 none, 1 SIGINT sent, 2 SIGTERM sent, 3 SIGKILL sent
+    cancel_at = 0.0
+
+    def emit(kind_: Literal["start", "done", "tick"], cmd: BatchCommand | None = None,
+             res: CommandResult | None = None) -> None:
+        if progress is not None:
+            progress(BatchEvent(kind_, len(commands), len(results), len(running), failed,
+                                time.monotonic() - t_batch, cmd, res, cancel_step > 0))
+
+    def start(cmd: BatchCommand) -> None:
+        stem = f"cmd-{cmd.index:0{width}d}"
+        report_path = out / f"{stem}.report.json"
+        stdout, stderr = out / f"{stem}.stdout", out / f"{stem}.stderr"
+        argv = [python, "-m", "krex.cli.main", "run", "--device", device, "--report", str(report_path)]
+        if gpu is not None:
+            argv += ["--gpu", str(gpu)]
+        argv += ["--", *cmd.argv]
+        with open(stdout, "wb") as so, open(stderr, "wb") as se:
+            started_at, t0 = time.time(), time.monotonic()
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=so, stderr=se, env=base_env,
+                                        start_new_session=True, close_fds=True)
+            except OSError as e:  # e.g. the interpreter vanished: this command fails, the batch goes on
+                record(CommandResult(cmd, 127, time.monotonic() - t0, started_at, time.time(), str(stdout),
+                                     str(stderr), None, f"could not start krex run: {e}"))
+                return
+        r = _Running(cmd, proc, t0, started_at, report_path, stdout, stderr)
+        running[cmd.index] = r
+        emit("start", cmd)
+
+        def wait() -> None:
+            r.proc.wait()
+            done_q.put((cmd.index, time.monotonic()))
+
+        threading.Thread(target=wait, name=f"krex-batch-wait-{cmd.index}", daemon=True).start()
+
+    def finish(index: int, t_end: float) -> None:
+        r = running.pop(index)
+        rc = r.proc.returncode
+        status = rc if rc >= 0 else 128 - rc
+        report: dict[str, Any] | None = None
+        error: str | None = None
+        try:
+            with open(r.report_path) as f:
+                loaded = json.load(f)
+            report = loaded if isinstance(loaded, dict) else None
+            r.report_path.unlink()
+        except FileNotFoundError:
+            error = f"krex run wrote no report (exit {status})"
+            tail = _tail(r.stderr)
+            if tail:
+                error += f": {tail}"
+        except (OSError, ValueError) as e:
+            error = f"unreadable report {r.report_path}: {e}"
+        if rc < 0:
+            error = (error + "; " if error else "") + f"the krex run guardian died of signal {-rc}"
+        record(CommandResult(r.cmd, status, t_end - r.t0, r.started_at, r.started_at + (t_end - r.t0),
+                             str(r.stdout), str(r.stderr), report, error, _static_cudart_warning(r.cmd)))
+
+    def record(res: CommandResult) -> None:
+        nonlocal failed
+        results[res.command.index] = res
+        if not res.ok:
+            failed += 1
+        _write_json(out / f"cmd-{res.command.index:0{width}d}.json", res.to_json())
+        emit("done", res.command, res)
+
+    def signal_running(sig: int) -> None:
+        for r in running.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                r.proc.send_signal(sig)  # a no-op once the guardian has been reaped
+
+    try:
+        while pending or running:
+            try:
+                if cancel.is_set() and cancel_step == 0:
+                    cancel_step, cancel_at = 1, time.monotonic()
+                    pending.clear()
+                    signal_running(signal.SIGINT)
+                elif cancel_step in (1, 2) and time.monotonic() - cancel_at > GRACE_S:
+                    cancel_step += 1
+                    cancel_at = time.monotonic()
+                    signal_running(signal.SIGTERM if cancel_step == 2 else signal.SIGKILL)
+                while pending and len(running) < jobs and cancel_step == 0:
+                    cmd = pending.pop()
+                    start(cmd)
+                try:
+                    idx, t_end = done_q.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+                else:
+                    finish(idx, t_end)
+                    while True:
+                        try:
+                            idx, t_end = done_q.get_nowait()
+                        except queue.Empty:
+                            break
+                        finish(idx, t_end)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    emit("tick")
+            except KeyboardInterrupt:
+                cancel.set()
+    finally:
+        # Only reached with guardians still running if something above raised: don't orphan them.
+        if running:
+            signal_running(signal.SIGTERM)
+    total = time.monotonic() - t_batch
+    interrupted = cancel_step > 0
+    all_results: list[CommandResult] = []
+    for cmd in commands:
+        res = results.get(cmd.index)
+        if res is None:
+            res = CommandResult(cmd, None, 0.0, None, None, "", "", None,
+                                "not started: the batch was interrupted")
+            _write_json(out / f"cmd-{cmd.index:0{width}d}.json", res.to_json())
+        all_results.append(res)
+    data = summarize(all_results, total, jobs, kind, str(out), interrupted)
+    _write_json(out / "summary.json", data)
+    return BatchSummary(out, all_results, data)
