@@ -31,3 +31,9 @@ def harness(tmp_path: Path, bins: dict[str, Path]) -> Iterator[Harness]:
         yield h
     finally:
         h.close()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # An empty collection must fail loudly, never pass as "exit 5" (see .ci/run).
+    if not session.items and not session.config.getoption("collectonly"):
+        pytest.exit("no tests were collected: the suite is broken", returncode=1)
