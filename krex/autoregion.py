@@ -576,7 +576,7 @@ def _body_do_bench(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
     a, k = swapped
     result = _run(probe, lambda: func(*a, **k))
     if not probe.entered:
-        _degrade(t, "a call ended without the timed loop being recognised (no clear_cache after warm-up)")
+        _degrade(t, "a call ended without the timed loop being recognised (no clear_cache right after warm-up calls)")
     return result
 
 
