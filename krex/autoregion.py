@@ -119,6 +119,15 @@ BUILTINS: dict[str, tuple[Target, ...]] = {
     + (Target("triton.testing", "do_bench", DO_BENCH, source="kernelbench"),),
 }
 _ALL_WORDS = ("all", "1")
+_DETAILS = {
+    WHOLE: "the whole call is the region",
+    DO_BENCH: "region: the timed loop, from its first clear_cache after warm-up to the final synchronize",
+    CUDAGRAPH: "region: the graph replays after the benchmark graph was captured",
+    TIMER_TIMEIT: "region: the timed _timeit(number) call (its warm-up call runs before)",
+    TIMER_LOOP: "region: the measurement loop after the block-size estimate",
+    TIMER_FIRST: "region: from the first timed _timeit call",
+    KERNELBENCH: "region: the trial loop, from the return of the last warm-up call",
+}
 _FIX = ("set KREX_AUTO_REGION to a comma list of " + ", ".join(BUILTINS)
         + ", all (or 1), and module:function or module:Class.method")
 
@@ -330,6 +339,8 @@ class _Loader:
         _patch_module(module, targets)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_krex_loader":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self._krex_loader, name)
 
 
@@ -394,25 +405,12 @@ def _apply(t: Target, module: ModuleType) -> None:
     if not callable(func):
         _set(t, "unsupported", f"{t.name} is a {type(raw).__name__}, not a function; left in place")
         return
-    detail = "the whole call is the region"
-    strategy = t.strategy
-    if strategy in (TIMER_TIMEIT, TIMER_LOOP, TIMER_FIRST):
-        missing = _hook_timer(owner, strategy)
+    detail = _DETAILS[t.strategy]
+    if t.strategy in (TIMER_TIMEIT, TIMER_LOOP, TIMER_FIRST):
+        missing = _hook_timer(owner, t.strategy)
         if missing:
             _whole.add(t.name)
             detail = f"Timer has no {missing} in this version; the whole call is the region"
-    elif strategy != WHOLE:
-        detail = {
-            DO_BENCH: "region: timed loop (first clear_cache after warm-up) through the final synchronize",
-            CUDAGRAPH: "region: graph replays after the benchmark graph was captured",
-            KERNELBENCH: "region: per-trial loop after the last warm-up call",
-        }[strategy]
-    if strategy == TIMER_TIMEIT and t.name not in _whole:
-        detail = "region: the timed _timeit(number) call (its warm-up call runs before)"
-    elif strategy == TIMER_LOOP and t.name not in _whole:
-        detail = "region: the measurement loop after the block-size estimate"
-    elif strategy == TIMER_FIRST and t.name not in _whole:
-        detail = "region: from the first timed _timeit call"
     wrapper = _make_wrapper(t, func)
     _replace(owner, attr, rewrap(wrapper) if rewrap is not None else wrapper)
     _set(t, "whole" if t.name in _whole else "wrapped", detail)
@@ -576,7 +574,8 @@ def _body_do_bench(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
     a, k = swapped
     result = _run(probe, lambda: func(*a, **k))
     if not probe.entered:
-        _degrade(t, "a call ended without the timed loop being recognised (no clear_cache right after warm-up calls)")
+        _degrade(t, "a call ended without the timed loop being recognised "
+                    "(no clear_cache right after warm-up calls)")
     return result
 
 
@@ -588,6 +587,9 @@ def _hook_clear_cache(func: Callable[..., Any]) -> str:
     rt = getattr(func, "__globals__", {}).get("runtime")
     if rt is None:
         return "!this triton.testing has no runtime.driver (older than Triton 3)"
+    code = getattr(func, "__code__", None)
+    if code is None or "clear_cache" not in code.co_names:
+        return "!this do_bench does not flush the L2 cache through runtime.driver.active.clear_cache"
     try:
         bound = rt.driver.active.clear_cache
     except AttributeError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from krex.errors import UsageError
 from krex.native import shim_path, sim_dir
@@ -32,6 +33,11 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
                             f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --idle-exit 120 "
                             f">>{shlex.quote(str(log))} 2>&1"),
     }
+    # krex/_hook holds a sitecustomize that installs automatic regions when
+    # KREX_AUTO_REGION is set, and costs one `import os` otherwise.
+    hook = str(Path(__file__).resolve().parent / "_hook")
+    env["PYTHONPATH"] = os.pathsep.join(
+        dict.fromkeys([hook, *(p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p)]))
     if device == "sim":
         env["LD_LIBRARY_PATH"] = _prepend("LD_LIBRARY_PATH", str(sim_dir()), base)
         env["KREX_DEVICE"] = "sim"

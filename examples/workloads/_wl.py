@@ -21,6 +21,7 @@ Knobs (environment; `krex bench` sets them for its reference pass):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -30,16 +31,21 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-warnings.filterwarnings("ignore", message=r"krex\.region\(\): not running under KREX", category=RuntimeWarning)
+warnings.filterwarnings(
+    "ignore", message=r"krex\.region\(\): not running under KREX", category=RuntimeWarning
+)
 
 
 def _process_start_epoch() -> float:
-    """When this process started (so that interpreter start-up counts too)."""
+    """When this process started (so that interpreter start-up counts too): its
+    start time in clock ticks since boot (/proc/self/stat) against CLOCK_BOOTTIME.
+    (psutil's create_time adds the whole-second boot time, off by up to a second.)"""
     try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # psutil missing or /proc unreadable: fall back to now
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
@@ -82,16 +88,25 @@ class Command:
         self.region_entry_s += t1 - t0
         self.t_region_s += t2 - t1
         g = r.grant or {}
-        self.grant = {k: g.get(k) for k in ("queue_wait_s", "entry_s", "drain_s", "freeze_s", "contaminated",
-                                            "partition_degraded") if k in g}
+        self.grant = {
+            k: g.get(k)
+            for k in ("queue_wait_s", "entry_s", "drain_s", "freeze_s", "contaminated", "partition_degraded")
+            if k in g
+        }
         self.phases["timed"] = self.phases.get("timed", 0.0) + (t2 - t0)
         return ms
 
     def emit(self, ms: float, correct: bool, **extra: Any) -> None:
         out: dict[str, Any] = {
-            "name": self.name, "family": self.family, "param": self.param, "ms": ms, "correct": bool(correct),
-            "t_total_s": time.time() - self.t_start, "t_region_s": self.t_region_s,
-            "region_entry_s": self.region_entry_s, "phases": {k: round(v, 6) for k, v in self.phases.items()},
+            "name": self.name,
+            "family": self.family,
+            "param": self.param,
+            "ms": ms,
+            "correct": bool(correct),
+            "t_total_s": time.time() - self.t_start,
+            "t_region_s": self.t_region_s,
+            "region_entry_s": self.region_entry_s,
+            "phases": {k: round(v, 6) for k, v in self.phases.items()},
             "under_krex": bool(os.environ.get("KREX_SHM") or os.environ.get("KREX_SOCKET")),
             "pid": os.getpid(),
         }
@@ -100,6 +115,16 @@ class Command:
         out.update(extra)
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every corpus command takes (what its JSON line reports)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--name", required=True, help="the command's name in the corpus")
+    p.add_argument("--family", default=None, help="ranking family (candidates compared with each other)")
+    p.add_argument("--param", type=float, default=0.0, help="the candidate's parameter within its family")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    return p
 
 
 def do_bench_ms(fn: Callable[[], Any]) -> float:

@@ -32,15 +32,20 @@ def _candidate(entry: str) -> bool:
 def _chain() -> None:
     import sys
 
-    def norm(p: str) -> str:
-        return os.path.normcase(os.path.realpath(p or "."))
+    def paths(resolve: bool) -> "tuple[str, list[str]]":  # (quoted: this file runs on any Python 3)
+        norm = os.path.realpath if resolve else os.path.abspath
+        here = os.path.normcase(norm(os.path.dirname(os.path.abspath(__file__))))
+        return here, [os.path.normcase(norm(p or ".")) if isinstance(p, str) else "" for p in sys.path]
 
-    here = norm(os.path.dirname(os.path.abspath(__file__)))
-    normed = [norm(p) if isinstance(p, str) else "" for p in sys.path]  # (old Pythons: no zip strict)
+    here, normed = paths(False)  # cheap; resolve symlinks only when that does not find us
+    if here not in normed:
+        here, normed = paths(True)
     start = normed.index(here) + 1 if here in normed else 0
     later = [sys.path[i] for i in range(start, len(normed)) if normed[i] and normed[i] != here]
     if not any(_candidate(p) for p in later):
         return
+    mine = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    later = [p for p in later if os.path.realpath(p or ".") != mine]  # our dir under another name
     from importlib.machinery import PathFinder
     from importlib.util import module_from_spec
 

@@ -116,6 +116,7 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
                          "tid": threading.get_native_id()})
         except KrexError as e:
             errors.append(f"region {i}: {type(e).__name__}: {e}")
+            break  # fail fast: a daemon that refused one region may never answer the next
         if a.pause_ms:
             time.sleep(a.pause_ms / 1000)
     write_json(out / f"{a.name}.json", {"pid": os.getpid(), "regions": recs, "errors": errors})

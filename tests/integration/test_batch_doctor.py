@@ -84,9 +84,11 @@ def krex_env() -> Iterator[dict[str, str]]:
         subprocess.run([*krex_cmd(), "daemon", "stop"], env=env, capture_output=True, timeout=60)
         for name in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
             Path("/dev/shm", name.lstrip("/")).unlink(missing_ok=True)
-        for mount in _cgroup_mounts():  # the daemon's parent group, if it left it (empty) behind
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(mount, env["KREX_SHM"].lstrip("/")))
+        for mount in _cgroup_mounts():  # the daemon's groups, if it left them (empty) behind
+            root = os.path.join(mount, env["KREX_SHM"].lstrip("/"))
+            for group in [*glob(os.path.join(root, "*/")), root]:
+                with contextlib.suppress(OSError):  # rmdir never touches a populated cgroup
+                    os.rmdir(group)
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -94,6 +96,17 @@ def krex(args: list[str], env: dict[str, str], cwd: Path | None = None, timeout:
          stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*krex_cmd(), *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, input=stdin)
+
+
+def krex_or_daemon_log(args: list[str], env: dict[str, str], timeout: float = 90,
+                       **kw: Any) -> subprocess.CompletedProcess[str]:
+    """krex(), but a hang fails with the daemon's log (a batch waits on the daemon)."""
+    try:
+        return krex(args, env, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired:
+        log = Path(env["KREX_STATE_DIR"], "krexd.log")
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no krexd.log)"
+        raise AssertionError(f"krex {' '.join(args)} hung for {timeout}s; krexd.log:\n{tail}") from None
 
 
 def socket_exists(env: dict[str, str]) -> bool:
@@ -123,8 +136,8 @@ def test_batch_sim_end_to_end(krex_env: dict[str, str], tmp_path: Path) -> None:
     batch_file.write_text("\n".join(lines) + "\n")
     out = tmp_path / "results"
 
-    p = krex(["batch", str(batch_file), "-j", "3", "--device", "sim", "--out", str(out)], krex_env,
-             cwd=tmp_path)
+    p = krex_or_daemon_log(["batch", str(batch_file), "-j", "3", "--device", "sim", "--out", str(out)],
+                           krex_env, cwd=tmp_path)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "1 of 6 command(s) failed" in p.stderr
     assert "fix:" in p.stderr and "Traceback" not in p.stderr
@@ -201,7 +214,7 @@ def test_batch_json_argv_lists(krex_env: dict[str, str], tmp_path: Path) -> None
     f = tmp_path / "cmds.json"
     f.write_text(json.dumps(cmds))
     out = tmp_path / "o"
-    p = krex(["batch", str(f), "-j", "2", "--device", "sim", "--out", str(out)], krex_env)
+    p = krex_or_daemon_log(["batch", str(f), "-j", "2", "--device", "sim", "--out", str(out)], krex_env)
     assert p.returncode == 1 and "1 of 2 command(s) failed" in p.stderr
     ok, bad = (json.loads((out / f"cmd-{i:03d}.json").read_text()) for i in (1, 2))
     assert ok["argv"] == cmds[0] and ok["shell"] is False and ok["exit_status"] == 0 and ok["regions"] == 1
@@ -213,8 +226,8 @@ def test_batch_json_argv_lists(krex_env: dict[str, str], tmp_path: Path) -> None
 
 
 def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Path) -> None:
-    p = krex(["batch", "-", "-j", "1", "--device", "sim"], krex_env, cwd=tmp_path,
-             stdin="true\n# c\necho hi\n")
+    p = krex_or_daemon_log(["batch", "-", "-j", "1", "--device", "sim"], krex_env, cwd=tmp_path,
+                           stdin="true\n# c\necho hi\n")
     assert p.returncode == 0, p.stderr
     dirs = glob(str(tmp_path / "krex-batch-*"))
     assert len(dirs) == 1

@@ -125,8 +125,8 @@ def foreign_ops(iv: list[tuple[int, int, int]], ops: Iterable[dict[str, Any]]) -
     for o in ops:
         r = inside(iv, o["pid"], o["submit"])
         if r is not None:
-            out.append(f"pid {o['pid']} submitted {o['api']} at {o['submit']} inside the region of pid {r[0]} "
-                       f"[{r[1]}, {r[2]}]")
+            out.append(f"pid {o['pid']} submitted {o['api']} at {o['submit']} inside the region of "
+                       f"pid {r[0]} [{r[1]}, {r[2]}]")
     return out
 
 
@@ -142,18 +142,39 @@ def foreign_ticks(iv: list[tuple[int, int, int]], pid: int, ticks: Iterable[int]
 
 # ------------------------------------------------------------------ the fixture
 
+class DaemonCrashed(AssertionError):
+    """A krexd thread died with a traceback: always a product bug, and later
+    requests may never be answered, so every wait checks for it."""
+
+
+class SlotUnhashable(DaemonCrashed):
+    """Product bug B1 (see B1 below)."""
+
+
+B1 = pytest.mark.xfail(
+    strict=True, raises=SlotUnhashable,
+    reason="B1: krexd's parallel freeze keys a dict by Slot (an unhashable dataclass): every region that has "
+           "a sibling fails with 'region setup failed' and kills the GPU's worker thread, so later regions "
+           "on that GPU hang")
+
+
 @dataclass
 class Cmd:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    kx: Krex
 
     def wait(self, timeout: float) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"command {self.name} did not exit within {timeout:g}s; "
-                                 f"output: {self.output()[-1500:]}") from None
+        deadline = time.monotonic() + timeout
+        while self.popen.poll() is None:
+            self.kx.check_daemon()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"command {self.name} did not exit within {timeout:g}s; "
+                                     f"output: {self.output()[-1500:]}")
+            time.sleep(0.02)
+        self.kx.check_daemon()
+        return self.popen.returncode
 
     def output(self) -> str:
         return _read(self.log)
@@ -211,6 +232,27 @@ class Krex:
             time.sleep(0.02)
         return p
 
+    def daemon_log(self) -> str:
+        return _read(self.state / "test-daemon.log") + _read(self.state / "krexd.log")
+
+    def check_daemon(self) -> None:
+        if "Traceback" not in self.daemon_log():
+            return
+        time.sleep(0.5)  # let the daemon finish writing the traceback
+        log = self.daemon_log()
+        tail = log[log.index("Traceback"):][:3000]
+        if "unhashable type: 'Slot'" in log:
+            raise SlotUnhashable(f"krexd crashed (bug B1):\n{tail}")
+        raise DaemonCrashed(f"a krexd thread crashed:\n{tail}")
+
+    def wait(self, pred: Any, timeout: float, what: str) -> Any:
+        """wait_until that gives up at once when the daemon has crashed."""
+        def check() -> Any:
+            self.check_daemon()
+            return pred()
+
+        return wait_until(check, timeout, what)
+
     def client(self) -> Client:
         return Client.connect(path=self.sock)
 
@@ -249,7 +291,7 @@ class Krex:
             p = subprocess.Popen(argv, env=env or self.env(), stdin=subprocess.DEVNULL, stdout=f,
                                  stderr=subprocess.STDOUT, start_new_session=True)
         self.popens.append(p)
-        c = Cmd(name, p, log)
+        c = Cmd(name, p, log, self)
         self.cmds[name] = c
         return c
 
@@ -257,7 +299,7 @@ class Krex:
         path = self.out / f"{name}.{suffix}"
         if timeout:
             cmd = self.cmds.get(name)
-            wait_until(lambda: path.exists() or (cmd is not None and cmd.popen.poll() is not None),
+            self.wait(lambda: path.exists() or (cmd is not None and cmd.popen.poll() is not None),
                        timeout, f"{path.name}")
             if not path.exists():
                 raise AssertionError(f"{name} exited ({cmd.popen.returncode if cmd else '?'}) without "
@@ -281,13 +323,15 @@ class Krex:
             p = self.out / f"{name}.progress"
             return p.exists() and self.progress(name)[0] >= ticks
 
-        wait_until(ok, timeout, f"{name} to make progress")
+        self.wait(ok, timeout, f"{name} to make progress")
         return self.progress(name)[2]
 
     def advances(self, name: str, timeout: float, by: int = 5) -> bool:
         c0 = self.progress(name)[0]
         try:
-            wait_until(lambda: self.progress(name)[0] >= c0 + by, timeout, f"{name} progress")
+            self.wait(lambda: self.progress(name)[0] >= c0 + by, timeout, f"{name} progress")
+        except DaemonCrashed:
+            raise
         except AssertionError:
             return False
         return True
@@ -368,18 +412,20 @@ class Krex:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=5)
             with contextlib.suppress(AssertionError):
-                wait_until(lambda: not [q for q in pids if alive(q)], 5, "test processes to die")
+                wait_until(lambda pids=pids: not [q for q in pids if alive(q)], 5, "test processes to die")
             members = set()
             if not self.our_pids():
                 break
-        # 3. groups, segments, files
-        for d in self.group_dirs():
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        for mount in (CG2, CG1):
-            if mount:
+        # 3. groups (a dying process keeps its cgroup busy for a moment), segments, files
+        roots = [Path(m) / self.root for m in (CG2, CG1) if m]
+        deadline = time.monotonic() + 5
+        while True:
+            for d in [*self.group_dirs(), *roots]:
                 with contextlib.suppress(OSError):
-                    (Path(mount) / self.root).rmdir()
+                    d.rmdir()
+            if not any(r.exists() for r in roots) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         shutil.rmtree(self.signal_dir(), ignore_errors=True)
         Segment.unlink(self.shm)
         lib.krex_shm_unlink(self.sim_shm.encode())
@@ -408,6 +454,7 @@ def _backend_or_skip(kx: Krex, backend: str) -> None:
 
 # ====================================================================== I1 + I3
 
+@B1
 @pytest.mark.parametrize("backend", ["cgroup2", "cgroup1", "signal"])
 def test_siblings_neither_submit_nor_run_inside_regions(kx: Krex, backend: str) -> None:
     _backend_or_skip(kx, backend)
@@ -457,6 +504,7 @@ def test_siblings_neither_submit_nor_run_inside_regions(kx: Krex, backend: str) 
 
 # ====================================================================== I2
 
+@B1
 def test_grant_waits_for_earlier_sibling_work(kx: Krex) -> None:
     kx.start_daemon(slots=3)
     go, trigger = kx.out / "go", kx.out / "trigger"
@@ -491,6 +539,7 @@ def test_grant_waits_for_earlier_sibling_work(kx: Krex) -> None:
 
 # ====================================================================== pin
 
+@B1
 def test_measuring_thread_is_pinned_inside_and_restored_after(kx: Krex) -> None:
     kx.start_daemon(slots=2)
     kx.run("h1", "hammer", "--us", "50")
@@ -526,27 +575,29 @@ def _hold_with_siblings(kx: Krex, *hammers: str) -> dict[str, Any]:
     return ready
 
 
+@B1
 def test_owner_killed_inside_region_frees_everything(kx: Krex) -> None:
     kx.start_daemon(slots=3)
     ready = _hold_with_siblings(kx, "h1", "h2")
     os.kill(ready["pid"], signal.SIGKILL)
     for h in ("h1", "h2"):
         assert kx.advances(h, timeout=1.0), f"{h} did not run again within 1 s of the owner's death"
-    wait_until(lambda: kx.gate_open(), 1.0, "the gate to open")
+    kx.wait(lambda: kx.gate_open(), 1.0, "the gate to open")
     for h in ("h1", "h2"):
         assert frozen_reason(kx.progress(h)[2]) is None
     assert kx.cmds["own"].wait(10) == 128 + signal.SIGKILL
-    wait_until(lambda: [r for r in kx.journal() if r["owner_pid"] == ready["pid"]], 5, "the journal record")
+    kx.wait(lambda: [r for r in kx.journal() if r["owner_pid"] == ready["pid"]], 5, "the journal record")
     rec = [r for r in kx.journal() if r["owner_pid"] == ready["pid"]][-1]
     assert rec["end"] in ("owner-died", "owner-exit", "command-exit", "owner-gone"), rec
-    wait_until(lambda: not kx.status()["regions"], 2, "no region in the daemon")
+    kx.wait(lambda: not kx.status()["regions"], 2, "no region in the daemon")
     assert kx.frozen_groups() == []
 
 
+@B1
 def test_max_region_ends_a_region_that_never_ends(kx: Krex) -> None:
     kx.start_daemon(slots=2, max_region=1)
     ready = _hold_with_siblings(kx, "h1")
-    wait_until(lambda: [r for r in kx.journal() if r["owner_pid"] == ready["pid"]], 5,
+    kx.wait(lambda: [r for r in kx.journal() if r["owner_pid"] == ready["pid"]], 5,
                "the region to be ended by --max-region")
     rec = [r for r in kx.journal() if r["owner_pid"] == ready["pid"]][-1]
     assert rec["end"].startswith("max-region"), rec
@@ -564,6 +615,7 @@ def test_max_region_ends_a_region_that_never_ends(kx: Krex) -> None:
 
 # ====================================================================== I5
 
+@B1
 def test_daemon_killed_mid_region_commands_fail_open_and_new_daemon_recovers(kx: Krex) -> None:
     d = kx.start_daemon(slots=8)
     ready = _hold_with_siblings(kx, "h1", "h2", "h3")
@@ -574,17 +626,17 @@ def test_daemon_killed_mid_region_commands_fail_open_and_new_daemon_recovers(kx:
     d.wait(5)
     t_kill = time.monotonic()
     for h in ("h1", "h2"):  # their guardians are alive and thaw them
-        wait_until(lambda h=h: frozen_reason(hp[h]) is None, 3, f"{h} to be thawed by its guardian")
+        kx.wait(lambda h=h: frozen_reason(hp[h]) is None, 3, f"{h} to be thawed by its guardian")
         left = 3 - (time.monotonic() - t_kill)
-        assert kx.advances(h, timeout=max(left, 0.05)), f"{h} made no progress within 3 s of the daemon's death"
+        assert kx.advances(h, timeout=max(left, 0.05)), f"{h} made no progress within 3 s of the daemon's end"
     procs = {p.pid: p for p in kx.snapshot().procs}
     for h in ("h1", "h2"):
         assert procs[hp[h]].fail_opens > 0, procs[hp[h]]
     assert not kx.gate_open()  # nobody reopened it: the shims failed open on their own
 
     kx.start_daemon(slots=8)
-    wait_until(lambda: kx.gate_open(), 5, "the new daemon to reopen the gate")
-    wait_until(lambda: kx.frozen_groups() == [], 5, "the new daemon to thaw leftover groups")
+    kx.wait(lambda: kx.gate_open(), 5, "the new daemon to reopen the gate")
+    kx.wait(lambda: kx.frozen_groups() == [], 5, "the new daemon to thaw leftover groups")
     assert frozen_reason(hp["h3"]) is None
     assert kx.advances("h3", timeout=5), "h3 (orphaned, frozen) was not thawed by the new daemon"
     # New regions work.
@@ -638,6 +690,7 @@ def test_end_from_another_slot_or_connection_is_refused(kx: Krex) -> None:
 
 # ====================================================================== soak
 
+@B1
 def test_soak_1000_regions_from_8_commands(kx: Krex) -> None:
     kx.start_daemon(slots=8)
     t0 = time.monotonic()
@@ -668,6 +721,7 @@ def test_soak_1000_regions_from_8_commands(kx: Krex) -> None:
 
 # ====================================================================== several GPUs
 
+@B1
 def test_region_on_gpu0_never_blocks_gpu1(kx: Krex) -> None:
     kx.gpus = 2
     kx.start_daemon(slots=4)
@@ -775,7 +829,7 @@ def test_end_without_begin(kx: Krex) -> None:
     b = kx.run("b", "end")
     assert b.wait(30) != 0
     assert "END without BEGIN" in b.output()
-    wait_until(lambda: kx.status()["slots"] == [], 5, "b's slot to be released")
+    kx.wait(lambda: kx.status()["slots"] == [], 5, "b's slot to be released")
     _nothing_left(kx, daemon_expected=True)
 
 
@@ -796,8 +850,8 @@ def test_malformed_variable(kx: Krex, var: str, value: str, needle: str, what: s
     _nothing_left(kx, daemon_expected=False)
 
 
-@pytest.mark.xfail(strict=True, reason="krex daemon start --foreground with an unusable KREX_SOCKET dies with "
-                   "a FileNotFoundError traceback from _take_lock (lock directory), not a KrexError")
+@pytest.mark.xfail(strict=True, reason="krex daemon start --foreground with an unusable KREX_SOCKET dies "
+                   "with a FileNotFoundError traceback from _take_lock (lock directory), not a KrexError")
 def test_unwritable_socket_path(kx: Krex) -> None:
     env = kx.env(KREX_SOCKET="/proc/nope/krexd.sock")
     p = kx.krex("daemon", "start", "--device", "sim", "--foreground", env=env, timeout=30)

@@ -13,6 +13,7 @@ region sits in that sequence."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import krex
 from krex import autoregion
 from krex.errors import UsageError
 
-FAKE_PREFIXES = ("triton", "torch", "kernelbench", "src", "userbench", "legacybench", "fakelog")
+FAKE_PREFIXES = ("triton", "torch", "kernelbench", "src", "userbench", "legacybench", "legacy30", "fakelog")
 
 FAKES: dict[str, str] = {
     "fakelog.py": """
@@ -200,6 +201,25 @@ FAKES: dict[str, str] = {
             s.record(); fn(); e.record(); fakelog.synchronize()
             return s.elapsed_time(e)
     """,
+    # ---- a Triton 3.0-style do_bench: runtime is there, but the L2 flush is cache.zero_()
+    "legacy30.py": """
+        import fakelog
+        from triton import runtime
+
+        class _Cache:
+            def zero_(self):
+                fakelog.LOG.append("zero")
+
+        def do_bench(fn, warmup=25, rep=100, grad_to_none=None, quantiles=None, fast_flush=True):
+            di = runtime.driver.active.get_device_interface()
+            fn(); di.synchronize()
+            cache = _Cache()
+            for _ in range(3):
+                fn()
+            s, e = di.Event(), di.Event()
+            cache.zero_(); s.record(); fn(); e.record(); di.synchronize()
+            return s.elapsed_time(e)
+    """,
     # ---- torch (only what the fakes need)
     "torch/__init__.py": "from . import cuda\n",
     "torch/cuda/__init__.py": """
@@ -259,7 +279,8 @@ FAKES: dict[str, str] = {
 
         class Timer:
             def __init__(self, stmt="pass", setup="pass", timer=timer, globals=None):
-                self._timer = _timeit_mod.Timer(stmt=stmt, setup=setup, timer=timer, globals=dict(globals or {}))
+                self._timer = _timeit_mod.Timer(stmt=stmt, setup=setup, timer=timer,
+                                                globals=dict(globals or {}))
 
             def _timeit(self, number):
                 return max(self._timer.timeit(number), 1e-9)
@@ -310,7 +331,8 @@ FAKES: dict[str, str] = {
                                                         min_run_time=min_run_time, callback=callback)
                 return Measurement(number_per_run=number, raw_times=times)
 
-            def adaptive_autorange(self, threshold=0.1, *, min_run_time=0.01, max_run_time=10.0, callback=None):
+            def adaptive_autorange(self, threshold=0.1, *, min_run_time=0.01, max_run_time=10.0,
+                                   callback=None):
                 number = self._estimate_block_size(min_run_time=0.05)
                 def time_hook():
                     return self._timeit(number)
@@ -697,6 +719,20 @@ def test_do_bench_without_triton3_driver_wraps_the_whole_call(sandbox: Sandbox,
     assert st["state"] == "whole" and "older than Triton 3" in st["detail"]
 
 
+def test_do_bench_flushing_without_clear_cache_is_whole_from_the_first_call(
+        sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    import legacy30
+    import triton.testing as tt
+
+    monkeypatch.setattr(tt, "do_bench", legacy30.do_bench)
+    autoregion.install("do_bench")
+    sandbox.reset()
+    tt.do_bench(sandbox.fn())
+    assert sandbox.log[0] == "enter" and sandbox.log[-1] == "exit"  # protected from the first call on
+    st = sandbox.status("triton.testing:do_bench")
+    assert st["state"] == "whole" and "clear_cache" in st["detail"]
+
+
 # ------------------------------------------------------------------ do_bench_cudagraph
 
 
@@ -905,7 +941,8 @@ def test_missing_and_unwrappable_targets_are_recorded_not_raised(sandbox: Sandbo
     assert (5).bit_length() == 3  # the original is left in place
 
 
-def test_outside_krex_wrappers_behave_like_originals(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outside_krex_wrappers_behave_like_originals(sandbox: Sandbox,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     region_mod = sys.modules["krex.region"]  # (`import krex.region` would give the patched attribute)
     monkeypatch.setattr(krex, "region", region_mod.region)  # the real one
     for var in ("KREX_SHM", "KREX_SOCKET", "KREX_STRICT"):
@@ -945,8 +982,14 @@ def test_uninstall_restores_originals(sandbox: Sandbox) -> None:
 # ------------------------------------------------------------------ sitecustomize (subprocesses)
 
 
-def _env(**extra: str) -> dict[str, str]:
+KREX_ROOT = str(Path(krex.__file__).resolve().parents[1])  # where `import krex` finds this krex
+
+
+def _env(*path: str | Path, **extra: str) -> dict[str, str]:
+    """The test's environment without KREX_* variables; PYTHONPATH = `path`,
+    then this krex's root (so children import it even when it is not installed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, path), KREX_ROOT])
     env.update(extra)
     return env
 
@@ -987,10 +1030,8 @@ def _probe(out: str) -> dict[str, Any]:
 def test_hook_unset_costs_nothing_and_still_chains(tmp_path: Path, other_site: Path) -> None:
     hook = str(autoregion.hook_dir())
     for value in (None, "", "0"):
-        extra = {"PYTHONPATH": os.pathsep.join([hook, str(other_site)])}
-        if value is not None:
-            extra["KREX_AUTO_REGION"] = value
-        r = _py(PROBE, _env(**extra), tmp_path)
+        extra = {} if value is None else {"KREX_AUTO_REGION": value}
+        r = _py(PROBE, _env(hook, other_site, **extra), tmp_path)
         assert r.returncode == 0, r.stderr
         got = _probe(r.stdout)
         assert not any("autoregion" in f for f in got["finders"])
@@ -1000,14 +1041,24 @@ def test_hook_unset_costs_nothing_and_still_chains(tmp_path: Path, other_site: P
         assert r.stderr == ""
 
 
+def test_hook_twice_on_the_path_runs_each_sitecustomize_once(tmp_path: Path, other_site: Path) -> None:
+    (other_site / "sitecustomize.py").write_text(
+        "import builtins\nbuiltins.OTHER_SITECUSTOMIZE = getattr(builtins, 'OTHER_SITECUSTOMIZE', 0) + 1\n")
+    link = tmp_path / "hook-link"
+    link.symlink_to(autoregion.hook_dir(), target_is_directory=True)
+    for value in ("", "userbench:bench"):
+        r = _py(PROBE, _env(autoregion.hook_dir(), link, other_site, KREX_AUTO_REGION=value), tmp_path)
+        assert r.returncode == 0 and "Error" not in r.stderr, r.stderr
+        assert _probe(r.stdout)["other"] == 1
+
+
 def test_hook_alone_on_the_path_is_harmless(tmp_path: Path) -> None:
-    r = _py(PROBE, _env(PYTHONPATH=str(autoregion.hook_dir())), tmp_path)
+    r = _py(PROBE, _env(autoregion.hook_dir()), tmp_path)
     assert r.returncode == 0 and r.stderr == ""
     assert _probe(r.stdout)["krex"] == []
 
 
 def test_hook_set_installs_wraps_and_chains(tmp_path: Path, other_site: Path) -> None:
-    path = os.pathsep.join([str(autoregion.hook_dir()), str(other_site), str(tmp_path / "fakes")])
     code = PROBE + """
     import userbench
     from krex import autoregion
@@ -1015,7 +1066,8 @@ def test_hook_set_installs_wraps_and_chains(tmp_path: Path, other_site: Path) ->
     assert userbench.bench(3) == 6
     print([e["state"] for e in autoregion.status()])
     """
-    r = _py(code, _env(PYTHONPATH=path, KREX_AUTO_REGION="userbench:bench"), tmp_path)
+    env = _env(autoregion.hook_dir(), other_site, tmp_path / "fakes", KREX_AUTO_REGION="userbench:bench")
+    r = _py(code, env, tmp_path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     got = _probe(lines[0])
@@ -1026,8 +1078,7 @@ def test_hook_set_installs_wraps_and_chains(tmp_path: Path, other_site: Path) ->
 
 
 def test_hook_malformed_value_reports_and_goes_on(tmp_path: Path, other_site: Path) -> None:
-    path = os.pathsep.join([str(autoregion.hook_dir()), str(other_site)])
-    r = _py(PROBE, _env(PYTHONPATH=path, KREX_AUTO_REGION="module:"), tmp_path)
+    r = _py(PROBE, _env(autoregion.hook_dir(), other_site, KREX_AUTO_REGION="module:"), tmp_path)
     assert r.returncode == 0
     assert "Error in sitecustomize" in r.stderr and "UsageError" in r.stderr
     assert "names no function" in r.stderr and "fix:" in r.stderr
@@ -1089,3 +1140,94 @@ def test_real_torch_timer(tmp_path: Path) -> None:
         assert enter > 0 and inside == measured and exits_last
     assert out["repeat"] == []
     assert out["status"] == ["wrapped"]
+
+
+# ------------------------------------------------------------------ real Triton and torch on a GPU
+
+REAL_TRITON = """
+    import json, sys
+    try:
+        import torch
+        import triton
+        import triton.language as tl
+        import triton.testing
+        ok = torch.cuda.is_available()
+    except ImportError as e:
+        ok = False
+    if not ok:
+        print(json.dumps({"skip": "needs torch with CUDA, triton and a GPU"}))
+        sys.exit(0)
+    import krex
+    from krex import autoregion
+
+    log = []
+
+    class Recorder:
+        def __enter__(self):
+            log.append("enter"); return self
+        def __exit__(self, *exc):
+            log.append("exit")
+
+    krex.region = Recorder
+    autoregion.install("do_bench,do_bench_cudagraph,torch_timer")  # triton.testing: already imported
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.zeros(1 << 22, device="cuda")
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def fn():
+        log.append("fn")
+        add_one[(x.numel() // 1024,)](x, x.numel(), BLOCK=1024)  # compiled on the first call
+        return a @ a
+
+    def split():
+        i, j = log.index("enter"), log.index("exit")
+        return {"before": log[:i].count("fn"), "inside": log[i:j].count("fn"), "after": log[j:].count("fn"),
+                "regions": log.count("enter")}
+
+    out = {"versions": [torch.__version__, triton.__version__]}
+    times = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="all")
+    out["do_bench"] = dict(split(), n=len(times))
+    log.clear()
+    ms, q = triton.testing.do_bench(fn), triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+    out["types"] = [type(ms).__name__, type(q).__name__, len(q), log.count("enter")]
+    log.clear()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        g_times = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="all")
+    out["cudagraph"] = dict(split(), n=len(g_times))
+    from torch.utils.benchmark import Timer
+
+    log.clear()
+    m = Timer(stmt="fn()", globals={"fn": fn}).timeit(number=50)
+    out["timeit"] = dict(split(), n=m.number_per_run)
+    log.clear()
+    m = Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.1)
+    out["blocked_autorange"] = dict(split(), n=m.number_per_run * len(m.raw_times))
+    out["status"] = {e["target"]: e["state"] for e in autoregion.status()}
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_real_triton_and_torch_on_a_gpu(tmp_path: Path) -> None:
+    script = tmp_path / "real_triton.py"  # @triton.jit needs its source in a file
+    script.write_text(textwrap.dedent(REAL_TRITON))
+    r = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = _probe(r.stdout)
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    db = out["do_bench"]
+    assert db["regions"] == 1 and db["inside"] == db["n"] and db["after"] == 0
+    assert db["before"] >= 1 + 5 + 1  # compile call, estimate, at least one warm-up call
+    assert out["types"][:3] == ["float", "list", 3] and out["types"][3] == 2
+    cg = out["cudagraph"]
+    assert cg["regions"] == 1 and cg["inside"] == 0 and cg["n"] == 10  # captured before, replayed inside
+    for meth in ("timeit", "blocked_autorange"):
+        assert out[meth]["inside"] == out[meth]["n"] and out[meth]["before"] > 0
+    assert set(out["status"].values()) == {"wrapped"}

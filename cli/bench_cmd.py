@@ -1,0 +1,255 @@
+"""`krex bench`: the click layer over krex.bench (all output lives here).
+
+cli/main.py adds the command with `register(cli)`. Errors from the library are
+KrexError subclasses, mapped to exit codes by cli/main.py's main()."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import click
+
+__all__ = ["bench", "register"]
+
+
+def register(cli_group: click.Group) -> None:
+    """Add `bench` to the `krex` group (idempotent)."""
+    cli_group.add_command(bench)
+
+
+def _fmt_s(s: float) -> str:
+    if s < 60:
+        return f"{s:.0f}s"
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+class _Progress:
+    """A live one-line bar on a terminal; plain lines (one per finished run) otherwise."""
+
+    def __init__(self, stream: TextIO, tty: bool) -> None:
+        self.stream, self.tty = stream, tty
+        self.cell = ""
+        self.drawn = False
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def _line(self, text: str) -> None:
+        if self.tty and self.drawn:
+            self._write("\r\x1b[K")
+            self.drawn = False
+        self._write(text + "\n")
+
+    def __call__(self, ev: Any) -> None:  # ev: krex.bench.BenchEvent
+        if ev.kind in ("plan", "note", "cell-skip", "cell-start", "cell-done", "report"):
+            if ev.cell:
+                self.cell = ev.cell
+            self._line(f"krex bench: {ev.message}")
+        elif ev.kind == "run-done" and ev.record is not None:
+            r = ev.record
+            if not self.tty:
+                res = r.get("result") or {}
+                ms = res.get("ms")
+                state = "ok  " if r.get("ok") else "FAIL"
+                detail = f"{ms:.4f} ms" if isinstance(ms, (int, float)) else (r.get("error") or "")
+                wall = r.get("wall_s")
+                if isinstance(wall, (int, float)):
+                    detail += f" (wall {wall:.1f} s)"
+                self._line(
+                    f"krex bench: [{ev.done}/{ev.total}] {state} {r.get('cell')} {r.get('name')} {detail}"
+                )
+            elif not r.get("ok"):
+                self._line(f"krex bench: FAIL {r.get('cell')} {r.get('name')}: {r.get('error')}")
+        if self.tty and ev.kind in ("run-done", "tick", "cell-start"):
+            self._bar(ev)
+
+    def _bar(self, ev: Any) -> None:
+        width = 24
+        fill = int(width * ev.done / max(1, ev.total))
+        eta = ""
+        if ev.done and ev.total > ev.done:
+            eta = f", ~{_fmt_s(ev.elapsed_s / ev.done * (ev.total - ev.done))} left"
+        text = (
+            f"krex bench [{'#' * fill}{'.' * (width - fill)}] {ev.done}/{ev.total} runs, {self.cell}, "
+            f"{ev.running} running, {ev.failed} failed, {_fmt_s(ev.elapsed_s)}{eta}"
+        )
+        cols = shutil.get_terminal_size((100, 20)).columns
+        self._write("\r\x1b[K" + text[: max(10, cols - 1)])
+        self.drawn = True
+
+    def finish(self) -> None:
+        if self.tty and self.drawn:
+            self._write("\r\x1b[K")
+            self.drawn = False
+
+
+def _headline_text(summary: dict[str, Any]) -> str:
+    goals = (summary.get("headline") or {}).get("goals") or []
+    rows = [("metric", "goal", "paper (H20)", "ours", "met")] + [
+        (g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
+    ]
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(5)]
+    out = []
+    for j, r in enumerate(rows):
+        out.append("  ".join(str(x)[: widths[i]].ljust(widths[i]) for i, x in enumerate(r)).rstrip())
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _throughput_text(summary: dict[str, Any]) -> str:
+    out = [f"{'cell':<16} {'runs':>5} {'failed':>6} {'makespan s':>10} {'cmds/min':>9} {'vs native':>9}"]
+    for t in summary.get("throughput") or []:
+        ratio = t["ratio"]
+        out.append(
+            f"{t['cell']:<16} {t['n_runs']:>5} {t['failures']:>6} {t['makespan_s']:>10.1f} "
+            f"{t['cmds_per_min']:>9.1f} "
+            + (f"{ratio:>8.2f}x" if ratio is not None and math.isfinite(ratio) else f"{'-':>9}")
+        )
+    return "\n".join(out)
+
+
+@click.command()
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "gpu", "sim"]),
+    default="auto",
+    show_default=True,
+    help="real GPU (the GPU corpus) or the simulated one (the SIM corpus)",
+)
+@click.option(
+    "--concurrency",
+    default=None,
+    metavar="LIST",
+    help="comma list of C for the unprotected and krex cells  [default: 2,4,8,16; --quick: 2,4]",
+)
+@click.option(
+    "--modes",
+    default=",".join(("reference", "native-serial", "native-repeat", "unprotected", "krex")),
+    show_default=True,
+    metavar="LIST",
+    help="comma list of modes to run",
+)
+@click.option("--quick", is_flag=True, default=None, help="the corpus's quick subset (default C 2,4)")
+@click.option(
+    "--resume",
+    "resume",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="continue the run in DIR: cells already finished there are skipped",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="results directory  [default: ./krex-bench/DEVICE-TIMESTAMP]",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(1, 100),
+    default=None,
+    help="corpus passes per cell (more ranking trajectories)  [default: 1]",
+)
+@click.option("--seed", type=int, default=None, help="seed of the cell order and command order  [default: 0]")
+@click.option("--only", default=None, metavar="LIST", help="only commands whose name contains one of these")
+@click.option(
+    "--corpus",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="the corpus manifest  [default: examples/workloads/manifest.py]",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1.0),
+    default=None,
+    help="seconds per command before it is killed  [default: 900 on a GPU, 120 simulated]",
+)
+@click.option(
+    "--slots-per-gpu",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="admission limit of the daemon the bench starts  [default: the largest C]",
+)
+@click.option(
+    "--reference-repeat",
+    type=click.IntRange(1, 100),
+    default=3,
+    show_default=True,
+    help="passes of the reference cell (tiling families)",
+)
+@click.option(
+    "--warm-cache", is_flag=True, help="share compiler caches between runs (default: fresh per run)"
+)
+@click.option("--no-plots", is_flag=True, help="skip the PNG plots")
+def bench(
+    device: str,
+    concurrency: str | None,
+    modes: str,
+    quick: bool | None,
+    resume: Path | None,
+    out: Path | None,
+    repeat: int | None,
+    seed: int | None,
+    only: str | None,
+    corpus: Path | None,
+    timeout: float | None,
+    slots_per_gpu: int | None,
+    reference_repeat: int,
+    warm_cache: bool,
+    no_plots: bool,
+) -> None:
+    """Measure throughput, timing inflation and ranking fidelity: native serial,
+    native repeat, unprotected sharing and KREX, side by side.
+
+    Writes raw.jsonl, summary.md (goal, paper and ours side by side) and PNG plots
+    into the results directory. --device sim is a logic demo, labelled as such."""
+    from krex.bench import BenchConfig, parse_concurrency, parse_modes, run_bench
+    from krex.errors import UsageError
+
+    if resume and out and resume.resolve() != out.resolve():
+        raise UsageError("--resume and --out name different directories", "pass only --resume DIR")
+    cfg = BenchConfig(
+        device=device,
+        modes=parse_modes(modes),
+        concurrency=parse_concurrency(concurrency) if concurrency else None,
+        quick=quick,
+        out_dir=resume or out,
+        resume=resume is not None,
+        seed=seed,
+        repeat=repeat,
+        reference_repeat=reference_repeat,
+        corpus=corpus,
+        only=[s.strip() for s in only.split(",") if s.strip()] if only else None,
+        timeout_s=timeout,
+        slots_per_gpu=slots_per_gpu,
+        cold_cache=not warm_cache,
+        plots=not no_plots,
+        argv=["krex", "bench", *sys.argv[sys.argv.index("bench") + 1 :]]
+        if "bench" in sys.argv
+        else ["krex", "bench"],
+    )
+    prog = _Progress(sys.stderr, sys.stderr.isatty())
+    try:
+        res = run_bench(cfg, progress=prog)
+    finally:
+        prog.finish()
+    s = res.summary
+    if s.get("simulated"):
+        click.echo(f"*** {s.get('label')} ***")
+    click.echo(_throughput_text(s))
+    click.echo("")
+    click.echo(_headline_text(s))
+    click.echo("")
+    click.echo(
+        f"results: {res.out_dir}  (summary.md, raw.jsonl"
+        + (", " + ", ".join(p.name for p in res.plots) if res.plots else "")
+        + ")"
+    )
+    if res.failures:
+        click.echo(f"{res.failures} command run(s) failed in this invocation; see summary.md", err=True)

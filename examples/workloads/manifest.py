@@ -1,0 +1,356 @@
+"""The `krex bench` corpus: every command, as plain data.
+
+`krex bench` loads this file (it is not imported as a package) and reads
+``WORKLOADS``: a list of dicts with these keys
+
+  name        unique name of the command
+  device      "gpu" (real GPU: torch, Triton) or "sim" (the simulated GPU)
+  script      path of the Python script, relative to this directory
+  args        its arguments (``--name/--family/--param`` are added by `_cmd`)
+  family      ranking family, or None: candidates of one family are ranked together
+  param       the candidate's parameter within its family
+  truth       how the family's true order is known:
+                "param"    the work scales exactly with ``work`` (true order = order of work)
+                "measured" tiling variants: the order of a long exclusive reference
+                           measurement (`krex bench`'s ``reference`` pass)
+                None       not in a family
+  work        relative amount of work (truth "param"): true duration is proportional to it
+  quick       part of the ``--quick`` subset
+  expect_ms   rough kernel duration on an H200 (gpu) or exact simulated length (sim);
+              for planning the duration bands only, never used as a result
+  est_wall_s  rough wall time of the whole command when it runs alone (schedules the
+              longest commands first in concurrent cells until a native-serial pass exists)
+
+GPU corpus (run it on the H200; see docs/bench.md): Triton JIT kernels (fma chain,
+scaled copy, matmul in bf16 and IEEE fp32, softmax), torch.compile candidates, and one
+C++/CUDA extension built with load_inline. Duration bands (by expected kernel time):
+>10 ms: 10 commands, 1-10 ms: 14, 0.1-1 ms: 11, <0.1 ms: 4. Ranking families: fma-short,
+fma-long, copy-scale, matmul-k, sgemm-k (truth "param", steps of 1.5-2 % so pairwise gaps
+cover <2 %, 2-5 % and 5-10 %) and matmul-tiles (truth "measured": six tilings).
+
+SIM corpus: the same shape on the simulated GPU (sim/sim_cmd.py); import and compile
+are CPU sleeps, the timed loop runs simulated kernels of exactly ``--us`` microseconds,
+so every family's true order is exact. Logic demo only, never performance evidence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _cmd(
+    name: str,
+    device: str,
+    script: str,
+    args: list[str],
+    *,
+    family: str | None = None,
+    param: float = 0.0,
+    truth: str | None = None,
+    work: float | None = None,
+    quick: bool = False,
+    expect_ms: float = 0.0,
+    est_wall_s: float = 5.0,
+) -> dict[str, Any]:
+    full = ["--name", name, *(["--family", family] if family else []), "--param", f"{param:g}", *args]
+    return {
+        "name": name,
+        "device": device,
+        "script": script,
+        "args": full,
+        "family": family,
+        "param": param,
+        "truth": truth,
+        "work": work,
+        "quick": quick,
+        "expect_ms": expect_ms,
+        "est_wall_s": est_wall_s,
+    }
+
+
+def _gpu() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    steps = range(5)
+
+    # fma-short: 2^22 elements, 1800 * (1 + 0.015 k) multiply-adds each (~0.3 ms).
+    for k in steps:
+        iters = round(1800 * (1 + 0.015 * k))
+        out.append(
+            _cmd(
+                f"fma-short-{k}",
+                "gpu",
+                "gpu/fma_chain.py",
+                ["--n", str(1 << 22), "--iters", str(iters)],
+                family="fma-short",
+                param=k,
+                truth="param",
+                work=iters,
+                quick=True,
+                expect_ms=0.3,
+                est_wall_s=5,
+            )
+        )
+    # fma-long: 2^24 elements, 20000 * (1 + 0.015 k) multiply-adds (~14 ms).
+    for k in steps:
+        iters = round(20000 * (1 + 0.015 * k))
+        out.append(
+            _cmd(
+                f"fma-long-{k}",
+                "gpu",
+                "gpu/fma_chain.py",
+                ["--n", str(1 << 24), "--iters", str(iters)],
+                family="fma-long",
+                param=k,
+                truth="param",
+                work=iters,
+                expect_ms=14,
+                est_wall_s=6,
+            )
+        )
+    # copy-scale: 2^27 * (1 + 0.02 k) float32 elements, rounded to whole 4096-blocks (~0.3 ms).
+    for k in steps:
+        n = round((1 << 27) * (1 + 0.02 * k) / 4096) * 4096
+        out.append(
+            _cmd(
+                f"copy-scale-{k}",
+                "gpu",
+                "gpu/copy_scale.py",
+                ["--n", str(n)],
+                family="copy-scale",
+                param=k,
+                truth="param",
+                work=n,
+                expect_ms=0.3,
+                est_wall_s=5,
+            )
+        )
+    # matmul-k: bf16 8192 x 8192 x K, K = 6144 + 96 k (steps of 1.56 %), fixed tiling (~1.5 ms).
+    for k in steps:
+        kk = 6144 + 96 * k
+        out.append(
+            _cmd(
+                f"matmul-k-{k}",
+                "gpu",
+                "gpu/matmul.py",
+                [
+                    "--m",
+                    "8192",
+                    "--n",
+                    "8192",
+                    "--k",
+                    str(kk),
+                    "--dtype",
+                    "bf16",
+                    "--bm",
+                    "128",
+                    "--bn",
+                    "256",
+                    "--bk",
+                    "64",
+                    "--warps",
+                    "8",
+                    "--stages",
+                    "3",
+                ],
+                family="matmul-k",
+                param=k,
+                truth="param",
+                work=kk,
+                quick=True,
+                expect_ms=1.5,
+                est_wall_s=6,
+            )
+        )
+    # sgemm-k: IEEE fp32 4096 x 4096 x K, K = 8192 + 128 k (steps of 1.56 %) (~15 ms).
+    for k in steps:
+        kk = 8192 + 128 * k
+        out.append(
+            _cmd(
+                f"sgemm-k-{k}",
+                "gpu",
+                "gpu/matmul.py",
+                [
+                    "--m",
+                    "4096",
+                    "--n",
+                    "4096",
+                    "--k",
+                    str(kk),
+                    "--dtype",
+                    "fp32",
+                    "--bm",
+                    "64",
+                    "--bn",
+                    "64",
+                    "--bk",
+                    "32",
+                    "--warps",
+                    "4",
+                    "--stages",
+                    "3",
+                ],
+                family="sgemm-k",
+                param=k,
+                truth="param",
+                work=kk,
+                quick=True,
+                expect_ms=15,
+                est_wall_s=6,
+            )
+        )
+    # matmul-tiles: bf16 8192^3 under six tilings; true order from the reference pass (~2 ms).
+    tiles = [
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+    ]
+    for i, (bm, bn, bk, w, s) in enumerate(tiles):
+        out.append(
+            _cmd(
+                f"matmul-tiles-{bm}x{bn}x{bk}w{w}s{s}",
+                "gpu",
+                "gpu/matmul.py",
+                [
+                    "--m",
+                    "8192",
+                    "--n",
+                    "8192",
+                    "--k",
+                    "8192",
+                    "--dtype",
+                    "bf16",
+                    "--bm",
+                    str(bm),
+                    "--bn",
+                    str(bn),
+                    "--bk",
+                    str(bk),
+                    "--warps",
+                    str(w),
+                    "--stages",
+                    str(s),
+                ],
+                family="matmul-tiles",
+                param=i,
+                truth="measured",
+                expect_ms=2.0,
+                est_wall_s=6,
+            )
+        )
+    # Short kernels: softmax rows (~10-60 us).
+    for rows, cols in ((4096, 1024), (8192, 2048), (16384, 2048)):
+        out.append(
+            _cmd(
+                f"softmax-{rows}x{cols}",
+                "gpu",
+                "gpu/softmax.py",
+                ["--rows", str(rows), "--cols", str(cols)],
+                quick=rows == 8192,
+                expect_ms=rows * cols * 8 / 4e9 + 0.005,
+                est_wall_s=5,
+            )
+        )
+    # torch.compile candidates.
+    for rows, cols, ms in ((4096, 4096, 0.04), (16384, 8192, 0.3), (32768, 16384, 1.1)):
+        out.append(
+            _cmd(
+                f"compiled-norm-gelu-{rows}x{cols}",
+                "gpu",
+                "gpu/compiled_fused.py",
+                ["--op", "norm-gelu", "--rows", str(rows), "--cols", str(cols)],
+                quick=rows == 16384,
+                expect_ms=ms,
+                est_wall_s=20,
+            )
+        )
+    out.append(
+        _cmd(
+            "compiled-mm-epilogue-8192",
+            "gpu",
+            "gpu/compiled_fused.py",
+            ["--op", "mm-epilogue", "--rows", "8192", "--cols", "8192"],
+            expect_ms=1.6,
+            est_wall_s=25,
+        )
+    )
+    # A C++/CUDA extension (load_inline: nvcc + ninja, compiled afresh in every run).
+    out.append(
+        _cmd(
+            "cuda-ext-sgemm-2048",
+            "gpu",
+            "gpu/cuda_ext.py",
+            ["--op", "sgemm", "--n", "2048"],
+            expect_ms=3.0,
+            est_wall_s=60,
+        )
+    )
+    return out
+
+
+def _sim() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    families = [  # (family, base us, step, quick)
+        ("sim-a", 400, 0.015, True),  # 400..424 us: >0.1 ms band, gaps 1.5-6 %
+        ("sim-b", 2000, 0.025, True),  # 2000..2200 us: >1 ms band, gaps 2.5-10 %
+        ("sim-c", 12000, 0.01, False),  # 12..12.48 ms: >10 ms band, gaps 1-4 %
+        ("sim-d", 200, 0.03, False),  # 200..224 us: gaps 3-12 %
+    ]
+    i = 0
+    for fam, base, step, quick in families:
+        for k in range(5):
+            us = round(base * (1 + step * k))
+            imp, comp = (
+                (0.25 + 0.05 * (i % 4), 0.1 + 0.05 * (i % 3))
+                if quick
+                else (0.3 + 0.1 * (i % 5), 0.15 + 0.1 * (i % 3))
+            )
+            out.append(
+                _cmd(
+                    f"{fam}-{k}",
+                    "sim",
+                    "sim/sim_cmd.py",
+                    ["--us", str(us), "--import-s", f"{imp:g}", "--compile-s", f"{comp:g}"],
+                    family=fam,
+                    param=k,
+                    truth="param",
+                    work=us,
+                    quick=quick,
+                    expect_ms=us / 1000,
+                    est_wall_s=imp + comp + 0.2,
+                )
+            )
+            i += 1
+    for us, quick in (
+        (12, False),
+        (25, True),
+        (50, False),
+        (80, False),
+        (700, False),
+        (900, False),
+        (3000, True),
+        (5000, False),
+        (8000, False),
+        (15000, True),
+        (20000, False),
+        (30000, False),
+    ):
+        imp, comp = (0.3, 0.15) if quick else (0.3 + 0.1 * (i % 5), 0.15 + 0.1 * (i % 3))
+        out.append(
+            _cmd(
+                f"sim-single-{us}us",
+                "sim",
+                "sim/sim_cmd.py",
+                ["--us", str(us), "--import-s", f"{imp:g}", "--compile-s", f"{comp:g}"],
+                quick=quick,
+                expect_ms=us / 1000,
+                est_wall_s=imp + comp + 0.2,
+            )
+        )
+        i += 1
+    return out
+
+
+WORKLOADS: list[dict[str, Any]] = _gpu() + _sim()

@@ -1,0 +1,213 @@
+"""PNG plots of a `krex bench` summary (matplotlib, Agg backend: no display needed).
+
+  throughput.png         commands/min against C, per mode (native passes as lines)
+  inflation_cdf.png      CDF of timing inflation against native-serial, per band and cell
+  flip_rates.png         pairwise flip rate per true-gap class, per cell
+  critical_fraction.png  histogram of the critical-region fraction (native-serial)
+
+A simulated run carries the SIMULATED label in every figure's title."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from krex import bench_metrics as bm
+from krex.errors import NotFound
+
+__all__ = ["write_plots"]
+
+COLORS = {"native-serial": "#444444", "native-repeat": "#888888", "unprotected": "#d62728", "krex": "#1f77b4"}
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise NotFound(
+            "matplotlib is not installed: krex bench cannot draw its plots",
+            "pip install matplotlib (it is in krex's dev extra), or pass --no-plots",
+        ) from e
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(s: dict[str, Any], text: str) -> str:
+    dev = s.get("device") or "?"
+    names = (s.get("versions") or {}).get("gpu_names") or []
+    where = f"{dev}: {names[0]}" if names and dev != "sim" else dev
+    t = f"{text} ({where})"
+    if s.get("simulated"):
+        t = f"{s.get('label')}\n{t}"
+    return t
+
+
+def _finite(xs: list[Any]) -> list[float]:
+    out = []
+    for x in xs:
+        try:
+            v = float(x)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(v):
+            out.append(v)
+    return out
+
+
+def _mode_of(key: str) -> str:
+    for m in ("unprotected", "krex"):
+        if key.startswith(m + "-"):
+            return m
+    return key
+
+
+def plot_throughput(s: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    thr = s.get("throughput") or []
+    cs_all: list[int] = sorted({int(t["c"]) for t in thr if t["mode"] in ("unprotected", "krex")}) or [1]
+    for mode in ("unprotected", "krex"):
+        pts = sorted(
+            (int(t["c"]), float(t["cmds_per_min"]))
+            for t in thr
+            if t["mode"] == mode and t["cmds_per_min"] is not None and math.isfinite(t["cmds_per_min"])
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS[mode], label=f"{mode}-C")
+    for mode, style in (("native-serial", "--"), ("native-repeat", ":")):
+        t = next((t for t in thr if t["mode"] == mode), None)
+        if t and t["cmds_per_min"] is not None and math.isfinite(t["cmds_per_min"]):
+            ax.axhline(t["cmds_per_min"], linestyle=style, color=COLORS[mode], label=f"{mode} (C=1)")
+    ns = s.get("native_cpm")
+    amd = (s.get("critical") or {}).get("amdahl_bound")
+    if ns is not None and amd is not None and math.isfinite(ns) and math.isfinite(amd):
+        ax.axhline(ns * amd, linestyle="-.", color="#2ca02c", label=f"Amdahl bound ({amd:.1f}x native)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs_all)
+    ax.set_xticklabels([str(c) for c in cs_all])
+    ax.set_xlabel("concurrent commands C")
+    ax.set_ylabel("commands / minute")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(_title(s, "Throughput against concurrency"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    infl = s.get("inflation") or {}
+    fig, axes = plt.subplots(1, len(bm.BANDS), figsize=(5 * len(bm.BANDS), 4.2), squeeze=False)
+    paper = (s.get("paper") or {}).get("p95_inflation") or {}
+    for ax, (band, _) in zip(axes[0], bm.BANDS, strict=True):
+        drawn = 0
+        for key, bands in infl.items():
+            xs = sorted(100.0 * v for v in _finite((bands.get(band) or {}).get("values") or []))
+            if not xs:
+                continue
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            mode = _mode_of(key)
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                label=f"{key} (n={len(xs)})",
+                color=COLORS.get(mode),
+                alpha=0.35 + 0.65 * (1 if mode != "unprotected" else 0.6),
+                linestyle="-" if mode != "native-repeat" else "--",
+            )
+            drawn += 1
+        if band in paper:
+            ax.axvline(
+                100 * paper[band], color="#2ca02c", linestyle=":", label=f"paper p95 {100 * paper[band]:.2f}%"
+            )
+        ax.axhline(0.95, color="#bbbbbb", linewidth=0.8)
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlabel("inflation vs native-serial (%)")
+        ax.set_ylabel("fraction of commands")
+        ax.set_title(f"kernels {band}" + ("" if drawn else " (no data)"), fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(_title(s, "Timing inflation CDF per band"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_flip_rates(s: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    ranking = s.get("ranking") or {}
+    classes = [g[0] for g in bm.GAP_CLASSES]
+    keys = [k for k in ranking if any((ranking[k]["flip"].get(c) or {}).get("pairs") for c in classes)]
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(classes) * max(1, len(keys)) / 2), 4.5))
+    width = 0.8 / max(1, len(keys))
+    for i, k in enumerate(keys):
+        vals = []
+        for c in classes:
+            f = ranking[k]["flip"].get(c) or {}
+            vals.append(100.0 * float(f["rate"]) if f.get("pairs") and f.get("rate") is not None else 0.0)
+        xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(classes))]
+        mode = _mode_of(k)
+        ax.bar(
+            xs,
+            vals,
+            width=width,
+            label=k,
+            color=COLORS.get(mode),
+            alpha=0.5 + 0.5 * (i + 1) / max(1, len(keys)) if mode in ("unprotected", "krex") else 0.9,
+            hatch="//" if mode == "native-repeat" else None,
+            edgecolor="white",
+        )
+    ax.set_xticks(range(len(classes)))
+    ax.set_xticklabels([f"true gap {c}" for c in classes])
+    ax.set_ylabel("pairwise flip rate (%)")
+    ax.grid(True, axis="y", alpha=0.3)
+    if keys:
+        ax.legend(fontsize=7, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "no ranking data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(_title(s, "Pairwise ranking flips by true gap"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_critical_fraction(s: dict[str, Any], path: Path) -> Path:
+    plt = _plt()
+    c = s.get("critical") or {}
+    fr = [100.0 * v for v in _finite(c.get("fractions") or [])]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if fr:
+        ax.hist(fr, bins=min(30, max(5, len(fr) // 2)), color="#1f77b4", alpha=0.8)
+        med = bm.median(fr)
+        ax.axvline(med, color="black", linestyle="--", label=f"median {med:.1f}%")
+        ax.axvline(12.0, color="#2ca02c", linestyle=":", label="paper median 12%")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no native-serial data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("critical-region fraction of the command's time (%)")
+    ax.set_ylabel("commands")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(_title(s, "Critical-region fraction (native-serial)"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Draw every plot into ``out_dir``; return the paths."""
+    return [
+        plot_throughput(summary, out_dir / "throughput.png"),
+        plot_inflation_cdf(summary, out_dir / "inflation_cdf.png"),
+        plot_flip_rates(summary, out_dir / "flip_rates.png"),
+        plot_critical_fraction(summary, out_dir / "critical_fraction.png"),
+    ]
