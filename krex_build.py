@@ -79,18 +79,68 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     i, sim = str(INTERPOSE), str(INTERPOSE / "sim")
-    _cc([*CFLAGS, "-shared", "-o", str(out / "libkrex_interpose.so"),
-         f"{i}/shim.c", f"{i}/krex_core.c", "-ldl", "-lpthread"])
-    _cc([*CFLAGS, "-shared", "-o", str(out / "libkrexsim.so"), f"{sim}/simgpu.c",
-         "-Wl,-soname,libkrexsim.so", "-lpthread"])
+    _cc(
+        [
+            *CFLAGS,
+            "-shared",
+            "-o",
+            str(out / "libkrex_interpose.so"),
+            f"{i}/shim.c",
+            f"{i}/krex_core.c",
+            "-ldl",
+            "-lpthread",
+        ]
+    )
+    _cc(
+        [
+            *CFLAGS,
+            "-shared",
+            "-o",
+            str(out / "libkrexsim.so"),
+            f"{sim}/simgpu.c",
+            "-Wl,-soname,libkrexsim.so",
+            "-lpthread",
+        ]
+    )
     # -Bsymbolic: a simulated library's own references must not be interposed by the shim.
     common = ["-Wl,-Bsymbolic", f"-L{out}", "-lkrexsim", "-Wl,-rpath,$ORIGIN", "-ldl"]
-    _cc([*CFLAGS, "-shared", "-DSIM_API=1", "-o", str(out / "libcuda.so.1"), f"{sim}/sim_api.c",
-         "-Wl,-soname,libcuda.so.1", *common])
-    _cc([*CFLAGS, "-shared", "-DSIM_API=0", "-o", str(out / "libcudart.so.13"), f"{sim}/sim_api.c",
-         "-Wl,-soname,libcudart.so.13", *common, "-l:libcuda.so.1"])
-    _cc([*CFLAGS, "-shared", "-DSIM_API=2", "-o", str(out / "libamdhip64.so"), f"{sim}/sim_api.c",
-         "-Wl,-soname,libamdhip64.so", *common])
+    _cc(
+        [
+            *CFLAGS,
+            "-shared",
+            "-DSIM_API=1",
+            "-o",
+            str(out / "libcuda.so.1"),
+            f"{sim}/sim_api.c",
+            "-Wl,-soname,libcuda.so.1",
+            *common,
+        ]
+    )
+    _cc(
+        [
+            *CFLAGS,
+            "-shared",
+            "-DSIM_API=0",
+            "-o",
+            str(out / "libcudart.so.13"),
+            f"{sim}/sim_api.c",
+            "-Wl,-soname,libcudart.so.13",
+            *common,
+            "-l:libcuda.so.1",
+        ]
+    )
+    _cc(
+        [
+            *CFLAGS,
+            "-shared",
+            "-DSIM_API=2",
+            "-o",
+            str(out / "libamdhip64.so"),
+            f"{sim}/sim_api.c",
+            "-Wl,-soname,libamdhip64.so",
+            *common,
+        ]
+    )
     # Development links, so that `-lcuda -lcudart` work against the simulator.
     for link, target in (("libcuda.so", "libcuda.so.1"), ("libcudart.so", "libcudart.so.13")):
         p = out / link

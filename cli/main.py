@@ -28,8 +28,13 @@ def _fmt_s(s: float) -> str:
 
 
 @cli.command()
-@click.option("--device", type=DEVICE, default="auto", show_default=True,
-              help="sim: also point LD_LIBRARY_PATH at the simulated GPU libraries")
+@click.option(
+    "--device",
+    type=DEVICE,
+    default="auto",
+    show_default=True,
+    help="sim: also point LD_LIBRARY_PATH at the simulated GPU libraries",
+)
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
 def env(device: str, export: bool) -> None:
     """Print the variables that opt a process into KREX."""
@@ -51,10 +56,21 @@ def include_dir() -> None:
 
 @cli.command()
 @click.option("--gpu", type=int, required=True, help="GPU index")
-@click.option("--timeout", type=float, default=10.0, show_default=True,
-              help="seconds to wait for in-flight work and drain acks")
-@click.option("--for", "lease", type=float, default=600.0, show_default=True,
-              help="seconds the pause holds before it lapses by itself")
+@click.option(
+    "--timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="seconds to wait for in-flight work and drain acks",
+)
+@click.option(
+    "--for",
+    "lease",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="seconds the pause holds before it lapses by itself",
+)
 def pause(gpu: int, timeout: float, lease: float) -> None:
     """Stop new GPU work on a GPU until `krex resume` (or until --for runs out)."""
     from krex.control import pause as do_pause
@@ -91,7 +107,9 @@ def status(as_json: bool) -> None:
         click.echo(json.dumps(snap.to_json(), indent=2))
         return
     hb = "never" if snap.heartbeat_age_s is None else f"{snap.heartbeat_age_s:.1f} s ago"
-    click.echo(f"segment {snap.name}: {snap.n_gpus} GPU(s), daemon pid {snap.daemon_pid or '-'}, heartbeat {hb}")
+    click.echo(
+        f"segment {snap.name}: {snap.n_gpus} GPU(s), daemon pid {snap.daemon_pid or '-'}, heartbeat {hb}"
+    )
     click.echo("GATES")
     for g in snap.gates:
         state = "open" if not g.closed else f"CLOSED by {g.holder}"
@@ -102,24 +120,59 @@ def status(as_json: bool) -> None:
         click.echo(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
     click.echo(f"SLOTS ({len(snap.slots)})")
     for s in snap.slots:
-        click.echo(f"  slot {s.slot}: gpu {s.gpu}, guardian pid {s.owner_pid}{'' if s.owner_alive else ' (dead)'}")
+        click.echo(
+            f"  slot {s.slot}: gpu {s.gpu}, guardian pid {s.owner_pid}{'' if s.owner_alive else ' (dead)'}"
+        )
     click.echo(f"PROCESSES ({len(snap.procs)})")
     if snap.procs:
-        click.echo("  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10} {:>5}  {}".format(
-            "pid", "slot", "gpu", "infl", "kernels", "copies", "other", "blocked", "blocked_ms", "fopen", "flags"))
+        click.echo(
+            "  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10} {:>5}  {}".format(
+                "pid",
+                "slot",
+                "gpu",
+                "infl",
+                "kernels",
+                "copies",
+                "other",
+                "blocked",
+                "blocked_ms",
+                "fopen",
+                "flags",
+            )
+        )
     for p in snap.procs:
         other = p.submits["memset"] + p.submits["graph"] + p.submits["prefetch"]
-        click.echo("  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10.1f} {:>5}  {}".format(
-            p.pid, p.slot, p.gpu, p.inflight, p.submits["kernel"], p.submits["copy"], other, p.blocked,
-            p.blocked_ms, p.fail_opens, ",".join(p.flags) + ("" if p.alive else " dead")))
+        click.echo(
+            "  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10.1f} {:>5}  {}".format(
+                p.pid,
+                p.slot,
+                p.gpu,
+                p.inflight,
+                p.submits["kernel"],
+                p.submits["copy"],
+                other,
+                p.blocked,
+                p.blocked_ms,
+                p.fail_opens,
+                ",".join(p.flags) + ("" if p.alive else " dead"),
+            )
+        )
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--device", type=DEVICE, default="auto", show_default=True, help="real GPU or the simulated one")
+@click.option(
+    "--device", type=DEVICE, default="auto", show_default=True, help="real GPU or the simulated one"
+)
 @click.option("--gpu", type=int, default=None, help="GPU index (default: the least loaded)")
-@click.option("--report", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="write a JSON report: regions, waits, gate blocks, contamination")
-@click.option("--no-daemon", is_flag=True, help="claim a slot directly in shared memory (no regions, no freezing)")
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="write a JSON report: regions, waits, gate blocks, contamination",
+)
+@click.option(
+    "--no-daemon", is_flag=True, help="claim a slot directly in shared memory (no regions, no freezing)"
+)
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def run(device: str, gpu: int | None, report: str | None, no_daemon: bool, cmd: tuple[str, ...]) -> None:
     """Run CMD under KREX and exit with its exit status.
@@ -148,16 +201,37 @@ def daemon() -> None:
 
 @daemon.command("start")
 @click.option("--device", type=DEVICE, default="auto", show_default=True)
-@click.option("--slots-per-gpu", type=click.IntRange(1, 64), default=None,
-              help="admission limit per GPU (default: from the GPU's CPU slice)")
-@click.option("--max-region", type=click.FloatRange(0.001), default=60.0, show_default=True,
-              help="seconds after which a region is ended by force")
-@click.option("--idle-exit", type=click.FloatRange(0.1), default=None, help="exit after this many idle seconds")
-@click.option("--freezer", type=click.Choice(["cgroup2", "cgroup1", "signal"]), default=None,
-              help="force a freezer backend (default: the first that works)")
+@click.option(
+    "--slots-per-gpu",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="admission limit per GPU (default: from the GPU's CPU slice)",
+)
+@click.option(
+    "--max-region",
+    type=click.FloatRange(0.001),
+    default=60.0,
+    show_default=True,
+    help="seconds after which a region is ended by force",
+)
+@click.option(
+    "--idle-exit", type=click.FloatRange(0.1), default=None, help="exit after this many idle seconds"
+)
+@click.option(
+    "--freezer",
+    type=click.Choice(["cgroup2", "cgroup1", "signal"]),
+    default=None,
+    help="force a freezer backend (default: the first that works)",
+)
 @click.option("--foreground", is_flag=True, help="run in this process instead of detaching")
-def daemon_start(device: str, slots_per_gpu: int | None, max_region: float, idle_exit: float | None,
-                 freezer: str | None, foreground: bool) -> None:
+def daemon_start(
+    device: str,
+    slots_per_gpu: int | None,
+    max_region: float,
+    idle_exit: float | None,
+    freezer: str | None,
+    foreground: bool,
+) -> None:
     """Start krexd (krex run starts it on demand anyway)."""
     from krex import paths
     from krex.client import daemon_alive, start_background
@@ -166,11 +240,20 @@ def daemon_start(device: str, slots_per_gpu: int | None, max_region: float, idle
     from krex.errors import Busy
 
     if daemon_alive():
-        raise Busy(f"a KREX daemon is already running on {paths.socket_path()}",
-                   "use it, or stop it first with `krex daemon stop`")
+        raise Busy(
+            f"a KREX daemon is already running on {paths.socket_path()}",
+            "use it, or stop it first with `krex daemon stop`",
+        )
     if foreground:
-        run_daemon(Config(device=device, slots_per_gpu=slots_per_gpu, max_region_s=max_region,
-                          idle_exit_s=idle_exit, freezer=freezer))
+        run_daemon(
+            Config(
+                device=device,
+                slots_per_gpu=slots_per_gpu,
+                max_region_s=max_region,
+                idle_exit_s=idle_exit,
+                freezer=freezer,
+            )
+        )
         return
     extra = ["--max-region", str(max_region)]
     if slots_per_gpu:
@@ -214,8 +297,10 @@ def daemon_status(as_json: bool) -> None:
     d = st["daemon"]
     click.echo(f"krexd pid {d['pid']}, socket {d['socket']}, up {d['uptime_s']} s")
     click.echo(f"  device {d['device']} x{d['gpus']}, segment {d['shm']}, freezer {d['freezer']}")
-    click.echo(f"  regions so far {d['regions_done']}, max region {d['max_region_s']} s, "
-               f"slots per GPU {st['slots_per_gpu']}")
+    click.echo(
+        f"  regions so far {d['regions_done']}, max region {d['max_region_s']} s, "
+        f"slots per GPU {st['slots_per_gpu']}"
+    )
     for line in _partition_lines(st["partition"]):
         click.echo("  " + line)
 
@@ -241,17 +326,40 @@ def journal(last: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(recs, indent=2))
         return
-    click.echo("{:>8} {:>3} {:>4} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>6}  {}".format(
-        "pid", "gpu", "slot", "wait_ms", "entry_ms", "drain_ms", "frz_ms", "pin_ms", "region_ms", "frozen",
-        "end / contamination"))
+    click.echo(
+        "{:>8} {:>3} {:>4} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>6}  {}".format(
+            "pid",
+            "gpu",
+            "slot",
+            "wait_ms",
+            "entry_ms",
+            "drain_ms",
+            "frz_ms",
+            "pin_ms",
+            "region_ms",
+            "frozen",
+            "end / contamination",
+        )
+    )
     for r in recs:
         note = r.get("end", "")
         if r.get("contaminated"):
             note += " CONTAMINATED: " + "; ".join(r.get("reasons", []))
-        click.echo("{:>8} {:>3} {:>4} {:>8.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>6}  {}".format(
-            r.get("owner_pid", 0), r.get("gpu", 0), r.get("owner_slot", 0), 1e3 * r.get("queue_wait_s", 0),
-            1e3 * r.get("entry_s", 0), 1e3 * r.get("drain_s", 0), 1e3 * r.get("freeze_s", 0),
-            1e3 * r.get("pin_s", 0), 1e3 * r.get("region_s", 0), r.get("siblings_frozen", 0), note))
+        click.echo(
+            "{:>8} {:>3} {:>4} {:>8.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>6}  {}".format(
+                r.get("owner_pid", 0),
+                r.get("gpu", 0),
+                r.get("owner_slot", 0),
+                1e3 * r.get("queue_wait_s", 0),
+                1e3 * r.get("entry_s", 0),
+                1e3 * r.get("drain_s", 0),
+                1e3 * r.get("freeze_s", 0),
+                1e3 * r.get("pin_s", 0),
+                1e3 * r.get("region_s", 0),
+                r.get("siblings_frozen", 0),
+                note,
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -17,7 +17,10 @@ from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, Us
 from krex.protocol import LineReader, encode
 
 _KINDS: dict[str, type[KrexError]] = {
-    "UsageError": UsageError, "NotFound": NotFound, "Busy": Busy, "Timeout": Timeout,
+    "UsageError": UsageError,
+    "NotFound": NotFound,
+    "Busy": Busy,
+    "Timeout": Timeout,
     "PermissionDenied": PermissionDenied,
 }
 DEFAULT_IDLE_EXIT_S = 120.0
@@ -78,8 +81,9 @@ def _connect(p: Path) -> socket.socket:
         s.connect(str(p))
     except PermissionError as e:
         s.close()
-        raise PermissionDenied(f"permission denied connecting to {p}",
-                               "run as the daemon's user or a member of its group") from e
+        raise PermissionDenied(
+            f"permission denied connecting to {p}", "run as the daemon's user or a member of its group"
+        ) from e
     except OSError:
         s.close()
         raise
@@ -94,8 +98,12 @@ def daemon_alive(path: Path | None = None) -> bool:
         return False
 
 
-def start_background(device: str = "auto", idle_exit_s: float | None = None, extra: list[str] | None = None,
-                     wait_s: float = 15.0) -> int:
+def start_background(
+    device: str = "auto",
+    idle_exit_s: float | None = None,
+    extra: list[str] | None = None,
+    wait_s: float = 15.0,
+) -> int:
     """Start krexd detached (own session, log in the state directory) and wait
     until its socket answers. Returns its pid."""
     sd = paths.ensure_state_dir()
@@ -105,8 +113,15 @@ def start_background(device: str = "auto", idle_exit_s: float | None = None, ext
         args += ["--idle-exit", str(idle_exit_s)]
     log = open(sd / "krexd.log", "ab")  # noqa: SIM115 - handed to the child
     try:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                close_fds=True, env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
+            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+        )
     finally:
         log.close()
     deadline = time.monotonic() + wait_s
@@ -118,7 +133,9 @@ def start_background(device: str = "auto", idle_exit_s: float | None = None, ext
             tail = (sd / "krexd.log").read_text(errors="replace")[-600:]
             if "already running" in tail and daemon_alive(sock):
                 return proc.pid
-            raise KrexError(f"the KREX daemon exited at start (status {rc}): {tail.strip().splitlines()[-2:]}",
-                            f"see {sd / 'krexd.log'}")
+            raise KrexError(
+                f"the KREX daemon exited at start (status {rc}): {tail.strip().splitlines()[-2:]}",
+                f"see {sd / 'krexd.log'}",
+            )
         time.sleep(0.05)
     raise Timeout(f"the KREX daemon did not answer on {sock} within {wait_s:g}s", f"see {sd / 'krexd.log'}")

@@ -21,7 +21,9 @@ class PauseResult:
     lease_s: float
 
 
-def pause(seg: Segment, gpu: int, timeout: float = 10.0, lease_s: float = DEFAULT_PAUSE_LEASE_S) -> PauseResult:
+def pause(
+    seg: Segment, gpu: int, timeout: float = 10.0, lease_s: float = DEFAULT_PAUSE_LEASE_S
+) -> PauseResult:
     """Close the gate with no owner, wait for in-flight submissions, drain.
 
     The pause outlives the caller: it holds until resume() or until the lease
@@ -34,8 +36,10 @@ def pause(seg: Segment, gpu: int, timeout: float = 10.0, lease_s: float = DEFAUL
         raise UsageError(f"--for {lease_s:g} must be positive", "pass e.g. --for 600")
     g = seg.raw.gpus[gpu]
     if g.gate != lib.KREX_GATE_OPEN and g.holder == lib.KREX_HOLDER_REGION:
-        raise Busy(f"GPU {gpu} is inside a region of slot {g.owner_slot}",
-                   "wait for the region to end, then pause again")
+        raise Busy(
+            f"GPU {gpu} is inside a region of slot {g.owner_slot}",
+            "wait for the region to end, then pause again",
+        )
     word = seg.close_gate(gpu, None, holder=lib.KREX_HOLDER_PAUSE, holder_pid=os.getpid(), lease_s=lease_s)
     inflight = seg.wait_inflight(gpu, None, timeout)
     if not inflight.ok:
@@ -55,7 +59,9 @@ def resume(seg: Segment, gpu: int) -> bool:
     if g.gate == lib.KREX_GATE_OPEN:
         return False
     if g.holder == lib.KREX_HOLDER_REGION:
-        raise Busy(f"GPU {gpu} is held by a region of slot {g.owner_slot}, not by a pause",
-                   "regions end by themselves; `krex status` shows who holds it")
+        raise Busy(
+            f"GPU {gpu} is held by a region of slot {g.owner_slot}, not by a pause",
+            "regions end by themselves; `krex status` shows who holds it",
+        )
     seg.open_gate(gpu)
     return True

@@ -89,10 +89,14 @@ class Daemon:
         self.sock_path = paths.socket_path()
         self.journal_path = paths.journal_path()
         self.shm_name = cfg.shm_name or default_name()
-        self.freezer = freezer.detect(cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex")
+        self.freezer = freezer.detect(
+            cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex"
+        )
         self.partition = cpus.partition(cpus.discover(), self.info.count, self.info.numa or None)
         self.slots: dict[int, Slot] = {}
-        self.queues: dict[int, collections.deque[Region]] = {g: collections.deque() for g in range(self.info.count)}
+        self.queues: dict[int, collections.deque[Region]] = {
+            g: collections.deque() for g in range(self.info.count)
+        }
         self.current: dict[int, Region | None] = dict.fromkeys(range(self.info.count))
         self.regions_done = 0
         self.last_busy = time.monotonic()
@@ -117,8 +121,10 @@ class Daemon:
         except BlockingIOError:
             os.close(fd)
             pid = lp.read_text().strip() if lp.exists() else "?"
-            raise Busy(f"a KREX daemon is already running (pid {pid or '?'}, socket {self.sock_path})",
-                       "use it, or stop it first with `krex daemon stop`") from None
+            raise Busy(
+                f"a KREX daemon is already running (pid {pid or '?'}, socket {self.sock_path})",
+                "use it, or stop it first with `krex daemon stop`",
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(self.pid).encode())
         self._lock_fd = fd
@@ -130,7 +136,9 @@ class Daemon:
         now = int(lib.krex_now_ns())
         for g in range(self.seg.n_gpus):
             gp = self.seg.raw.gpus[g]
-            live_pause = gp.holder == lib.KREX_HOLDER_PAUSE and (gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > now)
+            live_pause = gp.holder == lib.KREX_HOLDER_PAUSE and (
+                gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > now
+            )
             if gp.gate != lib.KREX_GATE_OPEN and not live_pause:
                 self.seg.open_gate(g)
                 reopened += 1
@@ -151,8 +159,10 @@ class Daemon:
         if seg.n_gpus != self.info.count:
             busy = [p for p in seg.snapshot().procs if p.alive]
             if busy:
-                raise Busy(f"segment {self.shm_name} was made for {seg.n_gpus} GPUs and is still in use",
-                           "stop the commands using it, or set KREX_SHM to another name")
+                raise Busy(
+                    f"segment {self.shm_name} was made for {seg.n_gpus} GPUs and is still in use",
+                    "stop the commands using it, or set KREX_SHM to another name",
+                )
             seg.close()
             Segment.unlink(self.shm_name)
             seg = Segment.create(self.shm_name, n_gpus=self.info.count)
@@ -163,8 +173,10 @@ class Daemon:
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise KrexError(f"cannot create socket directory {p.parent}: {e.strerror}",
-                            "set KREX_SOCKET (or KREX_STATE_DIR) to a writable place") from e
+            raise KrexError(
+                f"cannot create socket directory {p.parent}: {e.strerror}",
+                "set KREX_SOCKET (or KREX_STATE_DIR) to a writable place",
+            ) from e
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -173,8 +185,9 @@ class Daemon:
             s.bind(str(p))
         except OSError as e:
             s.close()
-            raise KrexError(f"cannot create socket {p}: {e.strerror}",
-                            "set KREX_SOCKET to a writable path") from e
+            raise KrexError(
+                f"cannot create socket {p}: {e.strerror}", "set KREX_SOCKET to a writable path"
+            ) from e
         finally:
             os.umask(old)
         s.listen(128)
@@ -208,7 +221,7 @@ class Daemon:
     def shutdown(self) -> None:
         self.stop.set()
         with self.lock:
-            for g, r in self.current.items():
+            for r in self.current.values():
                 if r is not None:
                     r.end_reason = r.end_reason or "daemon-stop"
                     r.ended.set()
@@ -259,8 +272,7 @@ class Daemon:
                 busy = bool(self.slots) or any(self.current.values())
                 if busy:
                     self.last_busy = time.monotonic()
-            if (self.cfg.idle_exit_s is not None
-                    and time.monotonic() - self.last_busy > self.cfg.idle_exit_s):
+            if self.cfg.idle_exit_s is not None and time.monotonic() - self.last_busy > self.cfg.idle_exit_s:
                 self.stop.set()
 
     def _group_pids(self, s: Slot) -> list[int]:
@@ -268,7 +280,9 @@ class Daemon:
             pids = s.group.pids()
         except KrexError:
             pids = []
-        return [p for p in pids if lib.krex_pid_alive(p, 0)] or [p for p in s.root_pids if lib.krex_pid_alive(p, 0)]
+        return [p for p in pids if lib.krex_pid_alive(p, 0)] or [
+            p for p in s.root_pids if lib.krex_pid_alive(p, 0)
+        ]
 
     # ------------------------------------------------------------------ slots
     def _new_slot(self, gpu: int, kind: str, guardian_pid: int) -> Slot:
@@ -290,7 +304,7 @@ class Daemon:
             s = self.slots.pop(n, None)
             if s is None:
                 return
-            for g, r in self.current.items():
+            for r in self.current.values():
                 if r is not None and r.slot == n and not r.ended.is_set():
                     r.end_reason = reason
                     r.ended.set()
@@ -360,9 +374,13 @@ class Daemon:
 
     def _wait_operator_pause(self, gpu: int, req: Region) -> None:
         gp = self.seg.raw.gpus[gpu]
-        while (gp.gate != lib.KREX_GATE_OPEN and gp.holder == lib.KREX_HOLDER_PAUSE and not self.stop.is_set()
-               and not req.ended.is_set()
-               and (gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > lib.krex_now_ns())):
+        while (
+            gp.gate != lib.KREX_GATE_OPEN
+            and gp.holder == lib.KREX_HOLDER_PAUSE
+            and not self.stop.is_set()
+            and not req.ended.is_set()
+            and (gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > lib.krex_now_ns())
+        ):
             time.sleep(0.01)
 
     def _run_region(self, gpu: int, req: Region) -> None:
@@ -386,9 +404,13 @@ class Daemon:
             t["drain_s"] = r.seconds
             drained = r.count
             if not r.ok:
-                reasons.append(f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s")
+                reasons.append(
+                    f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s"
+                )
             if r.partial:
-                reasons.append(f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained")
+                reasons.append(
+                    f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained"
+                )
             t1 = time.monotonic()
             with self.lock:
                 siblings = [s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot]
@@ -414,9 +436,16 @@ class Daemon:
             t["pin_s"] = time.monotonic() - t2
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
-                "ok": True, "gpu": gpu, "slot": req.slot, **{k: round(v, 6) for k, v in t.items()},
-                "drained": drained, "frozen_slots": [s.slot for s in frozen], "reserved_cpus": reserved,
-                "contaminated": bool(reasons), "reasons": reasons, "freezer": self.freezer.name,
+                "ok": True,
+                "gpu": gpu,
+                "slot": req.slot,
+                **{k: round(v, 6) for k, v in t.items()},
+                "drained": drained,
+                "frozen_slots": [s.slot for s in frozen],
+                "reserved_cpus": reserved,
+                "contaminated": bool(reasons),
+                "reasons": reasons,
+                "freezer": self.freezer.name,
                 "partition_degraded": self.partition.degraded,
             }
             t_grant = time.monotonic()
@@ -438,9 +467,16 @@ class Daemon:
                 req.grant = {"ok": False, "error": "region setup failed", "reasons": reasons}
                 req.granted.set()
         rec = {
-            "ts": time.time(), "gpu": gpu, "owner_slot": req.slot, "owner_pid": req.pid, "tid": req.tid,
-            **req.grant, "region_s": round(region_s, 6), "thaw_s": round(thaw_s, 6),
-            "end": req.end_reason or "end", "siblings_frozen": len(frozen),
+            "ts": time.time(),
+            "gpu": gpu,
+            "owner_slot": req.slot,
+            "owner_pid": req.pid,
+            "tid": req.tid,
+            **req.grant,
+            "region_s": round(region_s, 6),
+            "thaw_s": round(thaw_s, 6),
+            "end": req.end_reason or "end",
+            "siblings_frozen": len(frozen),
         }
         rec.pop("ok", None)
         req.record = rec
@@ -490,7 +526,9 @@ class Daemon:
             if n is not None and n in self.slots and self.slots[n].kind == "auto":
                 self._release(n, "owner-exit")
 
-    def _handle(self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any] | None:
         op = msg.get("op")
         if op == "hello":
             return {"ok": True, "pid": self.pid, "shm": self.shm_name, "gpus": self.info.count}
@@ -544,11 +582,15 @@ class Daemon:
             owned["slot"] = s.slot
             return s
 
-    def _admit(self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
+    def _admit(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
         want = msg.get("gpu")
         if want is not None and not 0 <= int(want) < self.info.count:
-            raise NotFound(f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
-                           "pick a GPU index from `krex status`")
+            raise NotFound(
+                f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
+                "pick a GPU index from `krex status`",
+            )
         t0 = time.monotonic()
         told = False
         with self.lock:
@@ -565,9 +607,17 @@ class Daemon:
                     raise KrexError("daemon is stopping", "try again")
         owned["guardian"] = s.slot
         sl = self.partition.slice_for(gpu)
-        return {"ok": True, "slot": s.slot, "gpu": gpu, "physical": self.info.physical[gpu],
-                "shm": self.shm_name, "group": s.group.path, "freezer": self.freezer.name,
-                "shared_cpus": sl.shared, "admission_wait_s": round(time.monotonic() - t0, 6)}
+        return {
+            "ok": True,
+            "slot": s.slot,
+            "gpu": gpu,
+            "physical": self.info.physical[gpu],
+            "shm": self.shm_name,
+            "group": s.group.path,
+            "freezer": self.freezer.name,
+            "shared_cpus": sl.shared,
+            "admission_wait_s": round(time.monotonic() - t0, 6),
+        }
 
     def _adopt(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
         """A guardian of a previous daemon reconnects and keeps its slot."""
@@ -603,12 +653,16 @@ class Daemon:
         if req is None or req.released.is_set() and req.end_reason:
             s = self._slot_of_pid(pid)
             with self.lock:
-                cur = [r for r in self.current.values() if r is not None and s is not None and r.slot == s.slot]
+                cur = [
+                    r for r in self.current.values() if r is not None and s is not None and r.slot == s.slot
+                ]
             if req is None and not cur:
                 raise UsageError("END without BEGIN: this process holds no region", "call begin first")
             if req is None:
                 # I6: only the connection that began a region may end it.
-                raise Busy("that region belongs to another connection of your command", "end it where it began")
+                raise Busy(
+                    "that region belongs to another connection of your command", "end it where it began"
+                )
         assert req is not None
         req.ended.set()
         req.released.wait(10)
@@ -619,17 +673,44 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         with self.lock:
             return {
-                "daemon": {"pid": self.pid, "socket": str(self.sock_path), "uptime_s": round(time.time() - self.started_at, 1),
-                           "freezer": self.freezer.name, "freezer_detail": self.freezer.describe(),
-                           "device": self.info.kind, "gpus": self.info.count, "shm": self.shm_name,
-                           "regions_done": self.regions_done, "max_region_s": self.cfg.max_region_s},
+                "daemon": {
+                    "pid": self.pid,
+                    "socket": str(self.sock_path),
+                    "uptime_s": round(time.time() - self.started_at, 1),
+                    "freezer": self.freezer.name,
+                    "freezer_detail": self.freezer.describe(),
+                    "device": self.info.kind,
+                    "gpus": self.info.count,
+                    "shm": self.shm_name,
+                    "regions_done": self.regions_done,
+                    "max_region_s": self.cfg.max_region_s,
+                },
                 "partition": self.partition.to_json(),
-                "slots": [{"slot": s.slot, "gpu": s.gpu, "kind": s.kind, "guardian_pid": s.guardian_pid,
-                           "pids": self._group_pids(s)} for s in self.slots.values()],
-                "regions": [{"gpu": g, "slot": r.slot, "pid": r.pid, "tid": r.tid,
-                             "granted": r.granted.is_set(), "age_s": round(time.monotonic() - r.t_request, 3)}
-                            for g, r in self.current.items() if r is not None],
-                "queues": {str(g): [{"slot": r.slot, "pid": r.pid} for r in q] for g, q in self.queues.items()},
+                "slots": [
+                    {
+                        "slot": s.slot,
+                        "gpu": s.gpu,
+                        "kind": s.kind,
+                        "guardian_pid": s.guardian_pid,
+                        "pids": self._group_pids(s),
+                    }
+                    for s in self.slots.values()
+                ],
+                "regions": [
+                    {
+                        "gpu": g,
+                        "slot": r.slot,
+                        "pid": r.pid,
+                        "tid": r.tid,
+                        "granted": r.granted.is_set(),
+                        "age_s": round(time.monotonic() - r.t_request, 3),
+                    }
+                    for g, r in self.current.items()
+                    if r is not None
+                ],
+                "queues": {
+                    str(g): [{"slot": r.slot, "pid": r.pid} for r in q] for g, q in self.queues.items()
+                },
                 "slots_per_gpu": [self.slots_per_gpu(g) for g in range(self.info.count)],
             }
 
@@ -655,8 +736,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--freezer", default=None)
     a = ap.parse_args(argv)
     try:
-        run(Config(device=a.device, slots_per_gpu=a.slots_per_gpu, max_region_s=a.max_region,
-                   idle_exit_s=a.idle_exit, freezer=a.freezer))
+        run(
+            Config(
+                device=a.device,
+                slots_per_gpu=a.slots_per_gpu,
+                max_region_s=a.max_region,
+                idle_exit_s=a.idle_exit,
+                freezer=a.freezer,
+            )
+        )
     except KrexError as e:
         os.write(2, f"krexd: error: {e}\n  fix: {e.fix}\n".encode())
         raise SystemExit(e.exit_code) from None
@@ -664,4 +752,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -28,12 +28,13 @@ def inspect(path: str) -> ElfInfo:
         return ElfInfo(False, [], False)
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian only
         return ElfInfo(False, [], False)
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     secs = []
     for i in range(shnum):
         name, typ, _fl, _addr, off, size, link, _info, _al, entsize = struct.unpack_from(
-            "<IIQQQQIIQQ", data, shoff + i * shentsize)
+            "<IIQQQQIIQQ", data, shoff + i * shentsize
+        )
         secs.append((name, typ, off, size, link, entsize))
 
     def cstr(off: int) -> str:

@@ -29,15 +29,18 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
         "KREX_SHM": shm_name,
         "KREX_SOCKET": str(sock),
         # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
-        "KREX_DAEMON_CMD": (f"mkdir -p {shlex.quote(str(log.parent))} && exec env -u LD_PRELOAD "
-                            f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --idle-exit 120 "
-                            f">>{shlex.quote(str(log))} 2>&1"),
+        "KREX_DAEMON_CMD": (
+            f"mkdir -p {shlex.quote(str(log.parent))} && exec env -u LD_PRELOAD "
+            f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --idle-exit 120 "
+            f">>{shlex.quote(str(log))} 2>&1"
+        ),
     }
     # krex/_hook holds a sitecustomize that installs automatic regions when
     # KREX_AUTO_REGION is set, and costs one `import os` otherwise.
     hook = str(Path(__file__).resolve().parent / "_hook")
     env["PYTHONPATH"] = os.pathsep.join(
-        dict.fromkeys([hook, *(p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p)]))
+        dict.fromkeys([hook, *(p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    )
     if device == "sim":
         env["LD_LIBRARY_PATH"] = _prepend("LD_LIBRARY_PATH", str(sim_dir()), base)
         env["KREX_DEVICE"] = "sim"
@@ -57,7 +60,9 @@ def int_var(name: str, default: int, lo: int = 0, hi: int = 1 << 30) -> int:
     try:
         v = int(raw)
     except ValueError:
-        raise UsageError(f"{name}={raw!r} is not an integer", f"set {name} to a number in {lo}..{hi}") from None
+        raise UsageError(
+            f"{name}={raw!r} is not an integer", f"set {name} to a number in {lo}..{hi}"
+        ) from None
     if not lo <= v <= hi:
         raise UsageError(f"{name}={v} is out of range", f"set {name} to a number in {lo}..{hi}")
     return v
@@ -70,7 +75,9 @@ def float_var(name: str, default: float, lo: float = 0.0, hi: float = 1e9) -> fl
     try:
         v = float(raw)
     except ValueError:
-        raise UsageError(f"{name}={raw!r} is not a number", f"set {name} to a number in {lo:g}..{hi:g}") from None
+        raise UsageError(
+            f"{name}={raw!r} is not a number", f"set {name} to a number in {lo:g}..{hi:g}"
+        ) from None
     if not lo <= v <= hi:
         raise UsageError(f"{name}={v:g} is out of range", f"set {name} to a number in {lo:g}..{hi:g}")
     return v

@@ -43,7 +43,7 @@ def sim_gpu_count() -> int:
 
 def _nvml() -> GpuInfo | None:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         return None
     try:
@@ -86,5 +86,11 @@ def discover(device: str = "auto") -> GpuInfo:
                 "install nvidia-ml-py and the driver, check CUDA_VISIBLE_DEVICES, or use --device sim",
             )
     n = sim_gpu_count()
-    return GpuInfo("sim", n, [f"simulated GPU {i}" for i in range(n)], list(range(n)), [None] * n,
-                   note="simulated GPU: proves logic, never performance")
+    return GpuInfo(
+        "sim",
+        n,
+        [f"simulated GPU {i}" for i in range(n)],
+        list(range(n)),
+        [None] * n,
+        note="simulated GPU: proves logic, never performance",
+    )

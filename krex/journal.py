@@ -23,8 +23,10 @@ def append(path: Path, record: dict[str, Any]) -> None:
 
 def read(path: Path, last: int | None = None) -> list[dict[str, Any]]:
     if not path.exists():
-        raise NotFound(f"no journal at {path}: no region has run yet",
-                       "run a command that marks a region, e.g. krex run -- python bench.py")
+        raise NotFound(
+            f"no journal at {path}: no region has run yet",
+            "run a command that marks a region, e.g. krex run -- python bench.py",
+        )
     out: deque[dict[str, Any]] = deque(maxlen=last)
     with open(path) as f:
         for line in f:

@@ -6,6 +6,7 @@ slot however the command ends (SIGKILL included)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -31,7 +32,9 @@ def resolve_command(cmd: Sequence[str]) -> str:
         if not p.exists():
             raise CommandNotFound(f"command not found: {exe}", "check the path")
         if p.is_dir() or not os.access(p, os.X_OK):
-            raise NotExecutable(f"{exe} is not executable", f"chmod +x {exe}, or run it through its interpreter")
+            raise NotExecutable(
+                f"{exe} is not executable", f"chmod +x {exe}, or run it through its interpreter"
+            )
         return str(p)
     found = shutil.which(exe)
     if not found:
@@ -55,19 +58,17 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
 
     def forward(signum: int, _frame: object) -> None:
         if child is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signum)
-            except ProcessLookupError:
-                pass
 
     def preexec() -> None:
+        os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
         for fn in launch.preexec:
             fn()
 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        child = subprocess.Popen(launch.cmd, env=launch.env, process_group=0,
-                                 preexec_fn=preexec if launch.preexec else None)
+        child = subprocess.Popen(launch.cmd, env=launch.env, preexec_fn=preexec)
         if on_start:
             on_start(child.pid)
         rc = child.wait()
@@ -77,8 +78,14 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
     return rc if rc >= 0 else 128 - rc
 
 
-def run_direct(cmd: Sequence[str], device: str, gpu: int | None, n_gpus: int, shm_name: str | None = None,
-               extra_env: dict[str, str] | None = None) -> int:
+def run_direct(
+    cmd: Sequence[str],
+    device: str,
+    gpu: int | None,
+    n_gpus: int,
+    shm_name: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> int:
     """First-version run without a daemon: claim a slot in the segment directly."""
     exe = resolve_command(cmd)
     seg = Segment.create(shm_name, n_gpus=n_gpus)
@@ -123,13 +130,16 @@ def _static_cudart_warning(exe: str) -> str | None:
     from krex.elfcheck import inspect
 
     if inspect(exe).static_cudart:
-        return (f"{exe} links the CUDA runtime statically: KREX cannot gate its launches (freezing still "
-                "protects its siblings). Rebuild it with `nvcc -cudart shared`.")
+        return (
+            f"{exe} links the CUDA runtime statically: KREX cannot gate its launches (freezing still "
+            "protects its siblings). Rebuild it with `nvcc -cudart shared`."
+        )
     return None
 
 
-def run_guarded(cmd: Sequence[str], device: str, gpu: int | None,
-                notify: Callable[[str], None] = lambda _m: None) -> RunResult:
+def run_guarded(
+    cmd: Sequence[str], device: str, gpu: int | None, notify: Callable[[str], None] = lambda _m: None
+) -> RunResult:
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5)."""
@@ -156,10 +166,16 @@ def run_guarded(cmd: Sequence[str], device: str, gpu: int | None,
     sim = adm.get("physical") is not None and device == "sim"
     env = dict(os.environ)
     env.update(opt_in_env("sim" if sim or device == "sim" else "gpu", str(adm["shm"])))
-    env.update({"KREX_SLOT": str(slot), "KREX_GPU": str(g), "CUDA_VISIBLE_DEVICES": str(adm["physical"]),
-                "KREX_SOCKET": str(paths.socket_path())})
+    env.update(
+        {
+            "KREX_SLOT": str(slot),
+            "KREX_GPU": str(g),
+            "CUDA_VISIBLE_DEVICES": str(adm["physical"]),
+            "KREX_SOCKET": str(paths.socket_path()),
+        }
+    )
     group_path, backend = str(adm["group"]), str(adm["freezer"])
-    preexec = [freezer.preexec_join(group_path), _set_affinity(list(adm.get("shared_cpus") or []))]  # type: ignore[call-overload]
+    preexec = [freezer.preexec_join(group_path), _set_affinity(list(adm.get("shared_cpus") or []))]
 
     # A second connection the daemon never writes to: EOF on it means the daemon died.
     stop = threading.Event()
@@ -180,12 +196,17 @@ def run_guarded(cmd: Sequence[str], device: str, gpu: int | None,
         with_contextlib_thaw(backend, group_path, child_pid)
         notify("krex: the daemon went away; your command was thawed and keeps running")
 
+    def _started(pid: int) -> None:
+        child_pid.append(pid)
+        client.request({"op": "started", "pid": pid})
+
     threading.Thread(target=watch, daemon=True).start()
     t_start = time.time()
     try:
-        status = spawn_and_wait(Launch([exe, *cmd[1:]], env, slot, g, preexec),
-                                on_start=lambda pid: (child_pid.append(pid),
-                                                      client.request({"op": "started", "pid": pid})) and None)
+        status = spawn_and_wait(
+            Launch([exe, *cmd[1:]], env, slot, g, preexec),
+            on_start=lambda pid: _started(pid),
+        )
     finally:
         stop.set()
         report: dict[str, object] = {"slot": slot, "gpu": g, "admission_wait_s": adm.get("admission_wait_s")}
@@ -195,17 +216,20 @@ def run_guarded(cmd: Sequence[str], device: str, gpu: int | None,
                 report["gate_blocks"] = sum(p.blocked for p in procs)
                 report["gate_blocked_ms"] = round(sum(p.blocked_ms for p in procs), 3)
                 report["fail_opens"] = sum(p.fail_opens for p in procs)
-                report["submits"] = {k: sum(p.submits[k] for p in procs) for k in procs[0].submits} if procs else {}
+                report["submits"] = (
+                    {k: sum(p.submits[k] for p in procs) for k in procs[0].submits} if procs else {}
+                )
         except KrexError:
             pass
-        try:
+        with contextlib.suppress(KrexError, OSError):
             client.request({"op": "release"})
-        except (KrexError, OSError):
-            pass
         client.close()
         try:
-            regs = [r for r in journal.read(paths.journal_path())
-                    if r.get("owner_slot") == slot and float(str(r.get("ts", 0))) >= t_start]
+            regs = [
+                r
+                for r in journal.read(paths.journal_path())
+                if r.get("owner_slot") == slot and float(str(r.get("ts", 0))) >= t_start
+            ]
         except KrexError:
             regs = []
         report["regions"] = regs

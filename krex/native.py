@@ -9,9 +9,7 @@ from krex.errors import NotFound
 try:
     from krex._native import ffi, lib
 except ImportError as exc:  # pragma: no cover - only when the build step was skipped
-    raise ImportError(
-        "krex._native is not built; run `make install` (or `pip install .`)"
-    ) from exc
+    raise ImportError("krex._native is not built; run `make install` (or `pip install .`)") from exc
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 

@@ -26,11 +26,14 @@ def ensure_state_dir() -> Path:
     try:
         p.mkdir(mode=0o750, parents=True, exist_ok=True)
     except OSError as e:
-        raise PermissionDenied(f"cannot create the KREX state directory {p}: {e.strerror}",
-                               "set KREX_STATE_DIR to a writable directory") from e
+        raise PermissionDenied(
+            f"cannot create the KREX state directory {p}: {e.strerror}",
+            "set KREX_STATE_DIR to a writable directory",
+        ) from e
     if not os.access(p, os.W_OK):
-        raise PermissionDenied(f"the KREX state directory {p} is not writable",
-                               "set KREX_STATE_DIR to a writable directory")
+        raise PermissionDenied(
+            f"the KREX state directory {p} is not writable", "set KREX_STATE_DIR to a writable directory"
+        )
     return p
 
 
@@ -38,8 +41,10 @@ def socket_path() -> Path:
     raw = os.environ.get("KREX_SOCKET")
     if raw:
         if len(raw.encode()) > 100:
-            raise UsageError(f"KREX_SOCKET={raw!r} is longer than a Unix socket path may be",
-                             "use a path of at most 100 bytes")
+            raise UsageError(
+                f"KREX_SOCKET={raw!r} is longer than a Unix socket path may be",
+                "use a path of at most 100 bytes",
+            )
         return Path(raw)
     return state_dir() / "krexd.sock"
 

@@ -64,17 +64,23 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         if not under_krex():
             if _strict():
                 _local.depth = 0
-                raise NotFound("krex.region() used outside KREX (KREX_STRICT=1)",
-                               "run under `krex run -- ...` or eval \"$(krex env --export)\"")
+                raise NotFound(
+                    "krex.region() used outside KREX (KREX_STRICT=1)",
+                    'run under `krex run -- ...` or eval "$(krex env --export)"',
+                )
             if not _warned:
-                warnings.warn("krex.region(): not running under KREX; the region is not exclusive",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    "krex.region(): not running under KREX; the region is not exclusive",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 _warned = True
             return self
         _proc_lock.acquire()
         try:
-            self.grant = _get_client().request({"op": "begin", "tid": threading.get_native_id(),
-                                                "gpu": _visible_gpu()})
+            self.grant = _get_client().request(
+                {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
+            )
             self._active = True
         except BaseException:
             _proc_lock.release()
@@ -82,7 +88,9 @@ class region:  # noqa: N801 - reads like a keyword at call sites
             raise
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         _local.depth -= 1
         if not self._active:
             return

@@ -16,7 +16,11 @@ from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageErr
 from krex.native import ffi, lib
 
 CLASS_NAMES = ("kernel", "copy", "memset", "graph", "prefetch")
-HOLDER_NAMES = {lib.KREX_HOLDER_NONE: "none", lib.KREX_HOLDER_REGION: "region", lib.KREX_HOLDER_PAUSE: "pause"}
+HOLDER_NAMES = {
+    lib.KREX_HOLDER_NONE: "none",
+    lib.KREX_HOLDER_REGION: "region",
+    lib.KREX_HOLDER_PAUSE: "pause",
+}
 PROC_FLAG_NAMES = {
     lib.KREX_PF_NO_REAL: "no-real-symbol",
     lib.KREX_PF_SLOTS_FULL: "slots-full",
@@ -157,7 +161,7 @@ class Segment:
 
     @staticmethod
     def unlink(name: str | None = None) -> bool:
-        return lib.krex_shm_unlink((name or default_name()).encode()) == 0
+        return bool(lib.krex_shm_unlink((name or default_name()).encode()) == 0)
 
     def close(self) -> None:
         if self._p is not None:
@@ -197,53 +201,86 @@ class Segment:
             gp = p.gpus[g]
             word = int(gp.gate)
             lease = int(gp.lease_deadline_ns)
-            gates.append(GateInfo(
-                gpu=g, closed=word != lib.KREX_GATE_OPEN, word=word,
-                holder=HOLDER_NAMES.get(int(gp.holder), "?"), owner_slot=int(gp.owner_slot),
-                epoch=int(gp.epoch), lease_left_s=(lease - now) / 1e9 if lease and word else None,
-                holder_pid=int(gp.holder_pid), closes=int(gp.regions), fail_opens=int(gp.fail_opens),
-            ))
+            gates.append(
+                GateInfo(
+                    gpu=g,
+                    closed=word != lib.KREX_GATE_OPEN,
+                    word=word,
+                    holder=HOLDER_NAMES.get(int(gp.holder), "?"),
+                    owner_slot=int(gp.owner_slot),
+                    epoch=int(gp.epoch),
+                    lease_left_s=(lease - now) / 1e9 if lease and word else None,
+                    holder_pid=int(gp.holder_pid),
+                    closes=int(gp.regions),
+                    fail_opens=int(gp.fail_opens),
+                )
+            )
         slots = []
         for s in range(lib.KREX_MAX_SLOTS):
             sp = p.slots[s]
             if sp.state == lib.KREX_SLOT_ACTIVE:
                 owner = int(sp.owner_pid)
-                slots.append(SlotInfo(s, int(sp.gpu), owner, bool(lib.krex_pid_alive(owner, 0)),
-                                      int(sp.generation)))
+                slots.append(
+                    SlotInfo(s, int(sp.gpu), owner, bool(lib.krex_pid_alive(owner, 0)), int(sp.generation))
+                )
         procs = []
         for i in range(lib.KREX_MAX_PROCS):
             r = p.procs[i]
             if r.pid == 0:
                 continue
             flags = [n for bit, n in PROC_FLAG_NAMES.items() if r.flags & bit]
-            procs.append(ProcInfo(
-                pid=int(r.pid), slot=int(r.slot), gpu=int(r.gpu),
-                alive=bool(lib.krex_pid_alive(r.pid, r.start_ticks)), has_ctx=bool(r.has_ctx),
-                inflight=int(r.inflight), drain_ack=int(r.drain_ack),
-                submits={n: int(r.submits[k]) for k, n in enumerate(CLASS_NAMES)},
-                blocked=int(r.blocked), blocked_ms=int(r.blocked_ns) / 1e6,
-                fail_opens=int(r.fail_opens), drains=int(r.drains), flags=flags,
-            ))
+            procs.append(
+                ProcInfo(
+                    pid=int(r.pid),
+                    slot=int(r.slot),
+                    gpu=int(r.gpu),
+                    alive=bool(lib.krex_pid_alive(r.pid, r.start_ticks)),
+                    has_ctx=bool(r.has_ctx),
+                    inflight=int(r.inflight),
+                    drain_ack=int(r.drain_ack),
+                    submits={n: int(r.submits[k]) for k, n in enumerate(CLASS_NAMES)},
+                    blocked=int(r.blocked),
+                    blocked_ms=int(r.blocked_ns) / 1e6,
+                    fail_opens=int(r.fail_opens),
+                    drains=int(r.drains),
+                    flags=flags,
+                )
+            )
         return Snapshot(
-            name=self.name, n_gpus=self.n_gpus, daemon_pid=int(p.hdr.daemon_pid),
+            name=self.name,
+            n_gpus=self.n_gpus,
+            daemon_pid=int(p.hdr.daemon_pid),
             heartbeat_age_s=(now - hb) / 1e9 if hb else None,
-            proc_overflows=int(p.hdr.proc_overflows), gates=gates, slots=slots, procs=procs,
+            proc_overflows=int(p.hdr.proc_overflows),
+            gates=gates,
+            slots=slots,
+            procs=procs,
         )
 
     # ------------------------------------------------------------ the gate
     def gate_word(self, gpu: int) -> int:
         return int(self.raw.gpus[gpu].gate)
 
-    def close_gate(self, gpu: int, owner_slot: int | None = None, *, holder: int | None = None,
-                   holder_pid: int = 0, lease_s: float | None = None) -> int:
+    def close_gate(
+        self,
+        gpu: int,
+        owner_slot: int | None = None,
+        *,
+        holder: int | None = None,
+        holder_pid: int = 0,
+        lease_s: float | None = None,
+    ) -> int:
         """Close the gate: with an owner for a region, without one for a pause.
         Returns the new gate word."""
         self.check_gpu(gpu)
         if holder is None:
             holder = lib.KREX_HOLDER_REGION if owner_slot is not None else lib.KREX_HOLDER_PAUSE
         deadline = now_ns() + int(lease_s * 1e9) if lease_s else 0
-        return int(lib.krex_gate_close(self.raw, gpu, -1 if owner_slot is None else owner_slot,
-                                       holder, holder_pid, deadline))
+        return int(
+            lib.krex_gate_close(
+                self.raw, gpu, -1 if owner_slot is None else owner_slot, holder, holder_pid, deadline
+            )
+        )
 
     def open_gate(self, gpu: int) -> None:
         self.check_gpu(gpu)
@@ -285,8 +322,9 @@ class Segment:
                 partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
                 return StepResult(True, time.monotonic() - t0, initial, [], partial)
             if time.monotonic() - t0 > timeout:
-                return StepResult(False, time.monotonic() - t0, initial,
-                                  sorted(int(pids[i]) for i in range(min(n, 256))))
+                return StepResult(
+                    False, time.monotonic() - t0, initial, sorted(int(pids[i]) for i in range(min(n, 256)))
+                )
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 

@@ -31,8 +31,17 @@ def main() -> None:
             base.append(launch(binary, n, mode, base_env))
             shim.append(launch(binary, n, mode, shim_env))
         b, s = statistics.median(base), statistics.median(shim)
-        rows.append({"mode": mode, "base_ns": b, "shim_ns": s, "added_ns": s - b, "rate_ratio": b / s,
-                     "base_all": base, "shim_all": shim})
+        rows.append(
+            {
+                "mode": mode,
+                "base_ns": b,
+                "shim_ns": s,
+                "added_ns": s - b,
+                "rate_ratio": b / s,
+                "base_all": base,
+                "shim_all": shim,
+            }
+        )
     snap = seg.snapshot()
     seg.release_slot(slot)
     print(json.dumps({"rows": rows, "gated_kernels": sum(p.submits["kernel"] for p in snap.procs)}))

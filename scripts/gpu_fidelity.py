@@ -149,21 +149,31 @@ def main() -> None:
         json.dump(res, f, indent=1)
 
     ref = statistics.median(res["alone_before"] + res["alone_after"])  # type: ignore[operator]
-    print(f"alone median {ref:.4f} ms (before {statistics.median(res['alone_before']):.4f}, "  # type: ignore[arg-type]
-          f"after {statistics.median(res['alone_after']):.4f})")  # type: ignore[arg-type]
+    print(
+        f"alone median {ref:.4f} ms (before {statistics.median(res['alone_before']):.4f}, "  # type: ignore[arg-type]
+        f"after {statistics.median(res['alone_after']):.4f})"
+    )  # type: ignore[arg-type]
     for k in (2, 4, 7):
         xs = res[f"nokrex_{k}"]
         print(f"no KREX, {k} co-tenants: median inflation {100 * (statistics.median(xs) / ref - 1):+.1f}%")  # type: ignore[arg-type]
     infl = [100 * (r["ms"] / ref - 1) for r in runs]  # type: ignore[operator]
-    print(f"KREX, 8 concurrent benches + 4 hammers: n={len(infl)} inflation p50 {pct(infl, 50):+.2f}% "
-          f"p95 {pct(infl, 95):+.2f}% max {max(infl):+.2f}% contaminated {sum(1 for r in runs if r.get('contaminated'))}")
+    print(
+        f"KREX, 8 concurrent benches + 4 hammers: n={len(infl)} inflation p50 {pct(infl, 50):+.2f}% "
+        f"p95 {pct(infl, 95):+.2f}% max {max(infl):+.2f}% contaminated {sum(1 for r in runs if r.get('contaminated'))}"
+    )
     for kind, rows in lat.items():
         cl = [1e3 * r["client_s"] for r in rows]  # type: ignore[index]
-        steps = {s: statistics.median([1e3 * (r[s] or 0) for r in rows]) for s in  # type: ignore[index]
-                 ("block_s", "inflight_s", "drain_s", "freeze_s", "pin_s")}
+        steps = {
+            s: statistics.median([1e3 * (r[s] or 0) for r in rows])
+            for s in ("block_s", "inflight_s", "drain_s", "freeze_s", "pin_s")  # type: ignore[index]
+        }
         dom = max(steps, key=lambda s: steps[s])
-        print(f"region entry, 8 {kind} siblings: p50 {pct(cl, 50):.2f} ms p99 {pct(cl, 99):.2f} ms; "
-              f"median steps (ms) " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in steps.items()) + f"; dominant: {dom[:-2]}")
+        print(
+            f"region entry, 8 {kind} siblings: p50 {pct(cl, 50):.2f} ms p99 {pct(cl, 99):.2f} ms; "
+            f"median steps (ms) "
+            + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in steps.items())
+            + f"; dominant: {dom[:-2]}"
+        )
 
 
 if __name__ == "__main__":

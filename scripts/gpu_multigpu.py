@@ -97,12 +97,18 @@ def main() -> None:
             else:
                 outside += 1
     t_out = (hi - lo) - t_in
-    res["independence"] = {"hammer_rate_in_regions": inside / t_in, "hammer_rate_outside": outside / max(t_out, 1e-9),
-                           "regions": len(iv)}
+    res["independence"] = {
+        "hammer_rate_in_regions": inside / t_in,
+        "hammer_rate_outside": outside / max(t_out, 1e-9),
+        "regions": len(iv),
+    }
     # 2. Context creation with N commands starting at once (no KREX: what the driver does).
     ctx: dict[str, object] = {}
-    ngpu = int(subprocess.run([PY, "-c", "import torch;print(torch.cuda.device_count())"],
-                              capture_output=True, text=True).stdout)
+    ngpu = int(
+        subprocess.run(
+            [PY, "-c", "import torch;print(torch.cuda.device_count())"], capture_output=True, text=True
+        ).stdout
+    )
     for n in (8, 16, 32):
         ps = []
         for i in range(n):
@@ -110,9 +116,12 @@ def main() -> None:
             ps.append(subprocess.Popen([PY, "-c", CTX], stdout=subprocess.PIPE, text=True, env=env))
         rows = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in ps]
         c = [r["ctx_s"] for r in rows]
-        ctx[str(n)] = {"ctx_median_s": statistics.median(c), "ctx_max_s": max(c),
-                       "import_median_s": statistics.median(r["import_s"] for r in rows),
-                       "span_s": max(r["ready"] for r in rows) - min(r["start"] for r in rows)}
+        ctx[str(n)] = {
+            "ctx_median_s": statistics.median(c),
+            "ctx_max_s": max(c),
+            "import_median_s": statistics.median(r["import_s"] for r in rows),
+            "span_s": max(r["ready"] for r in rows) - min(r["start"] for r in rows),
+        }
     res["context_creation"] = ctx
     # 3. Throughput: 16 bench commands on 1 GPU vs spread over all GPUs (C=8 per GPU).
     thr = {}
@@ -127,14 +136,20 @@ def main() -> None:
     with open(os.path.join(out, "multigpu.json"), "w") as f:
         json.dump(res, f, indent=1)
     ind = res["independence"]
-    print(f"hammer on GPU1: {ind['hammer_rate_in_regions']:.1f}/s during GPU0 regions vs "  # type: ignore[index]
-          f"{ind['hammer_rate_outside']:.1f}/s outside ({ind['regions']} regions)")  # type: ignore[index]
+    print(
+        f"hammer on GPU1: {ind['hammer_rate_in_regions']:.1f}/s during GPU0 regions vs "  # type: ignore[index]
+        f"{ind['hammer_rate_outside']:.1f}/s outside ({ind['regions']} regions)"
+    )  # type: ignore[index]
     for n, v in ctx.items():
-        print(f"{n} commands at once: context creation median {v['ctx_median_s']:.2f}s max {v['ctx_max_s']:.2f}s, "  # type: ignore[index]
-              f"torch import median {v['import_median_s']:.2f}s")  # type: ignore[index]
+        print(
+            f"{n} commands at once: context creation median {v['ctx_median_s']:.2f}s max {v['ctx_max_s']:.2f}s, "  # type: ignore[index]
+            f"torch import median {v['import_median_s']:.2f}s"
+        )  # type: ignore[index]
     base = thr["1gpu"]
     for k, v in thr.items():
-        print(f"throughput {k}: {v:.1f} cmds/min (x{v / base:.2f} of one GPU, efficiency {v / base / (1 if k == '1gpu' else ngpu):.2f})")
+        print(
+            f"throughput {k}: {v:.1f} cmds/min (x{v / base:.2f} of one GPU, efficiency {v / base / (1 if k == '1gpu' else ngpu):.2f})"
+        )
     print("partition:", json.dumps(res["partition"])[:600])
 
 

@@ -58,10 +58,17 @@ def main() -> None:
         u = util(h)
         phases.append({"phase": "running", "iters_in_1s": progress(prog) - p0, "util": u})
         t = time.monotonic()
-        r = subprocess.run([*krex, "pause", "--gpu", "0", "--timeout", "10", "--for", "60"],
-                           capture_output=True, text=True)
-        phases.append({"phase": "pause-cmd", "rc": r.returncode, "seconds": time.monotonic() - t,
-                       "out": r.stdout + r.stderr})
+        r = subprocess.run(
+            [*krex, "pause", "--gpu", "0", "--timeout", "10", "--for", "60"], capture_output=True, text=True
+        )
+        phases.append(
+            {
+                "phase": "pause-cmd",
+                "rc": r.returncode,
+                "seconds": time.monotonic() - t,
+                "out": r.stdout + r.stderr,
+            }
+        )
         time.sleep(0.5)
         p0 = progress(prog)
         u = util(h)

@@ -21,10 +21,32 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     tmp = Path(tempfile.mkdtemp())
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", tmp / "libcuda.so.1", HERE / "fakecu.c",
-                    "-Wl,-soname,libcuda.so.1"], check=True)
-    subprocess.run(["gcc", "-O2", "-o", tmp / "micro", HERE / "micro.c", f"-L{tmp}", "-l:libcuda.so.1",
-                    f"-Wl,-rpath,{tmp}"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-o",
+            tmp / "libcuda.so.1",
+            HERE / "fakecu.c",
+            "-Wl,-soname,libcuda.so.1",
+        ],
+        check=True,
+    )
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-o",
+            tmp / "micro",
+            HERE / "micro.c",
+            f"-L{tmp}",
+            "-l:libcuda.so.1",
+            f"-Wl,-rpath,{tmp}",
+        ],
+        check=True,
+    )
     name = f"/krex-fastpath-{os.getpid()}"
     seg = Segment.create(name, n_gpus=1)
     slot = seg.claim_slot(0)
@@ -36,7 +58,9 @@ def main() -> None:
     try:
         for _ in range(rounds):
             for key, env in (("direct", off), ("shim_passthrough", preload_only), ("shim_gate_open", on)):
-                out = subprocess.run([tmp / "micro", "5000000"], env=env, capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [tmp / "micro", "5000000"], env=env, capture_output=True, text=True, check=True
+                )
                 res[key].append(json.loads(out.stdout)["ns_per_call"])
         gated = sum(p.submits["kernel"] for p in seg.snapshot().procs)
     finally:
@@ -44,9 +68,17 @@ def main() -> None:
         seg.close()
         Segment.unlink(name)
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(json.dumps({"median_ns": med, "all": res, "gated_calls": gated,
-                      "gate_cost_ns": med["shim_gate_open"] - med["direct"],
-                      "passthrough_cost_ns": med["shim_passthrough"] - med["direct"]}))
+    print(
+        json.dumps(
+            {
+                "median_ns": med,
+                "all": res,
+                "gated_calls": gated,
+                "gate_cost_ns": med["shim_gate_open"] - med["direct"],
+                "passthrough_cost_ns": med["shim_passthrough"] - med["direct"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
