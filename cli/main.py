@@ -14,6 +14,8 @@ import click
 from krex import __version__
 from krex.errors import KrexError
 
+from .commands_extra import register as register_extra
+
 DEVICE = click.Choice(["auto", "gpu", "sim"])
 
 
@@ -360,6 +362,9 @@ def journal(last: int, as_json: bool) -> None:
                 note,
             )
         )
+
+
+register_extra(cli)
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -49,7 +49,7 @@ class Config:
     shm_name: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: slots are dict keys and set members
 class Slot:
     slot: int
     gpu: int
@@ -240,6 +240,7 @@ class Daemon:
         for s in list(self.slots.values()):
             with contextlib.suppress(KrexError):
                 s.group.thaw()
+                s.group.remove()  # thaws; never kills, keeps a group that still has processes
         self.seg.raw.hdr.daemon_pid = 0
         if self._server:
             self._server.close()

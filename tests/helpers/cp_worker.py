@@ -9,7 +9,9 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            synchronises and sleeps --sleep-ms. Records CLOCK_MONOTONIC right after
            the region is granted (t_grant) and right before it is left (t_end),
            the grant, and the thread affinity inside and after the region. --go FILE:
-           write NAME.waiting after warming up, start once FILE exists.
+           write NAME.waiting after warming up, start once FILE exists. --barrier N:
+           write NAME.done at the end and exit once N such files exist. --until FILE:
+           stop taking regions once FILE exists.
            Output: NAME.json {"pid", "regions": [...], "errors": [...]}
   hammer   until NAME.stop appears (or --seconds): launch a --us kernel, synchronise,
            burn ~1 ms of CPU, bump a progress counter. The counter and the time of
@@ -94,6 +96,8 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
     recs: list[dict[str, Any]] = []
     errors: list[str] = []
     for i in range(a.n):
+        if a.until and Path(a.until).exists():
+            break
         if a.gap_kernels:
             for _ in range(a.gap_kernels):
                 gpu.kernel(a.us)
@@ -120,6 +124,12 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
         if a.pause_ms:
             time.sleep(a.pause_ms / 1000)
     write_json(out / f"{a.name}.json", {"pid": os.getpid(), "regions": recs, "errors": errors})
+    if a.barrier:
+        # Leave together: a command that exits while others still take regions is another test.
+        write_json(out / f"{a.name}.done", {})
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("*.done"))) < a.barrier and time.monotonic() < deadline:
+            time.sleep(0.01)
     return 1 if errors else 0
 
 
@@ -218,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-us", type=int, default=0, help="hammer: queue one kernel this long first")
     p.add_argument("--trigger", default="", help="hammer: queue the long kernel once this file exists")
     p.add_argument("--go", default="", help="regions: start the first region once this file exists")
+    p.add_argument("--until", default="", help="regions: stop early once this file exists")
+    p.add_argument("--barrier", type=int, default=0, help="regions: exit when N *.done exist")
     p.add_argument("--affinity", default="", help="regions: CPU list to run on (comma-separated)")
     p.add_argument("--child-end", action="store_true", help="hold: a child process sends END in the region")
     a = p.parse_args(argv)

@@ -151,11 +151,25 @@ class SlotUnhashable(DaemonCrashed):
     """Product bug B1 (see B1 below)."""
 
 
+class GroupVanished(DaemonCrashed):
+    """Product bug B2 (see B2 below)."""
+
+
+class NotExclusiveAfterRestart(AssertionError):
+    """Product bug B4 (see B4 below)."""
+
+
 B1 = pytest.mark.xfail(
     strict=True, raises=SlotUnhashable,
     reason="B1: krexd's parallel freeze keys a dict by Slot (an unhashable dataclass): every region that has "
            "a sibling fails with 'region setup failed' and kills the GPU's worker thread, so later regions "
            "on that GPU hang")
+B2_REASON = ("B2: a sibling's cgroup removed while krexd waits for it to freeze (its command just exited) "
+             "makes _Cgroup2Group._wait_events raise OSError(ENODEV), which _run_region does not catch: the "
+             "GPU's worker thread dies and every later region on that GPU hangs")
+B4_REASON = ("B4: after a daemon restart, commands that survived it are never adopted (not frozen in new "
+             "regions), and the slot of a command whose guardian died is handed to a new command while its "
+             "orphans still run in that slot's cgroup with KREX_SLOT of the new owner: they pass its gate")
 
 
 @dataclass
@@ -243,6 +257,8 @@ class Krex:
         tail = log[log.index("Traceback"):][:3000]
         if "unhashable type: 'Slot'" in log:
             raise SlotUnhashable(f"krexd crashed (bug B1):\n{tail}")
+        if "[Errno 19] No such device" in log and "_wait_events" in log:
+            raise GroupVanished(f"krexd crashed (bug B2):\n{tail}")
         raise DaemonCrashed(f"a krexd thread crashed:\n{tail}")
 
     def wait(self, pred: Any, timeout: float, what: str) -> Any:
@@ -615,12 +631,13 @@ def test_max_region_ends_a_region_that_never_ends(kx: Krex) -> None:
 
 # ====================================================================== I5
 
-@B1
-def test_daemon_killed_mid_region_commands_fail_open_and_new_daemon_recovers(kx: Krex) -> None:
+def _kill_daemon_mid_region(kx: Krex) -> dict[str, int]:
+    """Siblings h1, h2, h3 frozen by the region of `own`; then SIGKILL the daemon, and h3's guardian
+    with it (so nothing but a new daemon can thaw h3). Checks I5 for h1 and h2 and returns the
+    hammers' pids."""
     d = kx.start_daemon(slots=8)
-    ready = _hold_with_siblings(kx, "h1", "h2", "h3")
+    _hold_with_siblings(kx, "h1", "h2", "h3")
     hp = {h: kx.progress(h)[2] for h in ("h1", "h2", "h3")}
-    # h3 loses its guardian together with the daemon: nothing is left to thaw it but a new daemon.
     kx.cmds["h3"].popen.kill()
     d.kill()
     d.wait(5)
@@ -633,7 +650,12 @@ def test_daemon_killed_mid_region_commands_fail_open_and_new_daemon_recovers(kx:
     for h in ("h1", "h2"):
         assert procs[hp[h]].fail_opens > 0, procs[hp[h]]
     assert not kx.gate_open()  # nobody reopened it: the shims failed open on their own
+    return hp
 
+
+@B1
+def test_daemon_killed_mid_region_commands_fail_open_and_new_daemon_recovers(kx: Krex) -> None:
+    hp = _kill_daemon_mid_region(kx)
     kx.start_daemon(slots=8)
     kx.wait(lambda: kx.gate_open(), 5, "the new daemon to reopen the gate")
     kx.wait(lambda: kx.frozen_groups() == [], 5, "the new daemon to thaw leftover groups")
@@ -644,9 +666,34 @@ def test_daemon_killed_mid_region_commands_fail_open_and_new_daemon_recovers(kx:
     assert o2.wait(60) == 0, o2.output()
     res = kx.result("o2")
     assert res["errors"] == [] and len(res["regions"]) == 3
+    assert all(not r["grant"]["contaminated"] for r in res["regions"])
     assert kx.gate_open()
-    kx.touch("own")  # the old owner's region died with the old daemon
-    assert ready["pid"] != res["pid"]
+    assert kx.frozen_groups() == []
+
+
+@pytest.mark.xfail(strict=True, raises=(SlotUnhashable, NotExclusiveAfterRestart), reason="B1; " + B4_REASON)
+def test_regions_after_a_daemon_restart_are_exclusive(kx: Krex) -> None:
+    hp = _kill_daemon_mid_region(kx)
+    kx.start_daemon(slots=8)
+    kx.wait(lambda: kx.gate_open(), 5, "the new daemon to reopen the gate")
+    o2 = kx.run("o2", "regions", "-n", "3", "--pause-ms", "10", "--sleep-ms", "20")
+    assert o2.wait(60) == 0, o2.output()
+    res = kx.result("o2")
+    assert res["errors"] == [] and len(res["regions"]) == 3
+    iv = owner_intervals(res)
+    for h in hp:
+        kx.touch(h)
+    ticks = {h: kx.result(h, timeout=20)["ticks"] for h in hp}
+    # The commands that outlived the old daemon are siblings of the new owner like any other.
+    bad = foreign_ops(iv, kx.ops(gpu=0))
+    for h in hp:
+        bad += foreign_ticks(iv, hp[h], ticks[h])
+    grants = [r["grant"] for r in res["regions"] if not r["grant"]["contaminated"]]
+    if bad and grants:
+        per_pid = {h: sum(f"pid {hp[h]} " in b for b in bad) for h in hp}
+        raise NotExclusiveAfterRestart(
+            f"clean grants to slot {grants[0]['slot']} (frozen slots {[g['frozen_slots'] for g in grants]}), "
+            f"yet siblings ran or submitted inside: {per_pid}; e.g. {bad[:2]}")
 
 
 # ====================================================================== I6
@@ -696,7 +743,8 @@ def test_soak_1000_regions_from_8_commands(kx: Krex) -> None:
     t0 = time.monotonic()
     names = [f"s{i}" for i in range(8)]
     for n in names:
-        kx.run(n, "regions", "-n", "125", "--kernels", "2", "--us", "20", "--gap-kernels", "1")
+        kx.run(n, "regions", "-n", "125", "--kernels", "2", "--us", "20", "--gap-kernels", "1",
+               "--barrier", "8")
     deadline = t0 + 120
     for n in names:
         rc = kx.cmds[n].wait(max(deadline - time.monotonic(), 0.1))
@@ -717,6 +765,31 @@ def test_soak_1000_regions_from_8_commands(kx: Krex) -> None:
     assert kx.status()["slots"] == []
     assert kx.frozen_groups() == [] and kx.gate_open()
     print(f"soak: 1000 regions from 8 commands in {elapsed:.1f} s")
+
+
+@pytest.mark.xfail(strict=True, raises=(SlotUnhashable, GroupVanished), reason="B1; " + B2_REASON)
+def test_siblings_leaving_while_regions_start_never_wedge_the_gpu(kx: Krex) -> None:
+    kx.start_daemon(slots=8)
+    until = kx.out / "until"
+    owner = kx.run("own", "regions", "-n", "100000", "--kernels", "1", "--us", "20", "--until", str(until))
+    kx.wait(lambda: kx.journal(), 30, "the owner's first region")
+    n = 0
+    for wave in range(WAVES):
+        names = [f"w{wave}-{i}" for i in range(3)]
+        for name in names:
+            kx.run(name, "hammer", "--us", "50", "--seconds", "0.4")
+        for name in names:
+            assert kx.cmds[name].wait(30) == 0, kx.cmds[name].output()
+            n += 1
+    until.write_text("")
+    assert owner.wait(30) == 0, owner.output()
+    res = kx.result("own")
+    assert res["errors"] == []
+    assert len(res["regions"]) > n  # regions kept coming while siblings came and went
+    assert kx.status()["slots"] == [] and kx.gate_open() and kx.frozen_groups() == []
+
+
+WAVES = 6
 
 
 # ====================================================================== several GPUs
