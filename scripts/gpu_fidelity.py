@@ -122,7 +122,32 @@ def stop_all(ps: list[subprocess.Popen[str]]) -> None:
             p.kill()
 
 
+def latency_only() -> None:
+    for kind in ("idle", "hammer"):
+        cs = cotenants(kind, 8, True, 900, f"l{kind}")
+        p = start([PY, "-c", LATENCY, "100"], True)
+        stdout, _ = p.communicate(timeout=600)
+        stop_all(cs)
+        rows = json.loads(stdout.strip().splitlines()[-1])
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"latency_{kind}.json"), "w") as f:
+            json.dump(rows, f)
+        report_latency(kind, rows)
+
+
+def report_latency(kind: str, rows: list[dict[str, float]]) -> None:
+    cl = [1e3 * r["client_s"] for r in rows]
+    steps = {s: statistics.median([1e3 * (r[s] or 0) for r in rows])
+             for s in ("block_s", "inflight_s", "drain_s", "freeze_s", "pin_s")}
+    dom = max(steps, key=lambda s: steps[s])
+    print(f"region entry, 8 {kind} siblings: p50 {pct(cl, 50):.2f} ms p99 {pct(cl, 99):.2f} ms; median steps (ms) "
+          + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in steps.items()) + f"; dominant: {dom[:-2]}; "
+          f"contaminated {sum(1 for r in rows if r.get('contaminated'))}")
+
+
 def main() -> None:
+    if "--latency-only" in sys.argv:
+        latency_only()
+        return
     res: dict[str, object] = {}
     ref1 = bench(1, 10, under=False)
     res["alone_before"] = [r["ms"] for r in ref1]
