@@ -187,6 +187,14 @@ def run(device: str, gpu: int | None, report: str | None, no_daemon: bool, cmd: 
     resolve_command(list(cmd))  # fail on a bad command before touching anything
     info = discover(device)
     kind = "sim" if info.kind == "sim" else "gpu"
+    if gpu is not None and not 0 <= gpu < info.count:
+        from krex.errors import NotFound
+
+        # Checked here so a refused command never starts a daemon.
+        raise NotFound(
+            f"unknown GPU {gpu}: this node has {info.count} GPU(s) (0..{info.count - 1})",
+            "pick a GPU index from `krex status`",
+        )
     if no_daemon:
         sys.exit(run_direct(list(cmd), kind, gpu, info.count))
     res = run_guarded(list(cmd), kind, gpu, notify=lambda m: click.echo(m, err=True))

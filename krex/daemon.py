@@ -89,6 +89,8 @@ class Daemon:
         self.sock_path = paths.socket_path()
         self.journal_path = paths.journal_path()
         self.shm_name = cfg.shm_name or default_name()
+        self._lock_fd: int | None = None
+        self._take_lock()  # before any cgroup is touched: a second daemon must change nothing
         self.freezer = freezer.detect(
             cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex"
         )
@@ -101,7 +103,6 @@ class Daemon:
         self.regions_done = 0
         self.last_busy = time.monotonic()
         self.seg: Segment
-        self._lock_fd: int | None = None
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
 
@@ -114,8 +115,13 @@ class Daemon:
     def _take_lock(self) -> None:
         paths.ensure_state_dir()
         lp = paths.lock_path()
-        lp.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            lp.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o640)
+        except OSError as e:
+            raise KrexError(
+                f"cannot create {lp}: {e.strerror}", "set KREX_SOCKET (or KREX_STATE_DIR) to a writable place"
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -142,13 +148,27 @@ class Daemon:
             if gp.gate != lib.KREX_GATE_OPEN and not live_pause:
                 self.seg.open_gate(g)
                 reopened += 1
-        reaped = self.seg.reap()
-        # Slots whose guardian still lives are adopted when it reconnects; the rest go.
-        for s in range(lib.KREX_MAX_SLOTS):
-            sp = self.seg.raw.slots[s]
-            if sp.state == lib.KREX_SLOT_ACTIVE and not lib.krex_pid_alive(sp.owner_pid, 0):
-                self.seg.release_slot(s)
-        return {"thawed": thawed, "reopened": reopened, "reaped": reaped}
+        reaped = int(lib.krex_proc_reap(self.seg.raw))  # records only: slots are judged below
+        # A slot whose guardian or processes still live is adopted: its command is a
+        # sibling like any other (frozen during regions) until its processes are gone.
+        adopted = 0
+        for n in range(lib.KREX_MAX_SLOTS):
+            sp = self.seg.raw.slots[n]
+            if sp.state != lib.KREX_SLOT_ACTIVE:
+                continue
+            gpu = int(sp.gpu) if 0 <= sp.gpu < self.info.count else 0
+            group = self.freezer.group(f"slot-{n}")
+            slot = Slot(
+                n, gpu, "run", int(sp.owner_pid), group, set(self.seg.slot_pids(n)), guardian_connected=False
+            )
+            if lib.krex_pid_alive(sp.owner_pid, 0) or self._group_pids(slot):
+                self.slots[n] = slot
+                adopted += 1
+            else:
+                with contextlib.suppress(KrexError, OSError):
+                    group.remove()
+                self.seg.release_slot(n)
+        return {"thawed": thawed, "reopened": reopened, "reaped": reaped, "adopted": adopted}
 
     def _open_segment(self) -> None:
         try:
@@ -194,7 +214,6 @@ class Daemon:
         return s
 
     def start(self) -> dict[str, int]:
-        self._take_lock()
         self._open_segment()
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
         rec = self._recover()
@@ -287,7 +306,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ slots
     def _new_slot(self, gpu: int, kind: str, guardian_pid: int) -> Slot:
-        n = self.seg.claim_slot(gpu, guardian_pid)
+        n = self.seg.claim_slot(gpu, guardian_pid, reap=False)
         group = self.freezer.group(f"slot-{n}")
         with contextlib.suppress(KrexError):
             group.thaw()
@@ -366,6 +385,15 @@ class Daemon:
                 self.current[gpu] = req
             try:
                 self._run_region(gpu, req)
+            except Exception as e:  # noqa: BLE001 - a bad region must never take the GPU's queue down
+                req.grant = {
+                    "ok": False,
+                    "error": f"region failed: {type(e).__name__}: {e}",
+                    "fix": "see krexd.log; the gate was reopened",
+                }
+                req.granted.set()
+                with contextlib.suppress(Exception):
+                    self.seg.open_gate(gpu)
             finally:
                 with self.lock:
                     self.current[gpu] = None
@@ -422,7 +450,7 @@ class Daemon:
             for s, f in futs.items():
                 try:
                     f.result()
-                except KrexError as e:
+                except (KrexError, OSError) as e:  # OSError: the group vanished mid-freeze
                     with self.lock:
                         gone = s.slot not in self.slots  # the command ended meanwhile: nothing to freeze
                     if not gone:
@@ -460,7 +488,7 @@ class Daemon:
                     cpus.restore_thread(req.tid, old_aff)
             t3 = time.monotonic()
             for f in [self.pool.submit(s.group.thaw) for s in frozen]:
-                with contextlib.suppress(KrexError):
+                with contextlib.suppress(KrexError, OSError):
                     f.result()
             thaw_s = time.monotonic() - t3
             self.seg.open_gate(gpu)

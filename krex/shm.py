@@ -338,9 +338,13 @@ class Segment:
         self.heartbeat()
 
     # -------------------------------------------------------- slots, procs
-    def claim_slot(self, gpu: int, owner_pid: int | None = None) -> int:
+    def claim_slot(self, gpu: int, owner_pid: int | None = None, reap: bool = True) -> int:
+        """Claim a free slot. `reap=True` first frees slots of dead guardians; the
+        daemon passes False because it also keeps slots whose processes outlived
+        their guardian (they must stay siblings until they are gone)."""
         self.check_gpu(gpu)
-        self.reap()
+        if reap:
+            self.reap()
         s = int(lib.krex_slot_claim(self.raw, gpu, owner_pid or os.getpid()))
         if s < 0:
             raise Timeout(f"all {lib.KREX_MAX_SLOTS} slots are taken", "wait for commands to finish")

@@ -115,9 +115,20 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
                     time.sleep(a.sleep_ms / 1000)
                 t_end = time.monotonic_ns()
             after = sorted(os.sched_getaffinity(0))
-            recs.append({"i": i, "t_request": t_request, "t_grant": t_grant, "t_end": t_end, "grant": r.grant,
-                         "summary": r.summary, "aff_before": before, "aff_inside": inside, "aff_after": after,
-                         "tid": threading.get_native_id()})
+            recs.append(
+                {
+                    "i": i,
+                    "t_request": t_request,
+                    "t_grant": t_grant,
+                    "t_end": t_end,
+                    "grant": r.grant,
+                    "summary": r.summary,
+                    "aff_before": before,
+                    "aff_inside": inside,
+                    "aff_after": after,
+                    "tid": threading.get_native_id(),
+                }
+            )
         except KrexError as e:
             errors.append(f"region {i}: {type(e).__name__}: {e}")
             break  # fail fast: a daemon that refused one region may never answer the next
@@ -182,8 +193,11 @@ def mode_hold(a: argparse.Namespace, out: Path) -> int:
                 # Another process of the same command (same slot), on a connection of its own.
                 import subprocess
 
-                subprocess.run([sys.executable, __file__, "end", str(out), "--name", f"{a.name}-child"],
-                               check=False, timeout=30)
+                subprocess.run(
+                    [sys.executable, __file__, "end", str(out), "--name", f"{a.name}-child"],
+                    check=False,
+                    timeout=30,
+                )
             write_json(out / f"{a.name}.ready", {"pid": os.getpid(), "grant": r.grant, "t_grant": t_grant})
             while not stop.exists():
                 time.sleep(0.01)
