@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -235,10 +236,17 @@ def bench(
         else ["krex", "bench"],
     )
     prog = _Progress(sys.stderr, sys.stderr.isatty())
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # run_bench stops its commands (and a daemon it started), then we exit 130
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         res = run_bench(cfg, progress=prog)
     finally:
         prog.finish()
+        for sig, h in old.items():
+            signal.signal(sig, h)
     s = res.summary
     if s.get("simulated"):
         click.echo(f"*** {s.get('label')} ***")

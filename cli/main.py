@@ -44,7 +44,11 @@ def env(device: str, export: bool) -> None:
     from krex.gpus import discover
     from krex.shm import default_name
 
+    from krex.gpus import sim_gpu_count
+
     kind = "sim" if device == "sim" else discover(device).kind
+    if kind == "sim":
+        sim_gpu_count()  # validates KREX_SIM_GPUS now rather than in every opted-in process
     click.echo(format_env(opt_in_env("sim" if kind == "sim" else "gpu", default_name()), export))
 
 
@@ -101,12 +105,20 @@ def resume(gpu: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def status(as_json: bool) -> None:
     """Show gates, slots, processes and counters."""
+    from krex.client import Client
     from krex.shm import Segment
 
     with Segment.attach() as seg:
         snap = seg.snapshot()
+    live: dict[str, Any] = {}
+    try:  # regions and queues live in the daemon, not in shared memory
+        c = Client.connect()
+        live = c.request({"op": "status"})
+        c.close()
+    except KrexError:
+        live = {}
     if as_json:
-        click.echo(json.dumps(snap.to_json(), indent=2))
+        click.echo(json.dumps({**snap.to_json(), "daemon": live or None}, indent=2))
         return
     hb = "never" if snap.heartbeat_age_s is None else f"{snap.heartbeat_age_s:.1f} s ago"
     click.echo(
@@ -120,6 +132,17 @@ def status(as_json: bool) -> None:
         if g.lease_left_s is not None:
             state += f", lease {g.lease_left_s:.0f} s left"
         click.echo(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
+    if live:
+        click.echo(f"REGIONS ({len(live['regions'])})")
+        for r in live["regions"]:
+            state = "granted" if r["granted"] else "entering"
+            who = f"slot {r['slot']} pid {r['pid']} tid {r['tid']}"
+            click.echo(f"  gpu {r['gpu']}: {who} {state}, {r['age_s']:.3f} s")
+        for g, q in live["queues"].items():
+            if q:
+                click.echo(f"  gpu {g} queue: " + ", ".join(f"slot {e['slot']} (pid {e['pid']})" for e in q))
+    else:
+        click.echo("REGIONS: no daemon running")
     click.echo(f"SLOTS ({len(snap.slots)})")
     for s in snap.slots:
         click.echo(

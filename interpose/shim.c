@@ -679,6 +679,12 @@ static int krex_self_register(void);
 static int krex_register(void) {
     pthread_mutex_lock(&g_reg_lock);
     if (g_fast.gate || g_mode == MODE_OFF) goto out;
+    /* Self-registration first: it may have to start krexd, which creates the segment. */
+    if (g_slot < 0 && krex_self_register() != 0) {
+        klog("self-registration with krexd failed; passing through");
+        g_mode = MODE_OFF;
+        goto out;
+    }
     if (!g_shm) {
         int err = 0;
         g_shm = krex_shm_open(g_shm_name, 0, 0, &err);
@@ -687,11 +693,6 @@ static int krex_register(void) {
             g_mode = MODE_OFF;
             goto out;
         }
-    }
-    if (g_slot < 0 && krex_self_register() != 0) {
-        klog("self-registration with krexd failed; passing through");
-        g_mode = MODE_OFF;
-        goto out;
     }
     if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS) {
         g_mode = MODE_OFF;

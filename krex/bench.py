@@ -467,6 +467,31 @@ def _kill_tree(pid: int, grace_s: float = GRACE_S) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
+def _tree_state(pid: int) -> list[dict[str, Any]]:
+    """What a hung command's processes are doing (for the record, before they are killed):
+    state, kernel wait channel, cgroup, and the threads' states."""
+    import psutil
+
+    out: list[dict[str, Any]] = []
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in procs:
+        d: dict[str, Any] = {"pid": p.pid}
+        with contextlib.suppress(psutil.Error, OSError):
+            d["cmd"] = " ".join(p.cmdline())[-160:]
+            d["status"] = p.status()
+            d["wchan"] = Path(f"/proc/{p.pid}/wchan").read_text().strip()
+            d["cgroup"] = Path(f"/proc/{p.pid}/cgroup").read_text().strip().splitlines()[-1:]
+            d["threads"] = sorted(
+                {Path(f"/proc/{p.pid}/task/{t.id}/wchan").read_text().strip() for t in p.threads()}
+            )
+        out.append(d)
+    return out
+
+
 def _short(text: str, n: int = 2000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
@@ -607,6 +632,7 @@ class _Runner:
                 out, err = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
                 rec["timed_out"] = True
+                rec["hang"] = _tree_state(proc.pid)
                 _kill_tree(proc.pid)
                 out, err = proc.communicate()
             finally:
@@ -1129,20 +1155,24 @@ def compute_summary(
     ns_cpm = math.nan
     if "native-serial" in cell_rows:
         row = cell_rows["native-serial"]
-        ns_cpm = bm.throughput_per_min(int(row["n_runs"]), float(row["makespan_s"]))
+        n_ok = sum(1 for r in by_cell.get("native-serial", []) if r.get("ok"))
+        ns_cpm = bm.throughput_per_min(n_ok, float(row["makespan_s"]))
     thr: list[dict[str, Any]] = []
     for k in keys:
         row = cell_rows[k]
         if row["mode"] == "reference":
             continue
         rs = by_cell.get(k, [])
-        cpm = bm.throughput_per_min(int(row["n_runs"]), float(row["makespan_s"]))
+        n_ok = sum(1 for r in rs if r.get("ok"))
+        cpm = bm.throughput_per_min(n_ok, float(row["makespan_s"]))
         walls = [float(r["wall_s"]) for r in rs if r.get("wall_s")]
         last = float(row.get("last_start_s") or 0.0)
         t0 = float(row["started_at"])
         steady = math.nan
         if last > 0 and row["mode"] in CONCURRENT:
-            n_in = sum(1 for r in rs if r.get("ended_at") and float(r["ended_at"]) - t0 <= last)
+            n_in = sum(
+                1 for r in rs if r.get("ok") and r.get("ended_at") and float(r["ended_at"]) - t0 <= last
+            )
             if n_in >= int(row["c"]):
                 steady = 60.0 * n_in / last
         thr.append(
@@ -1454,7 +1484,7 @@ def _headline(
         {
             "metric": "Kendall tau (median per family and pass), krex",
             "goal": ">= native repeat",
-            "paper": f"{PAPER['tau']['krex']}",
+            "paper": f"{PAPER['tau']['krex']:.3f}",
             "ours": f3(tau["krex"]),
             "met": met(
                 None
@@ -1467,7 +1497,7 @@ def _headline(
         {
             "metric": "Kendall tau, native repeat",
             "goal": "-",
-            "paper": f"{PAPER['tau']['native-repeat']}",
+            "paper": f"{PAPER['tau']['native-repeat']:.3f}",
             "ours": f3(tau["native-repeat"]),
             "met": "-",
         }
@@ -1476,7 +1506,7 @@ def _headline(
         {
             "metric": "Kendall tau, unprotected (same C)",
             "goal": "-",
-            "paper": f"{PAPER['tau']['unprotected']}",
+            "paper": f"{PAPER['tau']['unprotected']:.3f}",
             "ours": f3(tau["unprotected"]),
             "met": "-",
         }

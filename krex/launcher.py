@@ -68,7 +68,14 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        child = subprocess.Popen(launch.cmd, env=launch.env, preexec_fn=preexec)
+        try:
+            child = subprocess.Popen(launch.cmd, env=launch.env, preexec_fn=preexec)
+        except FileNotFoundError:
+            raise CommandNotFound(f"command not found: {launch.cmd[0]}", "check the path") from None
+        except OSError as e:  # ENOEXEC, EACCES: a file that cannot be executed
+            raise NotExecutable(
+                f"cannot execute {launch.cmd[0]}: {e.strerror}", "run it through its interpreter, or chmod +x it"
+            ) from None
         if on_start:
             on_start(child.pid)
         rc = child.wait()

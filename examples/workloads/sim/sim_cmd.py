@@ -6,7 +6,8 @@ Shaped like the GPU corpus's commands, with each phase simulated:
   import   -- CPU sleep (--import-s): what `import torch, triton` costs
   compile  -- CPU sleep plus a short busy loop (--compile-s, --busy-s): JIT compilation
   inputs   -- a GPU copy outside the region (--inputs-us): input generation
-  check    -- one kernel and a synchronise outside the region: the correctness check
+  check    -- the candidate once plus reference kernels (--check-ms of GPU work), then a
+              synchronise, outside the region: the correctness check
   timed    -- inside `with krex.region():` a do_bench-like loop of --us-microsecond
               kernels (cudaLaunchKernel through ctypes on the simulated libcudart,
               exactly as examples/sim/sim_example.py), timed with simulated events;
@@ -108,7 +109,13 @@ def main() -> int:
     p.add_argument("--import-s", type=float, default=0.5)
     p.add_argument("--compile-s", type=float, default=0.3)
     p.add_argument("--busy-s", type=float, default=0.03, help="CPU-bound part of the compile phase")
-    p.add_argument("--inputs-us", type=int, default=2000, help="GPU copy outside the region (1 ns per byte)")
+    p.add_argument("--inputs-us", type=int, default=5000, help="GPU copy outside the region (1 ns per byte)")
+    p.add_argument(
+        "--check-ms",
+        type=float,
+        default=20.0,
+        help="GPU work of the correctness check outside the region (reference kernels)",
+    )
     a = p.parse_args()
     cmd = _wl.Command(a.name, a.family, a.param)
 
@@ -127,12 +134,18 @@ def main() -> int:
         rt.check("cudaMemcpyAsync", dst, src, n, 0, None)  # the simulator moves no bytes; it charges n ns
         rt.check("cudaDeviceSynchronize")
     with cmd.phase("check"):
+        # The candidate once (timed with events: the device must have run all of it),
+        # then "reference" kernels worth --check-ms, queued at once like a real check.
         start, stop = rt.event(), rt.event()
         rt.check("cudaEventRecord", start, None)
         rt.kernel(a.us)
         rt.check("cudaEventRecord", stop, None)
         one = rt.elapsed_ms(start, stop)
-        correct = one >= 0.999 * a.us / 1000.0  # the device ran the whole kernel
+        ref_us = min(1000, max(1, a.us))
+        for _ in range(max(0, round(a.check_ms * 1000 / ref_us))):
+            rt.kernel(ref_us)
+        rt.check("cudaDeviceSynchronize")
+        correct = one >= 0.999 * a.us / 1000.0
 
     rep_us = _wl.rep_ms(default=50.0) * 1000.0
     iters = max(1, math.ceil(rep_us / (REPS * a.us)))
