@@ -41,10 +41,8 @@ def _fmt_s(s: float) -> str:
 def env(device: str, export: bool) -> None:
     """Print the variables that opt a process into KREX."""
     from krex.envvars import format_env, opt_in_env
-    from krex.gpus import discover
+    from krex.gpus import discover, sim_gpu_count
     from krex.shm import default_name
-
-    from krex.gpus import sim_gpu_count
 
     kind = "sim" if device == "sim" else discover(device).kind
     if kind == "sim":

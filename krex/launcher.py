@@ -74,7 +74,8 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
             raise CommandNotFound(f"command not found: {launch.cmd[0]}", "check the path") from None
         except OSError as e:  # ENOEXEC, EACCES: a file that cannot be executed
             raise NotExecutable(
-                f"cannot execute {launch.cmd[0]}: {e.strerror}", "run it through its interpreter, or chmod +x it"
+                f"cannot execute {launch.cmd[0]}: {e.strerror}",
+                "run it through its interpreter, or chmod +x it",
             ) from None
         if on_start:
             on_start(child.pid)

@@ -28,8 +28,13 @@ NVCC = shutil.which("nvcc") or next(iter(sorted(Path("/usr/local").glob("cuda*/b
 @pytest.fixture
 def iso(tmp_path: Path) -> Iterator[dict[str, str]]:
     tag = f"{os.getpid()}-{tmp_path.name[-12:]}"
-    env = dict(os.environ, KREX_STATE_DIR=str(tmp_path / "state"), KREX_SHM=f"/krex-mo-{tag}",
-               KREX_SIM_SHM=f"/krex-mosim-{tag}", KREX_SIM_TRACE=str(tmp_path / "trace.jsonl"))
+    env = dict(
+        os.environ,
+        KREX_STATE_DIR=str(tmp_path / "state"),
+        KREX_SHM=f"/krex-mo-{tag}",
+        KREX_SIM_SHM=f"/krex-mosim-{tag}",
+        KREX_SIM_TRACE=str(tmp_path / "trace.jsonl"),
+    )
     for k in ("KREX_SOCKET", "KREX_SLOT", "KREX_GPU", "LD_PRELOAD"):
         env.pop(k, None)
     yield env
@@ -76,8 +81,13 @@ def test_region_decorator_nesting_and_threads(iso: dict[str, str]) -> None:
         [t.start() for t in ts]; [t.join() for t in ts]
         print(json.dumps({"n": len(log), "inner_grants": [g for _, g in log]}))
     """)
-    p = subprocess.run([*KREX, "run", "--device", "sim", "--", sys.executable, "-c", src], env=iso,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", src],
+        env=iso,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"n": 4, "inner_grants": [None] * 4}
@@ -93,13 +103,33 @@ def test_cpp_example_regions_on_the_simulated_gpu(iso: dict[str, str], tmp_path:
     inc = subprocess.run([*KREX, "include-dir"], capture_output=True, text=True, check=True).stdout.strip()
     lib = str(ROOT / "krex" / "_lib")
     exe = tmp_path / "bench"
-    subprocess.run([str(NVCC), "-O2", "-cudart", "shared", f"-I{inc}", str(ROOT / "examples/cpp/bench.cu"),
-                    "-o", str(exe), f"-L{lib}", "-Xlinker", f"-rpath,{lib}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            str(NVCC),
+            "-O2",
+            "-cudart",
+            "shared",
+            f"-I{inc}",
+            str(ROOT / "examples/cpp/bench.cu"),
+            "-o",
+            str(exe),
+            f"-L{lib}",
+            "-Xlinker",
+            f"-rpath,{lib}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     # Without KREX the macros do nothing.
     plain = subprocess.run([str(exe), "2560", "5"], env=iso, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and journal(iso) == []
-    p = subprocess.run([*KREX, "run", "--device", "sim", "--", str(exe), "2560", "5"], env=iso,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", str(exe), "2560", "5"],
+        env=iso,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1])["iters"] == 5
     recs = journal(iso)
@@ -110,7 +140,9 @@ def test_cpp_example_regions_on_the_simulated_gpu(iso: dict[str, str], tmp_path:
 
 
 def test_krex_env_opt_in_self_registers_and_is_gated(iso: dict[str, str], tmp_path: Path) -> None:
-    out = subprocess.run([*KREX, "env", "--device", "sim"], env=iso, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [*KREX, "env", "--device", "sim"], env=iso, capture_output=True, text=True, check=True
+    )
     opt = dict(line.split("=", 1) for line in out.stdout.splitlines())
     for k in ("LD_PRELOAD", "KREX_SHM", "KREX_SOCKET", "KREX_DAEMON_CMD", "LD_LIBRARY_PATH", "PYTHONPATH"):
         assert k in opt, out.stdout
@@ -129,7 +161,9 @@ def test_krex_env_opt_in_self_registers_and_is_gated(iso: dict[str, str], tmp_pa
             launch(None, dim3(50, 1, 1), dim3(1, 1, 1), None, 0, None); rt.cudaDeviceSynchronize(); n += 1
         print(json.dumps({"n": n, "pid": os.getpid()}))
     """)
-    p = subprocess.Popen([sys.executable, "-c", src], env=dict(env, RUN_S="4"), stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", src], env=dict(env, RUN_S="4"), stdout=subprocess.PIPE, text=True
+    )
     import time
 
     deadline = time.monotonic() + 30
@@ -163,8 +197,9 @@ def test_krex_env_opt_in_self_registers_and_is_gated(iso: dict[str, str], tmp_pa
         (["env", "--device", "sim"], {"KREX_SIM_GPUS": "abc"}, 2, "KREX_SIM_GPUS"),
     ],
 )
-def test_cli_errors_name_problem_and_fix(iso: dict[str, str], args: list[str], extra_env: dict[str, str],
-                                         code: int, message: str) -> None:
+def test_cli_errors_name_problem_and_fix(
+    iso: dict[str, str], args: list[str], extra_env: dict[str, str], code: int, message: str
+) -> None:
     p = subprocess.run([*KREX, *args], env=dict(iso, **extra_env), capture_output=True, text=True, timeout=60)
     assert p.returncode == code, (p.returncode, p.stderr)
     assert message in p.stderr and "fix:" in p.stderr, p.stderr
@@ -176,13 +211,20 @@ def test_pause_unknown_gpu_and_stragglers(iso: dict[str, str]) -> None:
 
     seg = Segment.create(iso["KREX_SHM"], n_gpus=1)
     try:
-        p = subprocess.run([*KREX, "pause", "--gpu", "3"], env=iso, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(
+            [*KREX, "pause", "--gpu", "3"], env=iso, capture_output=True, text=True, timeout=30
+        )
         assert p.returncode == 3 and "unknown GPU 3" in p.stderr
         # A fake in-flight submitter that never finishes: pause must time out, name it, reopen the gate.
         idx = seg.raw.procs[0]
         idx.pid, idx.gpu, idx.slot, idx.inflight = os.getpid(), 0, 5, 1
-        p = subprocess.run([*KREX, "pause", "--gpu", "0", "--timeout", "0.3"], env=iso, capture_output=True,
-                           text=True, timeout=30)
+        p = subprocess.run(
+            [*KREX, "pause", "--gpu", "0", "--timeout", "0.3"],
+            env=iso,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert p.returncode == 5 and str(os.getpid()) in p.stderr, p.stderr
         assert seg.gate_word(0) == 0, "a failed pause must leave the gate open"
     finally:
