@@ -24,7 +24,6 @@ test: ## Run the whole test suite (unit + integration; gpu tests skip without a 
 
 lint: ## ruff + mypy
 	$(VENV)/bin/ruff check krex cli tests scripts krex_build.py setup.py
-	$(VENV)/bin/ruff format --check krex cli krex_build.py || true
 	$(VENV)/bin/mypy krex cli
 
 bench: ## Fast-path and region benchmarks (simulated GPU here; real numbers need a GPU)
