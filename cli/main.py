@@ -14,6 +14,7 @@ import click
 from krex import __version__
 from krex.errors import KrexError
 
+from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
 
 DEVICE = click.Choice(["auto", "gpu", "sim"])
@@ -394,6 +395,7 @@ def journal(last: int, as_json: bool) -> None:
 
 
 register_extra(cli)
+register_bench(cli)
 
 
 def main(argv: list[str] | None = None) -> Any:
