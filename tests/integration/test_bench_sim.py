@@ -1,0 +1,308 @@
+"""`krex bench --device sim --quick`, end to end through the CLI.
+
+Real commands (examples/workloads/sim/sim_cmd.py) on the simulated GPU, natively and
+under real `krex run` guardians and a private daemon (KREX_STATE_DIR, KREX_SHM and
+KREX_SIM_SHM of the test's own; the daemon the bench starts is stopped by the bench,
+and again at teardown). Only the STRUCTURE of the output is asserted: files, fields,
+tables, labels, cells, resume. Never a speed: the simulated GPU is no evidence, and
+this machine's timing is whatever it is."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(420)
+
+# Until cli/main.py calls register(), run the CLI with the command added the same way.
+_WRAPPER = (
+    "import sys; from krex.cli.main import cli, main; "
+    "from krex.cli.bench_cmd import register; register(cli); main(sys.argv[1:])"
+)
+LABEL = "SIMULATED GPU - logic demo, not performance evidence"
+CELLS = {"native-serial", "native-repeat", "unprotected-2", "krex-2"}
+RAW_KEYS = {
+    "v",
+    "run",
+    "cell",
+    "mode",
+    "c",
+    "rep",
+    "seq",
+    "name",
+    "family",
+    "param",
+    "device",
+    "exit_status",
+    "timed_out",
+    "ok",
+    "wall_s",
+    "started_at",
+    "ended_at",
+    "result",
+    "krex",
+    "error",
+}
+RESULT_KEYS = {
+    "name",
+    "family",
+    "param",
+    "ms",
+    "correct",
+    "t_total_s",
+    "t_region_s",
+    "region_entry_s",
+    "phases",
+}
+
+
+def krex_cmd() -> list[str]:
+    from krex.cli.main import cli
+
+    if "bench" in cli.commands:
+        return [sys.executable, "-m", "krex.cli.main"]
+    return [sys.executable, "-c", _WRAPPER]
+
+
+def _cgroup_mounts() -> list[str]:
+    from krex import freezer
+
+    mounts = freezer._read_mounts()
+    return freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+
+
+@pytest.fixture
+def krex_env() -> Iterator[dict[str, str]]:
+    """A private daemon world; stops the daemon and removes what it left."""
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    state = tempfile.mkdtemp(prefix="kxbn-")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KREX_", "SIM_")) and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+    }
+    env.update(
+        KREX_STATE_DIR=state,
+        KREX_SHM=f"/krex-tbn-{tag}",
+        KREX_SIM_SHM=f"/krex-tbnsim-{tag}",
+        KREX_SIM_GPUS="1",
+    )
+    try:
+        yield env
+    finally:
+        subprocess.run([*krex_cmd(), "daemon", "stop"], env=env, capture_output=True, timeout=60)
+        for name in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
+            Path("/dev/shm", name.lstrip("/")).unlink(missing_ok=True)
+        for mount in _cgroup_mounts():
+            root = Path(mount, env["KREX_SHM"].lstrip("/"))
+            for d in sorted(root.glob("*"), reverse=True):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                root.rmdir()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def krex(args: list[str], env: dict[str, str], timeout: float = 360) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*krex_cmd(), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+BENCH = ["bench", "--device", "sim", "--quick", "--concurrency", "2", "--timeout", "40"]
+
+
+def _check_results(out: Path, expect_cells: set[str]) -> dict[str, Any]:
+    for name in ("meta.json", "raw.jsonl", "cells.jsonl", "summary.md", "summary.json"):
+        assert (out / name).is_file(), name
+    for png in ("throughput.png", "inflation_cdf.png", "flip_rates.png", "critical_fraction.png"):
+        p = out / png
+        assert p.is_file() and p.stat().st_size > 1000, png
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["device"] == "sim" and meta["quick"] is True and meta["corpus_names"]
+    n_cmds = len(meta["corpus_names"])
+    cells = jsonl(out / "cells.jsonl")
+    done = {c["cell"] for c in cells}
+    assert done == expect_cells
+    for c in cells:
+        assert {
+            "cell",
+            "mode",
+            "c",
+            "run",
+            "n_runs",
+            "failures",
+            "makespan_s",
+            "started_at",
+            "ended_at",
+        } <= set(c)
+        assert c["n_runs"] == n_cmds and c["makespan_s"] > 0
+
+    runs = {c["run"] for c in cells}
+    raw = [r for r in jsonl(out / "raw.jsonl") if r["run"] in runs]
+    assert len(raw) == n_cmds * len(expect_cells)
+    for r in raw:
+        assert set(r) >= RAW_KEYS, RAW_KEYS - set(r)
+        assert r["device"] == "sim" and r["cell"] in expect_cells
+        assert r["wall_s"] is not None and r["wall_s"] > 0
+        if r["ok"]:
+            res = r["result"]
+            assert set(res) >= RESULT_KEYS, RESULT_KEYS - set(res)
+            assert res["correct"] is True and res["ms"] > 0 and res["simulated"] is True
+            assert res["name"] == r["name"]
+            assert 0 <= res["t_region_s"] <= res["t_total_s"]
+            assert res["under_krex"] is (r["mode"] == "krex")
+        else:
+            assert r["error"]
+    for cell in expect_cells:
+        names = sorted(r["name"] for r in raw if r["cell"] == cell)
+        assert names == sorted(meta["corpus_names"]), cell
+    krex_runs = [r for r in raw if r["mode"] == "krex" and r["ok"]]
+    assert krex_runs, "no krex run succeeded"
+    for r in krex_runs:
+        assert r["krex"] is not None and {"slot", "admission_wait_s", "regions"} <= set(r["krex"])
+        assert len(r["krex"]["regions"]) == 1
+        assert {"queue_wait_s", "entry_s", "contaminated"} <= set(r["krex"]["regions"][0])
+        assert "grant" in r["result"] and "entry_s" in r["result"]["grant"]
+
+    md = (out / "summary.md").read_text()
+    assert md.count(LABEL) >= 2
+    for heading in (
+        "## Headline: goal, paper (NVIDIA H20) and ours",
+        "## Throughput",
+        "## Timing inflation against native-serial",
+        "## Ranking fidelity",
+        "### Kendall tau per family",
+        "### Pairwise flip rate per true-gap class",
+        "## Critical-region fraction",
+        "## Region entry overhead and queue wait",
+        "## Failures",
+    ):
+        assert heading in md, heading
+    for figure in (
+        "3.4x (16.0 -> 54.8 cmds/min)",
+        "41.9 cmds/min",
+        "0.30%",
+        "1.58%",
+        "3.90%",
+        "0.857",
+        "0.820",
+        "0.432",
+        "within 3 pp of native repeat",
+        ">= 4.0x",
+    ):
+        assert figure in md, figure
+    for cell in expect_cells:
+        assert f"| {cell} |" in md, cell
+    s = json.loads((out / "summary.json").read_text())
+    assert s["simulated"] is True and s["label"] == LABEL
+    assert {t["cell"] for t in s["throughput"]} == expect_cells
+    assert set(s["inflation"]) == expect_cells - {"native-serial"}
+    assert set(s["ranking"]) == expect_cells
+    assert {"sim-a", "sim-b"} <= set(s["truth"])
+    assert s["critical"]["n"] > 0 and s["headline"]["krex_cell"] == "krex-2"
+    return s
+
+
+def test_bench_sim_quick_end_to_end_and_resume(krex_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    p = krex([*BENCH, "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    # Not a TTY: plain progress lines, one per command run, no carriage returns.
+    assert "\r" not in p.stderr
+    n = len(json.loads((out / "meta.json").read_text())["corpus_names"])
+    progress = [ln for ln in p.stderr.splitlines() if ln.startswith("krex bench: [")]
+    assert len(progress) == 4 * n
+    assert f"[{4 * n}/{4 * n}]" in p.stderr
+    for cell in CELLS:
+        assert f"krex bench: {cell}: {n} runs" in p.stderr
+    # The summary table goes to stdout, labelled.
+    assert LABEL in p.stdout and "krex-2" in p.stdout and "throughput vs native serial" in p.stdout
+    _check_results(out, CELLS)
+    # The daemon the bench started is gone again.
+    assert not Path(krex_env["KREX_STATE_DIR"], "krexd.sock").exists()
+
+    # A finished directory without --resume is refused (a usage error with a fix).
+    p = krex([*BENCH, "--out", str(out)], krex_env, timeout=60)
+    assert p.returncode == 2 and "--resume" in p.stderr and "fix:" in p.stderr
+
+    # Resume: pretend the krex-2 cell never finished. Only it runs again; the others
+    # are skipped; its earlier raw lines stay in raw.jsonl but no longer count.
+    cells_file = out / "cells.jsonl"
+    kept = [c for c in jsonl(cells_file) if c["cell"] != "krex-2"]
+    old_run = next(c["run"] for c in jsonl(cells_file) if c["cell"] == "krex-2")
+    cells_file.write_text("".join(json.dumps(c) + "\n" for c in kept))
+    raw_before = len(jsonl(out / "raw.jsonl"))
+    p = krex(
+        ["bench", "--device", "sim", "--concurrency", "2", "--timeout", "40", "--resume", str(out)], krex_env
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for cell in CELLS - {"krex-2"}:
+        assert f"{cell}: already in {out}, skipped" in p.stderr, cell
+    assert f"krex bench: krex-2: {n} runs" in p.stderr
+    assert sum(1 for ln in p.stderr.splitlines() if ln.startswith("krex bench: [")) == n
+    raw_after = jsonl(out / "raw.jsonl")
+    assert len(raw_after) == raw_before + n
+    assert sum(1 for r in raw_after if r["run"] == old_run) == n
+    new_run = next(c["run"] for c in jsonl(cells_file) if c["cell"] == "krex-2")
+    assert new_run != old_run
+    s = _check_results(out, CELLS)
+    assert len(s["invocations"]) == 2
+
+    # Resume when every asked cell is finished: nothing runs, the summary is written again.
+    p = krex(
+        [
+            "bench",
+            "--resume",
+            str(out),
+            "--device",
+            "sim",
+            "--concurrency",
+            "2",
+            "--modes",
+            "native-serial",
+            "--timeout",
+            "40",
+        ],
+        krex_env,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "native-serial: already in" in p.stderr
+    assert not [ln for ln in p.stderr.splitlines() if ln.startswith("krex bench: [")]
+
+
+def test_bench_usage_errors(krex_env: dict[str, str], tmp_path: Path) -> None:
+    p = krex(["bench", "--device", "sim", "--resume", str(tmp_path)], krex_env, timeout=60)
+    assert p.returncode == 3 and "no krex bench results" in p.stderr and "fix:" in p.stderr
+    p = krex(
+        ["bench", "--device", "sim", "--modes", "fast", "--out", str(tmp_path / "x")], krex_env, timeout=60
+    )
+    assert p.returncode == 2 and "unknown mode" in p.stderr
+    p = krex(
+        ["bench", "--device", "sim", "--concurrency", "0", "--out", str(tmp_path / "x")], krex_env, timeout=60
+    )
+    assert p.returncode == 2 and "concurrency" in p.stderr
+    p = krex(
+        ["bench", "--device", "sim", "--only", "no-such-command", "--out", str(tmp_path / "x")],
+        krex_env,
+        timeout=60,
+    )
+    assert p.returncode == 2 and "no sim workloads" in p.stderr
+    assert "Traceback" not in p.stderr
