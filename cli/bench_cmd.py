@@ -180,9 +180,15 @@ def _throughput_text(summary: dict[str, Any]) -> str:
 @click.option(
     "--reference-repeat",
     type=click.IntRange(1, 100),
-    default=3,
+    default=5,
     show_default=True,
-    help="passes of the reference cell (tiling families)",
+    help="passes of the reference cell (tiling families; median)",
+)
+@click.option(
+    "--reference-rep-ms",
+    type=click.FloatRange(1.0),
+    default=None,
+    help="timed-loop budget of the reference runs  [default: the commands' own, 100 ms]",
 )
 @click.option(
     "--warm-cache", is_flag=True, help="share compiler caches between runs (default: fresh per run)"
@@ -202,6 +208,7 @@ def bench(
     timeout: float | None,
     slots_per_gpu: int | None,
     reference_repeat: int,
+    reference_rep_ms: float | None,
     warm_cache: bool,
     no_plots: bool,
 ) -> None:
@@ -225,6 +232,7 @@ def bench(
         seed=seed,
         repeat=repeat,
         reference_repeat=reference_repeat,
+        reference_rep_ms=reference_rep_ms,
         corpus=corpus,
         only=[s.strip() for s in only.split(",") if s.strip()] if only else None,
         timeout_s=timeout,

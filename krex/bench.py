@@ -3,9 +3,10 @@
 One invocation runs a corpus of benchmarking commands (examples/workloads/manifest.py)
 in several *cells*; a cell is a mode and a concurrency C:
 
-  reference       native, one at a time, with a long timed loop (KREX_WL_REP_MS) and
-                  ``reference_repeat`` passes, only for families whose true order is
-                  "measured" (tiling variants): it establishes that true order
+  reference       native, one at a time, ``reference_repeat`` passes (median), only for
+                  families whose true order is "measured" (tiling variants): it
+                  establishes that true order (``reference_rep_ms`` lengthens the
+                  timed loop through KREX_WL_REP_MS; by default it is the commands' own)
   native-serial   no KREX, one command at a time: command-granular exclusivity, the
                   baseline for throughput and the per-command timing reference
   native-repeat   a second, independent native-serial pass: the noise floor
@@ -310,8 +311,8 @@ class BenchConfig:
     resume: bool = False  # out_dir holds an earlier run: skip its finished cells
     seed: int | None = None
     repeat: int | None = None  # corpus passes per cell (trajectories for ranking)
-    reference_repeat: int = 3
-    reference_rep_ms: float = 1000.0
+    reference_repeat: int = 5
+    reference_rep_ms: float | None = None  # None: the commands' own timed loop (see docs/bench.md)
     corpus: Path | None = None
     only: Sequence[str] | None = None
     timeout_s: float | None = None  # per command; None: 900 s on a GPU, 120 s simulated
@@ -556,7 +557,7 @@ class _Runner:
             env["TRITON_CACHE_DIR"] = str(tmp / "triton")
             env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")
             env["TORCH_EXTENSIONS_DIR"] = str(tmp / "extensions")
-        if cell.mode == "reference":
+        if cell.mode == "reference" and self.cfg.reference_rep_ms:
             env["KREX_WL_REP_MS"] = f"{self.cfg.reference_rep_ms:g}"
             env["KREX_WL_WARMUP_MS"] = f"{max(25.0, self.cfg.reference_rep_ms / 10):g}"
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -1093,6 +1094,11 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             message=f"summary in {md}",
         )
     )
+    if done and failed == done:
+        raise BenchError(
+            f"all {done} command runs of this invocation failed (results are in {out_dir})",
+            f"see the Failures table of {md} and stderr_tail in {out_dir / RAW}",
+        )
     return BenchResult(out_dir, summary, md, plots, ran, skipped, failed)
 
 

@@ -64,6 +64,21 @@ def _mode_of(key: str) -> str:
     return key
 
 
+def _shade(key: str, keys: list[str]) -> str:
+    """A colour per cell: the mode's hue, darker for larger C."""
+    import matplotlib.colors as mcolors
+
+    mode = _mode_of(key)
+    base = COLORS.get(mode, "#444444")
+    same = [k for k in keys if _mode_of(k) == mode]
+    if mode not in ("unprotected", "krex") or len(same) < 2:
+        return base
+    i = same.index(key)
+    r, g, b = mcolors.to_rgb(base)
+    f = 0.45 + 0.55 * i / (len(same) - 1)  # 0.45 (light) .. 1.0 (the mode's colour)
+    return mcolors.to_hex((1 - f * (1 - r), 1 - f * (1 - g), 1 - f * (1 - b)))
+
+
 def plot_throughput(s: dict[str, Any], path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -107,6 +122,7 @@ def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
     paper = (s.get("paper") or {}).get("p95_inflation") or {}
     for ax, (band, _) in zip(axes[0], bm.BANDS, strict=True):
         drawn = 0
+        keys = list(infl)
         for key, bands in infl.items():
             xs = sorted(100.0 * v for v in _finite((bands.get(band) or {}).get("values") or []))
             if not xs:
@@ -114,13 +130,13 @@ def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             mode = _mode_of(key)
             ax.step(
-                xs,
-                ys,
+                [xs[0], *xs],
+                [0.0, *ys],
                 where="post",
                 label=f"{key} (n={len(xs)})",
-                color=COLORS.get(mode),
-                alpha=0.35 + 0.65 * (1 if mode != "unprotected" else 0.6),
-                linestyle="-" if mode != "native-repeat" else "--",
+                color=_shade(key, keys),
+                linestyle="--" if mode == "native-repeat" else "-",
+                marker="." if len(xs) < 4 else None,
             )
             drawn += 1
         if band in paper:
@@ -128,6 +144,7 @@ def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
                 100 * paper[band], color="#2ca02c", linestyle=":", label=f"paper p95 {100 * paper[band]:.2f}%"
             )
         ax.axhline(0.95, color="#bbbbbb", linewidth=0.8)
+        ax.set_ylim(0.0, 1.02)
         ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlabel("inflation vs native-serial (%)")
         ax.set_ylabel("fraction of commands")
@@ -155,16 +172,25 @@ def plot_flip_rates(s: dict[str, Any], path: Path) -> Path:
             vals.append(100.0 * float(f["rate"]) if f.get("pairs") and f.get("rate") is not None else 0.0)
         xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(classes))]
         mode = _mode_of(k)
-        ax.bar(
+        bars = ax.bar(
             xs,
             vals,
             width=width,
             label=k,
-            color=COLORS.get(mode),
-            alpha=0.5 + 0.5 * (i + 1) / max(1, len(keys)) if mode in ("unprotected", "krex") else 0.9,
+            color=_shade(k, keys),
             hatch="//" if mode == "native-repeat" else None,
             edgecolor="white",
         )
+        for rect, c in zip(bars, classes, strict=True):
+            f = ranking[k]["flip"].get(c) or {}
+            if f.get("pairs"):
+                ax.annotate(
+                    f"{rect.get_height():.0f}",
+                    (rect.get_x() + rect.get_width() / 2, rect.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
     ax.set_xticks(range(len(classes)))
     ax.set_xticklabels([f"true gap {c}" for c in classes])
     ax.set_ylabel("pairwise flip rate (%)")

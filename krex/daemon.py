@@ -487,7 +487,11 @@ class Daemon:
                 with contextlib.suppress(KrexError):
                     cpus.restore_thread(req.tid, old_aff)
             t3 = time.monotonic()
-            for f in [self.pool.submit(s.group.thaw) for s in frozen]:
+            with self.lock:  # slots admitted during the region started frozen: thaw them too
+                late = [
+                    s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot and s not in frozen
+                ]
+            for f in [self.pool.submit(s.group.thaw) for s in [*frozen, *late]]:
                 with contextlib.suppress(KrexError, OSError):
                     f.result()
             thaw_s = time.monotonic() - t3

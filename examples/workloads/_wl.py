@@ -14,7 +14,7 @@ region_entry_s (time to get into it: queue wait + the daemon's protocol), the
 per-phase times and, under KREX, the daemon's grant (queue_wait_s, entry_s,
 contaminated).
 
-Knobs (environment; `krex bench` sets them for its reference pass):
+Knobs (environment; `krex bench --reference-rep-ms` sets them for its reference pass):
   KREX_WL_REP_MS     timed-loop budget in ms (default 100, like do_bench's rep)
   KREX_WL_WARMUP_MS  warm-up budget in ms (default 25)
 """

@@ -152,7 +152,8 @@ def _gpu() -> list[dict[str, Any]]:
         )
     for k in range(5):
         # matmul-k: bf16 8192 x 8192 x K, K = 6144 + 128 k (whole BK=64 steps, about 2 % each),
-        # fixed tiling (about 1.1-1.2 ms, ~770 TFLOP/s).
+        # fixed tiling (about 1.1-1.2 ms, ~770 TFLOP/s). Near peak, bf16 is clock/power-limited: on
+        # the H200 single runs vary by +-5 % between processes, so they do not follow K.
         kk = 6144 + 128 * k
         out.append(
             _cmd(
@@ -188,7 +189,9 @@ def _gpu() -> list[dict[str, Any]]:
                 est_wall_s=6,
             )
         )
-    # matmul-tiles: bf16 8192^3 under six tilings (1.51-2.54 ms); true order from the reference pass.
+    # matmul-tiles: bf16 8192^3 under six tilings; true order from the reference pass. One
+    # native H200 run: 256x128w8 1.498, 128x256w8 1.524, 128x128w4s4 1.540, 128x128w8 1.719,
+    # 64x128 2.436, 128x64 2.537 ms (the first three within 3 %).
     tiles = [
         (128, 256, 64, 8, 3),
         (256, 128, 64, 8, 3),
