@@ -26,8 +26,9 @@ lint: ## ruff + mypy
 	$(VENV)/bin/ruff check krex cli tests scripts krex_build.py setup.py
 	$(VENV)/bin/mypy krex cli
 
-bench: ## Fast-path and region benchmarks (simulated GPU here; real numbers need a GPU)
-	$(PY) -m krex.cli.main bench
+bench: ## Gate fast-path cost, then krex bench --quick (simulated GPU without a GPU; real numbers need one)
+	$(PY) scripts/fastpath/run.py 5
+	$(VENV)/bin/krex bench --quick
 
 clean: ## Remove build outputs
 	rm -rf build dist *.egg-info krex/_lib krex/_native*.so
