@@ -434,16 +434,21 @@ def _strip_krex(env: dict[str, str]) -> dict[str, str]:
             "KREX_STRICT",
         )
     }
+    _drop_shim(out)
+    return out
+
+
+def _drop_shim(env: dict[str, str]) -> None:
+    """Remove the KREX shim from LD_PRELOAD, keeping anything else preloaded."""
     pre = [
         p
-        for p in out.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+        for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
         if p and "libkrex_interpose" not in p
     ]
     if pre:
-        out["LD_PRELOAD"] = ":".join(pre)
+        env["LD_PRELOAD"] = ":".join(pre)
     else:
-        out.pop("LD_PRELOAD", None)
-    return out
+        env.pop("LD_PRELOAD", None)
 
 
 def _kill_tree(pid: int, grace_s: float = GRACE_S) -> None:
@@ -543,14 +548,8 @@ class _Runner:
         if (
             cell.mode == "krex"
         ):  # `krex run` sets the rest; keep KREX_SHM/KREX_SOCKET/KREX_STATE_DIR (the daemon's)
-            env = {k: v for k, v in base.items() if k not in ("KREX_SLOT", "KREX_GPU", "LD_PRELOAD")}
-            pre = [
-                p
-                for p in base.get("LD_PRELOAD", "").replace(" ", ":").split(":")
-                if p and "libkrex_interpose" not in p
-            ]
-            if pre:
-                env["LD_PRELOAD"] = ":".join(pre)
+            env = {k: v for k, v in base.items() if k not in ("KREX_SLOT", "KREX_GPU")}
+            _drop_shim(env)
         else:
             env = _strip_krex(base)
         if self.cfg.cold_cache:

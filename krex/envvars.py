@@ -7,7 +7,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from krex.errors import UsageError
 from krex.native import shim_path, sim_dir
 
 
@@ -50,34 +49,3 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
 def format_env(env: dict[str, str], export: bool) -> str:
     prefix = "export " if export else ""
     return "\n".join(f"{prefix}{k}={shlex.quote(v)}" for k, v in env.items())
-
-
-def int_var(name: str, default: int, lo: int = 0, hi: int = 1 << 30) -> int:
-    """Read an integer KREX_* variable or fail with a message naming it."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise UsageError(
-            f"{name}={raw!r} is not an integer", f"set {name} to a number in {lo}..{hi}"
-        ) from None
-    if not lo <= v <= hi:
-        raise UsageError(f"{name}={v} is out of range", f"set {name} to a number in {lo}..{hi}")
-    return v
-
-
-def float_var(name: str, default: float, lo: float = 0.0, hi: float = 1e9) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise UsageError(
-            f"{name}={raw!r} is not a number", f"set {name} to a number in {lo:g}..{hi:g}"
-        ) from None
-    if not lo <= v <= hi:
-        raise UsageError(f"{name}={v:g} is out of range", f"set {name} to a number in {lo:g}..{hi:g}")
-    return v
