@@ -1,0 +1,166 @@
+"""`krex run` as a guardian (admission message, --report, signals, exit status, slot
+release after SIGKILL, static-cudart warning) and the daemon's own commands
+(start/stop/status, idle exit, journal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+KREX = [sys.executable, "-m", "krex.cli.main"]
+NVCC = shutil.which("nvcc") or next(iter(sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    tag = f"{os.getpid()}-{tmp_path.name[-10:]}"
+    e = dict(
+        os.environ,
+        KREX_STATE_DIR=str(tmp_path / "st"),
+        KREX_SHM=f"/krex-rg-{tag}",
+        KREX_SIM_SHM=f"/krex-rgsim-{tag}",
+        PYTHONUNBUFFERED="1",
+    )
+    for k in ("KREX_SOCKET", "KREX_SLOT", "KREX_GPU", "LD_PRELOAD"):
+        e.pop(k, None)
+    yield e
+    subprocess.run([*KREX, "daemon", "stop"], env=e, capture_output=True, timeout=30)
+    for n in (e["KREX_SHM"], e["KREX_SIM_SHM"]):
+        Path("/dev/shm" + n).unlink(missing_ok=True)
+
+
+def krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def status(env: dict[str, str]) -> dict[str, object]:
+    return json.loads(krex(env, "status", "--json").stdout)
+
+
+def wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_daemon_start_status_stop_and_already_running(env: dict[str, str]) -> None:
+    p = krex(env, "daemon", "start", "--device", "sim", "--max-region", "5")
+    assert p.returncode == 0 and "krexd started" in p.stdout, p.stderr
+    st = krex(env, "daemon", "status")
+    assert st.returncode == 0
+    for word in ("krexd pid", "socket", "up", "freezer", "CPU partition"):
+        assert word in st.stdout, st.stdout
+    sock = Path(json.loads(krex(env, "daemon", "status", "--json").stdout)["daemon"]["socket"])
+    assert oct(sock.stat().st_mode & 0o777) == "0o660"
+    again = krex(env, "daemon", "start", "--device", "sim")
+    assert again.returncode == 6 and "already running" in again.stderr and "fix:" in again.stderr
+    assert krex(env, "daemon", "stop").returncode == 0
+    assert krex(env, "daemon", "status").returncode == 3
+
+
+def test_on_demand_daemon_exits_when_idle(env: dict[str, str]) -> None:
+    p = krex(env, "daemon", "start", "--device", "sim", "--idle-exit", "1")
+    assert p.returncode == 0
+    assert krex(env, "run", "--device", "sim", "--", "true").returncode == 0
+    wait_for(lambda: krex(env, "daemon", "status").returncode != 0, 15, "the idle daemon to exit")
+
+
+def test_exit_status_signals_and_report(env: dict[str, str], tmp_path: Path) -> None:
+    assert krex(env, "run", "--device", "sim", "--", "sh", "-c", "exit 7").returncode == 7
+    rep = tmp_path / "report.json"
+    code = "import krex\nwith krex.region():\n    pass\nwith krex.region():\n    pass\n"
+    p = krex(env, "run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", code)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(rep.read_text())
+    assert r["exit_status"] == 0 and len(r["regions"]) == 2 and r["contaminated_regions"] == 0
+    for k in ("slot", "gpu", "admission_wait_s", "gate_blocks", "region_wait_s"):
+        assert k in r
+    # SIGTERM to the guardian reaches the command's process group; the exit status says so.
+    marker = tmp_path / "started"
+    proc = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", "sh", "-c", f"touch {marker}; sleep 60"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(marker.exists, 30, "the command to start")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    wait_for(lambda: status(env)["slots"] == [], 10, "the slot to be released")
+
+
+def test_sigkilled_command_frees_its_slot(env: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "pid"
+    proc = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", "sh", "-c", f"echo $$ > {marker}; sleep 60"], env=env
+    )
+    wait_for(lambda: marker.exists() and marker.read_text().strip(), 30, "the command")
+    assert len(status(env)["slots"]) == 1
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert proc.wait(30) == 128 + signal.SIGKILL
+    wait_for(lambda: status(env)["slots"] == [], 10, "the slot to be released")
+
+
+def test_admission_waits_with_a_message(env: dict[str, str], tmp_path: Path) -> None:
+    assert krex(env, "daemon", "start", "--device", "sim", "--slots-per-gpu", "1").returncode == 0
+    first = tmp_path / "first"
+    a = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", "sh", "-c", f"touch {first}; sleep 2"], env=env
+    )
+    wait_for(first.exists, 30, "the first command")
+    t0 = time.monotonic()
+    b = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", "true"], env=env, capture_output=True, text=True, timeout=60
+    )
+    waited = time.monotonic() - t0
+    assert a.wait(30) == 0 and b.returncode == 0
+    assert "waiting for a free slot" in b.stderr, b.stderr
+    assert waited > 0.5  # it really waited for the first command's slot
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_static_cudart_is_warned_about(env: dict[str, str], tmp_path: Path) -> None:
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k(){}\nint main(){return 0;}\n")
+    exe = tmp_path / "static_bin"
+    subprocess.run([str(NVCC), "-o", str(exe), str(src)], check=True, capture_output=True)
+    p = krex(env, "run", "--device", "sim", "--", str(exe))
+    assert p.returncode == 0
+    assert "links the CUDA runtime statically" in p.stderr and "-cudart shared" in p.stderr
+
+
+def test_journal_command(env: dict[str, str]) -> None:
+    none = krex(env, "journal")
+    assert none.returncode == 3 and "no journal" in none.stderr
+    code = "import krex\nwith krex.region():\n    pass\n"
+    assert krex(env, "run", "--device", "sim", "--", sys.executable, "-c", code).returncode == 0
+    table = krex(env, "journal")
+    assert table.returncode == 0 and "entry_ms" in table.stdout and " end" in table.stdout
+    recs = json.loads(krex(env, "journal", "--json").stdout)
+    assert len(recs) == 1
+    for k in (
+        "owner_pid",
+        "queue_wait_s",
+        "block_s",
+        "drain_s",
+        "freeze_s",
+        "pin_s",
+        "region_s",
+        "contaminated",
+        "freezer",
+        "partition_degraded",
+        "siblings_frozen",
+    ):
+        assert k in recs[0]
