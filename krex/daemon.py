@@ -518,12 +518,22 @@ class Daemon:
 
     # ----------------------------------------------------------- the clients
     def _client(self, conn: socket.socket) -> None:
-        pid, uid, _ = peer_cred(conn)
+        pid, uid, gid = peer_cred(conn)
         reader = LineReader(conn)
         owned: dict[str, Any] = {"region": None, "slot": None, "guardian": None}
         try:
-            if uid not in (0, os.geteuid()):
-                conn.sendall(encode({"ok": False, "error": "permission denied: another user's daemon"}))
+            # The socket is 0660: root, the daemon's user and its group may use it.
+            if uid not in (0, os.geteuid()) and gid != os.getegid():
+                conn.sendall(
+                    encode(
+                        {
+                            "ok": False,
+                            "error": "permission denied: another user's daemon",
+                            "kind": "PermissionDenied",
+                            "fix": "ask its owner, or run your own daemon",
+                        }
+                    )
+                )
                 return
             while not self.stop.is_set():
                 try:
