@@ -199,36 +199,39 @@ uint32_t krex_drain_request(struct krex_shm *shm, int gpu) {
     return seq;
 }
 
-/* Live sibling processes that hold GPU work and have not acked drain `seq` yet. */
-int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
-                       int64_t *pids, int max_pids) {
+enum drain_query { DRAIN_PENDING, DRAIN_PARTIAL };
+
+/* Sibling processes of `gpu` (not in `owner_slot`) that hold GPU work and match `q`:
+ * PENDING = live and not yet acked `seq`; PARTIAL = acked `seq` without a full sync. */
+static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, enum drain_query q,
+                      int64_t *pids, int max_pids) {
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
         if (pid == 0 || p->gpu != gpu || p->slot == owner_slot || !p->has_ctx) continue;
-        /* Sequence numbers wrap: compare by signed distance. */
-        if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
-        if (!krex_pid_alive(pid, p->start_ticks)) continue;
+        if (q == DRAIN_PENDING) {
+            /* Sequence numbers wrap: compare by signed distance. */
+            if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
+            if (!krex_pid_alive(pid, p->start_ticks)) continue;
+        } else if (__atomic_load_n(&p->drain_partial, SEQ) != seq) {
+            continue;
+        }
         if (pids && n < max_pids) pids[n] = pid;
         n++;
     }
     return n;
 }
 
-/* Siblings that acked `seq` without a full synchronise (a graph capture was running). */
+int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
+                       int64_t *pids, int max_pids) {
+    return drain_scan(shm, gpu, owner_slot, seq, DRAIN_PENDING, pids, max_pids);
+}
+
+/* A graph capture was running in these siblings, so their earlier work was not drained. */
 int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
                        int64_t *pids, int max_pids) {
-    int n = 0;
-    for (int i = 0; i < KREX_MAX_PROCS; i++) {
-        struct krex_proc *p = &shm->procs[i];
-        int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid == 0 || p->gpu != gpu || p->slot == owner_slot || !p->has_ctx) continue;
-        if (__atomic_load_n(&p->drain_partial, SEQ) != seq) continue;
-        if (pids && n < max_pids) pids[n] = pid;
-        n++;
-    }
-    return n;
+    return drain_scan(shm, gpu, owner_slot, seq, DRAIN_PARTIAL, pids, max_pids);
 }
 
 void krex_heartbeat(struct krex_shm *shm) {
