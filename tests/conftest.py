@@ -37,3 +37,29 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # An empty collection must fail loudly, never pass as "exit 5" (see .ci/run).
     if not session.items and not session.config.getoption("collectonly"):
         pytest.exit("no tests were collected: the suite is broken", returncode=1)
+
+
+@pytest.fixture
+def krex_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """An isolated KREX world for CLI-level tests: own state dir (socket, journal), own
+    segment and simulated device, no inherited KREX variables; its daemon is stopped after."""
+    import os
+    import subprocess
+
+    tag = f"{os.getpid()}-{tmp_path.name[-12:]}"
+    env = dict(
+        os.environ,
+        KREX_STATE_DIR=str(tmp_path / "state"),
+        KREX_SHM=f"/krex-t-{tag}",
+        KREX_SIM_SHM=f"/krex-tsim-{tag}",
+        KREX_SIM_TRACE=str(tmp_path / "trace.jsonl"),
+        PYTHONUNBUFFERED="1",
+    )
+    for k in ("KREX_SOCKET", "KREX_SLOT", "KREX_GPU", "LD_PRELOAD"):
+        env.pop(k, None)
+    yield env
+    subprocess.run(
+        [sys.executable, "-m", "krex.cli.main", "daemon", "stop"], env=env, capture_output=True, timeout=30
+    )
+    for n in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
+        Path("/dev/shm" + n).unlink(missing_ok=True)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,21 +25,8 @@ NVCC = shutil.which("nvcc") or next(iter(sorted(Path("/usr/local").glob("cuda*/b
 
 
 @pytest.fixture
-def iso(tmp_path: Path) -> Iterator[dict[str, str]]:
-    tag = f"{os.getpid()}-{tmp_path.name[-12:]}"
-    env = dict(
-        os.environ,
-        KREX_STATE_DIR=str(tmp_path / "state"),
-        KREX_SHM=f"/krex-mo-{tag}",
-        KREX_SIM_SHM=f"/krex-mosim-{tag}",
-        KREX_SIM_TRACE=str(tmp_path / "trace.jsonl"),
-    )
-    for k in ("KREX_SOCKET", "KREX_SLOT", "KREX_GPU", "LD_PRELOAD"):
-        env.pop(k, None)
-    yield env
-    subprocess.run([*KREX, "daemon", "stop"], env=env, capture_output=True, timeout=30)
-    for n in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
-        Path("/dev/shm" + n).unlink(missing_ok=True)
+def iso(krex_env: dict[str, str]) -> dict[str, str]:
+    return krex_env
 
 
 def journal(env: dict[str, str]) -> list[dict[str, object]]:

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,21 +20,8 @@ NVCC = shutil.which("nvcc") or next(iter(sorted(Path("/usr/local").glob("cuda*/b
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    tag = f"{os.getpid()}-{tmp_path.name[-10:]}"
-    e = dict(
-        os.environ,
-        KREX_STATE_DIR=str(tmp_path / "st"),
-        KREX_SHM=f"/krex-rg-{tag}",
-        KREX_SIM_SHM=f"/krex-rgsim-{tag}",
-        PYTHONUNBUFFERED="1",
-    )
-    for k in ("KREX_SOCKET", "KREX_SLOT", "KREX_GPU", "LD_PRELOAD"):
-        e.pop(k, None)
-    yield e
-    subprocess.run([*KREX, "daemon", "stop"], env=e, capture_output=True, timeout=30)
-    for n in (e["KREX_SHM"], e["KREX_SIM_SHM"]):
-        Path("/dev/shm" + n).unlink(missing_ok=True)
+def env(krex_env: dict[str, str]) -> dict[str, str]:
+    return krex_env
 
 
 def krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
