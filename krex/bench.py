@@ -769,6 +769,35 @@ def _order_jobs(
     return jobs
 
 
+def _carried_runs(out_dir: Path, cell: Cell) -> list[dict[str, Any]]:
+    """Finished, successful runs of a serial cell whose invocation stopped before the cell
+    did (killed, timed out, interrupted). A serial run does not depend on its neighbours,
+    so `--resume` keeps them and runs only the rest; a concurrent cell always runs again
+    whole, since its makespan and its contention need all of its commands together."""
+    if cell.mode in CONCURRENT:
+        return []
+    finished = {c.get("run") for c in _read_jsonl(out_dir / CELLS)}
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in _read_jsonl(out_dir / RAW):
+        if r.get("cell") == cell.key and r.get("run") not in finished and r.get("ok"):
+            best[(str(r.get("name")), int(r.get("rep", 0)))] = r
+    return list(best.values())
+
+
+def _serial_span_s(recs: Iterable[dict[str, Any]]) -> float:
+    """Wall time the given runs took, summed over the invocations they ran in
+    (``ran_in``): the makespan a serial cell had before it was resumed."""
+    spans: dict[str, tuple[float, float]] = {}
+    for r in recs:
+        a, b = r.get("started_at"), r.get("ended_at")
+        if a is None or b is None:
+            continue
+        k = str(r.get("ran_in") or r.get("run"))
+        lo, hi = spans.get(k, (float(a), float(b)))
+        spans[k] = (min(lo, float(a)), max(hi, float(b)))
+    return sum(hi - lo for lo, hi in spans.values())
+
+
 def _resolve_device(device: str) -> tuple[str, list[str]]:
     from krex.gpus import discover
 
@@ -919,8 +948,11 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     def cell_jobs(c: Cell, hint: dict[str, float]) -> list[_Job]:
         if c.mode == "reference":
-            return _order_jobs(c, measured, cfg.reference_repeat, seed, hint)
-        return _order_jobs(c, workloads, repeat, seed, hint)
+            jobs = _order_jobs(c, measured, cfg.reference_repeat, seed, hint)
+        else:
+            jobs = _order_jobs(c, workloads, repeat, seed, hint)
+        kept = {(str(r["name"]), int(r.get("rep", 0))) for r in _carried_runs(out_dir, c)}
+        return [j for j in jobs if (j.workload.name, j.rep) not in kept]
 
     total = sum(len(cell_jobs(c, {})) for c in todo)
     emit(
@@ -988,6 +1020,12 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                     message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time",
                 )
             )
+            carried = _carried_runs(out_dir, cell)
+            prior_span = _serial_span_s(carried)
+            for r in carried:  # the kept runs join this run id, once the cell is finished
+                _append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
+            if carried:
+                note(f"{cell.key}: kept {len(carried)} runs of an unfinished earlier invocation")
             pool = _CellPool(runner, cell, run_id, jobs)
             c_start = pool.started_at
             cell_failed = 0
@@ -1044,11 +1082,12 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                 "mode": cell.mode,
                 "c": cell.c,
                 "run": run_id,
-                "n_runs": len(jobs),
+                "n_runs": len(jobs) + len(carried),
+                "carried_runs": len(carried),
                 "failures": cell_failed,
                 "started_at": c_start,
                 "ended_at": c_end,
-                "makespan_s": c_end - c_start,
+                "makespan_s": prior_span + (c_end - c_start),
                 "last_start_s": pool.last_start - c_start,
                 "timeout_s": timeout_s,
             }

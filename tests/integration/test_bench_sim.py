@@ -306,3 +306,49 @@ def test_bench_usage_errors(krex_env: dict[str, str], tmp_path: Path) -> None:
     )
     assert p.returncode == 2 and "no sim workloads" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_bench_sigterm_mid_serial_cell_keeps_its_runs(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """A bench killed (SIGTERM, as `timeout` sends) in the middle of native-serial: the
+    resumed bench keeps the runs that finished and runs only the others; the cell's
+    makespan adds the time those kept runs took."""
+    import signal
+    import time
+
+    out = tmp_path / "results"
+    args = [*krex_cmd(), "bench", "--device", "sim", "--quick", "--modes", "native-serial"]
+    args += ["--timeout", "40", "--out", str(out)]
+    proc = subprocess.Popen(args, env=krex_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    raw = out / "raw.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not raw.exists() or len(jsonl(raw)) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert not (out / "cells.jsonl").exists() or not jsonl(out / "cells.jsonl")
+    first = [r for r in jsonl(raw) if r["ok"]]
+    k = len(first)
+    n = len(json.loads((out / "meta.json").read_text())["corpus_names"])
+    assert 3 <= k < n, (k, n)
+    span = max(r["ended_at"] for r in first) - min(r["started_at"] for r in first)
+
+    p = krex(
+        ["bench", "--device", "sim", "--modes", "native-serial", "--timeout", "40", "--resume", str(out)],
+        krex_env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"native-serial: kept {k} runs of an unfinished earlier invocation" in p.stderr
+    assert f"native-serial: {n - k} runs" in p.stderr
+    assert sum(1 for ln in p.stderr.splitlines() if ln.startswith("krex bench: [")) == n - k
+    (cell,) = jsonl(out / "cells.jsonl")
+    assert cell["n_runs"] == n and cell["carried_runs"] == k
+    final = [r for r in jsonl(raw) if r["run"] == cell["run"]]
+    assert sorted(r["name"] for r in final) == sorted(
+        json.loads((out / "meta.json").read_text())["corpus_names"]
+    )
+    kept = [r for r in final if r.get("ran_in") and r["ran_in"] != cell["run"]]
+    assert {r["name"] for r in kept} == {r["name"] for r in first}
+    assert cell["makespan_s"] >= span + (cell["ended_at"] - cell["started_at"]) - 1e-6
+    s = json.loads((out / "summary.json").read_text())
+    assert s["throughput"][0]["cell"] == "native-serial"
