@@ -24,14 +24,17 @@ from pathlib import Path
 from krex.bench import load_corpus
 ws = [w for w in load_corpus(Path(sys.argv[1]), "gpu", False, None)
       if (w.family or "").startswith("matmul") or "mm-epilogue" in w.name]
+bad = 0
 ps = [(w, subprocess.Popen(w.argv(sys.executable), cwd=str(w.script.parent), stdout=subprocess.PIPE,
        stderr=subprocess.PIPE, text=True)) for w in ws]
 for w, p in ps:
     out, err = p.communicate(timeout=240)
     line = next((json.loads(l) for l in out.splitlines()[::-1] if l.startswith("{")), None)
     print(f"{w.name:34s} rc={p.returncode}", f"ms={line['ms']:.3f} correct={line['correct']}" if line else err[-400:])
+    bad += not (p.returncode == 0 and line and line["correct"])
+sys.exit(1 if bad else 0)
 PY
-  ;;
+  [ $? = 0 ] || { echo "smoke failed: no bench"; exit 1; } ;;
 esac
 case " ${STEPS:-probe bench} " in *" probe "*)
   echo "== fast path (isolated gate cost)"
