@@ -975,6 +975,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     def note(msg: str) -> None:
         notes.append(msg)
+        # Into meta.json at once: an invocation killed by `timeout` keeps its notes too.
+        m = json.loads((out_dir / META).read_text())
+        m["notes"] = list(dict.fromkeys([*m.get("notes", []), msg]))
+        (out_dir / META).write_text(json.dumps(m, indent=1))
         emit(BenchEvent("note", message=msg, total=total, done=done, elapsed_s=time.monotonic() - t_start))
 
     try:

@@ -245,7 +245,7 @@ def _gpu() -> list[dict[str, Any]]:
         )
     out.append(
         _cmd(
-            "compiled-mm-epilogue-8192",
+            "compiled-mm-epilogue-8192",  # the first corpus's name, kept so results stay resumable
             "gpu",
             "gpu/compiled_fused.py",
             ["--op", "mm-epilogue", "--rows", "4096", "--cols", "4096", "--dtype", "fp32"],

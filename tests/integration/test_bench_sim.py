@@ -327,6 +327,8 @@ def test_bench_sigterm_mid_serial_cell_keeps_its_runs(krex_env: dict[str, str], 
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert not (out / "cells.jsonl").exists() or not jsonl(out / "cells.jsonl")
+    # Its notes reached meta.json although it never got to write its report.
+    assert any(n.startswith("warm-up:") for n in json.loads((out / "meta.json").read_text())["notes"])
     first = [r for r in jsonl(raw) if r["ok"]]
     k = len(first)
     n = len(json.loads((out / "meta.json").read_text())["corpus_names"])
