@@ -154,6 +154,11 @@ def _workload(name: str) -> tuple[Callable[[], None], int]:
 
 def child_main(name: str, out_path: str, iters: int = 20) -> None:
     """Runs inside the shimmed process."""
+    import warnings
+
+    # torch.profiler warns once per process that it clears events per cycle; `krex doctor
+    # --gpu` would print it for every workload. One cycle is all we record.
+    warnings.filterwarnings("ignore", message=r"Warning: Profiler clears events", category=UserWarning)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
