@@ -107,12 +107,20 @@ typedef void *hipDeviceptr_t;
 typedef enum hipMemcpyKind { hipMemcpyHostToHost = 0, hipMemcpyHostToDevice = 1,
     hipMemcpyDeviceToHost = 2, hipMemcpyDeviceToDevice = 3, hipMemcpyDefault = 4 } hipMemcpyKind;
 typedef int hipDriverProcAddressQueryResult;
+typedef int hipDriverEntryPointQueryResult;
 typedef int hipStreamCaptureMode;
 typedef struct ihipGraph *hipGraph_t;
+typedef struct hipGraphNode *hipGraphNode_t;
+typedef struct hipGraphEdgeData hipGraphEdgeData;
 typedef struct hipPitchedPtr { void *ptr; size_t pitch; size_t xsize; size_t ysize; } hipPitchedPtr;
 typedef struct hipExtent { size_t width; size_t height; size_t depth; } hipExtent;
+typedef struct hipMemLocation { int type; int id; } hipMemLocation; /* type: enum hipMemLocationType */
 struct hipMemcpy3DParms;
+struct hipMemcpy3DBatchOp;
+typedef struct hipMemcpy3DPeerParms hipMemcpy3DPeerParms;
+typedef struct hipMemcpyAttributes hipMemcpyAttributes;
 typedef struct hip_Memcpy2D hip_Memcpy2D;
+typedef struct HIP_MEMCPY3D HIP_MEMCPY3D;
 typedef struct hipLaunchAttribute_st hipLaunchAttribute;
 typedef struct hipLaunchConfig_st {
     dim3 gridDim;
@@ -138,6 +146,14 @@ typedef struct hipLaunchParams_t {
     size_t sharedMem;
     hipStream_t stream;
 } hipLaunchParams;
+typedef struct hipFunctionLaunchParams_t {
+    hipFunction_t function;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    hipStream_t hStream;
+    void **kernelParams;
+} hipFunctionLaunchParams;
 #define hipSuccess 0
 #define hipErrorNotInitialized 3
 #define HIP_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2

@@ -45,6 +45,7 @@ static hipLaunchConfig_t sim_cfg_hipLaunchConfig_t;
 static HIP_LAUNCH_CONFIG sim_cfg_HIP_LAUNCH_CONFIG;
 static CUDA_LAUNCH_PARAMS sim_multi_CUDA_LAUNCH_PARAMS;
 static hipLaunchParams sim_multi_hipLaunchParams;
+static hipFunctionLaunchParams sim_multi_hipFunctionLaunchParams;
 static void *sim_stream = (void *)0x5000;
 
 static void sim_samples_init(void) {
@@ -57,6 +58,7 @@ static void sim_samples_init(void) {
     sim_cfg_HIP_LAUNCH_CONFIG = (HIP_LAUNCH_CONFIG){sim_us, 1, 1, 1, 1, 1, 0, (hipStream_t)sim_stream, 0, 0};
     sim_multi_CUDA_LAUNCH_PARAMS = (CUDA_LAUNCH_PARAMS){0, sim_us, 1, 1, 1, 1, 1, 0, (CUstream)sim_stream, 0};
     sim_multi_hipLaunchParams = (hipLaunchParams){0, grid, block, 0, 0, (hipStream_t)sim_stream};
+    sim_multi_hipFunctionLaunchParams = (hipFunctionLaunchParams){0, sim_us, 1, 1, 1, 1, 1, 0, (hipStream_t)sim_stream, 0};
 }
 
 #define SIM_US sim_us
@@ -78,6 +80,7 @@ static void sim_samples_init(void) {
 #define SIM_EXTENT ((struct cudaExtent){64, 1, 1})
 #define SIM_HIP_PITCHED ((hipPitchedPtr){sim_hbuf_store, 64, 64, 1})
 #define SIM_HIP_EXTENT ((hipExtent){64, 1, 1})
+#define SIM_HIP_LOC ((hipMemLocation){1, 0})
 #endif
 
 #endif
