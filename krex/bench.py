@@ -324,9 +324,12 @@ class BenchConfig:
     argv: Sequence[str] = ()  # the command line, for the record
 
 
+EventKind = Literal["plan", "note", "cell-skip", "cell-start", "run-done", "cell-done", "tick", "report"]
+
+
 @dataclass
 class BenchEvent:
-    kind: Literal["plan", "note", "cell-skip", "cell-start", "run-done", "cell-done", "tick", "report"]
+    kind: EventKind
     cell: str | None = None
     done: int = 0  # command runs finished in this invocation
     total: int = 0  # command runs this invocation will do
@@ -946,15 +949,15 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     todo = [c for c in cells if c.key not in done_keys]
     skipped = [c.key for c in cells if c.key in done_keys]
 
-    def cell_jobs(c: Cell, hint: dict[str, float]) -> list[_Job]:
+    def cell_jobs(c: Cell, hint: dict[str, float], carried: list[dict[str, Any]]) -> list[_Job]:
         if c.mode == "reference":
             jobs = _order_jobs(c, measured, cfg.reference_repeat, seed, hint)
         else:
             jobs = _order_jobs(c, workloads, repeat, seed, hint)
-        kept = {(str(r["name"]), int(r.get("rep", 0))) for r in _carried_runs(out_dir, c)}
+        kept = {(str(r["name"]), int(r.get("rep", 0))) for r in carried}
         return [j for j in jobs if (j.workload.name, j.rep) not in kept]
 
-    total = sum(len(cell_jobs(c, {})) for c in todo)
+    total = sum(len(cell_jobs(c, {}, _carried_runs(out_dir, c))) for c in todo)
     emit(
         BenchEvent(
             "plan",
@@ -971,15 +974,21 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     done = failed = 0
     ran: list[str] = []
     started_daemon = False
-    notes: list[str] = []
+
+    def event(kind: EventKind, **kw: Any) -> None:
+        """Emit an event with this invocation's counters as they are now."""
+        emit(
+            BenchEvent(
+                kind, done=done, total=total, failed=failed, elapsed_s=time.monotonic() - t_start, **kw
+            )
+        )
 
     def note(msg: str) -> None:
-        notes.append(msg)
         # Into meta.json at once: an invocation killed by `timeout` keeps its notes too.
         m = json.loads((out_dir / META).read_text())
         m["notes"] = list(dict.fromkeys([*m.get("notes", []), msg]))
         (out_dir / META).write_text(json.dumps(m, indent=1))
-        emit(BenchEvent("note", message=msg, total=total, done=done, elapsed_s=time.monotonic() - t_start))
+        event("note", message=msg)
 
     try:
         if todo and any(c.mode == "krex" for c in todo):
@@ -1011,20 +1020,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                 for r in prior
                 if r.get("mode") == "native-serial" and r.get("wall_s") is not None
             }
-            jobs = cell_jobs(cell, hint)
-            run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            emit(
-                BenchEvent(
-                    "cell-start",
-                    cell=cell.key,
-                    done=done,
-                    total=total,
-                    failed=failed,
-                    elapsed_s=time.monotonic() - t_start,
-                    message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time",
-                )
-            )
             carried = _carried_runs(out_dir, cell)
+            jobs = cell_jobs(cell, hint, carried)
+            run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            event("cell-start", cell=cell.key, message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time")
             prior_span = _serial_span_s(carried)
             for r in carried:  # the kept runs join this run id, once the cell is finished
                 _append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
@@ -1042,17 +1041,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                     except queue.Empty:
                         if not any(t.is_alive() for t in threads) and pool.results.empty():
                             break
-                        emit(
-                            BenchEvent(
-                                "tick",
-                                cell=cell.key,
-                                done=done,
-                                total=total,
-                                running=pool.running,
-                                failed=failed,
-                                elapsed_s=time.monotonic() - t_start,
-                            )
-                        )
+                        event("tick", cell=cell.key, running=pool.running)
                         continue
                     got += 1
                     done += 1
@@ -1060,18 +1049,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                         failed += 1
                         cell_failed += 1
                     _append_jsonl(out_dir / RAW, rec)
-                    emit(
-                        BenchEvent(
-                            "run-done",
-                            cell=cell.key,
-                            done=done,
-                            total=total,
-                            running=pool.running,
-                            failed=failed,
-                            elapsed_s=time.monotonic() - t_start,
-                            record=rec,
-                        )
-                    )
+                    event("run-done", cell=cell.key, running=pool.running, record=rec)
             except BaseException:
                 runner.cancel()
                 for t in threads:
@@ -1097,25 +1075,15 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             }
             _append_jsonl(out_dir / CELLS, row)
             ran.append(cell.key)
-            emit(
-                BenchEvent(
-                    "cell-done",
-                    cell=cell.key,
-                    done=done,
-                    total=total,
-                    failed=failed,
-                    elapsed_s=time.monotonic() - t_start,
-                    message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
-                )
+            event("cell-done",
+                cell=cell.key,
+                message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
             )
     finally:
         if started_daemon:
             _stop_daemon()
 
-    # ---- report
-    meta = json.loads((out_dir / META).read_text())
-    meta["notes"] = list(dict.fromkeys([*meta.get("notes", []), *notes]))
-    (out_dir / META).write_text(json.dumps(meta, indent=1))
+    # ---- report (the notes are in meta.json already)
     meta, cell_rows, recs = load_results(out_dir)
     summary = compute_summary(meta, cell_rows, recs, workloads)
     (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=1))
@@ -1126,16 +1094,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         from krex.bench_plots import write_plots
 
         plots = write_plots(summary, out_dir)
-    emit(
-        BenchEvent(
-            "report",
-            done=done,
-            total=total,
-            failed=failed,
-            elapsed_s=time.monotonic() - t_start,
-            message=f"summary in {md}",
-        )
-    )
+    event("report", message=f"summary in {md}")
     if done and failed == done:
         raise BenchError(
             f"all {done} command runs of this invocation failed (results are in {out_dir})",
