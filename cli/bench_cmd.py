@@ -115,6 +115,23 @@ def _throughput_text(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _parse_gpus(text: str | None, device: str) -> list[int] | None:
+    from krex.errors import UsageError
+
+    if text is None:
+        return None
+    if text.strip() == "all":
+        from krex.gpus import discover
+
+        return list(range(discover(device).count))
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--gpus {text!r} is not a list of GPU numbers", "pass e.g. --gpus 0,1 or --gpus all"
+        ) from None
+
+
 @click.command()
 @click.option(
     "--device",
@@ -193,6 +210,13 @@ def _throughput_text(summary: dict[str, Any]) -> str:
 @click.option(
     "--warm-cache", is_flag=True, help="share compiler caches between runs (default: fresh per run)"
 )
+@click.option(
+    "--gpus",
+    default=None,
+    metavar="LIST",
+    help="spread the concurrent cells over these GPUs (0,1 or all), C commands on each at once "
+    "[default: one GPU]",
+)
 @click.option("--no-plots", is_flag=True, help="skip the PNG plots")
 def bench(
     device: str,
@@ -211,6 +235,7 @@ def bench(
     reference_rep_ms: float | None,
     warm_cache: bool,
     no_plots: bool,
+    gpus: str | None,
 ) -> None:
     """Measure throughput, timing inflation and ranking fidelity: native serial,
     native repeat, unprotected sharing and KREX, side by side.
@@ -237,6 +262,7 @@ def bench(
         only=[s.strip() for s in only.split(",") if s.strip()] if only else None,
         timeout_s=timeout,
         slots_per_gpu=slots_per_gpu,
+        gpus=_parse_gpus(gpus, device),
         cold_cache=not warm_cache,
         plots=not no_plots,
         argv=["krex", "bench", *sys.argv[sys.argv.index("bench") + 1 :]]

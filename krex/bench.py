@@ -45,7 +45,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -317,6 +317,9 @@ class BenchConfig:
     only: Sequence[str] | None = None
     timeout_s: float | None = None  # per command; None: 900 s on a GPU, 120 s simulated
     slots_per_gpu: int | None = None  # for a daemon the bench starts; None: max C
+    # GPUs (positions among the visible ones) the concurrent cells spread over, C commands per
+    # GPU on each; None: today's single-GPU behaviour (one GPU, or the daemon's choice).
+    gpus: Sequence[int] | None = None
     cold_cache: bool = True  # fresh Triton/Inductor/extension caches per run (a new candidate compiles)
     warmup: bool = True
     plots: bool = True
@@ -565,10 +568,11 @@ class _Runner:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def argv_for(self, cell: Cell, w: Workload, report: Path) -> list[str]:
+    def argv_for(self, cell: Cell, w: Workload, report: Path, gpu: int | None = None) -> list[str]:
         cmd = w.argv(self.cfg.python)
         if cell.mode != "krex":
             return cmd
+        where = ["--gpu", str(gpu)] if gpu is not None else []
         return [
             self.cfg.python,
             "-m",
@@ -576,13 +580,14 @@ class _Runner:
             "run",
             "--device",
             self.dev,
+            *where,
             "--report",
             str(report),
             "--",
             *cmd,
         ]
 
-    def run_one(self, cell: Cell, run_id: str, job: _Job) -> dict[str, Any]:
+    def run_one(self, cell: Cell, run_id: str, job: _Job, gpu: int | None = None) -> dict[str, Any]:
         w = job.workload
         tmp = Path(tempfile.mkdtemp(prefix="krexbench-"))
         report = tmp / "report.json"
@@ -598,6 +603,7 @@ class _Runner:
             "family": w.family,
             "param": w.param,
             "device": self.dev,
+            "gpu": gpu,
             "exit_status": None,
             "timed_out": False,
             "ok": False,
@@ -612,8 +618,10 @@ class _Runner:
             if self.cancelled.is_set():
                 rec["error"] = "cancelled before start"
                 return rec
-            argv = self.argv_for(cell, w, report)
+            argv = self.argv_for(cell, w, report, gpu)
             env = self.env_for(cell, tmp)
+            if gpu is not None and cell.mode != "krex":  # `krex run --gpu` sets it for krex cells
+                env["CUDA_VISIBLE_DEVICES"] = _visible_token(gpu)
             t0 = _now()
             p0 = time.perf_counter()
             try:
@@ -704,6 +712,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
     regions = [{k: r.get(k) for k in keys if k in r} for r in rep.get("regions") or [] if isinstance(r, dict)]
     return {
         "slot": rep.get("slot"),
+        "gpu": rep.get("gpu"),
         "admission_wait_s": rep.get("admission_wait_s"),
         "gate_blocks": rep.get("gate_blocks"),
         "gate_blocked_ms": rep.get("gate_blocked_ms"),
@@ -801,6 +810,15 @@ def _serial_span_s(recs: Iterable[dict[str, Any]]) -> float:
     return sum(hi - lo for lo, hi in spans.values())
 
 
+def _visible_token(pos: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of visible GPU number ``pos`` (our own list, if set)."""
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return str(pos)
+    toks = [t.strip() for t in spec.split(",") if t.strip()]
+    return toks[pos] if 0 <= pos < len(toks) else str(pos)
+
+
 def _resolve_device(device: str) -> tuple[str, list[str]]:
     from krex.gpus import discover
 
@@ -822,15 +840,25 @@ class _CellPool:
         self.last_start = self.started_at
 
     def start(self) -> list[threading.Thread]:
-        width = self.cell.c if self.cell.mode in CONCURRENT else 1
+        gpus = list(self.runner.cfg.gpus or [])
+        concurrent = self.cell.mode in CONCURRENT
+        width = (self.cell.c * max(1, len(gpus))) if concurrent else 1
+        # Worker i stays on one GPU, so each GPU has exactly C commands at a time; serial
+        # cells run on the first GPU.
         threads = [
-            threading.Thread(target=self._worker, daemon=True, name=f"bench-{i}") for i in range(width)
+            threading.Thread(
+                target=self._worker,
+                args=(gpus[i % len(gpus)] if gpus else None,),
+                daemon=True,
+                name=f"bench-{i}",
+            )
+            for i in range(width)
         ]
         for t in threads:
             t.start()
         return threads
 
-    def _worker(self) -> None:
+    def _worker(self, gpu: int | None) -> None:
         while True:
             with self.lock:
                 if not self.pending or self.runner.cancelled.is_set():
@@ -839,7 +867,7 @@ class _CellPool:
                 self.running += 1
                 self.last_start = _now()
             try:
-                rec = self.runner.run_one(self.cell, self.run_id, job)
+                rec = self.runner.run_one(self.cell, self.run_id, job, gpu)
             except Exception as e:  # never lose a worker silently
                 rec = {
                     "v": SCHEMA,
@@ -910,6 +938,21 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         cfg.concurrency if cfg.concurrency is not None else ((2, 4) if quick else (2, 4, 8, 16))
     )
     timeout_s = cfg.timeout_s or (120.0 if dev == "sim" else 900.0)
+    gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
+    if gpus is not None:
+        bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
+        if bad or len(set(gpus)) != len(gpus) or not gpus:
+            raise UsageError(
+                f"--gpus {','.join(map(str, gpus))}: {len(gpu_names)} {dev} GPU(s) are visible "
+                "(numbered from 0), and each may appear once",
+                f"pick from 0..{len(gpu_names) - 1}",
+            )
+        if meta and meta.get("gpus") not in (None, gpus):
+            raise UsageError(
+                f"{out_dir} was run with --gpus {','.join(map(str, meta['gpus']))}",
+                "resume with the same --gpus, or start a new results directory",
+            )
+    cfg = replace(cfg, gpus=gpus)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     invocation = {
@@ -932,6 +975,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             "cold_cache": cfg.cold_cache,
             "reference_repeat": cfg.reference_repeat,
             "reference_rep_ms": cfg.reference_rep_ms,
+            "gpus": gpus,
             "created": invocation["started"],
             "versions": _versions(dev, gpu_names),
             "invocations": [],
@@ -1210,6 +1254,21 @@ def compute_summary(
         bands = bm.inflation_by_band(pairs)
         infl[k] = {b: {**bm.dist(v).to_json(), "values": v} for b, v in bands.items()}
 
+    # Fidelity per GPU, when the concurrent cells were spread over several (--gpus).
+    per_gpu: dict[str, dict[str, dict[str, Any]]] = {}
+    if len(meta.get("gpus") or []) > 1:
+        for k in keys:
+            if cell_rows[k]["mode"] not in CONCURRENT:
+                continue
+            by_gpu: dict[str, list[tuple[float, float]]] = defaultdict(list)
+            for r in by_cell.get(k, []):
+                if r["name"] in ref_ms and (m := _ms(r)) is not None and r.get("gpu") is not None:
+                    by_gpu[str(r["gpu"])].append((ref_ms[r["name"]], m))
+            per_gpu[k] = {
+                g: {"n": len(p), **{b: bm.dist(v).to_json() for b, v in bm.inflation_by_band(p).items()}}
+                for g, p in sorted(by_gpu.items())
+            }
+
     # Ranking: true order per family.
     fams: dict[str, list[Workload]] = defaultdict(list)
     for w in workloads:
@@ -1365,6 +1424,7 @@ def compute_summary(
         "native_cpm": ns_cpm,
         "reference": {"ms": ref_ms, "wall_s": ref_wall, "expect_ms": {n: w.expect_ms for n, w in wl.items()}},
         "inflation": infl,
+        "inflation_per_gpu": per_gpu,
         "truth": truth,
         "ranking": ranking,
         "critical": critical,
@@ -1671,6 +1731,16 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
                 ]
             )
     L += _table(["cell", "band", "n", "p50", "p95", "max", "paper p95 (krex)"], rows) + [""]
+    if s.get("inflation_per_gpu"):
+        L += ["### Per GPU (C commands on each GPU at once)", ""]
+        rows = []
+        for k, gs in s["inflation_per_gpu"].items():
+            for g, bands in gs.items():
+                for band, _ in bm.BANDS:
+                    d = bands.get(band) or {}
+                    if d.get("n"):
+                        rows.append([k, g, band, str(d["n"]), _pct(d.get("p50")), _pct(d.get("p95"))])
+        L += _table(["cell", "gpu", "band", "n", "p50", "p95"], rows) + [""]
 
     L += ["## Ranking fidelity", ""]
     truth = s.get("truth", {})

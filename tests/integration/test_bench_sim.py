@@ -354,3 +354,35 @@ def test_bench_sigterm_mid_serial_cell_keeps_its_runs(krex_env: dict[str, str], 
     assert cell["makespan_s"] >= span + (cell["ended_at"] - cell["started_at"]) - 1e-6
     s = json.loads((out / "summary.json").read_text())
     assert s["throughput"][0]["cell"] == "native-serial"
+
+
+def test_bench_sim_gpus_spreads_c_per_gpu(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """--gpus 0,1 on a 2-GPU simulated node: each concurrent cell keeps C commands on each GPU
+    (unprotected through CUDA_VISIBLE_DEVICES, krex through `krex run --gpu`), every record says
+    its GPU, the kernels really ran on that device (trace), and the summary has fidelity per GPU."""
+    env = dict(krex_env, KREX_SIM_GPUS="2", KREX_SIM_TRACE=str(tmp_path / "trace.jsonl"))
+    out = tmp_path / "results"
+    args = ["bench", "--device", "sim", "--quick", "--modes", "native-serial,unprotected,krex"]
+    p = krex([*args, "--concurrency", "1", "--gpus", "0,1", "--timeout", "60", "--out", str(out)], env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["gpus"] == [0, 1]
+    recs = jsonl(out / "raw.jsonl")
+    for cell in ("unprotected-1", "krex-1"):
+        gpus = [r["gpu"] for r in recs if r["cell"] == cell]
+        assert set(gpus) == {0, 1}, (cell, gpus)
+    assert {r["gpu"] for r in recs if r["cell"] == "native-serial"} == {0}
+    # Each krex run's report names the GPU the daemon admitted it on: the one asked for.
+    for r in recs:
+        if r["cell"] == "krex-1" and r.get("krex"):
+            assert r["krex"]["gpu"] == r["gpu"], r
+    # Both simulated devices executed kernels.
+    ops = [json.loads(ln) for ln in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    devs = {e["gpu"] for e in ops if e.get("ev") == "op"}
+    assert {0, 1} <= devs, devs
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["inflation_per_gpu"]["krex-1"]) == {"0", "1"}
+    assert "### Per GPU" in (out / "summary.md").read_text()
+    # A GPU that is not there is a usage error with a fix, before anything runs.
+    p = krex([*args, "--gpus", "0,5", "--out", str(tmp_path / "bad")], env, timeout=60)
+    assert p.returncode == 2 and "--gpus" in p.stderr and "fix:" in p.stderr, p.stderr
