@@ -144,14 +144,15 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     "--concurrency",
     default=None,
     metavar="LIST",
-    help="comma list of C for the unprotected and krex cells  [default: 2,4,8,16; --quick: 2,4]",
+    help="comma list of C for the unprotected and krex cells  [default: 2,4,8,16; --quick: 2,4; "
+    "--resume: the resumed run's]",
 )
 @click.option(
     "--modes",
-    default=",".join(("reference", "native-serial", "native-repeat", "unprotected", "krex")),
-    show_default=True,
+    default=None,
     metavar="LIST",
-    help="comma list of modes to run",
+    help="comma list of modes to run  [default: reference,native-serial,native-repeat,unprotected,krex; "
+    "--resume: the resumed run's]",
 )
 @click.option("--quick", is_flag=True, default=None, help="the corpus's quick subset (default C 2,4)")
 @click.option(
@@ -221,7 +222,7 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
 def bench(
     device: str,
     concurrency: str | None,
-    modes: str,
+    modes: str | None,
     quick: bool | None,
     resume: Path | None,
     out: Path | None,
@@ -249,7 +250,7 @@ def bench(
         raise UsageError("--resume and --out name different directories", "pass only --resume DIR")
     cfg = BenchConfig(
         device=device,
-        modes=parse_modes(modes),
+        modes=parse_modes(modes) if modes else None,
         concurrency=parse_concurrency(concurrency) if concurrency else None,
         quick=quick,
         out_dir=resume or out,

@@ -304,7 +304,7 @@ def plan_cells(modes: Sequence[str], concurrency: Sequence[int], seed: int) -> l
 @dataclass
 class BenchConfig:
     device: str = "auto"  # auto | gpu | sim
-    modes: Sequence[str] = MODES
+    modes: Sequence[str] | None = None  # None: MODES, or what the resumed run first asked for
     concurrency: Sequence[int] | None = None  # None: (2, 4, 8, 16), or (2, 4) with quick
     quick: bool | None = None  # None: False, or what the resumed run used
     out_dir: Path | None = None
@@ -933,9 +933,14 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         raise UsageError(
             f"{out_dir} was run with --repeat {meta.get('repeat')}", "resume with the same --repeat"
         )
-    modes = parse_modes(cfg.modes)
+    # A resumed run keeps the modes and concurrency its first invocation asked for, unless
+    # new ones are given: resuming must not run cells nobody asked for.
+    first = (meta.get("invocations") or [{}])[0]
+    modes = parse_modes(cfg.modes if cfg.modes is not None else first.get("modes") or MODES)
     conc = parse_concurrency(
-        cfg.concurrency if cfg.concurrency is not None else ((2, 4) if quick else (2, 4, 8, 16))
+        cfg.concurrency
+        if cfg.concurrency is not None
+        else first.get("concurrency") or ((2, 4) if quick else (2, 4, 8, 16))
     )
     timeout_s = cfg.timeout_s or (120.0 if dev == "sim" else 900.0)
     gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)

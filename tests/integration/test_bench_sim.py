@@ -386,3 +386,24 @@ def test_bench_sim_gpus_spreads_c_per_gpu(krex_env: dict[str, str], tmp_path: Pa
     # A GPU that is not there is a usage error with a fix, before anything runs.
     p = krex([*args, "--gpus", "0,5", "--out", str(tmp_path / "bad")], env, timeout=60)
     assert p.returncode == 2 and "--gpus" in p.stderr and "fix:" in p.stderr, p.stderr
+
+
+def test_bench_resume_keeps_the_first_invocations_modes_and_concurrency(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "results"
+    first = ["bench", "--device", "sim", "--quick", "--modes", "native-serial,krex", "--concurrency", "1"]
+    p = krex([*first, "--timeout", "40", "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cells_file = out / "cells.jsonl"
+    cells_file.write_text(
+        "".join(json.dumps(c) + "\n" for c in jsonl(cells_file) if c["cell"] != "krex-1")
+    )
+    # Resume with neither --modes nor --concurrency: only the unfinished krex-1 runs, not the
+    # defaults' reference, native-repeat, unprotected-2/4 or krex-2/4.
+    p = krex(["bench", "--device", "sim", "--timeout", "40", "--resume", str(out)], krex_env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stderr.splitlines()
+    started = {ln.split(":")[1].strip() for ln in lines if " runs, " in ln and "at a time" in ln}
+    assert started == {"krex-1"}, p.stderr[-2000:]
+    assert {c["cell"] for c in jsonl(cells_file)} == {"native-serial", "krex-1"}
