@@ -197,8 +197,21 @@ def status(as_json: bool) -> None:
 @click.option(
     "--no-daemon", is_flag=True, help="claim a slot directly in shared memory (no regions, no freezing)"
 )
+@click.option(
+    "--freeze",
+    type=click.Choice(["all", "gpu", "adaptive"]),
+    default=None,
+    help="which siblings this command's regions freeze (default: the daemon's policy)",
+)
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def run(device: str, gpu: int | None, report: str | None, no_daemon: bool, cmd: tuple[str, ...]) -> None:
+def run(
+    device: str,
+    gpu: int | None,
+    report: str | None,
+    no_daemon: bool,
+    freeze: str | None,
+    cmd: tuple[str, ...],
+) -> None:
     """Run CMD under KREX and exit with its exit status.
 
     Starts the node daemon if none is running. CMD's whole process tree lives in
@@ -219,7 +232,7 @@ def run(device: str, gpu: int | None, report: str | None, no_daemon: bool, cmd: 
         )
     if no_daemon:
         sys.exit(run_direct(list(cmd), kind, gpu, info.count))
-    res = run_guarded(list(cmd), kind, gpu, notify=lambda m: click.echo(m, err=True))
+    res = run_guarded(list(cmd), kind, gpu, notify=lambda m: click.echo(m, err=True), freeze=freeze)
     if report:
         with open(report, "w") as f:
             json.dump(res.report, f, indent=2)
@@ -255,6 +268,13 @@ def daemon() -> None:
     default=None,
     help="force a freezer backend (default: the first that works)",
 )
+@click.option(
+    "--freeze-policy",
+    type=click.Choice(["all", "gpu", "adaptive"]),
+    default=None,
+    help="which siblings a region freezes: all, only those the gate cannot hold (gpu), "
+    "or by the region's launch rate (adaptive)  [default: all]",
+)
 @click.option("--foreground", is_flag=True, help="run in this process instead of detaching")
 def daemon_start(
     device: str,
@@ -262,6 +282,7 @@ def daemon_start(
     max_region: float,
     idle_exit: float | None,
     freezer: str | None,
+    freeze_policy: str | None,
     foreground: bool,
 ) -> None:
     """Start krexd (krex run starts it on demand anyway)."""
@@ -284,6 +305,7 @@ def daemon_start(
                 max_region_s=max_region,
                 idle_exit_s=idle_exit,
                 freezer=freezer,
+                freeze_policy=freeze_policy or "all",
             )
         )
         return
@@ -292,6 +314,8 @@ def daemon_start(
         extra += ["--slots-per-gpu", str(slots_per_gpu)]
     if freezer:
         extra += ["--freezer", freezer]
+    if freeze_policy:
+        extra += ["--freeze-policy", freeze_policy]
     pid = start_background(device, idle_exit, extra)
     click.echo(f"krexd started (pid {pid}, socket {paths.socket_path()})")
 

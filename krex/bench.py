@@ -708,6 +708,9 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "drained",
         "partition_degraded",
         "freezer",
+        "freeze_policy",
+        "running_slots",
+        "freeze_why",
     )
     regions = [{k: r.get(k) for k in keys if k in r} for r in rep.get("regions") or [] if isinstance(r, dict)]
     return {

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from krex import cpus, freezer, journal, paths
+from krex import cpus, freezepolicy, freezer, journal, paths
 from krex.errors import Busy, KrexError, NotFound, UsageError
 from krex.gpus import GpuInfo, discover
 from krex.native import lib
@@ -47,6 +47,7 @@ class Config:
     idle_exit_s: float | None = None
     freezer: str | None = None
     shm_name: str | None = None
+    freeze_policy: str = freezepolicy.DEFAULT  # see krex/freezepolicy.py
 
 
 @dataclass(eq=False)  # identity semantics: slots are dict keys and set members
@@ -59,6 +60,8 @@ class Slot:
     root_pids: set[int] = field(default_factory=set)
     guardian_connected: bool = True
     created: float = field(default_factory=time.time)
+    freeze: str | None = None  # the command's own freeze policy (krex run --freeze), else the daemon's
+    last_rate: float | None = None  # submissions per second of its last region (adaptive policy)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Daemon:
         self.seg: Segment
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
+        self.inspector = freezepolicy.Inspector()
 
     # ------------------------------------------------------------------ setup
     def slots_per_gpu(self, gpu: int) -> int:
@@ -412,6 +416,21 @@ class Daemon:
         ):
             time.sleep(0.01)
 
+    def _freeze_choice(self, owner: Slot | None, siblings: list[Slot]) -> tuple[str, list[Slot], list[str]]:
+        """(effective policy, the siblings to freeze, why each one under `gpu`)."""
+        chosen = (owner.freeze if owner else None) or self.cfg.freeze_policy
+        policy = freezepolicy.effective(chosen, owner.last_rate if owner else None)
+        if policy == "all":
+            return policy, list(siblings), []
+        out: list[Slot] = []
+        why: list[str] = []
+        for s in siblings:
+            bad = freezepolicy.ungateable(self._group_pids(s), self.inspector)
+            if bad:
+                out.append(s)
+                why.append(f"slot {s.slot}: " + "; ".join(bad[:3]))
+        return policy, out, why
+
     def _run_region(self, gpu: int, req: Region) -> None:
         reasons: list[str] = []
         t: dict[str, float] = {"queue_wait_s": time.monotonic() - req.t_request}
@@ -443,7 +462,11 @@ class Daemon:
             t1 = time.monotonic()
             with self.lock:
                 siblings = [s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot]
-            frozen.extend(siblings)
+                owner = self.slots.get(req.slot)
+            running_all = list(siblings)
+            policy, to_freeze, why = self._freeze_choice(owner, siblings)
+            frozen.extend(to_freeze)
+            siblings = to_freeze
             # All siblings at once: the kernel freezes cgroups concurrently, so entry
             # costs the slowest group, not the sum.
             futs = {s: self.pool.submit(s.group.freeze, self.cfg.freeze_timeout_s) for s in siblings}
@@ -471,6 +494,9 @@ class Daemon:
                 **{k: round(v, 6) for k, v in t.items()},
                 "drained": drained,
                 "frozen_slots": [s.slot for s in frozen],
+                "freeze_policy": policy,
+                "running_slots": sorted(s.slot for s in set(running_all) - set(frozen)),
+                "freeze_why": why,
                 "reserved_cpus": reserved,
                 "contaminated": bool(reasons),
                 "reasons": reasons,
@@ -478,10 +504,14 @@ class Daemon:
                 "partition_degraded": self.partition.degraded,
             }
             t_grant = time.monotonic()
+            adaptive = owner is not None and (owner.freeze or self.cfg.freeze_policy) == "adaptive"
+            sub0 = self.seg.slot_submits(req.slot) if adaptive else 0
             req.granted.set()
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
             region_s = time.monotonic() - t_grant
+            if adaptive and owner is not None and region_s > 0:
+                owner.last_rate = (self.seg.slot_submits(req.slot) - sub0) / region_s
         finally:
             if old_aff is not None:
                 with contextlib.suppress(KrexError):
@@ -629,6 +659,9 @@ class Daemon:
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
     ) -> dict[str, Any]:
         want = msg.get("gpu")
+        freeze = msg.get("freeze")
+        if freeze is not None:
+            freezepolicy.check(str(freeze))
         if want is not None and not 0 <= int(want) < self.info.count:
             raise NotFound(
                 f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
@@ -641,6 +674,7 @@ class Daemon:
                 gpu = self._pick_gpu(None if want is None else int(want))
                 if gpu is not None:
                     s = self._new_slot(gpu, "run", pid)
+                    s.freeze = None if freeze is None else str(freeze)
                     break
                 if not told:
                     conn.sendall(encode({"event": "queued", "slots_busy": len(self.slots)}))
@@ -727,6 +761,7 @@ class Daemon:
                     "shm": self.shm_name,
                     "regions_done": self.regions_done,
                     "max_region_s": self.cfg.max_region_s,
+                    "freeze_policy": self.cfg.freeze_policy,
                 },
                 "partition": self.partition.to_json(),
                 "slots": [
@@ -777,6 +812,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-region", type=float, default=60.0)
     ap.add_argument("--idle-exit", type=float, default=None)
     ap.add_argument("--freezer", default=None)
+    ap.add_argument("--freeze-policy", default=freezepolicy.DEFAULT, choices=freezepolicy.POLICIES)
     a = ap.parse_args(argv)
     try:
         run(
@@ -786,6 +822,7 @@ def main(argv: list[str] | None = None) -> None:
                 max_region_s=a.max_region,
                 idle_exit_s=a.idle_exit,
                 freezer=a.freezer,
+                freeze_policy=a.freeze_policy,
             )
         )
     except KrexError as e:

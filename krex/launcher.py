@@ -146,7 +146,11 @@ def _static_cudart_warning(exe: str) -> str | None:
 
 
 def run_guarded(
-    cmd: Sequence[str], device: str, gpu: int | None, notify: Callable[[str], None] = lambda _m: None
+    cmd: Sequence[str],
+    device: str,
+    gpu: int | None,
+    notify: Callable[[str], None] = lambda _m: None,
+    freeze: str | None = None,
 ) -> RunResult:
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
@@ -169,7 +173,7 @@ def run_guarded(
             notify(f"krex: waiting for a free slot ({ev.get('slots_busy')} commands are running)...")
             waited.append(True)
 
-    adm = client.request({"op": "admit", "gpu": gpu}, on_event=on_event)
+    adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
     slot, g = int(adm["slot"]), int(adm["gpu"])
     sim = adm.get("physical") is not None and device == "sim"
     env = dict(os.environ)

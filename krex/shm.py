@@ -363,6 +363,15 @@ class Segment:
                 n += 1
         return n
 
+    def slot_submits(self, slot: int) -> int:
+        """Gated submissions of every process record of one slot, all classes."""
+        n = 0
+        for i in range(lib.KREX_MAX_PROCS):
+            r = self.raw.procs[i]
+            if r.pid and r.slot == slot:
+                n += sum(int(r.submits[k]) for k in range(lib.KREX_NGATED))
+        return n
+
     def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
         out = []
         for i in range(lib.KREX_MAX_PROCS):

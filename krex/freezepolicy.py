@@ -1,0 +1,136 @@
+"""Which siblings a region freezes (protocol step 5 as a policy, issue 11).
+
+The gate already keeps every sibling process that has the shim loaded off the GPU: a
+submission either was counted in flight before the gate closed (and the daemon waited for
+it) or parks at the closed gate. Freezing such a process adds nothing for the GPU; it only
+stops its CPU work (imports, compilation, input generation) for the length of the region.
+
+Policies:
+  all       freeze every sibling's whole tree (the paper's protocol).
+  gpu       freeze only the siblings the gate cannot hold: a slot with a process that does
+            not have the shim mapped (LD_PRELOAD dropped, a static executable), or whose
+            executable links the CUDA runtime statically (its launches bypass every symbol
+            hook). Every other sibling keeps running on its own cores and parks at the gate
+            if it submits.
+  adaptive  `all` for a short, launch-bound region (the owner's previous region of this
+            command submitted faster than ADAPTIVE_RATE per second, or it is the first
+            one), else `gpu`.
+
+What `gpu` cannot see: a library dlopen()ed later that carries a static CUDA runtime, and
+a process that re-executes the same executable without LD_PRELOAD (its verdict is cached by
+pid, start time and executable). Both need a deliberate effort; `all` covers them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from krex import elfcheck
+
+POLICIES = ("all", "gpu", "adaptive")
+DEFAULT = "all"
+# Submissions per second above which a region counts as launch-bound (adaptive): a region of
+# kernels shorter than ~0.2 ms each, where host-side CPU noise is a visible part of a timing.
+ADAPTIVE_RATE = 5000.0
+SHIM_NAME = "libkrex_interpose.so"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gateable: bool
+    why: str = ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and ')': split after the last ')'.
+    fields = text[text.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 overall
+    except (IndexError, ValueError):
+        return None
+
+
+class Inspector:
+    """Per-process verdicts, cached by (pid, start time, executable): reading a process's
+    maps costs about a millisecond, and commands live for many regions."""
+
+    def __init__(self, shim_name: str = SHIM_NAME) -> None:
+        self.shim_name = shim_name
+        self._cache: dict[tuple[int, int, str], Verdict] = {}
+        self._static: dict[tuple[str, int, int], bool] = {}
+
+    def verdict(self, pid: int) -> Verdict | None:
+        """None: the process is gone."""
+        ticks = _start_ticks(pid)
+        if ticks is None:
+            return None
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it
+            return Verdict(False, f"pid {pid}: its executable cannot be read") if _alive(pid) else None
+        key = (pid, ticks, exe)
+        v = self._cache.get(key)
+        if v is None:
+            v = self._inspect(pid, exe)
+            if len(self._cache) > 65536:
+                self._cache.clear()
+            self._cache[key] = v
+        return v
+
+    def _inspect(self, pid: int, exe: str) -> Verdict:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                maps = f.read()
+        except OSError as e:
+            return Verdict(False, f"pid {pid}: cannot read its maps ({e.strerror})")
+        if self.shim_name.encode() not in maps:
+            return Verdict(False, f"pid {pid} ({os.path.basename(exe)}) runs without the KREX shim")
+        if self._static_cudart(pid, exe):
+            return Verdict(False, f"pid {pid} ({os.path.basename(exe)}) links the CUDA runtime statically")
+        return Verdict(True)
+
+    def _static_cudart(self, pid: int, exe: str) -> bool:
+        path = f"/proc/{pid}/exe"  # the file the process runs, even if renamed or deleted
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        key = (exe, st.st_dev, st.st_ino)
+        if key not in self._static:
+            self._static[key] = elfcheck.inspect(path).static_cudart
+        return self._static[key]
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def ungateable(pids: Iterable[int], inspector: Inspector) -> list[str]:
+    """Why these processes cannot be held by the gate (empty: all can)."""
+    out: list[str] = []
+    for pid in pids:
+        v = inspector.verdict(pid)
+        if v is not None and not v.gateable:
+            out.append(v.why)
+    return out
+
+
+def effective(policy: str, last_rate: float | None) -> str:
+    """The policy a region applies: `adaptive` resolves to `all` or `gpu`."""
+    if policy != "adaptive":
+        return policy
+    return "all" if last_rate is None or last_rate > ADAPTIVE_RATE else "gpu"
+
+
+def check(policy: str) -> str:
+    from krex.errors import UsageError
+
+    if policy not in POLICIES:
+        raise UsageError(f"unknown freeze policy {policy!r}", f"use one of: {', '.join(POLICIES)}")
+    return policy

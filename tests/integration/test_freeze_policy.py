@@ -1,0 +1,202 @@
+"""Freeze policies (krex/freezepolicy.py) end to end: a real krexd, real `krex run`
+guardians, real cgroups, the real shim and the simulated GPU.
+
+Three siblings of a region owner:
+  cpu     a shim-carrying command that only computes on the CPU (ticks as it goes);
+  gated   a shim-carrying command that hammers the GPU;
+  bare    the same hammer with LD_PRELOAD removed, so the gate cannot hold it.
+Under `all` every sibling is frozen. Under `gpu` only `bare` is, with the reason in the
+grant; `cpu` keeps running inside the regions and `gated` parks at the gate. In both, no
+sibling submission reaches the driver inside a region (I1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_regions import KREX, WORKER, Cmd, Krex, foreign_ops, inside, intervals_disjoint, kx, owner_intervals
+
+__all__ = ["kx"]  # the fixture, used by name
+
+pytestmark = [
+    pytest.mark.cgroup,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
+]
+
+TICKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    out, stop = sys.argv[1], sys.argv[2]
+    ticks = []
+    while not os.path.exists(stop):
+        x = 0
+        for i in range(20000):
+            x += i
+        ticks.append(time.monotonic_ns())
+    json.dump({"pid": os.getpid(), "ticks": ticks}, open(out, "w"))
+    """
+)
+
+
+def _popen(kx: Krex, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    log = kx.out / f"{name}.log"
+    with open(log, "wb") as f:
+        p = subprocess.Popen(
+            [*KREX, "run", "--device", "sim", "--", *argv],
+            env=kx.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    kx.popens.append(p)
+    kx.cmds[name] = Cmd(name, p, log, kx)
+    return p
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_freeze_policy_freezes_what_the_gate_cannot_hold(kx: Krex, policy: str) -> None:
+    kx.start_daemon(slots=4)
+    cpu = _popen(
+        kx, "cpu", [sys.executable, "-c", TICKER, str(kx.out / "cpu.json"), str(kx.out / "cpu.stop")]
+    )
+    kx.run("gated", "hammer", "--us", "50")
+    bare = _popen(
+        kx,
+        "bare",
+        [
+            "env",
+            "-u",
+            "LD_PRELOAD",
+            sys.executable,
+            str(WORKER),
+            "hammer",
+            str(kx.out),
+            "--name",
+            "bare",
+            "--us",
+            "50",
+        ],
+    )
+    pids = {h: kx.wait_running(h) for h in ("gated", "bare")}
+    owner = subprocess.Popen(
+        [
+            *KREX,
+            "run",
+            "--device",
+            "sim",
+            "--freeze",
+            policy,
+            "--",
+            sys.executable,
+            str(WORKER),
+            "regions",
+            str(kx.out),
+            "--name",
+            "own",
+            "-n",
+            "12",
+            "--kernels",
+            "3",
+            "--us",
+            "200",
+            "--sleep-ms",
+            "10",
+        ],
+        env=kx.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    kx.popens.append(owner)
+    out, _ = owner.communicate(timeout=120)
+    assert owner.returncode == 0, out.decode()[-3000:]
+    for h in ("gated", "bare"):
+        kx.touch(h)
+    (kx.out / "cpu.stop").write_text("")
+    assert cpu.wait(30) == 0 and bare.wait(30) == 0
+    assert kx.cmds["gated"].wait(30) == 0
+
+    res = kx.result("own")
+    assert res["errors"] == [] and len(res["regions"]) == 12
+    iv = owner_intervals(res)
+    assert intervals_disjoint(iv) == []
+    # I1 under either policy: no sibling submission reached the driver inside a region.
+    ops = kx.ops(gpu=0)
+    assert foreign_ops(iv, ops) == []
+    assert any(o["pid"] == pids["bare"] for o in ops), "the bare hammer never reached the driver"
+
+    status = kx.status()
+    recs = [r for r in kx.journal() if r["owner_pid"] == res["pid"]]
+    assert len(recs) == 12
+    cpu_ticks = json.loads((kx.out / "cpu.json").read_text())["ticks"]
+    ticks_in = sum(1 for t in cpu_ticks if inside(iv, -1, t))
+    for r in recs:
+        assert r["freeze_policy"] == policy and not r["contaminated"], r
+        if policy == "all":
+            assert r["siblings_frozen"] == 3 and r["running_slots"] == [], r
+        else:
+            # Only the command the gate cannot hold is frozen, and the grant says why.
+            assert r["siblings_frozen"] == 1 and len(r["running_slots"]) == 2, r
+            assert len(r["freeze_why"]) == 1 and "without the KREX shim" in r["freeze_why"][0], r
+    if policy == "all":
+        assert ticks_in == 0
+    else:
+        assert ticks_in > 0, "the CPU-only sibling was stopped inside the regions under the gpu policy"
+    assert status["daemon"]["freeze_policy"] == "all"  # the daemon's default; the command chose its own
+    assert kx.frozen_groups() == [] and kx.gate_open()
+
+
+def test_unknown_freeze_policy_is_a_usage_error(kx: Krex) -> None:
+    p = kx.krex("run", "--device", "sim", "--freeze", "some", "--", "true")
+    assert p.returncode == 2 and "--freeze" in p.stderr
+
+
+def test_inspector_verdicts(tmp_path: Path) -> None:
+    """With the shim mapped: gateable; without: not; a static CUDA runtime: not."""
+    from krex import freezepolicy
+    from krex.native import shim_path
+
+    ins = freezepolicy.Inspector()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
+    wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    with_shim = subprocess.Popen(wait, env=dict(env, LD_PRELOAD=str(shim_path())), stdin=subprocess.PIPE)
+    without = subprocess.Popen(
+        wait, env={k: v for k, v in env.items() if k != "LD_PRELOAD"}, stdin=subprocess.PIPE
+    )
+    src = tmp_path / "static.c"
+    src.write_text(
+        "#include <unistd.h>\nvoid __cudaRegisterFatBinary(void) {}\nint main(void) { pause(); return 0; }\n"
+    )
+    subprocess.run(["gcc", "-o", str(tmp_path / "static"), str(src)], check=True)
+    static = subprocess.Popen([str(tmp_path / "static")], env=dict(env, LD_PRELOAD=str(shim_path())))
+    try:
+        import time
+
+        time.sleep(0.5)  # let the loader map the preloaded shim
+        assert ins.verdict(with_shim.pid) == freezepolicy.Verdict(True)
+        v = ins.verdict(without.pid)
+        assert v is not None and not v.gateable and "without the KREX shim" in v.why
+        v = ins.verdict(static.pid)
+        assert v is not None and not v.gateable and "statically" in v.why
+    finally:
+        for p in (with_shim, without, static):
+            p.kill()
+            p.wait()
+    assert ins.verdict(with_shim.pid) is None  # gone
+
+
+def test_adaptive_resolves_by_launch_rate() -> None:
+    from krex import freezepolicy
+
+    assert freezepolicy.effective("adaptive", None) == "all"  # first region: be safe
+    assert freezepolicy.effective("adaptive", freezepolicy.ADAPTIVE_RATE * 2) == "all"
+    assert freezepolicy.effective("adaptive", freezepolicy.ADAPTIVE_RATE / 2) == "gpu"
+    assert freezepolicy.effective("gpu", None) == "gpu"
+    assert freezepolicy.effective("all", 0.0) == "all"
