@@ -218,6 +218,14 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     help="spread the concurrent cells over these GPUs (0,1 or all), C commands on each at once "
     "[default: one GPU]",
 )
+@click.option(
+    "--freeze",
+    "freezes",
+    default=None,
+    metavar="LIST",
+    help="compare freeze policies: one krex cell per policy (krex-C@all, krex-C@gpu, krex-C@adaptive) "
+    "[default: the daemon's policy]",
+)
 @click.option("--no-plots", is_flag=True, help="skip the PNG plots")
 def bench(
     device: str,
@@ -237,6 +245,7 @@ def bench(
     warm_cache: bool,
     no_plots: bool,
     gpus: str | None,
+    freezes: str | None,
 ) -> None:
     """Measure throughput, timing inflation and ranking fidelity: native serial,
     native repeat, unprotected sharing and KREX, side by side.
@@ -264,6 +273,7 @@ def bench(
         timeout_s=timeout,
         slots_per_gpu=slots_per_gpu,
         gpus=_parse_gpus(gpus, device),
+        freezes=[f.strip() for f in freezes.split(",") if f.strip()] if freezes else None,
         cold_cache=not warm_cache,
         plots=not no_plots,
         argv=["krex", "bench", *sys.argv[sys.argv.index("bench") + 1 :]]

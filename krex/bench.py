@@ -51,6 +51,7 @@ from typing import Any, Literal
 
 from krex import bench_metrics as bm
 from krex.errors import KrexError, NotFound, UsageError
+from krex.freezepolicy import POLICIES as FREEZE_POLICIES
 
 __all__ = [
     "MODES",
@@ -216,13 +217,23 @@ def load_corpus(
 class Cell:
     mode: str
     c: int = 1
+    freeze: str = ""  # krex cells: the freeze policy their commands ask for ("" = the daemon's)
 
     @property
     def key(self) -> str:
-        return f"{self.mode}-{self.c}" if self.mode in CONCURRENT else self.mode
+        base = f"{self.mode}-{self.c}" if self.mode in CONCURRENT else self.mode
+        return f"{base}@{self.freeze}" if self.freeze else base
 
     @staticmethod
     def from_key(key: str) -> Cell:
+        if "@" in key:
+            base, _, freeze = key.partition("@")
+            c = Cell.from_key(base)
+            if c.mode != "krex" or freeze not in FREEZE_POLICIES:
+                raise UsageError(
+                    f"unknown cell {key!r}", "krex-C@POLICY takes a freeze policy: all, gpu, adaptive"
+                )
+            return Cell(c.mode, c.c, freeze)
         for m in CONCURRENT:
             if key.startswith(m + "-") and key[len(m) + 1 :].isdigit():
                 return Cell(m, int(key[len(m) + 1 :]))
@@ -269,7 +280,9 @@ def parse_concurrency(text: str | Sequence[int]) -> list[int]:
     return out
 
 
-def plan_cells(modes: Sequence[str], concurrency: Sequence[int], seed: int) -> list[Cell]:
+def plan_cells(
+    modes: Sequence[str], concurrency: Sequence[int], seed: int, freezes: Sequence[str] = ("",)
+) -> list[Cell]:
     """The order in which cells run.
 
     reference first (it only establishes true orders), then native-serial (the
@@ -284,7 +297,7 @@ def plan_cells(modes: Sequence[str], concurrency: Sequence[int], seed: int) -> l
     rng.shuffle(cs)
     pairs: list[list[Cell]] = []
     for c in cs:
-        pair = [Cell(m, c) for m in CONCURRENT if m in modes]
+        pair = [Cell(m, c, f) for m in CONCURRENT if m in modes for f in (freezes if m == "krex" else ("",))]
         rng.shuffle(pair)
         if pair:
             pairs.append(pair)
@@ -320,6 +333,9 @@ class BenchConfig:
     # GPUs (positions among the visible ones) the concurrent cells spread over, C commands per
     # GPU on each; None: today's single-GPU behaviour (one GPU, or the daemon's choice).
     gpus: Sequence[int] | None = None
+    # Freeze policies to compare: one krex cell per policy (krex-C@gpu, ...); None: one
+    # krex-C cell under the daemon's own policy.
+    freezes: Sequence[str] | None = None
     cold_cache: bool = True  # fresh Triton/Inductor/extension caches per run (a new candidate compiles)
     warmup: bool = True
     plots: bool = True
@@ -573,6 +589,8 @@ class _Runner:
         if cell.mode != "krex":
             return cmd
         where = ["--gpu", str(gpu)] if gpu is not None else []
+        if cell.freeze:
+            where += ["--freeze", cell.freeze]
         return [
             self.cfg.python,
             "-m",
@@ -946,6 +964,12 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         else first.get("concurrency") or ((2, 4) if quick else (2, 4, 8, 16))
     )
     timeout_s = cfg.timeout_s or (120.0 if dev == "sim" else 900.0)
+    freezes = list(cfg.freezes) if cfg.freezes else list(first.get("freezes") or [""])
+    for f in freezes:
+        if f and f not in FREEZE_POLICIES:
+            raise UsageError(
+                f"unknown freeze policy {f!r}", f"use a comma list of: {', '.join(FREEZE_POLICIES)}"
+            )
     gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
     if gpus is not None:
         bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
@@ -968,6 +992,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "modes": modes,
         "concurrency": conc,
+        "freezes": freezes,
     }
     if not meta:
         meta = {
@@ -994,7 +1019,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     # ---- plan
     measured = [w for w in workloads if w.truth == "measured"]
-    cells = plan_cells(modes, conc, seed)
+    cells = plan_cells(modes, conc, seed, freezes)
     if not measured:
         cells = [c for c in cells if c.mode != "reference"]
     done_keys = {str(c.get("cell")) for c in done_cells}
@@ -1127,7 +1152,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             }
             _append_jsonl(out_dir / CELLS, row)
             ran.append(cell.key)
-            event("cell-done",
+            event(
+                "cell-done",
                 cell=cell.key,
                 message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
             )
@@ -1176,9 +1202,9 @@ def _ms(r: dict[str, Any]) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
 
 
-def _cell_sort_key(key: str) -> tuple[int, int]:
+def _cell_sort_key(key: str) -> tuple[int, int, str]:
     c = Cell.from_key(key)
-    return MODES.index(c.mode), c.c
+    return MODES.index(c.mode), c.c, c.freeze
 
 
 def compute_summary(

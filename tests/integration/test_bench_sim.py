@@ -396,9 +396,7 @@ def test_bench_resume_keeps_the_first_invocations_modes_and_concurrency(
     p = krex([*first, "--timeout", "40", "--out", str(out)], krex_env)
     assert p.returncode == 0, p.stderr[-3000:]
     cells_file = out / "cells.jsonl"
-    cells_file.write_text(
-        "".join(json.dumps(c) + "\n" for c in jsonl(cells_file) if c["cell"] != "krex-1")
-    )
+    cells_file.write_text("".join(json.dumps(c) + "\n" for c in jsonl(cells_file) if c["cell"] != "krex-1"))
     # Resume with neither --modes nor --concurrency: only the unfinished krex-1 runs, not the
     # defaults' reference, native-repeat, unprotected-2/4 or krex-2/4.
     p = krex(["bench", "--device", "sim", "--timeout", "40", "--resume", str(out)], krex_env)
@@ -407,3 +405,27 @@ def test_bench_resume_keeps_the_first_invocations_modes_and_concurrency(
     started = {ln.split(":")[1].strip() for ln in lines if " runs, " in ln and "at a time" in ln}
     assert started == {"krex-1"}, p.stderr[-2000:]
     assert {c["cell"] for c in jsonl(cells_file)} == {"native-serial", "krex-1"}
+
+
+def test_bench_compares_freeze_policies_side_by_side(krex_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    args = ["bench", "--device", "sim", "--quick", "--modes", "native-serial,krex", "--concurrency", "2"]
+    p = krex([*args, "--freeze", "all,gpu", "--timeout", "60", "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cells = {c["cell"] for c in jsonl(out / "cells.jsonl")}
+    assert cells == {"native-serial", "krex-2@all", "krex-2@gpu"}
+    recs = jsonl(out / "raw.jsonl")
+    for policy in ("all", "gpu"):
+        regions = [
+            g
+            for r in recs
+            if r["cell"] == f"krex-2@{policy}"
+            for g in (r.get("krex") or {}).get("regions", [])
+        ]
+        assert regions, policy
+        assert {g["freeze_policy"] for g in regions} == {policy}
+    s = json.loads((out / "summary.json").read_text())
+    assert {t["cell"] for t in s["throughput"]} >= {"krex-2@all", "krex-2@gpu"}
+    assert "krex-2@gpu" in (out / "summary.md").read_text()
+    p = krex([*args, "--freeze", "some", "--out", str(tmp_path / "bad")], krex_env, timeout=60)
+    assert p.returncode == 2 and "freeze policy" in p.stderr, p.stderr
