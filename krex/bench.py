@@ -118,6 +118,7 @@ class Workload:
     quick: bool = False
     expect_ms: float = 0.0
     est_wall_s: float = 5.0
+    env: tuple[tuple[str, str], ...] = ()  # variables the command runs with, e.g. KREX_AUTO_REGION
 
     def argv(self, python: str) -> list[str]:
         return [python, str(self.script), *self.args]
@@ -194,6 +195,7 @@ def load_corpus(
             quick=bool(item.get("quick", False)),
             expect_ms=float(item.get("expect_ms") or 0.0),
             est_wall_s=float(item.get("est_wall_s") or 5.0),
+            env=tuple(sorted((str(k), str(v)) for k, v in (item.get("env") or {}).items())),
         )
         if quick and not w.quick:
             continue
@@ -638,6 +640,7 @@ class _Runner:
                 return rec
             argv = self.argv_for(cell, w, report, gpu)
             env = self.env_for(cell, tmp)
+            env.update(dict(w.env))
             if gpu is not None and cell.mode != "krex":  # `krex run --gpu` sets it for krex cells
                 env["CUDA_VISIBLE_DEVICES"] = _visible_token(gpu)
             t0 = _now()

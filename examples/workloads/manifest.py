@@ -20,6 +20,7 @@
               for planning the duration bands only, never used as a result
   est_wall_s  rough wall time of the whole command when it runs alone (schedules the
               longest commands first in concurrent cells until a native-serial pass exists)
+  env         extra environment variables of the command (e.g. KREX_AUTO_REGION)
 
 GPU corpus (run it on the H200; see docs/bench.md): Triton JIT kernels (fma chain,
 scaled copy, matmul in bf16 (on 32 SMs) and IEEE fp32, softmax), torch.compile candidates, and one
@@ -51,6 +52,7 @@ def _cmd(
     quick: bool = False,
     expect_ms: float = 0.0,
     est_wall_s: float = 5.0,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     full = ["--name", name, *(["--family", family] if family else []), "--param", f"{param:g}", *args]
     return {
@@ -65,6 +67,7 @@ def _cmd(
         "quick": quick,
         "expect_ms": expect_ms,
         "est_wall_s": est_wall_s,
+        "env": env or {},
     }
 
 
@@ -253,6 +256,28 @@ def _gpu() -> list[dict[str, Any]]:
             est_wall_s=18,
         )
     )
+    # The CPU-heavy family, shaped like an agent's command: heavy imports, a GB-scale input
+    # generated on the CPU, torch.compile, a CPU-side correctness check, and the timed loop
+    # in the harness's own do_bench under an automatic region (no krex.region() in the code).
+    # A chain of `iters` fused multiply-adds over 2^26 fp32 elements (~0.3-0.5 ms).
+    for k in range(3):
+        it = round(128 * (1 + 0.05 * k))
+        out.append(
+            _cmd(
+                f"cpu-heavy-{k}",
+                "gpu",
+                "gpu/agent_like.py",
+                ["--n", str(1 << 26), "--iters", str(it), "--input-gb", "2"],
+                family="cpu-heavy",
+                param=k,
+                truth="param",
+                work=it,
+                quick=True,
+                expect_ms=0.3 * (1 + 0.05 * k),
+                est_wall_s=35,
+                env={"KREX_AUTO_REGION": "do_bench"},
+            )
+        )
     # A C++/CUDA extension (load_inline: nvcc + ninja, ~47 s to compile afresh in every run; 1.9 ms).
     out.append(
         _cmd(

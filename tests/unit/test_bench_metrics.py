@@ -214,6 +214,9 @@ def test_corpus_shapes() -> None:
     kinds = {Path(w.script).name for w in gpu}
     assert {"fma_chain.py", "matmul.py", "compiled_fused.py", "cuda_ext.py"} <= kinds
     assert any(w.truth == "measured" for w in gpu)
+    # The CPU-heavy family is timed by the harness's own do_bench under an automatic region.
+    heavy = [w for w in gpu if w.family == "cpu-heavy"]
+    assert len(heavy) >= 3 and all(dict(w.env).get("KREX_AUTO_REGION") == "do_bench" for w in heavy)
     quick = bench.load_corpus(None, "sim", quick=True)
     assert 0 < len(quick) < len(sim)
     with pytest.raises(UsageError):
