@@ -6,15 +6,26 @@
   ``libamdhip64.so``) plus the marker header ``krex.h``.
 
 setup.py calls both; ``python krex_build.py DIR`` runs the second by hand.
+
+The compiler (``toolchain()``): ``$KREX_CC`` if set, else ``$CC`` if set, else
+``zig cc`` from the ``ziglang`` package targeting glibc ``$KREX_GLIBC`` (2.17), so
+the wheel loads on RHEL/Rocky 7-8, Ubuntu 18.04+ and Amazon Linux 2, else gcc.
+``KREX_TARGET=aarch64`` cross-builds with zig (Grace Hopper nodes).
+``elf_requirements()`` reads what a built file needs from the C library; setup.py
+tags the wheel from it, so a tag never claims more than the files deliver.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import re
+import shlex
 import shutil
+import struct
 import subprocess
 import sys
+from typing import NamedTuple
 from pathlib import Path
 
 from cffi import FFI
@@ -69,9 +80,136 @@ ffibuilder.set_source(
 )
 
 
+ARCHES = {"x86_64": 62, "aarch64": 183}  # ELF e_machine
+DEFAULT_GLIBC = "2.17"
+# What a manylinux wheel may need from the system (PEP 600); everything else ships inside.
+SYSTEM_LIBS = re.compile(
+    r"^(libc\.so\.6|libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|libm\.so\.6|"
+    r"ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1)$"
+)
+
+
+# NamedTuple, not dataclass: cffi executes this file outside any module.
+class Toolchain(NamedTuple):
+    cc: tuple[str, ...]  # the compiler command (may be several words: zig cc -target ...)
+    arch: str
+    kind: str  # "zig" or "cc"
+
+
+def host_arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _zig() -> str | None:
+    try:
+        import ziglang  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    z = Path(ziglang.__file__).resolve().parent / "zig"
+    return str(z) if z.is_file() else None
+
+
+def toolchain() -> Toolchain:
+    arch = os.environ.get("KREX_TARGET") or host_arch()
+    if arch not in ARCHES:
+        raise SystemExit(f"KREX_TARGET={arch!r}: KREX builds for {', '.join(ARCHES)}")
+    cross = arch != host_arch()
+    for var in ("KREX_CC", "CC"):
+        raw = os.environ.get(var, "").strip()
+        if raw and not (cross and var == "CC"):
+            return Toolchain(tuple(shlex.split(raw)), arch, "zig" if "zig" in raw else "cc")
+    zig = _zig()
+    if zig:
+        glibc = os.environ.get("KREX_GLIBC", DEFAULT_GLIBC)
+        return Toolchain((zig, "cc", "-target", f"{arch}-linux-gnu.{glibc}"), arch, "zig")
+    if cross:
+        raise SystemExit(f"cross-building for {arch} needs zig: pip install ziglang")
+    return Toolchain(("gcc",), arch, "cc")
+
+
 def _cc(args: list[str]) -> None:
-    cc = os.environ.get("CC", "gcc")
-    subprocess.run([cc, *args], check=True, cwd=ROOT)
+    subprocess.run([*toolchain().cc, *args], check=True, cwd=ROOT)
+
+
+class ElfNeeds(NamedTuple):
+    arch: str  # "x86_64", "aarch64" or "e_machine=N"
+    needed: list[str]  # DT_NEEDED
+    versions: dict[str, list[str]]  # library -> symbol versions it needs (GLIBC_2.17, ...)
+
+    @property
+    def max_glibc(self) -> tuple[int, ...]:
+        vs = [
+            tuple(int(x) for x in v[6:].split("."))
+            for vv in self.versions.values()
+            for v in vv
+            if re.match(r"^GLIBC_\d+(\.\d+)*$", v)
+        ]
+        return max(vs, default=(2, 17))
+
+
+def elf_requirements(path: str | os.PathLike[str]) -> ElfNeeds | None:
+    """DT_NEEDED and the symbol versions of .gnu.version_r of a 64-bit little-endian
+    ELF file, or None when it is not one."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    (machine,) = struct.unpack_from("<H", data, 0x12)
+    arch = next((a for a, m in ARCHES.items() if m == machine), f"e_machine={machine}")
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+
+    def cstr(off: int) -> str:
+        return data[off : data.index(b"\0", off)].decode(errors="replace")
+
+    needed: list[str] = []
+    versions: dict[str, list[str]] = {}
+    for _n, typ, _fl, _addr, off, size, link, info, _al, _es in secs:
+        stroff = secs[link][4] if link < len(secs) else 0
+        if typ == 6:  # SHT_DYNAMIC
+            for j in range(0, size, 16):
+                tag, val = struct.unpack_from("<qQ", data, off + j)
+                if tag == 1:  # DT_NEEDED
+                    needed.append(cstr(stroff + val))
+        elif typ == 0x6FFFFFFE:  # SHT_GNU_verneed: `info` entries
+            p = off
+            for _ in range(info):
+                _ver, cnt, file_, aux, nxt = struct.unpack_from("<HHIII", data, p)
+                lib_versions = versions.setdefault(cstr(stroff + file_), [])
+                a = p + aux
+                for _ in range(cnt):
+                    _hash, _flags, _other, name, anext = struct.unpack_from("<IHHII", data, a)
+                    lib_versions.append(cstr(stroff + name))
+                    a += anext
+                p += nxt
+    return ElfNeeds(arch, needed, versions)
+
+
+def platform_tag(files: list[Path]) -> str | None:
+    """The most compatible platform tag that ``files`` (ELF objects of one wheel)
+    honour: manylinux_2_X_<arch> when they need only the system libraries PEP 600
+    allows (the rest must be among ``files``) and glibc 2.X at most, else
+    linux_<arch>; None when there is no ELF file."""
+    own = {f.name for f in files}
+    arch, glibc, foreign = None, (2, 17), False
+    for f in files:
+        e = elf_requirements(f)
+        if e is None:
+            continue
+        if arch not in (None, e.arch):
+            raise SystemExit(f"{f} is for {e.arch}, other files for {arch}")
+        arch = e.arch
+        glibc = max(glibc, e.max_glibc)
+        foreign |= any(not SYSTEM_LIBS.match(n) and n not in own for n in e.needed)
+    if arch is None:
+        return None
+    if foreign or arch not in ARCHES:
+        return f"linux_{arch}"
+    tag = f"manylinux_{glibc[0]}_{glibc[1]}_{arch}"
+    if glibc <= (2, 17):  # pip < 20.3 knows only the legacy alias
+        tag += f".manylinux2014_{arch}"
+    return tag
 
 
 def build_native(outdir: str | os.PathLike[str]) -> list[Path]:

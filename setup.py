@@ -1,5 +1,7 @@
-"""Minimal setup.py: cffi's cffi_modules hook, and a build_ext step that also
-compiles the shim and the simulated GPU into krex/_lib (see krex_build.py)."""
+"""Minimal setup.py: cffi's cffi_modules hook, a build_ext step that compiles the
+extension with krex_build's toolchain (zig cc for glibc 2.17 where available) and
+also builds the shim and the simulated GPU into krex/_lib, and a bdist_wheel that
+tags the wheel cp310-abi3 with the platform tag its ELF files actually honour."""
 
 import sys
 from pathlib import Path
@@ -7,20 +9,51 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import krex_build  # noqa: E402
 
 
 class BuildExt(build_ext):
+    def build_extensions(self) -> None:
+        tc = krex_build.toolchain()
+        if tc.kind == "zig" or tc.arch != krex_build.host_arch():
+            # Python's own CFLAGS belong to the compiler Python was built with; the
+            # extension needs none of them (abi3, one C file).
+            cc = [*tc.cc, "-fPIC", "-O2", "-Wall"]
+            self.compiler.set_executables(
+                compiler=cc, compiler_so=cc, linker_so=[*tc.cc, "-shared"], linker_exe=list(tc.cc)
+            )
+        # Build outputs of another target or toolchain must never be reused.
+        self.force = True
+        super().build_extensions()
+
     def run(self) -> None:
         super().run()
-        import krex_build
-
         inplace = self.inplace or getattr(self, "editable_mode", False)
         target = Path("krex/_lib") if inplace else Path(self.build_lib) / "krex" / "_lib"
         krex_build.build_native(target)
 
 
+class BdistWheel(bdist_wheel):
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.root_is_pure = False
+        self.py_limited_api = "cp310"  # krex._native is built against the stable ABI
+
+    def get_tag(self) -> tuple[str, str, str]:
+        python, abi, plat = super().get_tag()
+        build_lib = Path(self.get_finalized_command("build").build_lib) / "krex"
+        files = [p for p in build_lib.rglob("*") if p.is_file() and not p.is_symlink()]
+        tag = krex_build.platform_tag(files)
+        return "cp310", "abi3", tag or plat
+
+
 setup(
     cffi_modules=["krex_build.py:ffibuilder"],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "bdist_wheel": BdistWheel},
 )

@@ -181,7 +181,7 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     "--corpus",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="the corpus manifest  [default: examples/workloads/manifest.py]",
+    help="the corpus manifest  [default: the one shipped with krex (examples/workloads/ in a checkout)]",
 )
 @click.option(
     "--timeout",
@@ -304,5 +304,7 @@ def bench(
         + (", " + ", ".join(p.name for p in res.plots) if res.plots else "")
         + ")"
     )
+    if res.plots_note:
+        click.echo(res.plots_note, err=True)
     if res.failures:
         click.echo(f"{res.failures} command run(s) failed in this invocation; see summary.md", err=True)

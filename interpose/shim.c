@@ -167,7 +167,8 @@ static void *(*g_real_dlsym)(void *, const char *);
 static void *real_dlsym(void *h, const char *name) {
     if (UNLIKELY(!g_real_dlsym)) {
         void *p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5"); /* x86_64 base */
+        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.17");  /* aarch64 base (Grace Hopper) */
         g_real_dlsym = (void *(*)(void *, const char *))p;
         if (!g_real_dlsym) return NULL;
     }

@@ -125,14 +125,18 @@ class Workload:
 
 
 def default_corpus_path() -> Path:
-    """examples/workloads/manifest.py of the source tree this krex runs from."""
-    p = Path(__file__).resolve().parents[1] / "examples" / "workloads" / "manifest.py"
-    if not p.exists():
-        raise NotFound(
-            f"no workload corpus at {p}",
-            "run from a KREX source checkout, or pass --corpus PATH/TO/manifest.py",
-        )
-    return p
+    """The corpus that ships with krex: ``krex/workloads/manifest.py`` of an installed
+    wheel (package data), else ``examples/workloads/manifest.py`` of the source tree
+    this krex runs from (an editable install)."""
+    here = Path(__file__).resolve().parent
+    tried = [here / "workloads" / "manifest.py", here.parent / "examples" / "workloads" / "manifest.py"]
+    for p in tried:
+        if p.is_file():
+            return p
+    raise NotFound(
+        f"no workload corpus at {tried[0]} or {tried[1]}",
+        "reinstall krex (the corpus ships in the wheel), or pass --corpus PATH/TO/manifest.py",
+    )
 
 
 def _load_manifest(path: Path) -> list[dict[str, Any]]:
@@ -370,6 +374,7 @@ class BenchResult:
     ran: list[str]
     skipped: list[str]
     failures: int
+    plots_note: str = ""  # why no plots were drawn although they were asked for
 
 
 Progress = Callable[[BenchEvent], None]
@@ -1171,7 +1176,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     md = out_dir / "summary.md"
     md.write_text(render_summary_md(summary, out_dir))
     plots: list[Path] = []
-    if cfg.plots:
+    plots_note = ""
+    if cfg.plots and not plots_available():
+        plots_note = PLOTS_MISSING
+    elif cfg.plots:
         from krex.bench_plots import write_plots
 
         plots = write_plots(summary, out_dir)
@@ -1181,7 +1189,18 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             f"all {done} command runs of this invocation failed (results are in {out_dir})",
             f"see the Failures table of {md} and stderr_tail in {out_dir / RAW}",
         )
-    return BenchResult(out_dir, summary, md, plots, ran, skipped, failed)
+    return BenchResult(out_dir, summary, md, plots, ran, skipped, failed, plots_note)
+
+
+PLOTS_MISSING = (
+    "no plots: matplotlib is not installed (pip install 'krex[bench]' draws them; --no-plots silences this)"
+)
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported: the plots are an extra (`krex[bench]`), the
+    numbers never depend on it."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 # ----------------------------------------------------------------------------------- metrics

@@ -27,7 +27,7 @@ def _plt() -> Any:
     except ImportError as e:
         raise NotFound(
             "matplotlib is not installed: krex bench cannot draw its plots",
-            "pip install matplotlib (it is in krex's dev extra), or pass --no-plots",
+            "pip install 'krex[bench]', or pass --no-plots",
         ) from e
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
