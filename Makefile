@@ -30,7 +30,10 @@ bench: ## Gate fast-path cost, then krex bench --quick (simulated GPU without a 
 	$(PY) scripts/fastpath/run.py 5
 	$(VENV)/bin/krex bench --quick
 
+wheel-check: ## Build sdist + manylinux wheel, install it in a fresh venv, smoke-test it from elsewhere (as CI does)
+	bash scripts/wheel_check.sh
+
 clean: ## Remove build outputs
 	rm -rf build dist *.egg-info krex/_lib krex/_native*.so
 
-.PHONY: help install native test lint bench clean
+.PHONY: help install native test lint bench wheel-check clean
