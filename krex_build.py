@@ -25,8 +25,8 @@ import shutil
 import struct
 import subprocess
 import sys
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 from cffi import FFI
 

@@ -46,7 +46,9 @@ def readelf(path: Path) -> tuple[str, list[str]]:
     """(machine, GLIBC versions the file needs) as binutils reads them."""
     hdr = subprocess.run(["readelf", "-h", str(path)], capture_output=True, text=True, check=True).stdout
     m = re.search(r"Machine:\s+(.+)", hdr)
-    ver = subprocess.run(["readelf", "-V", "-W", str(path)], capture_output=True, text=True, check=True).stdout
+    ver = subprocess.run(
+        ["readelf", "-V", "-W", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     needs = sorted(set(re.findall(r"Name: GLIBC_([\d.]+)", ver)), key=vtuple)
     return (m.group(1).strip() if m else "?"), needs
 

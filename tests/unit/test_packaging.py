@@ -1,0 +1,96 @@
+"""The build's ELF reader and wheel tagging (krex_build.py), checked against binutils
+and against libraries that must not get a manylinux tag. The full wheel (build,
+auditwheel, fresh venv, smoke test) is scripts/wheel_check.sh, run by CI."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import krex_build  # noqa: E402
+
+LIB = ROOT / "krex" / "_lib"
+BUILT = sorted(p for p in [*LIB.iterdir(), *(ROOT / "krex").glob("_native*.so")] if not p.is_symlink())
+
+
+def _readelf_glibc(path: Path) -> set[str]:
+    out = subprocess.run(
+        ["readelf", "-V", "-W", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return set(re.findall(r"Name: (GLIBC_[\d.]+)", out))
+
+
+def _readelf_needed(path: Path) -> list[str]:
+    out = subprocess.run(
+        ["readelf", "-d", "-W", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out)
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs binutils' readelf")
+@pytest.mark.parametrize("path", [p for p in BUILT if p.suffix != ".h"], ids=lambda p: p.name)
+def test_elf_reader_agrees_with_readelf(path: Path) -> None:
+    e = krex_build.elf_requirements(path)
+    assert e is not None and e.arch == krex_build.host_arch()
+    assert e.needed == _readelf_needed(path)
+    ours = {v for vs in e.versions.values() for v in vs if v.startswith("GLIBC_2")}
+    assert ours == _readelf_glibc(path)
+
+
+def test_installed_build_is_manylinux2014_when_built_with_zig() -> None:
+    tc = krex_build.toolchain()
+    tag = krex_build.platform_tag(BUILT)
+    if tc.kind != "zig":
+        pytest.skip(f"built with {tc.cc[0]}, not zig: the tag follows the host's glibc ({tag})")
+    assert tag == f"manylinux_2_17_{tc.arch}.manylinux2014_{tc.arch}"
+
+
+def _so(tmp: Path, name: str, src: str, *libs: str) -> Path:
+    c = tmp / f"{name}.c"
+    c.write_text(src)
+    out = tmp / f"{name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(c), *libs], check=True)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_tag_follows_the_newest_glibc_symbol(tmp_path: Path) -> None:
+    """A library built by the host's gcc against its own glibc: the tag must claim no
+    older glibc than its newest versioned symbol."""
+    so = _so(
+        tmp_path, "newer", "#include <pthread.h>\nvoid *f(void){return (void*)pthread_create;}\n", "-lpthread"
+    )
+    newest = max((tuple(int(x) for x in v[6:].split(".")) for v in _readelf_glibc(so)), default=(2, 17))
+    tag = krex_build.platform_tag([so])
+    want = max(newest, (2, 17))
+    assert tag is not None and tag.startswith(f"manylinux_{want[0]}_{want[1]}_")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_foreign_library_is_never_manylinux(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dep = _so(elsewhere, "libdep", "int dep(void){return 1;}\n", "-Wl,-soname,libdep.so")
+    user = _so(
+        tmp_path, "user", "int dep(void);\nint f(void){return dep();}\n", f"-L{elsewhere}", "-l:libdep.so"
+    )
+    assert "libdep.so" in krex_build.elf_requirements(user).needed  # type: ignore[union-attr]
+    arch = krex_build.host_arch()
+    assert krex_build.platform_tag([user]) == f"linux_{arch}"  # needs a library the wheel lacks
+    # Shipped together (and named by its soname), it is part of the wheel.
+    assert krex_build.platform_tag([user, dep]).startswith("manylinux_")  # type: ignore[union-attr]
+
+
+def test_not_elf_is_ignored(tmp_path: Path) -> None:
+    f = tmp_path / "krex.h"
+    f.write_text("/* header */\n")
+    assert krex_build.elf_requirements(f) is None
+    assert krex_build.platform_tag([f]) is None
