@@ -14,6 +14,8 @@ from typing import Any, TextIO
 
 import click
 
+from . import progress_stream, quiet
+
 __all__ = ["bench", "register"]
 
 
@@ -280,7 +282,7 @@ def bench(
         if "bench" in sys.argv
         else ["krex", "bench"],
     )
-    prog = _Progress(sys.stderr, sys.stderr.isatty())
+    prog = _Progress(progress_stream(), sys.stderr.isatty() and not quiet())
 
     def stop(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # run_bench stops its commands (and a daemon it started), then we exit 130
@@ -304,7 +306,7 @@ def bench(
         + (", " + ", ".join(p.name for p in res.plots) if res.plots else "")
         + ")"
     )
-    if res.plots_note:
+    if res.plots_note and not quiet():
         click.echo(res.plots_note, err=True)
     if res.failures:
         click.echo(f"{res.failures} command run(s) failed in this invocation; see summary.md", err=True)

@@ -17,6 +17,8 @@ from typing import Any, TextIO
 
 import click
 
+from . import progress_stream, quiet
+
 __all__ = ["batch", "doctor", "register"]
 
 
@@ -153,7 +155,7 @@ def batch(file: str, jobs: int, device: str, out_dir: str | None, gpu: int | Non
     commands = load_commands(file)
     tty = sys.stderr.isatty()
     header = f"krex batch: {len(commands)} command(s), -j {jobs}, device {device}"
-    view = _BatchProgress(sys.stderr, tty, header)
+    view = _BatchProgress(progress_stream(), tty and not quiet(), header)
     cancel = threading.Event()
     try:
         with _cancel_on_signals(cancel):

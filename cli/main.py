@@ -6,6 +6,7 @@ KrexError subclasses, mapped to exit codes in one place (`main`)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -14,6 +15,7 @@ import click
 from krex import __version__
 from krex.errors import KrexError
 
+from . import quiet
 from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
 
@@ -22,8 +24,28 @@ DEVICE = click.Choice(["auto", "gpu", "sim"])
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="krex")
-def cli() -> None:
+@click.option("-v", "--verbose", count=True, help="log what KREX does to stderr (-vv: debug)")
+@click.option("-q", "--quiet", is_flag=True, help="only results and errors: no progress or notices")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
     """KREX: share one GPU among many kernel benchmarks; keep their timings exclusive."""
+    if verbose and quiet:
+        raise click.UsageError("-v and -q contradict each other")
+    ctx.obj = {"quiet": quiet, "verbose": verbose}
+    setup_cli_logging(verbose, quiet)
+
+
+def setup_cli_logging(verbose: int, quiet: bool) -> None:
+    """The library logs to the `krex` logger (NullHandler by default); the CLI shows
+    warnings, -v info, -vv debug, -q errors only."""
+    level = logging.ERROR if quiet else {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    lg = logging.getLogger("krex")
+    if not any(getattr(h, "_krex_cli", False) for h in lg.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("krex: %(levelname)s %(name)s: %(message)s"))
+        h._krex_cli = True  # type: ignore[attr-defined]
+        lg.addHandler(h)
+    lg.setLevel(level)
 
 
 def _fmt_s(s: float) -> str:
@@ -232,7 +254,9 @@ def run(
         )
     if no_daemon:
         sys.exit(run_direct(list(cmd), kind, gpu, info.count))
-    res = run_guarded(list(cmd), kind, gpu, notify=lambda m: click.echo(m, err=True), freeze=freeze)
+    res = run_guarded(
+        list(cmd), kind, gpu, notify=lambda m: None if quiet() else click.echo(m, err=True), freeze=freeze
+    )
     if report:
         with open(report, "w") as f:
             json.dump(res.report, f, indent=2)
@@ -255,9 +279,8 @@ def daemon() -> None:
 @click.option(
     "--max-region",
     type=click.FloatRange(0.001),
-    default=60.0,
-    show_default=True,
-    help="seconds after which a region is ended by force",
+    default=None,
+    help="seconds after which a region is ended by force  [default: 60, or KREX_MAX_REGION / config file]",
 )
 @click.option(
     "--idle-exit", type=click.FloatRange(0.1), default=None, help="exit after this many idle seconds"
@@ -273,22 +296,26 @@ def daemon() -> None:
     type=click.Choice(["all", "gpu", "adaptive"]),
     default=None,
     help="which siblings a region freezes: all, only those the gate cannot hold (gpu), "
-    "or by the region's launch rate (adaptive)  [default: all]",
+    "or by the region's launch rate (adaptive)  [default: all, or KREX_FREEZE_POLICY / config file]",
 )
 @click.option("--foreground", is_flag=True, help="run in this process instead of detaching")
 def daemon_start(
     device: str,
     slots_per_gpu: int | None,
-    max_region: float,
+    max_region: float | None,
     idle_exit: float | None,
     freezer: str | None,
     freeze_policy: str | None,
     foreground: bool,
 ) -> None:
-    """Start krexd (krex run starts it on demand anyway)."""
+    """Start krexd (krex run starts it on demand anyway).
+
+    Settings not given here come from the environment (KREX_SLOTS_PER_GPU,
+    KREX_MAX_REGION, KREX_IDLE_EXIT, KREX_FREEZER, ...) or the config file
+    (KREX_CONFIG, ~/.config/krex/krex.toml, /etc/krex/krex.toml); see docs/operating.md."""
     from krex import paths
     from krex.client import daemon_alive, start_background
-    from krex.daemon import Config
+    from krex.daemon import config_from
     from krex.daemon import run as run_daemon
     from krex.errors import Busy
 
@@ -297,19 +324,18 @@ def daemon_start(
             f"a KREX daemon is already running on {paths.socket_path()}",
             "use it, or stop it first with `krex daemon stop`",
         )
+    overrides = {
+        "slots_per_gpu": slots_per_gpu,
+        "max_region_s": max_region,
+        "idle_exit_s": idle_exit,
+        "freezer": freezer,
+        "freeze_policy": freeze_policy,
+    }
+    cfg = config_from(device, overrides)  # a bad setting fails here, not in a detached daemon
     if foreground:
-        run_daemon(
-            Config(
-                device=device,
-                slots_per_gpu=slots_per_gpu,
-                max_region_s=max_region,
-                idle_exit_s=idle_exit,
-                freezer=freezer,
-                freeze_policy=freeze_policy or "all",
-            )
-        )
+        run_daemon(cfg)
         return
-    extra = ["--max-region", str(max_region)]
+    extra = ["--max-region", str(max_region)] if max_region is not None else []
     if slots_per_gpu:
         extra += ["--slots-per-gpu", str(slots_per_gpu)]
     if freezer:
@@ -357,6 +383,9 @@ def daemon_status(as_json: bool) -> None:
         f"  regions so far {d['regions_done']}, max region {d['max_region_s']} s, "
         f"slots per GPU {st['slots_per_gpu']}"
     )
+    if "idle_exit_s" in d:
+        idle = "never" if d["idle_exit_s"] is None else f"{d['idle_exit_s']:g} s"
+        click.echo(f"  exits when idle for: {idle}; log {d.get('log', '-')}")
     for line in _partition_lines(st["partition"]):
         click.echo("  " + line)
 

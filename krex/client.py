@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -23,7 +24,7 @@ _KINDS: dict[str, type[KrexError]] = {
     "Timeout": Timeout,
     "PermissionDenied": PermissionDenied,
 }
-DEFAULT_IDLE_EXIT_S = 120.0
+_log = logging.getLogger(__name__)
 
 
 class Client:
@@ -43,7 +44,7 @@ class Client:
         except (FileNotFoundError, ConnectionRefusedError):
             if not autostart:
                 raise NotFound(f"no KREX daemon at {p}", "start it with `krex daemon start`") from None
-        start_background(device=device, idle_exit_s=DEFAULT_IDLE_EXIT_S)
+        start_background(device=device, on_demand=True)
         return cls(_connect(p))
 
     def close(self) -> None:
@@ -103,14 +104,19 @@ def start_background(
     idle_exit_s: float | None = None,
     extra: list[str] | None = None,
     wait_s: float = 15.0,
+    on_demand: bool = False,
 ) -> int:
     """Start krexd detached (own session, log in the state directory) and wait
-    until its socket answers. Returns its pid."""
+    until its socket answers. Returns its pid. ``on_demand``: started for a command,
+    it exits when idle (settings: krex.config)."""
     sd = paths.ensure_state_dir()
     sock = paths.socket_path()
     args = [sys.executable, "-m", "krex.daemon", "--device", device, *(extra or [])]
     if idle_exit_s is not None:
         args += ["--idle-exit", str(idle_exit_s)]
+    if on_demand:
+        args.append("--on-demand")
+    _log.info("starting krexd: %s (log %s)", " ".join(args), sd / "krexd.log")
     log = open(sd / "krexd.log", "ab")  # noqa: SIM115 - handed to the child
     try:
         proc = subprocess.Popen(
@@ -127,6 +133,7 @@ def start_background(
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if daemon_alive(sock):
+            _log.info("krexd pid %d answers on %s", proc.pid, sock)
             return proc.pid
         rc = proc.poll()
         if rc is not None:

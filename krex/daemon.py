@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -36,6 +37,8 @@ from krex.shm import Segment, default_name
 HEARTBEAT_S = 0.1
 HEARTBEAT_TIMEOUT_S = 1.5
 
+log = logging.getLogger("krex.daemon")  # not __name__: it runs as __main__ under -m
+
 
 @dataclass
 class Config:
@@ -48,6 +51,8 @@ class Config:
     freezer: str | None = None
     shm_name: str | None = None
     freeze_policy: str = freezepolicy.DEFAULT  # see krex/freezepolicy.py
+    log_level: str = "info"
+    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.config)
 
 
 @dataclass(eq=False)  # identity semantics: slots are dict keys and set members
@@ -86,6 +91,8 @@ class Daemon:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.stop = threading.Event()
+        self.stop_reason = ""
+        self._fail_opens: list[int] = []
         self.started_at = time.time()
         self.pid = os.getpid()
         self.info: GpuInfo = discover(cfg.device)
@@ -220,13 +227,70 @@ class Daemon:
     def start(self) -> dict[str, int]:
         self._open_segment()
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
+        self._fail_opens = self._read_fail_opens()
+        if any(self._fail_opens):
+            # Counted by shims while no daemon (or a dead one) held their gate.
+            log.warning(
+                "fail-opens recorded in %s before this start: %s",
+                self.shm_name,
+                ", ".join(f"gpu {g}: {n}" for g, n in enumerate(self._fail_opens) if n),
+            )
         rec = self._recover()
         self._server = self._listen()
+        self._log_start(rec)
         for target in (self._heartbeat_loop, self._reaper_loop):
             threading.Thread(target=target, daemon=True).start()
         for g in range(self.info.count):
             threading.Thread(target=self._gpu_loop, args=(g,), daemon=True, name=f"gpu{g}").start()
         return rec
+
+    def _log_start(self, rec: dict[str, int]) -> None:
+        c = self.cfg
+        names = ", ".join(self.info.names) or "-"
+        log.info(
+            "krexd %s started: pid %d, socket %s, segment %s, %s x%d (%s), freezer %s",
+            _version(),
+            self.pid,
+            self.sock_path,
+            self.shm_name,
+            self.info.kind,
+            self.info.count,
+            names,
+            self.freezer.name,
+        )
+        settings = {
+            "slots_per_gpu": c.slots_per_gpu
+            if c.slots_per_gpu
+            else [self.slots_per_gpu(g) for g in range(self.info.count)],
+            "max_region_s": c.max_region_s,
+            "idle_exit_s": c.idle_exit_s if c.idle_exit_s is not None else "never",
+            "freezer": c.freezer or f"auto ({self.freezer.name})",
+            "freeze_policy": c.freeze_policy,
+            "freeze_timeout_s": c.freeze_timeout_s,
+            "drain_timeout_s": c.drain_timeout_s,
+            "log_level": c.log_level,
+        }
+        log.info(
+            "config: %s",
+            ", ".join(f"{k}={v} ({c.sources.get(k, 'default')})" for k, v in settings.items()),
+        )
+        part = self.partition
+        log.info(
+            "cpu partition: housekeeping %s; %s%s",
+            part.housekeeping,
+            "; ".join(f"gpu {sl.gpu}: shared {sl.shared}, region {sl.reserved}" for sl in part.slices),
+            f"; DEGRADED: {part.reason}" if part.degraded else "",
+        )
+        log.info(
+            "recovery: %d group(s) thawed, %d gate(s) reopened, %d record(s) reaped, %d slot(s) adopted",
+            rec["thawed"],
+            rec["reopened"],
+            rec["reaped"],
+            rec["adopted"],
+        )
+
+    def _read_fail_opens(self) -> list[int]:
+        return [int(self.seg.raw.gpus[g].fail_opens) for g in range(self.seg.n_gpus)]
 
     def serve_forever(self) -> None:
         assert self._server is not None
@@ -243,6 +307,7 @@ class Daemon:
 
     def shutdown(self) -> None:
         self.stop.set()
+        log.info("krexd stopping: %s", self.stop_reason or "stop requested")
         with self.lock:
             for r in self.current.values():
                 if r is not None:
@@ -269,12 +334,30 @@ class Daemon:
             self._server.close()
         with contextlib.suppress(FileNotFoundError):
             self.sock_path.unlink()
+        log.info("krexd stopped (pid %d, %d region(s) served)", self.pid, self.regions_done)
 
     # ------------------------------------------------------------- background
     def _heartbeat_loop(self) -> None:
         while not self.stop.is_set():
             self.seg.heartbeat()
+            self._check_fail_opens()  # n_gpus word loads; a snapshot only when one rose
             time.sleep(HEARTBEAT_S)
+
+    def _check_fail_opens(self) -> None:
+        """Log shims that passed a closed gate because its holder looked dead (I5)."""
+        now = self._read_fail_opens()
+        for g, (old, new) in enumerate(zip(self._fail_opens, now, strict=False)):
+            if new > old:
+                pids = [p.pid for p in self.seg.snapshot().procs if p.gpu == g and p.fail_opens]
+                log.warning(
+                    "gpu %d: %d fail-open(s) (total %d): a shim passed a closed gate whose holder "
+                    "was gone (a dead region holder or an expired pause lease); pids with fail-opens: %s",
+                    g,
+                    new - old,
+                    new,
+                    pids or "-",
+                )
+        self._fail_opens = now
 
     def _reaper_loop(self) -> None:
         while not self.stop.is_set():
@@ -297,6 +380,7 @@ class Daemon:
                 if busy:
                     self.last_busy = time.monotonic()
             if self.cfg.idle_exit_s is not None and time.monotonic() - self.last_busy > self.cfg.idle_exit_s:
+                self.stop_reason = f"idle for {self.cfg.idle_exit_s:g} s"
                 self.stop.set()
 
     def _group_pids(self, s: Slot) -> list[int]:
@@ -328,6 +412,7 @@ class Daemon:
             s = self.slots.pop(n, None)
             if s is None:
                 return
+            log.info("slot %d on gpu %d released (%s, %s pid %d)", n, s.gpu, reason, s.kind, s.guardian_pid)
             for r in self.current.values():
                 if r is not None and r.slot == n and not r.ended.is_set():
                     r.end_reason = reason
@@ -390,6 +475,9 @@ class Daemon:
             try:
                 self._run_region(gpu, req)
             except Exception as e:  # noqa: BLE001 - a bad region must never take the GPU's queue down
+                log.exception(
+                    "gpu %d: region of slot %d pid %d failed; gate reopened", gpu, req.slot, req.pid
+                )
                 req.grant = {
                     "ok": False,
                     "error": f"region failed: {type(e).__name__}: {e}",
@@ -543,8 +631,25 @@ class Daemon:
         }
         rec.pop("ok", None)
         req.record = rec
+        self._log_region(rec)
         with contextlib.suppress(OSError):
             journal.append(self.journal_path, rec)
+
+    def _log_region(self, rec: dict[str, Any]) -> None:
+        who = f"gpu {rec['gpu']}: region of slot {rec['owner_slot']} pid {rec['owner_pid']} tid {rec['tid']}"
+        if rec.get("contaminated"):
+            log.warning("%s granted CONTAMINATED: %s", who, "; ".join(rec.get("reasons", [])))
+        end = rec.get("end", "end")
+        if end != "end":
+            log.warning("%s ended by force: %s after %.3f s", who, end, rec.get("region_s", 0.0))
+        else:
+            log.debug(
+                "%s: entry %.2f ms, %.3f s, %d sibling(s) frozen",
+                who,
+                1e3 * rec.get("entry_s", 0.0),
+                rec.get("region_s", 0.0),
+                rec.get("siblings_frozen", 0),
+            )
 
     # ----------------------------------------------------------- the clients
     def _client(self, conn: socket.socket) -> None:
@@ -635,6 +740,7 @@ class Daemon:
         if op == "end":
             return self._end(pid, owned)
         if op == "shutdown":
+            self.stop_reason = f"shutdown requested by pid {pid}"
             self.stop.set()
             return {"ok": True}
         raise UsageError(f"unknown operation {op!r}", "upgrade the client and the daemon together")
@@ -683,6 +789,7 @@ class Daemon:
                 if self.stop.is_set():
                     raise KrexError("daemon is stopping", "try again")
         owned["guardian"] = s.slot
+        log.info("slot %d on gpu %d admitted for guardian pid %d", s.slot, gpu, pid)
         sl = self.partition.slice_for(gpu)
         return {
             "ok": True,
@@ -762,6 +869,9 @@ class Daemon:
                     "regions_done": self.regions_done,
                     "max_region_s": self.cfg.max_region_s,
                     "freeze_policy": self.cfg.freeze_policy,
+                    "idle_exit_s": self.cfg.idle_exit_s,
+                    "log": str(paths.state_dir() / "krexd.log"),
+                    "settings_from": self.cfg.sources,
                 },
                 "partition": self.partition.to_json(),
                 "slots": [
@@ -793,13 +903,49 @@ class Daemon:
             }
 
 
+def _version() -> str:
+    from krex import __version__
+
+    return __version__
+
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d krexd[%(process)d] %(levelname)s %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    """krexd's log: timestamps and pids on stderr, which an on-demand or background
+    daemon has redirected to krexd.log. Only the ``krex`` logger; never the root's."""
+    lg = logging.getLogger("krex")
+    if not any(getattr(h, "_krexd", False) for h in lg.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
+        h._krexd = True  # type: ignore[attr-defined]
+        lg.addHandler(h)
+    lg.setLevel(level.upper())
+
+
 def run(cfg: Config) -> None:
     """Run the daemon in this process until stopped (SIGTERM/SIGINT or `shutdown`)."""
+    setup_logging(cfg.log_level)
     d = Daemon(cfg)
     d.start()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        d.stop_reason = f"signal {signal.Signals(signum).name}"
+        d.stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: d.stop.set())
+        signal.signal(sig, on_signal)
     d.serve_forever()
+
+
+def config_from(device: str, overrides: dict[str, Any], on_demand: bool = False) -> Config:
+    """A Config from the command line's ``overrides`` (None: not given), the environment
+    and the config file (krex.config)."""
+    from krex.config import daemon_settings
+
+    values, sources = daemon_settings(overrides, on_demand=on_demand)
+    return Config(device=device, **values, sources=sources)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -809,24 +955,28 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="krexd")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--slots-per-gpu", type=int, default=None)
-    ap.add_argument("--max-region", type=float, default=60.0)
+    ap.add_argument("--max-region", type=float, default=None)
     ap.add_argument("--idle-exit", type=float, default=None)
     ap.add_argument("--freezer", default=None)
-    ap.add_argument("--freeze-policy", default=freezepolicy.DEFAULT, choices=freezepolicy.POLICIES)
+    ap.add_argument("--freeze-policy", default=None, choices=freezepolicy.POLICIES)
+    ap.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    ap.add_argument(
+        "--on-demand", action="store_true", help="started by a command: exits when idle (KREX_IDLE_EXIT)"
+    )
     a = ap.parse_args(argv)
+    overrides = {
+        "slots_per_gpu": a.slots_per_gpu,
+        "max_region_s": a.max_region,
+        "idle_exit_s": a.idle_exit,
+        "freezer": a.freezer,
+        "freeze_policy": a.freeze_policy,
+        "log_level": a.log_level,
+    }
     try:
-        run(
-            Config(
-                device=a.device,
-                slots_per_gpu=a.slots_per_gpu,
-                max_region_s=a.max_region,
-                idle_exit_s=a.idle_exit,
-                freezer=a.freezer,
-                freeze_policy=a.freeze_policy,
-            )
-        )
+        run(config_from(a.device, overrides, on_demand=a.on_demand))
     except KrexError as e:
-        os.write(2, f"krexd: error: {e}\n  fix: {e.fix}\n".encode())
+        ts = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(2, f"{ts} krexd[{os.getpid()}] ERROR {e}\n  fix: {e.fix}\n".encode())
         raise SystemExit(e.exit_code) from None
 
 

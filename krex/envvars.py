@@ -30,7 +30,7 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
         # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
         "KREX_DAEMON_CMD": (
             f"mkdir -p {shlex.quote(str(log.parent))} && exec env -u LD_PRELOAD "
-            f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --idle-exit 120 "
+            f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --on-demand "
             f">>{shlex.quote(str(log))} 2>&1"
         ),
     }
