@@ -69,7 +69,7 @@ def test_on_demand_daemon_takes_config_file_and_env_and_logs_a_forced_end(
     _, level, forced = wait_log(env, r"ended by force: max-region")
     assert level == "WARNING" and re.search(r"slot \d+ pid \d+ tid \d+", forced)
     assert krex(env, "daemon", "stop").returncode == 0
-    wait_log(env, rf"^krexd stopping: shutdown requested by pid \d+")
+    wait_log(env, r"^krexd stopping: shutdown requested by pid \d+")
     wait_log(env, rf"^krexd stopped \(pid {pid}, 1 region")
 
 
