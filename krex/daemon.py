@@ -796,6 +796,7 @@ class Daemon:
             "slot": s.slot,
             "gpu": gpu,
             "physical": self.info.physical[gpu],
+            "vendor": self.info.kind,
             "shm": self.shm_name,
             "group": s.group.path,
             "freezer": self.freezer.name,

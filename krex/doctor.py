@@ -256,8 +256,8 @@ def check_shim(timeout: float = 30.0) -> Check:
 
 
 def check_gpus() -> tuple[Check, int, list[int | None]]:
-    """GPUs through NVML (what `--device auto` finds). Returns the check, the GPU count KREX
-    would partition for, and their NUMA nodes."""
+    """GPUs as `--device auto` finds them (NVML, cuda-python, amdsmi, hip-python). Returns
+    the check, the GPU count KREX would partition for, and their NUMA nodes."""
     from krex.gpus import discover
 
     have_nvml_py = importlib.util.find_spec("pynvml") is not None
@@ -266,15 +266,19 @@ def check_gpus() -> tuple[Check, int, list[int | None]]:
     except KrexError as e:
         return Check("gpus", FAIL, str(e), e.fix), 0, []
     details: dict[str, Any] = {"kind": info.kind, "count": info.count, "names": info.names,
-                               "physical": info.physical, "numa": info.numa, "nvidia_ml_py": have_nvml_py}
-    if info.kind == "nvidia":
+                               "physical": info.physical, "numa": info.numa, "nvidia_ml_py": have_nvml_py,
+                               "api": info.api, "tried": info.tried}
+    if info.kind in ("nvidia", "amd"):
         names = ", ".join(f"{i}: {n}" for i, n in zip(info.physical, info.names, strict=False))
-        return Check("gpus", OK, f"{info.count} NVIDIA GPU(s) through NVML: {names}", "", details), \
-            info.count, list(info.numa)
+        return Check("gpus", OK, f"{info.count} {info.vendor} GPU(s) through {info.api}: {names}", "",
+                     details), info.count, list(info.numa)
     why = "nvidia-ml-py is not installed" if not have_nvml_py else "NVML found no visible GPU"
     if have_nvml_py and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         why += f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
-    fix = ("install the NVIDIA driver and `pip install 'krex[gpu]'` (nvidia-ml-py)" if not have_nvml_py
+    if len(info.tried) > 1:
+        why += "; also tried " + "; ".join(t for t in info.tried if not t.startswith("nvml:"))
+    fix = ("install the NVIDIA driver and `pip install 'krex[gpu]'` (nvidia-ml-py; 'krex[cuda]' where NVML "
+           "is missing), or on a ROCm node 'krex[amd]' (amdsmi)" if not have_nvml_py
            else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     return Check("gpus", WARN, f"no NVIDIA GPU: {why}; --device auto uses the simulated GPU ({info.count})",
                  fix + "; or use --device sim on purpose", details), info.count, list(info.numa)
@@ -368,7 +372,10 @@ def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Ch
     from krex.gpus import discover
 
     try:
-        discover("gpu")
+        info = discover("gpu")
+        if info.kind != "nvidia":
+            raise NotFound(f"no NVIDIA GPU: the coverage check uses CUPTI; this node has {info.vendor} GPUs",
+                           "run `krex doctor --gpu` on an NVIDIA node")
     except NotFound as e:
         return Check("gpu coverage", FAIL, f"cannot check coverage: {e}",
                      "run it on a machine with an NVIDIA GPU, its driver and nvidia-ml-py "

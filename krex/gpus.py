@@ -1,28 +1,44 @@
-"""GPU discovery: real NVIDIA GPUs through NVML, or the simulated GPU."""
+"""GPU discovery: real GPUs, or the simulated GPU.
+
+NVIDIA: NVML (nvidia-ml-py, `krex[gpu]`); where NVML is missing (containers
+without the management library, or nvidia-ml-py not installed), the CUDA driver
+through cuda-python (`krex[cuda]`). AMD: amdsmi (`krex[amd]`), else hip-python.
+The first that finds a visible GPU wins, in that order. Each backend is one small
+function over an imported module, so tests replace the module with a fake."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from krex.errors import NotFound, UsageError
 
 DEVICES = ("auto", "gpu", "sim")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class GpuInfo:
-    kind: str  # "nvidia" or "sim"
+    kind: str  # "nvidia", "amd" or "sim"
     count: int
     names: list[str] = field(default_factory=list)
-    physical: list[int] = field(default_factory=list)  # NVML index of each visible GPU
+    physical: list[int] = field(default_factory=list)  # index of each visible GPU (for *_VISIBLE_DEVICES)
     numa: list[int | None] = field(default_factory=list)
     note: str = ""
+    api: str = ""  # what found them: nvml, cuda-python, amdsmi, hip-python, sim
+    tried: list[str] = field(default_factory=list)  # "api: why not" for the backends that found nothing
+
+    @property
+    def vendor(self) -> str:
+        return {"nvidia": "NVIDIA", "amd": "AMD"}.get(self.kind, self.kind)
 
 
-def _visible(total: int) -> list[int]:
+def _visible(total: int, spec: str | None) -> list[int]:
     """CUDA_VISIBLE_DEVICES semantics: a list of indices, cut at the first invalid one."""
-    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
         return list(range(total))
     out: list[int] = []
@@ -34,6 +50,16 @@ def _visible(total: int) -> list[int]:
     return out
 
 
+def _cuda_visible(total: int) -> list[int]:
+    return _visible(total, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _hip_visible(total: int) -> list[int]:
+    # HIP reads HIP_VISIBLE_DEVICES, else CUDA_VISIBLE_DEVICES (indices after ROCR's filter).
+    spec = os.environ.get("HIP_VISIBLE_DEVICES")
+    return _visible(total, spec if spec is not None else os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def sim_gpu_count() -> int:
     raw = os.environ.get("KREX_SIM_GPUS", "1")
     if not raw.isdigit() or not 1 <= int(raw) <= 16:
@@ -41,49 +67,223 @@ def sim_gpu_count() -> int:
     return int(raw)
 
 
-def _nvml() -> GpuInfo | None:
+def _numa_of_bus(bus: Any) -> int | None:
+    """NUMA node of a PCI bus id such as 00000000:3B:00.0 or 0000:3b:00.0, from sysfs."""
     try:
-        import pynvml
+        b = bus.decode() if isinstance(bus, bytes) else str(bus)
+        b = b.strip("\0").strip().lower()
+        with open(f"/sys/bus/pci/devices/{b[-12:]}/numa_node") as f:
+            v = int(f.read().strip())
+        return v if v >= 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _text(v: Any) -> str:
+    return (v.decode(errors="replace") if isinstance(v, bytes) else str(v)).split("\0")[0].strip()
+
+
+class _NoGpu(Exception):
+    """A backend that is present but finds nothing (or fails): the reason, for doctor."""
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
     except ImportError:
         return None
+
+
+# ------------------------------------------------------------------------- backends
+
+
+def _nvml() -> GpuInfo:
+    pynvml = _import("pynvml")
+    if pynvml is None:
+        raise ImportError("nvidia-ml-py is not installed")
     try:
         pynvml.nvmlInit()
-    except Exception:  # NVML raises its own error types; any failure means "no GPU here"
-        return None
+    except Exception as e:  # NVML raises its own error types; any failure means "no GPU here"
+        raise _NoGpu(f"NVML did not initialise ({e})") from None
     try:
         total = int(pynvml.nvmlDeviceGetCount())
-        vis = _visible(total)
+        vis = _cuda_visible(total)
         names, numa = [], []
         for i in vis:
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            n = pynvml.nvmlDeviceGetName(h)
-            names.append(n.decode() if isinstance(n, bytes) else str(n))
-            node: int | None = None
+            names.append(_text(pynvml.nvmlDeviceGetName(h)))
             try:
-                bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-                bus = bus.decode() if isinstance(bus, bytes) else str(bus)
-                with open(f"/sys/bus/pci/devices/{bus.lower()[-12:]}/numa_node") as f:
-                    v = int(f.read().strip())
-                    node = v if v >= 0 else None
-            except (OSError, ValueError, pynvml.NVMLError):
-                node = None
-            numa.append(node)
-        return GpuInfo("nvidia", len(vis), names, vis, numa)
+                numa.append(_numa_of_bus(pynvml.nvmlDeviceGetPciInfo(h).busId))
+            except pynvml.NVMLError:
+                numa.append(None)
+        return GpuInfo("nvidia", len(vis), names, vis, numa, api="nvml")
     finally:
         pynvml.nvmlShutdown()
+
+
+def _cuda_driver_module() -> Any:
+    drv = _import("cuda.bindings.driver")  # cuda-python >= 12.6
+    if drv is None:
+        old = _import("cuda.cuda")  # older cuda-python
+        drv = old
+    if drv is None:
+        raise ImportError("cuda-python is not installed")
+    return drv
+
+
+def _cuda_python() -> GpuInfo:
+    """The CUDA driver API through cuda-python: used where NVML is missing. The driver
+    already applies CUDA_VISIBLE_DEVICES; the physical indices come from the variable."""
+    drv = _cuda_driver_module()
+    ok = drv.CUresult.CUDA_SUCCESS
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        res = fn(*args)
+        err, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
+        if err != ok:
+            raise _NoGpu(f"{getattr(fn, '__name__', 'a CUDA call')} failed ({err})")
+        return rest[0] if len(rest) == 1 else rest
+
+    call(drv.cuInit, 0)
+    n = int(call(drv.cuDeviceGetCount))
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    toks = [t.strip() for t in spec.split(",")] if spec is not None else []
+    physical = [int(t) for t in toks[:n] if t.isdigit()] if spec is not None else list(range(n))
+    if len(physical) != n:  # UUIDs or MIG names in the variable: number them as the driver does
+        physical = list(range(n))
+    names, numa = [], []
+    for i in range(n):
+        dev = call(drv.cuDeviceGet, i)
+        names.append(_text(call(drv.cuDeviceGetName, 256, dev)))
+        try:
+            numa.append(_numa_of_bus(call(drv.cuDeviceGetPCIBusId, 64, dev)))
+        except _NoGpu:
+            numa.append(None)
+    return GpuInfo("nvidia", n, names, physical, numa, api="cuda-python")
+
+
+def _rocr_filter(indices: list[Any]) -> list[Any]:
+    """ROCR_VISIBLE_DEVICES (numeric form) filters what HIP enumerates."""
+    spec = os.environ.get("ROCR_VISIBLE_DEVICES")
+    return [indices[i] for i in _visible(len(indices), spec)] if spec is not None else indices
+
+
+def _amdsmi() -> GpuInfo:
+    smi = _import("amdsmi")
+    if smi is None:
+        raise ImportError("amdsmi is not installed")
+    try:
+        smi.amdsmi_init()
+    except Exception as e:  # AmdSmiException and friends: no usable driver here
+        raise _NoGpu(f"amdsmi did not initialise ({e})") from None
+    try:
+        handles = list(smi.amdsmi_get_processor_handles())
+        rows = []
+        for pos, h in enumerate(handles):
+            bdf = _text(smi.amdsmi_get_gpu_device_bdf(h))
+            try:  # HIP's own numbering where amdsmi knows it (ROCm >= 6.3), else PCI order
+                order: Any = int(smi.amdsmi_get_gpu_enumeration_info(h)["hip_id"])
+            except Exception:  # noqa: BLE001 - older amdsmi, or "N/A"
+                order = (bdf, pos)
+            try:
+                name = _text(smi.amdsmi_get_gpu_asic_info(h).get("market_name") or "AMD GPU")
+            except Exception:  # noqa: BLE001 - the name is cosmetic
+                name = "AMD GPU"
+            rows.append((order, name, bdf))
+        rows.sort(key=lambda r: (isinstance(r[0], tuple), r[0]))
+        rows = _rocr_filter(rows)
+        vis = _hip_visible(len(rows))
+        return GpuInfo(
+            "amd",
+            len(vis),
+            [rows[i][1] for i in vis],
+            vis,
+            [_numa_of_bus(rows[i][2]) for i in vis],
+            api="amdsmi",
+        )
+    finally:
+        try:
+            smi.amdsmi_shut_down()
+        except Exception:  # noqa: BLE001 - nothing to do about a failed shutdown
+            log.debug("amdsmi_shut_down failed", exc_info=True)
+
+
+def _hip_python() -> GpuInfo:
+    """The HIP runtime through hip-python: it applies HIP_VISIBLE_DEVICES itself."""
+    mod = _import("hip")
+    if mod is None or not hasattr(mod, "hip"):
+        raise ImportError("hip-python is not installed")
+    hip = mod.hip
+    ok = hip.hipError_t.hipSuccess
+
+    def check(res: Any) -> tuple[Any, ...]:
+        res = res if isinstance(res, tuple) else (res,)
+        if res[0] != ok:
+            raise _NoGpu(f"HIP call failed ({res[0]})")
+        return tuple(res[1:])
+
+    (n,) = check(hip.hipGetDeviceCount())
+    names, numa = [], []
+    for i in range(int(n)):
+        props = hip.hipDeviceProp_t()
+        check(hip.hipGetDeviceProperties(props, i))
+        names.append(_text(props.name))
+        bus = f"{int(props.pciDomainID):04x}:{int(props.pciBusID):02x}:{int(props.pciDeviceID):02x}.0"
+        numa.append(_numa_of_bus(bus))
+    spec = os.environ.get("HIP_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    toks = [t.strip() for t in spec.split(",")] if spec is not None else []
+    physical = [int(t) for t in toks[: int(n)] if t.isdigit()] if spec is not None else list(range(int(n)))
+    if len(physical) != int(n):
+        physical = list(range(int(n)))
+    return GpuInfo("amd", int(n), names, physical, numa, api="hip-python")
+
+
+# Order matters: a node's NVIDIA management library first, its runtime only without it.
+BACKENDS: tuple[tuple[str, Callable[[], GpuInfo]], ...] = (
+    ("nvml", _nvml),
+    ("cuda-python", _cuda_python),
+    ("amdsmi", _amdsmi),
+    ("hip-python", _hip_python),
+)
+
+
+def discover_real() -> tuple[GpuInfo | None, list[str]]:
+    """The first backend that sees a GPU, and why each one before it did not."""
+    tried: list[str] = []
+    for name, fn in BACKENDS:
+        try:
+            info = fn()
+        except ImportError as e:
+            tried.append(f"{name}: {e}")
+            continue
+        except _NoGpu as e:
+            tried.append(f"{name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken vendor binding must not break KREX
+            tried.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if info.count:
+            info.tried = tried
+            log.debug("GPUs through %s: %s", name, info.names)
+            return info, tried
+        tried.append(f"{name}: no visible GPU")
+    return None, tried
 
 
 def discover(device: str = "auto") -> GpuInfo:
     if device not in DEVICES:
         raise UsageError(f"unknown device {device!r}", f"use one of: {', '.join(DEVICES)}")
+    tried: list[str] = []
     if device in ("auto", "gpu"):
-        info = _nvml()
-        if info and info.count:
+        info, tried = discover_real()
+        if info is not None:
             return info
         if device == "gpu":
             raise NotFound(
-                "no NVIDIA GPU found (NVML unavailable or no visible device)",
-                "install nvidia-ml-py and the driver, check CUDA_VISIBLE_DEVICES, or use --device sim",
+                "no GPU found: no NVIDIA GPU (NVML, cuda-python) and no AMD GPU (amdsmi, hip-python); "
+                + "; ".join(tried),
+                "install the driver and `pip install 'krex[gpu]'` (NVIDIA; 'krex[cuda]' without NVML) or "
+                "'krex[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or use --device sim",
             )
     n = sim_gpu_count()
     return GpuInfo(
@@ -93,4 +293,6 @@ def discover(device: str = "auto") -> GpuInfo:
         list(range(n)),
         [None] * n,
         note="simulated GPU: proves logic, never performance",
+        api="sim",
+        tried=tried,
     )

@@ -186,6 +186,8 @@ def run_guarded(
             "KREX_SOCKET": str(paths.socket_path()),
         }
     )
+    if adm.get("vendor") == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
+        env["HIP_VISIBLE_DEVICES"] = str(adm["physical"])
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     preexec = [freezer.preexec_join(group_path), _set_affinity(list(adm.get("shared_cpus") or []))]
 

@@ -1,0 +1,55 @@
+"""Fake vendor bindings for discovery tests (the call shapes of the real ones)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FAKE_AMDSMI = '''
+"""A fake amdsmi (the real call shapes: handles, dicts, BDF strings)."""
+import os
+
+class AmdSmiException(Exception):
+    pass
+
+_GPUS = [  # listed in a different order than HIP numbers them
+    {"bdf": "0000:c1:00.0", "hip_id": 1, "market_name": "AMD Instinct MI300X (b)"},
+    {"bdf": "0000:05:00.0", "hip_id": 0, "market_name": "AMD Instinct MI300X (a)"},
+]
+_STATE = {"init": 0, "shut": 0}
+
+def amdsmi_init(flags=None):
+    if os.environ.get("FAKE_AMDSMI_FAIL"):
+        raise AmdSmiException("AMDSMI_STATUS_DRIVER_NOT_LOADED")
+    _STATE["init"] += 1
+
+def amdsmi_shut_down():
+    _STATE["shut"] += 1
+
+def amdsmi_get_processor_handles():
+    return [f"h{i}" for i in range(len(_GPUS))]
+
+def _g(h):
+    return _GPUS[int(h[1:])]
+
+def amdsmi_get_gpu_device_bdf(h):
+    return _g(h)["bdf"]
+
+def amdsmi_get_gpu_enumeration_info(h):
+    if os.environ.get("FAKE_AMDSMI_OLD"):
+        raise AttributeError("amdsmi_get_gpu_enumeration_info")  # amdsmi before ROCm 6.3
+    return {"drm_render": 128, "drm_card": 0, "hsa_id": 0, "hip_id": _g(h)["hip_id"], "hip_uuid": "x"}
+
+def amdsmi_get_gpu_asic_info(h):
+    return {"market_name": _g(h)["market_name"], "vendor_id": "0x1002"}
+'''
+
+
+def write_fake_amd_node(d: Path) -> Path:
+    """A directory that, first on PYTHONPATH, makes a process see a ROCm node with two GPUs
+    and no NVIDIA bindings."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "amdsmi.py").write_text(FAKE_AMDSMI)
+    (d / "pynvml.py").write_text("raise ImportError('no NVIDIA bindings on this fake node')\n")
+    (d / "cuda").mkdir(exist_ok=True)
+    (d / "cuda" / "__init__.py").write_text("raise ImportError('no cuda-python on this fake node')\n")
+    return d
