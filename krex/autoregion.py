@@ -21,10 +21,18 @@ Built-in targets and what their wrapper puts inside the region:
   ``blocked_autorange`` / ``adaptive_autorange``: the measurement loop after the
   block-size estimate; ``repeat``: from its first timed call.
 - ``kernelbench`` (KernelBench's ``time_execution_with_cuda_event``,
-  ``..._host_time`` and ``..._do_bench_impl`` in ``kernelbench.timing``,
-  ``kernelbench.eval``, ``src.timing``, ``src.eval``): the per-trial loop after the
-  last warm-up call. Also wraps ``do_bench``, which KernelBench's "do_bench"
-  timing method calls.
+  ``..._host_time``, ``..._do_bench_impl`` and ``..._nsight_python`` in
+  ``kernelbench.timing``, ``kernelbench.eval``, ``src.timing``, ``src.eval``): the
+  per-trial loop (for nsight_python_time: the profiled runs) after the last warm-up
+  call. Also wraps ``do_bench``, which KernelBench's "do_bench" timing method calls.
+- ``inductor`` (Inductor's autotuning benchmarker): every GPU benchmark call, through
+  torch's own hook ``torch._inductor.runtime.benchmarking.set_gpu_benchmark_lock_context``
+  (a context factory; nested entry on one thread is a no-op). A factory registered
+  before keeps running, outside the region. A torch without the hook gets its
+  ``TritonBenchmarker`` / ``InductorBenchmarker.benchmark_gpu`` wrapped whole.
+- ``pytest_benchmark`` (pytest-benchmark's fixture): ``BenchmarkFixture._raw`` and
+  ``_raw_pedantic``, calibration, warm-up and rounds. krex's pytest plugin
+  (``krex.pytest_plugin``) turns this on by itself under KREX.
 - ``module:function`` / ``module:Class.method``: the whole call.
 
 How the boundary is found: every wrapper calls the *original* function, so the
@@ -43,12 +51,13 @@ The library never prints."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -68,6 +77,7 @@ TIMER_TIMEIT = "timer_timeit"  # before the second Timer._timeit call (the first
 TIMER_LOOP = "timer_loop"  # at Timer._threaded_measurement_loop (after the block-size estimate)
 TIMER_FIRST = "timer_first"  # before the first Timer._timeit call
 KERNELBENCH = "kernelbench"  # after the last untimed call of kernel_fn
+INDUCTOR = "inductor"  # torch's set_gpu_benchmark_lock_context hook: each benchmark_gpu call
 
 _MISSING: Any = object()
 Fn = Callable[..., Any]
@@ -97,7 +107,11 @@ _KB_FUNCS = (
     ("time_execution_with_cuda_event", 0),
     ("time_execution_with_host_time", 0),
     ("time_execution_with_do_bench_impl", 1),  # it calls kernel_fn once (compile) before warm-up
+    ("time_execution_with_nsight_python", 0),  # warm-up, then profile_with_nsight runs the trials
 )
+_INDUCTOR_MODULE = "torch._inductor.runtime.benchmarking"
+_INDUCTOR_FALLBACK = ("TritonBenchmarker", "InductorBenchmarker", "TorchProfilerBenchmarker")
+_PYTEST_BENCHMARK = "pytest_benchmark.fixture"
 _DO_BENCH = Target("triton.testing", "do_bench", DO_BENCH, source="do_bench")
 
 BUILTINS: dict[str, tuple[Target, ...]] = {
@@ -117,6 +131,11 @@ BUILTINS: dict[str, tuple[Target, ...]] = {
         for f, untimed in _KB_FUNCS
     )
     + (Target("triton.testing", "do_bench", DO_BENCH, source="kernelbench"),),
+    "inductor": (Target(_INDUCTOR_MODULE, "set_gpu_benchmark_lock_context", INDUCTOR, source="inductor"),),
+    "pytest_benchmark": (
+        Target(_PYTEST_BENCHMARK, "BenchmarkFixture._raw", WHOLE, source="pytest_benchmark"),
+        Target(_PYTEST_BENCHMARK, "BenchmarkFixture._raw_pedantic", WHOLE, source="pytest_benchmark"),
+    ),
 }
 _ALL_WORDS = ("all", "1")
 _DETAILS = {
@@ -127,6 +146,7 @@ _DETAILS = {
     TIMER_LOOP: "region: the measurement loop after the block-size estimate",
     TIMER_FIRST: "region: from the first timed _timeit call",
     KERNELBENCH: "region: the trial loop, from the return of the last warm-up call",
+    INDUCTOR: "region: each Inductor GPU benchmark call (torch's set_gpu_benchmark_lock_context hook)",
 }
 _FIX = ("set KREX_AUTO_REGION to a comma list of " + ", ".join(BUILTINS)
         + ", all (or 1), and module:function or module:Class.method")
@@ -210,6 +230,7 @@ _by_module: dict[str, list[Target]] = {}
 _status: dict[str, dict[str, str]] = {}
 _whole: set[str] = set()  # targets degraded to whole-call regions
 _patches: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, previous value, owner had it itself)
+_undo: list[Callable[[], None]] = []  # other ways of putting things back (a hook's previous factory)
 _finder: _Finder | None = None
 _tls = threading.local()
 
@@ -280,6 +301,10 @@ def uninstall() -> None:
             except (AttributeError, TypeError):
                 pass
         _patches.clear()
+        for undo in reversed(_undo):
+            with contextlib.suppress(Exception):  # putting back is best effort
+                undo()
+        _undo.clear()
         _targets.clear()
         _by_module.clear()
         _status.clear()
@@ -377,6 +402,9 @@ def _replace(owner: Any, attr: str, new: Any) -> None:
 
 
 def _apply(t: Target, module: ModuleType) -> None:
+    if t.strategy == INDUCTOR:
+        _apply_inductor(t, module)
+        return
     *path, attr = t.qualname.split(".")
     owner: Any = module
     for i, p in enumerate(path):
@@ -414,6 +442,53 @@ def _apply(t: Target, module: ModuleType) -> None:
     wrapper = _make_wrapper(t, func)
     _replace(owner, attr, rewrap(wrapper) if rewrap is not None else wrapper)
     _set(t, "whole" if t.name in _whole else "wrapped", detail)
+
+
+def _apply_inductor(t: Target, module: ModuleType) -> None:
+    """Register a krex region as Inductor's GPU benchmark lock context; the factory
+    registered before (a harness's own lock) is entered first and kept."""
+    setter = getattr(module, "set_gpu_benchmark_lock_context", None)
+    if not callable(setter):
+        wrapped = []
+        for cls_name in _INDUCTOR_FALLBACK:
+            cls = getattr(module, cls_name, None)
+            raw = cls.__dict__.get("benchmark_gpu") if isinstance(cls, type) else None
+            if raw is None or _is_ours(raw) or not callable(raw):
+                continue
+            sub = Target(t.module, f"{cls_name}.benchmark_gpu", WHOLE, source=t.source)
+            _replace(cls, "benchmark_gpu", _make_wrapper(sub, raw))
+            wrapped.append(f"{cls_name}.benchmark_gpu")
+        if wrapped:
+            _whole.add(t.name)
+            _set(t, "whole", "this torch has no set_gpu_benchmark_lock_context; "
+                 f"{', '.join(wrapped)} wrapped, the whole call is the region")
+        else:
+            _set(t, "missing", f"{module.__name__} has neither set_gpu_benchmark_lock_context nor "
+                 "benchmark_gpu methods in this version; nothing wrapped")
+        return
+    holder: list[Any] = [None]
+
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if holder[0] is not None:
+                stack.enter_context(holder[0]())
+            stack.enter_context(krex.region())  # nested on one thread: a no-op
+            yield
+
+    setattr(context, MARK, t.name)
+    previous = setter(context)
+    if _is_ours(previous):  # installed twice (a reload): keep the first chain
+        setter(previous)
+        _set(t, "wrapped", "already registered")
+        return
+    holder[0] = previous
+    _undo.append(lambda: setter(previous))
+    detail = _DETAILS[INDUCTOR]
+    if previous is not None:
+        name = getattr(previous, "__qualname__", previous)
+        detail += f"; the context registered before ({name}) runs first"
+    _set(t, "wrapped", detail)
 
 
 # ---------------------------------------------------------------- probes
