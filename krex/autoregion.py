@@ -33,7 +33,9 @@ Built-in targets and what their wrapper puts inside the region:
 - ``pytest_benchmark`` (pytest-benchmark's fixture): ``BenchmarkFixture._raw`` and
   ``_raw_pedantic``, calibration, warm-up and rounds. krex's pytest plugin
   (``krex.pytest_plugin``) turns this on by itself under KREX.
-- ``module:function`` / ``module:Class.method``: the whole call.
+- ``module:function`` / ``module:Class.method``: the whole call; with a suffix
+  ``@do_bench``, ``@do_bench_cudagraph`` or ``@kernelbench`` the function is treated
+  like that built-in (for forks of those harnesses, docs/inhouse-do-bench.md).
 
 How the boundary is found: every wrapper calls the *original* function, so the
 values it returns, its arguments and its statistics are exactly those of the
@@ -169,7 +171,7 @@ def parse(value: str) -> list[Target]:
         low = item.lower()
         if low in _ALL_WORDS:
             found = [t for group in BUILTINS.values() for t in group]
-        elif ":" in item:
+        elif ":" in item or "@" in item:
             found = [_parse_user(item)]
         elif low in BUILTINS:
             found = list(BUILTINS[low])
@@ -184,7 +186,19 @@ def _dotted(s: str) -> bool:
     return bool(s) and all(p.isidentifier() for p in s.split("."))
 
 
+_USER_STRATEGIES = {"whole": WHOLE, "do_bench": DO_BENCH, "do_bench_cudagraph": CUDAGRAPH,
+                    "kernelbench": KERNELBENCH}
+
+
 def _parse_user(item: str) -> Target:
+    item, at, how = item.partition("@")
+    strategy = WHOLE
+    if at:
+        strategy = _USER_STRATEGIES.get(how.strip().lower(), "")
+        if not strategy:
+            raise UsageError(f"{ENV_VAR}: {item}@{how}: unknown strategy {how.strip()!r}",
+                             "after @ write one of " + ", ".join(_USER_STRATEGIES)
+                             + ", e.g. mylib.bench:do_bench@do_bench")
     module, _, qual = item.partition(":")
     module, qual = module.strip(), qual.strip()
     example = "e.g. mybench.timing:run_trials or mybench.timing:Runner.run"
@@ -207,7 +221,7 @@ def _parse_user(item: str) -> Target:
         raise UsageError(f"{ENV_VAR}: {item!r}: functions of the __main__ script cannot be wrapped "
                          "(the script defines them after the hook ran)",
                          "move the function into a module and name it as module:function")
-    return Target(module, qual, WHOLE)
+    return Target(module, qual, strategy)
 
 
 def _unknown(item: str) -> UsageError:

@@ -25,7 +25,7 @@ import pytest
 import krex
 from krex import autoregion
 
-PREFIXES = ("torch", "kernelbench", "pytest_benchmark_fake", "hlog")
+PREFIXES = ("torch", "kernelbench", "hlog", "triton", "inhouse_bench")
 
 FAKES = {
     "hlog.py": """
@@ -123,7 +123,44 @@ FAKES = {
                                                 num_trials=num_trials)
             return [metric_values["gpu__time_duration.sum"] / 1_000_000.0]
     """,
-    "pytest_benchmark_fake/__init__.py": "",
+    # ---- Triton's driver (what a do_bench fork flushes the L2 cache through)
+    "triton/__init__.py": "from . import runtime\n",
+    "triton/runtime/__init__.py": """
+        import hlog
+
+        class CudaDriver:
+            def get_empty_cache_for_benchmark(self):
+                return object()
+            def clear_cache(self, cache):
+                hlog.LOG.append("clear")
+
+        class _Config:
+            active = CudaDriver()
+
+        driver = _Config()
+    """,
+    # ---- an in-house fork of Triton's do_bench (docs/inhouse-do-bench.md)
+    "inhouse_bench.py": """
+        import hlog
+        from triton import runtime
+
+        def do_bench(fn, warmup=3, rep=5, flush=True):
+            fn()                                   # compile
+            hlog.LOG.append("sync")
+            cache = runtime.driver.active.get_empty_cache_for_benchmark()
+            for _ in range(warmup):
+                fn()
+            times = []
+            for _ in range(rep):
+                if flush:
+                    runtime.driver.active.clear_cache(cache)
+                hlog.LOG.append("record")
+                fn()
+                hlog.LOG.append("record")
+                times.append(1.0)
+            hlog.LOG.append("sync")
+            return min(times)
+    """,
 }
 # pytest-benchmark's fixture module path is pytest_benchmark.fixture; the fake lives under
 # that name too, so the built-in target finds it.
@@ -305,3 +342,31 @@ def test_all_includes_the_new_harnesses() -> None:
     names = {t.source for t in autoregion.parse("all")}
     assert {"inductor", "pytest_benchmark", "kernelbench"} <= names
     assert any(t.qualname == "time_execution_with_nsight_python" for t in autoregion.parse("kernelbench"))
+
+
+def test_inhouse_do_bench_fork_with_the_do_bench_strategy(log: list[str]) -> None:
+    autoregion.install("inhouse_bench:do_bench@do_bench")
+    import inhouse_bench
+
+    n: list[int] = []
+    assert inhouse_bench.do_bench(lambda: (n.append(1), log.append("fn")), warmup=3, rep=4) == 1.0
+    i, j = log.index("enter"), log.index("exit")
+    assert log[:i] == ["fn", "sync", "fn", "fn", "fn"]  # compile and warm-up outside
+    assert log[i + 1 : j] == ["clear", "record", "fn", "record"] * 4 + ["sync"]
+    assert _status("inhouse_bench:do_bench")["state"] == "wrapped"
+    # A fork that does not flush between warm-up and timed loop: no boundary, so from then on
+    # the whole call is the region, and status says so.
+    log.clear()
+    inhouse_bench.do_bench(lambda: log.append("fn"), warmup=1, rep=2, flush=False)
+    assert "enter" not in log  # that one call ran without a region (it was not recognised)
+    assert _status("inhouse_bench:do_bench")["state"] == "whole"
+    log.clear()
+    inhouse_bench.do_bench(lambda: log.append("fn"), warmup=1, rep=1, flush=False)
+    assert log[0] == "enter" and log[-1] == "exit"
+
+
+def test_user_strategy_is_checked() -> None:
+    assert autoregion.parse("m.bench:f@kernelbench")[0].strategy == autoregion.KERNELBENCH
+    assert autoregion.parse("m.bench:f")[0].strategy == autoregion.WHOLE
+    with pytest.raises(autoregion.UsageError, match="unknown strategy 'fast'"):
+        autoregion.parse("m.bench:f@fast")
