@@ -85,8 +85,11 @@ def test_krexd_logs_a_drain_timeout(krex_env: dict[str, str], bins: dict[str, Pa
     )
     try:
         assert sib.stdout is not None
-        first = json.loads(sib.stdout.readline())  # the kernel is launched: its drain helper runs
-        actor = int(first["pid"])
+        while True:  # the actor prints a "start" line, then one per action
+            line = json.loads(sib.stdout.readline())
+            if str(line["act"]).startswith("k"):
+                break  # the kernel is launched: the process is registered with its drain helper
+        actor = int(line["pid"])
         os.kill(actor, signal.SIGSTOP)  # a stopped sibling cannot ack the drain
         code = "import krex\nwith krex.region():\n    pass\n"
         p = krex(env, "run", "--device", "sim", "--", sys.executable, "-c", code)
