@@ -19,6 +19,7 @@ ENV = [k for k in ("KREX_CONFIG", "XDG_CONFIG_HOME")] + [
     "KREX_MAX_REGION",
     "KREX_IDLE_EXIT",
     "KREX_FREEZER",
+    "KREX_FREEZE_POLICY",
     "KREX_FREEZE_TIMEOUT",
     "KREX_DRAIN_TIMEOUT",
     "KREX_LOG_LEVEL",
@@ -55,7 +56,7 @@ def test_file_then_environment_then_command_line(monkeypatch: pytest.MonkeyPatch
     f = _file(
         tmp_path,
         '[daemon]\nslots_per_gpu = 3\nmax_region = 30\nidle_exit = "never"\nfreezer = "signal"\n'
-        'log_level = "debug"\ndrain_timeout = 1.5\n',
+        'log_level = "debug"\ndrain_timeout = 1.5\nfreeze_policy = "gpu"\n',
     )
     monkeypatch.setenv("KREX_CONFIG", str(f))
     monkeypatch.setenv("KREX_MAX_REGION", "12.5")
@@ -66,6 +67,10 @@ def test_file_then_environment_then_command_line(monkeypatch: pytest.MonkeyPatch
     assert cfg.freeze_timeout_s == 0.5
     assert cfg.idle_exit_s is None and cfg.sources["idle_exit_s"] == f"file {f}"  # "never" beats on-demand
     assert cfg.freezer == "signal" and cfg.log_level == "debug" and cfg.drain_timeout_s == 1.5
+    assert cfg.freeze_policy == "gpu"
+    monkeypatch.setenv("KREX_FREEZE_POLICY", "adaptive")
+    assert config_from("sim", {}).freeze_policy == "adaptive"
+    assert config_from("sim", {"freeze_policy": "all"}).freeze_policy == "all"
 
 
 def test_user_config_file_is_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -83,6 +88,7 @@ def test_user_config_file_is_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         ("KREX_SLOTS_PER_GPU", "2.5", ["KREX_SLOTS_PER_GPU", "whole number"]),
         ("KREX_SLOTS_PER_GPU", "0", ["KREX_SLOTS_PER_GPU", "1..64"]),
         ("KREX_FREEZER", "ice", ["KREX_FREEZER", "cgroup2"]),
+        ("KREX_FREEZE_POLICY", "some", ["KREX_FREEZE_POLICY", "adaptive"]),
         ("KREX_IDLE_EXIT", "-1", ["KREX_IDLE_EXIT", "never"]),
         ("KREX_LOG_LEVEL", "loud", ["KREX_LOG_LEVEL", "debug"]),
     ],
