@@ -18,6 +18,7 @@ from krex.errors import KrexError
 from . import quiet
 from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
+from .fleet_cmd import register as register_fleet
 
 DEVICE = click.Choice(["auto", "gpu", "sim"])
 
@@ -402,10 +403,19 @@ def _partition_lines(part: dict[str, Any]) -> list[str]:
 @cli.command()
 @click.option("-n", "last", type=int, default=20, show_default=True, help="how many recent regions")
 @click.option("--json", "as_json", is_flag=True)
-def journal(last: int, as_json: bool) -> None:
-    """Print recent regions from the journal."""
+@click.option("--fleet", "fleet", is_flag=True, help="every KREX node of a Ray cluster (`krex fleet`)")
+@click.option("--address", default=None, help="with --fleet: the Ray cluster (default: $RAY_ADDRESS or auto)")
+@click.option("--node-root", default=None, help="with --fleet: the --node-root the fleet ran with")
+def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_root: str | None) -> None:
+    """Print recent regions from the journal (of every node with --fleet)."""
     from krex import journal as jr
     from krex import paths
+
+    if fleet:
+        from .fleet_cmd import journal_fleet
+
+        journal_fleet(address, node_root, last, as_json)
+        return
 
     recs = jr.read(paths.journal_path(), last)
     if as_json:
@@ -449,6 +459,7 @@ def journal(last: int, as_json: bool) -> None:
 
 register_extra(cli)
 register_bench(cli)
+register_fleet(cli)
 
 
 def main(argv: list[str] | None = None) -> Any:

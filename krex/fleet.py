@@ -1,0 +1,874 @@
+"""`krex fleet`: run a batch file or a corpus over a Ray cluster, with KREX on every node.
+
+How KREX maps onto Ray (docs/fleet.md has the operator's side):
+
+* **Slots are a Ray resource.** A node that runs KREX commands offers the custom
+  resource ``krex_slot`` (`RESOURCE`) = its KREX slots: slots per GPU x GPUs
+  (`node_resources` computes it; ``krex fleet --node-resources`` prints it for
+  ``ray start --resources``). Each command is one Ray task that asks for one
+  ``krex_slot`` and no CPU (the CPU partition is KREX's business), so Ray never
+  places more commands on a node than it has slots.
+* **Per-GPU placement is the node daemon's.** The task does not pick a GPU: the
+  node's krexd admits each `krex run` to the least loaded GPU and never more than
+  slots-per-gpu on one (the daemon is started with slots-per-gpu = the node's
+  ``krex_slot`` / its GPUs).
+* **One daemon per node, started on demand.** The first task on a node that finds
+  no daemon answering starts it (``krex daemon start --slots-per-gpu S
+  --idle-exit T``); it exits by itself after T idle seconds.
+* **Each command runs under ``krex run --report`` on its node**; the task is the
+  guardian's parent and returns exit status, result line (the last non-empty
+  stdout line, parsed when it is a JSON object), the report and the output tails.
+  The guardian dies with the task (PR_SET_PDEATHSIG): a lost worker or a cancelled
+  task takes its command with it, the guardian's own exit thaws and releases it.
+* **A lost node.** Ray fails the node's tasks (NodeDiedError, WorkerCrashedError,
+  ...); the driver submits them again, up to `FleetConfig.max_attempts` attempts,
+  and Ray only places them on live nodes. A lost attempt returns nothing, so it is
+  never counted; the final attempt is the command's one result. Every node has its
+  own daemon, gates and cgroups, so nothing on the survivors depends on the lost one.
+* **A KREX world per node.** By default a node uses its own default KREX paths and
+  segment (one Ray node per machine). With `FleetConfig.node_root`, every Ray node
+  gets its own world under ``node_root/<node id>``, keyed by the Ray node id (never
+  the host name): several Ray nodes on one host (tests, demos) then never share a
+  daemon, segment, simulated GPU or trace (`node_world`).
+
+The library never prints: progress goes to the `progress` callback as `FleetEvent`s.
+Ray is an optional dependency (``pip install 'krex[fleet]'``); `import_ray` says so."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from krex.batch import (
+    BatchCommand,
+    CommandResult,
+    _dist,
+    _num,
+    _prepare_dir,
+    _write_json,
+    check_args,
+    summarize,
+)
+from krex.errors import KrexError, NotFound, UsageError
+
+__all__ = [
+    "PYTHON",
+    "RESOURCE",
+    "FleetConfig",
+    "FleetEvent",
+    "FleetFailed",
+    "FleetSummary",
+    "NodeJournal",
+    "corpus_commands",
+    "default_out_dir",
+    "fleet_summary",
+    "gather_journals",
+    "import_ray",
+    "node_resources",
+    "node_world",
+    "run_fleet",
+]
+
+RESOURCE = "krex_slot"
+PYTHON = "{python}"  # argv[0] placeholder for the node's own Python (corpus commands)
+INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' "
+               "(or pip install ray)")
+TAIL_BYTES = 64 * 1024
+TICK_S = 0.5
+GRACE_S = 10.0  # after a cancel: how long running commands get before their tasks are killed
+NODES_REFRESH_S = 2.0
+# Set by Ray in every worker; a command under `krex batch` would not have them
+# (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
+RAY_WORKER_VARS = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_NOENV",
+                   "PYTHONBREAKPOINT", "OMP_NUM_THREADS")
+# A node's KREX variables that a fleet world replaces (or that must not leak into a command).
+WORLD_VARS = ("KREX_STATE_DIR", "KREX_SOCKET", "KREX_JOURNAL", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE",
+              "KREX_SLOT", "KREX_GPU")
+# Ray errors that mean "the attempt was lost with its node or worker", not "the command failed".
+LOST_ERRORS = ("NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError", "RaySystemError",
+               "ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError",
+               "ObjectReconstructionFailedError")
+
+
+class FleetFailed(KrexError):
+    """Some commands of a fleet run exited non-zero or were never run (everything was still written)."""
+
+    exit_code = 1
+
+
+def import_ray() -> Any:
+    """The `ray` module, or NotFound that says how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise NotFound(f"krex fleet needs Ray, which is not installed here ({e})", INSTALL_FIX) from None
+    return ray
+
+
+# ------------------------------------------------------------------------------- node worlds
+
+
+def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
+    """The KREX variables of one Ray node's world: {} for the node's defaults, else a
+    state directory, segment, simulated GPU and trace of its own under node_root,
+    keyed by the Ray node id. Pure: tests compute the same world from the node id."""
+    if node_root is None:
+        return {}
+    if not re.fullmatch(r"[0-9a-fA-F]{8,}", node_id):
+        raise UsageError(f"{node_id!r} is not a Ray node id", "pass the hex id from ray.nodes()")
+    root = Path(node_root).absolute()
+    d = root / node_id[:12]
+    tag = hashlib.sha1(f"{root}\0{node_id}".encode()).hexdigest()[:12]
+    sock = d / "krexd.sock"
+    if len(str(sock).encode()) > 100:
+        raise UsageError(f"--node-root {root} is too long for a Unix socket path ({sock})",
+                         "use a short directory, e.g. one made by mktemp -d /tmp/kx-XXXX")
+    return {"KREX_STATE_DIR": str(d), "KREX_SHM": f"/krex-fl-{tag}", "KREX_SIM_SHM": f"/krex-flsim-{tag}",
+            "KREX_SIM_TRACE": str(d / "trace.jsonl")}
+
+
+def node_resources(device: str = "auto", slots_per_gpu: int | None = None) -> tuple[dict[str, float], int]:
+    """({RESOURCE: slots}, GPUs) for this machine: what `ray start --resources` should offer.
+    Slots per GPU default to krexd's own default (the physical cores of the GPU's CPU slice)."""
+    from krex import cpus
+    from krex.gpus import discover
+
+    check_args(1, device)
+    if slots_per_gpu is not None and not 1 <= slots_per_gpu <= 64:
+        raise UsageError(f"--slots-per-gpu {slots_per_gpu}: out of range", "give 1..64")
+    info = discover(device)
+    if slots_per_gpu is not None:
+        total = slots_per_gpu * info.count
+    else:
+        part = cpus.partition(cpus.discover(), info.count, info.numa or None)
+        total = sum(cpus.default_slots_per_gpu(part, g) for g in range(info.count))
+    return {RESOURCE: float(total)}, info.count
+
+
+def _worker_env(world: dict[str, str], sim_gpus: int | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RAY_WORKER_VARS and k != "LD_PRELOAD"}
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        # Older Ray versions hide every GPU from tasks that asked for none; KREX's daemon
+        # assigns GPUs itself (krex run sets CUDA_VISIBLE_DEVICES per command).
+        del env["CUDA_VISIBLE_DEVICES"]
+    if world:
+        for k in WORLD_VARS:
+            env.pop(k, None)
+        env.update(world)
+        if sim_gpus is not None:
+            env["KREX_SIM_GPUS"] = str(sim_gpus)
+    elif sim_gpus is not None:
+        env.setdefault("KREX_SIM_GPUS", str(sim_gpus))
+    for k in ("KREX_SLOT", "KREX_GPU"):
+        env.pop(k, None)
+    return env
+
+
+# ------------------------------------------------------------------------------ on the node
+
+_NODE_INFO: dict[str, tuple[float, int]] = {}  # node id -> (slots, gpus), cached per worker process
+
+
+def _this_node(ray: Any, node_id: str) -> tuple[float, int]:
+    """(krex slots, Ray GPUs) of this node, from the cluster's node table (one GCS call per worker)."""
+    if node_id not in _NODE_INFO:
+        for n in ray.nodes():
+            if n.get("NodeID") == node_id:
+                res = n.get("Resources") or {}
+                _NODE_INFO[node_id] = (float(res.get(RESOURCE, 0.0)), int(res.get("GPU", 0) or 0))
+                break
+        else:
+            _NODE_INFO[node_id] = (0.0, 0)
+    return _NODE_INFO[node_id]
+
+
+def _socket_for(world: dict[str, str]) -> Path:
+    from krex import paths
+
+    return Path(world["KREX_STATE_DIR"]) / "krexd.sock" if world else paths.socket_path()
+
+
+def _ensure_daemon(env: dict[str, str], world: dict[str, str], device: str, slots: float, gpus: int,
+                   idle_exit_s: float) -> bool:
+    """Start the node's krexd if none answers. True if this call started it."""
+    from krex.client import daemon_alive
+
+    sock = _socket_for(world)
+    if daemon_alive(sock):
+        return False
+    per_gpu = max(1, min(64, math.ceil(slots / max(1, gpus)))) if slots >= 1 else None
+    argv = [sys.executable, "-m", "krex.cli.main", "daemon", "start", "--device", device,
+            "--idle-exit", f"{idle_exit_s:g}"]
+    if per_gpu:
+        argv += ["--slots-per-gpu", str(per_gpu)]
+    p = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    if daemon_alive(sock):  # ours, or one a concurrent task on this node started first
+        return p.returncode == 0
+    raise KrexError(f"could not start the KREX daemon on this node (exit {p.returncode}): "
+                    f"{(p.stderr or p.stdout).strip()[-400:]}",
+                    f"check `krex doctor` on the node; log in {sock.parent}")
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """preexec_fn: the guardian gets SIGTERM when the task's thread goes (a lost worker,
+    a killed task). prctl is resolved before the fork, so the child only calls it."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def apply() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent went before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return apply
+
+
+def _wait(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for the guardian, returning to Python every 0.2 s so that a Ray cancel
+    (a KeyboardInterrupt raised in this thread) gets through; wakes at once on exit."""
+    fd = -1
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.pidfd_open(proc.pid)
+    try:
+        while True:
+            if fd >= 0:
+                select.select([fd], [], [], 0.2)
+            rc = proc.poll() if fd >= 0 else _poll_slow(proc)
+            if rc is not None:
+                return rc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _poll_slow(proc: subprocess.Popen[bytes]) -> int | None:
+    try:
+        return proc.wait(timeout=0.2)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _raylet_gone() -> bool:
+    """True if this worker's raylet (RAY_RAYLET_PID, set by Ray in every worker) has died."""
+    import psutil
+
+    try:
+        pid = int(os.environ.get("RAY_RAYLET_PID", ""))
+    except ValueError:
+        return False
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def _tail(path: Path, n: int) -> tuple[str, int]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            f.seek(max(0, size - n))
+            data = f.read()
+    except OSError:
+        return "", 0
+    return data.decode(errors="replace"), size
+
+
+def _result_line(stdout_tail: str) -> tuple[str | None, Any]:
+    for line in reversed(stdout_tail.splitlines()):
+        line = line.strip()
+        if line:
+            parsed: Any = None
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    parsed = json.loads(line)
+            return line, parsed if isinstance(parsed, dict) else None
+    return None, None
+
+
+def _node_ip(ray: Any) -> str:
+    util: Any = ray.util  # untyped in Ray
+    return str(util.get_node_ip_address())
+
+
+def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
+    """The body of one command's Ray task (runs on the node Ray chose)."""
+    import ray
+
+    t0, started_at = time.monotonic(), time.time()
+    node_id = ray.get_runtime_context().get_node_id()
+    out: dict[str, Any] = {"index": payload["index"], "attempt": payload["attempt"], "node_id": node_id,
+                           "host": socket.gethostname(), "node_ip": _node_ip(ray),
+                           "started_at": started_at, "pid": os.getpid()}
+    world = node_world(node_id, payload.get("node_root"))
+    slots, gpus = _this_node(ray, node_id)
+    device = str(payload["device"])
+    sim_gpus = max(1, gpus) if device == "sim" or world else None
+    env = _worker_env(world, sim_gpus)
+    out["krex_shm"] = env.get("KREX_SHM")
+    work = Path(tempfile.mkdtemp(prefix="krex-fleet-"))
+    try:
+        out["daemon_started"] = _ensure_daemon(env, world, device, slots, gpus,
+                                               float(payload["idle_exit_s"]))
+        argv = [str(a) for a in payload["argv"]]
+        if argv and argv[0] == PYTHON:
+            argv[0] = sys.executable
+        report = work / "report.json"
+        so, se = work / "stdout", work / "stderr"
+        cmd = [sys.executable, "-m", "krex.cli.main", "run", "--device", device, "--report", str(report),
+               "--", *argv]
+        cwd = payload.get("cwd")
+        if cwd and not os.path.isdir(cwd):
+            raise NotFound(f"the working directory {cwd} does not exist on node {node_id[:12]}",
+                           "give --cwd a directory that every node has (or a shared filesystem)")
+        with open(so, "wb") as fo, open(se, "wb") as fe:
+            out["setup_s"] = round(time.monotonic() - t0, 6)
+            t_run = time.monotonic()
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, env=env, cwd=cwd,
+                                    start_new_session=True, close_fds=True, preexec_fn=_die_with_parent())
+        try:
+            rc = _wait(proc)
+        except KeyboardInterrupt:  # ray.cancel(force=False): stop the command like Ctrl-C would
+            proc.send_signal(signal.SIGINT)
+            try:
+                rc = proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            out["cancelled"] = True
+        out["exit_status"] = rc if rc >= 0 else 128 - rc
+        if _raylet_gone():
+            # The node is going down under us (Ray kills a dying worker's children): whatever the
+            # command's status says, this attempt was cut short by the node, not by the command.
+            out["lost"] = f"the node's raylet died while the command ran (exit {out['exit_status']})"
+        elif rc < 0 and not out.get("cancelled"):
+            # The guardian passes its command's status on (128+N for a signal), so a guardian
+            # that itself died of a signal was killed from outside (the OOM killer, a node going
+            # down). The attempt is lost, not failed.
+            out["lost"] = f"the krex run guardian was killed by signal {-rc}"
+        out["wall_s"] = round(time.monotonic() - t_run, 6)
+        try:
+            loaded = json.loads(report.read_text())
+            out["report"] = loaded if isinstance(loaded, dict) else None
+        except FileNotFoundError:
+            out["report"] = None
+            out["error"] = f"krex run wrote no report (exit {out['exit_status']})"
+        except (OSError, ValueError) as e:
+            out["report"] = None
+            out["error"] = f"unreadable report: {e}"
+        n = int(payload.get("tail_bytes") or TAIL_BYTES)
+        out["stdout_tail"], out["stdout_bytes"] = _tail(so, n)
+        out["stderr_tail"], out["stderr_bytes"] = _tail(se, n)
+        if out.get("error") and out["stderr_tail"].strip():
+            out["error"] += ": " + " | ".join(out["stderr_tail"].strip().splitlines()[-3:])[-400:]
+        out["result_line"], out["result"] = _result_line(out["stdout_tail"])
+    except KrexError as e:  # the node could not run it (no daemon, no cwd): a failed command, not a lost one
+        out.update(exit_status=out.get("exit_status", 1), wall_s=out.get("wall_s", 0.0), report=None,
+                   error=f"{e} (fix: {e.fix})" if e.fix else str(e))
+        out.setdefault("stdout_tail", "")
+        out.setdefault("stderr_tail", "")
+        out.setdefault("result_line", None)
+        out.setdefault("result", None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["ended_at"] = time.time()
+    return out
+
+
+def node_journal(node_root: str | None, since: float | None, last: int | None) -> dict[str, Any]:
+    """The body of a journal-gathering task pinned to one node: that node's regions."""
+    import ray
+
+    from krex import journal, paths
+
+    node_id = ray.get_runtime_context().get_node_id()
+    world = node_world(node_id, node_root)
+    path = Path(world["KREX_STATE_DIR"]) / "journal.jsonl" if world else paths.journal_path()
+    out: dict[str, Any] = {"node_id": node_id, "host": socket.gethostname(),
+                           "node_ip": _node_ip(ray), "journal": str(path)}
+    try:
+        recs = journal.read(path)
+    except NotFound:
+        recs = []
+    if since is not None:
+        recs = [r for r in recs if _num(r.get("ts")) >= since]
+    out["records"] = recs[-last:] if last else recs
+    return out
+
+
+# ------------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class FleetConfig:
+    address: str | None = None  # Ray address; None: start a local one-node Ray cluster
+    device: str = "auto"  # passed to every `krex run` (and used for the local cluster's slots)
+    node_root: str | None = None  # a KREX world per Ray node under this directory (see node_world)
+    slots_per_gpu: int | None = None  # local cluster only: its krex_slot = this x GPUs
+    max_attempts: int = 3  # a command lost with its node runs again, up to this many attempts in all
+    idle_exit_s: float = 120.0  # daemons the fleet starts exit after this long idle
+    cwd: str | None = None  # where commands run on the nodes (default: the driver's cwd)
+    tail_bytes: int = TAIL_BYTES
+    wait_nodes_s: float = 60.0  # give up when no live node offers krex_slot for this long
+
+
+@dataclass
+class FleetEvent:
+    """Progress: `kind` "submit", "done" (`result` set), "lost" (an attempt lost with its node;
+    `lost` set), "tick" (about every TICK_S s)."""
+
+    kind: Literal["submit", "done", "lost", "tick"]
+    total: int
+    done: int
+    in_flight: int
+    failed: int
+    reruns: int
+    elapsed_s: float
+    nodes_alive: int
+    slots: int
+    per_node: dict[str, int]  # node id -> commands finished there
+    command: BatchCommand | None = None
+    result: CommandResult | None = None
+    node_id: str | None = None
+    lost: dict[str, Any] | None = None
+    cancelling: bool = False
+
+
+@dataclass
+class FleetSummary:
+    out_dir: Path
+    results: list[CommandResult]
+    data: dict[str, Any]  # summary.json
+
+    @property
+    def failures(self) -> int:
+        return int(self.data["failures"])
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.data["interrupted"])
+
+
+@dataclass
+class _Attempt:
+    cmd: BatchCommand
+    attempt: int
+    submitted: float  # monotonic, on the driver
+    lost: list[dict[str, Any]] = field(default_factory=list)
+
+
+def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    root = (base or Path.cwd()) / f"krex-fleet-{stamp}"
+    p, n = root, 1
+    while p.exists():
+        n += 1
+        p = root.with_name(f"{root.name}-{n}")
+    return p
+
+
+def corpus_commands(manifest: str | None, device: str, quick: bool = False,
+                    only: Sequence[str] = ()) -> list[BatchCommand]:
+    """The `krex bench` corpus as fleet commands (its scripts must exist at the same path on every
+    node); PYTHON stands for the node's Python. device "sim" picks the simulated corpus, else GPU."""
+    from krex.bench import load_corpus
+
+    dev = "sim" if device == "sim" else "gpu"
+    wl = load_corpus(Path(manifest) if manifest else None, dev, quick, only)
+    if not wl:
+        raise UsageError(f"the corpus has no {dev} command{' matching --only' if only else ''}",
+                         "check --corpus, --quick and --only")
+    return [BatchCommand(i, w.argv(PYTHON), None) for i, w in enumerate(wl, 1)]
+
+
+def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, float], int] | None) -> bool:
+    """Connect to Ray. Returns True if we did (and must disconnect)."""
+    import logging
+
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "krex"}
+    try:
+        if address:
+            ray.init(address=address, **kw)
+        else:
+            assert local_resources is not None
+            res, gpus = local_resources
+            ray.init(num_gpus=gpus, resources=res, include_dashboard=False,
+                     object_store_memory=256 * 1024 * 1024, **kw)
+    except ConnectionError as e:
+        raise NotFound(f"no Ray cluster at {address or 'a new local instance'}: {e}",
+                       "check --address (host:port of the head's GCS, or 'auto' on a cluster node)") from None
+    return True
+
+
+def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    out = {}
+    for n in ray.nodes():
+        res = n.get("Resources") or {}
+        if n.get("Alive") and res.get(RESOURCE, 0) >= 1 and n["NodeID"] not in dead:
+            out[str(n["NodeID"])] = {"ip": n.get("NodeManagerAddress"), "host": n.get("NodeManagerHostname"),
+                                     "slots": int(res.get(RESOURCE, 0)), "gpus": int(res.get("GPU", 0) or 0)}
+    return out
+
+
+def _lost_errors(ray: Any) -> tuple[type[BaseException], ...]:
+    return tuple(t for t in (getattr(ray.exceptions, n, None) for n in LOST_ERRORS) if isinstance(t, type))
+
+
+def _node_of_error(e: BaseException) -> str | None:
+    m = re.search(r"node ID: ([0-9a-f]{16,})", str(e), re.IGNORECASE)
+    return m.group(1) if m else None
+
+
+def run_fleet(commands: Sequence[BatchCommand], cfg: FleetConfig, out_dir: Path | str | None = None,
+              progress: Callable[[FleetEvent], None] | None = None,
+              cancel: threading.Event | None = None) -> FleetSummary:
+    """Run `commands` on the Ray cluster (see the module docstring); write cmd-NNN.json,
+    .stdout and .stderr (output tails), journal.jsonl (every node's regions of the run) and
+    summary.json to `out_dir` (default ./krex-fleet-<timestamp>/) and return them.
+
+    A failing command does not stop the run. Setting `cancel` (or a KeyboardInterrupt in the
+    calling thread) stops submitting, interrupts the running commands (SIGINT, then their
+    tasks are killed after GRACE_S) and still writes everything."""
+    check_args(1, cfg.device)
+    if cfg.max_attempts < 1:
+        raise UsageError(f"--max-attempts {cfg.max_attempts}: need at least 1", "give 1 or more")
+    if not commands:
+        raise UsageError("no commands to run", "give a batch file or --corpus")
+    local = None if cfg.address else node_resources(cfg.device, cfg.slots_per_gpu)
+    if cfg.node_root is not None:
+        Path(cfg.node_root).mkdir(parents=True, exist_ok=True)
+        node_world("0" * 56, cfg.node_root)  # a too-long root fails here, not on every node
+    out = (Path(out_dir) if out_dir is not None else default_out_dir()).absolute()
+    _prepare_dir(out)
+    ray = import_ray()
+    connected = _connect(ray, cfg.address, local)
+    try:
+        return _drive(ray, commands, cfg, out, progress, cancel or threading.Event())
+    finally:
+        if connected:
+            ray.shutdown()
+
+
+def _drive(ray: Any, commands: Sequence[BatchCommand], cfg: FleetConfig, out: Path,
+           progress: Callable[[FleetEvent], None] | None, cancel: threading.Event) -> FleetSummary:
+    lost_types = _lost_errors(ray)
+    task = ray.remote(run_on_node)
+    width = max(3, len(str(len(commands))))
+    cwd = cfg.cwd or os.getcwd()
+    t_run, started_wall = time.monotonic(), time.time()
+    nodes = _alive_nodes(ray)
+    seen: dict[str, dict[str, Any]] = dict(nodes)  # every node that offered slots during the run
+    nodes_at = time.monotonic()
+    no_nodes_since: float | None = None if nodes else time.monotonic()
+    pending: deque[BatchCommand] = deque(commands)
+    in_flight: dict[Any, _Attempt] = {}
+    results: dict[int, CommandResult] = {}
+    extra: dict[int, dict[str, Any]] = {}  # per command: node, attempts, result line
+    lost_log: list[dict[str, Any]] = []
+    # Nodes named by a NodeDiedError: lost for good (a node id is never reused), even while
+    # the GCS still lists them as alive (it notices a dead raylet only after its health checks).
+    dead: set[str] = set()
+    per_node: dict[str, int] = {}
+    failed = 0
+    next_tick = t_run + TICK_S
+    cancel_step, cancel_at = 0, 0.0
+    gave_up: str | None = None
+
+    def emit(kind: Literal["submit", "done", "lost", "tick"], **kw: Any) -> None:
+        if progress is not None:
+            progress(FleetEvent(kind, len(commands), len(results), len(in_flight), failed, len(lost_log),
+                                time.monotonic() - t_run, len(nodes), sum(n["slots"] for n in nodes.values()),
+                                dict(per_node), cancelling=cancel_step > 0, **kw))
+
+    def submit(cmd: BatchCommand, attempt: int, lost: list[dict[str, Any]]) -> None:
+        payload = {"index": cmd.index, "argv": cmd.argv, "attempt": attempt, "device": cfg.device,
+                   "node_root": None if cfg.node_root is None else str(Path(cfg.node_root).absolute()),
+                   "idle_exit_s": cfg.idle_exit_s, "cwd": cwd, "tail_bytes": cfg.tail_bytes}
+        ref = task.options(resources={RESOURCE: 1}, num_cpus=0, max_retries=0,
+                           name=f"krex-fleet:{cmd.index}").remote(payload)
+        in_flight[ref] = _Attempt(cmd, attempt, time.monotonic(), lost)
+        emit("submit", command=cmd)
+
+    def record(a: _Attempt, res: dict[str, Any] | None, error: str | None, t_back: float,
+               status: int | None = None) -> None:
+        """One command's final outcome; `res` None: no result came back (`status` None = never
+        completed, counted as not run; 1 = the task itself failed)."""
+        nonlocal failed
+        cmd = a.cmd
+        stem = f"cmd-{cmd.index:0{width}d}"
+        so, se = out / f"{stem}.stdout", out / f"{stem}.stderr"
+        if res is None:
+            cr = CommandResult(cmd, status, 0.0, None, None, "", "", None, error)
+            node = None
+        else:
+            so.write_text(res.get("stdout_tail") or "")
+            se.write_text(res.get("stderr_tail") or "")
+            cr = CommandResult(cmd, res.get("exit_status"), float(res.get("wall_s") or 0.0),
+                               res.get("started_at"), res.get("ended_at"), str(so), str(se),
+                               res.get("report"), res.get("error"))
+            node = res.get("node_id")
+            if node:
+                per_node[node] = per_node.get(node, 0) + 1
+        results[cmd.index] = cr
+        if cr.exit_status is not None and not cr.ok:
+            failed += 1
+        got = res or {}
+        ex = {"node_id": node, "node_ip": got.get("node_ip"), "host": got.get("host"),
+              "attempt": a.attempt, "lost_attempts": a.lost,
+              "result_line": got.get("result_line"), "result": got.get("result"),
+              "stdout_bytes": got.get("stdout_bytes"), "stderr_bytes": got.get("stderr_bytes"),
+              "setup_s": got.get("setup_s"), "daemon_started": got.get("daemon_started"),
+              "round_trip_s": round(t_back - a.submitted, 6), "cancelled": bool(got.get("cancelled"))}
+        extra[cmd.index] = ex
+        _write_json(out / f"{stem}.json", {**cr.to_json(), **ex})
+        emit("done", command=cmd, result=cr, node_id=node)
+
+    def lose(a: _Attempt, node: str | None, kind: str, message: str, t_back: float) -> None:
+        """An attempt lost with its node or worker: run the command again (it was never counted)."""
+        rec = {"index": a.cmd.index, "attempt": a.attempt, "node_id": node, "error": kind, "message": message}
+        lost_log.append(rec)
+        emit("lost", command=a.cmd, node_id=node, lost=rec)
+        if cancel_step:
+            record(a, None, "interrupted while its node was lost", t_back)
+        elif a.attempt < cfg.max_attempts:
+            pending.appendleft(a.cmd)
+            retry[a.cmd.index] = [*a.lost, rec]
+        else:
+            record(a, None, f"lost {a.attempt} time(s) with its node or worker; last: {message}", t_back)
+
+    def collect(ref: Any) -> None:
+        a = in_flight.pop(ref)
+        t_back = time.monotonic()
+        try:
+            res = ray.get(ref)
+        except lost_types as e:
+            node = _node_of_error(e)
+            if node and isinstance(e, ray.exceptions.NodeDiedError):
+                dead.add(node)
+                nodes.pop(node, None)
+            lose(a, node, type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
+                 t_back)
+            return
+        except ray.exceptions.TaskCancelledError:
+            record(a, None, "cancelled: the fleet run was interrupted", t_back)
+            return
+        except ray.exceptions.RayError as e:  # the task itself raised: a failed command, never re-run
+            record(a, None, f"{type(e).__name__}: {str(e).strip()[-600:]}", t_back, status=1)
+            return
+        if res.get("lost"):
+            lose(a, res.get("node_id"), "GuardianKilled", str(res["lost"]), t_back)
+            return
+        record(a, res, None, t_back)
+
+    retry: dict[int, list[dict[str, Any]]] = {}
+    attempts: dict[int, int] = {}
+    try:
+        while pending or in_flight:
+            try:
+                now = time.monotonic()
+                if now - nodes_at >= NODES_REFRESH_S:
+                    nodes, nodes_at = _alive_nodes(ray, dead), now
+                    seen.update(nodes)
+                    no_nodes_since = (no_nodes_since or now) if not nodes else None
+                if cancel.is_set() and cancel_step == 0:
+                    cancel_step, cancel_at = 1, now
+                    pending.clear()
+                    for ref in list(in_flight):
+                        ray.cancel(ref, force=False)
+                elif cancel_step == 1 and now - cancel_at > GRACE_S + 5:
+                    cancel_step = 2
+                    for ref in list(in_flight):
+                        ray.cancel(ref, force=True)
+                starved = no_nodes_since is not None and now - no_nodes_since > cfg.wait_nodes_s
+                if starved and cancel_step == 0:
+                    gave_up = (f"no live Ray node offered the {RESOURCE} resource for "
+                               f"{cfg.wait_nodes_s:g} s")
+                    cancel.set()
+                    continue
+                window = max(1, 2 * sum(n["slots"] for n in nodes.values()))
+                while pending and len(in_flight) < window and cancel_step == 0:
+                    cmd = pending.popleft()
+                    attempts[cmd.index] = attempts.get(cmd.index, 0) + 1
+                    submit(cmd, attempts[cmd.index], retry.pop(cmd.index, []))
+                if in_flight:
+                    ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.2)
+                    if ready:
+                        ready, _ = ray.wait(list(in_flight), num_returns=len(in_flight), timeout=0)
+                    for ref in ready:
+                        collect(ref)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    emit("tick")
+            except KeyboardInterrupt:
+                cancel.set()
+    finally:
+        if in_flight:  # only reached with tasks left if something above raised: don't orphan them
+            for ref in in_flight:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)
+    total = time.monotonic() - t_run
+    interrupted = cancel_step > 0
+    all_results: list[CommandResult] = []
+    for cmd in commands:
+        res = results.get(cmd.index)
+        if res is None:
+            res = CommandResult(cmd, None, 0.0, None, None, "", "", None,
+                                gave_up or "not started: the fleet run was interrupted")
+            extra[cmd.index] = {"node_id": None, "attempt": attempts.get(cmd.index, 0),
+                                "lost_attempts": retry.get(cmd.index, [])}
+            _write_json(out / f"cmd-{cmd.index:0{width}d}.json", {**res.to_json(), **extra[cmd.index]})
+        all_results.append(res)
+    final_nodes = _alive_nodes(ray, dead)
+    journals = gather_journals_connected(ray, cfg.node_root, since=started_wall - 5.0,
+                                         nodes=[n for n in seen if n in final_nodes])
+    with open(out / "journal.jsonl", "w") as f:
+        for j in journals:
+            for r in j.records:
+                f.write(json.dumps({"node_id": j.node_id, **r}, separators=(",", ":")) + "\n")
+    data = fleet_summary(all_results, extra, seen, set(final_nodes), lost_log, total, cfg, str(out),
+                         interrupted, journals)
+    if gave_up:
+        data["gave_up"] = gave_up
+    _write_json(out / "summary.json", data)
+    return FleetSummary(out, all_results, data)
+
+
+# ------------------------------------------------------------------------------------ summary
+
+
+def fleet_summary(results: Sequence[CommandResult], extra: dict[int, dict[str, Any]],
+                  nodes: dict[str, dict[str, Any]], alive: set[str], lost: Sequence[dict[str, Any]],
+                  total_wall_s: float, cfg: FleetConfig, out_dir: str, interrupted: bool = False,
+                  journals: Sequence[NodeJournal] = ()) -> dict[str, Any]:
+    """The fleet summary: `krex batch`'s summary over all commands, plus one row per node.
+    Pure. Each command counts once, on the node of its final attempt; lost attempts count
+    only in `reruns` / `lost_attempts` (and in their node's row as `lost_attempts`)."""
+    slots = sum(int(n.get("slots", 0)) for i, n in nodes.items() if i in alive)
+    data = summarize(results, total_wall_s, slots, cfg.device, out_dir, interrupted)
+    data["jobs"] = slots  # the live cluster's slots at the end: Ray's admission limit
+    by_node: dict[str, list[CommandResult]] = {}
+    for r in results:
+        node = (extra.get(r.command.index) or {}).get("node_id")
+        if node and r.exit_status is not None:
+            by_node.setdefault(node, []).append(r)
+    jr = {j.node_id: j for j in journals}
+    rows = []
+    for nid in sorted(set(nodes) | set(by_node)):
+        rs = by_node.get(nid, [])
+        regs = [reg for r in rs for reg in r.regions]
+        info = nodes.get(nid, {})
+        j = jr.get(nid)
+        rows.append({
+            "node_id": nid,
+            "ip": info.get("ip"),
+            "host": info.get("host"),
+            "gpus": info.get("gpus"),
+            "slots": info.get("slots"),
+            "state": "alive" if nid in alive else "lost",
+            "commands": len(rs),
+            "failures": sum(1 for r in rs if not r.ok),
+            "regions": len(regs),
+            "contaminated_regions": sum(1 for reg in regs if reg.get("contaminated")),
+            "region_waits": _dist([_num(reg.get("queue_wait_s")) for reg in regs]),
+            "admission_waits": _dist([_num(r.report.get("admission_wait_s")) for r in rs if r.report]),
+            "gpus_used": sorted({int(_num((r.report or {}).get("gpu"))) for r in rs if r.report}),
+            "lost_attempts": sum(1 for x in lost if x.get("node_id") == nid),
+            "journal_regions": None if j is None else len(j.records),
+            "journal_error": None if j is None else j.error,
+        })
+    rt = [float(e["round_trip_s"]) - r.wall_s for r in results
+          if r.exit_status is not None and (e := extra.get(r.command.index))
+          and e.get("round_trip_s") is not None]
+    data.update({
+        "fleet": {"address": cfg.address or "local", "node_root": cfg.node_root,
+                  "max_attempts": cfg.max_attempts},
+        "nodes": rows,
+        "lost_nodes": sorted(n for n in nodes if n not in alive),
+        "reruns": sum(len((extra.get(r.command.index) or {}).get("lost_attempts", [])) for r in results),
+        "lost_attempts": list(lost),
+        # driver round trip minus the command's own `krex run` wall: Ray's scheduling,
+        # the task's set-up and the result's way back (queueing for a free slot included)
+        "dispatch_s": _dist(rt),
+    })
+    return data
+
+
+# ----------------------------------------------------------------------------- fleet journal
+
+
+@dataclass
+class NodeJournal:
+    node_id: str
+    ip: str | None
+    host: str | None
+    records: list[dict[str, Any]]
+    error: str | None = None
+
+
+def gather_journals_connected(ray: Any, node_root: str | None, since: float | None = None,
+                              last: int | None = None, nodes: Sequence[str] | None = None,
+                              timeout_s: float = 60.0) -> list[NodeJournal]:
+    """Every live KREX node's journal (one task pinned to each node), on a connected Ray."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = _alive_nodes(ray)
+    ids = [n for n in (nodes if nodes is not None else sorted(alive)) if n in alive]
+    task = ray.remote(node_journal)
+    root = None if node_root is None else str(Path(node_root).absolute())
+    refs = {n: task.options(num_cpus=0, max_retries=0,
+                            scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+            .remote(root, since, last) for n in ids}
+    out = []
+    deadline = time.monotonic() + timeout_s
+    for n, ref in refs.items():
+        info = alive[n]
+        try:
+            got = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            out.append(NodeJournal(n, got.get("node_ip") or info.get("ip"), got.get("host"), got["records"]))
+        except Exception as e:  # a node that dies or hangs now: say so, keep the others
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+            out.append(NodeJournal(n, info.get("ip"), info.get("host"), [], f"{type(e).__name__}: {e}"[:300]))
+    return out
+
+
+def gather_journals(address: str | None, node_root: str | None = None, last: int | None = None,
+                    since: float | None = None) -> list[NodeJournal]:
+    """`krex journal --fleet`: connect to the Ray cluster at `address` (default: $RAY_ADDRESS,
+    else 'auto', the cluster this machine belongs to) and read every KREX node's journal."""
+    ray = import_ray()
+    addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+    connected = _connect(ray, addr, None)
+    try:
+        js = gather_journals_connected(ray, node_root, since, last)
+    finally:
+        if connected:
+            ray.shutdown()
+    if not js:
+        raise NotFound(f"no live node of the Ray cluster at {addr} offers the {RESOURCE} resource",
+                       "start KREX nodes with `ray start ... --resources \"$(krex fleet --node-resources)\"`")
+    return js
