@@ -229,13 +229,16 @@ def _ensure_daemon(env: dict[str, str], world: dict[str, str], device: str, slot
 
 def _die_with_parent() -> Callable[[], None]:
     """preexec_fn: the guardian gets SIGTERM when the task's thread goes (a lost worker,
-    a killed task). prctl is resolved before the fork, so the child only calls it."""
+    a killed task). prctl is resolved before the fork, so the child only calls it.
+    Ray runs tasks with SIGINT blocked, and a blocked mask survives exec: unblock
+    everything, or neither a cancel's SIGINT nor the guardian's forwarding would work."""
     import ctypes
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
 
     def apply() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent went before prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)

@@ -455,12 +455,15 @@ def test_fleet_usage_errors(tmp_path: Path) -> None:
 
 def test_guardian_dies_with_its_task(tmp_path: Path) -> None:
     """The PR_SET_PDEATHSIG hook: when the process that started a guardian dies, the guardian
-    gets SIGTERM (a lost Ray worker takes its command along)."""
+    gets SIGTERM (a lost Ray worker takes its command along). Ray runs tasks with signals
+    blocked, and a blocked mask survives exec: the parent here blocks SIGINT and SIGTERM."""
     marker = tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     code = f"""
-import subprocess, sys, time
+import signal, subprocess, sys, time
 from krex.fleet import _die_with_parent
-p = subprocess.Popen(["sh", "-c", "echo $$ > {marker}; exec sleep 60"], preexec_fn=_die_with_parent())
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+p = subprocess.Popen([sys.executable, "-c", {child_code!r}], preexec_fn=_die_with_parent())
 time.sleep(60)
 """
     parent = subprocess.Popen([sys.executable, "-c", code], env=clean_env())
@@ -468,9 +471,44 @@ time.sleep(60)
         wait_until(lambda: marker.exists() and marker.read_text().strip(), 30, "the child to start")
         child = int(marker.read_text())
         assert _proc_state(child) not in ("", "Z", "X")
+        blocked = int(next(ln.split()[1] for ln in _read(Path(f"/proc/{child}/status")).splitlines()
+                           if ln.startswith("SigBlk:")), 16)
+        assert blocked == 0
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         wait_until(lambda: _proc_state(child) in ("", "Z", "X"), 30, "the child to die with its parent")
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_fleet_interrupted_stops_its_commands_and_writes_everything(fleet: Fleet, tmp_path: Path) -> None:
+    a = fleet.add(gpus=1, slots=2)
+    fleet.wait_for_nodes()
+    started = tmp_path / "started"
+    started.mkdir()
+    cmds = tmp_path / "long.json"
+    body = (f"import os, time; open(os.path.join({str(started)!r}, str(os.getpid())), 'w').close(); "
+            "time.sleep(120)")
+    cmds.write_text(json.dumps([[sys.executable, "-c", body]] * 4))
+    out = tmp_path / "out"
+    proc = fleet.fleet([str(cmds)], out)
+    wait_until(lambda: len(list(started.iterdir())) >= 2 or proc.poll() is not None, 240,
+               "two commands running", interval=0.1)
+    assert proc.poll() is None
+    pids = [int(p.name) for p in started.iterdir()]
+    proc.send_signal(signal.SIGINT)
+    rc, stdout, stderr = fleet.finish(proc, timeout=120)
+    assert rc == 130, stdout + stderr[-3000:]
+    assert "fleet run interrupted: 2 of 4 command(s) not run" in stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["interrupted"] is True and len(s["not_run"]) == 2 and s["ran"] == 2
+    results = load_results(out, 4)
+    ran = [r for r in results if not r["not_run"]]
+    # The running commands got the SIGINT (Python exits by the signal: 128+2), not a kill.
+    assert [r["exit_status"] for r in ran] == [130, 130], [r.get("error") for r in ran]
+    assert all(r["cancelled"] for r in ran)
+    wait_until(lambda: all(_proc_state(p) in ("", "Z", "X") for p in pids), 30, "the commands to end")
+    assert fleet.frozen(a) == []
+    snap = fleet.snapshot(a)
+    assert not any(g.closed for g in snap.gates) and not any(x.owner_alive for x in snap.slots)
