@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 RESOURCE = "krex_slot"
-PYTHON = "{python}"  # argv[0] placeholder for the node's own Python (corpus commands)
+PYTHON = "{python}"  # argv placeholder for the node's own Python (corpus commands)
 INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' "
                "(or pip install ray)")
 TAIL_BYTES = 64 * 1024
@@ -334,9 +334,7 @@ def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         out["daemon_started"] = _ensure_daemon(env, world, device, slots, gpus,
                                                float(payload["idle_exit_s"]))
-        argv = [str(a) for a in payload["argv"]]
-        if argv and argv[0] == PYTHON:
-            argv[0] = sys.executable
+        argv = [sys.executable if a == PYTHON else str(a) for a in payload["argv"]]
         report = work / "report.json"
         so, se = work / "stdout", work / "stderr"
         cmd = [sys.executable, "-m", "krex.cli.main", "run", "--device", device, "--report", str(report),
@@ -502,7 +500,9 @@ def corpus_commands(manifest: str | None, device: str, quick: bool = False,
     if not wl:
         raise UsageError(f"the corpus has no {dev} command{' matching --only' if only else ''}",
                          "check --corpus, --quick and --only")
-    return [BatchCommand(i, w.argv(PYTHON), None) for i, w in enumerate(wl, 1)]
+    # A workload's own variables (e.g. KREX_AUTO_REGION) go through env(1), like a shell line would.
+    return [BatchCommand(i, [*(["env", *(f"{k}={v}" for k, v in w.env)] if w.env else []), *w.argv(PYTHON)])
+            for i, w in enumerate(wl, 1)]
 
 
 def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, float], int] | None) -> bool:

@@ -325,6 +325,15 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
     per_node = {j["node_id"]: len(j["records"]) for j in json.loads(p.stdout)}
     assert per_node == {nid: row["regions"] for nid, row in rows.items()}
 
+    # The `krex bench` corpus runs the same way (its scripts and the node's Python).
+    out2 = tmp_path / "corpus"
+    corpus = ["--corpus", "default", "--quick", "--only", "sim-a"]
+    rc, stdout, stderr = fleet.finish(fleet.fleet(corpus, out2), timeout=300)
+    assert rc == 0, stdout + stderr[-3000:]
+    results = load_results(out2, 5)
+    assert all(r["exit_status"] == 0 and "ms" in r["result"] and r["regions"] >= 1 for r in results)
+    assert all(r["argv"][0] == "{python}" for r in results)  # the node's own Python ran it
+
 
 def test_fleet_lost_node_reruns_its_commands_elsewhere(fleet: Fleet, tmp_path: Path) -> None:
     a, b, c = (fleet.add(gpus=1, slots=2) for _ in range(3))
