@@ -518,7 +518,8 @@ def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, flo
         else:
             assert local_resources is not None
             res, gpus = local_resources
-            ray.init(num_gpus=gpus, resources=res, include_dashboard=False,
+            # "local": a new instance even where a cluster runs (ray.init() alone would join it)
+            ray.init(address="local", num_gpus=gpus, resources=res, include_dashboard=False,
                      object_store_memory=256 * 1024 * 1024, **kw)
     except ConnectionError as e:
         raise NotFound(f"no Ray cluster at {address or 'a new local instance'}: {e}",
