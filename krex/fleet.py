@@ -409,7 +409,7 @@ def node_journal(node_root: str | None, since: float | None, last: int | None) -
     out: dict[str, Any] = {"node_id": node_id, "host": socket.gethostname(),
                            "node_ip": _node_ip(ray), "journal": str(path)}
     try:
-        recs = journal.read(path)
+        recs = journal.read(path, None if since is not None else last)
     except NotFound:
         recs = []
     if since is not None:
