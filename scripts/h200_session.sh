@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Several issues' H200 checks in ONE device call (one machine start), installing once:
+#   issue 12: the shipped manylinux wheel (zig-built, glibc 2.17) on the real CUDA stack:
+#             doctor, Inductor autotune and pytest-benchmark regions (scripts/h200_issue12.sh)
+#   issue 14: `krex fleet` on a one-node Ray cluster against `krex batch` (fleet_overhead.py)
+# Carry .whl (posix_ipc), .whl-fleet (slimmed Ray + deps + cffi; scripts/fleet_wheels.sh) and
+# .whl-krex (the wheel built here: pip wheel --no-deps -w .whl-krex .). Results in $OUT.
+#   env: STEPS (default "i12 fleet")
+set -uo pipefail
+REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; mkdir -p "$FINAL"; STEPS=" ${STEPS:-i12 fleet} "
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/posix_ipc*.whl .whl-fleet/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/krexpkg .whl-krex/krex-*.whl || exit 1
+export PYTHONPATH=/tmp/krexpkg:/tmp/site PYTHONUNBUFFERED=1
+python3 -c 'import krex, ray; print("krex from", krex.__file__, "ray", ray.__version__)'
+case $STEPS in *" i12 "*)
+  echo "== issue 12: the wheel on the real stack"; mkdir -p /tmp/o12
+  (OUT=/tmp/o12 timeout 240 bash scripts/h200_issue12.sh 2>&1 | tail -8)
+  tar czf "$FINAL/i12.tgz" -C /tmp/o12 . ;;
+esac
+case $STEPS in *" fleet "*)
+  echo "== issue 14: krex fleet against krex batch"; mkdir -p /tmp/ofl /tmp/fleetwork
+  (cd /tmp/fleetwork && KREX_STATE_DIR=/tmp/krexstate-fleet KREX_SHM=/krex-fleet timeout 330 \
+     python3 "$REPO/scripts/fleet_overhead.py" --device gpu --slots 16 --corpus-slots 8 --serial 20 \
+     --trivial 100 --corpus "$REPO/examples/workloads/manifest.py" --timeout 150 --out /tmp/ofl/runs \
+     > /tmp/ofl/table.txt 2>&1; tail -16 /tmp/ofl/table.txt)
+  tar czf "$FINAL/fleet.tgz" -C /tmp/ofl . ;;
+esac
