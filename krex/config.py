@@ -13,6 +13,8 @@ Precedence: command line > environment > config file > defaults. The config file
                                           `krex daemon start` never)
   freezer          KREX_FREEZER           freeze backend: cgroup2, cgroup1, signal (first that works)
   freeze_policy    KREX_FREEZE_POLICY     which siblings a region freezes: all, gpu, adaptive (all)
+  lend_cores       KREX_LEND_CORES        commands may run on their GPU's region core while no region
+                                          needs it; a region moves them off it (off)
   freeze_timeout   KREX_FREEZE_TIMEOUT    seconds to wait for a group to report frozen (2)
   drain_timeout    KREX_DRAIN_TIMEOUT     seconds to wait for in-flight work and drain acks (5)
   log_level        KREX_LOG_LEVEL         debug, info, warning, error (info)
@@ -56,6 +58,17 @@ def _idle(v: Any) -> float | None:
     return float(_num(0.1, 1e9)(v))
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("not a yes/no value")
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def conv(v: Any) -> str:
         s = str(v).strip().lower()
@@ -87,6 +100,7 @@ KEYS = (
         _choice(freezepolicy.POLICIES),
         "one of " + ", ".join(freezepolicy.POLICIES),
     ),
+    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _bool, "1 or 0 (true or false)"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),

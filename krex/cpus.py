@@ -12,6 +12,7 @@ The library never prints; `Partition.describe()` returns lines for `krex doctor`
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -490,3 +491,36 @@ def pin_thread(tid: int, cpus: list[int]) -> list[int]:
 def restore_thread(tid: int, old: list[int]) -> None:
     """Give thread `tid` back the affinity pin_thread() returned."""
     _set(tid, old, f"restoring its affinity to {format_cpulist(old)}")
+
+
+def evict(pids: list[int], reserved: list[int], keep_tid: int) -> list[tuple[int, list[int]]]:
+    """Move every thread of `pids` but `keep_tid` off the `reserved` CPUs (the region core is
+    the measuring thread's alone). Returns (tid, old affinity) to hand to restore_evicted().
+
+    Best effort and race-tolerant: a thread that exits meanwhile is skipped, and a thread
+    created after the listing inherits its creator's (already narrowed) affinity."""
+    res = set(reserved)
+    moved: list[tuple[int, list[int]]] = []
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            if tid == keep_tid:
+                continue
+            try:
+                old = os.sched_getaffinity(tid)
+                rest = old - res
+                if rest and rest != old:
+                    os.sched_setaffinity(tid, rest)
+                    moved.append((tid, sorted(old)))
+            except OSError:
+                continue
+    return moved
+
+
+def restore_evicted(moved: list[tuple[int, list[int]]]) -> None:
+    for tid, old in moved:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, old)

@@ -51,6 +51,9 @@ class Config:
     freezer: str | None = None
     shm_name: str | None = None
     freeze_policy: str = freezepolicy.DEFAULT  # see krex/freezepolicy.py
+    # Commands may also run on their GPU's region core(s) while no region needs them; a
+    # region moves every thread but the measuring one off them (cpus.evict).
+    lend_cores: bool = False
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.config)
 
@@ -527,6 +530,7 @@ class Daemon:
             req.granted.set()
             return
         frozen: list[Slot] = []
+        evicted: list[tuple[int, list[int]]] = []
         old_aff: list[int] | None = None
         t0 = time.monotonic()
         try:
@@ -573,6 +577,14 @@ class Daemon:
                 old_aff = cpus.pin_thread(req.tid, reserved)
             except KrexError as e:
                 reasons.append(f"could not pin thread {req.tid}: {e}")
+            if self.cfg.lend_cores or self.partition.degraded:
+                # Others may run on the region core (lent, or a degraded partition): keep it
+                # for the measuring thread. Frozen siblings cannot run; running ones (gpu
+                # policy) and the owner's own other threads are moved off it.
+                with self.lock:
+                    running = [s for s in running_all if s not in frozen]
+                    targets = [*([owner] if owner else []), *running]
+                evicted = cpus.evict([p for s in targets for p in self._group_pids(s)], reserved, req.tid)
             t["pin_s"] = time.monotonic() - t2
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
@@ -583,6 +595,7 @@ class Daemon:
                 "drained": drained,
                 "frozen_slots": [s.slot for s in frozen],
                 "freeze_policy": policy,
+                "evicted_threads": len(evicted),
                 "running_slots": sorted(s.slot for s in set(running_all) - set(frozen)),
                 "freeze_why": why,
                 "reserved_cpus": reserved,
@@ -604,6 +617,7 @@ class Daemon:
             if old_aff is not None:
                 with contextlib.suppress(KrexError):
                     cpus.restore_thread(req.tid, old_aff)
+            cpus.restore_evicted(evicted)
             t3 = time.monotonic()
             with self.lock:  # slots admitted during the region started frozen: thaw them too
                 late = [
@@ -800,7 +814,9 @@ class Daemon:
             "shm": self.shm_name,
             "group": s.group.path,
             "freezer": self.freezer.name,
-            "shared_cpus": sl.shared,
+            "shared_cpus": sl.shared + [c for c in sl.reserved if c not in sl.shared]
+            if self.cfg.lend_cores
+            else sl.shared,
             "admission_wait_s": round(time.monotonic() - t0, 6),
         }
 
@@ -870,6 +886,7 @@ class Daemon:
                     "regions_done": self.regions_done,
                     "max_region_s": self.cfg.max_region_s,
                     "freeze_policy": self.cfg.freeze_policy,
+                    "lend_cores": self.cfg.lend_cores,
                     "idle_exit_s": self.cfg.idle_exit_s,
                     "log": str(paths.state_dir() / "krexd.log"),
                     "settings_from": self.cfg.sources,

@@ -200,3 +200,64 @@ def test_adaptive_resolves_by_launch_rate() -> None:
     assert freezepolicy.effective("adaptive", freezepolicy.ADAPTIVE_RATE / 2) == "gpu"
     assert freezepolicy.effective("gpu", None) == "gpu"
     assert freezepolicy.effective("all", 0.0) == "all"
+
+
+AUX_OWNER = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import krex
+    samples, stop = [], threading.Event()
+    def watch():
+        while not stop.is_set():
+            samples.append((time.monotonic_ns(), sorted(os.sched_getaffinity(0))))
+            time.sleep(0.001)
+    t = threading.Thread(target=watch); t.start()
+    time.sleep(0.05)
+    regions = []
+    for _ in range(3):
+        with krex.region() as r:
+            t0 = time.monotonic_ns()
+            time.sleep(0.05)
+            t1 = time.monotonic_ns()
+        regions.append({"t0": t0, "t1": t1, "grant": r.grant})
+        time.sleep(0.05)
+    stop.set(); t.join()
+    json.dump({"start": sorted(os.sched_getaffinity(0)), "samples": samples, "regions": regions},
+              open(sys.argv[1], "w"))
+    """
+)
+
+
+def test_region_core_is_the_measuring_threads_alone(kx: Krex, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With lent cores (KREX_LEND_CORES=1) a command may run on its GPU's region core between
+    regions; inside one, every thread but the measuring one is moved off it and put back after.
+    (On a machine too small for a partition, every command shares every core, the region core
+    included, so the move is what keeps it the measuring thread's there too.)"""
+    plain_env = kx.env
+    monkeypatch.setattr(kx, "env", lambda **extra: plain_env(KREX_LEND_CORES="1", **extra))
+    kx.start_daemon(slots=2)
+    assert kx.status()["daemon"]["lend_cores"] is True
+    out = kx.out / "aux.json"
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
+        env=kx.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    reserved = set(res["regions"][0]["grant"]["reserved_cpus"])
+    assert reserved and reserved <= set(res["start"]), "the region core is lent to the command"
+    inside_n = outside_n = 0
+    for ts, aff in res["samples"]:
+        # A margin around each region: the move happens just before the grant, the restore
+        # just after the end.
+        if any(r["t0"] + 2_000_000 <= ts <= r["t1"] - 2_000_000 for r in res["regions"]):
+            inside_n += 1
+            assert not set(aff) & reserved, (ts, aff)
+        elif all(ts < r["t0"] - 20_000_000 or ts > r["t1"] + 20_000_000 for r in res["regions"]):
+            outside_n += 1
+            assert reserved <= set(aff), (ts, aff)
+    assert inside_n > 0 and outside_n > 0
+    assert all(r["grant"]["evicted_threads"] >= 1 for r in res["regions"])
