@@ -22,6 +22,9 @@ native: ## Rebuild only the C artifacts into krex/_lib (after editing interpose/
 test: ## Run the whole test suite (unit + integration; gpu tests skip without a GPU)
 	$(PY) -m pytest -q tests
 
+sanitize: ## The shim and the C tests built with ThreadSanitizer and AddressSanitizer, run against krexd (simulated GPU)
+	$(PY) scripts/sanitize.py
+
 lint: ## ruff + mypy
 	$(VENV)/bin/ruff check krex cli tests scripts krex_build.py setup.py
 	$(VENV)/bin/mypy krex cli
@@ -36,4 +39,4 @@ wheel-check: ## Build sdist + manylinux wheel, install it in a fresh venv, smoke
 clean: ## Remove build outputs
 	rm -rf build dist *.egg-info krex/_lib krex/_native*.so
 
-.PHONY: help install native test lint bench wheel-check clean
+.PHONY: help install native test sanitize lint bench wheel-check clean

@@ -5,9 +5,13 @@ KrexError subclasses, mapped to exit codes in one place (`main`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -21,6 +25,26 @@ from .commands_extra import register as register_extra
 from .fleet_cmd import register as register_fleet
 
 DEVICE = click.Choice(["auto", "gpu", "sim"])
+
+
+class _FinitePositive(click.ParamType):  # type: ignore[type-arg]
+    """Seconds: a finite number > 0 and at most a year (nan and inf pass FloatRange)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        import math
+
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not (math.isfinite(v) and 0 < v <= 365 * 86400):
+            self.fail(f"{value!r} must be a finite number of seconds in (0, 31536000]", param, ctx)
+        return v
+
+
+FINITE_POSITIVE = _FinitePositive()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,15 +124,32 @@ def include_dir() -> None:
     help="seconds the pause holds before it lapses by itself",
 )
 def pause(gpu: int, timeout: float, lease: float) -> None:
-    """Stop new GPU work on a GPU until `krex resume` (or until --for runs out)."""
+    """Stop new GPU work on a GPU until `krex resume` (or until --for runs out).
+
+    Interrupted while it waits (Ctrl-C, SIGTERM, SIGHUP), it reopens the gate."""
     from krex.control import pause as do_pause
     from krex.shm import Segment
 
-    with Segment.attach() as seg:
+    with Segment.attach() as seg, _signals_interrupt():
         r = do_pause(seg, gpu, timeout, lease)
     click.echo(f"GPU {gpu} paused (holds for {lease:g} s or until `krex resume --gpu {gpu}`)")
     click.echo(f"  waited for in-flight submissions: {_fmt_s(r.inflight.seconds)}")
     click.echo(f"  drained {r.drain.count} process(es):     {_fmt_s(r.drain.seconds)}")
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP interrupt like Ctrl-C, so `finally` blocks release what they took."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 @cli.command()
@@ -128,19 +169,27 @@ def resume(gpu: int) -> None:
 def status(as_json: bool) -> None:
     """Show gates, slots, processes and counters."""
     from krex.client import Client
+    from krex.errors import NotFound
     from krex.shm import Segment
 
     with Segment.attach() as seg:
         snap = seg.snapshot()
     live: dict[str, Any] = {}
+    daemon_error = "no daemon running"
     try:  # regions and queues live in the daemon, not in shared memory
         c = Client.connect()
-        live = c.request({"op": "status"})
-        c.close()
-    except KrexError:
+        try:
+            live = c.request({"op": "status"})
+        finally:
+            c.close()
+    except KrexError as e:
         live = {}
+        daemon_error = str(e) if not isinstance(e, NotFound) else daemon_error
     if as_json:
-        click.echo(json.dumps({**snap.to_json(), "daemon": live or None}, indent=2))
+        out = {**snap.to_json(), "daemon": live or None}
+        if not live:
+            out["daemon_error"] = daemon_error
+        click.echo(json.dumps(out, indent=2))
         return
     hb = "never" if snap.heartbeat_age_s is None else f"{snap.heartbeat_age_s:.1f} s ago"
     click.echo(
@@ -164,7 +213,7 @@ def status(as_json: bool) -> None:
             if q:
                 click.echo(f"  gpu {g} queue: " + ", ".join(f"slot {e['slot']} (pid {e['pid']})" for e in q))
     else:
-        click.echo("REGIONS: no daemon running")
+        click.echo(f"REGIONS: {daemon_error}")
     click.echo(f"SLOTS ({len(snap.slots)})")
     for s in snap.slots:
         click.echo(
@@ -238,11 +287,66 @@ def run(
     """Run CMD under KREX and exit with its exit status.
 
     Starts the node daemon if none is running. CMD's whole process tree lives in
-    a slot of its own; only its marked regions get the GPU exclusively."""
+    a slot of its own; only its marked regions get the GPU exclusively.
+
+    Exit status: CMD's own; 125 when KREX itself failed (the error is printed and,
+    with --report, written to the report as `krex_error`); 126/127 when CMD cannot
+    be executed / is not found."""
+    from krex.errors import KrexError, run_exit_code
+
+    try:
+        status = _run(device, gpu, report, no_daemon, freeze, list(cmd))
+    except KrexError as e:
+        e.exit_code = run_exit_code(e)
+        if report:
+            with contextlib.suppress(OSError, KrexError):
+                _write_report(report, {"exit_status": e.exit_code, "krex_error": _error_json(e)})
+        raise
+    sys.exit(status)
+
+
+def _error_json(e: Exception) -> dict[str, str]:
+    return {"kind": type(e).__name__, "message": str(e), "fix": str(getattr(e, "fix", ""))}
+
+
+def _check_report_path(report: str) -> None:
+    """Before the command runs: a report that cannot be written would lose it."""
+    from krex.errors import UsageError
+
+    path = os.path.abspath(report)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise UsageError(f"--report {report} is a directory", "give a file path, e.g. --report out/run.json")
+    if not os.path.isdir(parent):
+        raise UsageError(
+            f"--report {report}: the directory {parent} does not exist", f"create it first: mkdir -p {parent}"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"--report {report} is not writable", "give a path in a directory you may write")
+
+
+def _write_report(report: str, data: dict[str, Any]) -> None:
+    from krex.errors import KrexError
+
+    try:
+        with open(report, "w") as f:
+            json.dump(data, f, indent=2)
+    except OSError as e:
+        raise KrexError(
+            f"cannot write the report {report}: {e.strerror} (the command exited {data.get('exit_status')})",
+            "give --report a writable path",
+        ) from e
+
+
+def _run(
+    device: str, gpu: int | None, report: str | None, no_daemon: bool, freeze: str | None, cmd: list[str]
+) -> int:
     from krex.gpus import discover
     from krex.launcher import resolve_command, run_direct, run_guarded
 
-    resolve_command(list(cmd))  # fail on a bad command before touching anything
+    if report:
+        _check_report_path(report)
+    resolve_command(cmd)  # fail on a bad command before touching anything
     info = discover(device)
     kind = "sim" if info.kind == "sim" else "gpu"
     if gpu is not None and not 0 <= gpu < info.count:
@@ -254,14 +358,13 @@ def run(
             "pick a GPU index from `krex status`",
         )
     if no_daemon:
-        sys.exit(run_direct(list(cmd), kind, gpu, info.count))
+        return run_direct(cmd, kind, gpu, info.count)
     res = run_guarded(
-        list(cmd), kind, gpu, notify=lambda m: None if quiet() else click.echo(m, err=True), freeze=freeze
+        cmd, kind, gpu, notify=lambda m: None if quiet() else click.echo(m, err=True), freeze=freeze
     )
     if report:
-        with open(report, "w") as f:
-            json.dump(res.report, f, indent=2)
-    sys.exit(res.exit_status)
+        _write_report(report, res.report)
+    return res.exit_status
 
 
 @cli.group()
@@ -279,12 +382,12 @@ def daemon() -> None:
 )
 @click.option(
     "--max-region",
-    type=click.FloatRange(0.001),
+    type=FINITE_POSITIVE,
     default=None,
     help="seconds after which a region is ended by force  [default: 60, or KREX_MAX_REGION / config file]",
 )
 @click.option(
-    "--idle-exit", type=click.FloatRange(0.1), default=None, help="exit after this many idle seconds"
+    "--idle-exit", type=FINITE_POSITIVE, default=None, help="exit after this many idle seconds"
 )
 @click.option(
     "--freezer",
@@ -299,6 +402,13 @@ def daemon() -> None:
     help="which siblings a region freezes: all, only those the gate cannot hold (gpu), "
     "or by the region's launch rate (adaptive)  [default: all, or KREX_FREEZE_POLICY / config file]",
 )
+@click.option(
+    "--group",
+    default=None,
+    metavar="GROUP",
+    help="share the daemon with this group: members may run commands and pause, only you (or root) stop it  "
+    "[default: your own group, or KREX_GROUP / config file]",
+)
 @click.option("--foreground", is_flag=True, help="run in this process instead of detaching")
 def daemon_start(
     device: str,
@@ -307,6 +417,7 @@ def daemon_start(
     idle_exit: float | None,
     freezer: str | None,
     freeze_policy: str | None,
+    group: str | None,
     foreground: bool,
 ) -> None:
     """Start krexd (krex run starts it on demand anyway).
@@ -320,9 +431,10 @@ def daemon_start(
     from krex.daemon import run as run_daemon
     from krex.errors import Busy
 
-    if daemon_alive():
+    holder = paths.lock_holder()
+    if daemon_alive() or holder is not None:
         raise Busy(
-            f"a KREX daemon is already running on {paths.socket_path()}",
+            f"a KREX daemon is already running (pid {holder or '?'}) on {paths.socket_path()}",
             "use it, or stop it first with `krex daemon stop`",
         )
     overrides = {
@@ -331,6 +443,7 @@ def daemon_start(
         "idle_exit_s": idle_exit,
         "freezer": freezer,
         "freeze_policy": freeze_policy,
+        "group": group,
     }
     cfg = config_from(device, overrides)  # a bad setting fails here, not in a detached daemon
     if foreground:
@@ -343,26 +456,73 @@ def daemon_start(
         extra += ["--freezer", freezer]
     if freeze_policy:
         extra += ["--freeze-policy", freeze_policy]
-    pid = start_background(device, idle_exit, extra)
-    click.echo(f"krexd started (pid {pid}, socket {paths.socket_path()})")
+    if group:
+        extra += ["--group", group]
+    started = start_background(device, idle_exit, extra)
+    if not started.ours:  # a concurrent `daemon start` won: report the one that runs
+        raise Busy(
+            f"a KREX daemon is already running (pid {started.pid}) on {paths.socket_path()}",
+            "use it, or stop it first with `krex daemon stop`",
+        )
+    click.echo(f"krexd started (pid {started.pid}, socket {paths.socket_path()})")
 
 
 @daemon.command("stop")
 def daemon_stop() -> None:
-    """Stop krexd: regions end, siblings thaw, gates open."""
+    """Stop krexd: regions end, siblings thaw, gates open.
+
+    Finds the daemon by its socket, else by its lock (a removed socket). A daemon
+    that does not answer (stopped or hung) is sent SIGTERM and SIGCONT."""
     import time
 
-    from krex.client import Client, daemon_alive
+    from krex import paths
+    from krex.client import Client, proc_state
+    from krex.errors import NotFound, Timeout
 
-    c = Client.connect()
-    c.request({"op": "shutdown"})
-    c.close()
-    for _ in range(100):
-        if not daemon_alive():
-            click.echo("krexd stopped")
+    pid: int | None = None
+    how = ""
+    try:
+        c = Client.connect()
+        pid = c.daemon_pid
+        try:
+            c.request({"op": "shutdown"}, timeout=10.0)
+        finally:
+            c.close()
+    except Timeout as e:
+        how = f" ({e}; sent SIGTERM)"
+    except NotFound:
+        pid = paths.lock_holder()
+        if pid is None:
+            raise
+        how = " (its socket was missing; sent SIGTERM)"
+    if how and pid is not None:
+        _signal_daemon(pid)
+    for _ in range(200):
+        if pid is None or proc_state(pid) in (None, "Z", "X"):
+            click.echo(f"krexd stopped (pid {pid}){how}")
             return
         time.sleep(0.05)
-    click.echo("krexd is stopping")
+    raise Timeout(f"krexd (pid {pid}) did not stop within 10 s{how}", f"kill -9 {pid}")
+
+
+def _signal_daemon(pid: int) -> None:
+    """SIGTERM a daemon found by its lock, after checking it is one (and ours)."""
+    from krex.errors import PermissionDenied
+
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return
+    if b"krex" not in cmdline:
+        raise PermissionDenied(f"pid {pid} holds the KREX lock but is not krexd", f"inspect it: ps -p {pid}")
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)  # a stopped daemon handles SIGTERM once it runs again
+    except PermissionError:
+        raise PermissionDenied(
+            f"krexd pid {pid} belongs to another user", "ask its owner to stop it"
+        ) from None
 
 
 @daemon.command("status")
@@ -372,8 +532,10 @@ def daemon_status(as_json: bool) -> None:
     from krex.client import Client
 
     c = Client.connect()
-    st = c.request({"op": "status"})
-    c.close()
+    try:
+        st = c.request({"op": "status"})
+    finally:
+        c.close()
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
@@ -417,7 +579,10 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
         journal_fleet(address, node_root, last, as_json)
         return
 
-    recs = jr.read(paths.journal_path(), last)
+    got = jr.read_counted(paths.journal_path(), last)
+    recs = got.records
+    if got.skipped:
+        click.echo(f"krex: note: {got.skipped} malformed line(s) skipped in {paths.journal_path()}", err=True)
     if as_json:
         click.echo(json.dumps(recs, indent=2))
         return
@@ -475,7 +640,9 @@ def main(argv: list[str] | None = None) -> Any:
         sys.exit(130)
     except click.ClickException as e:
         e.show()
-        sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        # A bad option of `krex run` is KREX failing, not the command: 125 (see `krex run --help`).
+        sys.exit(125 if ctx is not None and ctx.command.name == "run" else e.exit_code)
 
 
 if __name__ == "__main__":

@@ -52,11 +52,33 @@
 #define KREX_PF_DRAIN_TIMEOUT 16
 #define KREX_PF_LOOKUP_FALLBACK 32
 #define KREX_PF_DRAIN_PARTIAL 64
+/* A C region (krex.h) lost krexd (dead, hung or stopped): it ran unprotected. */
+#define KREX_PF_DAEMON_LOST 512
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
 
+/* Timing constants: the ONE home of each. The shim (C) and krexd and its clients
+ * (Python, through cffi) both read them from here; nothing restates a value.
+ * krexd beats every KREX_HEARTBEAT_INTERVAL_NS. A beat older than
+ * KREX_HEARTBEAT_TIMEOUT_NS means krexd is dead or hung: shims fail open, guardians
+ * thaw their commands, clients stop waiting for a reply. */
+#define KREX_HEARTBEAT_INTERVAL_NS 100000000
 #define KREX_HEARTBEAT_TIMEOUT_NS 2000000000
+/* A shim waiting at a closed gate re-checks the gate's holder this often. */
+#define KREX_GATE_RECHECK_NS 20000000
+/* The drain helper waits this long for a graph capture to end before acking partial. */
+#define KREX_CAPTURE_WAIT_NS 100000000
+/* Clients (shim and Python) waiting for a reply re-check krexd's heartbeat this often. */
+#define KREX_CLIENT_POLL_NS 200000000
+/* Clients give up connecting to (or sending to) krexd after this many ms. */
+#define KREX_CONNECT_TIMEOUT_MS 5000
+/* The guardian (`krex run`) checks krexd's heartbeat this often. */
+#define KREX_GUARDIAN_POLL_NS 100000000
+/* The drain helper re-checks its GPU's drain_seq (and whether to stop) this often. */
+#define KREX_HELPER_RECHECK_NS 1000000000
+/* A client that starts krexd on demand waits this long for it to answer. */
+#define KREX_DAEMON_START_WAIT_MS 15000
 
 struct krex_header {
     uint32_t magic;

@@ -25,10 +25,28 @@ uint64_t krex_now_ns(void) {
 
 uint64_t krex_shm_size(void) { return sizeof(struct krex_shm); }
 
-/* create: 0 attach only, 1 create if missing, 2 create fresh (fail if it exists). */
+/* A segment someone else planted must never be used: another user who pre-creates
+ * /dev/shm/krex-<uid> could otherwise pause our GPU or fake our gates. A creator
+ * (krexd) accepts only its own; anyone refuses one that "others" may open. */
+static int shm_trusted(const struct stat *st, int creator) {
+    if (!S_ISREG(st->st_mode) || (st->st_mode & 0007)) return 0;
+    return !creator || st->st_uid == geteuid();
+}
+
+/* create: 0 attach only, 1 create if missing, 2 create fresh (fail if it exists).
+ * Creation is exclusive (O_EXCL), so an existing segment is always inspected:
+ * EPERM when it is not trustworthy (see shm_trusted). */
 struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *err) {
-    int flags = O_RDWR | (create ? O_CREAT : 0) | (create == 2 ? O_EXCL : 0);
-    int fd = shm_open(name, flags, 0660);
+    int fd = create ? shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0660) : -1;
+    int made = fd >= 0;
+    if (made) {
+        fchmod(fd, 0660); /* exactly: the umask must not widen nor starve the sharing group */
+    } else if (create == 2 || (create && errno != EEXIST)) {
+        *err = errno;
+        return NULL;
+    } else {
+        fd = shm_open(name, O_RDWR, 0);
+    }
     if (fd < 0) {
         *err = errno;
         return NULL;
@@ -36,6 +54,11 @@ struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *er
     struct stat st;
     if (fstat(fd, &st) < 0) {
         *err = errno;
+        close(fd);
+        return NULL;
+    }
+    if (!made && !shm_trusted(&st, create != 0)) {
+        *err = EPERM;
         close(fd);
         return NULL;
     }

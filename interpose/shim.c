@@ -10,9 +10,13 @@
  * threads, no output, dlsym returns real pointers.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
+#include <elf.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <link.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -23,6 +27,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -31,12 +36,18 @@
 
 #define KREX_NSLOT 4
 #define KREX_EXPORT __attribute__((visibility("default")))
+/* dlsym and what it calls run before our constructor, and before a sanitizer
+ * runtime has set itself up: it resolves its interceptors through dlsym, which is
+ * ours. So under `make sanitize` that path is left uninstrumented. */
+#define KREX_NO_SANITIZE __attribute__((no_sanitize("thread", "address")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
 enum { MODE_OFF = 0, MODE_ON = 1 };
 
-/* Everything the fast path reads, set once by krex_register(). */
+/* Everything the fast path reads, set once by krex_register(). `gate` is
+ * published last with a release store and read with an acquire load, so a thread
+ * that sees it also sees the other fields (this matters on aarch64, e.g. GH200). */
 static struct {
     uint32_t *gate;     /* NULL until this process registered */
     uint32_t *inflight;
@@ -44,23 +55,32 @@ static struct {
     uint32_t owner_byte;
 } g_fast;
 
-static int g_mode = MODE_OFF;
+#define RELAXED __ATOMIC_RELAXED
+#define ACQUIRE __ATOMIC_ACQUIRE
+#define RELEASE __ATOMIC_RELEASE
+
+static int g_mode = MODE_OFF;             /* atomic: registration may switch it off */
 static int g_log;
 static char g_shm_name[128];
 static int g_slot = -1;
 static int g_gpu = -1;
-static struct krex_shm *g_shm;
+static struct krex_shm *g_shm;            /* atomic pointer: published once attached */
 static struct krex_proc *g_proc;
 static uint32_t g_failed_gate;            /* gate word we already failed open on */
 static uint64_t g_local_submits[KREX_NGATED];
 static uint32_t g_pending_flags;
+/* Held only for short, local work (attach, record, helper start): never across a
+ * connect, a krexd reply or a grant, so fork (prepare handler) never waits long. */
 static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_helper_started;
 static char g_sock_path[108];
 static char g_daemon_cmd[1024];
-static int g_conn = -1;                  /* connection to krexd (registration + regions) */
-static pthread_mutex_t g_conn_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_need_selfreg;                /* set once at load: no KREX_SLOT, register with krexd */
+static int g_selfreg;                     /* atomic: 0 not yet, 1 in progress, 2 done, 3 failed */
+static int g_reg_conn = -1;               /* self-registration: krexd keeps our slot while it is open */
+static int g_spawned;                     /* atomic: this process already started krexd once */
 static __thread int t_region_depth;
+static __thread int t_region_fd = -1;     /* the connection that began this thread's region */
 extern char **environ;
 static __thread int t_depth __attribute__((tls_model("initial-exec")));
 
@@ -80,9 +100,12 @@ static void klog(const char *fmt, ...) {
     (void)w;
 }
 
+KREX_NO_SANITIZE static int mode_on(void) { return __atomic_load_n(&g_mode, RELAXED) == MODE_ON; }
+
 static void set_flag(uint32_t f) {
-    if (g_proc) __atomic_or_fetch(&g_proc->flags, f, __ATOMIC_RELAXED);
-    else __atomic_or_fetch(&g_pending_flags, f, __ATOMIC_RELAXED);
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p) __atomic_or_fetch(&p->flags, f, RELAXED);
+    else __atomic_or_fetch(&g_pending_flags, f, RELAXED);
 }
 
 /* ------------------------------------------------------------------ gate */
@@ -93,10 +116,10 @@ static int krex_wait_gate(uint32_t word);
 /* Fast path: a TLS depth check, one seq_cst increment, one seq_cst load. */
 static inline int krex_enter(int cls) {
     if (UNLIKELY(t_depth++ != 0)) return 0; /* nested (a library calling itself) */
-    uint32_t *gate = g_fast.gate;
+    uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     if (UNLIKELY(gate == NULL)) {
-        if (g_mode == MODE_OFF || !krex_register()) return 0;
-        gate = g_fast.gate;
+        if (!mode_on() || !krex_register()) return 0;
+        gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     }
     uint32_t *inflight = g_fast.inflight;
     for (;;) {
@@ -121,7 +144,7 @@ static inline void krex_leave(int counted) {
 static int holder_gone(struct krex_gpu *g, uint64_t now) {
     switch (__atomic_load_n(&g->holder, __ATOMIC_SEQ_CST)) {
     case KREX_HOLDER_PAUSE: {
-        uint64_t dl = g->lease_deadline_ns;
+        uint64_t dl = __atomic_load_n(&g->lease_deadline_ns, RELAXED);
         return dl != 0 && now > dl;
     }
     case KREX_HOLDER_REGION: {
@@ -131,7 +154,7 @@ static int holder_gone(struct krex_gpu *g, uint64_t now) {
         return now > hb && now - hb > to;
     }
     default: /* closed with no holder recorded: only a crashed closer does that */
-        return now - g->closed_ns > KREX_HEARTBEAT_TIMEOUT_NS;
+        return now - __atomic_load_n(&g->closed_ns, RELAXED) > KREX_HEARTBEAT_TIMEOUT_NS;
     }
 }
 
@@ -143,7 +166,7 @@ static int krex_wait_gate(uint32_t w) {
     if (g_proc) __atomic_fetch_add(&g_proc->blocked, 1, __ATOMIC_RELAXED);
     int failed = 0;
     for (;;) {
-        krex_futex_wait(g_fast.gate, w, 20 * 1000 * 1000);
+        krex_futex_wait(g_fast.gate, w, KREX_GATE_RECHECK_NS);
         if (__atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST) != w) break;
         uint64_t now = krex_now_ns();
         if (holder_gone(g, now)) {
@@ -162,18 +185,135 @@ static int krex_wait_gate(uint32_t w) {
 
 /* ------------------------------------------------------------ real symbols */
 
-static void *(*g_real_dlsym)(void *, const char *);
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn g_real_dlsym; /* atomic */
+/* Our own dlsym, by a hidden name: a reference to "dlsym" could bind to libc's. */
+extern void *krex_self_dlsym(void *, const char *) __attribute__((visibility("hidden")));
 
-static void *real_dlsym(void *h, const char *name) {
-    if (UNLIKELY(!g_real_dlsym)) {
-        void *p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5"); /* x86_64 base */
-        if (!p) p = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.17");  /* aarch64 base (Grace Hopper) */
-        g_real_dlsym = (void *(*)(void *, const char *))p;
-        if (!g_real_dlsym) return NULL;
+/* glibc's dlsym by version: 2.34 moved it into libc; before that its base version
+ * is the architecture's first glibc (2.2.5 x86_64, 2.17 aarch64, 2.0 i386, 2.3
+ * ppc64, 2.4 arm, 2.27 riscv64, 2.36 loongarch64). dlvsym itself is not ours. */
+KREX_NO_SANITIZE static void *libc_by_version(const char *name) {
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0",
+                                           "GLIBC_2.3",  "GLIBC_2.4",   "GLIBC_2.27", "GLIBC_2.36",
+                                           "GLIBC_2.1",  "GLIBC_2.29",  "GLIBC_2.35", NULL};
+    for (int i = 0; versions[i]; i++) {
+        void *p = dlvsym(RTLD_NEXT, name, versions[i]);
+        if (p && p != (void *)krex_self_dlsym) return p;
     }
-    return g_real_dlsym(h, name);
+    return NULL;
 }
+
+KREX_NO_SANITIZE static void *dlsym_by_version(void) { return libc_by_version("dlsym"); }
+
+/* glibc's own dlopen/dlclose for the RTLD_NEXT search below: a sanitizer runtime
+ * intercepts them and may call our dlsym before its interceptors work. */
+typedef void *(*dlopen_fn)(const char *, int);
+typedef int (*dlclose_fn)(void *);
+static dlopen_fn g_real_dlopen;
+static dlclose_fn g_real_dlclose;
+
+KREX_NO_SANITIZE static void real_dl_init(void) {
+    if (__atomic_load_n(&g_real_dlclose, __ATOMIC_ACQUIRE)) return;
+    dlopen_fn o = (dlopen_fn)libc_by_version("dlopen");
+    dlclose_fn c = (dlclose_fn)libc_by_version("dlclose");
+    __atomic_store_n(&g_real_dlopen, o ? o : dlopen, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_real_dlclose, c ? c : dlclose, __ATOMIC_RELEASE);
+}
+
+/* The fallback when no version above matches (a new architecture, another base):
+ * read the default-versioned "dlsym" straight from libc's (or libdl's) dynamic
+ * symbol table, through its GNU or SysV hash table. */
+struct elf_find {
+    const char *name;
+    void *addr;
+};
+
+KREX_NO_SANITIZE static uint32_t elf_gnu_hash(const char *s) {
+    uint32_t h = 5381;
+    for (; *s; s++) h = h * 33 + (unsigned char)*s;
+    return h;
+}
+
+KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct elf_find *f = data;
+    const char *n = info->dlpi_name;
+    if (!n || (!strstr(n, "/libc.so") && !strstr(n, "/libdl.so") && strncmp(n, "libc.so", 7) != 0)) return 0;
+    const ElfW(Dyn) *dyn = NULL;
+    for (int i = 0; i < info->dlpi_phnum; i++)
+        if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
+            dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+    if (!dyn) return 0;
+    const ElfW(Sym) *symtab = NULL;
+    const char *strtab = NULL;
+    const uint32_t *gnu = NULL, *sysv = NULL;
+    const ElfW(Half) *versym = NULL;
+    for (; dyn->d_tag != DT_NULL; dyn++) {
+        /* Most ports relocate these to addresses; a few (RISC-V, MIPS) keep offsets. */
+        ElfW(Addr) v = dyn->d_un.d_ptr;
+        if (v < info->dlpi_addr) v += info->dlpi_addr;
+        switch (dyn->d_tag) {
+        case DT_SYMTAB: symtab = (const ElfW(Sym) *)v; break;
+        case DT_STRTAB: strtab = (const char *)v; break;
+        case DT_GNU_HASH: gnu = (const uint32_t *)v; break;
+        case DT_HASH: sysv = (const uint32_t *)v; break;
+        case DT_VERSYM: versym = (const ElfW(Half) *)v; break;
+        default: break;
+        }
+    }
+    if (!symtab || !strtab) return 0;
+#define ELF_MATCH(i)                                                                             \
+    (symtab[i].st_shndx != SHN_UNDEF && strcmp(strtab + symtab[i].st_name, f->name) == 0 &&     \
+     (!versym || !(versym[i] & 0x8000)))
+    if (gnu) {
+        uint32_t nb = gnu[0], off = gnu[1], bloom = gnu[2];
+        const uint32_t *buckets = (const uint32_t *)((const ElfW(Addr) *)&gnu[4] + bloom);
+        const uint32_t *chain = buckets + nb;
+        uint32_t h = elf_gnu_hash(f->name);
+        for (uint32_t i = nb ? buckets[h % nb] : 0; i >= off && i != 0; i++) {
+            uint32_t h2 = chain[i - off];
+            if ((h | 1) == (h2 | 1) && ELF_MATCH(i)) {
+                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                return 1;
+            }
+            if (h2 & 1) break;
+        }
+    } else if (sysv) {
+        for (uint32_t i = 0; i < sysv[1]; i++)
+            if (ELF_MATCH(i)) {
+                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                return 1;
+            }
+    }
+#undef ELF_MATCH
+    return 0;
+}
+
+KREX_NO_SANITIZE static void *dlsym_from_elf(void) {
+    struct elf_find f = {"dlsym", NULL};
+    dl_iterate_phdr(elf_find_cb, &f);
+    return f.addr != (void *)krex_self_dlsym ? f.addr : NULL;
+}
+
+KREX_NO_SANITIZE static dlsym_fn find_real_dlsym(void) {
+    void *p = dlsym_by_version();
+    if (!p) p = dlsym_from_elf();
+    return (dlsym_fn)p;
+}
+
+KREX_NO_SANITIZE static void *real_dlsym(void *h, const char *name) {
+    dlsym_fn fn = __atomic_load_n(&g_real_dlsym, ACQUIRE);
+    if (UNLIKELY(!fn)) {
+        fn = find_real_dlsym();
+        if (!fn) return NULL;
+        __atomic_store_n(&g_real_dlsym, fn, RELEASE);
+    }
+    return fn(h, name);
+}
+
+/* For tests: the real dlsym as each method finds it (0 by version, 1 from the ELF). */
+KREX_EXPORT void *krex_shim_dlsym_probe(int method) { return method ? dlsym_from_elf() : dlsym_by_version(); }
 
 static const char *const krex_sonames[KREX_N_APIS][4] = {
     {"libcudart.so.13", "libcudart.so.12", "libcudart.so", NULL},
@@ -263,27 +403,82 @@ static void krex_ctx_del(void *ctx);
         return fn args;                                \
     }
 
-/* Graph captures are counted so the drain helper never synchronises a context
- * while one of this process's streams is capturing (that would invalidate it). */
-static uint32_t g_captures;
-static void krex_capture_note(int delta) {
-    if (delta > 0) __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
-    else if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) __atomic_sub_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
-    if (g_proc) __atomic_store_n(&g_proc->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), __ATOMIC_RELAXED);
+/* Graph captures are tracked per stream so the drain helper never synchronises a
+ * context while one of this process's streams is capturing (that would invalidate
+ * it). A stream leaves the table at its end of capture, failed or not, unless the
+ * vendor says it is still capturing (e.g. an end from the wrong thread): a failed
+ * end must not leave every later drain partial. */
+#define KREX_MAX_CAPTURES 64
+static void *g_cap_streams[KREX_MAX_CAPTURES];
+static uint32_t g_captures;         /* streams in the table, plus captures that did not fit */
+static uint32_t g_capture_overflow;
+
+static void captures_publish(void) {
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p) __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
 }
-#define KREX_BODY_CAPBEGIN(fname, name, k, params, args) \
-    KREX_RET fname params {                              \
-        KREX_GET_FN(name, k)                             \
-        KREX_RET krex_rc = fn args;                      \
-        if (krex_rc == 0) krex_capture_note(1);          \
-        return krex_rc;                                  \
+
+static void krex_capture_begin(void *stream) {
+    for (int i = 0; i < KREX_MAX_CAPTURES; i++) {
+        void *expect = NULL;
+        if (__atomic_compare_exchange_n(&g_cap_streams[i], &expect, stream, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+            __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+            captures_publish();
+            return;
+        }
     }
-#define KREX_BODY_CAPEND(fname, name, k, params, args)                            \
-    KREX_RET fname params {                                                       \
-        KREX_GET_FN(name, k)                                                      \
-        KREX_RET krex_rc = fn args;                                               \
-        if (krex_rc == 0 || krex_rc == KREX_ERR_CAPTURE_INVALIDATED) krex_capture_note(-1); \
-        return krex_rc;                                                           \
+    __atomic_add_fetch(&g_capture_overflow, 1, RELAXED);
+    __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+    captures_publish();
+}
+
+static void *vendor_sym(int api, const char *name);
+
+/* 1 if the vendor reports `stream` still capturing; 0 if not or it cannot say. */
+static int capture_still_active(int api, void *stream) {
+    static const char *const names[KREX_N_APIS] = {"cudaStreamIsCapturing", "cuStreamIsCapturing",
+                                                   "hipStreamIsCapturing"};
+    typedef int (*fn_is_capturing)(void *, int *);
+    fn_is_capturing f = (fn_is_capturing)vendor_sym(api, names[api]);
+    int status = 0;
+    return f && f(stream, &status) == 0 && status == 1; /* 1: active in all three APIs */
+}
+
+static void krex_capture_end(int api, void *stream) {
+    if (capture_still_active(api, stream)) return;
+    for (int i = 0; i < KREX_MAX_CAPTURES; i++) {
+        void *expect = stream;
+        if (stream && __atomic_compare_exchange_n(&g_cap_streams[i], &expect, NULL, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+            __atomic_sub_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+            captures_publish();
+            return;
+        }
+    }
+    /* Not in the table: one of the captures that did not fit ends. */
+    uint32_t o = __atomic_load_n(&g_capture_overflow, RELAXED);
+    while (o > 0 && !__atomic_compare_exchange_n(&g_capture_overflow, &o, o - 1, 0, RELAXED, RELAXED)) {
+    }
+    if (o > 0) {
+        __atomic_sub_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+        captures_publish();
+    }
+}
+
+#define KREX_FIRST_(a, ...) a
+#define KREX_FIRST(args) KREX_FIRST_ args /* every capture row's first argument is the stream */
+#define KREX_BODY_CAPBEGIN(fname, name, k, params, args)               \
+    KREX_RET fname params {                                            \
+        KREX_GET_FN(name, k)                                           \
+        KREX_RET krex_rc = fn args;                                    \
+        if (krex_rc == 0) krex_capture_begin((void *)KREX_FIRST(args)); \
+        return krex_rc;                                                \
+    }
+#define KREX_BODY_CAPEND(fname, name, k, params, args)                                      \
+    KREX_RET fname params {                                                                 \
+        KREX_GET_FN(name, k)                                                                \
+        KREX_RET krex_rc = fn args;                                                         \
+        krex_capture_end(krex_entries[KREX_ID_##name].api, (void *)KREX_FIRST(args));      \
+        return krex_rc;                                                                     \
     }
 
 #define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
@@ -358,7 +553,7 @@ static int cmp_ids(const void *a, const void *b) {
     return strcmp(krex_entries[*(const int *)a].name, krex_entries[*(const int *)b].name);
 }
 
-static int krex_find(const char *name) {
+KREX_NO_SANITIZE static int krex_find(const char *name) {
     int lo = 0, hi = g_nsorted - 1;
     while (lo <= hi) {
         int mid = (lo + hi) / 2;
@@ -379,7 +574,7 @@ static int version_of(const char *name) {
  * variant it chose (default or per-thread stream, ABI version); find the table
  * entry with that exact pointer, or else the best match by flags and version. */
 static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint64_t flags) {
-    if (g_mode == MODE_OFF || !symbol || is_own_wrapper(realp)) return realp;
+    if (!mode_on() || !symbol || is_own_wrapper(realp)) return realp;
     int api = krex_entries[lookup_id].api == KREX_API_HIP ? KREX_API_HIP : KREX_API_DRIVER;
     int best = -1;
     int want_pt = (flags & 2) != 0; /* *_PER_THREAD_DEFAULT_STREAM is 2 in all three APIs */
@@ -397,30 +592,58 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
     return krex_bind(best, realp);
 }
 
-KREX_EXPORT void *dlsym(void *handle, const char *name) {
+KREX_EXPORT int krex_shim_active(void);
+
+/* RTLD_NEXT relative to `caller`: real dlsym would take the caller to be us. */
+KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *name) {
+    Dl_info info;
+    struct link_map *self = NULL;
+    dladdr1((void *)krex_shim_active, &info, (void **)&self, RTLD_DL_LINKMAP);
+    int self_after = 0;
+    for (struct link_map *l = caller->l_next; l && self; l = l->l_next)
+        if (l == self) self_after = 1;
+    real_dl_init();
+    dlopen_fn o = __atomic_load_n(&g_real_dlopen, __ATOMIC_ACQUIRE);
+    dlclose_fn c = __atomic_load_n(&g_real_dlclose, __ATOMIC_ACQUIRE);
+    void *p = NULL;
+    /* The objects after the caller (and before us, when the caller precedes us), one
+     * by one. dlopen(RTLD_NOLOAD) is never aimed at us: that would run our
+     * constructor early when the caller is a preloaded library still initialising
+     * (a sanitizer runtime resolves its interceptors like that). */
+    for (struct link_map *l = caller->l_next; l && l != self && !p; l = l->l_next) {
+        if (!l->l_name || !l->l_name[0]) continue;
+        void *h = o(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        p = real_dlsym(h, name);
+        c(h);
+    }
+    if (p || !self_after) return p;
+    /* Then us (what we export), then everything after us: plain RTLD_NEXT from here. */
+    int id = krex_find(name);
+    if (id >= 0) return krex_wrappers[id][0];
+    return real_dlsym(RTLD_NEXT, name);
+}
+
+KREX_EXPORT KREX_NO_SANITIZE void *dlsym(void *handle, const char *name) {
     void *p;
     if (handle == RTLD_NEXT) {
-        /* RTLD_NEXT is relative to the caller, which real dlsym would take to be
-         * us: search the objects loaded after the caller ourselves. */
         Dl_info info;
         struct link_map *lm = NULL;
         p = NULL;
-        if (dladdr1(__builtin_return_address(0), &info, (void **)&lm, RTLD_DL_LINKMAP) && lm) {
-            for (struct link_map *l = lm->l_next; l && !p; l = l->l_next) {
-                if (!l->l_name || !l->l_name[0]) continue;
-                void *h = dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
-                if (!h) continue;
-                p = real_dlsym(h, name);
-                dlclose(h);
-            }
-        }
+        if (dladdr1(__builtin_return_address(0), &info, (void **)&lm, RTLD_DL_LINKMAP) && lm)
+            p = dlsym_next(lm, name);
     } else {
         p = real_dlsym(handle, name);
     }
-    if (!p || g_mode == MODE_OFF) return p;
+    if (!p || !mode_on()) return p;
     int id = krex_find(name);
     return id < 0 ? p : krex_bind(id, p);
 }
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wmissing-attributes" /* glibc's nonnull/leaf on dlsym: irrelevant here */
+void *krex_self_dlsym(void *, const char *) __attribute__((alias("dlsym")));
+#pragma GCC diagnostic pop
 
 /* ------------------------------------------------------------ drain helper */
 
@@ -500,6 +723,11 @@ static void drain_hip(void) {
     }
 }
 
+static uint32_t g_helper_stop;  /* atomic: set at exit */
+static uint32_t g_helper_busy;  /* atomic: inside a drain */
+static pthread_t g_helper_thread;
+static pid_t g_helper_pid;      /* the process that started it (a fork child has none) */
+
 static void *krex_helper(void *arg) {
     (void)arg;
     prctl(PR_SET_NAME, "krex-drain", 0, 0, 0);
@@ -515,16 +743,21 @@ static void *krex_helper(void *arg) {
     struct krex_proc *p = g_proc;
     uint32_t seen = __atomic_load_n(&p->drain_ack, __ATOMIC_SEQ_CST);
     for (;;) {
+        __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
         uint32_t cur = __atomic_load_n(&g->drain_seq, __ATOMIC_SEQ_CST);
         if (cur == seen) {
-            krex_futex_wait(&g->drain_seq, cur, 1000ull * 1000 * 1000);
+            krex_futex_wait(&g->drain_seq, cur, KREX_HELPER_RECHECK_NS);
             continue;
         }
+        /* Busy before the stop check: exit either sees busy, or we see stop. */
+        __atomic_store_n(&g_helper_busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
         /* A context synchronise would invalidate a capture in progress: give
          * the capture a moment to end, else ack as partial so the controller
          * marks the grant contaminated instead of silently clean. */
         uint64_t t0 = krex_now_ns();
-        while (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0 && krex_now_ns() - t0 < 100000000ull)
+        while (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0 && krex_now_ns() - t0 < KREX_CAPTURE_WAIT_NS)
             usleep(1000);
         if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
             __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
@@ -537,7 +770,26 @@ static void *krex_helper(void *arg) {
         __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
         seen = cur;
     }
+    __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
     return NULL;
+}
+
+/* At exit: no drain may start while the vendor libraries tear down, and one in
+ * progress is waited for (bounded). Registered with atexit when the helper
+ * starts, i.e. after the vendor runtime registered its own exit handlers, so it
+ * runs before them. */
+static void stop_helper(void) {
+    if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
+    __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    if (shm && g_gpu >= 0) krex_futex_wake(&shm->gpus[g_gpu].drain_seq); /* others just re-check */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += KREX_HEARTBEAT_TIMEOUT_NS / 1000000000;
+    if (pthread_timedjoin_np(g_helper_thread, NULL, &ts) != 0)
+        klog("drain helper still busy at exit; leaving it");
+    else
+        klog("drain helper stopped at exit");
 }
 
 static void start_helper(void) {
@@ -545,13 +797,21 @@ static void start_helper(void) {
     sigfillset(&all);
     /* The helper inherits a full mask, so process signals go to app threads. */
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    pthread_t t;
     pthread_attr_t a;
     pthread_attr_init(&a);
-    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&a, 256 * 1024);
-    if (pthread_create(&t, &a, krex_helper, NULL) == 0) g_helper_started = 1;
-    else set_flag(KREX_PF_HELPER_FAILED);
+    __atomic_store_n(&g_helper_stop, 0, __ATOMIC_SEQ_CST);
+    if (pthread_create(&g_helper_thread, &a, krex_helper, NULL) == 0) {
+        g_helper_pid = getpid();
+        __atomic_store_n(&g_helper_started, 1, RELEASE);
+        static int registered; /* atexit handlers survive fork: once per image is enough */
+        if (!registered) {
+            registered = 1;
+            atexit(stop_helper);
+        }
+    } else {
+        set_flag(KREX_PF_HELPER_FAILED);
+    }
     pthread_attr_destroy(&a);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
@@ -559,61 +819,144 @@ static void start_helper(void) {
 /* ------------------------------------------------------------ krexd client */
 
 /* One JSON line each way over the daemon's Unix socket. The daemon learns who
- * we are from SO_PEERCRED; the message carries only what it cannot know. */
-static int conn_open(void) {
-    if (g_conn >= 0) return 0;
-    if (!g_sock_path[0]) return -1;
-    for (int attempt = 0; attempt < 100; attempt++) {
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0) return -1;
-        struct sockaddr_un a;
-        memset(&a, 0, sizeof a);
-        a.sun_family = AF_UNIX;
-        memcpy(a.sun_path, g_sock_path, strlen(g_sock_path) + 1); /* length checked at init */
-        if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
-            g_conn = fd;
-            return 0;
+ * we are from SO_PEERCRED; the message carries only what it cannot know.
+ *
+ * Nothing here can kill or hang the application: sends use MSG_NOSIGNAL (a
+ * vanished krexd is EPIPE, never SIGPIPE), connecting and sending time out after
+ * KREX_CONNECT_TIMEOUT_MS, and a wait for a reply re-checks krexd's heartbeat
+ * every KREX_CLIENT_POLL_NS and gives up once it is older than the timeout. No
+ * lock is held across any of it: each region has a connection of its own. */
+
+/* Start krexd (KREX_DAEMON_CMD) in its own session, with /dev/null for stdin,
+ * stdout and stderr and none of our other descriptors: an inherited pipe would
+ * keep whoever reads our output waiting until krexd exits. */
+static void spawn_daemon(void) {
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t at;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawnattr_init(&at);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
+    posix_spawn_file_actions_addclosefrom_np(&fa, 3);
+#else
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        for (struct dirent *e; (e = readdir(d));) {
+            int fd = atoi(e->d_name);
+            if (fd > 2 && fd != dirfd(d)) posix_spawn_file_actions_addclose(&fa, fd);
         }
-        int e = errno;
-        close(fd);
-        if (e != ENOENT && e != ECONNREFUSED) return -1;
-        if (attempt == 0 && g_daemon_cmd[0]) {
-            /* Nobody listens: start krexd on demand, in its own session. */
-            posix_spawnattr_t at;
-            posix_spawnattr_init(&at);
-            posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSID);
-            char *argv[] = {"/bin/sh", "-c", g_daemon_cmd, NULL};
-            pid_t pid;
-            posix_spawn(&pid, "/bin/sh", NULL, &at, argv, environ);
-            posix_spawnattr_destroy(&at);
-            klog("started krexd: %s", g_daemon_cmd);
-        }
-        if (!g_daemon_cmd[0]) return -1;
-        usleep(100000);
+        closedir(d);
     }
-    return -1;
+#endif
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    posix_spawnattr_setsigmask(&at, &none);  /* not the application's blocked signals */
+    posix_spawnattr_setsigdefault(&at, &all); /* nor its ignored ones (SIGTERM must stop krexd) */
+    posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    char *argv[] = {"/bin/sh", "-c", g_daemon_cmd, NULL};
+    pid_t pid;
+    int rc = posix_spawn(&pid, "/bin/sh", &fa, &at, argv, environ);
+    posix_spawnattr_destroy(&at);
+    posix_spawn_file_actions_destroy(&fa);
+    klog("starting krexd: %s (%s)", g_daemon_cmd, rc ? strerror(rc) : "ok");
 }
 
-/* Send a request and read one reply line into buf (events are skipped). */
-static int conn_call(const char *req, char *buf, size_t n) {
-    if (conn_open() != 0) return -1;
-    size_t len = strlen(req);
-    if (write(g_conn, req, len) != (ssize_t)len) goto broken;
+/* One connect attempt, bounded by KREX_CONNECT_TIMEOUT_MS (a full backlog). */
+static int conn_try(void) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -errno;
+    struct timeval tv = {KREX_CONNECT_TIMEOUT_MS / 1000, (KREX_CONNECT_TIMEOUT_MS % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, g_sock_path, strlen(g_sock_path) + 1); /* length checked at init */
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) return fd;
+    int e = errno;
+    close(fd);
+    return -e;
+}
+
+/* A new connection to krexd, starting it (once per process) if nobody listens. */
+static int conn_open(void) {
+    if (!g_sock_path[0]) return -ENOENT;
+    uint64_t deadline = krex_now_ns() + (uint64_t)KREX_DAEMON_START_WAIT_MS * 1000000ull;
     for (;;) {
-        size_t got = 0;
-        while (got + 1 < n) {
-            ssize_t r = read(g_conn, buf + got, 1);
-            if (r <= 0) goto broken;
-            if (buf[got] == '\n') break;
-            got++;
-        }
-        buf[got] = 0;
-        if (!strstr(buf, "\"event\"")) return 0;
+        int fd = conn_try();
+        if (fd >= 0) return fd;
+        if ((fd != -ENOENT && fd != -ECONNREFUSED) || !g_daemon_cmd[0]) return fd;
+        int expect = 0;
+        if (__atomic_compare_exchange_n(&g_spawned, &expect, 1, 0, __ATOMIC_ACQ_REL, ACQUIRE)) spawn_daemon();
+        if (krex_now_ns() > deadline) return fd;
+        usleep(50000);
     }
-broken:
-    close(g_conn);
-    g_conn = -1;
-    return -1;
+}
+
+static int send_all(int fd, const char *buf, size_t len) {
+    while (len > 0) {
+        ssize_t w = send(fd, buf, len, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? -ETIMEDOUT : -errno;
+        }
+        buf += w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
+static struct krex_shm *attach_shm(void);
+
+/* Is krexd dead or hung: its heartbeat older than the timeout? 0 when unknown. */
+static int daemon_stale(void) {
+    struct krex_shm *shm = attach_shm();
+    if (!shm) return 0;
+    uint64_t hb = __atomic_load_n(&shm->hdr.heartbeat_ns, __ATOMIC_SEQ_CST);
+    uint64_t to = __atomic_load_n(&shm->hdr.heartbeat_timeout_ns, RELAXED);
+    uint64_t now = krex_now_ns();
+    return hb && now > hb && now - hb > (to ? to : KREX_HEARTBEAT_TIMEOUT_NS);
+}
+
+/* Read one reply line into buf (event lines skipped). As long as krexd beats this
+ * waits (a region may queue behind others); -ETIMEDOUT once it stops beating,
+ * -EPIPE when it closed the connection. */
+static int recv_line(int fd, char *buf, size_t n) {
+    size_t got = 0;
+    for (;;) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) {
+            if (daemon_stale()) return -ETIMEDOUT;
+            continue;
+        }
+        ssize_t k = recv(fd, buf + got, 1, 0);
+        if (k == 0) return -EPIPE;
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN) continue;
+            return -errno;
+        }
+        if (buf[got] == '\n') {
+            buf[got] = 0;
+            if (strstr(buf, "\"event\"")) {
+                got = 0;
+                continue;
+            }
+            return 0;
+        }
+        if (got + 2 < n) got++; /* an over-long line is truncated, never overflows */
+    }
+}
+
+static int conn_call(int fd, const char *req, char *rep, size_t n) {
+    int rc = send_all(fd, req, strlen(req));
+    return rc ? rc : recv_line(fd, rep, n);
 }
 
 static int json_int(const char *buf, const char *key, int *out) {
@@ -628,111 +971,177 @@ static int first_visible_gpu(void) {
     return g_gpu >= 0 ? g_gpu : 0;
 }
 
-/* Opt-in processes (krex env, no KREX_SLOT) ask krexd for a slot on first use. */
+/* Opt-in processes (krex env, no KREX_SLOT) ask krexd for a slot once; the
+ * connection stays open for the process's life (krexd frees the slot when it
+ * closes). One thread registers; the others wait for it, holding no lock. */
 static int krex_self_register(void) {
+    if (!g_need_selfreg) return 0;
+    int expect = 0;
+    if (!__atomic_compare_exchange_n(&g_selfreg, &expect, 1, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+        while (__atomic_load_n(&g_selfreg, ACQUIRE) == 1) usleep(1000);
+        return __atomic_load_n(&g_selfreg, ACQUIRE) == 2 ? 0 : -1;
+    }
     char req[128], rep[4096];
-    snprintf(req, sizeof req, "{\"op\":\"register\",\"gpu\":%d}\n", first_visible_gpu());
-    pthread_mutex_lock(&g_conn_lock);
-    int rc = conn_call(req, rep, sizeof rep);
-    pthread_mutex_unlock(&g_conn_lock);
-    if (rc != 0 || !strstr(rep, "\"ok\":true")) return -1;
-    int slot = -1, gpu = -1;
-    if (json_int(rep, "slot", &slot) != 0 || json_int(rep, "gpu", &gpu) != 0) return -1;
-    g_slot = slot;
-    g_gpu = gpu;
-    return 0;
+    int ok = -1, fd = conn_open();
+    if (fd >= 0) {
+        snprintf(req, sizeof req, "{\"op\":\"register\",\"gpu\":%d}\n", first_visible_gpu());
+        int slot = -1, gpu = -1;
+        if (conn_call(fd, req, rep, sizeof rep) == 0 && strstr(rep, "\"ok\":true") &&
+            json_int(rep, "slot", &slot) == 0 && json_int(rep, "gpu", &gpu) == 0) {
+            g_slot = slot;
+            g_gpu = gpu;
+            g_reg_conn = fd;
+            ok = 0;
+        } else {
+            close(fd);
+        }
+    }
+    __atomic_store_n(&g_selfreg, ok == 0 ? 2 : 3, RELEASE);
+    return ok;
+}
+
+/* Regions are lost (krexd gone, hung or stopping) without harming the caller:
+ * the marker returns an error and the process record says so. */
+static void region_lost(const char *what, int rc) {
+    set_flag(KREX_PF_DAEMON_LOST);
+    klog("region %s: lost krexd (%s); the region is not exclusive", what, strerror(-rc));
 }
 
 /* The C/C++ region markers (krex.h) resolve these at run time. 0 = granted or
- * not under KREX; negative = refused. A nested begin on the same thread is a no-op. */
+ * not under KREX; negative = refused or lost (errno value). A nested begin on the
+ * same thread is a no-op. */
 KREX_EXPORT int krex_region_begin(void) {
-    if (g_mode == MODE_OFF || !g_sock_path[0]) return 0;
+    if (!mode_on() || !g_sock_path[0]) return 0;
     if (t_region_depth++ > 0) return 0;
+    /* Register first: krexd frees a slot made on a region's own connection with it. */
+    if (krex_self_register() != 0) {
+        t_region_depth = 0;
+        region_lost("begin", -ECONNREFUSED);
+        return -ECONNREFUSED;
+    }
     char req[160], rep[8192];
     snprintf(req, sizeof req, "{\"op\":\"begin\",\"tid\":%ld,\"gpu\":%d}\n", (long)syscall(SYS_gettid),
              first_visible_gpu());
-    pthread_mutex_lock(&g_conn_lock);
-    int rc = conn_call(req, rep, sizeof rep);
-    pthread_mutex_unlock(&g_conn_lock);
+    int fd = conn_open();
+    int rc = fd < 0 ? fd : conn_call(fd, req, rep, sizeof rep);
     if (rc != 0 || !strstr(rep, "\"ok\":true")) {
+        if (fd >= 0) close(fd);
         t_region_depth = 0;
-        klog("region refused: %s", rc ? "no daemon" : rep);
+        if (rc != 0) {
+            region_lost("begin", rc);
+            return rc;
+        }
+        klog("region refused: %s", rep);
         return -EIO;
     }
+    t_region_fd = fd;
     return 0;
 }
 
 KREX_EXPORT int krex_region_end(void) {
-    if (g_mode == MODE_OFF || !g_sock_path[0]) return 0;
+    if (!mode_on() || !g_sock_path[0]) return 0;
     if (t_region_depth <= 0) return -EINVAL;
     if (--t_region_depth > 0) return 0;
+    int fd = t_region_fd;
+    t_region_fd = -1;
+    if (fd < 0) return -EIO;
     char rep[8192];
-    pthread_mutex_lock(&g_conn_lock);
-    int rc = conn_call("{\"op\":\"end\"}\n", rep, sizeof rep);
-    pthread_mutex_unlock(&g_conn_lock);
-    return rc == 0 && strstr(rep, "\"ok\":true") ? 0 : -EIO;
+    int rc = conn_call(fd, "{\"op\":\"end\"}\n", rep, sizeof rep);
+    close(fd);
+    if (rc != 0) {
+        region_lost("end", rc);
+        return rc;
+    }
+    return strstr(rep, "\"ok\":true") ? 0 : -EIO;
 }
 
 /* ------------------------------------------------------------ registration */
 
-static int krex_self_register(void);
+/* The segment, attached once (for the fast path, and for clients to read krexd's
+ * heartbeat). Short: held lock, no krexd round trip. */
+static struct krex_shm *attach_shm(void) {
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    if (shm || !g_shm_name[0]) return shm;
+    pthread_mutex_lock(&g_reg_lock);
+    shm = g_shm;
+    if (!shm) {
+        int err = 0;
+        shm = krex_shm_open(g_shm_name, 0, 0, &err);
+        if (shm) __atomic_store_n(&g_shm, shm, RELEASE);
+        else klog("cannot attach %s (%s)", g_shm_name, strerror(err));
+    }
+    pthread_mutex_unlock(&g_reg_lock);
+    return shm;
+}
 
 static int krex_register(void) {
-    pthread_mutex_lock(&g_reg_lock);
-    if (g_fast.gate || g_mode == MODE_OFF) goto out;
-    /* Self-registration first: it may have to start krexd, which creates the segment. */
-    if (g_slot < 0 && krex_self_register() != 0) {
+    /* Self-registration first (it may have to start krexd, which creates the
+     * segment), with no lock held: it may wait for krexd. */
+    if (krex_self_register() != 0) {
         klog("self-registration with krexd failed; passing through");
-        g_mode = MODE_OFF;
-        goto out;
+        __atomic_store_n(&g_mode, MODE_OFF, RELAXED);
+        return 0;
     }
-    if (!g_shm) {
-        int err = 0;
-        g_shm = krex_shm_open(g_shm_name, 0, 0, &err);
-        if (!g_shm) {
-            klog("cannot attach %s (%s); passing through", g_shm_name, strerror(err));
-            g_mode = MODE_OFF;
-            goto out;
-        }
+    if (!attach_shm()) {
+        klog("cannot attach %s; passing through", g_shm_name);
+        __atomic_store_n(&g_mode, MODE_OFF, RELAXED);
+        return 0;
     }
+    pthread_mutex_lock(&g_reg_lock);
+    if (g_fast.gate || !mode_on()) goto out;
     if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS) {
-        g_mode = MODE_OFF;
+        __atomic_store_n(&g_mode, MODE_OFF, RELAXED);
         goto out;
     }
     if (g_gpu < 0) g_gpu = g_shm->slots[g_slot].gpu;
     if (g_gpu < 0 || g_gpu >= KREX_MAX_GPUS) g_gpu = 0;
     int idx = krex_proc_register(g_shm, g_slot, g_gpu, (int64_t)getpid());
     if (idx >= 0) {
-        g_proc = &g_shm->procs[idx];
-        g_proc->flags |= g_pending_flags;
-        g_fast.inflight = &g_proc->inflight;
-        g_fast.submits = g_proc->submits;
-        __atomic_store_n(&g_proc->has_ctx, 1, __ATOMIC_SEQ_CST);
+        struct krex_proc *p = &g_shm->procs[idx];
+        __atomic_or_fetch(&p->flags, __atomic_load_n(&g_pending_flags, RELAXED), RELAXED);
+        __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
+        __atomic_store_n(&g_proc, p, RELEASE);
+        g_fast.inflight = &p->inflight;
+        g_fast.submits = p->submits;
+        __atomic_store_n(&p->has_ctx, 1, __ATOMIC_SEQ_CST);
     } else {
         /* No record left: still gated, through the slot's shared counter. */
         g_fast.inflight = &g_shm->slots[g_slot].inflight;
         g_fast.submits = g_local_submits;
     }
     g_fast.owner_byte = (uint32_t)g_slot + 1;
-    __atomic_store_n(&g_fast.gate, &g_shm->gpus[g_gpu].gate, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_fast.gate, &g_shm->gpus[g_gpu].gate, RELEASE);
     if (g_proc && !g_helper_started) start_helper();
     klog("registered: slot %d gpu %d record %d", g_slot, g_gpu, idx);
 out:
     pthread_mutex_unlock(&g_reg_lock);
-    return g_fast.gate != NULL;
+    return __atomic_load_n(&g_fast.gate, ACQUIRE) != NULL;
 }
 
+/* fork: the prepare handler takes the registration lock, so the child never
+ * inherits it held by a thread that does not exist there; parent and child
+ * release it. The lock is only ever held briefly (see g_reg_lock). */
+static void atfork_prepare(void) { pthread_mutex_lock(&g_reg_lock); }
+
+static void atfork_parent(void) { pthread_mutex_unlock(&g_reg_lock); }
+
 static void atfork_child(void) {
-    /* The child is a new process: re-register (own record, own helper) lazily. */
-    pthread_mutex_init(&g_reg_lock, NULL);
-    g_fast.gate = NULL;
-    g_proc = NULL;
-    g_helper_started = 0;
+    pthread_mutex_unlock(&g_reg_lock);
+    /* The child is a new process: re-register (own record, own helper) lazily.
+     * The parent's connections stay the parent's. */
+    __atomic_store_n(&g_fast.gate, NULL, RELAXED);
+    __atomic_store_n(&g_proc, NULL, RELAXED);
+    __atomic_store_n(&g_helper_started, 0, RELAXED);
     g_failed_gate = 0;
-    g_captures = 0;
-    g_conn = -1; /* the parent's socket stays the parent's */
-    pthread_mutex_init(&g_conn_lock, NULL);
+    for (int i = 0; i < KREX_MAX_CAPTURES; i++) g_cap_streams[i] = NULL;
+    g_captures = g_capture_overflow = 0;
+    if (g_reg_conn >= 0) close(g_reg_conn);
+    g_reg_conn = -1;
+    if (g_need_selfreg) g_selfreg = 0;
+    if (t_region_fd >= 0) close(t_region_fd);
+    t_region_fd = -1;
     t_region_depth = 0;
+    g_spawned = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) g_ctxs[i] = NULL;
 }
 
@@ -769,6 +1178,7 @@ __attribute__((constructor)) static void krex_init(void) {
             klog("KREX_SHM set without KREX_SLOT or KREX_SOCKET; passing through");
             return;
         }
+        g_need_selfreg = 1;
     }
     if (!parse_int(getenv("KREX_GPU"), &g_gpu)) {
         /* An opt-in process names its GPU through CUDA_VISIBLE_DEVICES. */
@@ -776,11 +1186,13 @@ __attribute__((constructor)) static void krex_init(void) {
         if (!vis || !parse_int(vis, &g_gpu)) g_gpu = -1;
     }
     strcpy(g_shm_name, name);
-    pthread_atfork(NULL, NULL, atfork_child);
-    g_mode = MODE_ON;
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+    __atomic_store_n(&g_mode, MODE_ON, RELAXED);
 }
 
 /* Exposed for tests and `krex doctor`: is this process under KREX? */
-KREX_EXPORT int krex_shim_active(void) { return g_mode == MODE_ON; }
-KREX_EXPORT int krex_shim_registered(void) { return g_fast.gate != NULL; }
-KREX_EXPORT int krex_shim_helper_running(void) { return g_helper_started; }
+KREX_EXPORT int krex_shim_active(void) { return mode_on(); }
+KREX_EXPORT int krex_shim_registered(void) { return __atomic_load_n(&g_fast.gate, ACQUIRE) != NULL; }
+KREX_EXPORT int krex_shim_helper_running(void) { return __atomic_load_n(&g_helper_started, ACQUIRE); }
+/* For tests: graph captures this process is in (per stream). */
+KREX_EXPORT int krex_shim_captures(void) { return (int)__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST); }

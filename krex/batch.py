@@ -102,10 +102,14 @@ def _from_json(data: Any, source: str) -> list[BatchCommand]:
     for i, item in enumerate(data):
         where = f"{source}: item {i} ({json.dumps(item)[:60]})"
         if isinstance(item, str):
+            if "\0" in item:
+                raise UsageError(f"{where} holds a NUL byte", "a command cannot contain \\u0000; remove it")
             if not item.strip():
                 raise UsageError(f"{where} is an empty command", "remove it, or give a command")
             out.append(_shell(len(out) + 1, item.strip()))
         elif isinstance(item, list) and item and all(isinstance(a, str) for a in item) and item[0]:
+            if any("\0" in a for a in item):
+                raise UsageError(f"{where} holds a NUL byte", "an argument cannot contain \\u0000; remove it")
             out.append(BatchCommand(len(out) + 1, list(item)))
         else:
             raise UsageError(f"{where} is not an argv list",
@@ -114,7 +118,12 @@ def _from_json(data: Any, source: str) -> list[BatchCommand]:
 
 
 def parse_commands(text: str, source: str = "<input>", force_json: bool = False) -> list[BatchCommand]:
-    """Parse batch input (see the module docstring). Raises UsageError when no command is in it."""
+    """Parse batch input (see the module docstring). Raises UsageError when no command is in it,
+    or when it holds a NUL byte (a binary file; no argv can carry one)."""
+    if "\0" in text:
+        no = text[: text.index("\0")].count("\n") + 1
+        raise UsageError(f"{source}: line {no} holds a NUL byte: this is not a text file of commands",
+                         f"give a text file; {FILE_HELP}")
     stripped = text.strip()
     commands: list[BatchCommand] | None = None
     if force_json or stripped.startswith("["):
@@ -490,6 +499,9 @@ def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
                 loaded = json.load(f)
             report = loaded if isinstance(loaded, dict) else None
             r.report_path.unlink()
+            kerr = (report or {}).get("krex_error")
+            if isinstance(kerr, dict):  # exit 125: KREX failed, not the command
+                error = f"KREX error: {kerr.get('message')} (fix: {kerr.get('fix')})"
         except FileNotFoundError:
             error = f"krex run wrote no report (exit {status})"
             tail = _tail(r.stderr)

@@ -18,6 +18,8 @@ Precedence: command line > environment > config file > defaults. The config file
   freeze_timeout   KREX_FREEZE_TIMEOUT    seconds to wait for a group to report frozen (2)
   drain_timeout    KREX_DRAIN_TIMEOUT     seconds to wait for in-flight work and drain acks (5)
   log_level        KREX_LOG_LEVEL         debug, info, warning, error (info)
+  group            KREX_GROUP             share the daemon with this group: members run commands
+                                          and pause, only its user or root stop it (its own group)
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return conv
 
 
+def _group(v: Any) -> str:
+    s = str(v).strip()
+    if not s or any(c.isspace() for c in s):
+        raise ValueError("not a group name or gid")
+    return s
+
+
 @dataclass(frozen=True)
 class Key:
     name: str  # Config field
@@ -104,6 +113,7 @@ KEYS = (
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS)),
+    Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon"),
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -10,6 +11,8 @@ from krex.native import lib
 from krex.shm import Segment, StepResult, raise_stragglers
 
 DEFAULT_PAUSE_LEASE_S = 600.0
+MAX_PAUSE_LEASE_S = 7 * 86400.0
+MAX_PAUSE_TIMEOUT_S = 86400.0
 
 
 @dataclass
@@ -30,10 +33,16 @@ def pause(
     runs out, after which shims fail open (invariant I5). On a timeout the gate
     is opened again, so a failed pause leaves nothing behind."""
     seg.check_gpu(gpu)
-    if timeout <= 0:
-        raise UsageError(f"--timeout {timeout:g} must be positive", "pass e.g. --timeout 10")
-    if lease_s <= 0:
-        raise UsageError(f"--for {lease_s:g} must be positive", "pass e.g. --for 600")
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_PAUSE_TIMEOUT_S):
+        raise UsageError(
+            f"--timeout {timeout:g} must be a number of seconds in (0, {MAX_PAUSE_TIMEOUT_S:g}]",
+            "pass e.g. --timeout 10",
+        )
+    if not (math.isfinite(lease_s) and 0 < lease_s <= MAX_PAUSE_LEASE_S):
+        raise UsageError(
+            f"--for {lease_s:g} must be a number of seconds in (0, {MAX_PAUSE_LEASE_S:g}] (7 days)",
+            "pass e.g. --for 600; renew a longer pause with another `krex pause`",
+        )
     g = seg.raw.gpus[gpu]
     if g.gate != lib.KREX_GATE_OPEN and g.holder == lib.KREX_HOLDER_REGION:
         raise Busy(
@@ -41,14 +50,19 @@ def pause(
             "wait for the region to end, then pause again",
         )
     word = seg.close_gate(gpu, None, holder=lib.KREX_HOLDER_PAUSE, holder_pid=os.getpid(), lease_s=lease_s)
-    inflight = seg.wait_inflight(gpu, None, timeout)
-    if not inflight.ok:
-        seg.open_gate(gpu)
-        raise_stragglers("waiting for in-flight submissions", gpu, inflight, timeout)
-    drain = seg.drain(gpu, None, timeout)
-    if not drain.ok:
-        seg.open_gate(gpu)
-        raise_stragglers("draining", gpu, drain, timeout)
+    try:
+        inflight = seg.wait_inflight(gpu, None, timeout)
+        if not inflight.ok:
+            raise_stragglers("waiting for in-flight submissions", gpu, inflight, timeout)
+        drain = seg.drain(gpu, None, timeout)
+        if not drain.ok:
+            raise_stragglers("draining", gpu, drain, timeout)
+    except BaseException:
+        # A timeout, Ctrl-C or SIGTERM while waiting: give back what we took, and only
+        # that (the gate word is still ours unless someone has reopened it since).
+        if seg.gate_word(gpu) == word:
+            seg.open_gate(gpu)
+        raise
     return PauseResult(gpu, word, inflight, drain, lease_s)
 
 

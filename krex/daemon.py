@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import contextlib
 import fcntl
+import grp
 import logging
 import os
 import signal
@@ -25,19 +26,79 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from krex import cpus, freezepolicy, freezer, journal, paths
-from krex.errors import Busy, KrexError, NotFound, UsageError
+from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.gpus import GpuInfo, discover
 from krex.native import lib
-from krex.protocol import LineReader, encode, peer_cred
+from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
 from krex.shm import Segment, default_name
 
-HEARTBEAT_S = 0.1
-HEARTBEAT_TIMEOUT_S = 1.5
+# One home for each timing constant: the ABI header (interpose/krex_abi.h).
+HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
+HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 
 log = logging.getLogger("krex.daemon")  # not __name__: it runs as __main__ under -m
+
+
+def _error(e: KrexError) -> dict[str, Any]:
+    kind = "UsageError" if isinstance(e, ProtocolError) else type(e).__name__
+    return {"ok": False, "error": str(e), "fix": e.fix, "kind": kind}
+
+
+def _group_id(name: str | None) -> int:
+    if name is None:
+        return os.getegid()
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise NotFound(f"no group {name!r}", "give an existing group name or gid (see /etc/group)") from None
+
+
+def _status_fields(pid: int) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key in ("Uid", "Gid", "Groups", "PPid"):
+                    out[key] = [int(x) for x in val.split()]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _peer_groups(pid: int, gid: int) -> set[int]:
+    """The peer's primary and supplementary groups (SO_PEERCRED has only the primary)."""
+    st = _status_fields(pid)
+    return {gid, *st.get("Gid", []), *st.get("Groups", [])}
+
+
+def _check_own_tree(child: int, peer: int, uid: int) -> None:
+    """`child` must be the peer's own process or a descendant of it, with the peer's
+    (real) user id; anything else could be someone else's process."""
+    st = _status_fields(child)
+    if not st:
+        raise NotFound(f"no process {child}", "send the pid of your own command")
+    if uid != 0 and st.get("Uid", [-1])[0] != uid:
+        raise PermissionDenied(
+            f"process {child} does not run as uid {uid}: only your own processes may join your slot",
+            "send the pid of your own command",
+        )
+    p = child
+    for _ in range(256):
+        if p == peer:
+            return
+        ppid = _status_fields(p).get("PPid", [0])
+        p = ppid[0] if ppid else 0
+        if p <= 1:
+            break
+    raise PermissionDenied(
+        f"process {child} is not in the process tree of pid {peer}: only your own command may join your slot",
+        "send the pid of the command you started",
+    )
 
 
 @dataclass
@@ -56,6 +117,7 @@ class Config:
     lend_cores: bool = False
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.config)
+    group: str | None = None  # share the daemon with this group (default: the daemon's own group)
 
 
 @dataclass(eq=False)  # identity semantics: slots are dict keys and set members
@@ -102,7 +164,13 @@ class Daemon:
         self.sock_path = paths.socket_path()
         self.journal_path = paths.journal_path()
         self.shm_name = cfg.shm_name or default_name()
+        self.share_gid = _group_id(cfg.group)
         self._lock_fd: int | None = None
+        self._journal_lock = threading.Lock()
+        self.journal_error: str | None = None
+        self.stalls: list[tuple[float, float]] = []  # (start, end) monotonic: heartbeat gaps past the timeout
+        self._last_beat = time.monotonic()
+        self._sock_ino: int | None = None
         self._take_lock()  # before any cgroup is touched: a second daemon must change nothing
         self.freezer = freezer.detect(
             cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex"
@@ -127,11 +195,14 @@ class Daemon:
         return cpus.default_slots_per_gpu(self.partition, gpu)
 
     def _take_lock(self) -> None:
+        # Every directory we write into is checked, and every file opened without
+        # following symlinks: a squatted /tmp/krex-<uid> must change nothing.
         paths.ensure_state_dir()
         lp = paths.lock_path()
+        paths.ensure_dir(lp.parent, "KREX socket directory")
+        paths.ensure_dir(self.journal_path.parent, "KREX journal directory")
         try:
-            lp.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o640)
+            fd = paths.open_private(lp, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise KrexError(
                 f"cannot create {lp}: {e.strerror}", "set KREX_SOCKET (or KREX_STATE_DIR) to a writable place"
@@ -140,7 +211,7 @@ class Daemon:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            pid = lp.read_text().strip() if lp.exists() else "?"
+            pid = paths.read_lock_pid(lp)
             raise Busy(
                 f"a KREX daemon is already running (pid {pid or '?'}, socket {self.sock_path})",
                 "use it, or stop it first with `krex daemon stop`",
@@ -187,7 +258,9 @@ class Daemon:
     def _open_segment(self) -> None:
         try:
             seg = Segment.create(self.shm_name, n_gpus=self.info.count)
-        except KrexError:
+        except PermissionDenied:
+            raise  # someone else's segment: never adopt it, never remove it behind their back
+        except KrexError:  # ours, but from another ABI or torn: start afresh
             Segment.unlink(self.shm_name)
             seg = Segment.create(self.shm_name, n_gpus=self.info.count)
         if seg.n_gpus != self.info.count:
@@ -204,19 +277,17 @@ class Daemon:
 
     def _listen(self) -> socket.socket:
         p = self.sock_path
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise KrexError(
-                f"cannot create socket directory {p.parent}: {e.strerror}",
-                "set KREX_SOCKET (or KREX_STATE_DIR) to a writable place",
-            ) from e
+        paths.ensure_dir(p.parent, "KREX socket directory")
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o117)  # socket 0660: the owner and its group may connect, nobody else
+        old = os.umask(0o177)  # no window in which anyone but us may connect
         try:
             s.bind(str(p))
+            # 0660, group = the sharing group: the owner and its group may connect, nobody else.
+            os.chown(p, -1, self.share_gid, follow_symlinks=False)
+            os.chmod(p, 0o660)
+            self._sock_ino = os.stat(p, follow_symlinks=False).st_ino
         except OSError as e:
             s.close()
             raise KrexError(
@@ -226,6 +297,27 @@ class Daemon:
             os.umask(old)
         s.listen(128)
         return s
+
+    def _share_files(self) -> None:
+        """Give the sharing group what its members need: the segment (their shims
+        count in it), the state directory (to reach the socket) and the journal
+        (their reports read it). Nobody else gets anything."""
+        if self.share_gid == os.getegid() and self.cfg.group is None:
+            return
+        targets = [Path("/dev/shm" + self.shm_name), paths.state_dir()]
+        with contextlib.suppress(OSError, KrexError):
+            os.close(paths.open_private(self.journal_path, os.O_WRONLY | os.O_CREAT))
+            targets.append(self.journal_path)
+        for t in targets:
+            try:
+                os.chown(t, -1, self.share_gid, follow_symlinks=False)
+            except OSError as e:
+                raise PermissionDenied(
+                    f"cannot give {t} to group {self.share_gid}: {e.strerror}",
+                    "run krexd as root, or share it with a group you are a member of",
+                ) from e
+        with contextlib.suppress(OSError):
+            os.chmod(paths.state_dir(), 0o750)
 
     def start(self) -> dict[str, int]:
         self._open_segment()
@@ -240,6 +332,8 @@ class Daemon:
             )
         rec = self._recover()
         self._server = self._listen()
+        self._share_files()
+        self._start_watchdog()
         self._log_start(rec)
         for target in (self._heartbeat_loop, self._reaper_loop):
             threading.Thread(target=target, daemon=True).start()
@@ -295,6 +389,24 @@ class Daemon:
     def _read_fail_opens(self) -> list[int]:
         return [int(self.seg.raw.gpus[g].fail_opens) for g in range(self.seg.n_gpus)]
 
+    def _start_watchdog(self) -> None:
+        """A process of our own that thaws our groups if we hang (krex/watchdog.py)."""
+        import subprocess
+        import sys
+
+        root = self.shm_name.strip("/").replace("/", "-") or "krex"
+        args = [str(self.pid), self.shm_name, root, self.freezer.name]
+        try:
+            self._watchdog: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-m", "krex.watchdog", *args],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+            )
+        except OSError as e:
+            self._watchdog = None
+            log.error("cannot start the watchdog: %s; guardians still thaw their own commands", e)
+
     def serve_forever(self) -> None:
         assert self._server is not None
         self._server.settimeout(0.2)
@@ -302,11 +414,33 @@ class Daemon:
             try:
                 conn, _ = self._server.accept()
             except TimeoutError:
+                self._check_socket()
                 continue
             except OSError:
                 break
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
         self.shutdown()
+
+    def _check_socket(self) -> None:
+        """Someone removed (or replaced) our socket: clients would find no daemon
+        while we hold the lock. Bind a fresh one; we still own the path (the lock)."""
+        try:
+            ino: int | None = os.stat(self.sock_path, follow_symlinks=False).st_ino
+        except OSError:
+            ino = None
+        if ino == self._sock_ino:
+            return
+        try:
+            new = self._listen()
+        except KrexError as e:
+            log.error("socket %s vanished and cannot be re-created: %s", self.sock_path, e)
+            self._sock_ino = ino  # do not retry every 0.2 s
+            return
+        new.settimeout(0.2)
+        assert self._server is not None
+        self._server.close()
+        self._server = new
+        log.warning("socket %s was removed or replaced; re-created it", self.sock_path)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -333,18 +467,44 @@ class Daemon:
                 s.group.thaw()
                 s.group.remove()  # thaws; never kills, keeps a group that still has processes
         self.seg.raw.hdr.daemon_pid = 0
+        wd = getattr(self, "_watchdog", None)
+        if wd is not None:
+            wd.terminate()
+            with contextlib.suppress(Exception):
+                wd.wait(5)
         if self._server:
             self._server.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.sock_path.unlink()
+        with contextlib.suppress(OSError):
+            if os.stat(self.sock_path, follow_symlinks=False).st_ino == self._sock_ino:
+                self.sock_path.unlink()
         log.info("krexd stopped (pid %d, %d region(s) served)", self.pid, self.regions_done)
 
     # ------------------------------------------------------------- background
     def _heartbeat_loop(self) -> None:
+        last = time.monotonic()
         while not self.stop.is_set():
             self.seg.heartbeat()
             self._check_fail_opens()  # n_gpus word loads; a snapshot only when one rose
+            self._last_beat = last
             time.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            if now - last > HEARTBEAT_TIMEOUT_S:
+                # We were stopped or starved past the timeout: shims failed open and
+                # guardians thawed their commands meanwhile. Regions that spanned it say so.
+                with self.lock:
+                    self.stalls.append((last, now))
+                    del self.stalls[:-100]
+                log.warning("krexd did not beat for %.2f s (stopped or starved)", now - last)
+            last = now
+
+    def _stalled_during(self, t0: float, t1: float) -> float:
+        """Seconds of [t0, t1] during which krexd did not beat (stopped or starved)."""
+        with self.lock:
+            spans = list(self.stalls)
+        now = time.monotonic()
+        if now - self._last_beat > HEARTBEAT_TIMEOUT_S:  # one the beat loop has not seen yet
+            spans.append((self._last_beat, now))
+        return sum(min(b, t1) - max(a, t0) for a, b in spans if a < t1 and b > t0)
 
     def _check_fail_opens(self) -> None:
         """Log shims that passed a closed gate because its holder looked dead (I5)."""
@@ -613,6 +773,14 @@ class Daemon:
             region_s = time.monotonic() - t_grant
             if adaptive and owner is not None and region_s > 0:
                 owner.last_rate = (self.seg.slot_submits(req.slot) - sub0) / region_s
+            stalled = self._stalled_during(t0, time.monotonic())
+            if stalled:
+                req.grant["contaminated"] = True
+                req.grant["reasons"] = [
+                    *req.grant["reasons"],
+                    f"krexd stalled for {stalled:.2f}s during the region (stopped or starved): guardians "
+                    "thawed their commands and shims failed open meanwhile",
+                ]
         finally:
             if old_aff is not None:
                 with contextlib.suppress(KrexError):
@@ -646,8 +814,24 @@ class Daemon:
         rec.pop("ok", None)
         req.record = rec
         self._log_region(rec)
-        with contextlib.suppress(OSError):
-            journal.append(self.journal_path, rec)
+        self._journal(rec)
+
+    def _journal(self, rec: dict[str, Any]) -> None:
+        """Append a region record. A journal that cannot be written (a directory in
+        its place, a full disk) never stops regions: the error is logged once and
+        shown by `krex daemon status`."""
+        with self._journal_lock:
+            try:
+                journal.append(self.journal_path, rec)
+            except (OSError, KrexError) as e:
+                msg = f"cannot write the journal {self.journal_path}: {e}"
+                if msg != self.journal_error:
+                    log.error("%s; regions are not journaled until it is fixed", msg)
+                self.journal_error = msg
+            else:
+                if self.journal_error:
+                    log.warning("the journal %s is writable again", self.journal_path)
+                self.journal_error = None
 
     def _log_region(self, rec: dict[str, Any]) -> None:
         who = f"gpu {rec['gpu']}: region of slot {rec['owner_slot']} pid {rec['owner_pid']} tid {rec['tid']}"
@@ -666,35 +850,59 @@ class Daemon:
             )
 
     # ----------------------------------------------------------- the clients
+    def _role(self, pid: int, uid: int, gid: int) -> str | None:
+        """The sharing model (docs/architecture.md, threat model): "owner" (root or
+        the daemon's user: everything), "member" (in the sharing group, as primary or
+        supplementary group: run commands, regions, status; not stop), else None."""
+        if uid in (0, os.geteuid()):
+            return "owner"
+        if self.share_gid in _peer_groups(pid, gid):
+            return "member"
+        return None
+
     def _client(self, conn: socket.socket) -> None:
         pid, uid, gid = peer_cred(conn)
         reader = LineReader(conn)
-        owned: dict[str, Any] = {"region": None, "slot": None, "guardian": None}
+        owned: dict[str, Any] = {"region": None, "slot": None, "guardian": None, "uid": uid}
         try:
-            # The socket is 0660: root, the daemon's user and its group may use it.
-            if uid not in (0, os.geteuid()) and gid != os.getegid():
+            owned["role"] = self._role(pid, uid, gid)
+            if owned["role"] is None:
                 conn.sendall(
                     encode(
-                        {
-                            "ok": False,
-                            "error": "permission denied: another user's daemon",
-                            "kind": "PermissionDenied",
-                            "fix": "ask its owner, or run your own daemon",
-                        }
+                        _error(
+                            PermissionDenied(
+                                f"permission denied: uid {uid} is neither this daemon's user nor a member "
+                                f"of its group (gid {self.share_gid})",
+                                "ask its owner to add you to that group, or run your own daemon",
+                            )
+                        )
                     )
                 )
                 return
             while not self.stop.is_set():
                 try:
                     msg = reader.read()
-                except (ValueError, OSError):
+                except ProtocolError as e:
+                    conn.sendall(encode(_error(e)))
+                    if e.fatal:
+                        return
+                    continue
+                except OSError:
                     return
                 if msg is None:
                     return
                 try:
                     reply = self._handle(conn, pid, msg, owned)
                 except KrexError as e:
-                    reply = {"ok": False, "error": str(e), "fix": e.fix, "kind": type(e).__name__}
+                    reply = _error(e)
+                except Exception as e:  # noqa: BLE001 - a bad request must never kill its connection thread
+                    log.error("request %.200r from pid %d failed: %s: %s", msg, pid, type(e).__name__, e)
+                    reply = {
+                        "ok": False,
+                        "error": f"internal error: {type(e).__name__}: {e}",
+                        "kind": "KrexError",
+                        "fix": "see krexd.log",
+                    }
                 if reply is not None:
                     conn.sendall(encode(reply))
         except OSError:
@@ -722,8 +930,16 @@ class Daemon:
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
     ) -> dict[str, Any] | None:
         op = msg.get("op")
+        if not isinstance(op, str):
+            raise UsageError(f"field 'op' must be a string, not {op!r:.40}", f"send one of {', '.join(OPS)}")
         if op == "hello":
-            return {"ok": True, "pid": self.pid, "shm": self.shm_name, "gpus": self.info.count}
+            return {
+                "ok": True,
+                "pid": self.pid,
+                "shm": self.shm_name,
+                "gpus": self.info.count,
+                "role": owned.get("role"),
+            }
         if op == "status":
             return {"ok": True, **self.status()}
         if op == "admit":
@@ -731,13 +947,19 @@ class Daemon:
         if op == "adopt":
             return self._adopt(pid, msg, owned)
         if op == "started":
+            child = int_field(msg, "pid", required=True)
+            assert child is not None
+            # Only the peer's own process tree, with its credentials, may join a slot: a
+            # pid from the message would otherwise let a member freeze anyone's process.
+            _check_own_tree(child, pid, owned["uid"])
             with self.lock:
                 s = self.slots.get(owned["guardian"])
                 if s is None:
                     raise UsageError("`started` before `admit`", "send admit first")
-                child = int(msg["pid"])
                 s.root_pids.add(child)
-                if self.freezer.name == "signal":
+                if self.freezer.name == "signal" or msg.get("join"):
+                    # join: the guardian could not enter the slot's cgroup itself (a group
+                    # member); its child waits before exec until the daemon has moved it.
                     s.group.add(child)
             return {"ok": True}
         if op == "release":
@@ -754,6 +976,10 @@ class Daemon:
         if op == "end":
             return self._end(pid, owned)
         if op == "shutdown":
+            if owned.get("role") != "owner":
+                raise PermissionDenied(
+                    "only the daemon's user or root may stop it", "ask its owner to run `krex daemon stop`"
+                )
             self.stop_reason = f"shutdown requested by pid {pid}"
             self.stop.set()
             return {"ok": True}
@@ -764,8 +990,8 @@ class Daemon:
             s = self._slot_of_pid(pid)
             if s is not None:
                 return s
-            gpu = msg.get("gpu")
-            want = int(gpu) if gpu is not None else 0
+            want = int_field(msg, "gpu", 0)
+            assert want is not None
             if not 0 <= want < self.info.count:
                 raise NotFound(f"unknown GPU {want}", f"this node has {self.info.count} GPU(s)")
             s = self._new_slot(want, "auto", pid)
@@ -778,11 +1004,11 @@ class Daemon:
     def _admit(
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
     ) -> dict[str, Any]:
-        want = msg.get("gpu")
+        want = int_field(msg, "gpu")
         freeze = msg.get("freeze")
         if freeze is not None:
             freezepolicy.check(str(freeze))
-        if want is not None and not 0 <= int(want) < self.info.count:
+        if want is not None and not 0 <= want < self.info.count:
             raise NotFound(
                 f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
                 "pick a GPU index from `krex status`",
@@ -791,7 +1017,7 @@ class Daemon:
         told = False
         with self.lock:
             while True:
-                gpu = self._pick_gpu(None if want is None else int(want))
+                gpu = self._pick_gpu(want)
                 if gpu is not None:
                     s = self._new_slot(gpu, "run", pid)
                     s.freeze = None if freeze is None else str(freeze)
@@ -804,6 +1030,8 @@ class Daemon:
                     raise KrexError("daemon is stopping", "try again")
         owned["guardian"] = s.slot
         log.info("slot %d on gpu %d admitted for guardian pid %d", s.slot, gpu, pid)
+        if owned.get("role") == "member":
+            self._delegate_thaw(s, owned["uid"])
         sl = self.partition.slice_for(gpu)
         return {
             "ok": True,
@@ -820,14 +1048,33 @@ class Daemon:
             "admission_wait_s": round(time.monotonic() - t0, 6),
         }
 
+    def _delegate_thaw(self, s: Slot, uid: int) -> None:
+        """A member's guardian must be able to thaw its own command if krexd dies or
+        hangs (I5): hand it the slot's freeze file, and nothing else."""
+        name = {"cgroup2": "cgroup.freeze", "cgroup1": "freezer.state"}.get(self.freezer.name)
+        if name:
+            with contextlib.suppress(OSError):
+                os.chown(os.path.join(s.group.path, name), uid, -1, follow_symlinks=False)
+
     def _adopt(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
         """A guardian of a previous daemon reconnects and keeps its slot."""
-        n, gpu = int(msg["slot"]), int(msg["gpu"])
+        n, gpu = int_field(msg, "slot", required=True), int_field(msg, "gpu", required=True)
+        assert n is not None and gpu is not None
+        if not 0 <= n < lib.KREX_MAX_SLOTS or not 0 <= gpu < self.info.count:
+            raise NotFound(f"no slot {n} on GPU {gpu}", "start the command again")
+        raw = msg.get("pids", [])
+        if not isinstance(raw, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in raw):
+            raise UsageError("field 'pids' must be a list of integers", "send the command's pids")
+        pids = set()
+        for p in raw:  # the same rule as `started`: only the peer's own tree
+            with contextlib.suppress(PermissionDenied, NotFound):
+                _check_own_tree(p, pid, owned["uid"])
+                pids.add(p)
         with self.lock:
             sp = self.seg.raw.slots[n]
             if sp.state != lib.KREX_SLOT_ACTIVE or sp.owner_pid != pid:
                 raise NotFound(f"slot {n} is not held by pid {pid}", "start the command again")
-            s = Slot(n, gpu, "run", pid, self.freezer.group(f"slot-{n}"), set(msg.get("pids", [])))
+            s = Slot(n, gpu, "run", pid, self.freezer.group(f"slot-{n}"), pids)
             self.slots[n] = s
             owned["guardian"] = n
         return {"ok": True, "slot": n}
@@ -836,7 +1083,7 @@ class Daemon:
         if owned["region"] is not None and not owned["region"].released.is_set():
             raise Busy("this connection already holds a region", "end it first")
         s = self._slot_for(pid, msg, owned)
-        tid = int(msg.get("tid") or pid)
+        tid = int_field(msg, "tid") or pid
         if not os.path.exists(f"/proc/{pid}/task/{tid}"):
             raise UsageError(f"thread {tid} is not a thread of pid {pid}", "send your own thread id")
         req = Region(s.slot, s.gpu, pid, tid, time.monotonic())
@@ -846,6 +1093,8 @@ class Daemon:
         owned["region"] = req
         req.granted.wait()
         if req.cancelled:
+            if self.stop.is_set():
+                raise DaemonLost("region cancelled: the daemon is stopping", "run again; it starts on demand")
             raise KrexError("region cancelled", "the daemon is stopping or the slot was released")
         return req.grant
 
@@ -890,6 +1139,10 @@ class Daemon:
                     "idle_exit_s": self.cfg.idle_exit_s,
                     "log": str(paths.state_dir() / "krexd.log"),
                     "settings_from": self.cfg.sources,
+                    "journal": str(self.journal_path),
+                    "journal_error": self.journal_error,
+                    "group": self.share_gid,
+                    "stalls": len(self.stalls),
                 },
                 "partition": self.partition.to_json(),
                 "slots": [
@@ -943,7 +1196,8 @@ def setup_logging(level: str) -> None:
 
 
 def run(cfg: Config) -> None:
-    """Run the daemon in this process until stopped (SIGTERM/SIGINT or `shutdown`)."""
+    """Run the daemon in this process until stopped (SIGTERM/SIGINT or `shutdown`).
+    Its log lines go to stderr (krexd.log when started in the background)."""
     setup_logging(cfg.log_level)
     d = Daemon(cfg)
     d.start()
@@ -966,6 +1220,19 @@ def config_from(device: str, overrides: dict[str, Any], on_demand: bool = False)
     return Config(device=device, **values, sources=sources)
 
 
+def _redirect_output(logfile: Path) -> None:
+    """Point stdout and stderr at the log, opened without following symlinks in a
+    directory checked first (a shell's `>>log` would follow a planted link)."""
+    paths.ensure_dir(logfile.parent, "KREX log directory")
+    try:
+        fd = paths.open_private(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError as e:
+        raise KrexError(f"cannot open the log {logfile}: {e.strerror}", "set KREX_STATE_DIR") from e
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m krex.daemon` entry used when the daemon is started in the background."""
     import argparse
@@ -981,6 +1248,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--on-demand", action="store_true", help="started by a command: exits when idle (KREX_IDLE_EXIT)"
     )
+    ap.add_argument("--group", default=None)
+    ap.add_argument("--log", default=None, help="append stdout and stderr here (in a checked directory)")
     a = ap.parse_args(argv)
     overrides = {
         "slots_per_gpu": a.slots_per_gpu,
@@ -989,8 +1258,11 @@ def main(argv: list[str] | None = None) -> None:
         "freezer": a.freezer,
         "freeze_policy": a.freeze_policy,
         "log_level": a.log_level,
+        "group": a.group,
     }
     try:
+        if a.log:
+            _redirect_output(Path(a.log))
         run(config_from(a.device, overrides, on_demand=a.on_demand))
     except KrexError as e:
         ts = time.strftime("%Y-%m-%d %H:%M:%S")

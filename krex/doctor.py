@@ -305,6 +305,12 @@ def check_daemon() -> Check:
     except KrexError as e:
         return Check("daemon", FAIL, str(e), e.fix)
     if not daemon_alive(sock):
+        holder = paths.lock_holder(sock.with_suffix(".lock"))
+        if holder is not None:
+            return Check("daemon", WARN, f"krexd pid {holder} holds its lock but does not answer at {sock} "
+                         "(its socket is missing or it is hung)",
+                         "krexd re-creates a removed socket within a second; else `krex daemon stop`",
+                         {"socket": str(sock), "running": True, "pid": holder})
         return Check("daemon", OK, f"krexd is not running at {sock}; `krex run` starts it on demand", "",
                      {"socket": str(sock), "running": False})
     try:

@@ -22,16 +22,16 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
     from krex import paths
 
     sock = paths.socket_path()
-    log = paths.state_dir() / "krexd.log"
+    log = paths.log_path()
     env = {
         "LD_PRELOAD": _prepend("LD_PRELOAD", str(shim_path()), base),
         "KREX_SHM": shm_name,
         "KREX_SOCKET": str(sock),
         # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
+        # krexd opens its log itself (checked directory, no symlink followed).
         "KREX_DAEMON_CMD": (
-            f"mkdir -p {shlex.quote(str(log.parent))} && exec env -u LD_PRELOAD "
-            f"{shlex.quote(sys.executable)} -m krex.daemon --device {device} --on-demand "
-            f">>{shlex.quote(str(log))} 2>&1"
+            f"exec env -u LD_PRELOAD {shlex.quote(sys.executable)} -m krex.daemon --device {device} "
+            f"--on-demand --log {shlex.quote(str(log))}"
         ),
     }
     # krex/_hook holds a sitecustomize that installs automatic regions when

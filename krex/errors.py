@@ -45,9 +45,23 @@ class Busy(KrexError):
     exit_code = 6
 
 
+class DaemonLost(KrexError):
+    """krexd closed the connection or went away in the middle of a request."""
+
+
 class CommandNotFound(KrexError):
     exit_code = 127
 
 
 class NotExecutable(KrexError):
     exit_code = 126
+
+
+RUN_FAILURE = 125  # `krex run`: KREX itself failed (as `docker run` and `env` do)
+
+
+def run_exit_code(e: KrexError) -> int:
+    """`krex run`'s status for a KREX error: 126/127 keep their shell meaning (the
+    command cannot be executed / was not found); every other KREX failure is 125,
+    so it never collides with a status the command itself returns."""
+    return e.exit_code if isinstance(e, (CommandNotFound, NotExecutable)) else RUN_FAILURE

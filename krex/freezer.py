@@ -437,6 +437,18 @@ class Freezer(abc.ABC):
         """Groups that exist but were not made by this Freezer: a previous daemon's."""
         return sorted(n for n in self._list() if n not in self._own)
 
+    def thaw_all(self) -> int:
+        """Thaw every group under the root that is frozen or being frozen (the
+        watchdog's rescue when krexd hangs); removes nothing. Returns how many."""
+        n = 0
+        for name in self._list():
+            with contextlib.suppress(KrexError, OSError):
+                group = self._open(name, create=False)
+                if group.freeze_requested() or group.is_frozen():
+                    group.thaw()
+                    n += 1
+        return n
+
     def recover(self) -> int:
         """Thaw every leftover group and remove the empty ones. Returns how many were thawed.
 

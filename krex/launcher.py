@@ -11,13 +11,14 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from krex.envvars import opt_in_env
-from krex.errors import CommandNotFound, KrexError, NotExecutable, UsageError
+from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
 from krex.shm import Segment
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -28,6 +29,8 @@ def resolve_command(cmd: Sequence[str]) -> str:
         raise UsageError("no command given", "put the command after --, e.g. krex run -- python bench.py")
     exe = cmd[0]
     if "/" in exe:
+        # A name with a slash is a path, as for execvp: returned as given, since
+        # str(Path("./prog")) would be "prog", which execvp looks up on PATH.
         p = Path(exe)
         if not p.exists():
             raise CommandNotFound(f"command not found: {exe}", "check the path")
@@ -35,7 +38,7 @@ def resolve_command(cmd: Sequence[str]) -> str:
             raise NotExecutable(
                 f"{exe} is not executable", f"chmod +x {exe}, or run it through its interpreter"
             )
-        return str(p)
+        return exe
     found = shutil.which(exe)
     if not found:
         raise CommandNotFound(f"command not found: {exe}", "check the spelling, or that it is on PATH")
@@ -155,8 +158,6 @@ def run_guarded(
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5)."""
-    import threading
-
     from krex import freezer, journal, paths
     from krex.client import Client
     from krex.shm import Segment
@@ -189,40 +190,42 @@ def run_guarded(
     if adm.get("vendor") == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
         env["HIP_VISIBLE_DEVICES"] = str(adm["physical"])
     group_path, backend = str(adm["group"]), str(adm["freezer"])
-    preexec = [freezer.preexec_join(group_path), _set_affinity(list(adm.get("shared_cpus") or []))]
-
-    # A second connection the daemon never writes to: EOF on it means the daemon died.
-    stop = threading.Event()
     child_pid: list[int] = []
+    joined = _DaemonJoin(client) if backend != "signal" and not _can_join(group_path) else None
+    preexec = [
+        joined.preexec if joined else freezer.preexec_join(group_path),
+        _set_affinity(list(adm.get("shared_cpus") or [])),
+    ]
 
-    def watch() -> None:
-        w: Client | None = None
-        try:
-            w = Client.connect()
-            w.sock.recv(1)
-        except (OSError, KrexError):
-            pass
-        finally:
-            if w:
-                w.close()
-        if stop.is_set():
-            return
-        with_contextlib_thaw(backend, group_path, child_pid)
-        notify("krex: the daemon went away; your command was thawed and keeps running")
+    stop = threading.Event()
+    guardian = _Guardian(client.daemon_pid, str(adm["shm"]), slot, g, backend, group_path, child_pid, notify)
+    watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
+    watcher.start()
 
     def _started(pid: int) -> None:
         child_pid.append(pid)
-        client.request({"op": "started", "pid": pid})
+        if joined is not None:
+            return  # the daemon already has it (and moved it into the slot before exec)
+        try:
+            client.request({"op": "started", "pid": pid})
+        except KrexError as e:  # the command runs anyway; it is just not frozen as a sibling
+            notify(f"krex: warning: krexd did not take the command into its slot: {e}")
 
-    threading.Thread(target=watch, daemon=True).start()
     t_start = time.time()
     try:
-        status = spawn_and_wait(
-            Launch([exe, *cmd[1:]], env, slot, g, preexec),
-            on_start=lambda pid: _started(pid),
-        )
+        if joined is not None:
+            joined.start()
+        try:
+            status = spawn_and_wait(
+                Launch([exe, *cmd[1:]], env, slot, g, preexec),
+                on_start=lambda pid: _started(pid),
+            )
+        finally:
+            if joined is not None:
+                joined.close()
     finally:
         stop.set()
+        watcher.join(timeout=2)
         report: dict[str, object] = {"slot": slot, "gpu": g, "admission_wait_s": adm.get("admission_wait_s")}
         try:
             with Segment.attach(str(adm["shm"])) as seg:
@@ -238,14 +241,19 @@ def run_guarded(
         with contextlib.suppress(KrexError, OSError):
             client.request({"op": "release"})
         client.close()
+        regs: list[dict[str, object]] = []
         try:
-            regs = [
-                r
-                for r in journal.read(paths.journal_path())
-                if r.get("owner_slot") == slot and float(str(r.get("ts", 0))) >= t_start
-            ]
-        except KrexError:
-            regs = []
+            jr = journal.read_counted(paths.journal_path())
+            regs = [r for r in jr.records if r.get("owner_slot") == slot and float(r["ts"]) >= t_start]
+            if jr.skipped:
+                report["journal_skipped_lines"] = jr.skipped
+        except NotFound:
+            pass
+        except KrexError as e:  # never fatal: the command ran; the report says what is missing
+            report["journal_error"] = str(e)
+            notify(f"krex: warning: {e}")
+        if guardian.events:
+            report["daemon_events"] = guardian.events
         report["regions"] = regs
         report["contaminated_regions"] = sum(1 for r in regs if r.get("contaminated"))
         report["region_wait_s"] = round(sum(float(str(r.get("queue_wait_s", 0))) for r in regs), 6)
@@ -255,10 +263,8 @@ def run_guarded(
 
 def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None:
     """Thaw our own command without the daemon (I5): write the cgroup's freeze
-    file or SIGCONT the tree."""
-    import contextlib
-    import signal as _signal
-
+    file (krexd hands it to the guardian's user at admission), or SIGCONT the
+    command's process group and every descendant (the signal freezer stops trees)."""
     with contextlib.suppress(KrexError, OSError):
         if backend == "cgroup2":
             Path(group_path, "cgroup.freeze").write_text("0")
@@ -266,4 +272,190 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
             Path(group_path, "freezer.state").write_text("THAWED")
     for pid in pids:
         with contextlib.suppress(OSError):
-            os.killpg(pid, _signal.SIGCONT)
+            os.killpg(pid, signal.SIGCONT)
+        for d in _descendants(pid):
+            with contextlib.suppress(OSError):
+                os.kill(d, signal.SIGCONT)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _can_join(group_path: str) -> bool:
+    procs = os.path.join(group_path, "cgroup.procs")
+    return not os.path.isfile(procs) or os.access(procs, os.W_OK)
+
+
+class _DaemonJoin:
+    """For a guardian that may not write its slot's cgroup (a member of a shared
+    daemon's group): the child sends its pid and waits before exec; a thread here
+    asks krexd to move it into the slot (`started` with join) and then lets it go.
+    So the command still runs inside its slot from its first instruction."""
+
+    def __init__(self, client: object) -> None:
+        self.client = client
+        self.pid_r, self.pid_w = os.pipe()
+        self.go_r, self.go_w = os.pipe()
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def preexec(self) -> None:  # in the child, between fork and exec
+        os.write(self.pid_w, str(os.getpid()).encode())
+        if os.read(self.go_r, 1) != b"1":
+            raise OSError("krexd could not move the command into its slot")
+
+    def _serve(self) -> None:
+        raw = os.read(self.pid_r, 32)
+        if not raw:
+            return
+        ok = b"0"
+        try:
+            self.client.request({"op": "started", "pid": int(raw), "join": True})  # type: ignore[attr-defined]
+            ok = b"1"
+        except (KrexError, ValueError) as e:
+            self.error = str(e)
+        os.write(self.go_w, ok)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        os.close(self.pid_w)  # a child that never started: the thread reads EOF
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        for fd in (self.pid_r, self.go_r, self.go_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.error:
+            raise KrexError(f"krexd could not move the command into its slot: {self.error}", "see krexd.log")
+
+
+class _Guardian:
+    """The part of `krex run` that is never frozen (I5): it watches krexd through a
+    connection the daemon never writes to (EOF = the daemon died) and through the
+    heartbeat in the segment (stale = the daemon is stopped or hung). Either way it
+    thaws its own command, within the heartbeat timeout; if the daemon died during
+    this command's region it journals that region itself, as cut and contaminated."""
+
+    def __init__(
+        self,
+        daemon_pid: int,
+        shm: str,
+        slot: int,
+        gpu: int,
+        backend: str,
+        group_path: str,
+        child_pid: list[int],
+        notify: Callable[[str], None],
+    ) -> None:
+        self.daemon_pid, self.shm, self.slot, self.gpu = daemon_pid, shm, slot, gpu
+        self.backend, self.group_path, self.child_pid, self.notify = backend, group_path, child_pid, notify
+        self.events: list[dict[str, object]] = []
+
+    def watch(self, stop: threading.Event) -> None:
+        import select
+
+        from krex.client import Client
+        from krex.native import lib
+
+        poll_s = lib.KREX_GUARDIAN_POLL_NS / 1e9
+        seg: Segment | None = None
+        with contextlib.suppress(KrexError):
+            seg = Segment.attach(self.shm)
+        w: Client | None = None
+        try:
+            try:
+                w = Client.connect()
+            except (OSError, KrexError):
+                w = None
+            stale = False
+            while not stop.is_set():
+                if w is None:
+                    self._lost(seg, "no connection to krexd")
+                    return
+                r, _, _ = select.select([w.sock], [], [], poll_s)
+                if r:
+                    try:
+                        gone = not w.sock.recv(1)
+                    except OSError:
+                        gone = True
+                    if gone:
+                        if not stop.is_set():
+                            self._lost(seg, "krexd exited")
+                        return
+                age = self._heartbeat_age(seg)
+                if age is not None and age > lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9:
+                    if not stale and not stop.is_set():
+                        stale = True
+                        with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
+                        self.events.append(
+                            {"event": "daemon-stalled", "ts": time.time(), "heartbeat_age_s": round(age, 3)}
+                        )
+                        self.notify(
+                            f"krex: krexd (pid {self.daemon_pid}) stopped beating ({age:.1f} s); your "
+                            "command was thawed and keeps running"
+                        )
+                elif stale:
+                    stale = False
+                    self.events.append({"event": "daemon-resumed", "ts": time.time()})
+        finally:
+            if w is not None:
+                w.close()
+            if seg is not None:
+                seg.close()
+
+    def _heartbeat_age(self, seg: Segment | None) -> float | None:
+        from krex.native import lib
+
+        if seg is None or int(seg.raw.hdr.daemon_pid) != self.daemon_pid:
+            return None
+        hb = int(seg.raw.hdr.heartbeat_ns)
+        return (int(lib.krex_now_ns()) - hb) / 1e9 if hb else None
+
+    def _lost(self, seg: Segment | None, why: str) -> None:
+        from krex import journal, paths
+        from krex.native import lib
+
+        with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
+        ev: dict[str, object] = {"event": "daemon-lost", "ts": time.time(), "why": why, "region_cut": False}
+        if seg is not None:
+            gp = seg.raw.gpus[self.gpu]
+            ours = gp.holder == lib.KREX_HOLDER_REGION and gp.owner_slot == self.slot
+            if gp.gate != lib.KREX_GATE_OPEN and ours:
+                # Our command's region lost its daemon: nobody else will journal it.
+                ev["region_cut"] = True
+                age = (int(lib.krex_now_ns()) - int(gp.closed_ns)) / 1e9
+                rec = {
+                    "ts": time.time(),
+                    "gpu": self.gpu,
+                    "owner_slot": self.slot,
+                    "owner_pid": self.child_pid[0] if self.child_pid else 0,
+                    "end": "daemon-lost",
+                    "contaminated": True,
+                    "reasons": [
+                        f"{why} during the region after {age:.3f} s: from then on it was not exclusive"
+                    ],
+                    "region_s": round(age, 6),
+                    "recorded_by": "guardian",
+                }
+                with contextlib.suppress(OSError, KrexError):
+                    journal.append(paths.journal_path(), rec)
+        self.events.append(ev)
+        self.notify("krex: the daemon went away; your command was thawed and keeps running")

@@ -5,7 +5,11 @@
 
 Also a decorator (``@krex.region()``). Thread-safe: one region per process at a
 time, other threads wait their turn; a nested region on the same thread is a
-no-op. Outside KREX it does nothing and warns once; with KREX_STRICT=1 it raises."""
+no-op. Outside KREX it does nothing and warns once; with KREX_STRICT=1 it raises.
+
+A lost daemon (killed, stopped, hung, or stopped by `krex daemon stop`) never
+kills the benchmark: the region warns, sets `unprotected` (and `lost`, why) and
+the code inside runs on; the next region connects afresh."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from krex.errors import KrexError, NotFound
+from krex.errors import DaemonLost, KrexError, NotFound, Timeout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,6 +50,28 @@ def _get_client() -> Any:
     return _client
 
 
+def _drop_client() -> None:
+    global _client
+    if _client is not None and _client_pid == os.getpid():
+        _client.close()
+    _client = None
+
+
+# What "the daemon is gone" looks like from here: a closed or reset connection, a
+# daemon that does not answer within the heartbeat timeout, no socket at all.
+_LOST = (DaemonLost, Timeout, OSError)
+
+
+def _begin(msg: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return dict(_get_client().request(msg))
+    except DaemonLost:
+        # The cached connection belonged to a daemon that has gone (or restarted):
+        # one fresh try, which also starts a new daemon on demand.
+        _drop_client()
+        return dict(_get_client().request(msg))
+
+
 class region:  # noqa: N801 - reads like a keyword at call sites
     """Context manager and decorator. `grant` holds the daemon's reply (timings,
     contamination) after entry, None when nested or outside KREX."""
@@ -53,7 +79,18 @@ class region:  # noqa: N801 - reads like a keyword at call sites
     def __init__(self) -> None:
         self.grant: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
+        self.unprotected = False  # True: (part of) this region ran without exclusivity
+        self.lost: str | None = None  # why, when the daemon was lost
         self._active = False
+
+    def _lose(self, why: str, stacklevel: int) -> None:
+        self.unprotected = True
+        self.lost = why
+        _drop_client()
+        warnings.warn(
+            f"krex.region(): lost the KREX daemon ({why}); this region is not exclusive", RuntimeWarning,
+            stacklevel=stacklevel,
+        )
 
     def __enter__(self) -> region:
         global _warned
@@ -78,10 +115,11 @@ class region:  # noqa: N801 - reads like a keyword at call sites
             return self
         _proc_lock.acquire()
         try:
-            self.grant = _get_client().request(
-                {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
-            )
+            self.grant = _begin({"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()})
             self._active = True
+        except _LOST as e:
+            _proc_lock.release()
+            self._lose(str(e), stacklevel=3)
         except BaseException:
             _proc_lock.release()
             _local.depth = 0
@@ -97,6 +135,8 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         self._active = False
         try:
             self.summary = _get_client().request({"op": "end"})
+        except _LOST as e:
+            self._lose(str(e), stacklevel=3)
         except KrexError:
             if et is None:
                 raise

@@ -29,6 +29,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_DRAIN_TIMEOUT: "drain-timeout",
     lib.KREX_PF_LOOKUP_FALLBACK: "lookup-fallback",
     lib.KREX_PF_DRAIN_PARTIAL: "drain-partial",
+    lib.KREX_PF_DAEMON_LOST: "daemon-lost",
 }
 
 
@@ -119,7 +120,18 @@ def _oserror(err: int, name: str) -> KrexError:
             f"no KREX shared memory {name}: nothing has run under KREX on this machine yet",
             "start a command with `krex run -- CMD` (or `krex daemon start`)",
         )
-    if err in (errno.EACCES, errno.EPERM):
+    if err == errno.EPERM:
+        try:
+            st = os.stat("/dev/shm" + name, follow_symlinks=False)
+            what = f"belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:04o}"
+        except OSError:
+            what = "is not trustworthy"
+        return PermissionDenied(
+            f"shared memory {name} {what}: it is not a KREX segment of yours (someone may have "
+            "planted it), refusing to use it",
+            f"remove it (its owner or root: rm /dev/shm{name}), or set KREX_SHM to another name",
+        )
+    if err == errno.EACCES:
         return PermissionDenied(
             f"permission denied opening shared memory {name}",
             "run as the user who started KREX, or point KREX_SHM at a segment of your own",

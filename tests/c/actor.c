@@ -13,6 +13,11 @@
  *   sleep:MS   sleep MS milliseconds
  *   reap       parent: wait for every child; child: nothing
  *   threads    only report (every line carries the thread count)
+ *   begin      KREX_REGION_BEGIN() (krex.h); rc is its return value
+ *   end        KREX_REGION_END()
+ *   capbegin:S cudaStreamBeginCapture on stream handle S (a number)
+ *   capend:S   cudaStreamEndCapture on stream handle S
+ *   rc:N       make the simulated GPU return N from every call from now on
  *
  * Every line: {"act","role","pid","tid","rc","t0","t1","threads","helper"}, where
  * t0/t1 are CLOCK_MONOTONIC ns around the action and helper is the shim's
@@ -29,12 +34,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "include/krex.h"
 #include "krex_cuda_types.h"
 
 extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
                                     size_t sharedMem, cudaStream_t stream);
 extern cudaError_t cudaMalloc(void **p, size_t n);
 extern cudaError_t cudaDeviceSynchronize(void);
+extern cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode);
+extern cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
 
 static const char *role = "parent";
 
@@ -110,6 +118,23 @@ int main(int argc, char **argv) {
             report(a, bad, t0, now_ns());
         } else if (!strcmp(a, "threads")) {
             report(a, 0, t0, now_ns());
+        } else if (!strcmp(a, "begin")) {
+            rc = KREX_REGION_BEGIN();
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "end")) {
+            rc = KREX_REGION_END();
+            report(a, rc, t0, now_ns());
+        } else if (!strncmp(a, "capbegin:", 9)) {
+            rc = cudaStreamBeginCapture((cudaStream_t)strtoul(a + 9, NULL, 0), 0);
+            report("capbegin", rc, t0, now_ns());
+        } else if (!strncmp(a, "capend:", 7)) {
+            cudaGraph_t g = NULL;
+            rc = cudaStreamEndCapture((cudaStream_t)strtoul(a + 7, NULL, 0), &g);
+            report("capend", rc, t0, now_ns());
+        } else if (!strncmp(a, "rc:", 3)) {
+            void (*set)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "simgpu_set_return");
+            if (set) set(atoi(a + 3));
+            report("rc", set ? 0 : -1, t0, now_ns());
         } else {
             fprintf(stderr, "actor: unknown action %s\n", a);
             return 2;

@@ -203,6 +203,8 @@ def mode_hold(a: argparse.Namespace, out: Path) -> int:
                 time.sleep(0.01)
             result["t_end"] = time.monotonic_ns()
         result["end"] = r.summary
+        result["unprotected"] = getattr(r, "unprotected", None)
+        result["lost"] = getattr(r, "lost", None)
     except KrexError as e:
         result["error"] = f"{type(e).__name__}: {e}"
     write_json(out / f"{a.name}.json", result)

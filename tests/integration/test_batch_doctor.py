@@ -218,8 +218,9 @@ def test_batch_json_argv_lists(krex_env: dict[str, str], tmp_path: Path) -> None
     assert p.returncode == 1 and "1 of 2 command(s) failed" in p.stderr
     ok, bad = (json.loads((out / f"cmd-{i:03d}.json").read_text()) for i in (1, 2))
     assert ok["argv"] == cmds[0] and ok["shell"] is False and ok["exit_status"] == 0 and ok["regions"] == 1
-    # krex run itself failed: no report, the reason recorded from its stderr.
-    assert bad["argv"] == cmds[1] and bad["exit_status"] == 127 and bad["report"] is None
+    # krex run could not start it: its report holds the KREX error, and so does the result.
+    assert bad["argv"] == cmds[1] and bad["exit_status"] == 127
+    assert bad["report"]["krex_error"]["kind"] == "CommandNotFound"
     assert "command not found" in bad["error"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["regions"] == 1 and summary["failures"] == 1

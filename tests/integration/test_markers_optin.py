@@ -177,7 +177,7 @@ def test_krex_env_opt_in_self_registers_and_is_gated(iso: dict[str, str], tmp_pa
         (["resume", "--gpu", "0"], {}, 3, "no KREX shared memory"),
         (["pause", "--gpu", "0"], {}, 3, "no KREX shared memory"),
         (["status"], {"KREX_SHM": "bad name"}, 2, "not a valid shared-memory name"),
-        (["run", "--device", "sim", "--"], {}, 2, "no command given"),
+        (["run", "--device", "sim", "--"], {}, 125, "no command given"),  # krex run's own failure
         (["run", "--device", "sim", "--", "/nonexistent/cmd"], {}, 127, "command not found"),
         (["run", "--device", "sim", "--", "/etc/hostname"], {}, 126, "cannot execute"),
         (["env", "--device", "sim"], {"KREX_SIM_GPUS": "abc"}, 2, "KREX_SIM_GPUS"),

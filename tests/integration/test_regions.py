@@ -930,7 +930,7 @@ def test_unknown_gpu_without_a_daemon_starts_none(kx: Krex) -> None:
 @pytest.mark.parametrize(
     ("argv", "needle", "code"),
     [
-        (["--"], "no command given", 2),
+        (["--"], "no command given", 125),  # krex run's own failures exit 125
         (["--", "/nonexistent/cp_cmd"], "command not found", 127),
         (["--", "cp_no_such_command_xyz"], "command not found", 127),
     ],

@@ -1,0 +1,497 @@
+"""Issue 10, security on a shared node, with real users and groups (created here
+with useradd/groupadd; skipped only when not root, and CI runs as root):
+
+  9  another user squats the default state directory /tmp/krex-<uid> with symlinks
+  10 another user squats the victim's shared-memory segment
+  11 a permitted peer puts someone else's pid into its slot (signal freezer)
+  12 a daemon shared with a group: who may run, pause and stop
+
+The sharing model (docs/architecture.md, threat model): the daemon's user and root
+may do everything; members of the daemon's group (primary or supplementary) may run
+commands, take regions, pause and resume, but not stop the daemon; anyone else is
+refused by the socket and segment modes and by the daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import clean_env, wait_until
+from test_regions import Krex, proc_state
+
+import krex
+from krex.shm import Segment
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates users, groups and daemons")
+
+# The checkout whose krex is under test (what other users' processes must import).
+REPO = Path(krex.__file__).resolve().parents[1]
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int
+    groups: list[int]
+
+
+@dataclass
+class Users:
+    group: str
+    gid: int
+    member: User  # in the group as a supplementary group
+    primary: User  # the group is its primary group
+    outsider: User  # not in the group
+    attacker: User  # not in the group either; plants things for the others
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[Users]:
+    if not shutil.which("useradd") or not shutil.which("groupadd"):
+        pytest.skip("useradd/groupadd are not installed")
+    tag = f"{os.getpid() % 100000}"
+    group = f"kxg{tag}"
+    names = {k: f"kx{k[0]}{tag}" for k in ("member", "primary", "outsider", "attacker")}
+    created: list[str] = []
+    try:
+        subprocess.run(["groupadd", group], check=True, capture_output=True)
+        gid = grp.getgrnam(group).gr_gid
+        base = ["useradd", "-M", "-N", "-d", "/nonexistent", "-s", "/usr/sbin/nologin"]
+        subprocess.run([*base, "-G", group, names["member"]], check=True, capture_output=True)
+        created.append(names["member"])
+        subprocess.run([*base, "-g", group, names["primary"]], check=True, capture_output=True)
+        created.append(names["primary"])
+        for k in ("outsider", "attacker"):
+            subprocess.run([*base, names[k]], check=True, capture_output=True)
+            created.append(names[k])
+
+        def user(n: str) -> User:
+            pw = pwd.getpwnam(n)
+            return User(n, pw.pw_uid, pw.pw_gid, os.getgrouplist(n, pw.pw_gid))
+
+        yield Users(group, gid, *(user(names[k]) for k in ("member", "primary", "outsider", "attacker")))
+    finally:
+        for n in created:
+            subprocess.run(["userdel", n], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+def as_user(
+    u: User, args: list[str], env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run `args` as `u`, with exactly the groups the user database gives it."""
+    return subprocess.run(
+        args,
+        env=env,
+        user=u.uid,
+        group=u.gid,
+        extra_groups=u.groups,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        cwd="/",
+    )
+
+
+def _others_may_run(path: str) -> bool:
+    p = Path(os.path.realpath(path))
+    if not p.is_file() or not p.stat().st_mode & stat.S_IXOTH:
+        return False
+    return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
+
+
+def _user_python() -> tuple[str, str]:
+    """An interpreter of this Python version that other users may run (the venv's may
+    live under root's 0700 home), and the site directory that holds KREX's dependencies."""
+    site_dir = sysconfig.get_paths()["purelib"]
+    ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for c in (
+        sys.executable,
+        f"/usr/bin/python{ver}",
+        f"/usr/local/bin/python{ver}",
+        shutil.which(f"python{ver}"),
+    ):
+        if c and _others_may_run(c):
+            return c, site_dir
+    pytest.skip(f"no Python {ver} interpreter that other users may run (the test runs KREX as them)")
+
+
+def user_python() -> str:
+    return _user_python()[0]
+
+
+def krex_argv(*args: str) -> list[str]:
+    """`krex ARGS` as another user: the user's interpreter, KREX and its dependencies
+    on PYTHONPATH (user_env), and krex.cli mapped to the checkout's cli/ as the
+    installed package maps it."""
+    boot = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('krex.cli', {str(REPO / 'cli' / '__init__.py')!r}, "
+        f"submodule_search_locations=[{str(REPO / 'cli')!r}])\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules['krex.cli'] = mod\n"
+        "spec.loader.exec_module(mod)\n"
+        "from krex.cli.main import main\n"
+        "sys.exit(main())\n"
+    )
+    return [user_python(), "-c", boot, *args]
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    e = clean_env()
+    for k in ("XDG_RUNTIME_DIR", "HOME", "PYTHONPATH"):
+        e.pop(k, None)
+    # Commands and daemons started from there import krex (and cffi) through PYTHONPATH.
+    e.update(
+        HOME="/tmp",
+        PYTHONUNBUFFERED="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONPATH=f"{REPO}{os.pathsep}{_user_python()[1]}",
+    )
+    e.update(extra)
+    return e
+
+
+def world_dir() -> Path:
+    """A temporary directory every test user may enter (pytest's tmp_path is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="kxsec-"))
+    d.chmod(0o755)
+    return d
+
+
+# ===================================================================== 9. state-directory squatting
+
+
+def _squat_state_dir(users: Users, mode: int) -> tuple[Path, list[Path]]:
+    victim, attacker = users.outsider, users.attacker
+    d = Path(f"/tmp/krex-{victim.uid}")
+    shutil.rmtree(d, ignore_errors=True)
+    targets = []
+    for name in ("precious-lock", "precious-log"):
+        t = Path(f"/tmp/kx-{victim.uid}-{name}")
+        t.write_text(f"{name}: the victim's data\n")
+        os.chown(t, victim.uid, victim.gid)
+        targets.append(t)
+    # The attacker pre-creates the directory and plants symlinks to the victim's files.
+    script = (
+        f"import os; os.mkdir({str(d)!r}); os.chmod({str(d)!r}, {mode:#o}); "
+        f"os.symlink({str(targets[0])!r}, {str(d / 'krexd.lock')!r}); "
+        f"os.symlink({str(targets[1])!r}, {str(d / 'krexd.log')!r})"
+    )
+    p = as_user(attacker, [user_python(), "-c", script], user_env())
+    assert p.returncode == 0, p.stderr
+    return d, targets
+
+
+@pytest.mark.parametrize(
+    "cmd", [["daemon", "start", "--device", "sim"], ["run", "--device", "sim", "--", "true"]]
+)
+def test_squatted_default_state_dir_is_refused(users: Users, cmd: list[str]) -> None:
+    victim = users.outsider
+    d, targets = _squat_state_dir(users, 0o777)
+    shm = f"/krex-{victim.uid}"
+    try:
+        p = as_user(victim, krex_argv(*cmd), user_env(KREX_SIM_SHM=f"/kxsim-{victim.uid}"))
+        # Before: krexd.lock's target truncated (then the pid written into it), krexd.log's appended to.
+        for t in targets:
+            assert t.read_text() == f"{t.name.split('-', 2)[2]}: the victim's data\n", (t, t.read_text())
+        assert "Traceback" not in p.stderr, p.stderr
+        assert p.returncode != 0
+        assert f"belongs to uid {users.attacker.uid}" in p.stderr and "fix:" in p.stderr, p.stderr
+        assert not Path("/dev/shm" + shm).exists()
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["pkill", "-U", str(victim.uid)], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
+        for t in targets:
+            t.unlink(missing_ok=True)
+        Path("/dev/shm" + shm).unlink(missing_ok=True)
+
+
+def test_own_state_dir_writable_by_others_is_refused_and_symlinks_never_followed(users: Users) -> None:
+    victim = users.outsider
+    base = world_dir()
+    state = base / "state"
+    state.mkdir()
+    os.chown(state, victim.uid, victim.gid)
+    state.chmod(0o777)
+    try:
+        env = user_env(
+            KREX_STATE_DIR=str(state), KREX_SHM=f"/kxs-{victim.uid}", KREX_SIM_SHM=f"/kxss-{victim.uid}"
+        )
+        p = as_user(victim, krex_argv("daemon", "start", "--device", "sim"), env)
+        assert p.returncode == 4 and "writable by everyone" in p.stderr, p.stderr
+        # Private again, but with a planted symlink for the journal: never followed.
+        state.chmod(0o700)
+        target = base / "target"
+        target.write_text("keep\n")
+        os.chown(target, victim.uid, victim.gid)
+        (state / "journal.jsonl").symlink_to(target)
+        p = as_user(
+            victim,
+            krex_argv(
+                "run",
+                "--device",
+                "sim",
+                "--",
+                user_python(),
+                "-c",
+                "import krex\nwith krex.region():\n    pass\n",
+            ),
+            env,
+        )
+        assert p.returncode == 0, p.stderr
+        assert target.read_text() == "keep\n"
+        log = (state / "krexd.log").read_text()
+        assert "symbolic link" in log and "Traceback" not in log, log
+    finally:
+        as_user(
+            victim,
+            krex_argv("daemon", "stop"),
+            user_env(KREX_STATE_DIR=str(state), KREX_SHM=f"/kxs-{victim.uid}"),
+        )
+        Path(f"/dev/shm/kxs-{victim.uid}").unlink(missing_ok=True)
+        Path(f"/dev/shm/kxss-{victim.uid}").unlink(missing_ok=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ===================================================================== 10. segment squatting
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o660])
+def test_squatted_segment_is_refused(users: Users, mode: int) -> None:
+    victim, attacker = users.outsider, users.attacker
+    base = world_dir()
+    state = base / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, victim.uid, victim.gid)
+    shm = f"/krex-{victim.uid}"  # the victim's default segment name
+    Path("/dev/shm" + shm).unlink(missing_ok=True)
+    p = as_user(
+        attacker,
+        [
+            user_python(),
+            "-c",
+            f"import os; fd = os.open('/dev/shm{shm}', os.O_CREAT | os.O_RDWR, {mode:#o}); "
+            f"os.fchmod(fd, {mode:#o})",
+        ],
+        user_env(),
+    )
+    assert p.returncode == 0, p.stderr
+    try:
+        env = user_env(KREX_STATE_DIR=str(state), KREX_SIM_SHM=f"/kxss-{victim.uid}")
+        p = as_user(victim, krex_argv("daemon", "start", "--device", "sim"), env)
+        assert "Traceback" not in p.stderr, p.stderr
+        # Before: the daemon used the attacker's segment, and the attacker could `krex pause` it.
+        assert p.returncode == 4, p.stderr
+        assert f"belongs to uid {attacker.uid}" in p.stderr and "not a KREX segment of yours" in p.stderr
+        assert "rm /dev/shm" in p.stderr
+        st = os.stat("/dev/shm" + shm)
+        assert st.st_uid == attacker.uid and st.st_size == 0, "the victim wrote into the attacker's segment"
+    finally:
+        as_user(victim, krex_argv("daemon", "stop"), user_env(KREX_STATE_DIR=str(state)))
+        Path("/dev/shm" + shm).unlink(missing_ok=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_world_accessible_segment_is_refused_by_attachers(users: Users) -> None:
+    name = f"/kxw-{os.getpid()}"
+    fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_RDWR, 0o666)
+    os.fchmod(fd, 0o666)
+    os.close(fd)
+    try:
+        with pytest.raises(Exception, match="not a KREX segment of yours"):
+            Segment.attach(name)
+    finally:
+        Segment.unlink(name)
+
+
+# ===================================================================== 11. the signal freezer
+
+
+def _orphan_sleeper(u: User | None = None) -> int:
+    """A process outside this test's process tree (reparented to init), optionally of user u."""
+    argv = ["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"]
+    kw: dict[str, Any] = {"user": u.uid, "group": u.gid} if u else {}
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, **kw).stdout
+    return int(out.split()[0])
+
+
+def _admit_and_start(sock: Path, pid: int, **kw: Any) -> dict[str, Any]:
+    script = (
+        "import json, socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile('rwb')\n"
+        "def req(m):\n"
+        "    f.write((json.dumps(m) + '\\n').encode()); f.flush()\n"
+        "    while True:\n"
+        "        r = json.loads(f.readline())\n"
+        "        if 'event' not in r: return r\n"
+        "print(json.dumps({'admit': req({'op': 'admit', 'gpu': 0}), "
+        "'started': req({'op': 'started', 'pid': int(sys.argv[2])})}))\n"
+        "sys.stdin.read()\n"  # keep the slot until the test closes stdin
+    )
+    p = subprocess.Popen(
+        [user_python(), "-c", script, str(sock), str(pid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    if not line:
+        p.wait(10)
+        raise AssertionError(f"the peer failed (exit {p.returncode}): {p.stderr.read() if p.stderr else ''}")
+    res = json.loads(line)
+    res["proc"] = p
+    return res
+
+
+@pytest.mark.parametrize("who", ["root", "member"])
+def test_signal_freezer_refuses_pids_outside_the_peers_tree(users: Users, who: str) -> None:
+    kx = Krex()
+    victim_pid = _orphan_sleeper()  # root's, not in the peer's tree
+    peer = None
+    try:
+        os.chmod(kx.base, 0o755)
+        if who == "root":
+            kx.start_daemon(freezer_name="signal", slots=4)
+        else:
+            d = kx.krex("daemon", "start", "--device", "sim", "--freezer", "signal", "--group", users.group)
+            assert d.returncode == 0, d.stderr
+        kw: dict[str, Any] = {}
+        if who == "member":
+            kw = {"user": users.member.uid, "group": users.member.gid, "extra_groups": users.member.groups}
+        peer = _admit_and_start(kx.sock, victim_pid, **kw)
+        assert peer["admit"]["ok"], peer
+        st = peer["started"]
+        # Before: ok, and the next region of another slot SIGSTOPped root's process.
+        assert st["ok"] is False and st["kind"] == "PermissionDenied", st
+        owner = kx.run("own", "regions", "-n", "2", "--sleep-ms", "200")
+        assert owner.wait(60) == 0, owner.output()
+        assert proc_state(victim_pid) not in ("T", "t")
+        assert victim_pid not in kx.status()["slots"][0].get("pids", []) if kx.status()["slots"] else True
+    finally:
+        if peer is not None:
+            peer["proc"].kill()
+        os.kill(victim_pid, 18)
+        os.kill(victim_pid, 9)
+        kx.cleanup()
+
+
+# ===================================================================== 12. group-shared daemons
+
+
+class Shared:
+    """A root daemon shared with users.group (`krex daemon start --group`)."""
+
+    def __init__(self, users: Users) -> None:
+        self.users = users
+        self.kx = Krex()
+        os.chmod(self.kx.base, 0o755)
+        os.chmod(self.kx.out, 0o777)
+        self.env = self.kx.env()
+
+    def start(self) -> None:
+        p = self.kx.krex("daemon", "start", "--device", "sim", "--group", self.users.group)
+        assert p.returncode == 0, p.stderr
+        wait_until(lambda: self.kx.sock.exists(), 20, "the shared daemon")
+
+    def member_env(self) -> dict[str, str]:
+        e = user_env()
+        for k in ("KREX_STATE_DIR", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE", "KREX_SIM_GPUS"):
+            e[k] = self.env[k]
+        return e
+
+    def krex_as(self, u: User, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return as_user(u, krex_argv(*args), self.member_env(), timeout=timeout)
+
+
+@pytest.fixture
+def shared(users: Users) -> Iterator[Shared]:
+    s = Shared(users)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.kx.cleanup()
+
+
+REGION_AND_CGROUP = (
+    "import krex, json, os\n"
+    "with krex.region() as r:\n"
+    "    pass\n"
+    "print(json.dumps({'grant': r.grant, 'cgroup': open('/proc/self/cgroup').read()}))\n"
+)
+
+
+@pytest.mark.parametrize("who", ["member", "primary"])
+def test_group_members_may_run_commands_with_regions(shared: Shared, who: str) -> None:
+    u = getattr(shared.users, who)
+    rep = shared.kx.out / f"{who}.json"
+    p = shared.krex_as(
+        u, "run", "--device", "sim", "--report", str(rep), "--", user_python(), "-c", REGION_AND_CGROUP
+    )
+    # Before: a supplementary member was refused ("another user's daemon"); a primary-group
+    # member's krex run crashed in preexec_fn (it may not write the slot's cgroup.procs).
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["grant"]["ok"] and not out["grant"]["contaminated"], out
+    if shared.kx.status()["daemon"]["freezer"] != "signal":
+        assert "/slot-" in out["cgroup"], out["cgroup"]  # krexd moved it into its slot before exec
+    report = json.loads(rep.read_text())
+    assert len(report["regions"]) == 1 and report["exit_status"] == 0, report
+
+
+def test_group_members_may_pause_but_not_stop(shared: Shared) -> None:
+    m = shared.users.member
+    p = shared.krex_as(m, "pause", "--gpu", "0", "--for", "30")
+    assert p.returncode == 0, p.stderr
+    assert shared.kx.snapshot().gates[0].closed
+    p = shared.krex_as(m, "resume", "--gpu", "0")
+    assert p.returncode == 0, p.stderr
+    assert shared.kx.gate_open()
+    p = shared.krex_as(m, "daemon", "stop")
+    assert p.returncode == 4 and "only the daemon's user or root may stop it" in p.stderr, p.stderr
+    assert shared.kx.status()["daemon"]["pid"]  # still running
+    assert shared.kx.krex("daemon", "stop").returncode == 0  # its owner may
+
+
+def test_outsiders_are_refused(shared: Shared) -> None:
+    o = shared.users.outsider
+    p = shared.krex_as(o, "run", "--device", "sim", "--", "true")
+    assert p.returncode == 125 and "ermission denied" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = shared.krex_as(o, "pause", "--gpu", "0")
+    assert p.returncode == 4, p.stderr
+    assert shared.kx.gate_open()
+    # The socket's mode is the first wall; the daemon checks again behind it.
+    st = shared.kx.sock.stat()
+    assert oct(st.st_mode & 0o777) == "0o660" and st.st_gid == shared.users.gid
+    shared.kx.state.chmod(0o755)
+    shared.kx.sock.chmod(0o666)
+    script = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+        's.sendall(b\'{"op":"status"}\\n\'); print(s.makefile().readline())\n'
+    )
+    p = as_user(o, [user_python(), "-c", script, str(shared.kx.sock)], user_env())
+    assert p.returncode == 0, p.stderr
+    reply = json.loads(p.stdout)
+    assert reply["ok"] is False and reply["kind"] == "PermissionDenied", reply
+    assert f"uid {o.uid}" in reply["error"]
