@@ -336,7 +336,7 @@ def _start_error(rc: int, early: str, log: Path) -> KrexError:
         tail = " | ".join(text.strip().splitlines()[-2:]) or "(no output)"
         return KrexError(f"the KREX daemon exited at start (status {rc}): {tail}", f"see {log}")
     kind = next((k for k in _KINDS.values() if k.exit_code == rc), KrexError)
-    return kind(f"the KREX daemon could not start: {msg}", fix or f"see {log}")
+    return kind(f"the KREX daemon could not start: {msg}", f"{fix}; see {log}" if fix else f"see {log}")
 
 
 def _log_tail(log: Path, joined: bool = True) -> str:
