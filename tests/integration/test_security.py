@@ -87,6 +87,8 @@ def users() -> Iterator[Users]:
         yield Users(group, gid, *(user(names[k]) for k in ("member", "primary", "outsider", "attacker")))
     finally:
         for n in created:
+            with contextlib.suppress(KeyError):  # what their krex left: state and freezer dirs
+                shutil.rmtree(f"/tmp/krex-{pwd.getpwnam(n).pw_uid}", ignore_errors=True)
             subprocess.run(["userdel", n], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)
 
