@@ -487,6 +487,8 @@ class Krex:
                 break
             time.sleep(0.05)
         shutil.rmtree(self.signal_dir(), ignore_errors=True)
+        for pin in Path("/dev/shm").glob(self.shm.strip("/") + ".krex*"):  # krexd's pin links
+            pin.unlink(missing_ok=True)
         Segment.unlink(self.shm)
         lib.krex_shm_unlink(self.sim_shm.encode())
         shutil.rmtree(self.base, ignore_errors=True)
