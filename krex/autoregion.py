@@ -568,10 +568,11 @@ class _Probe:
         self.entered = True  # first: a failed entry must not be left again
         tgt: Target | None = (getattr(_tls, "targets", None) or [None])[-1]
         name = tgt.name if tgt is not None else "?"
-        r = krex.region(label=f"auto:{name}" + (":whole" if self.kind == WHOLE else ""))
+        r = krex.region()
+        r.label = f"auto:{name}" + (":whole" if self.kind == WHOLE else "")  # journal: who opened it
         r.__enter__()
         self._region = r
-        if r.grant is not None:
+        if getattr(r, "grant", None) is not None:
             _regions[name] = _regions.get(name, 0) + 1
 
     def leave(self, et: type[BaseException] | None, ev: BaseException | None,
