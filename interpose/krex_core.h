@@ -39,6 +39,7 @@ void krex_heartbeat(struct krex_shm *shm);
 /* Slots and process records. */
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid);
 int krex_slot_live_procs(struct krex_shm *shm, int slot);
+int krex_slot_procs(struct krex_shm *shm, int slot, int64_t *pids, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);

@@ -1027,10 +1027,8 @@ class Daemon:
         pids = {self.pid}
         for s in slots:
             pids.update(self._group_pids(s))
-        for i in range(lib.KREX_MAX_PROCS):
-            r = self.seg.raw.procs[i]
-            if r.pid and lib.krex_pid_alive(r.pid, r.start_ticks):
-                pids.add(int(r.pid))
+        for n in {int(lib.KREX_PROC_STALE), *range(lib.KREX_MAX_SLOTS)}:
+            pids.update(self.seg.slot_pids(n))
         return pids
 
     # ----------------------------------------------------------- the clients

@@ -413,6 +413,10 @@ class Segment:
         return n
 
     def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
+        if alive_only:  # the common case, on krexd's region entry path: one C scan
+            buf = ffi.new("int64_t[]", lib.KREX_MAX_PROCS)
+            n = int(lib.krex_slot_procs(self.raw, slot, buf, lib.KREX_MAX_PROCS))
+            return [int(buf[i]) for i in range(min(n, lib.KREX_MAX_PROCS))]
         out = []
         for i in range(lib.KREX_MAX_PROCS):
             r = self.raw.procs[i]
