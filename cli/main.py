@@ -332,7 +332,7 @@ def run(
     from krex.errors import KrexError, run_exit_code
 
     try:
-        status = _run(device, gpu, report, no_daemon, freeze, list(cmd))
+        status = _run(device, gpu, report, no_daemon, freeze, list(cmd), keep_leftovers)
     except KrexError as e:
         e.exit_code = run_exit_code(e)
         if report:
@@ -376,7 +376,13 @@ def _write_report(report: str, data: dict[str, Any]) -> None:
 
 
 def _run(
-    device: str, gpu: int | None, report: str | None, no_daemon: bool, freeze: str | None, cmd: list[str]
+    device: str,
+    gpu: int | None,
+    report: str | None,
+    no_daemon: bool,
+    freeze: str | None,
+    cmd: list[str],
+    keep_leftovers: bool = False,
 ) -> int:
     from krex.gpus import discover
     from krex.launcher import resolve_command, run_direct, run_guarded

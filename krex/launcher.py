@@ -300,7 +300,8 @@ def run_guarded(
         report["cut_regions"] = sum(1 for r in regs if r.get("cut"))
         flags: dict[str, int] = {}
         for r in regs:
-            for f in r.get("flags") or []:
+            fl = r.get("flags")
+            for f in fl if isinstance(fl, list) else []:
                 flags[str(f)] = flags.get(str(f), 0) + 1
         report["region_flags"] = flags
         report["region_wait_s"] = round(sum(float(str(r.get("queue_wait_s", 0))) for r in regs), 6)
