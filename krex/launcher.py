@@ -203,8 +203,11 @@ def run_guarded(
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
     # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
     # itself, e.g. `sh -c 'KREX_AUTO_REGION=... python ...'`) leaves its status here.
-    auto_dir = Path(tempfile.mkdtemp(prefix=f"auto-{slot}-", dir=paths.ensure_state_dir()))
-    env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
+    # (A private temporary directory: the state directory may belong to another user.)
+    auto_dir: Path | None = None
+    with contextlib.suppress(OSError):
+        auto_dir = Path(tempfile.mkdtemp(prefix=f"krex-auto-{slot}-"))
+        env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
     if adm.get("generation") is not None:
         # The shim compares it with the slot's generation: a process of this command that
         # outlives it never passes the gate of the next command that gets this slot.
@@ -305,9 +308,10 @@ def run_guarded(
                 flags[str(f)] = flags.get(str(f), 0) + 1
         report["region_flags"] = flags
         report["region_wait_s"] = round(sum(float(str(r.get("queue_wait_s", 0))) for r in regs), 6)
-        auto = auto_region_report(auto_value, auto_dir, regs)
-        if auto["processes"] or (auto_value and auto_value != "0"):
-            report["auto_region"] = auto
+        if auto_dir is not None:
+            auto = auto_region_report(auto_value, auto_dir, regs)
+            if auto["processes"] or (auto_value and auto_value != "0"):
+                report["auto_region"] = auto
     for line in trust_notes(report):
         notify(line)
     auto_rep = report.get("auto_region")

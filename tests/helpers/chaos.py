@@ -110,6 +110,14 @@ class ChaosResult:
         return d
 
 
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     with contextlib.suppress(OSError):
@@ -128,6 +136,10 @@ class Chaos:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.kx = Krex()
+        # A daemon that a client starts on demand (after a kill) gets the test's settings too.
+        base_env = self.kx.env
+        settings = {"KREX_MAX_REGION": str(cfg.max_region), "KREX_SLOTS_PER_GPU": str(cfg.slots)}
+        self.kx.env = lambda **extra: base_env(**settings, **extra)  # type: ignore[method-assign]
         self.cmds: list[Cmd] = []
         self.done: list[Cmd] = []
         self.n = 0
@@ -219,40 +231,42 @@ class Chaos:
     def _f_kill_sibling(self) -> bool:
         return self._kill_worker(("hammer",))
 
+    def _daemon_pid(self) -> int:
+        lock = self.kx.sock.with_suffix(".lock")
+        with contextlib.suppress(OSError):
+            raw = lock.read_text().strip()
+            if raw.isdigit() and os.path.exists(f"/proc/{raw}"):
+                return int(raw)
+        return 0
+
     def _f_kill_daemon(self) -> bool:
-        d = self.kx.daemon
-        if d is None:
+        """SIGKILL whichever daemon runs (the test's, or one a client started on demand with
+        the same settings), then start one again unless a client already did."""
+        pid = self._daemon_pid()
+        if not pid:
             return False
-        d.kill()
-        d.wait(10)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.kx.daemon is not None and self.kx.daemon.pid == pid:
+            self.kx.daemon.wait(10)
         time.sleep(self.rng.uniform(0.05, 0.3))
         self._restart()
         return True
 
     def _restart(self) -> None:
-        """Start the test's daemon again. A command starting meanwhile may have started one
-        of its own (with default settings, e.g. --max-region 60): that one is killed too."""
-        for _ in range(10):
+        from krex.client import daemon_alive
+
+        for _ in range(50):
+            if daemon_alive(self.kx.sock):
+                return  # a client started one on demand (same settings through KREX_* variables)
             with contextlib.suppress(AssertionError):
-                p = self.kx.start_daemon(slots=self.cfg.slots, max_region=self.cfg.max_region)
-                try:
-                    pid = int(self.kx.status()["daemon"]["pid"])
-                except Exception:  # noqa: BLE001 - it may die right now
-                    pid = 0
-                if pid == p.pid:
-                    return
-            lock = self.kx.sock.with_suffix(".lock")
-            other = lock.read_text().strip() if lock.exists() else ""
-            if other.isdigit() and int(other) != getattr(self.kx.daemon, "pid", 0):
-                self.log(f"a client started daemon {other} of its own during the restart: killed")
-                with contextlib.suppress(OSError):
-                    os.kill(int(other), signal.SIGKILL)
-                self.res.faults["kill-daemon (autostarted)"] += 1
-            if self.kx.daemon is not None:
-                with contextlib.suppress(OSError):
-                    self.kx.daemon.kill()
+                self.kx.start_daemon(slots=self.cfg.slots, max_region=self.cfg.max_region)
+                return
             time.sleep(0.1)
-        raise AssertionError("could not restart the test's daemon")
+        raise AssertionError("no daemon came back after a restart")
 
     def _f_overwrite(self) -> bool:
         path = Path("/dev/shm" + self.kx.shm)
@@ -367,7 +381,8 @@ class Chaos:
                     self.res.flagged += 1
                     for f in r.get("flags") or ["?"]:
                         self.res.flags[f] += 1
-                    if r.get("long") and "cut" not in (r.get("flags") or []):
+                    # An overstayed region must say it was cut, unless its daemon was lost under it.
+                    if r.get("long") and not {"cut", "daemon-lost"} & set(r.get("flags") or []):
                         self.res.long_not_flagged.append(
                             f"{tag} region {r['i']} overstayed; flags {r.get('flags')}"
                         )
