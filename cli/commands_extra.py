@@ -118,6 +118,29 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
     ]
     if data.get("partition_degraded"):
         lines.append("note: the CPU partition is degraded (cores are shared); see `krex doctor`")
+    if data.get("simulated"):
+        lines.append("note: these commands ran on the SIMULATED GPU: the timings prove logic, "
+                     "never performance")
+    if data.get("cut_regions"):
+        lines.append(f"CUT regions (ended by --max-region before their end): {data['cut_regions']}")
+    if data.get("region_flags"):
+        flags = ", ".join(f"{k} {v}" for k, v in data["region_flags"].items())
+        lines.append(f"flagged regions by reason: {flags}")
+    if data.get("leftovers"):
+        lines.append(f"processes that outlived their command: {data['leftovers']} (see each cmd-N.json)")
+    per = data.get("per_command") or []
+    shown = [p for p in per if p.get("auto_value") or not p.get("regions")][:20]
+    for p in shown:
+        auto = ""
+        if p.get("auto_value"):
+            wrapped = ", ".join(p["auto_wrapped"]) or "none"
+            other = ", ".join(f"{t['target']} {t['state']}" for t in p["auto_targets"]
+                              if t["target"] not in p["auto_wrapped"])
+            auto = f"; KREX_AUTO_REGION={p['auto_value']}: wrapped {wrapped}"
+            auto += f"; {other}" if other else ""
+        lines.append(f"#{p['index']}: {p['regions']} region(s){auto}")
+    if len(per) > len(shown) and shown:
+        lines.append("(regions of every command: summary.json per_command)")
     for c in data.get("contaminated", []):
         lines.append(f"CONTAMINATED region of #{c['index']}: {'; '.join(c['reasons'])}")
     lines.append(f"results: {data['dir']}/ (summary.json; cmd-N.json, .stdout, .stderr per command)")

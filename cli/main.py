@@ -172,8 +172,6 @@ def status(as_json: bool) -> None:
     from krex.errors import NotFound
     from krex.shm import Segment
 
-    with Segment.attach() as seg:
-        snap = seg.snapshot()
     live: dict[str, Any] = {}
     daemon_error = "no daemon running"
     try:  # regions and queues live in the daemon, not in shared memory
@@ -185,6 +183,19 @@ def status(as_json: bool) -> None:
     except KrexError as e:
         live = {}
         daemon_error = str(e) if not isinstance(e, NotFound) else daemon_error
+    seg_state = live.get("segment") or {}
+    try:
+        with Segment.attach() as seg:
+            snap = seg.snapshot()
+    except KrexError as e:
+        if not live:
+            raise
+        # The daemon runs but its segment cannot be attached: say that, not "nothing has run".
+        raise KrexError(
+            f"krexd (pid {live['daemon']['pid']}) runs but its segment cannot be attached: {e}; "
+            f"krexd says: {_segment_line(seg_state)}",
+            "see `krex doctor`; stop the commands, then `krex daemon stop`",
+        ) from None
     if as_json:
         out = {**snap.to_json(), "daemon": live or None}
         if not live:
@@ -195,6 +206,10 @@ def status(as_json: bool) -> None:
     click.echo(
         f"segment {snap.name}: {snap.n_gpus} GPU(s), daemon pid {snap.daemon_pid or '-'}, heartbeat {hb}"
     )
+    if seg_state:
+        click.echo(f"SEGMENT {_segment_line(seg_state)}")
+        for inc in (seg_state.get("incidents") or [])[-3:]:
+            click.echo(f"  incident: {'; '.join(inc['problems'])} -> {'; '.join(inc['actions'])}")
     click.echo("GATES")
     for g in snap.gates:
         state = "open" if not g.closed else f"CLOSED by {g.holder}"
@@ -255,6 +270,21 @@ def status(as_json: bool) -> None:
         )
 
 
+def _segment_line(st: dict[str, Any]) -> str:
+    if not st:
+        return "unknown"
+    if st.get("lost"):
+        return f"LOST: {st['lost']}"
+    n = len(st.get("incidents") or [])
+    if not n:
+        return "ok"
+    tainted = len(st.get("tainted_alive") or [])
+    return (
+        f"RECOVERED from {n} incident(s); {tainted} process(es) that lived through one still run "
+        "(regions with them as siblings are flagged)"
+    )
+
+
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option(
     "--device", type=DEVICE, default="auto", show_default=True, help="real GPU or the simulated one"
@@ -275,6 +305,12 @@ def status(as_json: bool) -> None:
     default=None,
     help="which siblings this command's regions freeze (default: the daemon's policy)",
 )
+@click.option(
+    "--keep-leftovers",
+    is_flag=True,
+    help="processes that outlive CMD keep running (as a frozen sibling during other regions) "
+    "instead of being killed when CMD exits",
+)
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def run(
     device: str,
@@ -282,6 +318,7 @@ def run(
     report: str | None,
     no_daemon: bool,
     freeze: str | None,
+    keep_leftovers: bool,
     cmd: tuple[str, ...],
 ) -> None:
     """Run CMD under KREX and exit with its exit status.
@@ -295,7 +332,7 @@ def run(
     from krex.errors import KrexError, run_exit_code
 
     try:
-        status = _run(device, gpu, report, no_daemon, freeze, list(cmd))
+        status = _run(device, gpu, report, no_daemon, freeze, list(cmd), keep_leftovers)
     except KrexError as e:
         e.exit_code = run_exit_code(e)
         if report:
@@ -339,7 +376,13 @@ def _write_report(report: str, data: dict[str, Any]) -> None:
 
 
 def _run(
-    device: str, gpu: int | None, report: str | None, no_daemon: bool, freeze: str | None, cmd: list[str]
+    device: str,
+    gpu: int | None,
+    report: str | None,
+    no_daemon: bool,
+    freeze: str | None,
+    cmd: list[str],
+    keep_leftovers: bool = False,
 ) -> int:
     from krex.gpus import discover
     from krex.launcher import resolve_command, run_direct, run_guarded
@@ -360,7 +403,12 @@ def _run(
     if no_daemon:
         return run_direct(cmd, kind, gpu, info.count)
     res = run_guarded(
-        cmd, kind, gpu, notify=lambda m: None if quiet() else click.echo(m, err=True), freeze=freeze
+        cmd,
+        kind,
+        gpu,
+        notify=lambda m: None if quiet() else click.echo(m, err=True),
+        freeze=freeze,
+        keep_leftovers=keep_leftovers,
     )
     if report:
         _write_report(report, res.report)

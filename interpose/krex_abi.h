@@ -34,6 +34,11 @@
 #define KREX_SLOT_FREE 0
 #define KREX_SLOT_ACTIVE 1
 
+/* krex_proc.slot of a process whose slot was handed to another command after it
+ * (its KREX_SLOT_GEN is older than the slot's generation): it owns no gate, and every
+ * region counts it as a sibling. */
+#define KREX_PROC_STALE -2
+
 /* API classes: which counter a submission bumps. Only the first KREX_NGATED are gated. */
 #define KREX_CLS_KERNEL 0
 #define KREX_CLS_COPY 1
@@ -54,9 +59,17 @@
 #define KREX_PF_DRAIN_PARTIAL 64
 /* A C region (krex.h) lost krexd (dead, hung or stopped): it ran unprotected. */
 #define KREX_PF_DAEMON_LOST 512
+#define KREX_PF_STALE_SLOT 128
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
+
+/* krex_shm_verify(): what is wrong with a segment's header (a bit mask). */
+#define KREX_BAD_MAGIC 1
+#define KREX_BAD_ABI 2
+#define KREX_BAD_GPUS 4
+#define KREX_BAD_SIZE 8
+#define KREX_BAD_CHECK 16
 
 /* Timing constants: the ONE home of each. The shim (C) and krexd and its clients
  * (Python, through cffi) both read them from here; nothing restates a value.
@@ -91,7 +104,9 @@ struct krex_header {
     uint64_t heartbeat_timeout_ns;  /* a region older than this without a beat is dead */
     uint64_t created_ns;
     uint64_t proc_overflows;        /* processes that found no free record */
-    uint64_t reserved[8];
+    uint64_t instance;              /* random at creation: which segment this is (its generation) */
+    uint64_t check;                 /* krex_hdr_check() of the fields that never change */
+    uint64_t reserved[6];
 };
 
 struct krex_gpu {
@@ -105,7 +120,8 @@ struct krex_gpu {
     int64_t holder_pid;             /* process that closed the gate */
     uint64_t regions;               /* closes so far */
     uint64_t fail_opens;            /* shims that gave up waiting on this gate */
-    uint64_t reserved[8];
+    uint64_t pub_epoch;             /* epoch whose holder fields above are published */
+    uint64_t reserved[7];
 };
 
 struct krex_slot {
@@ -134,7 +150,8 @@ struct krex_proc {
     uint64_t drains;
     uint32_t drain_partial;         /* last drain_seq acked WITHOUT a full sync (graph capture running) */
     uint32_t captures;              /* graph captures in progress in this process */
-    uint64_t reserved[1];
+    uint32_t check;                 /* krex_proc_check() of pid, slot, gpu, start_ticks */
+    uint32_t pad1;
 };
 
 struct krex_shm {

@@ -25,6 +25,118 @@ uint64_t krex_now_ns(void) {
 
 uint64_t krex_shm_size(void) { return sizeof(struct krex_shm); }
 
+static uint64_t fnv(uint64_t h, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        h ^= (v >> (8 * i)) & 0xff;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+/* Over the header fields that never change after creation. */
+uint64_t krex_hdr_check(struct krex_shm *shm) {
+    struct krex_header *h = &shm->hdr;
+    uint64_t x = 14695981039346656037ull;
+    x = fnv(x, h->magic);
+    x = fnv(x, h->abi_version);
+    x = fnv(x, h->n_gpus);
+    x = fnv(x, h->size);
+    x = fnv(x, h->instance);
+    x = fnv(x, h->created_ns);
+    return x ? x : 1;
+}
+
+uint32_t krex_shm_verify(struct krex_shm *shm, uint32_t n_gpus) {
+    struct krex_header *h = &shm->hdr;
+    uint32_t bad = 0;
+    if (__atomic_load_n(&h->magic, SEQ) != (uint32_t)KREX_MAGIC) bad |= KREX_BAD_MAGIC;
+    if (h->abi_version != KREX_ABI_VERSION) bad |= KREX_BAD_ABI;
+    if (h->n_gpus < 1 || h->n_gpus > KREX_MAX_GPUS || (n_gpus && h->n_gpus != n_gpus)) bad |= KREX_BAD_GPUS;
+    if (h->size != sizeof(struct krex_shm)) bad |= KREX_BAD_SIZE;
+    if (h->check != krex_hdr_check(shm)) bad |= KREX_BAD_CHECK;
+    return bad;
+}
+
+/* The controller rewrites a damaged header from its own copy of the fixed fields. */
+void krex_hdr_restore(struct krex_shm *shm, uint32_t n_gpus, uint64_t instance, uint64_t created_ns,
+                      uint64_t heartbeat_timeout_ns) {
+    struct krex_header *h = &shm->hdr;
+    h->abi_version = KREX_ABI_VERSION;
+    h->n_gpus = n_gpus;
+    h->size = sizeof(struct krex_shm);
+    h->instance = instance;
+    h->created_ns = created_ns;
+    h->heartbeat_timeout_ns = heartbeat_timeout_ns;
+    __atomic_store_n(&h->magic, (uint32_t)KREX_MAGIC, SEQ);
+    h->check = krex_hdr_check(shm);
+}
+
+static uint64_t random_u64(void) {
+    uint64_t v = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, &v, sizeof v);
+        (void)n;
+        close(fd);
+    }
+    return v ^ krex_now_ns() ^ ((uint64_t)getpid() << 32);
+}
+
+uint32_t krex_proc_check(struct krex_proc *p) {
+    uint64_t x = 14695981039346656037ull;
+    x = fnv(x, (uint64_t)p->pid);
+    x = fnv(x, (uint64_t)(uint32_t)p->slot);
+    x = fnv(x, (uint64_t)(uint32_t)p->gpu);
+    x = fnv(x, p->start_ticks);
+    uint32_t c = (uint32_t)(x ^ (x >> 32));
+    return c ? c : 1;
+}
+
+/* Why a record looks damaged (0: it does not): 1 check, 2 gpu, 4 drain ack ahead of the
+ * GPU's sequence, 8 slot, 16 counters out of range. */
+int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus) {
+    uint32_t c = __atomic_load_n(&p->check, SEQ);
+    if (c == 0) return 0; /* being filled in (or freed): writers clear the check first */
+    if (c != krex_proc_check(p)) return 1;
+    if (p->gpu < 0 || (uint32_t)p->gpu >= n_gpus) return 2;
+    /* A helper acks only drain requests it has seen: an ack ahead of the GPU's sequence
+     * was written by something else, and would make the controller skip this drain. */
+    if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - __atomic_load_n(&shm->gpus[p->gpu].drain_seq, SEQ)) > 0)
+        return 4;
+    if (p->slot != KREX_PROC_STALE && (p->slot < 0 || p->slot >= KREX_MAX_SLOTS)) return 8;
+    if (p->has_ctx > 1 || p->inflight > 65536) return 16;
+    return 0;
+}
+
+static int proc_bad(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus) {
+    return krex_proc_why(shm, p, n_gpus) != 0;
+}
+
+/* Records whose identity fields no longer match their check: damaged, or written by
+ * something that is not a shim. A record being filled in right now can look bad for a
+ * moment, so a suspect counts only if it still looks bad, for the same pid, 2 ms later. */
+int krex_proc_audit(struct krex_shm *shm, uint32_t n_gpus, int *bad, int max_bad) {
+    static __thread int cand[KREX_MAX_PROCS];
+    static __thread int64_t cpid[KREX_MAX_PROCS];
+    int nc = 0, n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || !proc_bad(shm, p, n_gpus)) continue;
+        cand[nc] = i;
+        cpid[nc++] = pid;
+    }
+    if (nc == 0) return n;
+    usleep(2000);
+    for (int k = 0; k < nc; k++) {
+        struct krex_proc *p = &shm->procs[cand[k]];
+        if (__atomic_load_n(&p->pid, SEQ) != cpid[k] || !proc_bad(shm, p, n_gpus)) continue;
+        if (bad && n < max_bad) bad[n] = cand[k];
+        n++;
+    }
+    return n;
+}
+
 /* A segment someone else planted must never be used: another user who pre-creates
  * /dev/shm/krex-<uid> could otherwise pause our GPU or fake our gates. A creator
  * (krexd) accepts only its own; anyone refuses one that "others" may open. */
@@ -88,13 +200,17 @@ struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *er
         shm->hdr.size = sizeof(struct krex_shm);
         shm->hdr.heartbeat_timeout_ns = KREX_HEARTBEAT_TIMEOUT_NS;
         shm->hdr.created_ns = krex_now_ns();
+        shm->hdr.instance = random_u64();
         for (int g = 0; g < KREX_MAX_GPUS; g++) shm->gpus[g].owner_slot = -1;
         for (int s = 0; s < KREX_MAX_SLOTS; s++) shm->slots[s].gpu = -1;
         __atomic_store_n(&shm->hdr.magic, (uint32_t)KREX_MAGIC, SEQ);
+        shm->hdr.check = krex_hdr_check(shm);
     } else {
         /* A creator may still be initialising: wait briefly for the magic. */
         for (int i = 0; i < 1000 && __atomic_load_n(&shm->hdr.magic, SEQ) == 0; i++) usleep(1000);
-        if (shm->hdr.magic != (uint32_t)KREX_MAGIC || shm->hdr.abi_version != KREX_ABI_VERSION) {
+        /* The check is stored right after the magic: give it the same moment. */
+        for (int i = 0; i < 100 && krex_shm_verify(shm, 0) == KREX_BAD_CHECK; i++) usleep(1000);
+        if (krex_shm_verify(shm, 0) != 0) {
             munmap(p, sizeof(struct krex_shm));
             *err = EPROTO;
             return NULL;
@@ -166,30 +282,63 @@ int krex_pid_alive(int64_t pid, uint64_t start_ticks) {
     return 1;
 }
 
-uint32_t krex_gate_close(struct krex_shm *shm, int gpu, int owner_slot, uint32_t holder,
-                         int64_t holder_pid, uint64_t lease_deadline_ns) {
+/* Gate ownership is the gate word itself: (epoch24 << 8) | owner byte. Taking the
+ * gate is ONE compare-and-swap from the word the caller expects (KREX_GATE_OPEN, or
+ * a lapsed pause it may take over) to a closed word of a new epoch, so a region and
+ * a pause can never both believe they hold it. The side fields (holder, pid, lease)
+ * are written by the winner after the CAS and published by storing their epoch
+ * last: a reader trusts them only when pub_epoch matches the word it saw. */
+uint32_t krex_gate_acquire(struct krex_shm *shm, int gpu, uint32_t expect, int owner_slot, uint32_t holder,
+                           int64_t holder_pid, uint64_t lease_deadline_ns, uint32_t *cur) {
     struct krex_gpu *g = &shm->gpus[gpu];
-    uint64_t epoch = __atomic_add_fetch(&g->epoch, 1, SEQ);
     uint32_t owner = owner_slot >= 0 ? (uint32_t)owner_slot + 1 : KREX_OWNER_NONE;
+    uint64_t epoch = __atomic_load_n(&g->epoch, SEQ) + 1;
     uint32_t word = (uint32_t)((epoch & 0xffffff) << 8) | owner;
+    uint32_t seen = expect;
+    if (!__atomic_compare_exchange_n(&g->gate, &seen, word, 0, SEQ, SEQ)) {
+        if (cur) *cur = seen;
+        return 0;
+    }
+    __atomic_store_n(&g->epoch, epoch, SEQ);
     g->owner_slot = owner_slot;
     g->holder = holder;
     g->holder_pid = holder_pid;
     g->lease_deadline_ns = lease_deadline_ns;
     g->closed_ns = krex_now_ns();
     __atomic_add_fetch(&g->regions, 1, SEQ);
-    /* The store that publishes the close; the caller's in-flight reads come after it. */
-    __atomic_store_n(&g->gate, word, SEQ);
+    __atomic_store_n(&g->pub_epoch, epoch, SEQ);
+    if (cur) *cur = word;
     return word;
 }
 
+/* Open the gate only if it still holds `word` (one CAS). Returns 1 if opened. */
+int krex_gate_release(struct krex_shm *shm, int gpu, uint32_t word) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    uint32_t seen = word;
+    if (word == KREX_GATE_OPEN || !__atomic_compare_exchange_n(&g->gate, &seen, KREX_GATE_OPEN, 0, SEQ, SEQ))
+        return 0;
+    __atomic_add_fetch(&g->epoch, 1, SEQ);
+    krex_futex_wake(&g->gate);
+    return 1;
+}
+
+/* Holder side fields of the word now in the gate; 0 if they are not published yet. */
+int krex_gate_holder(struct krex_shm *shm, int gpu, uint32_t word, uint32_t *holder, int64_t *holder_pid,
+                     uint64_t *lease_deadline_ns) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    uint64_t e = __atomic_load_n(&g->pub_epoch, SEQ);
+    if (word == KREX_GATE_OPEN || (uint32_t)(e & 0xffffff) != (word >> 8)) return 0;
+    *holder = g->holder;
+    *holder_pid = g->holder_pid;
+    *lease_deadline_ns = g->lease_deadline_ns;
+    /* Still the same word: the fields were not rewritten by a later holder meanwhile. */
+    return __atomic_load_n(&g->gate, SEQ) == word && __atomic_load_n(&g->pub_epoch, SEQ) == e;
+}
+
+/* Force the gate open whoever holds it: only for recovery of a dead holder and teardown. */
 void krex_gate_open(struct krex_shm *shm, int gpu) {
     struct krex_gpu *g = &shm->gpus[gpu];
     __atomic_add_fetch(&g->epoch, 1, SEQ);
-    g->holder = KREX_HOLDER_NONE;
-    g->owner_slot = -1;
-    g->lease_deadline_ns = 0;
-    g->holder_pid = 0;
     __atomic_store_n(&g->gate, KREX_GATE_OPEN, SEQ);
     krex_futex_wake(&g->gate);
 }
@@ -261,9 +410,37 @@ void krex_heartbeat(struct krex_shm *shm) {
     __atomic_store_n(&shm->hdr.heartbeat_ns, krex_now_ns(), SEQ);
 }
 
+/* Pids of the live processes registered under `slot` (all of them counted, at most
+ * `max` written): one C scan instead of 1024 record reads from Python on region entry. */
+int krex_slot_procs(struct krex_shm *shm, int slot, int64_t *pids, int max) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->slot != slot || !krex_pid_alive(pid, p->start_ticks)) continue;
+        if (pids && n < max) pids[n] = pid;
+        n++;
+    }
+    return n;
+}
+
+/* Live processes still registered under `slot`. */
+int krex_slot_live_procs(struct krex_shm *shm, int slot) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid != 0 && p->slot == slot && krex_pid_alive(pid, p->start_ticks)) n++;
+    }
+    return n;
+}
+
+/* A slot number is never handed out while a process registered under it lives: that
+ * process's shim would pass the new owner's gate as if it were the new owner. */
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
     for (int s = 0; s < KREX_MAX_SLOTS; s++) {
         struct krex_slot *sl = &shm->slots[s];
+        if (__atomic_load_n(&sl->state, SEQ) != KREX_SLOT_FREE || krex_slot_live_procs(shm, s) > 0) continue;
         uint32_t expect = KREX_SLOT_FREE;
         if (__atomic_compare_exchange_n(&sl->state, &expect, KREX_SLOT_ACTIVE, 0, SEQ, SEQ)) {
             sl->gpu = gpu;
@@ -276,6 +453,8 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
     return -1;
 }
 
+static int proc_free(struct krex_proc *p, int64_t pid);
+
 void krex_slot_release(struct krex_shm *shm, int slot) {
     if (slot < 0 || slot >= KREX_MAX_SLOTS) return;
     struct krex_slot *sl = &shm->slots[slot];
@@ -283,8 +462,7 @@ void krex_slot_release(struct krex_shm *shm, int slot) {
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid != 0 && p->slot == slot && !krex_pid_alive(pid, p->start_ticks))
-            __atomic_compare_exchange_n(&p->pid, &pid, 0, 0, SEQ, SEQ);
+        if (pid != 0 && p->slot == slot && !krex_pid_alive(pid, p->start_ticks)) proc_free(p, pid);
     }
     sl->owner_pid = 0;
     sl->gpu = -1;
@@ -306,6 +484,16 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->blocked = p->blocked_ns = p->fail_opens = p->drains = 0;
     p->drain_partial = 0;
     p->captures = 0;
+    __atomic_store_n(&p->check, krex_proc_check(p), SEQ); /* last: the record is whole now */
+}
+
+/* Free a record of a dead process. Its check is cleared first, so the next claimer's
+ * record reads as "being filled in" until it seals it (never as damaged). */
+static int proc_free(struct krex_proc *p, int64_t pid) {
+    uint32_t c = __atomic_exchange_n(&p->check, 0, SEQ);
+    if (__atomic_compare_exchange_n(&p->pid, &pid, 0, 0, SEQ, SEQ)) return 1;
+    __atomic_store_n(&p->check, c, SEQ);
+    return 0;
 }
 
 /* Returns the record index for `pid`, claiming a free or dead one. An exec'd
@@ -316,8 +504,10 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
         if (__atomic_load_n(&p->pid, SEQ) == pid) {
             uint64_t st = krex_pid_start_ticks(pid);
             if (!p->start_ticks || p->start_ticks == st) {
+                __atomic_store_n(&p->check, 0, SEQ);
                 p->slot = slot;
                 p->gpu = gpu;
+                __atomic_store_n(&p->check, krex_proc_check(p), SEQ);
                 return i;
             }
         }
@@ -328,11 +518,14 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
             int64_t cur = __atomic_load_n(&p->pid, SEQ);
             if (pass == 0 && cur != 0) continue;
             if (pass == 1 && (cur == 0 || krex_pid_alive(cur, p->start_ticks))) continue;
-            /* Claim first, then fill: the pid CAS is the ownership token. */
+            /* Claim first, then fill: the pid CAS is the ownership token. The check is
+             * cleared before, so the half-filled record never reads as damaged. */
+            uint32_t c = __atomic_exchange_n(&p->check, 0, SEQ);
             if (__atomic_compare_exchange_n(&p->pid, &cur, pid, 0, SEQ, SEQ)) {
                 proc_init(p, slot, gpu, pid);
                 return i;
             }
+            __atomic_store_n(&p->check, c, SEQ);
         }
     }
     __atomic_or_fetch(&shm->hdr.flags, KREX_HF_PROCS_FULL, SEQ);
@@ -346,9 +539,7 @@ int krex_proc_reap(struct krex_shm *shm) {
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid != 0 && !krex_pid_alive(pid, p->start_ticks) &&
-            __atomic_compare_exchange_n(&p->pid, &pid, 0, 0, SEQ, SEQ))
-            n++;
+        if (pid != 0 && !krex_pid_alive(pid, p->start_ticks) && proc_free(p, pid)) n++;
     }
     return n;
 }

@@ -12,9 +12,21 @@ void krex_shm_close(struct krex_shm *shm);
 int krex_shm_unlink(const char *name);
 uint64_t krex_shm_size(void);
 
+/* Integrity: the header's fixed fields carry a check, each process record one too. */
+uint64_t krex_hdr_check(struct krex_shm *shm);
+uint32_t krex_shm_verify(struct krex_shm *shm, uint32_t n_gpus);
+void krex_hdr_restore(struct krex_shm *shm, uint32_t n_gpus, uint64_t instance, uint64_t created_ns,
+                      uint64_t heartbeat_timeout_ns);
+uint32_t krex_proc_check(struct krex_proc *p);
+int krex_proc_audit(struct krex_shm *shm, uint32_t n_gpus, int *bad, int max_bad);
+int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus);
+
 /* Controller side of the gate protocol. */
-uint32_t krex_gate_close(struct krex_shm *shm, int gpu, int owner_slot, uint32_t holder,
-                         int64_t holder_pid, uint64_t lease_deadline_ns);
+uint32_t krex_gate_acquire(struct krex_shm *shm, int gpu, uint32_t expect, int owner_slot, uint32_t holder,
+                           int64_t holder_pid, uint64_t lease_deadline_ns, uint32_t *cur);
+int krex_gate_release(struct krex_shm *shm, int gpu, uint32_t word);
+int krex_gate_holder(struct krex_shm *shm, int gpu, uint32_t word, uint32_t *holder, int64_t *holder_pid,
+                     uint64_t *lease_deadline_ns);
 void krex_gate_open(struct krex_shm *shm, int gpu);
 int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max_pids);
 uint32_t krex_drain_request(struct krex_shm *shm, int gpu);
@@ -26,6 +38,8 @@ void krex_heartbeat(struct krex_shm *shm);
 
 /* Slots and process records. */
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid);
+int krex_slot_live_procs(struct krex_shm *shm, int slot);
+int krex_slot_procs(struct krex_shm *shm, int slot, int64_t *pids, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);

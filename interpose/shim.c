@@ -65,6 +65,8 @@ static char g_shm_name[128];
 static int g_slot = -1;
 static int g_gpu = -1;
 static struct krex_shm *g_shm;            /* atomic pointer: published once attached */
+static long long g_slot_gen = -1;         /* KREX_SLOT_GEN: the slot's generation when our command claimed it */
+static int g_attach_err;                  /* why we could not attach the segment we were told to use */
 static struct krex_proc *g_proc;
 static uint32_t g_failed_gate;            /* gate word we already failed open on */
 static uint64_t g_local_submits[KREX_NGATED];
@@ -141,20 +143,28 @@ static inline void krex_leave(int counted) {
     t_depth--;
 }
 
-static int holder_gone(struct krex_gpu *g, uint64_t now) {
-    switch (__atomic_load_n(&g->holder, __ATOMIC_SEQ_CST)) {
-    case KREX_HOLDER_PAUSE: {
-        uint64_t dl = __atomic_load_n(&g->lease_deadline_ns, RELAXED);
+/* Is the holder of gate word `w` gone? Its side fields count only once published for
+ * this very word (krex_gate_holder: ownership is one CAS on the word, the fields come
+ * after it); a word whose holder never published them within the heartbeat timeout of
+ * our first look (a closer that crashed right after its CAS, or a word nobody wrote)
+ * counts as gone too. */
+static int holder_gone(int gpu, uint32_t w, uint64_t now, uint64_t since) {
+    uint32_t holder = 0;
+    int64_t pid = 0;
+    uint64_t dl = 0;
+    if (!krex_gate_holder(g_shm, gpu, w, &holder, &pid, &dl)) return now - since > KREX_HEARTBEAT_TIMEOUT_NS;
+    (void)pid;
+    switch (holder) {
+    case KREX_HOLDER_PAUSE:
         return dl != 0 && now > dl;
-    }
     case KREX_HOLDER_REGION: {
         uint64_t hb = __atomic_load_n(&g_shm->hdr.heartbeat_ns, __ATOMIC_SEQ_CST);
         uint64_t to = g_shm->hdr.heartbeat_timeout_ns ? g_shm->hdr.heartbeat_timeout_ns
                                                       : KREX_HEARTBEAT_TIMEOUT_NS;
         return now > hb && now - hb > to;
     }
-    default: /* closed with no holder recorded: only a crashed closer does that */
-        return now - __atomic_load_n(&g->closed_ns, RELAXED) > KREX_HEARTBEAT_TIMEOUT_NS;
+    default:
+        return now - since > KREX_HEARTBEAT_TIMEOUT_NS;
     }
 }
 
@@ -169,7 +179,7 @@ static int krex_wait_gate(uint32_t w) {
         krex_futex_wait(g_fast.gate, w, KREX_GATE_RECHECK_NS);
         if (__atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST) != w) break;
         uint64_t now = krex_now_ns();
-        if (holder_gone(g, now)) {
+        if (holder_gone(g_gpu, w, now, t0)) {
             __atomic_store_n(&g_failed_gate, w, __ATOMIC_RELAXED);
             __atomic_fetch_add(&g->fail_opens, 1, __ATOMIC_RELAXED);
             if (g_proc) __atomic_fetch_add(&g_proc->fail_opens, 1, __ATOMIC_RELAXED);
@@ -1011,6 +1021,10 @@ static void region_lost(const char *what, int rc) {
  * not under KREX; negative = refused or lost (errno value). A nested begin on the
  * same thread is a no-op. */
 KREX_EXPORT int krex_region_begin(void) {
+    /* Meant to be under KREX but not attached (segment gone or damaged): say so, never
+     * pretend a region happened. */
+    if (mode_on() && !__atomic_load_n(&g_fast.gate, ACQUIRE)) krex_register();
+    if (__atomic_load_n(&g_attach_err, RELAXED)) return -__atomic_load_n(&g_attach_err, RELAXED);
     if (!mode_on() || !g_sock_path[0]) return 0;
     if (t_region_depth++ > 0) return 0;
     /* Register first: krexd frees a slot made on a region's own connection with it. */
@@ -1019,7 +1033,7 @@ KREX_EXPORT int krex_region_begin(void) {
         region_lost("begin", -ECONNREFUSED);
         return -ECONNREFUSED;
     }
-    char req[160], rep[8192];
+    char req[160], rep[16384];
     snprintf(req, sizeof req, "{\"op\":\"begin\",\"tid\":%ld,\"gpu\":%d}\n", (long)syscall(SYS_gettid),
              first_visible_gpu());
     int fd = conn_open();
@@ -1038,21 +1052,30 @@ KREX_EXPORT int krex_region_begin(void) {
     return 0;
 }
 
+/* 0 = the region was exclusive from BEGIN to END. -ETIMEDOUT = krexd cut it at
+ * --max-region before END (what ran after the cut was not protected). 1 = it ended
+ * but krexd flagged it (contaminated; `krex journal` says why). Other negative
+ * values: krexd was lost or did not answer. */
 KREX_EXPORT int krex_region_end(void) {
+    if (__atomic_load_n(&g_attach_err, RELAXED)) return -__atomic_load_n(&g_attach_err, RELAXED);
     if (!mode_on() || !g_sock_path[0]) return 0;
     if (t_region_depth <= 0) return -EINVAL;
     if (--t_region_depth > 0) return 0;
     int fd = t_region_fd;
     t_region_fd = -1;
     if (fd < 0) return -EIO;
-    char rep[8192];
+    char rep[16384];
     int rc = conn_call(fd, "{\"op\":\"end\"}\n", rep, sizeof rep);
     close(fd);
     if (rc != 0) {
         region_lost("end", rc);
         return rc;
     }
-    return strstr(rep, "\"ok\":true") ? 0 : -EIO;
+    if (!strstr(rep, "\"ok\":true")) return -EIO;
+    /* krexd puts the verdict first ("clean", "cut"), before the long record. */
+    if (strstr(rep, "\"cut\":true")) return -ETIMEDOUT;
+    if (!strstr(rep, "\"clean\":true")) return 1;
+    return 0;
 }
 
 /* ------------------------------------------------------------ registration */
@@ -1067,8 +1090,12 @@ static struct krex_shm *attach_shm(void) {
     if (!shm) {
         int err = 0;
         shm = krex_shm_open(g_shm_name, 0, 0, &err);
-        if (shm) __atomic_store_n(&g_shm, shm, RELEASE);
-        else klog("cannot attach %s (%s)", g_shm_name, strerror(err));
+        if (shm) {
+            __atomic_store_n(&g_shm, shm, RELEASE);
+        } else {
+            __atomic_store_n(&g_attach_err, err ? err : EIO, RELAXED);
+            klog("cannot attach %s (%s)", g_shm_name, strerror(err));
+        }
     }
     pthread_mutex_unlock(&g_reg_lock);
     return shm;
@@ -1095,7 +1122,12 @@ static int krex_register(void) {
     }
     if (g_gpu < 0) g_gpu = g_shm->slots[g_slot].gpu;
     if (g_gpu < 0 || g_gpu >= KREX_MAX_GPUS) g_gpu = 0;
-    int idx = krex_proc_register(g_shm, g_slot, g_gpu, (int64_t)getpid());
+    /* A process that outlived its command while the slot went to another command: it
+     * must never pass that command's gate. It registers as a sibling of everyone. */
+    int stale = g_slot_gen >= 0 &&
+                (__atomic_load_n(&g_shm->slots[g_slot].state, __ATOMIC_SEQ_CST) != KREX_SLOT_ACTIVE ||
+                 (long long)__atomic_load_n(&g_shm->slots[g_slot].generation, __ATOMIC_SEQ_CST) != g_slot_gen);
+    int idx = krex_proc_register(g_shm, stale ? KREX_PROC_STALE : g_slot, g_gpu, (int64_t)getpid());
     if (idx >= 0) {
         struct krex_proc *p = &g_shm->procs[idx];
         __atomic_or_fetch(&p->flags, __atomic_load_n(&g_pending_flags, RELAXED), RELAXED);
@@ -1109,7 +1141,13 @@ static int krex_register(void) {
         g_fast.inflight = &g_shm->slots[g_slot].inflight;
         g_fast.submits = g_local_submits;
     }
-    g_fast.owner_byte = (uint32_t)g_slot + 1;
+    /* 0 never matches a closed gate's owner byte (slot+1 or 255). */
+    g_fast.owner_byte = stale ? 0 : (uint32_t)g_slot + 1;
+    if (stale) {
+        set_flag(KREX_PF_STALE_SLOT);
+        klog("slot %d was handed to another command (generation %lld, ours %lld): registering as a sibling",
+             g_slot, (long long)g_shm->slots[g_slot].generation, g_slot_gen);
+    }
     __atomic_store_n(&g_fast.gate, &g_shm->gpus[g_gpu].gate, RELEASE);
     if (g_proc && !g_helper_started) start_helper();
     klog("registered: slot %d gpu %d record %d", g_slot, g_gpu, idx);
@@ -1179,6 +1217,13 @@ __attribute__((constructor)) static void krex_init(void) {
             return;
         }
         g_need_selfreg = 1;
+    }
+    const char *gen = getenv("KREX_SLOT_GEN");
+    if (gen && *gen) {
+        char *end;
+        errno = 0;
+        long long v = strtoll(gen, &end, 10);
+        g_slot_gen = errno || *end || v < 0 ? -1 : v;
     }
     if (!parse_int(getenv("KREX_GPU"), &g_gpu)) {
         /* An opt-in process names its GPU through CUDA_VISIBLE_DEVICES. */

@@ -7,11 +7,11 @@ with krex.region():
 
 import logging
 
-from krex.region import region, under_krex
+from krex.region import RegionWarning, region, under_krex
 
 # The library logs to the `krex` logger and never prints; applications (the CLI,
 # krexd) attach handlers. Without one, nothing is shown.
 logging.getLogger("krex").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["region", "under_krex", "__version__"]
+__all__ = ["RegionWarning", "region", "under_krex", "__version__"]

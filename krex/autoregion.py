@@ -249,8 +249,40 @@ _finder: _Finder | None = None
 _tls = threading.local()
 
 
+_regions: dict[str, int] = {}  # target name -> regions its wrapper entered in this process
+STATUS_DIR_ENV = "KREX_AUTO_STATUS_DIR"  # set by `krex run`: where each process leaves its status
+
+
 def _set(t: Target, state: str, detail: str) -> None:
     _status[t.name] = {"target": t.name, "builtin": t.source, "state": state, "detail": detail}
+    _dump()
+
+
+def _dump_locked() -> None:
+    with _lock:
+        _dump()
+
+
+def _dump() -> None:
+    """Leave this process's target states and region counts where `krex run` reads them
+    after the command (one small file per process, replaced atomically)."""
+    d = os.environ.get(STATUS_DIR_ENV)
+    if not d:
+        return
+    import json
+
+    data = {
+        "pid": os.getpid(),
+        "value": os.environ.get(ENV_VAR, ""),
+        "targets": [dict(e, regions=_regions.get(e["target"], 0)) for e in _status.values()],
+    }
+    path = os.path.join(d, f"{os.getpid()}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # reporting must never break the harness
 
 
 def status() -> list[dict[str, str]]:
@@ -293,6 +325,10 @@ def install(value: str | None = None) -> None:
         if not installed():
             _finder = _Finder()
             sys.meta_path.insert(0, _finder)
+            if os.environ.get(STATUS_DIR_ENV):
+                import atexit
+
+                atexit.register(_dump_locked)
         for name in dict.fromkeys(t.module for t in new):
             mod = sys.modules.get(name)
             if mod is not None:
@@ -323,6 +359,7 @@ def uninstall() -> None:
         _by_module.clear()
         _status.clear()
         _whole.clear()
+        _regions.clear()
 
 
 class _Finder:
@@ -529,15 +566,24 @@ class _Probe:
         if self.entered:
             return
         self.entered = True  # first: a failed entry must not be left again
+        tgt: Target | None = (getattr(_tls, "targets", None) or [None])[-1]
+        name = tgt.name if tgt is not None else "?"
         r = krex.region()
+        r.label = f"auto:{name}" + (":whole" if self.kind == WHOLE else "")  # journal: who opened it
         r.__enter__()
         self._region = r
+        if getattr(r, "grant", None) is not None:
+            _regions[name] = _regions.get(name, 0) + 1
 
     def leave(self, et: type[BaseException] | None, ev: BaseException | None,
               tb: TracebackType | None) -> None:
         r, self._region = self._region, None
         if r is not None:
-            r.__exit__(et, ev, tb)
+            try:
+                r.__exit__(et, ev, tb)
+            finally:
+                with _lock:
+                    _dump()
 
     def saw(self, event: str) -> None:
         self.prev2, self.prev1 = self.prev1, event
@@ -621,9 +667,16 @@ def _make_wrapper(t: Target, func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if t.name in _whole:
-            return _call_whole(func, args, kwargs)
-        return body(t, func, args, kwargs)
+        stack = getattr(_tls, "targets", None)
+        if stack is None:
+            stack = _tls.targets = []
+        stack.append(t)  # the region this call opens is labelled with its target
+        try:
+            if t.name in _whole:
+                return _call_whole(func, args, kwargs)
+            return body(t, func, args, kwargs)
+        finally:
+            stack.pop()
 
     setattr(wrapper, MARK, t.name)
     return wrapper

@@ -209,6 +209,9 @@ class CommandResult:
             "regions": len(regs),
             "region_s": round(sum(_num(r.get("region_s")) for r in regs), 6),
             "contaminated_regions": sum(1 for r in regs if r.get("contaminated")),
+            "cut_regions": sum(1 for r in regs if r.get("cut")),
+            "auto_region": (self.report or {}).get("auto_region"),
+            "leftovers": len((self.report or {}).get("leftovers") or []),
             "warnings": self.warnings,
             "error": self.error,
             "report": self.report,
@@ -280,6 +283,35 @@ def summarize(results: Sequence[CommandResult], total_wall_s: float, jobs: int, 
         "gate_blocks": sum(int(_num((r.report or {}).get("gate_blocks"))) for r in ran),
         "fail_opens": sum(int(_num((r.report or {}).get("fail_opens"))) for r in ran),
         "partition_degraded": any(bool(reg.get("partition_degraded")) for reg in regs),
+        "cut_regions": sum(1 for reg in regs if reg.get("cut")),
+        "region_flags": _flag_counts(regs),
+        "simulated": any(bool((r.report or {}).get("simulated")) for r in ran),
+        # Per command: how many regions it made and which automatic-region targets fired.
+        "per_command": [_per_command(r) for r in ran],
+        "no_region_commands": [r.command.index for r in ran if not r.regions],
+        "leftovers": sum(len((r.report or {}).get("leftovers") or []) for r in ran),
+    }
+
+
+def _flag_counts(regs: Sequence[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for reg in regs:
+        for f in reg.get("flags") or []:
+            out[str(f)] = out.get(str(f), 0) + 1
+    return out
+
+
+def _per_command(r: CommandResult) -> dict[str, Any]:
+    auto = (r.report or {}).get("auto_region") or {}
+    return {
+        "index": r.command.index,
+        "regions": len(r.regions),
+        "auto_value": auto.get("value"),
+        "auto_wrapped": auto.get("wrapped") or [],
+        "auto_targets": [
+            {"target": t.get("target"), "state": t.get("state"), "regions": t.get("regions")}
+            for t in auto.get("targets") or []
+        ],
     }
 
 

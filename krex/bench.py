@@ -737,6 +737,10 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "freeze_policy",
         "running_slots",
         "freeze_why",
+        "cut",
+        "flags",
+        "label",
+        "attest",
     )
     regions = [{k: r.get(k) for k in keys if k in r} for r in rep.get("regions") or [] if isinstance(r, dict)]
     return {
@@ -748,6 +752,14 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "fail_opens": rep.get("fail_opens"),
         "contaminated_regions": rep.get("contaminated_regions"),
         "region_wait_s": rep.get("region_wait_s"),
+        "cut_regions": rep.get("cut_regions"),
+        "simulated": rep.get("simulated"),
+        "leftovers": len(rep.get("leftovers") or []),
+        "auto_region": {
+            k: (rep.get("auto_region") or {}).get(k) for k in ("value", "wrapped", "auto_regions")
+        }
+        if rep.get("auto_region")
+        else None,
         "regions": regions,
     }
 
@@ -1427,12 +1439,21 @@ def compute_summary(
         qw: list[float] = []
         proto: list[float] = []
         adm: list[float] = []
-        contaminated = nreg = 0
+        contaminated = nreg = cut = no_region = 0
+        flags: dict[str, int] = {}
+        wrapped: set[str] = set()
         for r in rs:
             kr = r.get("krex") or {}
+            if r.get("krex") is not None and not kr.get("regions"):
+                no_region += 1
+            for w in (kr.get("auto_region") or {}).get("wrapped") or []:
+                wrapped.add(str(w))
             for g in kr.get("regions") or []:
                 nreg += 1
                 contaminated += int(bool(g.get("contaminated")))
+                cut += int(bool(g.get("cut")))
+                for f in g.get("flags") or []:
+                    flags[str(f)] = flags.get(str(f), 0) + 1
                 if g.get("queue_wait_s") is not None:
                     qw.append(float(g["queue_wait_s"]))
                 if g.get("entry_s") is not None:
@@ -1446,6 +1467,11 @@ def compute_summary(
             "admission_wait_s": bm.dist(adm).to_json(),
             "regions": nreg,
             "contaminated": contaminated,
+            # Trust: what KREX could not vouch for (attestation flags included).
+            "cut": cut,
+            "flags": flags,
+            "runs_without_region": no_region,
+            "auto_wrapped": sorted(wrapped),
         }
 
     failures = [
@@ -1883,6 +1909,10 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
                 _num(ad.get("p95"), "{:.4f}"),
                 str(r["regions"]),
                 str(r["contaminated"]),
+                str(r.get("cut", 0)),
+                ", ".join(f"{f} {n}" for f, n in (r.get("flags") or {}).items()) or "-",
+                str(r.get("runs_without_region", 0)),
+                ", ".join(r.get("auto_wrapped") or []) or "-",
             ]
         )
     L += _table(
@@ -1897,6 +1927,10 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
             "admission wait p95 s",
             "regions",
             "contaminated",
+            "cut",
+            "flagged by reason",
+            "runs without a region",
+            "auto targets wrapped",
         ],
         rows,
     ) + [""]

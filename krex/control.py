@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 from krex.errors import Busy, UsageError
-from krex.native import lib
+from krex.native import ffi, lib
 from krex.shm import Segment, StepResult, raise_stragglers
 
 DEFAULT_PAUSE_LEASE_S = 600.0
@@ -25,9 +26,18 @@ class PauseResult:
 
 
 def pause(
-    seg: Segment, gpu: int, timeout: float = 10.0, lease_s: float = DEFAULT_PAUSE_LEASE_S
+    seg: Segment,
+    gpu: int,
+    timeout: float = 10.0,
+    lease_s: float = DEFAULT_PAUSE_LEASE_S,
+    wait_s: float | None = None,
 ) -> PauseResult:
-    """Close the gate with no owner, wait for in-flight submissions, drain.
+    """Take the gate with no owner, wait for in-flight submissions, drain.
+
+    Taking the gate is one compare-and-swap (krex_gate_acquire): while a region
+    holds it, the pause waits up to `wait_s` (default: `timeout`) for the region
+    to end, then is refused with Busy (exit 6). A pause and a region never both
+    hold the gate. A pause that lapsed (its lease ran out) may be taken over.
 
     The pause outlives the caller: it holds until resume() or until the lease
     runs out, after which shims fail open (invariant I5). On a timeout the gate
@@ -43,13 +53,7 @@ def pause(
             f"--for {lease_s:g} must be a number of seconds in (0, {MAX_PAUSE_LEASE_S:g}] (7 days)",
             "pass e.g. --for 600; renew a longer pause with another `krex pause`",
         )
-    g = seg.raw.gpus[gpu]
-    if g.gate != lib.KREX_GATE_OPEN and g.holder == lib.KREX_HOLDER_REGION:
-        raise Busy(
-            f"GPU {gpu} is inside a region of slot {g.owner_slot}",
-            "wait for the region to end, then pause again",
-        )
-    word = seg.close_gate(gpu, None, holder=lib.KREX_HOLDER_PAUSE, holder_pid=os.getpid(), lease_s=lease_s)
+    word = _acquire(seg, gpu, lease_s, timeout if wait_s is None else wait_s)
     try:
         inflight = seg.wait_inflight(gpu, None, timeout)
         if not inflight.ok:
@@ -59,23 +63,51 @@ def pause(
             raise_stragglers("draining", gpu, drain, timeout)
     except BaseException:
         # A timeout, Ctrl-C or SIGTERM while waiting: give back what we took, and only
-        # that (the gate word is still ours unless someone has reopened it since).
-        if seg.gate_word(gpu) == word:
-            seg.open_gate(gpu)
+        # that (one compare-and-swap: the word is reopened only if it is still ours).
+        seg.open_gate(gpu, word)
         raise
     return PauseResult(gpu, word, inflight, drain, lease_s)
+
+
+def _acquire(seg: Segment, gpu: int, lease_s: float, wait_s: float) -> int:
+    deadline = time.monotonic() + wait_s
+    while True:
+        cur = seg.gate_word(gpu)
+        # A pause may replace a pause (renewal, or one whose lease ran out), never a region.
+        is_pause = cur != lib.KREX_GATE_OPEN and cur & 0xFF == lib.KREX_OWNER_NONE
+        expect = cur if is_pause else lib.KREX_GATE_OPEN
+        try:
+            return seg.close_gate(
+                gpu,
+                None,
+                holder=lib.KREX_HOLDER_PAUSE,
+                holder_pid=os.getpid(),
+                lease_s=lease_s,
+                expect=expect,
+            )
+        except Busy:
+            left = deadline - time.monotonic()
+            cur = seg.gate_word(gpu)
+            if left <= 0:
+                raise Busy(
+                    f"GPU {gpu} is held by {seg.describe_holder(gpu, cur)}",
+                    "wait for it to end (or pass a longer --timeout), then pause again",
+                ) from None
+            if cur != lib.KREX_GATE_OPEN:
+                lib.krex_futex_wait(ffi.addressof(seg.raw.gpus[gpu], "gate"), cur, int(min(left, 0.05) * 1e9))
 
 
 def resume(seg: Segment, gpu: int) -> bool:
     """Open a paused gate. Returns False if it was not paused."""
     seg.check_gpu(gpu)
-    g = seg.raw.gpus[gpu]
-    if g.gate == lib.KREX_GATE_OPEN:
+    word = seg.gate_word(gpu)
+    if word == lib.KREX_GATE_OPEN:
         return False
-    if g.holder == lib.KREX_HOLDER_REGION:
+    if word & 0xFF != lib.KREX_OWNER_NONE:
         raise Busy(
-            f"GPU {gpu} is held by a region of slot {g.owner_slot}, not by a pause",
+            f"GPU {gpu} is held by a region of slot {(word & 0xFF) - 1}, not by a pause",
             "regions end by themselves; `krex status` shows who holds it",
         )
-    seg.open_gate(gpu)
+    if not seg.open_gate(gpu, word):
+        return resume(seg, gpu)  # it changed under us: look again
     return True

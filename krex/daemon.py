@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from krex import cpus, freezepolicy, freezer, journal, paths
+from krex.attest import Attestor
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.gpus import GpuInfo, discover
-from krex.native import lib
+from krex.native import ffi, lib
 from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
+from krex.segguard import Expected, SegmentGuard
 from krex.shm import Segment, default_name
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
@@ -132,6 +134,8 @@ class Slot:
     created: float = field(default_factory=time.time)
     freeze: str | None = None  # the command's own freeze policy (krex run --freeze), else the daemon's
     last_rate: float | None = None  # submissions per second of its last region (adaptive policy)
+    generation: int = 0  # the segment's slot generation when this slot was claimed
+    last_deep_scan: float = 0.0
 
 
 @dataclass
@@ -141,6 +145,8 @@ class Region:
     pid: int
     tid: int
     t_request: float
+    label: str = ""  # who opened it, e.g. "auto:triton.testing:do_bench"
+    word: int = 0  # the gate word while this region holds the gate
     granted: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
@@ -172,6 +178,8 @@ class Daemon:
         self._last_beat = time.monotonic()
         self._sock_ino: int | None = None
         self._take_lock()  # before any cgroup is touched: a second daemon must change nothing
+        # Started on demand from inside a command? Never live in (and freeze with) its slot group.
+        freezer.leave_slot_groups()
         self.freezer = freezer.detect(
             cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex"
         )
@@ -187,6 +195,7 @@ class Daemon:
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
         self.inspector = freezepolicy.Inspector()
+        self.attestor = Attestor.for_device(self.info.kind, self.info.physical)
 
     # ------------------------------------------------------------------ setup
     def slots_per_gpu(self, gpu: int) -> int:
@@ -225,13 +234,11 @@ class Daemon:
         thawed = self.freezer.recover()
         reopened = 0
         now = int(lib.krex_now_ns())
-        for g in range(self.seg.n_gpus):
-            gp = self.seg.raw.gpus[g]
-            live_pause = gp.holder == lib.KREX_HOLDER_PAUSE and (
-                gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > now
-            )
-            if gp.gate != lib.KREX_GATE_OPEN and not live_pause:
-                self.seg.open_gate(g)
+        for g in range(self.info.count):
+            w = self.seg.gate_word(g)
+            h = self.seg.holder(g, w) if w != lib.KREX_GATE_OPEN else None
+            live_pause = h is not None and h[0] == lib.KREX_HOLDER_PAUSE and (h[2] == 0 or h[2] > now)
+            if w != lib.KREX_GATE_OPEN and not live_pause and self.seg.open_gate(g, w):
                 reopened += 1
         reaped = int(lib.krex_proc_reap(self.seg.raw))  # records only: slots are judged below
         # A slot whose guardian or processes still live is adopted: its command is a
@@ -244,7 +251,14 @@ class Daemon:
             gpu = int(sp.gpu) if 0 <= sp.gpu < self.info.count else 0
             group = self.freezer.group(f"slot-{n}")
             slot = Slot(
-                n, gpu, "run", int(sp.owner_pid), group, set(self.seg.slot_pids(n)), guardian_connected=False
+                n,
+                gpu,
+                "run",
+                int(sp.owner_pid),
+                group,
+                set(self.seg.slot_pids(n)),
+                guardian_connected=False,
+                generation=int(sp.generation),
             )
             if lib.krex_pid_alive(sp.owner_pid, 0) or self._group_pids(slot):
                 self.slots[n] = slot
@@ -321,6 +335,7 @@ class Daemon:
 
     def start(self) -> dict[str, int]:
         self._open_segment()
+        self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
         self._fail_opens = self._read_fail_opens()
         if any(self._fail_opens):
@@ -330,6 +345,7 @@ class Daemon:
                 self.shm_name,
                 ", ".join(f"gpu {g}: {n}" for g, n in enumerate(self._fail_opens) if n),
             )
+        self.guard = SegmentGuard(self.seg, self.info.count, self.pid, int(HEARTBEAT_TIMEOUT_S * 1e9))
         rec = self._recover()
         self._server = self._listen()
         self._share_files()
@@ -458,10 +474,10 @@ class Daemon:
         deadline = time.monotonic() + 5
         while any(self.current.values()) and time.monotonic() < deadline:
             time.sleep(0.01)
-        for g in range(self.seg.n_gpus):
-            gp = self.seg.raw.gpus[g]
-            if gp.gate != lib.KREX_GATE_OPEN and gp.holder == lib.KREX_HOLDER_REGION:
-                self.seg.open_gate(g)
+        for g in range(self.info.count):
+            w = self.seg.gate_word(g)
+            if w != lib.KREX_GATE_OPEN and w & 0xFF != lib.KREX_OWNER_NONE:
+                self.seg.open_gate(g, w)
         for s in list(self.slots.values()):
             with contextlib.suppress(KrexError):
                 s.group.thaw()
@@ -472,6 +488,7 @@ class Daemon:
             wd.terminate()
             with contextlib.suppress(Exception):
                 wd.wait(5)
+        self.guard.close()
         if self._server:
             self._server.close()
         with contextlib.suppress(OSError):
@@ -484,6 +501,10 @@ class Daemon:
         last = time.monotonic()
         while not self.stop.is_set():
             self.seg.heartbeat()
+            try:
+                self._guard_tick()
+            except Exception as e:  # noqa: BLE001 - the watch must never stop the heartbeat
+                log.error("segment check failed: %s: %s", type(e).__name__, e)
             self._check_fail_opens()  # n_gpus word loads; a snapshot only when one rose
             self._last_beat = last
             time.sleep(HEARTBEAT_S)
@@ -522,6 +543,36 @@ class Daemon:
                 )
         self._fail_opens = now
 
+    # ------------------------------------------------------------ the segment
+    def _expected(self) -> Expected:
+        """What the segment must hold, from krexd's own state (call with self.lock)."""
+        exp = Expected()
+        for g in range(self.info.count):
+            r = self.current.get(g)
+            exp.gates[g] = {r.word} if r is not None and r.word else set()
+            exp.owner[g] = r.slot + 1 if r is not None else -1
+        exp.slots = {n: (s.gpu, s.generation) for n, s in self.slots.items()}
+        return exp
+
+    def _guard_tick(self) -> list[str]:
+        """Check the segment; on trouble repair it and record an incident. Returns the problems."""
+        with self.lock:
+            exp = self._expected()
+            problems = self.guard.check(exp)
+            if not problems:
+                return []
+            inc = self.guard.repair(problems, exp, lambda: self._known_pids() - {self.pid})
+        log.warning("segment incident: %s; %s", "; ".join(inc.problems), "; ".join(inc.actions))
+        return problems
+
+    def _check_not_lost(self) -> None:
+        if self.guard.lost:
+            raise KrexError(
+                f"KREX cannot gate new work: {self.guard.lost}",
+                "stop the commands using it, then `krex daemon stop` and start again "
+                "(`krex doctor` says more)",
+            )
+
     def _reaper_loop(self) -> None:
         while not self.stop.is_set():
             time.sleep(0.1)
@@ -536,7 +587,7 @@ class Daemon:
                     if s.kind == "auto":
                         dead = not lib.krex_pid_alive(s.guardian_pid, 0)
                     elif not s.guardian_connected:
-                        dead = not self._group_pids(s)
+                        dead = not self._group_pids(s, deep=self._deep_scan_due(s))
                     if dead:
                         self._release(s.slot, "owner-gone")
                 busy = bool(self.slots) or any(self.current.values())
@@ -546,14 +597,51 @@ class Daemon:
                 self.stop_reason = f"idle for {self.cfg.idle_exit_s:g} s"
                 self.stop.set()
 
-    def _group_pids(self, s: Slot) -> list[int]:
+    def _group_pids(self, s: Slot, deep: bool = False) -> list[int]:
+        """Live processes of a slot's tree: its freezer group, its root pids, the processes
+        registered under it in the segment and, with `deep`, every process whose
+        environment names this slot and its generation (one that left the group or the
+        ancestry still carries them)."""
         try:
-            pids = s.group.pids()
+            pids = set(s.group.pids())
         except KrexError:
-            pids = []
-        return [p for p in pids if lib.krex_pid_alive(p, 0)] or [
-            p for p in s.root_pids if lib.krex_pid_alive(p, 0)
-        ]
+            pids = set()
+        pids |= s.root_pids
+        pids |= set(self.seg.slot_pids(s.slot))
+        if deep:
+            pids |= _env_tagged(self.shm_name, s.slot, s.generation)
+        pids.discard(self.pid)
+        pids.discard(s.guardian_pid)  # the guardian lives outside the slot
+        return sorted(p for p in pids if lib.krex_pid_alive(p, 0))
+
+    def _deep_scan_due(self, s: Slot) -> bool:
+        now = time.monotonic()
+        if now - s.last_deep_scan < 1.0:
+            return False
+        s.last_deep_scan = now
+        return True
+
+    def _leftovers(self, n: int, policy: str) -> dict[str, Any]:
+        """The command of slot `n` ended: what of its tree still lives is a leftover. Kill
+        them (the default, as most runners do) or keep them as a sibling slot that lives on
+        (frozen in other commands' regions) until they end. Either way the slot number is
+        not handed out while one of them lives."""
+        with self.lock:
+            s = self.slots.get(n)
+        if s is None:
+            return {"leftovers": [], "action": "none"}
+        found = self._group_pids(s, deep=True)
+        info = [{"pid": p, "cmd": _cmdline(p)} for p in found]
+        if not found:
+            return {"leftovers": [], "action": "none"}
+        if policy == "keep":
+            return {"leftovers": info, "action": "kept"}
+        deadline = time.monotonic() + 5.0
+        while found and time.monotonic() < deadline:
+            s.group.kill_all(found)
+            time.sleep(0.02)
+            found = self._group_pids(s, deep=True)
+        return {"leftovers": info, "action": "kill-failed" if found else "killed", "alive": found}
 
     # ------------------------------------------------------------------ slots
     def _new_slot(self, gpu: int, kind: str, guardian_pid: int) -> Slot:
@@ -561,7 +649,7 @@ class Daemon:
         group = self.freezer.group(f"slot-{n}")
         with contextlib.suppress(KrexError):
             group.thaw()
-        s = Slot(n, gpu, kind, guardian_pid, group)
+        s = Slot(n, gpu, kind, guardian_pid, group, generation=int(self.seg.raw.slots[n].generation))
         cur = self.current.get(gpu)
         if cur is not None and cur.granted.is_set() and not cur.ended.is_set():
             # Joining during a region: start frozen so I3 holds for newcomers too.
@@ -648,7 +736,9 @@ class Daemon:
                 }
                 req.granted.set()
                 with contextlib.suppress(Exception):
-                    self.seg.open_gate(gpu)
+                    cur = self.seg.gate_word(gpu)
+                    if cur & 0xFF == req.slot + 1:  # ours: never open someone else's gate
+                        self.seg.open_gate(gpu, cur)
             finally:
                 with self.lock:
                     self.current[gpu] = None
@@ -656,16 +746,29 @@ class Daemon:
                     self.changed.notify_all()
                 req.released.set()
 
-    def _wait_operator_pause(self, gpu: int, req: Region) -> None:
+    def _acquire_gate(self, gpu: int, req: Region) -> int | None:
+        """Take the gate for `req` with one compare-and-swap (krex_gate_acquire). While an
+        operator pause holds it, wait; a pause whose lease ran out is taken over in the same
+        CAS. None when the owner left or the daemon stops meanwhile."""
         gp = self.seg.raw.gpus[gpu]
-        while (
-            gp.gate != lib.KREX_GATE_OPEN
-            and gp.holder == lib.KREX_HOLDER_PAUSE
-            and not self.stop.is_set()
-            and not req.ended.is_set()
-            and (gp.lease_deadline_ns == 0 or gp.lease_deadline_ns > lib.krex_now_ns())
-        ):
-            time.sleep(0.01)
+        while not self.stop.is_set() and not req.ended.is_set():
+            cur = int(gp.gate)
+            expect = lib.KREX_GATE_OPEN
+            if cur != lib.KREX_GATE_OPEN:
+                h = self.seg.holder(gpu, cur)
+                lapsed = h is not None and h[0] == lib.KREX_HOLDER_PAUSE and 0 < h[2] < int(lib.krex_now_ns())
+                if lapsed:
+                    expect = cur
+                else:
+                    lib.krex_futex_wait(ffi.addressof(gp, "gate"), cur, 10_000_000)
+                    continue
+            try:
+                return self.seg.close_gate(
+                    gpu, req.slot, holder=lib.KREX_HOLDER_REGION, holder_pid=self.pid, expect=expect
+                )
+            except Busy:
+                continue
+        return None
 
     def _freeze_choice(self, owner: Slot | None, siblings: list[Slot]) -> tuple[str, list[Slot], list[str]]:
         """(effective policy, the siblings to freeze, why each one under `gpu`)."""
@@ -683,33 +786,51 @@ class Daemon:
         return policy, out, why
 
     def _run_region(self, gpu: int, req: Region) -> None:
-        reasons: list[str] = []
+        # Each reason is (flag, text): the flag is a short code for machines (journal
+        # "flags"), the text says what happened. Any reason makes the region contaminated:
+        # never silently clean.
+        reasons: list[tuple[str, str]] = []
         t: dict[str, float] = {"queue_wait_s": time.monotonic() - req.t_request}
-        self._wait_operator_pause(gpu, req)
-        if req.ended.is_set():  # the owner left while queued
+        t0 = time.monotonic()
+        t_entry_ns = time.monotonic_ns()
+        word = self._acquire_gate(gpu, req)
+        if word is None:  # the owner left while queued, or the daemon stops
             req.granted.set()
             return
+        req.word = word
+        t["block_s"] = time.monotonic() - t0
         frozen: list[Slot] = []
         evicted: list[tuple[int, list[int]]] = []
         old_aff: list[int] | None = None
-        t0 = time.monotonic()
+        region_s = thaw_s = 0.0
+        t_grant_ns = t_end_ns = 0
+        cut = False
+        attest_entry: dict[str, Any] = {}
+        attest: dict[str, Any] = {}
+        fail_opens0 = 0
         try:
-            self.seg.close_gate(gpu, req.slot, holder=lib.KREX_HOLDER_REGION, holder_pid=self.pid)
-            t["block_s"] = time.monotonic() - t0
             r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
             t["inflight_s"] = r.seconds
             if not r.ok:
-                reasons.append(f"in-flight submissions of pids {r.stragglers} did not finish")
+                reasons.append(
+                    ("inflight-timeout", f"in-flight submissions of pids {r.stragglers} did not finish")
+                )
             r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s)
             t["drain_s"] = r.seconds
             drained = r.count
             if not r.ok:
                 reasons.append(
-                    f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s"
+                    (
+                        "drain-timeout",
+                        f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s",
+                    )
                 )
             if r.partial:
                 reasons.append(
-                    f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained"
+                    (
+                        "drain-partial",
+                        f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained",
+                    )
                 )
             t1 = time.monotonic()
             with self.lock:
@@ -729,14 +850,14 @@ class Daemon:
                     with self.lock:
                         gone = s.slot not in self.slots  # the command ended meanwhile: nothing to freeze
                     if not gone:
-                        reasons.append(f"slot {s.slot} did not freeze: {e}")
+                        reasons.append(("freeze-failed", f"slot {s.slot} did not freeze: {e}"))
             t["freeze_s"] = time.monotonic() - t1
             t2 = time.monotonic()
             reserved = self.partition.slice_for(gpu).reserved
             try:
                 old_aff = cpus.pin_thread(req.tid, reserved)
             except KrexError as e:
-                reasons.append(f"could not pin thread {req.tid}: {e}")
+                reasons.append(("pin-failed", f"could not pin thread {req.tid}: {e}"))
             if self.cfg.lend_cores or self.partition.degraded:
                 # Others may run on the region core (lent, or a degraded partition): keep it
                 # for the measuring thread. Frozen siblings cannot run; running ones (gpu
@@ -746,6 +867,7 @@ class Daemon:
                     targets = [*([owner] if owner else []), *running]
                 evicted = cpus.evict([p for s in targets for p in self._group_pids(s)], reserved, req.tid)
             t["pin_s"] = time.monotonic() - t2
+            reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
                 "ok": True,
@@ -760,27 +882,56 @@ class Daemon:
                 "freeze_why": why,
                 "reserved_cpus": reserved,
                 "contaminated": bool(reasons),
-                "reasons": reasons,
+                "reasons": [text for _f, text in reasons],
+                "flags": sorted({f for f, _t in reasons}),
                 "freezer": self.freezer.name,
                 "partition_degraded": self.partition.degraded,
+                "device": self.info.kind,
             }
+            if req.label:
+                req.grant["label"] = req.label
+            fail_opens0 = int(self.seg.raw.gpus[gpu].fail_opens)
             t_grant = time.monotonic()
             adaptive = owner is not None and (owner.freeze or self.cfg.freeze_policy) == "adaptive"
             sub0 = self.seg.slot_submits(req.slot) if adaptive else 0
+            t_grant_ns = time.monotonic_ns()
             req.granted.set()
+            attest_entry = self.attestor.sample(gpu)
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
+                cut = True
+                reasons.append(
+                    (
+                        "cut",
+                        f"cut by --max-region after {self.cfg.max_region_s:g}s: what the owner ran after "
+                        "that was not protected",
+                    )
+                )
+            t_end_ns = time.monotonic_ns()
             region_s = time.monotonic() - t_grant
             if adaptive and owner is not None and region_s > 0:
                 owner.last_rate = (self.seg.slot_submits(req.slot) - sub0) / region_s
+            # What could have disturbed the region while it ran.
+            fail_opens = int(self.seg.raw.gpus[gpu].fail_opens) - fail_opens0
+            if fail_opens > 0:
+                reasons.append(
+                    (
+                        "fail-open",
+                        f"{fail_opens} sibling call(s) stopped waiting at the closed gate and went on",
+                    )
+                )
+            reasons.extend(self._trust_checks(gpu, req, t_grant_ns))
+            attest, more = self.attestor.judge(gpu, attest_entry, self.attestor.sample(gpu), self._known_pids)
+            reasons.extend(more)
             stalled = self._stalled_during(t0, time.monotonic())
             if stalled:
-                req.grant["contaminated"] = True
-                req.grant["reasons"] = [
-                    *req.grant["reasons"],
-                    f"krexd stalled for {stalled:.2f}s during the region (stopped or starved): guardians "
-                    "thawed their commands and shims failed open meanwhile",
-                ]
+                reasons.append(
+                    (
+                        "daemon-stalled",
+                        f"krexd stalled for {stalled:.2f}s during the region (stopped or starved): guardians "
+                        "thawed their commands and shims failed open meanwhile",
+                    )
+                )
         finally:
             if old_aff is not None:
                 with contextlib.suppress(KrexError):
@@ -795,9 +946,13 @@ class Daemon:
                 with contextlib.suppress(KrexError, OSError):
                     f.result()
             thaw_s = time.monotonic() - t3
-            self.seg.open_gate(gpu)
+            if not self.seg.open_gate(gpu, word):
+                reasons.append(
+                    ("gate-lost", f"the gate of GPU {gpu} no longer held this region's word at its end")
+                )
+            reasons = list(dict.fromkeys(reasons))  # the end-of-region checks may repeat the grant's
             if not req.granted.is_set():  # failed before the grant: tell the owner why
-                req.grant = {"ok": False, "error": "region setup failed", "reasons": reasons}
+                req.grant = {"ok": False, "error": "region setup failed", "reasons": [x for _f, x in reasons]}
                 req.granted.set()
         rec = {
             "ts": time.time(),
@@ -810,6 +965,14 @@ class Daemon:
             "thaw_s": round(thaw_s, 6),
             "end": req.end_reason or "end",
             "siblings_frozen": len(frozen),
+            "t_grant_ns": t_grant_ns,
+            "t_end_ns": t_end_ns,
+            "cut": cut,
+            # The verdict at the end: the grant's reasons plus what happened inside.
+            "contaminated": bool(reasons),
+            "reasons": [text for _f, text in reasons],
+            "flags": sorted({f for f, _t in reasons}),
+            "attest": attest,
         }
         rec.pop("ok", None)
         req.record = rec
@@ -848,6 +1011,25 @@ class Daemon:
                 rec.get("region_s", 0.0),
                 rec.get("siblings_frozen", 0),
             )
+    def _trust_checks(self, gpu: int, req: Region, since_ns: int) -> list[tuple[str, str]]:
+        """Run before the grant and again at the region's end: the segment is krexd's own and
+        intact, and nothing that lived through an incident could have disturbed the region."""
+        self._guard_tick()
+        with self.lock:
+            s = self.slots.get(req.slot)
+        own = set(self._group_pids(s)) if s is not None else {req.pid}
+        return [("segment", text) for text in self.guard.flag(since_ns, own)]
+
+    def _known_pids(self) -> set[int]:
+        """Every process KREX knows on this node: slot trees, registered processes, itself."""
+        with self.lock:
+            slots = list(self.slots.values())
+        pids = {self.pid}
+        for s in slots:
+            pids.update(self._group_pids(s))
+        for n in {int(lib.KREX_PROC_STALE), *range(lib.KREX_MAX_SLOTS)}:
+            pids.update(self.seg.slot_pids(n))
+        return pids
 
     # ----------------------------------------------------------- the clients
     def _role(self, pid: int, uid: int, gid: int) -> str | None:
@@ -964,10 +1146,18 @@ class Daemon:
             return {"ok": True}
         if op == "release":
             n = owned["guardian"]
+            out: dict[str, Any] = {"leftovers": [], "action": "none"}
             if n is not None:
-                self._release(n, "command-exit")
+                policy = "keep" if msg.get("leftovers") == "keep" else "kill"
+                out = self._leftovers(n, policy)
+                if out["action"] in ("none", "killed"):
+                    self._release(n, "command-exit")
+                else:  # the slot lives on until its last process ends (the reaper frees it)
+                    with self.lock:
+                        if n in self.slots:
+                            self.slots[n].guardian_connected = False
                 owned["guardian"] = None
-            return {"ok": True}
+            return {"ok": True, **out}
         if op == "register":
             s = self._slot_for(pid, msg, owned)
             return {"ok": True, "slot": s.slot, "gpu": s.gpu, "shm": self.shm_name}
@@ -1013,6 +1203,7 @@ class Daemon:
                 f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
                 "pick a GPU index from `krex status`",
             )
+        self._check_not_lost()
         t0 = time.monotonic()
         told = False
         with self.lock:
@@ -1039,6 +1230,9 @@ class Daemon:
             "gpu": gpu,
             "physical": self.info.physical[gpu],
             "vendor": self.info.kind,
+            "visible": self.info.visible_token(gpu),
+            "generation": s.generation,
+            "device": self.info.kind,
             "shm": self.shm_name,
             "group": s.group.path,
             "freezer": self.freezer.name,
@@ -1074,7 +1268,15 @@ class Daemon:
             sp = self.seg.raw.slots[n]
             if sp.state != lib.KREX_SLOT_ACTIVE or sp.owner_pid != pid:
                 raise NotFound(f"slot {n} is not held by pid {pid}", "start the command again")
-            s = Slot(n, gpu, "run", pid, self.freezer.group(f"slot-{n}"), pids)
+            s = Slot(
+                n,
+                gpu,
+                "run",
+                pid,
+                self.freezer.group(f"slot-{n}"),
+                pids,
+                generation=int(sp.generation),
+            )
             self.slots[n] = s
             owned["guardian"] = n
         return {"ok": True, "slot": n}
@@ -1082,11 +1284,13 @@ class Daemon:
     def _begin(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
         if owned["region"] is not None and not owned["region"].released.is_set():
             raise Busy("this connection already holds a region", "end it first")
+        self._check_not_lost()
         s = self._slot_for(pid, msg, owned)
         tid = int_field(msg, "tid") or pid
         if not os.path.exists(f"/proc/{pid}/task/{tid}"):
             raise UsageError(f"thread {tid} is not a thread of pid {pid}", "send your own thread id")
-        req = Region(s.slot, s.gpu, pid, tid, time.monotonic())
+        label = str(msg.get("label") or "")[:200]
+        req = Region(s.slot, s.gpu, pid, tid, time.monotonic(), label=label)
         with self.lock:
             self.queues[s.gpu].append(req)
             self.changed.notify_all()
@@ -1117,7 +1321,16 @@ class Daemon:
         req.ended.set()
         req.released.wait(10)
         owned["region"] = None
-        return {"ok": True, "end": req.end_reason or "end", "region": req.record}
+        rec = req.record
+        # The verdict up front: a cut or flagged region must never read as a clean one.
+        return {
+            "ok": True,
+            "end": req.end_reason or "end",
+            "clean": not rec.get("contaminated", True),
+            "cut": bool(rec.get("cut")),
+            "flags": rec.get("flags", []),
+            "region": rec,
+        }
 
     # ----------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
@@ -1145,6 +1358,7 @@ class Daemon:
                     "stalls": len(self.stalls),
                 },
                 "partition": self.partition.to_json(),
+                "segment": self.guard.to_json(),
                 "slots": [
                     {
                         "slot": s.slot,
@@ -1193,6 +1407,30 @@ def setup_logging(level: str) -> None:
         h._krexd = True  # type: ignore[attr-defined]
         lg.addHandler(h)
     lg.setLevel(level.upper())
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "?"
+
+
+def _env_tagged(shm: str, slot: int, generation: int) -> set[int]:
+    """Processes whose environment says they belong to slot `slot` of generation
+    `generation` of segment `shm` (what `krex run` gives its command)."""
+    want = (f"KREX_SHM={shm}".encode(), f"KREX_SLOT={slot}".encode(), f"KREX_SLOT_GEN={generation}".encode())
+    out: set[int] = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+        except OSError:
+            continue
+        if all(w in env for w in want):
+            out.add(int(d))
+    return out
 
 
 def run(cfg: Config) -> None:

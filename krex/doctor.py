@@ -331,6 +331,55 @@ def check_daemon() -> Check:
                  f"x{d.get('gpus')}, freezer {d.get('freezer')}, {n_slots} slot(s) in use", "", details)
 
 
+def check_segment() -> Check:
+    """The shared segment: present, intact, and the one krexd gates with (trust issue, case 3)."""
+    from krex.client import Client, daemon_alive
+    from krex.shm import Segment, default_name
+
+    name = default_name()
+    seg_state: dict[str, Any] = {}
+    if daemon_alive():
+        try:
+            c = Client.connect()
+            try:
+                seg_state = c.request({"op": "status"}).get("segment") or {}
+            finally:
+                c.close()
+        except (KrexError, OSError):
+            seg_state = {}
+    try:
+        with Segment.attach(name) as seg:
+            snap = seg.snapshot()
+        attach_err = ""
+    except KrexError as e:
+        attach_err, snap = str(e), None
+    details: dict[str, Any] = {"name": name, "daemon_view": seg_state, "attach_error": attach_err or None}
+    if seg_state.get("lost"):
+        return Check("segment", FAIL, f"krexd lost its segment: {seg_state['lost']}",
+                     "stop the commands, then `krex daemon stop` and start again", details)
+    incidents = seg_state.get("incidents") or []
+    if attach_err and seg_state:
+        return Check("segment", FAIL, f"krexd runs but {name} cannot be attached: {attach_err}",
+                     "`krex daemon stop` and start again", details)
+    if incidents:
+        last = incidents[-1]
+        tainted = seg_state.get("tainted_alive") or []
+        what = f"{'; '.join(last['problems'])} -> {'; '.join(last['actions'])}"
+        return Check("segment", WARN, f"{len(incidents)} segment incident(s), last: {what}; {len(tainted)} "
+                     "process(es) that lived through it still run (regions with them as siblings are "
+                     "flagged)",
+                     "find what writes or removes /dev/shm" + name + "; regions are clean again once those "
+                     "processes end", details)
+    if attach_err:
+        if "nothing has run" in attach_err:
+            return Check("segment", OK, f"{name} does not exist yet (krexd creates it on demand)", "",
+                         details)
+        return Check("segment", FAIL, attach_err, "remove it and let krexd create it again", details)
+    assert snap is not None
+    return Check("segment", OK, f"{name}: intact ({snap.n_gpus} GPU(s), {len(snap.procs)} process "
+                 "record(s))", "", details)
+
+
 # -------------------------------------------------------------------------------- binaries
 
 
@@ -432,6 +481,7 @@ def run_doctor(binaries: Sequence[str] = (), gpu: bool = False,
     checks.append(gpu_check)
     add("mps", check_mps)
     add("daemon", check_daemon)
+    add("segment", check_segment)
     for b in binaries:
         add(f"binary {b}", functools.partial(check_binary, b))
     if gpu:

@@ -328,6 +328,34 @@ def _noop() -> None:
     return None
 
 
+def leave_slot_groups(pid: int = 0) -> list[str]:
+    """Move `pid` (default: this process) out of any KREX slot cgroup into its hierarchy's
+    root. krexd calls it at start: a daemon started on demand by a command's process (the
+    region API, the shim) is born in that command's slot group, and would freeze itself with
+    it in another command's region. Returns the groups it left."""
+    pid = pid or os.getpid()
+    left: list[str] = []
+    try:
+        lines = _read(f"/proc/{pid}/cgroup").splitlines()
+    except OSError:
+        return left
+    mounts = _read_mounts()
+    v2, v1 = cgroup2_mounts(mounts), cgroup1_freezer_mounts(mounts)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3 or "/slot-" not in parts[2]:
+            continue
+        hid, ctrl, path = parts
+        roots = v2 if hid == "0" else (v1 if "freezer" in ctrl.split(",") else [])
+        for root in roots:
+            if os.path.isdir(root + path):
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(root, "cgroup.procs"), str(pid))
+                    left.append(root + path)
+                break
+    return left
+
+
 def preexec_join(group_path: str) -> Callable[[], None]:
     """A `subprocess` preexec_fn that moves the child into a cgroup before it execs.
 
@@ -395,6 +423,19 @@ class Group(abc.ABC):
 
     def preexec(self) -> Callable[[], None]:
         return preexec_join(self.path)
+
+    def kill_all(self, pids: Iterable[int]) -> None:
+        """SIGKILL these processes (a finished command's leftovers). A frozen group is thawed
+        once the signal is queued: a task with SIGKILL pending exits without running user code,
+        which the cgroup v1 freezer needs before the signal can land."""
+        for pid in pids:
+            if pid <= 0 or pid in _self_and_ancestors():
+                continue
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(KrexError, OSError):
+            if self.freeze_requested() or self.is_frozen():
+                self.thaw()
 
     def _guard(self, pid: int) -> None:
         # Freezing the daemon (or what it runs under) would deadlock the region protocol.
@@ -566,6 +607,12 @@ class _CgroupGroup(Group):
 
 class _Cgroup2Group(_CgroupGroup):
     backend = "cgroup2"
+
+    def kill_all(self, pids: Iterable[int]) -> None:
+        # cgroup.kill (Linux 5.14+) also gets what forks while we enumerate.
+        with contextlib.suppress(OSError):
+            _write(os.path.join(self.path, "cgroup.kill"), "1")
+        super().kill_all(pids)
 
     def freeze(self, timeout: float = 2.0) -> float:
         return self._set(True, timeout)

@@ -4,7 +4,14 @@ NVIDIA: NVML (nvidia-ml-py, `krex[gpu]`); where NVML is missing (containers
 without the management library, or nvidia-ml-py not installed), the CUDA driver
 through cuda-python (`krex[cuda]`). AMD: amdsmi (`krex[amd]`), else hip-python.
 The first that finds a visible GPU wins, in that order. Each backend is one small
-function over an imported module, so tests replace the module with a fake."""
+function over an imported module, so tests replace the module with a fake
+(KREX_NVML_FAKE stands in for NVML in tests that start processes: krex/nvml.py).
+
+`--device auto` falls back to the simulated GPU only where no GPU driver node exists
+(`/dev/nvidiactl`, `/dev/kfd`): on a GPU machine a silent simulator would turn every
+timing into fiction, so there discovery fails with the reasons instead (trust issue).
+CUDA_VISIBLE_DEVICES is read as CUDA reads it: indices, GPU UUIDs (or unique
+prefixes), MIG ids."""
 
 from __future__ import annotations
 
@@ -31,6 +38,12 @@ class GpuInfo:
     note: str = ""
     api: str = ""  # what found them: nvml, cuda-python, amdsmi, hip-python, sim
     tried: list[str] = field(default_factory=list)  # "api: why not" for the backends that found nothing
+    # What to put in a command's CUDA_VISIBLE_DEVICES for each GPU: the entry the user
+    # gave (an index, a GPU UUID, a MIG id), so MIG and UUID selections survive.
+    visible: list[str] = field(default_factory=list)
+
+    def visible_token(self, gpu: int) -> str:
+        return self.visible[gpu] if gpu < len(self.visible) else str(self.physical[gpu])
 
     @property
     def vendor(self) -> str:
@@ -47,6 +60,44 @@ def _visible(total: int, spec: str | None) -> list[int]:
         if not tok.isdigit() or int(tok) >= total:
             break
         out.append(int(tok))
+    return out
+
+
+DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's driver control nodes
+
+
+def gpu_device_nodes() -> list[str]:
+    """The GPU driver nodes present on this machine (KREX_GPU_DEVICE_NODES, colon-separated,
+    overrides the paths)."""
+    raw = os.environ.get("KREX_GPU_DEVICE_NODES")
+    paths = [p for p in raw.split(":") if p] if raw is not None else list(DEVICE_NODES)
+    return [p for p in paths if os.path.exists(p)]
+
+
+def parse_visible(spec: str | None, uuids: list[str], migs: dict[str, int]) -> list[tuple[int, str]]:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: indices, GPU UUIDs (or unique prefixes of
+    them), MIG ids (`MIG-<uuid>`, or the older `MIG-GPU-<uuid>/<gi>/<ci>`), cut at the
+    first entry that names no device. Returns (physical index, the entry as given)."""
+    total = len(uuids)
+    if spec is None:
+        return [(i, str(i)) for i in range(total)]
+    out: list[tuple[int, str]] = []
+    for tok in spec.split(","):
+        tok = tok.strip()
+        idx: int | None = None
+        if tok.isdigit():
+            idx = int(tok) if int(tok) < total else None
+        elif tok.startswith("MIG-GPU-"):
+            parent = tok[4:].split("/")[0]
+            idx = uuids.index(parent) if parent in uuids else None
+        elif tok.startswith("MIG-"):
+            idx = migs.get(tok)
+        elif tok.startswith("GPU-") and len(tok) > 4:
+            hits = [i for i, u in enumerate(uuids) if u.startswith(tok)]
+            idx = hits[0] if len(hits) == 1 else None
+        if idx is None:
+            break
+        out.append((idx, tok))
     return out
 
 
@@ -98,27 +149,31 @@ def _import(name: str) -> Any:
 
 
 def _nvml() -> GpuInfo:
-    pynvml = _import("pynvml")
-    if pynvml is None:
+    from krex.nvml import FakeNvml, NvmlUnavailable, RealNvml, fake_path
+
+    fake = fake_path()
+    if fake is None and _import("pynvml") is None:
         raise ImportError("nvidia-ml-py is not installed")
     try:
-        pynvml.nvmlInit()
-    except Exception as e:  # NVML raises its own error types; any failure means "no GPU here"
+        nv = FakeNvml(fake) if fake else RealNvml()
+    except NvmlUnavailable as e:
         raise _NoGpu(f"NVML did not initialise ({e})") from None
     try:
-        total = int(pynvml.nvmlDeviceGetCount())
-        vis = _cuda_visible(total)
-        names, numa = [], []
-        for i in vis:
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            names.append(_text(pynvml.nvmlDeviceGetName(h)))
-            try:
-                numa.append(_numa_of_bus(pynvml.nvmlDeviceGetPciInfo(h).busId))
-            except pynvml.NVMLError:
-                numa.append(None)
-        return GpuInfo("nvidia", len(vis), names, vis, numa, api="nvml")
+        total = nv.count()
+        spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if spec is None or all(t.strip().isdigit() for t in spec.split(",")):
+            vis = [(i, str(i)) for i in _visible(total, spec)]
+        else:  # UUIDs or MIG ids: ask NVML for them
+            uuids = [nv.uuid(i) for i in range(total)]
+            migs = {m: i for i in range(total) for m in nv.mig_uuids(i)}
+            vis = parse_visible(spec, uuids, migs)
+        names = [nv.name(i) for i, _t in vis]
+        numa = [_numa_of_bus(nv.pci_bus(i)) if nv.pci_bus(i) else None for i, _t in vis]
+        return GpuInfo(
+            "nvidia", len(vis), names, [i for i, _t in vis], numa, api="nvml", visible=[t for _i, t in vis]
+        )
     finally:
-        pynvml.nvmlShutdown()
+        nv.close()
 
 
 def _cuda_driver_module() -> Any:
@@ -149,6 +204,7 @@ def _cuda_python() -> GpuInfo:
     spec = os.environ.get("CUDA_VISIBLE_DEVICES")
     toks = [t.strip() for t in spec.split(",")] if spec is not None else []
     physical = [int(t) for t in toks[:n] if t.isdigit()] if spec is not None else list(range(n))
+    visible = toks[:n] if spec is not None and len(toks) >= n else [str(i) for i in range(n)]
     if len(physical) != n:  # UUIDs or MIG names in the variable: number them as the driver does
         physical = list(range(n))
     names, numa = [], []
@@ -159,7 +215,7 @@ def _cuda_python() -> GpuInfo:
             numa.append(_numa_of_bus(call(drv.cuDeviceGetPCIBusId, 64, dev)))
         except _NoGpu:
             numa.append(None)
-    return GpuInfo("nvidia", n, names, physical, numa, api="cuda-python")
+    return GpuInfo("nvidia", n, names, physical, numa, api="cuda-python", visible=visible)
 
 
 def _rocr_filter(indices: list[Any]) -> list[Any]:
@@ -278,6 +334,17 @@ def discover(device: str = "auto") -> GpuInfo:
         info, tried = discover_real()
         if info is not None:
             return info
+        nodes = gpu_device_nodes()
+        if device == "auto" and nodes:
+            spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise NotFound(
+                f"this machine has a GPU driver ({', '.join(nodes)}) but KREX could not list its GPUs: "
+                + "; ".join(tried)
+                + (f" (CUDA_VISIBLE_DEVICES={spec!r})" if spec is not None else ""),
+                "install the vendor's management library (nvidia-ml-py is a KREX dependency; 'krex[amd]' "
+                "on ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or pass --device sim to use "
+                "the simulated GPU on purpose",
+            )
         if device == "gpu":
             raise NotFound(
                 "no GPU found: no NVIDIA GPU (NVML, cuda-python) and no AMD GPU (amdsmi, hip-python); "

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from krex.envvars import opt_in_env
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
@@ -111,6 +112,7 @@ def run_direct(
             env = dict(os.environ)
             env.update(opt_in_env(device, seg.name))
             env.update({"KREX_SLOT": str(slot), "KREX_GPU": str(gpu), "CUDA_VISIBLE_DEVICES": str(gpu)})
+            env["KREX_SLOT_GEN"] = str(int(seg.raw.slots[slot].generation))
             env.update(extra_env or {})
             return spawn_and_wait(Launch([exe, *cmd[1:]], env, slot, gpu))
         finally:
@@ -154,6 +156,7 @@ def run_guarded(
     gpu: int | None,
     notify: Callable[[str], None] = lambda _m: None,
     freeze: str | None = None,
+    keep_leftovers: bool = False,
 ) -> RunResult:
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
@@ -177,18 +180,38 @@ def run_guarded(
     adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
     slot, g = int(adm["slot"]), int(adm["gpu"])
     sim = adm.get("physical") is not None and device == "sim"
+    simulated = adm.get("device") == "sim" or device == "sim"
+    if simulated:
+        notify(
+            "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
+            "performance; nothing ran on a real GPU"
+        )
     env = dict(os.environ)
     env.update(opt_in_env("sim" if sim or device == "sim" else "gpu", str(adm["shm"])))
     env.update(
         {
             "KREX_SLOT": str(slot),
             "KREX_GPU": str(g),
-            "CUDA_VISIBLE_DEVICES": str(adm["physical"]),
+            "CUDA_VISIBLE_DEVICES": str(adm.get("visible", adm["physical"])),
             "KREX_SOCKET": str(paths.socket_path()),
         }
     )
     if adm.get("vendor") == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
         env["HIP_VISIBLE_DEVICES"] = str(adm["physical"])
+    import tempfile
+
+    auto_value = env.get("KREX_AUTO_REGION", "").strip()
+    # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
+    # itself, e.g. `sh -c 'KREX_AUTO_REGION=... python ...'`) leaves its status here.
+    # (A private temporary directory: the state directory may belong to another user.)
+    auto_dir: Path | None = None
+    with contextlib.suppress(OSError):
+        auto_dir = Path(tempfile.mkdtemp(prefix=f"krex-auto-{slot}-"))
+        env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
+    if adm.get("generation") is not None:
+        # The shim compares it with the slot's generation: a process of this command that
+        # outlives it never passes the gate of the next command that gets this slot.
+        env["KREX_SLOT_GEN"] = str(adm["generation"])
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
     joined = _DaemonJoin(client) if backend != "signal" and not _can_join(group_path) else None
@@ -226,7 +249,13 @@ def run_guarded(
     finally:
         stop.set()
         watcher.join(timeout=2)
-        report: dict[str, object] = {"slot": slot, "gpu": g, "admission_wait_s": adm.get("admission_wait_s")}
+        report: dict[str, object] = {
+            "slot": slot,
+            "gpu": g,
+            "admission_wait_s": adm.get("admission_wait_s"),
+            "device": "sim" if simulated else str(adm.get("device") or device),
+            "simulated": simulated,
+        }
         try:
             with Segment.attach(str(adm["shm"])) as seg:
                 procs = [p for p in seg.snapshot().procs if p.slot == slot]
@@ -238,9 +267,23 @@ def run_guarded(
                 )
         except KrexError:
             pass
+        rel: dict[str, object] = {}
         with contextlib.suppress(KrexError, OSError):
-            client.request({"op": "release"})
+            rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
+        left = rel.get("leftovers") or []
+        report["leftovers"] = left
+        report["leftovers_action"] = rel.get("action", "unknown")
+        if isinstance(left, list) and left:
+            what = ", ".join(f"pid {x.get('pid')} ({x.get('cmd')})" for x in left[:5] if isinstance(x, dict))
+            if rel.get("action") == "kept":
+                notify(
+                    f"krex: {len(left)} process(es) outlived the command and keep running as a sibling "
+                    f"(frozen during other commands' regions): {what}"
+                )
+            else:
+                act = rel.get("action")
+                notify(f"krex: {len(left)} process(es) outlived the command and were {act}: {what}")
         regs: list[dict[str, object]] = []
         try:
             jr = journal.read_counted(paths.journal_path())
@@ -255,10 +298,109 @@ def run_guarded(
         if guardian.events:
             report["daemon_events"] = guardian.events
         report["regions"] = regs
+        report["region_count"] = len(regs)
         report["contaminated_regions"] = sum(1 for r in regs if r.get("contaminated"))
+        report["cut_regions"] = sum(1 for r in regs if r.get("cut"))
+        flags: dict[str, int] = {}
+        for r in regs:
+            fl = r.get("flags")
+            for f in fl if isinstance(fl, list) else []:
+                flags[str(f)] = flags.get(str(f), 0) + 1
+        report["region_flags"] = flags
         report["region_wait_s"] = round(sum(float(str(r.get("queue_wait_s", 0))) for r in regs), 6)
+        if auto_dir is not None:
+            auto = auto_region_report(auto_value, auto_dir, regs)
+            if auto["processes"] or (auto_value and auto_value != "0"):
+                report["auto_region"] = auto
+    for line in trust_notes(report):
+        notify(line)
+    auto_rep = report.get("auto_region")
+    no_region = not report.get("region_count")
+    if isinstance(auto_rep, dict) and auto_rep.get("value") not in ("", "0") and no_region:
+        notify(auto_region_warning(str(auto_rep.get("value")), auto_rep))
     report["exit_status"] = status
     return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
+
+
+_STATE_RANK = {
+    "wrapped": 6,
+    "whole": 5,
+    "pending": 4,
+    "unsupported": 3,
+    "failed": 3,
+    "missing": 2,
+    "absent": 1,
+}
+
+
+def auto_region_report(value: str, d: Path, regs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which KREX_AUTO_REGION targets were wrapped (whole-call fallbacks included) and how
+    many regions each made, merged over every process of the command."""
+    import json
+    import shutil
+
+    targets: dict[str, dict[str, Any]] = {}
+    procs = 0
+    for f in sorted(d.glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        procs += 1
+        value = value or str(data.get("value") or "")
+        for t in data.get("targets") or []:
+            name = str(t.get("target"))
+            cur = targets.get(name)
+            rank = _STATE_RANK.get(str(t.get("state")), 0)
+            if cur is None or rank > _STATE_RANK.get(str(cur["state"]), 0):
+                targets[name] = {k: t.get(k) for k in ("target", "builtin", "state", "detail")}
+    shutil.rmtree(d, ignore_errors=True)
+    per: dict[str, int] = {}
+    for r in regs:
+        label = str(r.get("label") or "")
+        if label.startswith("auto:"):
+            name = label[5:].removesuffix(":whole")
+            per[name] = per.get(name, 0) + 1
+    for name, t in targets.items():
+        t["regions"] = per.get(name, 0)
+    return {
+        "value": value,
+        "processes": procs,
+        "targets": sorted(targets.values(), key=lambda t: str(t["target"])),
+        "wrapped": sorted(n for n, t in targets.items() if t["state"] in ("wrapped", "whole")),
+        "auto_regions": sum(per.values()),
+        "whole_call_regions": sum(1 for r in regs if str(r.get("label") or "").endswith(":whole")),
+    }
+
+
+def auto_region_warning(value: str, auto: object) -> str:
+    states = ""
+    if isinstance(auto, dict):
+        ts = auto.get("targets") or []
+        states = "; ".join(f"{t['target']}: {t['state']} ({t['detail']})" for t in ts)
+        if not auto.get("processes"):
+            states = "no process of the command loaded krex's hook (was the command Python?)"
+    return (
+        f"krex: warning: KREX_AUTO_REGION={value!r} was set but the command made no region, so nothing "
+        f"was timed exclusively. Targets: {states or 'none'}"
+    )
+
+
+def trust_notes(report: dict[str, object]) -> list[str]:
+    """What `krex run` says on stderr about regions it cannot vouch for."""
+    out = []
+    cut = int(str(report.get("cut_regions") or 0))
+    bad = int(str(report.get("contaminated_regions") or 0))
+    if cut:
+        out.append(
+            f"krex: warning: {cut} region(s) were cut by --max-region before their end: what ran after "
+            "the cut was not exclusive"
+        )
+    if bad:
+        flags = report.get("region_flags") or {}
+        what = ", ".join(f"{k} x{v}" for k, v in flags.items()) if isinstance(flags, dict) else ""
+        out.append(f"krex: warning: {bad} region(s) are not clean ({what}); see `krex journal` or the report")
+    return out
 
 
 def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None:

@@ -72,20 +72,37 @@ def _begin(msg: dict[str, Any]) -> dict[str, Any]:
         return dict(_get_client().request(msg))
 
 
+class RegionWarning(RuntimeWarning):
+    """A region ended that KREX cannot vouch for: cut by --max-region, or flagged."""
+
+
 class region:  # noqa: N801 - reads like a keyword at call sites
     """Context manager and decorator. `grant` holds the daemon's reply (timings,
-    contamination) after entry, None when nested or outside KREX."""
+    contamination) after entry, None when nested or outside KREX.
 
-    def __init__(self) -> None:
+    After the block: `clean` is True only when the region was exclusive from entry
+    to exit (None when nested or outside KREX); `cut` is True when krexd ended it at
+    --max-region before the block ended, so what ran after the cut was not protected;
+    `flags` and `reasons` say why a region is not clean. A region that is not clean
+    also warns (RegionWarning)."""
+
+    def __init__(self, label: str | None = None) -> None:
+        self.label = label
         self.grant: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.unprotected = False  # True: (part of) this region ran without exclusivity
         self.lost: str | None = None  # why, when the daemon was lost
+        self.clean: bool | None = None
+        self.cut = False
+        self.flags: list[str] = []
+        self.reasons: list[str] = []
         self._active = False
 
     def _lose(self, why: str, stacklevel: int) -> None:
         self.unprotected = True
         self.lost = why
+        self.clean = False
+        self.flags = ["daemon-lost"]
         _drop_client()
         warnings.warn(
             f"krex.region(): lost the KREX daemon ({why}); this region is not exclusive", RuntimeWarning,
@@ -115,7 +132,10 @@ class region:  # noqa: N801 - reads like a keyword at call sites
             return self
         _proc_lock.acquire()
         try:
-            self.grant = _begin({"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()})
+            msg: dict[str, Any] = {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
+            if self.label:
+                msg["label"] = self.label
+            self.grant = _begin(msg)
             self._active = True
         except _LOST as e:
             _proc_lock.release()
@@ -142,11 +162,34 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 raise
         finally:
             _proc_lock.release()
+        self._verdict(self.summary)
+
+    def _verdict(self, reply: dict[str, Any] | None) -> None:
+        if reply is None:
+            return
+        rec = reply.get("region") or {}
+        self.cut = bool(reply.get("cut", rec.get("cut")))
+        self.clean = bool(reply.get("clean", not rec.get("contaminated", True))) and not self.cut
+        self.flags = list(reply.get("flags") or rec.get("flags") or [])
+        self.reasons = list(rec.get("reasons") or [])
+        if self.cut:
+            warnings.warn(
+                f"krex.region(): the region was cut by krexd's --max-region ({reply.get('end')}); what ran "
+                "after the cut was not exclusive: do not trust this timing",
+                RegionWarning,
+                stacklevel=3,
+            )
+        elif not self.clean:
+            warnings.warn(
+                "krex.region(): the region was not clean: " + "; ".join(self.reasons or self.flags),
+                RegionWarning,
+                stacklevel=3,
+            )
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*a: Any, **k: Any) -> Any:
-            with region():
+            with region(self.label):
                 return fn(*a, **k)
 
         return wrapper  # type: ignore[return-value]

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError
+from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, UsageError
 from krex.native import ffi, lib
 
 CLASS_NAMES = ("kernel", "copy", "memset", "graph", "prefetch")
@@ -30,6 +30,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_LOOKUP_FALLBACK: "lookup-fallback",
     lib.KREX_PF_DRAIN_PARTIAL: "drain-partial",
     lib.KREX_PF_DAEMON_LOST: "daemon-lost",
+    lib.KREX_PF_STALE_SLOT: "stale-slot",
 }
 
 
@@ -151,6 +152,7 @@ class Segment:
     def __init__(self, ptr: Any, name: str) -> None:
         self._p = ptr
         self.name = name
+        self.fixed_gpus: int | None = None  # krexd's own count: never trust a header it must check
 
     # ---------------------------------------------------------------- life
     @classmethod
@@ -194,7 +196,9 @@ class Segment:
 
     @property
     def n_gpus(self) -> int:
-        return int(self.raw.hdr.n_gpus)
+        if self.fixed_gpus is not None:
+            return self.fixed_gpus
+        return max(1, min(int(self.raw.hdr.n_gpus), int(lib.KREX_MAX_GPUS)))
 
     def check_gpu(self, gpu: int) -> None:
         if not 0 <= gpu < self.n_gpus:
@@ -281,22 +285,46 @@ class Segment:
         holder: int | None = None,
         holder_pid: int = 0,
         lease_s: float | None = None,
+        expect: int = 0,
     ) -> int:
-        """Close the gate: with an owner for a region, without one for a pause.
-        Returns the new gate word."""
+        """Take the gate: with an owner for a region, without one for a pause. One
+        compare-and-swap from `expect` (the open gate, or a word the caller may take
+        over); raises Busy when someone else holds it. Returns the new gate word."""
         self.check_gpu(gpu)
         if holder is None:
             holder = lib.KREX_HOLDER_REGION if owner_slot is not None else lib.KREX_HOLDER_PAUSE
         deadline = now_ns() + int(lease_s * 1e9) if lease_s else 0
-        return int(
-            lib.krex_gate_close(
-                self.raw, gpu, -1 if owner_slot is None else owner_slot, holder, holder_pid, deadline
+        cur = ffi.new("uint32_t *")
+        owner = -1 if owner_slot is None else owner_slot
+        word = int(lib.krex_gate_acquire(self.raw, gpu, expect, owner, holder, holder_pid, deadline, cur))
+        if word == 0:
+            raise Busy(
+                f"GPU {gpu}'s gate is held by {self.describe_holder(gpu, int(cur[0]))}",
+                "wait for it to be released",
             )
-        )
+        return word
 
-    def open_gate(self, gpu: int) -> None:
+    def describe_holder(self, gpu: int, word: int) -> str:
+        if word == lib.KREX_GATE_OPEN:
+            return "nobody"
+        owner = word & 0xFF
+        return "an operator pause" if owner == lib.KREX_OWNER_NONE else f"a region of slot {owner - 1}"
+
+    def holder(self, gpu: int, word: int) -> tuple[int, int, int] | None:
+        """(holder kind, holder pid, lease deadline ns) published for `word`, or None."""
+        h, pid, dl = ffi.new("uint32_t *"), ffi.new("int64_t *"), ffi.new("uint64_t *")
+        if not lib.krex_gate_holder(self.raw, gpu, word, h, pid, dl):
+            return None
+        return int(h[0]), int(pid[0]), int(dl[0])
+
+    def open_gate(self, gpu: int, word: int | None = None) -> bool:
+        """Open the gate if it still holds `word` (one compare-and-swap); without a
+        word, force it open whoever holds it (recovery and teardown only)."""
         self.check_gpu(gpu)
-        lib.krex_gate_open(self.raw, gpu)
+        if word is None:
+            lib.krex_gate_open(self.raw, gpu)
+            return True
+        return bool(lib.krex_gate_release(self.raw, gpu, word))
 
     def inflight(self, gpu: int, owner_slot: int | None = None) -> tuple[int, list[int]]:
         pids = ffi.new("int64_t[64]")
@@ -385,6 +413,10 @@ class Segment:
         return n
 
     def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
+        if alive_only:  # the common case, on krexd's region entry path: one C scan
+            buf = ffi.new("int64_t[]", lib.KREX_MAX_PROCS)
+            n = int(lib.krex_slot_procs(self.raw, slot, buf, lib.KREX_MAX_PROCS))
+            return [int(buf[i]) for i in range(min(n, lib.KREX_MAX_PROCS))]
         out = []
         for i in range(lib.KREX_MAX_PROCS):
             r = self.raw.procs[i]

@@ -63,3 +63,5 @@ def krex_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     )
     for n in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
         Path("/dev/shm" + n).unlink(missing_ok=True)
+    for pin in Path("/dev/shm").glob(env["KREX_SHM"].strip("/") + ".krex*"):  # krexd's pin links
+        pin.unlink(missing_ok=True)

@@ -25,7 +25,13 @@ static inline int krex_call_(const char *name) {
     return f ? f() : 0;
 }
 
-/* 0 on success or when KREX is absent; negative errno when the region was refused. */
+/* KREX_REGION_BEGIN(): 0 when granted (or KREX is absent), negative errno when refused
+ * or when the process is meant to be under KREX but is not attached to it.
+ * KREX_REGION_END(): 0 only when the region was exclusive from BEGIN to END;
+ * -ETIMEDOUT (-110) when krexd cut it at --max-region before END (the rest of the
+ * timing was NOT protected); 1 when it ended but was flagged (contaminated: see
+ * `krex journal`); other negative values when krexd did not answer.
+ * Treat any non-zero END as "do not trust this timing". */
 #define KREX_REGION_BEGIN() krex_call_("krex_region_begin")
 #define KREX_REGION_END() krex_call_("krex_region_end")
 

@@ -180,16 +180,24 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
     *tail = end;
     if (end > g_proc_tail) g_proc_tail = end;
     pthread_mutex_unlock(&g_lock);
-    char f[512];
+    char f[600];
     const char *slot = getenv("KREX_SLOT");
     char slotbuf[16] = "-1";
     if (slot && *slot && strspn(slot, "0123456789") == strlen(slot) && strlen(slot) < sizeof slotbuf)
         strcpy(slotbuf, slot); /* only digits reach the JSON */
+    /* KREX_SIM_TAG: who this process belongs to, as the test that started it knows it
+     * (inherited by every descendant), so a checker needs no help from KREX to tell
+     * whose work ran inside a region. */
+    const char *tag = getenv("KREX_SIM_TAG");
+    char tagbuf[48] = "";
+    if (tag && *tag && strlen(tag) < 32 &&
+        strspn(tag, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.") == strlen(tag))
+        snprintf(tagbuf, sizeof tagbuf, ",\"tag\":\"%s\"", tag);
     snprintf(f, sizeof f,
              "\"ev\":\"op\",\"api\":\"%s\",\"cls\":%d,\"gpu\":%d,\"stream\":%llu,\"submit\":%llu,"
-             "\"start\":%llu,\"end\":%llu,\"args\":\"%016llx\",\"slot\":%s",
+             "\"start\":%llu,\"end\":%llu,\"args\":\"%016llx\",\"slot\":%s%s",
              api, cls, phys, (unsigned long long)(uintptr_t)stream, (unsigned long long)submit,
-             (unsigned long long)start, (unsigned long long)end, (unsigned long long)arghash, slotbuf);
+             (unsigned long long)start, (unsigned long long)end, (unsigned long long)arghash, slotbuf, tagbuf);
     simgpu_trace(f);
     if (sync) simgpu_sleep_until(end);
     return end;

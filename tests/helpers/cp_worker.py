@@ -23,6 +23,11 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            same command), write NAME.ready ({"pid", "grant", "t_grant"}), then
            sleep inside it until NAME.stop appears (forever if it never does).
            Output: NAME.json {"pid", "t_end", "end": reply or error}
+  chaos    N regions like `regions`, for the chaos test (tests/helpers/chaos.py): never
+           stops at an error (the daemon may be killed and restarted under it); with
+           probability --cut-p a region sleeps --cut-s inside (longer than --max-region).
+           Appends one line per region to NAME.regions.jsonl as it goes: {"i", "t_grant",
+           "t_end", "long", "clean", "cut", "flags", "end"} or {"i", "error"}.
   end      send {"op": "end"} on a fresh connection (krex.client.Client) without
            ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}; on an
            error it also prints it on stderr and exits 1.
@@ -211,6 +216,56 @@ def mode_hold(a: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def mode_chaos(a: argparse.Namespace, out: Path) -> int:
+    import random
+
+    import krex
+
+    kr = sys.modules["krex.region"]  # the module: `krex.region` is also the class's name
+    rng = random.Random(os.getpid())
+    gpu = Gpu()
+    gpu.kernel(a.us)
+    gpu.synchronize()
+    log = open(out / f"{a.name}.regions.jsonl", "a", buffering=1)  # noqa: SIM115 - lives as long as we do
+    for i in range(a.n):
+        long = rng.random() < a.cut_p
+        rec: dict[str, Any] = {"i": i, "pid": os.getpid(), "long": long}
+        t_grant = t_end = 0
+        try:
+            with krex.region() as r:
+                t_grant = time.monotonic_ns()
+                for _ in range(a.kernels):
+                    gpu.kernel(a.us)
+                gpu.synchronize()
+                if long:
+                    time.sleep(a.cut_s)
+                elif a.sleep_ms:
+                    time.sleep(a.sleep_ms / 1000)
+                t_end = time.monotonic_ns()
+            rec.update(
+                t_grant=t_grant,
+                t_end=t_end,
+                clean=r.clean,
+                cut=r.cut,
+                flags=r.flags,
+                end=(r.summary or {}).get("end"),
+            )
+        except Exception as e:  # noqa: BLE001 - the daemon may die under us: note it, go on
+            rec.update(error=f"{type(e).__name__}: {e}", t_grant=t_grant, t_end=t_end or time.monotonic_ns())
+            kr._client = None  # a restarted daemon needs a new connection
+            from krex.client import daemon_alive
+
+            # Wait for the test's daemon rather than have the region API start one of its own.
+            deadline = time.monotonic() + 20
+            while not daemon_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        log.write(json.dumps(rec) + "\n")
+        if a.pause_ms:
+            time.sleep(a.pause_ms / 1000)
+    log.close()
+    return 0
+
+
 def mode_end(a: argparse.Namespace, out: Path) -> int:
     from krex.client import Client
     from krex.errors import KrexError
@@ -231,7 +286,7 @@ def mode_end(a: argparse.Namespace, out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cp_worker")
-    p.add_argument("mode", choices=["regions", "hammer", "hold", "end"])
+    p.add_argument("mode", choices=["regions", "hammer", "hold", "end", "chaos"])
     p.add_argument("out")
     p.add_argument("--name", default="worker")
     p.add_argument("-n", type=int, default=20, help="regions")
@@ -248,9 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--barrier", type=int, default=0, help="regions: exit when N *.done exist")
     p.add_argument("--affinity", default="", help="regions: CPU list to run on (comma-separated)")
     p.add_argument("--child-end", action="store_true", help="hold: a child process sends END in the region")
+    p.add_argument("--cut-p", type=float, default=0.0, help="chaos: probability of a region that overstays")
+    p.add_argument("--cut-s", type=float, default=0.5, help="chaos: how long such a region sleeps inside")
     a = p.parse_args(argv)
     out = Path(a.out)
-    modes = {"regions": mode_regions, "hammer": mode_hammer, "hold": mode_hold, "end": mode_end}
+    modes = {
+        "regions": mode_regions,
+        "hammer": mode_hammer,
+        "hold": mode_hold,
+        "end": mode_end,
+        "chaos": mode_chaos,
+    }
     return modes[a.mode](a, out)
 
 

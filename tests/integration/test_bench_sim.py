@@ -177,8 +177,14 @@ def _check_results(out: Path, expect_cells: set[str]) -> dict[str, Any]:
     for r in krex_runs:
         assert r["krex"] is not None and {"slot", "admission_wait_s", "regions"} <= set(r["krex"])
         assert len(r["krex"]["regions"]) == 1
-        assert {"queue_wait_s", "entry_s", "contaminated"} <= set(r["krex"]["regions"][0])
+        assert {"queue_wait_s", "entry_s", "contaminated", "flags", "cut"} <= set(r["krex"]["regions"][0])
         assert "grant" in r["result"] and "entry_s" in r["result"]["grant"]
+        assert r["krex"]["simulated"] is True
+    summ = json.loads((out / "summary.json").read_text())
+    for cell, reg in summ["regions"].items():  # the trust columns: what KREX could not vouch for
+        assert {"cut", "flags", "runs_without_region", "auto_wrapped"} <= set(reg), cell
+        if cell.startswith("krex"):
+            assert reg["runs_without_region"] == 0 and reg["regions"] > 0
 
     md = (out / "summary.md").read_text()
     assert md.count(LABEL) >= 2

@@ -401,13 +401,15 @@ class Krex:
 
     # ------------------------------------------------------------ leftovers
     def group_dirs(self) -> list[Path]:
-        out = []
+        out: list[Path] = []
         for mount in (CG2, CG1):
-            if mount and (Path(mount) / self.root).is_dir():
-                out += sorted(
-                    (p for p in (Path(mount) / self.root).rglob("*") if p.is_dir()),
-                    key=lambda p: -len(p.parts),
-                )
+            root = Path(mount) / self.root if mount else None
+            if root is None or not root.is_dir():
+                continue
+            found: list[Path] = []
+            for root_dir, dirs, _files in os.walk(root):  # tolerates groups krexd removes meanwhile
+                found += [Path(root_dir) / d for d in dirs]
+            out += sorted(found, key=lambda p: -len(p.parts))
         return out
 
     def signal_dir(self) -> Path:
@@ -487,6 +489,8 @@ class Krex:
                 break
             time.sleep(0.05)
         shutil.rmtree(self.signal_dir(), ignore_errors=True)
+        for pin in Path("/dev/shm").glob(self.shm.strip("/") + ".krex*"):  # krexd's pin links
+            pin.unlink(missing_ok=True)
         Segment.unlink(self.shm)
         lib.krex_shm_unlink(self.sim_shm.encode())
         shutil.rmtree(self.base, ignore_errors=True)

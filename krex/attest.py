@@ -1,0 +1,100 @@
+"""Per-region attestation: what could still have disturbed a region, beyond the gate.
+
+At a region's grant and at its end krexd samples, for the region's GPU, NVML's
+running processes (compute and graphics), the SM clock and the clock-event
+(throttle) reasons. `judge` compares both samples with the processes KREX knows:
+a GPU process that is not under KREX, or a power / thermal / hardware slowdown,
+flags the region with the reason. Processes that start and end between the two
+samples are not seen; NVML in a container may report host pids, which then all
+look foreign (the reason says so, so such a node shows it at once).
+
+On the simulated GPU there is no NVML (unless KREX_NVML_FAKE is set for a test):
+the record says so and nothing is flagged."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from krex.nvml import DISTURBING, Nvml, NvmlUnavailable, open_nvml, throttle_names
+
+
+def _cmd(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
+    except OSError:
+        return "not visible in this pid namespace"
+
+
+class Attestor:
+    def __init__(self, kind: str, physical: list[int], nvml: Nvml | None = None, note: str = "") -> None:
+        self.physical = physical
+        self.nvml = nvml
+        self.note = note
+        if nvml is None and not note:
+            try:
+                self.nvml = open_nvml()
+            except NvmlUnavailable as e:
+                self.note = f"unavailable: {e}"
+            if kind == "sim" and self.nvml is None:
+                self.note = "unavailable: simulated GPU"
+
+    @classmethod
+    def for_device(cls, kind: str, physical: list[int]) -> Attestor:
+        from krex.nvml import fake_path
+
+        if kind == "sim" and not fake_path():
+            return cls(kind, physical, None, "unavailable: simulated GPU")
+        return cls(kind, physical)
+
+    def sample(self, gpu: int) -> dict[str, Any]:
+        if self.nvml is None:
+            return {}
+        i = self.physical[gpu] if gpu < len(self.physical) else gpu
+        try:
+            thr = self.nvml.throttle(i)
+            return {
+                "t_ns": time.monotonic_ns(),
+                "sm_clock_mhz": self.nvml.sm_clock(i),
+                "throttle_mask": thr,
+                "procs": self.nvml.processes(i),
+            }
+        except Exception as e:  # noqa: BLE001 - NVML errors must never fail a region
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def judge(
+        self, gpu: int, entry: dict[str, Any], exit_: dict[str, Any], known: Callable[[], set[int]]
+    ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+        """(the record's "attest" object, reasons as (flag, text))."""
+        if self.nvml is None:
+            return {"nvml": self.note or "unavailable"}, []
+        reasons: list[tuple[str, str]] = []
+        out: dict[str, Any] = {"nvml": "ok"}
+        for k, s in (("entry", entry), ("exit", exit_)):
+            if s.get("error"):
+                out["nvml"] = f"error at {k}: {s['error']}"
+        out["sm_clock_mhz"] = [entry.get("sm_clock_mhz"), exit_.get("sm_clock_mhz")]
+        masks = [entry.get("throttle_mask"), exit_.get("throttle_mask")]
+        out["throttle"] = [throttle_names(m) if m is not None else None for m in masks]
+        bad = 0
+        for m in masks:
+            bad |= (m or 0) & DISTURBING
+        if bad:
+            reasons.append(
+                (
+                    "throttle",
+                    f"GPU {gpu} clocks were slowed during the region: {', '.join(throttle_names(bad))}",
+                )
+            )
+        seen = sorted(set(entry.get("procs") or []) | set(exit_.get("procs") or []))
+        foreign: list[dict[str, Any]] = []
+        if seen:
+            ours = known()
+            foreign = [{"pid": p, "cmd": _cmd(p)} for p in seen if p not in ours]
+        out["gpu_processes"] = len(seen)
+        out["foreign"] = foreign
+        for f in foreign:
+            reasons.append(("foreign-process", f"pid {f['pid']} ({f['cmd']}) used GPU {gpu} outside KREX"))
+        return out, reasons

@@ -1,0 +1,30 @@
+"""The chaos test, CI length (about a minute): commands on the simulated GPU with
+faults injected at random; zero false "clean" regions (see tests/helpers/chaos.py;
+the long variant is scripts/chaos.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers.chaos import ChaosConfig, run_chaos, summary_table
+
+pytestmark = [
+    pytest.mark.cgroup,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
+]
+
+
+@pytest.mark.timeout(600)
+def test_chaos_no_region_is_ever_falsely_clean() -> None:
+    seed = int(os.environ.get("KREX_CHAOS_SEED", "7"))
+    res = run_chaos(ChaosConfig(seconds=35, seed=seed, fault_every=0.8))
+    print(summary_table(res))
+    assert res.false_clean == [], res.false_clean[:5]
+    assert res.journal_false_clean == [], res.journal_false_clean[:5]
+    assert res.long_not_flagged == [], res.long_not_flagged[:5]
+    assert res.daemon_tracebacks == 0
+    # Not vacuous: many regions, faults of most kinds, and both outcomes.
+    assert res.regions >= 200 and res.clean > 0 and res.flagged > 0, res.to_json()
+    assert len(res.faults) >= 4, res.faults
+    assert res.long_regions > 0

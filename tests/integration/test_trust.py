@@ -1,0 +1,416 @@
+"""The trust issue: a region is either really exclusive or flagged, never a silent "clean".
+
+Each test reproduces one way KREX could be made to call a region clean while it was
+not (or to keep quiet about it), in a private KREX world (the `kx` fixture of
+test_regions: own daemon, segment, simulated GPU, trace, cgroups), and checks the
+simulated device's trace from outside."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_regions import KREX, WORKER, Krex
+
+pytestmark = [
+    pytest.mark.cgroup,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
+]
+
+
+@pytest.fixture
+def kx() -> Iterator[Krex]:
+    k = Krex()
+    try:
+        yield k
+    finally:
+        k.cleanup()
+
+
+def _run(
+    kx: Krex, *argv: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*KREX, "run", "--device", "sim", *argv],
+        env=env or kx.env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/sim/victim.c, built against the simulated GPU."""
+    from krex.native import LIB_DIR
+
+    out = tmp_path_factory.mktemp("victim") / "victim"
+    cc = os.environ.get("CC", "gcc")
+    src = REPO / "examples/sim/victim.c"
+    libs = [f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lcuda", "-l:libamdhip64.so", "-ldl"]
+    subprocess.run([cc, "-O2", "-I", str(REPO / "interpose"), str(src), *libs, "-o", str(out)], check=True)
+    return out
+
+
+def _report(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+# ====================================================================== case 4: --max-region cuts
+
+
+CUT_PY = textwrap.dedent(
+    """
+    import json, sys, time, warnings
+    import krex
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        with krex.region() as r:
+            time.sleep(1.5)
+    print(json.dumps({"cut": getattr(r, "cut", None), "clean": getattr(r, "clean", None),
+                      "warnings": [str(w.message) for w in caught]}))
+    """
+)
+
+
+def test_a_cut_region_is_visible_in_python_report_and_journal(kx: Krex) -> None:
+    kx.start_daemon(slots=2, max_region=0.5)
+    rep = kx.out / "cut.json"
+    p = _run(kx, "--report", str(rep), "--", sys.executable, "-c", CUT_PY)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["cut"] is True, out
+    assert out["clean"] is False, out
+    assert any("max-region" in w for w in out["warnings"]), out
+    r = _report(rep)
+    assert r["cut_regions"] == 1 and r["regions"][0]["cut"] is True, r
+    assert "cut" in r["regions"][0]["flags"] and r["regions"][0]["contaminated"] is True
+    recs = kx.journal()
+    assert recs[-1]["cut"] is True and "cut" in recs[-1]["flags"]
+
+
+def test_a_cut_region_makes_the_c_marker_return_non_zero(kx: Krex, victim: Path) -> None:
+    kx.start_daemon(slots=2, max_region=0.3)
+    p = _run(kx, "--", str(victim), "--region", "--us", "2000", "--iters", "400")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["region_rc"] != 0, out  # 0 would mean "clean"
+    # And a region that ends in time says 0.
+    q = _run(kx, "--", str(victim), "--region", "--us", "100", "--iters", "10")
+    assert json.loads(q.stdout.strip().splitlines()[-1])["region_rc"] == 0, q.stdout
+
+
+# ====================================================================== case 1: leftovers
+
+
+def _leftover_then_owner(kx: Krex, *run_args: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Command A starts a background hammer and exits; command B then takes 30 regions.
+    Returns (A's report, B's worker result, the leftover's pid)."""
+    rep_a = kx.out / "a.json"
+    hammer = f"{sys.executable} {WORKER} hammer {kx.out} --name lo --us 200 --seconds 20"
+    # The hammer must not hold our pipes open, or waiting for A would wait for it too.
+    script = f"{hammer} >/dev/null 2>&1 & sleep 1.5"
+    p = _run(kx, "--report", str(rep_a), *run_args, "--", "sh", "-c", script)
+    assert p.returncode == 0, p.stderr
+    lo_pid = kx.progress("lo")[2]
+    before = [o for o in kx.ops() if o["pid"] == lo_pid]
+    assert before, "the leftover never submitted while its command ran (test is vacuous)"
+    own = kx.run("own", "regions", "-n", "30", "--kernels", "3", "--us", "100", "--sleep-ms", "5")
+    assert own.wait(120) == 0, own.output()
+    return _report(rep_a), kx.result("own"), lo_pid
+
+
+def test_a_leftover_is_killed_reported_and_never_passes_the_next_owners_gate(kx: Krex) -> None:
+    from test_regions import foreign_ops, owner_intervals
+
+    kx.start_daemon(slots=2)
+    rep_a, res, lo_pid = _leftover_then_owner(kx)
+    iv = owner_intervals(res)
+    assert len(iv) == 30 and res["errors"] == []
+    assert foreign_ops(iv, kx.ops()) == []
+    assert [x["pid"] for x in rep_a["leftovers"]] == [lo_pid], rep_a
+    assert rep_a["leftovers_action"] == "killed"
+    from test_regions import alive
+
+    kx.wait(lambda: not alive(lo_pid), 10, "the leftover to die")
+    assert all(r["grant"]["contaminated"] is False for r in res["regions"])
+
+
+def test_a_kept_leftover_is_a_frozen_sibling_and_keeps_its_slot(kx: Krex) -> None:
+    from test_regions import foreign_ops, owner_intervals
+
+    kx.start_daemon(slots=3)
+    rep_a, res, lo_pid = _leftover_then_owner(kx, "--keep-leftovers")
+    assert [x["pid"] for x in rep_a["leftovers"]] == [lo_pid] and rep_a["leftovers_action"] == "kept"
+    iv = owner_intervals(res)
+    assert foreign_ops(iv, kx.ops()) == []
+    # Not vacuous: the leftover ran on between B's regions.
+    first, last = iv[0][1], iv[-1][2]
+    assert any(o["pid"] == lo_pid and first < o["submit"] < last for o in kx.ops())
+    # It kept its slot (A's), so B got another one, and its slot was frozen in B's regions.
+    a_slot = rep_a["slot"]
+    assert all(r["grant"]["slot"] != a_slot and a_slot in r["grant"]["frozen_slots"] for r in res["regions"])
+    kx.touch("lo")
+    kx.wait(lambda: kx.status()["slots"] == [], 30, "the lingering slot to be freed once the leftover ends")
+
+
+# ====================================================================== case 3: the segment
+
+
+def _journal_after(kx: Krex, t: float) -> list[dict[str, Any]]:
+    return [r for r in kx.journal() if float(r.get("ts", 0)) >= t]
+
+
+def test_an_unlinked_segment_is_detected_relinked_and_flagged(kx: Krex, victim: Path) -> None:
+    import time
+
+    kx.start_daemon(slots=3)
+    kx.run("h1", "hammer", "--us", "50")
+    kx.wait_running("h1")
+    t0 = time.time()
+    Path("/dev/shm" + kx.shm).unlink()
+    # A C benchmark right after: its KREX_REGION_BEGIN/END may say 0 only for a region krexd ran.
+    v = _run(kx, "--", str(victim), "--region", "--us", "100", "--iters", "20")
+    assert v.returncode == 0, v.stderr
+    out = json.loads(v.stdout.strip().splitlines()[-1])
+    journaled = [r for r in kx.journal() if r["owner_pid"] == out["pid"]]
+    assert out["region_rc"] != 0 or journaled, f"region_rc 0 for a region krexd never ran: {out}"
+    # A command that starts now must be gated by the same segment, never run ungated.
+    own = kx.run("own", "regions", "-n", "10", "--kernels", "2", "--us", "100", "--sleep-ms", "5")
+    assert own.wait(120) == 0, own.output()
+    res = kx.result("own")
+    from test_regions import foreign_ops, owner_intervals
+
+    iv = owner_intervals(res)
+    bad = foreign_ops(iv, kx.ops())
+    clean = [r for r in res["regions"] if r["summary"]["clean"]]
+    assert not (bad and clean), f"{len(bad)} foreign submissions inside {len(clean)} clean regions"
+    assert Path("/dev/shm" + kx.shm).exists(), "the daemon did not restore the segment's name"
+    st = kx.status()
+    assert st["segment"]["incidents"], st["segment"]
+    assert any("unlinked" in i["problems"][0] for i in st["segment"]["incidents"])
+    p = kx.krex("status")
+    assert p.returncode == 0 and "unlinked" in p.stdout, p.stdout + p.stderr
+    d = kx.krex("doctor", "--json")
+    seg = [c for c in json.loads(d.stdout)["checks"] if c["name"] == "segment"][0]
+    assert seg["status"] == "warn" and "unlinked" in seg["finding"], seg
+    recs = _journal_after(kx, t0)
+    assert recs and any("segment" in r["flags"] for r in recs), recs[:2]
+    kx.touch("h1")
+
+
+def test_random_bytes_over_the_segment_are_detected_repaired_and_flagged(kx: Krex) -> None:
+    import random
+    import time
+
+    kx.start_daemon(slots=3)
+    kx.run("h1", "hammer", "--us", "50")
+    kx.wait_running("h1")
+    t0 = time.time()
+    size = Path("/dev/shm" + kx.shm).stat().st_size
+    rng = random.Random(7)
+    with open("/dev/shm" + kx.shm, "r+b") as f:
+        f.write(bytes(rng.getrandbits(8) for _ in range(min(size, 1 << 16))))
+    own = kx.run("own", "regions", "-n", "10", "--kernels", "2", "--us", "100", "--sleep-ms", "5")
+    rc = own.wait(120)
+    assert rc == 0, own.output()[-2000:]
+    res = kx.result("own")
+    clean = [r for r in res["regions"] if r["summary"] and r["summary"].get("clean")]
+    from test_regions import foreign_ops, owner_intervals
+
+    bad = foreign_ops(owner_intervals(res), kx.ops())
+    assert not (bad and clean), f"{len(bad)} foreign submissions inside {len(clean)} clean regions"
+    st = kx.status()
+    assert st["segment"]["incidents"], st["segment"]
+    recs = _journal_after(kx, t0)
+    assert recs and all("segment" in r["flags"] for r in recs if r["owner_pid"] == res.get("pid")), recs[:2]
+    kx.touch("h1")
+    # The daemon survives the damage and stops cleanly (it crashed with IndexError before).
+    p = kx.krex("daemon", "stop")
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in kx.daemon_log()
+
+
+# ====================================================================== case 5: automatic regions
+
+
+def _mybench(kx: Krex) -> Path:
+    d = kx.out / "mod"
+    d.mkdir(exist_ok=True)
+    (d / "mybench.py").write_text("import time\n\ndef run_trial():\n    time.sleep(0.01)\n    return 1\n")
+    return d
+
+
+def test_an_auto_region_target_that_never_fires_is_reported_and_warned_about(kx: Krex) -> None:
+    kx.start_daemon(slots=2)
+    mod = _mybench(kx)
+    rep = kx.out / "typo.json"
+    env = kx.env(KREX_AUTO_REGION="mybench:run_trail", PYTHONPATH=str(mod))
+    code = "import mybench; mybench.run_trial()"
+    p = _run(kx, "--report", str(rep), "--", sys.executable, "-c", code, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "KREX_AUTO_REGION" in p.stderr and "no region" in p.stderr, p.stderr
+    r = _report(rep)
+    assert r["region_count"] == 0
+    t = r["auto_region"]["targets"]
+    assert [x["target"] for x in t] == ["mybench:run_trail"] and t[0]["state"] == "missing", t
+
+
+def test_auto_regions_are_counted_per_target_in_report_and_journal(kx: Krex) -> None:
+    kx.start_daemon(slots=2)
+    mod = _mybench(kx)
+    rep = kx.out / "ok.json"
+    env = kx.env(KREX_AUTO_REGION="mybench:run_trial", PYTHONPATH=str(mod))
+    code = "import mybench\nfor _ in range(3): mybench.run_trial()"
+    p = _run(kx, "--report", str(rep), "--", sys.executable, "-c", code, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "no region" not in p.stderr
+    r = _report(rep)
+    assert r["region_count"] == 3 and r["auto_region"]["wrapped"] == ["mybench:run_trial"], r["auto_region"]
+    assert r["auto_region"]["targets"][0]["regions"] == 3
+    assert r["auto_region"]["whole_call_regions"] == 3  # a module:function target is a whole-call region
+    assert all(x["label"] == "auto:mybench:run_trial:whole" for x in kx.journal())
+
+
+def test_batch_summary_shows_regions_and_auto_targets_per_command(kx: Krex) -> None:
+    kx.start_daemon(slots=2)
+    mod = _mybench(kx)
+    cmds = kx.out / "cmds.txt"
+    call = f"{sys.executable} -c 'import mybench; mybench.run_trial()'"
+    cmds.write_text(f"KREX_AUTO_REGION=mybench:run_trial {call}\nKREX_AUTO_REGION=mybench:run_trail {call}\n")
+    out = kx.out / "batch"
+    p = subprocess.run(
+        [*KREX, "batch", str(cmds), "-j", "1", "--device", "sim", "--out", str(out)],
+        env=kx.env(PYTHONPATH=str(mod)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stderr
+    s = json.loads((out / "summary.json").read_text())
+    per = {c["index"]: c for c in s["per_command"]}
+    first, second = sorted(per)
+    assert per[first]["regions"] == 1 and per[first]["auto_wrapped"] == ["mybench:run_trial"]
+    assert per[second]["regions"] == 0 and per[second]["auto_wrapped"] == []
+    assert per[second]["auto_targets"][0]["state"] == "missing"
+    assert s["no_region_commands"] == [second] and s["simulated"] is True
+    assert f"#{second}: 0 region(s); KREX_AUTO_REGION=mybench:run_trail: wrapped none" in p.stdout, p.stdout
+
+
+# ====================================================================== case 7: attestation
+
+
+def _hold_region(kx: Krex, name: str) -> dict[str, Any]:
+    kx.run(name, "hold")
+    ready: dict[str, Any] = kx.result(name, "ready", timeout=30)
+    return ready
+
+
+def _end_hold(kx: Krex, name: str, pid: int) -> dict[str, Any]:
+    kx.touch(name)
+    assert kx.cmds[name].wait(30) == 0
+    kx.wait(lambda: [r for r in kx.journal() if r["owner_pid"] == pid], 10, "the journal record")
+    rec: dict[str, Any] = [r for r in kx.journal() if r["owner_pid"] == pid][-1]
+    return rec
+
+
+def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> None:
+    nvml = kx.out / "nvml.json"
+    base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
+    nvml.write_text(json.dumps(base))
+    kx_env = kx.env
+    kx.env = lambda **extra: kx_env(KREX_NVML_FAKE=str(nvml), **extra)  # type: ignore[method-assign]
+    kx.start_daemon(slots=2)
+    # A clean region: clocks recorded, nothing flagged (GPU idle is not a slowdown).
+    ready = _hold_region(kx, "a")
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert rec["contaminated"] is False, rec["reasons"]
+    assert rec["attest"]["nvml"] == "ok" and rec["attest"]["sm_clock_mhz"] == [1980, 1980]
+    # A process outside KREX starts computing on the GPU, and the GPU hits its power cap.
+    outsider = subprocess.Popen(["sleep", "60"])
+    try:
+        ready = _hold_region(kx, "b")
+        own = {kx.progress("b")[2]} if (kx.out / "b.progress").exists() else set()
+        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[outsider.pid, ready["pid"], *own],
+                                                  sm_clock=1410, throttle=0x4)]}))
+        rec = _end_hold(kx, "b", ready["pid"])
+    finally:
+        outsider.kill()
+    assert rec["contaminated"] is True
+    assert {"foreign-process", "throttle"} <= set(rec["flags"]), rec["flags"]
+    assert [f["pid"] for f in rec["attest"]["foreign"]] == [outsider.pid]
+    assert rec["attest"]["sm_clock_mhz"] == [1980, 1410]
+    assert rec["attest"]["throttle"][1] == ["sw_power_cap"]
+
+
+def test_a_sibling_that_fails_open_during_a_region_flags_it(kx: Krex) -> None:
+    import signal
+    import time
+
+    d = kx.start_daemon(slots=2)
+    ready = _hold_region(kx, "own")
+    # A command gated through the segment but not frozen by krexd (claimed with --no-daemon).
+    sib = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--no-daemon", "--", sys.executable, str(WORKER), "hammer",
+         str(kx.out), "--name", "sib", "--us", "50", "--seconds", "20"],
+        env=kx.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    kx.popens.append(sib)
+    kx.wait(lambda: (kx.out / "sib.progress").exists(), 30, "the sibling to start")
+    time.sleep(0.5)  # it is blocked at the closed gate now
+    os.kill(d.pid, signal.SIGSTOP)  # the daemon hangs: its heartbeat goes stale
+    try:
+        kx.wait(lambda: kx.progress("sib")[0] > 0, 15, "the sibling to fail open")
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    rec = _end_hold(kx, "own", ready["pid"])
+    assert "fail-open" in rec["flags"], rec
+    kx.touch("sib")
+
+
+# ====================================================================== found by the chaos test
+
+
+def test_a_daemon_started_from_inside_a_command_does_not_live_in_its_slot_group(kx: Krex) -> None:
+    """The region API starts krexd on demand. Started by a process of a command, the daemon
+    was born in that command's slot cgroup, and froze itself in the next region of another
+    command: every client then hung (seen by the chaos test after a daemon restart)."""
+    d = kx.start_daemon(slots=2)
+    go = kx.out / "go"
+    ready = kx.out / "ready"
+    code = (
+        "import os, time, krex\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "with krex.region():\n    pass\n"
+    )
+    p = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", code],
+        env=kx.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=open(kx.out / "cmd.err", "wb"),  # noqa: SIM115 - handed to the child
+        start_new_session=True,
+    )
+    kx.popens.append(p)
+    kx.wait(lambda: ready.exists(), 30, "the command to run")
+    d.kill()
+    d.wait(10)
+    go.write_text("")  # its region now starts a daemon of its own, from inside the slot
+    assert p.wait(60) == 0, (kx.out / "cmd.err").read_text()
+    lock = kx.sock.with_suffix(".lock")
+    pid = int(lock.read_text().strip())
+    assert pid != d.pid
+    cg = Path(f"/proc/{pid}/cgroup").read_text()
+    assert "/slot-" not in cg, f"the on-demand daemon lives in a slot group: {cg}"
