@@ -59,6 +59,7 @@ from typing import Any, Literal
 
 from krex.batch import (
     BatchCommand,
+    BatchSummary,
     CommandResult,
     _dist,
     _num,
@@ -456,19 +457,8 @@ class FleetEvent:
     cancelling: bool = False
 
 
-@dataclass
-class FleetSummary:
-    out_dir: Path
-    results: list[CommandResult]
-    data: dict[str, Any]  # summary.json
-
-    @property
-    def failures(self) -> int:
-        return int(self.data["failures"])
-
-    @property
-    def interrupted(self) -> bool:
-        return bool(self.data["interrupted"])
+class FleetSummary(BatchSummary):
+    """A fleet run's results: `krex batch`'s shape, with per-node rows in ``data``."""
 
 
 @dataclass
