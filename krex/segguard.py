@@ -52,6 +52,16 @@ def shm_path(name: str) -> str:
     return SHM_DIR + name
 
 
+def _slot_damaged(sp: Any, gpu: int, gen: int) -> bool:
+    """A slot krexd handed out that no longer reads as it wrote it."""
+    return (
+        int(sp.state) != lib.KREX_SLOT_ACTIVE
+        or int(sp.gpu) != gpu
+        or int(sp.generation) != gen
+        or int(sp.inflight) > 65536
+    )
+
+
 @dataclass
 class Incident:
     t: float  # epoch seconds
@@ -144,12 +154,7 @@ class SegmentGuard:
                 out.append(f"gate of GPU {g} holds 0x{w:x}, a word no holder set")
         for n, (gpu, gen) in expected.slots.items():
             sp = raw.slots[n]
-            if (
-                int(sp.state) != lib.KREX_SLOT_ACTIVE
-                or int(sp.gpu) != gpu
-                or int(sp.generation) != gen
-                or int(sp.inflight) > 65536
-            ):
+            if _slot_damaged(sp, gpu, gen):
                 out.append(f"slot {n} record damaged")
         odd = [n for n in range(lib.KREX_MAX_SLOTS) if n not in expected.slots and self._slot_bad(n)]
         if odd:
@@ -207,12 +212,7 @@ class SegmentGuard:
                 actions.append(f"gate of GPU {g} reopened")
         for n, (gpu, gen) in expected.slots.items():
             sp = raw.slots[n]
-            if (
-                int(sp.state) != lib.KREX_SLOT_ACTIVE
-                or int(sp.gpu) != gpu
-                or int(sp.generation) != gen
-                or int(sp.inflight) > 65536
-            ):
+            if _slot_damaged(sp, gpu, gen):
                 sp.gpu, sp.generation, sp.inflight = gpu, gen, 0
                 sp.state = lib.KREX_SLOT_ACTIVE
                 actions.append(f"slot {n} rewritten")
