@@ -346,9 +346,10 @@ class BatchEvent:
     cancelling: bool = False
 
 
-def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
+def default_out_dir(now: float | None = None, base: Path | None = None, prefix: str = "krex-batch") -> Path:
+    """A new ./PREFIX-<timestamp>[-N] directory name."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
-    root = (base or Path.cwd()) / f"krex-batch-{stamp}"
+    root = (base or Path.cwd()) / f"{prefix}-{stamp}"
     p, n = root, 1
     while p.exists():
         n += 1

@@ -68,6 +68,9 @@ from krex.batch import (
     check_args,
     summarize,
 )
+from krex.batch import (
+    default_out_dir as _default_out_dir,
+)
 from krex.errors import KrexError, NotFound, UsageError
 
 __all__ = [
@@ -470,13 +473,7 @@ class _Attempt:
 
 
 def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
-    root = (base or Path.cwd()) / f"krex-fleet-{stamp}"
-    p, n = root, 1
-    while p.exists():
-        n += 1
-        p = root.with_name(f"{root.name}-{n}")
-    return p
+    return _default_out_dir(now, base, prefix="krex-fleet")
 
 
 def corpus_commands(manifest: str | None, device: str, quick: bool = False,
