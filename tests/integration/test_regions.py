@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from helpers import clean_env, read_jsonl, wait_until
 
@@ -343,13 +344,23 @@ class Krex:
         self.cmds[name] = c
         return c
 
-    def result(self, name: str, suffix: str = "json", timeout: float = 0.0) -> Any:
+    def result(self, name: str, suffix: str = "json", timeout: float = 0.0, pid: int = 0) -> Any:
+        """The JSON a victim wrote. With `timeout`, wait for it until the command's `krex run` exits,
+        or, when `pid` names the victim itself, until that process is gone (its `krex run` may have
+        been killed on purpose while the victim lives on)."""
         path = self.out / f"{name}.{suffix}"
         if timeout:
             cmd = self.cmds.get(name)
-            self.wait(
-                lambda: path.exists() or (cmd is not None and cmd.popen.poll() is not None),
-                timeout,
+
+            def finished() -> bool:
+                if pid:
+                    try:
+                        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                    except psutil.NoSuchProcess:
+                        return True
+                return cmd is not None and cmd.popen.poll() is not None
+
+            self.wait(lambda: path.exists() or finished(), timeout,
                 f"{path.name}",
             )
             if not path.exists():
@@ -734,7 +745,7 @@ def test_regions_after_a_daemon_restart_are_exclusive(kx: Krex) -> None:
     iv = owner_intervals(res)
     for h in hp:
         kx.touch(h)
-    ticks = {h: kx.result(h, timeout=20)["ticks"] for h in hp}
+    ticks = {h: kx.result(h, timeout=20, pid=hp[h])["ticks"] for h in hp}
     # The commands that outlived the old daemon are siblings of the new owner like any other.
     bad = foreign_ops(iv, kx.ops(gpu=0))
     for h in hp:
