@@ -32,6 +32,8 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent
 INTERPOSE = ROOT / "interpose"
+# libkrex_interpose.so: the shim's parts (interpose/shim.h says what each holds) and the core.
+SHIM_SOURCES = ("shim.c", "hooks.c", "resolve.c", "drain.c", "client.c", "krex_core.c")
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-fvisibility=hidden"]
 
 
@@ -223,8 +225,7 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
             "-shared",
             "-o",
             str(out / "libkrex_interpose.so"),
-            f"{i}/shim.c",
-            f"{i}/krex_core.c",
+            *(f"{i}/{f}" for f in SHIM_SOURCES),
             "-ldl",
             "-lpthread",
         ]

@@ -1,5 +1,5 @@
 /* See krex_core.h. Everything here is a slow path: the submission fast path
- * lives inline in shim.c and only touches words this file sets up. */
+ * lives inline in shim_fastpath.h and only touches words this file sets up. */
 #define _GNU_SOURCE
 #include "krex_core.h"
 

@@ -18,7 +18,7 @@ from krex.errors import UsageError
 
 MAX_LINE = 1 << 20
 
-# Operations. The C shim speaks the same protocol (interpose/shim.c: region client).
+# Operations. The C shim speaks the same protocol (interpose/client.c).
 OPS = ("hello", "admit", "started", "release", "adopt", "register", "begin", "end", "status", "shutdown")
 
 

@@ -1,4 +1,4 @@
-"""`make sanitize`: the shim (interpose/shim.c + krex_core.c) and the C test programs
+"""`make sanitize`: the shim (krex_build.SHIM_SOURCES) and the C test programs
 (tests/c) built with ThreadSanitizer and then AddressSanitizer, and run against a
 real krexd on the simulated GPU: concurrent submitters on all three paths, regions
 (gate closes, drains, freezes), graph captures, fork, a failed end of capture, the
@@ -26,6 +26,7 @@ CC = os.environ.get("CC", "gcc")
 sys.path.insert(0, str(ROOT))
 
 from krex.native import LIB_DIR  # noqa: E402 - after the path set-up
+from krex_build import SHIM_SOURCES  # noqa: E402
 
 SANITIZERS = {
     "thread": ("libtsan.so", "TSAN_OPTIONS", "halt_on_error=1 exitcode=66 second_deadlock_stack=1"),
@@ -53,8 +54,9 @@ def build(san: str, out: Path, shim_src: Path = INTERPOSE) -> dict[str, Path]:
              "-Wno-unused-parameter", "-fPIC"]
     out.mkdir(parents=True, exist_ok=True)
     shim = out / "libkrex_interpose.so"
-    cc([*flags, "-fvisibility=hidden", "-shared", "-o", str(shim), str(shim_src / "shim.c"),
-        str(shim_src / "krex_core.c"), "-ldl", "-lpthread"])
+    # Another checkout (--shim-src) may predate the split: build the parts it has.
+    srcs = [str(shim_src / f) for f in SHIM_SOURCES if (shim_src / f).exists()]
+    cc([*flags, "-fvisibility=hidden", "-shared", "-o", str(shim), *srcs, "-ldl", "-lpthread"])
     bins = {"shim": shim}
     for name in ("stress", "actor", "table_driver"):
         src = TESTS_C / f"{name}.c"

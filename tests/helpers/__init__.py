@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +31,16 @@ INTERPOSE = REPO / "interpose"
 C_DIR = REPO / "tests" / "c"
 ALL_PATHS = ("direct", "dlsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt", "hip_gpa", "hip_gpa_pt")
 CC = os.environ.get("CC", "gcc")
+sys.path.insert(0, str(REPO))
+from krex_build import SHIM_SOURCES  # noqa: E402 - the build's list, not a copy
+
+# The shim's own files: its headers and its parts (the shared core aside).
+SHIM_FILES = ("shim.h", "shim_fastpath.h", *(f for f in SHIM_SOURCES if f != "krex_core.c"))
+
+
+def shim_text() -> str:
+    """The shim's source, every part of it, for tests that read what it names."""
+    return "\n".join((INTERPOSE / f).read_text() for f in SHIM_FILES)
 
 _counter = itertools.count()
 

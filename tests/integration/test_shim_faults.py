@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import CC, Harness, clean_env, wait_until
+from helpers import CC, Harness, clean_env, shim_text, wait_until
 from test_regions import KREX, Krex
 
 from krex import daemon, paths
@@ -258,7 +258,7 @@ def test_timing_constants_have_one_home(krex_env: dict[str, str]) -> None:
             assert int(seg.raw.hdr.heartbeat_timeout_ns) == lib.KREX_HEARTBEAT_TIMEOUT_NS
     finally:
         subprocess.run([*KREX, "daemon", "stop"], env=krex_env, capture_output=True, timeout=60)
-    shim = (REPO / "interpose" / "shim.c").read_text()
+    shim = shim_text()
     # The waits that used to be literals here (20 ms gate re-check, 1 s helper wake-up, 100 ms
     # capture wait) now name their ABI constants.
     for old in ("20 * 1000 * 1000", "1000ull * 1000 * 1000", "100000000ull"):

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CC, INTERPOSE, REPO
+from helpers import CC, INTERPOSE, REPO, SHIM_FILES
 
 from krex.native import ffi, lib
 from krex.shm import CLASS_NAMES, HOLDER_NAMES, PROC_FLAG_NAMES
@@ -157,10 +157,10 @@ def test_constants_used_by_the_c_side_exist_in_python() -> None:
         return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
 
     used: set[str] = set()
-    for f in ("shim.c", "krex_core.c"):
+    for f in (*SHIM_FILES, "krex_core.c"):
         used |= set(re.findall(r"\bKREX_[A-Z][A-Z0-9_]*\b", code(f)))
     local: set[str] = set()
-    for f in ("shim.c", "krex_tables.h", "krex_cuda_types.h"):
+    for f in (*SHIM_FILES, "krex_tables.h", "krex_cuda_types.h"):
         text = code(f)
         local |= set(re.findall(r"#define\s+(KREX_\w+)", text))
         for body in re.findall(r"\benum\s+\w+\s*\{(.*?)\}", text, flags=re.S):

@@ -265,7 +265,7 @@ def _bodies(path: Path, prefix: str) -> set[str]:
 def test_classes_and_variants_known() -> None:
     """A class is known when the shim and the simulator both implement it; only
     the five submission classes are gated."""
-    shim, sim = _bodies(INTERPOSE / "shim.c", "KREX"), _bodies(INTERPOSE / "sim" / "sim_api.c", "SIM")
+    shim, sim = _bodies(INTERPOSE / "hooks.c", "KREX"), _bodies(INTERPOSE / "sim" / "sim_api.c", "SIM")
     assert set(GATED_CLASSES) | set(OTHER_CLASSES) <= shim & sim
     bad = [(r.name, r.cls, r.variant) for r in ROWS if r.cls not in shim & sim or r.variant not in VARIANTS]
     assert not bad, bad

@@ -1,0 +1,288 @@
+/* The krexd client of the shim: self-registration of opt-in processes and the
+ * C/C++ region markers (krex.h). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "shim_fastpath.h"
+
+extern char **environ;
+char g_sock_path[108];
+char g_daemon_cmd[1024];
+int g_need_selfreg;
+static int g_selfreg;                     /* atomic: 0 not yet, 1 in progress, 2 done, 3 failed */
+static int g_reg_conn = -1;               /* self-registration: krexd keeps our slot while it is open */
+static int g_spawned;                     /* atomic: this process already started krexd once */
+static __thread int t_region_depth;
+static __thread int t_region_fd = -1;     /* the connection that began this thread's region */
+
+/* One JSON line each way over the daemon's Unix socket. The daemon learns who
+ * we are from SO_PEERCRED; the message carries only what it cannot know.
+ *
+ * Nothing here can kill or hang the application: sends use MSG_NOSIGNAL (a
+ * vanished krexd is EPIPE, never SIGPIPE), connecting and sending time out after
+ * KREX_CONNECT_TIMEOUT_MS, and a wait for a reply re-checks krexd's heartbeat
+ * every KREX_CLIENT_POLL_NS and gives up once it is older than the timeout. No
+ * lock is held across any of it: each region has a connection of its own. */
+
+/* Start krexd (KREX_DAEMON_CMD) in its own session, with /dev/null for stdin,
+ * stdout and stderr and none of our other descriptors: an inherited pipe would
+ * keep whoever reads our output waiting until krexd exits. */
+static void spawn_daemon(void) {
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t at;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawnattr_init(&at);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
+    posix_spawn_file_actions_addclosefrom_np(&fa, 3);
+#else
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        for (struct dirent *e; (e = readdir(d));) {
+            int fd = atoi(e->d_name);
+            if (fd > 2 && fd != dirfd(d)) posix_spawn_file_actions_addclose(&fa, fd);
+        }
+        closedir(d);
+    }
+#endif
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    posix_spawnattr_setsigmask(&at, &none);  /* not the application's blocked signals */
+    posix_spawnattr_setsigdefault(&at, &all); /* nor its ignored ones (SIGTERM must stop krexd) */
+    posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    char *argv[] = {"/bin/sh", "-c", g_daemon_cmd, NULL};
+    pid_t pid;
+    int rc = posix_spawn(&pid, "/bin/sh", &fa, &at, argv, environ);
+    posix_spawnattr_destroy(&at);
+    posix_spawn_file_actions_destroy(&fa);
+    klog("starting krexd: %s (%s)", g_daemon_cmd, rc ? strerror(rc) : "ok");
+}
+
+/* One connect attempt, bounded by KREX_CONNECT_TIMEOUT_MS (a full backlog). */
+static int conn_try(void) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -errno;
+    struct timeval tv = {KREX_CONNECT_TIMEOUT_MS / 1000, (KREX_CONNECT_TIMEOUT_MS % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, g_sock_path, strlen(g_sock_path) + 1); /* length checked at init */
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) return fd;
+    int e = errno;
+    close(fd);
+    return -e;
+}
+
+/* A new connection to krexd, starting it (once per process) if nobody listens. */
+static int conn_open(void) {
+    if (!g_sock_path[0]) return -ENOENT;
+    uint64_t deadline = krex_now_ns() + (uint64_t)KREX_DAEMON_START_WAIT_MS * 1000000ull;
+    for (;;) {
+        int fd = conn_try();
+        if (fd >= 0) return fd;
+        if ((fd != -ENOENT && fd != -ECONNREFUSED) || !g_daemon_cmd[0]) return fd;
+        int expect = 0;
+        if (__atomic_compare_exchange_n(&g_spawned, &expect, 1, 0, __ATOMIC_ACQ_REL, ACQUIRE)) spawn_daemon();
+        if (krex_now_ns() > deadline) return fd;
+        usleep(50000);
+    }
+}
+
+static int send_all(int fd, const char *buf, size_t len) {
+    while (len > 0) {
+        ssize_t w = send(fd, buf, len, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? -ETIMEDOUT : -errno;
+        }
+        buf += w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Is krexd dead or hung: its heartbeat older than the timeout? 0 when unknown. */
+static int daemon_stale(void) {
+    struct krex_shm *shm = attach_shm();
+    if (!shm) return 0;
+    uint64_t hb = __atomic_load_n(&shm->hdr.heartbeat_ns, __ATOMIC_SEQ_CST);
+    uint64_t to = __atomic_load_n(&shm->hdr.heartbeat_timeout_ns, RELAXED);
+    uint64_t now = krex_now_ns();
+    return hb && now > hb && now - hb > (to ? to : KREX_HEARTBEAT_TIMEOUT_NS);
+}
+
+/* Read one reply line into buf (event lines skipped). As long as krexd beats this
+ * waits (a region may queue behind others); -ETIMEDOUT once it stops beating,
+ * -EPIPE when it closed the connection. */
+static int recv_line(int fd, char *buf, size_t n) {
+    size_t got = 0;
+    for (;;) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) {
+            if (daemon_stale()) return -ETIMEDOUT;
+            continue;
+        }
+        ssize_t k = recv(fd, buf + got, 1, 0);
+        if (k == 0) return -EPIPE;
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN) continue;
+            return -errno;
+        }
+        if (buf[got] == '\n') {
+            buf[got] = 0;
+            if (strstr(buf, "\"event\"")) {
+                got = 0;
+                continue;
+            }
+            return 0;
+        }
+        if (got + 2 < n) got++; /* an over-long line is truncated, never overflows */
+    }
+}
+
+static int conn_call(int fd, const char *req, char *rep, size_t n) {
+    int rc = send_all(fd, req, strlen(req));
+    return rc ? rc : recv_line(fd, rep, n);
+}
+
+static int json_int(const char *buf, const char *key, int *out) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(buf, pat);
+    if (!p) return -1;
+    return sscanf(p + strlen(pat), "%d", out) == 1 ? 0 : -1;
+}
+
+static int first_visible_gpu(void) {
+    return g_gpu >= 0 ? g_gpu : 0;
+}
+
+/* Opt-in processes (krex env, no KREX_SLOT) ask krexd for a slot once; the
+ * connection stays open for the process's life (krexd frees the slot when it
+ * closes). One thread registers; the others wait for it, holding no lock. */
+int krex_self_register(void) {
+    if (!g_need_selfreg) return 0;
+    int expect = 0;
+    if (!__atomic_compare_exchange_n(&g_selfreg, &expect, 1, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+        while (__atomic_load_n(&g_selfreg, ACQUIRE) == 1) usleep(1000);
+        return __atomic_load_n(&g_selfreg, ACQUIRE) == 2 ? 0 : -1;
+    }
+    char req[128], rep[4096];
+    int ok = -1, fd = conn_open();
+    if (fd >= 0) {
+        snprintf(req, sizeof req, "{\"op\":\"register\",\"gpu\":%d}\n", first_visible_gpu());
+        int slot = -1, gpu = -1;
+        if (conn_call(fd, req, rep, sizeof rep) == 0 && strstr(rep, "\"ok\":true") &&
+            json_int(rep, "slot", &slot) == 0 && json_int(rep, "gpu", &gpu) == 0) {
+            g_slot = slot;
+            g_gpu = gpu;
+            g_reg_conn = fd;
+            ok = 0;
+        } else {
+            close(fd);
+        }
+    }
+    __atomic_store_n(&g_selfreg, ok == 0 ? 2 : 3, RELEASE);
+    return ok;
+}
+
+/* Regions are lost (krexd gone, hung or stopping) without harming the caller:
+ * the marker returns an error and the process record says so. */
+static void region_lost(const char *what, int rc) {
+    set_flag(KREX_PF_DAEMON_LOST);
+    klog("region %s: lost krexd (%s); the region is not exclusive", what, strerror(-rc));
+}
+
+/* The C/C++ region markers (krex.h) resolve these at run time. 0 = granted or
+ * not under KREX; negative = refused or lost (errno value). A nested begin on the
+ * same thread is a no-op. */
+KREX_EXPORT int krex_region_begin(void) {
+    /* Meant to be under KREX but not attached (segment gone or damaged): say so, never
+     * pretend a region happened. */
+    if (mode_on() && !__atomic_load_n(&g_fast.gate, ACQUIRE)) krex_register();
+    if (__atomic_load_n(&g_attach_err, RELAXED)) return -__atomic_load_n(&g_attach_err, RELAXED);
+    if (!mode_on() || !g_sock_path[0]) return 0;
+    if (t_region_depth++ > 0) return 0;
+    /* Register first: krexd frees a slot made on a region's own connection with it. */
+    if (krex_self_register() != 0) {
+        t_region_depth = 0;
+        region_lost("begin", -ECONNREFUSED);
+        return -ECONNREFUSED;
+    }
+    char req[160], rep[16384];
+    snprintf(req, sizeof req, "{\"op\":\"begin\",\"tid\":%ld,\"gpu\":%d}\n", (long)syscall(SYS_gettid),
+             first_visible_gpu());
+    int fd = conn_open();
+    int rc = fd < 0 ? fd : conn_call(fd, req, rep, sizeof rep);
+    if (rc != 0 || !strstr(rep, "\"ok\":true")) {
+        if (fd >= 0) close(fd);
+        t_region_depth = 0;
+        if (rc != 0) {
+            region_lost("begin", rc);
+            return rc;
+        }
+        klog("region refused: %s", rep);
+        return -EIO;
+    }
+    t_region_fd = fd;
+    return 0;
+}
+
+/* 0 = the region was exclusive from BEGIN to END. -ETIMEDOUT = krexd cut it at
+ * --max-region before END (what ran after the cut was not protected). 1 = it ended
+ * but krexd flagged it (contaminated; `krex journal` says why). Other negative
+ * values: krexd was lost or did not answer. */
+KREX_EXPORT int krex_region_end(void) {
+    if (__atomic_load_n(&g_attach_err, RELAXED)) return -__atomic_load_n(&g_attach_err, RELAXED);
+    if (!mode_on() || !g_sock_path[0]) return 0;
+    if (t_region_depth <= 0) return -EINVAL;
+    if (--t_region_depth > 0) return 0;
+    int fd = t_region_fd;
+    t_region_fd = -1;
+    if (fd < 0) return -EIO;
+    char rep[16384];
+    int rc = conn_call(fd, "{\"op\":\"end\"}\n", rep, sizeof rep);
+    close(fd);
+    if (rc != 0) {
+        region_lost("end", rc);
+        return rc;
+    }
+    if (!strstr(rep, "\"ok\":true")) return -EIO;
+    /* krexd puts the verdict first ("clean", "cut"), before the long record. */
+    if (strstr(rep, "\"cut\":true")) return -ETIMEDOUT;
+    if (!strstr(rep, "\"clean\":true")) return 1;
+    return 0;
+}
+
+/* fork: the parent's connections stay the parent's; the child registers anew. */
+void krex_client_after_fork(void) {
+    if (g_reg_conn >= 0) close(g_reg_conn);
+    g_reg_conn = -1;
+    if (g_need_selfreg) g_selfreg = 0;
+    if (t_region_fd >= 0) close(t_region_fd);
+    t_region_fd = -1;
+    t_region_depth = 0;
+    g_spawned = 0;
+}

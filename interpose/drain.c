@@ -1,0 +1,250 @@
+/* The drain helper: one thread per registered process that synchronises the
+ * process's own GPU contexts when krexd asks (drain_seq) and acks (drain_ack),
+ * so a region starts with no sibling work left on the device. Also the context
+ * and graph-capture tracking the hooks feed it. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "shim.h"
+
+/* Graph captures are tracked per stream so the drain helper never synchronises a
+ * context while one of this process's streams is capturing (that would invalidate
+ * it). A stream leaves the table at its end of capture, failed or not, unless the
+ * vendor says it is still capturing (e.g. an end from the wrong thread): a failed
+ * end must not leave every later drain partial. */
+#define KREX_MAX_CAPTURES 64
+static void *g_cap_streams[KREX_MAX_CAPTURES];
+uint32_t g_captures;                 /* streams in the table, plus captures that did not fit */
+static uint32_t g_capture_overflow;
+
+static void captures_publish(void) {
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p) __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
+}
+
+void krex_capture_begin(void *stream) {
+    for (int i = 0; i < KREX_MAX_CAPTURES; i++) {
+        void *expect = NULL;
+        if (__atomic_compare_exchange_n(&g_cap_streams[i], &expect, stream, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+            __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+            captures_publish();
+            return;
+        }
+    }
+    __atomic_add_fetch(&g_capture_overflow, 1, RELAXED);
+    __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+    captures_publish();
+}
+
+/* 1 if the vendor reports `stream` still capturing; 0 if not or it cannot say. */
+static int capture_still_active(int api, void *stream) {
+    static const char *const names[KREX_N_APIS] = {"cudaStreamIsCapturing", "cuStreamIsCapturing",
+                                                   "hipStreamIsCapturing"};
+    typedef int (*fn_is_capturing)(void *, int *);
+    fn_is_capturing f = (fn_is_capturing)vendor_sym(api, names[api]);
+    int status = 0;
+    return f && f(stream, &status) == 0 && status == 1; /* 1: active in all three APIs */
+}
+
+void krex_capture_end(int api, void *stream) {
+    if (capture_still_active(api, stream)) return;
+    for (int i = 0; i < KREX_MAX_CAPTURES; i++) {
+        void *expect = stream;
+        if (stream && __atomic_compare_exchange_n(&g_cap_streams[i], &expect, NULL, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+            __atomic_sub_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+            captures_publish();
+            return;
+        }
+    }
+    /* Not in the table: one of the captures that did not fit ends. */
+    uint32_t o = __atomic_load_n(&g_capture_overflow, RELAXED);
+    while (o > 0 && !__atomic_compare_exchange_n(&g_capture_overflow, &o, o - 1, 0, RELAXED, RELAXED)) {
+    }
+    if (o > 0) {
+        __atomic_sub_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+        captures_publish();
+    }
+}
+
+#define KREX_MAX_CTX 32
+static void *g_ctxs[KREX_MAX_CTX];
+
+void krex_ctx_add(void *ctx) {
+    for (int i = 0; i < KREX_MAX_CTX; i++) {
+        void *expect = NULL;
+        if (__atomic_compare_exchange_n(&g_ctxs[i], &expect, ctx, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return;
+    }
+}
+
+void krex_ctx_del(void *ctx) {
+    for (int i = 0; i < KREX_MAX_CTX; i++) {
+        void *expect = ctx;
+        __atomic_compare_exchange_n(&g_ctxs[i], &expect, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    }
+}
+
+typedef CUresult (*fn_i_p)(void *);
+typedef CUresult (*fn_dev_state)(CUdevice, unsigned int *, int *);
+typedef CUresult (*fn_retain)(CUcontext *, CUdevice);
+typedef CUresult (*fn_release)(CUdevice);
+typedef CUresult (*fn_void)(void);
+typedef CUresult (*fn_setdev)(int);
+
+/* Synchronise the CUDA contexts this process already has; never create one. */
+static void drain_cuda(void) {
+    fn_i_p count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");
+    fn_dev_state state = (fn_dev_state)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxGetState");
+    fn_retain retain = (fn_retain)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRetain");
+    fn_release release = (fn_release)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRelease_v2");
+    fn_i_p push = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPushCurrent_v2");
+    fn_i_p pop = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPopCurrent_v2");
+    fn_void sync = (fn_void)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize");
+    if (!count || !state || !retain || !release || !push || !pop || !sync) return;
+    int n = 0;
+    if (count(&n) != CUDA_SUCCESS) return;
+    for (int d = 0; d < n; d++) {
+        unsigned int fl = 0;
+        int active = 0;
+        if (state(d, &fl, &active) != CUDA_SUCCESS || !active) continue;
+        CUcontext ctx = NULL;
+        if (retain(&ctx, d) != CUDA_SUCCESS) continue;
+        if (push(ctx) == CUDA_SUCCESS) {
+            sync();
+            CUcontext old;
+            pop(&old);
+        }
+        release(d);
+    }
+    for (int i = 0; i < KREX_MAX_CTX; i++) {
+        void *ctx = __atomic_load_n(&g_ctxs[i], __ATOMIC_ACQUIRE);
+        if (!ctx || push(ctx) != CUDA_SUCCESS) continue;
+        sync();
+        CUcontext old;
+        pop(&old);
+    }
+}
+
+static void drain_hip(void) {
+    fn_i_p count = (fn_i_p)vendor_sym(KREX_API_HIP, "hipGetDeviceCount");
+    fn_dev_state state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
+    fn_setdev setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
+    fn_void sync = (fn_void)vendor_sym(KREX_API_HIP, "hipDeviceSynchronize");
+    if (!count || !state || !setdev || !sync) return;
+    int n = 0;
+    if (count(&n) != hipSuccess) return;
+    for (int d = 0; d < n; d++) {
+        unsigned int fl = 0;
+        int active = 0;
+        if (state(d, &fl, &active) != hipSuccess || !active) continue;
+        if (setdev(d) == hipSuccess) sync();
+    }
+}
+
+int g_helper_started;
+static uint32_t g_helper_stop;  /* atomic: set at exit */
+static uint32_t g_helper_busy;  /* atomic: inside a drain */
+static pthread_t g_helper_thread;
+static pid_t g_helper_pid;      /* the process that started it (a fork child has none) */
+
+static void *krex_helper(void *arg) {
+    (void)arg;
+    prctl(PR_SET_NAME, "krex-drain", 0, 0, 0);
+    /* Relaxed capture mode on this thread: a context synchronise here must not
+     * invalidate a graph another thread is capturing (DESIGN.md consequence 7). */
+    typedef CUresult (*fn_xmode)(CUstreamCaptureMode *);
+    fn_xmode xmode = (fn_xmode)vendor_sym(KREX_API_DRIVER, "cuThreadExchangeStreamCaptureMode");
+    if (xmode) {
+        CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
+        xmode(&m);
+    }
+    struct krex_gpu *g = &g_shm->gpus[g_gpu];
+    struct krex_proc *p = g_proc;
+    uint32_t seen = __atomic_load_n(&p->drain_ack, __ATOMIC_SEQ_CST);
+    for (;;) {
+        __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
+        uint32_t cur = __atomic_load_n(&g->drain_seq, __ATOMIC_SEQ_CST);
+        if (cur == seen) {
+            krex_futex_wait(&g->drain_seq, cur, KREX_HELPER_RECHECK_NS);
+            continue;
+        }
+        /* Busy before the stop check: exit either sees busy, or we see stop. */
+        __atomic_store_n(&g_helper_busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
+        /* A context synchronise would invalidate a capture in progress: give
+         * the capture a moment to end, else ack as partial so the controller
+         * marks the grant contaminated instead of silently clean. */
+        uint64_t t0 = krex_now_ns();
+        while (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0 && krex_now_ns() - t0 < KREX_CAPTURE_WAIT_NS)
+            usleep(1000);
+        if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
+            __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
+            __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
+        } else {
+            drain_cuda();
+            drain_hip();
+        }
+        __atomic_fetch_add(&p->drains, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
+        seen = cur;
+    }
+    __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
+    return NULL;
+}
+
+/* At exit: no drain may start while the vendor libraries tear down, and one in
+ * progress is waited for (bounded). Registered with atexit when the helper
+ * starts, i.e. after the vendor runtime registered its own exit handlers, so it
+ * runs before them. */
+static void stop_helper(void) {
+    if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
+    __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    if (shm && g_gpu >= 0) krex_futex_wake(&shm->gpus[g_gpu].drain_seq); /* others just re-check */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += KREX_HEARTBEAT_TIMEOUT_NS / 1000000000;
+    if (pthread_timedjoin_np(g_helper_thread, NULL, &ts) != 0)
+        klog("drain helper still busy at exit; leaving it");
+    else
+        klog("drain helper stopped at exit");
+}
+
+void start_helper(void) {
+    sigset_t all, old;
+    sigfillset(&all);
+    /* The helper inherits a full mask, so process signals go to app threads. */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setstacksize(&a, 256 * 1024);
+    __atomic_store_n(&g_helper_stop, 0, __ATOMIC_SEQ_CST);
+    if (pthread_create(&g_helper_thread, &a, krex_helper, NULL) == 0) {
+        g_helper_pid = getpid();
+        __atomic_store_n(&g_helper_started, 1, RELEASE);
+        static int registered; /* atexit handlers survive fork: once per image is enough */
+        if (!registered) {
+            registered = 1;
+            atexit(stop_helper);
+        }
+    } else {
+        set_flag(KREX_PF_HELPER_FAILED);
+    }
+    pthread_attr_destroy(&a);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* fork: the child is a new process with no helper, no captures, no contexts yet. */
+void krex_drain_after_fork(void) {
+    __atomic_store_n(&g_helper_started, 0, RELAXED);
+    for (int i = 0; i < KREX_MAX_CAPTURES; i++) g_cap_streams[i] = NULL;
+    g_captures = g_capture_overflow = 0;
+    for (int i = 0; i < KREX_MAX_CTX; i++) g_ctxs[i] = NULL;
+}

@@ -1,0 +1,193 @@
+/* The wrappers, generated from the api_*.def tables (one X-macro expansion per
+ * table; no entry is listed anywhere else).
+ *
+ * For each entry there are KREX_NSLOT wrappers; wrapper 0 is exported under the
+ * real name (the PLT path), wrappers 1..3 are handed out by dlsym / GetProcAddress
+ * when those return a *different* real pointer for the same name (a _ptsz variant,
+ * another library copy). Each wrapper is bound to exactly one real pointer. */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim_fastpath.h"
+
+#define KREX_GET_FN(name, k)                                                           \
+    krex_fn_##name fn = (krex_fn_##name)__atomic_load_n(&krex_real[KREX_ID_##name][k], \
+                                                         __ATOMIC_ACQUIRE);            \
+    if (UNLIKELY(!fn)) fn = (krex_fn_##name)krex_resolve(KREX_ID_##name, k);           \
+    if (UNLIKELY(!fn)) return KREX_NOTFOUND;
+
+#define KREX_GATED(fname, name, k, cls, params, args) \
+    KREX_RET fname params {                           \
+        KREX_GET_FN(name, k)                          \
+        int krex_counted = krex_enter(cls);           \
+        KREX_RET krex_rc = fn args;                   \
+        krex_leave(krex_counted);                     \
+        return krex_rc;                               \
+    }
+#define KREX_BODY_KERNEL(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_KERNEL, p, a)
+#define KREX_BODY_COPY(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_COPY, p, a)
+#define KREX_BODY_MEMSET(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_MEMSET, p, a)
+#define KREX_BODY_GRAPH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_GRAPH, p, a)
+#define KREX_BODY_PREFETCH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_PREFETCH, p, a)
+
+static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint64_t flags);
+
+/* Lookups are not gated: call the real one, then swap in our wrapper. */
+#define KREX_BODY_LOOKUP(fname, name, k, params, args)                          \
+    KREX_RET fname params {                                                     \
+        KREX_GET_FN(name, k)                                                    \
+        KREX_RET krex_rc = fn args;                                             \
+        if (krex_rc == 0 && pfn && *pfn)                                        \
+            *pfn = krex_redirect(KREX_ID_##name, symbol, *pfn, (uint64_t)flags); \
+        return krex_rc;                                                         \
+    }
+/* Contexts are tracked so the drain helper can synchronise non-primary ones. */
+#define KREX_BODY_CTXNEW(fname, name, k, params, args)                \
+    KREX_RET fname params {                                           \
+        KREX_GET_FN(name, k)                                          \
+        KREX_RET krex_rc = fn args;                                   \
+        if (krex_rc == 0 && pctx) krex_ctx_add((void *)*pctx);        \
+        return krex_rc;                                               \
+    }
+#define KREX_BODY_CTXDEL(fname, name, k, params, args) \
+    KREX_RET fname params {                            \
+        KREX_GET_FN(name, k)                           \
+        krex_ctx_del((void *)ctx);                     \
+        return fn args;                                \
+    }
+
+#define KREX_FIRST_(a, ...) a
+#define KREX_FIRST(args) KREX_FIRST_ args /* every capture row's first argument is the stream */
+#define KREX_BODY_CAPBEGIN(fname, name, k, params, args)               \
+    KREX_RET fname params {                                            \
+        KREX_GET_FN(name, k)                                           \
+        KREX_RET krex_rc = fn args;                                    \
+        if (krex_rc == 0) krex_capture_begin((void *)KREX_FIRST(args)); \
+        return krex_rc;                                                \
+    }
+#define KREX_BODY_CAPEND(fname, name, k, params, args)                                      \
+    KREX_RET fname params {                                                                 \
+        KREX_GET_FN(name, k)                                                                \
+        KREX_RET krex_rc = fn args;                                                         \
+        krex_capture_end(krex_entries[KREX_ID_##name].api, (void *)KREX_FIRST(args));      \
+        return krex_rc;                                                                     \
+    }
+
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
+    typedef KREX_RET(*krex_fn_##name) params;                             \
+    KREX_EXPORT KREX_BODY_##cls(name, name, 0, params, args)              \
+    static KREX_BODY_##cls(krex_w1_##name, name, 1, params, args)         \
+    static KREX_BODY_##cls(krex_w2_##name, name, 2, params, args)         \
+    static KREX_BODY_##cls(krex_w3_##name, name, 3, params, args)
+
+#define KREX_RET cudaError_t
+#define KREX_NOTFOUND cudaErrorInitializationError
+#include "api_cudart.def"
+#undef KREX_RET
+#undef KREX_NOTFOUND
+#define KREX_RET CUresult
+#define KREX_NOTFOUND CUDA_ERROR_NOT_FOUND
+#include "api_driver.def"
+#undef KREX_RET
+#undef KREX_NOTFOUND
+#define KREX_RET hipError_t
+#define KREX_NOTFOUND hipErrorNotInitialized
+#include "api_hip.def"
+#undef KREX_RET
+#undef KREX_NOTFOUND
+#undef X
+
+void *const krex_wrappers[KREX_N_IDS][KREX_NSLOT] = {
+#define X(name, ...) \
+    [KREX_ID_##name] = {(void *)name, (void *)krex_w1_##name, (void *)krex_w2_##name, (void *)krex_w3_##name},
+#include "api_cudart.def"
+#include "api_driver.def"
+#include "api_hip.def"
+#undef X
+};
+
+int is_own_wrapper(void *p) {
+    /* Slow path only (dlsym / lookups): a linear scan is fine. */
+    for (int i = 0; i < KREX_N_IDS; i++)
+        for (int k = 0; k < KREX_NSLOT; k++)
+            if (krex_wrappers[i][k] == p) return 1;
+    return 0;
+}
+
+/* Bind `realp` to a wrapper of entry `id`: reuse the slot that already holds it
+ * or claim an empty one. If all slots hold other pointers the call escapes the
+ * gate; that is flagged, never silent. */
+void *krex_bind(int id, void *realp) {
+    if (is_own_wrapper(realp)) return realp;
+    for (int k = 0; k < KREX_NSLOT; k++) {
+        void *cur = __atomic_load_n(&krex_real[id][k], __ATOMIC_ACQUIRE);
+        if (cur == NULL && k == 0) cur = krex_resolve(id, 0);
+        if (cur == realp) return krex_wrappers[id][k];
+        if (cur == NULL) {
+            void *expect = NULL;
+            if (__atomic_compare_exchange_n(&krex_real[id][k], &expect, realp, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE) ||
+                expect == realp)
+                return krex_wrappers[id][k];
+        }
+    }
+    set_flag(KREX_PF_LOOKUP_FALLBACK);
+    klog("all %d wrapper slots of %s are taken; passing a real pointer", KREX_NSLOT,
+         krex_entries[id].name);
+    return realp;
+}
+
+/* Name -> entry id, by binary search over a sorted index built at load time. */
+static int g_sorted[KREX_N_IDS];
+static int g_nsorted;
+
+static int cmp_ids(const void *a, const void *b) {
+    return strcmp(krex_entries[*(const int *)a].name, krex_entries[*(const int *)b].name);
+}
+
+void krex_hooks_init(void) {
+    for (int i = 0; i < KREX_N_IDS; i++)
+        if (krex_entries[i].name) g_sorted[g_nsorted++] = i;
+    qsort(g_sorted, (size_t)g_nsorted, sizeof(int), cmp_ids);
+}
+
+KREX_NO_SANITIZE int krex_find(const char *name) {
+    int lo = 0, hi = g_nsorted - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        int c = strcmp(name, krex_entries[g_sorted[mid]].name);
+        if (c == 0) return g_sorted[mid];
+        if (c < 0) hi = mid - 1;
+        else lo = mid + 1;
+    }
+    return -1;
+}
+
+static int version_of(const char *name) {
+    const char *v = strstr(name, "_v");
+    return v ? atoi(v + 2) : 1;
+}
+
+/* GetProcAddress redirection. The lookup returns the real pointer for the
+ * variant it chose (default or per-thread stream, ABI version); find the table
+ * entry with that exact pointer, or else the best match by flags and version. */
+static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint64_t flags) {
+    if (!mode_on() || !symbol || is_own_wrapper(realp)) return realp;
+    int api = krex_entries[lookup_id].api == KREX_API_HIP ? KREX_API_HIP : KREX_API_DRIVER;
+    int best = -1;
+    int want_pt = (flags & 2) != 0; /* *_PER_THREAD_DEFAULT_STREAM is 2 in all three APIs */
+    for (int i = 0; i < KREX_N_IDS; i++) {
+        const struct krex_entry *e = &krex_entries[i];
+        if (!e->name || e->api != api || strcmp(e->lookup, symbol) != 0) continue;
+        void *r = __atomic_load_n(&krex_real[i][0], __ATOMIC_ACQUIRE);
+        if (!r) r = krex_resolve(i, 0);
+        if (r == realp) return krex_bind(i, realp);
+        if (e->variant == KREX_VAR_V1 || (e->variant == KREX_VAR_PT) != want_pt) continue;
+        if (best < 0 || version_of(e->name) > version_of(krex_entries[best].name)) best = i;
+    }
+    if (best < 0) return realp; /* not something we gate */
+    set_flag(KREX_PF_LOOKUP_FALLBACK);
+    return krex_bind(best, realp);
+}
+

@@ -1,0 +1,230 @@
+/* Finding the real entry points behind our wrappers, and the dlsym we export.
+ * glibc's own dlsym is found without calling dlsym (ours): by symbol version, else
+ * from libc's dynamic symbol table. Everything here may run before our
+ * constructor, or inside a sanitizer runtime's start-up. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
+#include <string.h>
+
+#include "shim.h"
+
+void *krex_real[KREX_N_IDS][KREX_NSLOT];
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn g_real_dlsym; /* atomic */
+/* Our own dlsym, by a hidden name: a reference to "dlsym" could bind to libc's. */
+extern void *krex_self_dlsym(void *, const char *) __attribute__((visibility("hidden")));
+
+/* glibc's dlsym by version: 2.34 moved it into libc; before that its base version
+ * is the architecture's first glibc (2.2.5 x86_64, 2.17 aarch64, 2.0 i386, 2.3
+ * ppc64, 2.4 arm, 2.27 riscv64, 2.36 loongarch64). dlvsym itself is not ours. */
+KREX_NO_SANITIZE static void *libc_by_version(const char *name) {
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0",
+                                           "GLIBC_2.3",  "GLIBC_2.4",   "GLIBC_2.27", "GLIBC_2.36",
+                                           "GLIBC_2.1",  "GLIBC_2.29",  "GLIBC_2.35", NULL};
+    for (int i = 0; versions[i]; i++) {
+        void *p = dlvsym(RTLD_NEXT, name, versions[i]);
+        if (p && p != (void *)krex_self_dlsym) return p;
+    }
+    return NULL;
+}
+
+KREX_NO_SANITIZE static void *dlsym_by_version(void) { return libc_by_version("dlsym"); }
+
+/* glibc's own dlopen/dlclose for the RTLD_NEXT search below: a sanitizer runtime
+ * intercepts them and may call our dlsym before its interceptors work. */
+typedef void *(*dlopen_fn)(const char *, int);
+typedef int (*dlclose_fn)(void *);
+static dlopen_fn g_real_dlopen;
+static dlclose_fn g_real_dlclose;
+
+KREX_NO_SANITIZE static void real_dl_init(void) {
+    if (__atomic_load_n(&g_real_dlclose, __ATOMIC_ACQUIRE)) return;
+    dlopen_fn o = (dlopen_fn)libc_by_version("dlopen");
+    dlclose_fn c = (dlclose_fn)libc_by_version("dlclose");
+    __atomic_store_n(&g_real_dlopen, o ? o : dlopen, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_real_dlclose, c ? c : dlclose, __ATOMIC_RELEASE);
+}
+
+/* The fallback when no version above matches (a new architecture, another base):
+ * read the default-versioned "dlsym" straight from libc's (or libdl's) dynamic
+ * symbol table, through its GNU or SysV hash table. */
+struct elf_find {
+    const char *name;
+    void *addr;
+};
+
+KREX_NO_SANITIZE static uint32_t elf_gnu_hash(const char *s) {
+    uint32_t h = 5381;
+    for (; *s; s++) h = h * 33 + (unsigned char)*s;
+    return h;
+}
+
+KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct elf_find *f = data;
+    const char *n = info->dlpi_name;
+    if (!n || (!strstr(n, "/libc.so") && !strstr(n, "/libdl.so") && strncmp(n, "libc.so", 7) != 0)) return 0;
+    const ElfW(Dyn) *dyn = NULL;
+    for (int i = 0; i < info->dlpi_phnum; i++)
+        if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
+            dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+    if (!dyn) return 0;
+    const ElfW(Sym) *symtab = NULL;
+    const char *strtab = NULL;
+    const uint32_t *gnu = NULL, *sysv = NULL;
+    const ElfW(Half) *versym = NULL;
+    for (; dyn->d_tag != DT_NULL; dyn++) {
+        /* Most ports relocate these to addresses; a few (RISC-V, MIPS) keep offsets. */
+        ElfW(Addr) v = dyn->d_un.d_ptr;
+        if (v < info->dlpi_addr) v += info->dlpi_addr;
+        switch (dyn->d_tag) {
+        case DT_SYMTAB: symtab = (const ElfW(Sym) *)v; break;
+        case DT_STRTAB: strtab = (const char *)v; break;
+        case DT_GNU_HASH: gnu = (const uint32_t *)v; break;
+        case DT_HASH: sysv = (const uint32_t *)v; break;
+        case DT_VERSYM: versym = (const ElfW(Half) *)v; break;
+        default: break;
+        }
+    }
+    if (!symtab || !strtab) return 0;
+#define ELF_MATCH(i)                                                                             \
+    (symtab[i].st_shndx != SHN_UNDEF && strcmp(strtab + symtab[i].st_name, f->name) == 0 &&     \
+     (!versym || !(versym[i] & 0x8000)))
+    if (gnu) {
+        uint32_t nb = gnu[0], off = gnu[1], bloom = gnu[2];
+        const uint32_t *buckets = (const uint32_t *)((const ElfW(Addr) *)&gnu[4] + bloom);
+        const uint32_t *chain = buckets + nb;
+        uint32_t h = elf_gnu_hash(f->name);
+        for (uint32_t i = nb ? buckets[h % nb] : 0; i >= off && i != 0; i++) {
+            uint32_t h2 = chain[i - off];
+            if ((h | 1) == (h2 | 1) && ELF_MATCH(i)) {
+                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                return 1;
+            }
+            if (h2 & 1) break;
+        }
+    } else if (sysv) {
+        for (uint32_t i = 0; i < sysv[1]; i++)
+            if (ELF_MATCH(i)) {
+                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                return 1;
+            }
+    }
+#undef ELF_MATCH
+    return 0;
+}
+
+KREX_NO_SANITIZE static void *dlsym_from_elf(void) {
+    struct elf_find f = {"dlsym", NULL};
+    dl_iterate_phdr(elf_find_cb, &f);
+    return f.addr != (void *)krex_self_dlsym ? f.addr : NULL;
+}
+
+KREX_NO_SANITIZE static dlsym_fn find_real_dlsym(void) {
+    void *p = dlsym_by_version();
+    if (!p) p = dlsym_from_elf();
+    return (dlsym_fn)p;
+}
+
+KREX_NO_SANITIZE static void *real_dlsym(void *h, const char *name) {
+    dlsym_fn fn = __atomic_load_n(&g_real_dlsym, ACQUIRE);
+    if (UNLIKELY(!fn)) {
+        fn = find_real_dlsym();
+        if (!fn) return NULL;
+        __atomic_store_n(&g_real_dlsym, fn, RELEASE);
+    }
+    return fn(h, name);
+}
+
+/* For tests: the real dlsym as each method finds it (0 by version, 1 from the ELF). */
+KREX_EXPORT void *krex_shim_dlsym_probe(int method) { return method ? dlsym_from_elf() : dlsym_by_version(); }
+
+static const char *const krex_sonames[KREX_N_APIS][4] = {
+    {"libcudart.so.13", "libcudart.so.12", "libcudart.so", NULL},
+    {"libcuda.so.1", "libcuda.so", NULL, NULL},
+    {"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", NULL},
+};
+
+/* Find `name` in an already-loaded vendor library; never loads one. */
+void *vendor_sym(int api, const char *name) {
+    for (int i = 0; krex_sonames[api][i]; i++) {
+        void *h = dlopen(krex_sonames[api][i], RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        void *p = real_dlsym(h, name);
+        dlclose(h);
+        if (p) return p;
+    }
+    return NULL;
+}
+
+/* Resolve slot 0 (the exported wrapper's target) by name. */
+void *krex_resolve(int id, int k) {
+    if (k != 0) return NULL; /* other slots are only ever bound, never resolved */
+    const struct krex_entry *e = &krex_entries[id];
+    void *p = real_dlsym(RTLD_NEXT, e->name);
+    if (!p || is_own_wrapper(p)) p = vendor_sym(e->api, e->name);
+    if (!p || is_own_wrapper(p)) {
+        set_flag(KREX_PF_NO_REAL);
+        klog("no real %s found", e->name);
+        return NULL;
+    }
+    void *expect = NULL;
+    if (!__atomic_compare_exchange_n(&krex_real[id][0], &expect, p, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return expect;
+    return p;
+}
+
+/* RTLD_NEXT relative to `caller`: real dlsym would take the caller to be us. */
+KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *name) {
+    Dl_info info;
+    struct link_map *self = NULL;
+    dladdr1((void *)krex_shim_active, &info, (void **)&self, RTLD_DL_LINKMAP);
+    int self_after = 0;
+    for (struct link_map *l = caller->l_next; l && self; l = l->l_next)
+        if (l == self) self_after = 1;
+    real_dl_init();
+    dlopen_fn o = __atomic_load_n(&g_real_dlopen, __ATOMIC_ACQUIRE);
+    dlclose_fn c = __atomic_load_n(&g_real_dlclose, __ATOMIC_ACQUIRE);
+    void *p = NULL;
+    /* The objects after the caller (and before us, when the caller precedes us), one
+     * by one. dlopen(RTLD_NOLOAD) is never aimed at us: that would run our
+     * constructor early when the caller is a preloaded library still initialising
+     * (a sanitizer runtime resolves its interceptors like that). */
+    for (struct link_map *l = caller->l_next; l && l != self && !p; l = l->l_next) {
+        if (!l->l_name || !l->l_name[0]) continue;
+        void *h = o(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        p = real_dlsym(h, name);
+        c(h);
+    }
+    if (p || !self_after) return p;
+    /* Then us (what we export), then everything after us: plain RTLD_NEXT from here. */
+    int id = krex_find(name);
+    if (id >= 0) return krex_wrappers[id][0];
+    return real_dlsym(RTLD_NEXT, name);
+}
+
+KREX_EXPORT KREX_NO_SANITIZE void *dlsym(void *handle, const char *name) {
+    void *p;
+    if (handle == RTLD_NEXT) {
+        Dl_info info;
+        struct link_map *lm = NULL;
+        p = NULL;
+        if (dladdr1(__builtin_return_address(0), &info, (void **)&lm, RTLD_DL_LINKMAP) && lm)
+            p = dlsym_next(lm, name);
+    } else {
+        p = real_dlsym(handle, name);
+    }
+    if (!p || !mode_on()) return p;
+    int id = krex_find(name);
+    return id < 0 ? p : krex_bind(id, p);
+}
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpragmas"
+#pragma GCC diagnostic ignored "-Wmissing-attributes" /* glibc's nonnull/leaf on dlsym: irrelevant here */
+void *krex_self_dlsym(void *, const char *) __attribute__((alias("dlsym")));
+#pragma GCC diagnostic pop

@@ -1,0 +1,89 @@
+/* Private to libkrex_interpose.so: what its parts (shim.c, hooks.c, resolve.c,
+ * drain.c, client.c) share. Everything declared here is hidden: nothing leaks
+ * into the application's symbol namespace, and hidden data is reached
+ * PC-relative, so splitting the shim into files costs the fast path nothing. */
+#ifndef KREX_SHIM_H
+#define KREX_SHIM_H
+#include <pthread.h>
+#include <stdint.h>
+
+#include "krex_core.h"
+#include "krex_tables.h"
+
+#define KREX_NSLOT 4
+#define KREX_EXPORT __attribute__((visibility("default")))
+/* dlsym and what it calls run before our constructor, and before a sanitizer
+ * runtime has set itself up: it resolves its interceptors through dlsym, which is
+ * ours. So under `make sanitize` that path is left uninstrumented. */
+#define KREX_NO_SANITIZE __attribute__((no_sanitize("thread", "address")))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+#define RELAXED __ATOMIC_RELAXED
+#define ACQUIRE __ATOMIC_ACQUIRE
+#define RELEASE __ATOMIC_RELEASE
+
+enum { MODE_OFF = 0, MODE_ON = 1 };
+
+#pragma GCC visibility push(hidden)
+
+/* shim.c: process state, set once at load or by registration. */
+extern int g_mode;                    /* atomic: registration may switch it off */
+extern int g_log;
+extern char g_shm_name[128];
+extern int g_slot;
+extern int g_gpu;
+extern struct krex_shm *g_shm;        /* atomic pointer: published once attached */
+extern struct krex_proc *g_proc;
+extern int g_attach_err;              /* why we could not attach the segment we were told to use */
+extern uint32_t g_pending_flags;
+/* Held only for short, local work (attach, record, helper start): never across a
+ * connect, a krexd reply or a grant, so fork (prepare handler) never waits long. */
+extern pthread_mutex_t g_reg_lock;
+void klog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int krex_register(void);
+int krex_wait_gate(uint32_t word);
+struct krex_shm *attach_shm(void);
+
+KREX_NO_SANITIZE static inline int mode_on(void) { return __atomic_load_n(&g_mode, RELAXED) == MODE_ON; }
+
+static inline void set_flag(uint32_t f) {
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p) __atomic_or_fetch(&p->flags, f, RELAXED);
+    else __atomic_or_fetch(&g_pending_flags, f, RELAXED);
+}
+
+/* resolve.c: the real entry points behind our wrappers, and dlsym. */
+extern void *krex_real[KREX_N_IDS][KREX_NSLOT];
+void *vendor_sym(int api, const char *name);
+void *krex_resolve(int id, int k);
+
+/* hooks.c: the wrappers generated from the api_*.def tables. */
+extern void *const krex_wrappers[KREX_N_IDS][KREX_NSLOT];
+void krex_hooks_init(void);
+int is_own_wrapper(void *p);
+void *krex_bind(int id, void *realp);
+KREX_NO_SANITIZE int krex_find(const char *name);
+
+/* drain.c: context and capture tracking, and the drain helper thread. */
+extern int g_helper_started;          /* atomic */
+extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
+void krex_ctx_add(void *ctx);
+void krex_ctx_del(void *ctx);
+void krex_capture_begin(void *stream);
+void krex_capture_end(int api, void *stream);
+void start_helper(void);
+void krex_drain_after_fork(void);
+
+/* client.c: krexd connections (self-registration, C/C++ regions). */
+extern char g_sock_path[108];
+extern char g_daemon_cmd[1024];
+extern int g_need_selfreg;            /* set once at load: no KREX_SLOT, register with krexd */
+int krex_self_register(void);
+void krex_client_after_fork(void);
+
+#pragma GCC visibility pop
+
+KREX_EXPORT int krex_shim_active(void);
+
+#endif

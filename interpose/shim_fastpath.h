@@ -1,0 +1,49 @@
+/* The submission fast path, inlined into every gated wrapper (hooks.c): a TLS
+ * depth check, one seq_cst increment, one seq_cst load. No locks, no syscalls,
+ * no allocation; everything slow is behind krex_register / krex_wait_gate. */
+#ifndef KREX_SHIM_FASTPATH_H
+#define KREX_SHIM_FASTPATH_H
+#include "shim.h"
+
+#pragma GCC visibility push(hidden)
+/* Everything the fast path reads, set once by krex_register(). `gate` is
+ * published last with a release store and read with an acquire load, so a thread
+ * that sees it also sees the other fields (this matters on aarch64, e.g. GH200). */
+struct krex_fast {
+    uint32_t *gate;     /* NULL until this process registered */
+    uint32_t *inflight;
+    uint64_t *submits;
+    uint32_t owner_byte;
+};
+extern struct krex_fast g_fast;
+extern __thread int t_depth __attribute__((tls_model("initial-exec")));
+#pragma GCC visibility pop
+
+static inline int krex_enter(int cls) {
+    if (UNLIKELY(t_depth++ != 0)) return 0; /* nested (a library calling itself) */
+    uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
+    if (UNLIKELY(gate == NULL)) {
+        if (!mode_on() || !krex_register()) return 0;
+        gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
+    }
+    uint32_t *inflight = g_fast.inflight;
+    for (;;) {
+        __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
+        uint32_t w = __atomic_load_n(gate, __ATOMIC_SEQ_CST);
+        if (LIKELY(w == KREX_GATE_OPEN || (w & 0xff) == g_fast.owner_byte)) break;
+        __atomic_fetch_sub(inflight, 1, __ATOMIC_SEQ_CST);
+        if (krex_wait_gate(w)) { /* holder is gone: fail open */
+            __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
+            break;
+        }
+    }
+    __atomic_fetch_add(&g_fast.submits[cls], 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+static inline void krex_leave(int counted) {
+    if (counted) __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_RELEASE);
+    t_depth--;
+}
+
+#endif
