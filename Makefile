@@ -17,7 +17,7 @@ install: ## Create .venv, install KREX editable with dev extras, build shim + si
 
 native: ## Rebuild only the C artifacts into krex/_lib (after editing interpose/)
 	$(PY) krex_build.py krex/_lib
-	$(PY) setup.py -q build_ext --inplace
+	$(PY) krex_build.py --cffi
 
 test: ## Run the whole test suite (unit + integration; gpu tests skip without a GPU)
 	$(PY) -m pytest -q tests

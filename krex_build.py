@@ -37,20 +37,54 @@ SHIM_SOURCES = ("shim.c", "hooks.c", "resolve.c", "drain.c", "client.c", "krex_c
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-fvisibility=hidden"]
 
 
+def op_rows() -> list[tuple[str, int, str, str]]:
+    """The KREX_OPS table of krex_abi.h: (NAME, code, request body, reply body)."""
+    abi = (INTERPOSE / "krex_abi.h").read_text()
+    table = abi.split("#define KREX_OPS(X)", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"X\((\w+),\s*(\d+),\s*(\w+),\s*(\w+)\)", table)
+    return [(n, int(c), rq, rp) for n, c, rq, rp in rows]
+
+
 def cdef_text() -> str:
     """The ABI header plus the core's CDEF block, with the preprocessor lines
-    cffi cannot read removed. Nothing is copied by hand."""
+    cffi cannot read removed, and the KREX_OPS rows as KREX_OP_* constants.
+    Nothing is copied by hand."""
     abi = (INTERPOSE / "krex_abi.h").read_text()
     keep = []
+    continued = False
     for line in abi.splitlines():
-        if line.startswith("#"):
+        if continued or line.startswith("#"):
+            continued = line.rstrip().endswith("\\")
             if re.match(r"#define\s+KREX_\w+\s+-?\d+\s*$", line):
                 keep.append(line)
             continue
+        if "KREX_OPS(" in line:  # the C enum made from the table; cffi gets constants below
+            continue
         keep.append(line)
+    keep += [f"#define KREX_OP_{n} {c}" for n, c, _rq, _rp in op_rows()]
     core = (INTERPOSE / "krex_core.h").read_text()
     block = core.split("/* CDEF-BEGIN */")[1].split("/* CDEF-END */")[0]
-    return "\n".join(keep) + "\n" + block + "\nvoid krex_abi_layout_c(size_t *out, int n);\n"
+    return "\n".join(keep) + "\n" + block + "\n" + OPS_CDEF + "void krex_abi_layout_c(size_t *out, int n);\n"
+
+
+# The KREX_OPS table for Python (krex/protocol.py), expanded by the C preprocessor
+# from the header's rows, so the op list exists once.
+OPS_CDEF = """
+struct krex_op_row { const char *name; int code; const char *request; const char *reply; };
+int krex_op_rows(const struct krex_op_row **rows);
+"""
+OPS_C = r"""
+struct krex_op_row { const char *name; int code; const char *request; const char *reply; };
+static const struct krex_op_row krex_op_table[] = {
+#define KREX_OP_ROW_(name, code, req, rep) {#name, code, #req, #rep},
+    KREX_OPS(KREX_OP_ROW_)
+#undef KREX_OP_ROW_
+};
+int krex_op_rows(const struct krex_op_row **rows) {
+    *rows = krex_op_table;
+    return (int)(sizeof krex_op_table / sizeof krex_op_table[0]);
+}
+"""
 
 
 # Offsets as C sees them, for tests/unit/test_abi.py to compare with cffi's.
@@ -66,6 +100,10 @@ void krex_abi_layout_c(size_t *out, int n) {
         F(krex_gpu, fail_opens), F(krex_slot, inflight), F(krex_slot, generation),
         F(krex_proc, inflight), F(krex_proc, drain_ack), F(krex_proc, submits), F(krex_proc, blocked_ns),
         F(krex_proc, drains), F(krex_shm, gpus), F(krex_shm, slots), F(krex_shm, procs),
+        sizeof(struct krex_msg_hdr), sizeof(struct krex_req_register), sizeof(struct krex_rep_register),
+        sizeof(struct krex_req_begin), sizeof(struct krex_rep_begin), sizeof(struct krex_rep_end),
+        F(krex_msg_hdr, op), F(krex_msg_hdr, status), F(krex_msg_hdr, body_len), F(krex_msg_hdr, json_len),
+        F(krex_req_begin, gpu), F(krex_rep_end, cut),
     };
     for (int i = 0; i < n && i < (int)(sizeof v / sizeof v[0]); i++) out[i] = v[i];
 }
@@ -75,7 +113,7 @@ ffibuilder = FFI()
 ffibuilder.cdef(cdef_text())
 ffibuilder.set_source(
     "krex._native",
-    '#include "krex_core.h"\n' + LAYOUT_C,
+    '#include "krex_core.h"\n' + LAYOUT_C + OPS_C,
     sources=[os.path.relpath(INTERPOSE / "krex_core.c", ROOT)],
     include_dirs=[os.path.relpath(INTERPOSE, ROOT)],
     extra_compile_args=["-O2"],
@@ -290,6 +328,24 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
     return sorted(out.iterdir())
 
 
+def build_cffi_inplace() -> Path:
+    """`make native`: krex/_native.abi3.so from the same ffibuilder, without setuptools
+    (a dev venv's may be too old to read pyproject.toml)."""
+    import sysconfig
+
+    src = ROOT / "build" / "_native.c"
+    src.parent.mkdir(exist_ok=True)
+    ffibuilder.emit_c_code(str(src))
+    out = ROOT / "krex" / "_native.abi3.so"
+    inc = sysconfig.get_paths()["include"]
+    core = str(INTERPOSE / "krex_core.c")
+    _cc([*CFLAGS, "-shared", f"-I{inc}", f"-I{INTERPOSE}", "-o", str(out), str(src), core])
+    return out
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--cffi"]:
+        print(build_cffi_inplace())
+        sys.exit(0)
     for f in build_native(sys.argv[1] if len(sys.argv) > 1 else ROOT / "krex" / "_lib"):
         print(f)

@@ -28,8 +28,10 @@ static int g_spawned;                     /* atomic: this process already starte
 static __thread int t_region_depth;
 static __thread int t_region_fd = -1;     /* the connection that began this thread's region */
 
-/* One JSON line each way over the daemon's Unix socket. The daemon learns who
- * we are from SO_PEERCRED; the message carries only what it cannot know.
+/* One frame each way over the daemon's Unix socket, as krex_abi.h defines it (the
+ * header, then the op's fixed struct; C never reads the JSON part, it skips it).
+ * The daemon learns who we are from SO_PEERCRED; the message carries only what it
+ * cannot know.
  *
  * Nothing here can kill or hang the application: sends use MSG_NOSIGNAL (a
  * vanished krexd is EPIPE, never SIGPIPE), connecting and sending time out after
@@ -128,12 +130,13 @@ static int daemon_stale(void) {
     return hb && now > hb && now - hb > (to ? to : KREX_HEARTBEAT_TIMEOUT_NS);
 }
 
-/* Read one reply line into buf (event lines skipped). As long as krexd beats this
+/* Read exactly n bytes (buf NULL: read and drop them). As long as krexd beats this
  * waits (a region may queue behind others); -ETIMEDOUT once it stops beating,
  * -EPIPE when it closed the connection. */
-static int recv_line(int fd, char *buf, size_t n) {
+static int recv_full(int fd, void *buf, size_t n) {
+    char sink[512];
     size_t got = 0;
-    for (;;) {
+    while (got < n) {
         struct pollfd pf = {fd, POLLIN, 0};
         int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
         if (r < 0) {
@@ -144,35 +147,60 @@ static int recv_line(int fd, char *buf, size_t n) {
             if (daemon_stale()) return -ETIMEDOUT;
             continue;
         }
-        ssize_t k = recv(fd, buf + got, 1, 0);
+        size_t want = n - got;
+        if (!buf && want > sizeof sink) want = sizeof sink;
+        ssize_t k = recv(fd, buf ? (char *)buf + got : sink, want, 0);
         if (k == 0) return -EPIPE;
         if (k < 0) {
             if (errno == EINTR || errno == EAGAIN) continue;
             return -errno;
         }
-        if (buf[got] == '\n') {
-            buf[got] = 0;
-            if (strstr(buf, "\"event\"")) {
-                got = 0;
-                continue;
-            }
-            return 0;
-        }
-        if (got + 2 < n) got++; /* an over-long line is truncated, never overflows */
+        got += (size_t)k;
     }
+    return 0;
 }
 
-static int conn_call(int fd, const char *req, char *rep, size_t n) {
-    int rc = send_all(fd, req, strlen(req));
-    return rc ? rc : recv_line(fd, rep, n);
+/* Send one request frame (krex_abi.h: header, the op's fixed body, no JSON). */
+static int send_msg(int fd, enum krex_op op, const void *body, uint32_t len) {
+    struct {
+        struct krex_msg_hdr h;
+        char body[64];
+    } f;
+    memset(&f, 0, sizeof f);
+    f.h.magic = KREX_WIRE_MAGIC;
+    f.h.op = (uint16_t)op;
+    f.h.body_len = len;
+    if (len > sizeof f.body) return -EINVAL;
+    if (len) memcpy(f.body, body, len);
+    return send_all(fd, (const char *)&f, sizeof f.h + len);
 }
 
-static int json_int(const char *buf, const char *key, int *out) {
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = strstr(buf, pat);
-    if (!p) return -1;
-    return sscanf(p + strlen(pat), "%d", out) == 1 ? 0 : -1;
+/* Read the reply to a request: event frames are skipped; an ok reply's fixed body
+ * (exactly `len` bytes, else -EPROTO) goes to `body`, and the JSON part is dropped
+ * (its start kept in `why`, for the log, when the reply is an error). Returns the
+ * header's status (KREX_ST_*) or a negative errno. */
+static int recv_reply(int fd, void *body, uint32_t len, char *why, size_t why_n) {
+    if (why_n) why[0] = 0;
+    for (;;) {
+        struct krex_msg_hdr h;
+        int rc = recv_full(fd, &h, sizeof h);
+        if (rc) return rc;
+        if (h.magic != KREX_WIRE_MAGIC || (uint64_t)h.body_len + h.json_len > KREX_WIRE_MAX) return -EPROTO;
+        if (h.op == KREX_OP_EVENT) {
+            if ((rc = recv_full(fd, NULL, (size_t)h.body_len + h.json_len))) return rc;
+            continue;
+        }
+        if (h.status == KREX_ST_OK && h.body_len != len) return -EPROTO;
+        if (h.status == KREX_ST_OK) rc = recv_full(fd, body, len);
+        else rc = recv_full(fd, NULL, h.body_len);
+        if (rc) return rc;
+        size_t keep = h.status != KREX_ST_OK && why_n ? h.json_len : 0;
+        if (keep > why_n - 1) keep = why_n - 1;
+        if (keep && (rc = recv_full(fd, why, keep))) return rc;
+        if (keep) why[keep] = 0;
+        if ((rc = recv_full(fd, NULL, h.json_len - keep))) return rc;
+        return h.status;
+    }
 }
 
 static int first_visible_gpu(void) {
@@ -189,18 +217,20 @@ int krex_self_register(void) {
         while (__atomic_load_n(&g_selfreg, ACQUIRE) == 1) usleep(1000);
         return __atomic_load_n(&g_selfreg, ACQUIRE) == 2 ? 0 : -1;
     }
-    char req[128], rep[4096];
     int ok = -1, fd = conn_open();
     if (fd >= 0) {
-        snprintf(req, sizeof req, "{\"op\":\"register\",\"gpu\":%d}\n", first_visible_gpu());
-        int slot = -1, gpu = -1;
-        if (conn_call(fd, req, rep, sizeof rep) == 0 && strstr(rep, "\"ok\":true") &&
-            json_int(rep, "slot", &slot) == 0 && json_int(rep, "gpu", &gpu) == 0) {
-            g_slot = slot;
-            g_gpu = gpu;
+        struct krex_req_register req = {.gpu = first_visible_gpu()};
+        struct krex_rep_register rep;
+        char why[256];
+        int rc = send_msg(fd, KREX_OP_REGISTER, &req, sizeof req);
+        if (rc == 0) rc = recv_reply(fd, &rep, sizeof rep, why, sizeof why);
+        if (rc == KREX_ST_OK) {
+            g_slot = rep.slot;
+            g_gpu = rep.gpu;
             g_reg_conn = fd;
             ok = 0;
         } else {
+            klog("register refused (%d): %s", rc, why);
             close(fd);
         }
     }
@@ -231,21 +261,23 @@ KREX_EXPORT int krex_region_begin(void) {
         region_lost("begin", -ECONNREFUSED);
         return -ECONNREFUSED;
     }
-    char req[160], rep[16384];
-    snprintf(req, sizeof req, "{\"op\":\"begin\",\"tid\":%ld,\"gpu\":%d}\n", (long)syscall(SYS_gettid),
-             first_visible_gpu());
+    struct krex_req_begin req = {.tid = (int64_t)syscall(SYS_gettid), .gpu = first_visible_gpu()};
+    struct krex_rep_begin rep;
+    char why[512];
     int fd = conn_open();
-    int rc = fd < 0 ? fd : conn_call(fd, req, rep, sizeof rep);
-    if (rc != 0 || !strstr(rep, "\"ok\":true")) {
+    int rc = fd < 0 ? fd : send_msg(fd, KREX_OP_BEGIN, &req, sizeof req);
+    if (rc == 0) rc = recv_reply(fd, &rep, sizeof rep, why, sizeof why);
+    if (rc != KREX_ST_OK) {
         if (fd >= 0) close(fd);
         t_region_depth = 0;
-        if (rc != 0) {
+        if (rc < 0) {
             region_lost("begin", rc);
             return rc;
         }
-        klog("region refused: %s", rep);
+        klog("region refused: %s", why);
         return -EIO;
     }
+    klog("region granted: slot %d gpu %d", rep.slot, rep.gpu);
     t_region_fd = fd;
     return 0;
 }
@@ -262,18 +294,21 @@ KREX_EXPORT int krex_region_end(void) {
     int fd = t_region_fd;
     t_region_fd = -1;
     if (fd < 0) return -EIO;
-    char rep[16384];
-    int rc = conn_call(fd, "{\"op\":\"end\"}\n", rep, sizeof rep);
+    struct krex_rep_end rep;
+    char why[512];
+    int rc = send_msg(fd, KREX_OP_END, NULL, 0);
+    if (rc == 0) rc = recv_reply(fd, &rep, sizeof rep, why, sizeof why);
     close(fd);
-    if (rc != 0) {
+    if (rc < 0) {
         region_lost("end", rc);
         return rc;
     }
-    if (!strstr(rep, "\"ok\":true")) return -EIO;
-    /* krexd puts the verdict first ("clean", "cut"), before the long record. */
-    if (strstr(rep, "\"cut\":true")) return -ETIMEDOUT;
-    if (!strstr(rep, "\"clean\":true")) return 1;
-    return 0;
+    if (rc != KREX_ST_OK) {
+        klog("region end refused: %s", why);
+        return -EIO;
+    }
+    if (rep.cut) return -ETIMEDOUT;
+    return rep.clean ? 0 : 1;
 }
 
 /* fork: the parent's connections stay the parent's; the child registers anew. */

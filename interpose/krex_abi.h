@@ -1,9 +1,10 @@
-/* KREX shared-memory ABI: the ONE definition of the segment layout, its
- * constants and the shim <-> controller protocol.
+/* KREX ABI: the ONE definition of the segment layout, its constants, the
+ * shim <-> controller protocol, and the wire protocol between clients and krexd.
  *
  * Both C (shim, cffi module) and Python (cffi cdef of this very file) read it.
  * Rules that keep it cffi-parsable: only "#define NAME <integer>" lines besides
- * the include guard and includes, no attributes, explicit padding.
+ * the include guard, includes and the KREX_OPS table (krex_build.py expands its
+ * rows into KREX_OP_* constants for cffi), no attributes, explicit padding.
  * tests/unit/test_abi.py asserts that sizes and offsets agree in C and Python.
  *
  * Protocol (Dekker pairing, both sides seq_cst):
@@ -92,6 +93,84 @@
 #define KREX_HELPER_RECHECK_NS 1000000000
 /* A client that starts krexd on demand waits this long for it to answer. */
 #define KREX_DAEMON_START_WAIT_MS 15000
+
+/* ------------------------------------------------------------------ the wire
+ * Clients (krex run's guardian, krex.region, the shim) and krexd talk over one Unix
+ * stream socket. Every message, either way, is one frame, in host byte order:
+ *     struct krex_msg_hdr | the op's fixed body (body_len bytes) | a JSON object (json_len bytes)
+ * The fixed bodies (krex_req_* / krex_rep_* below, named per op in KREX_OPS) carry
+ * what the shim sends and reads, so C never parses JSON; the JSON object carries
+ * everything else: optional fields, rich replies (status, a grant, a region record)
+ * and an error's message, kind and fix. A field is in the body or in the JSON, never
+ * both. A reply repeats its request's op; KREX_OP_EVENT frames (admission queued)
+ * may come before it. Identity never comes from a frame: krexd reads it from
+ * SO_PEERCRED (invariant I6).
+ * A frame krexd cannot use (unknown op, a body of the wrong size, JSON that is not an
+ * object, a field of the wrong type) gets an error reply and the connection goes on;
+ * a bad magic, a truncated frame or one longer than KREX_WIRE_MAX gets an error reply
+ * and ends the connection (the stream cannot be resynchronised). */
+/* "KRX1" as its first four bytes on a little-endian host. */
+#define KREX_WIRE_MAGIC 827871819
+#define KREX_WIRE_MAX 1048576
+/* krex_msg_hdr.status of a reply. */
+#define KREX_ST_OK 0
+#define KREX_ST_ERROR 1
+
+/* The operations: name, code, fixed request body, fixed reply body (none: JSON only).
+ * NONE is the op of a reply to a frame krexd could not read (or sent before any). */
+#define KREX_OPS(X)                                           \
+    X(NONE, 0, none, none)                                    \
+    X(HELLO, 1, none, none)                                   \
+    X(ADMIT, 2, none, none)                                   \
+    X(STARTED, 3, none, none)                                 \
+    X(RELEASE, 4, none, none)                                 \
+    X(ADOPT, 5, none, none)                                   \
+    X(REGISTER, 6, krex_req_register, krex_rep_register)      \
+    X(BEGIN, 7, krex_req_begin, krex_rep_begin)               \
+    X(END, 8, none, krex_rep_end)                             \
+    X(STATUS, 9, none, none)                                  \
+    X(SHUTDOWN, 10, none, none)                               \
+    X(EVENT, 11, none, none)
+/* C: enum krex_op { KREX_OP_NONE = 0, KREX_OP_HELLO = 1, ... }. cffi gets the same
+ * names as constants, from krex_build.py's reading of the rows above. */
+#define KREX_OP_ENUM_(name, code, req, rep) KREX_OP_##name = code,
+enum krex_op { KREX_OPS(KREX_OP_ENUM_) };
+
+struct krex_msg_hdr {
+    uint32_t magic;                 /* KREX_WIRE_MAGIC */
+    uint16_t op;                    /* KREX_OP_* */
+    uint16_t status;                /* replies: KREX_ST_*; 0 in requests */
+    uint32_t body_len;              /* bytes of the op's fixed body that follow (0 or its size) */
+    uint32_t json_len;              /* bytes of the JSON object after the body (0: none) */
+};
+
+/* register: an opt-in process asks for a slot (krexd keeps it while the connection is open). */
+struct krex_req_register {
+    int32_t gpu;                    /* the GPU it means to use */
+    uint32_t pad0;
+};
+struct krex_rep_register {
+    int32_t slot;
+    int32_t gpu;
+};
+
+/* begin: a region on the calling thread; the reply is the grant (its details in the JSON). */
+struct krex_req_begin {
+    int64_t tid;                    /* the measuring thread (0: the process's main thread) */
+    int32_t gpu;
+    uint32_t pad0;
+};
+struct krex_rep_begin {
+    int32_t slot;
+    int32_t gpu;
+};
+
+/* end: the verdict up front; the JSON holds the end reason, flags and the region record. */
+struct krex_rep_end {
+    _Bool clean;                    /* exclusive from BEGIN to END, nothing flagged */
+    _Bool cut;                      /* krexd ended it at --max-region before END */
+    uint8_t pad0[6];
+};
 
 struct krex_header {
     uint32_t magic;

@@ -25,7 +25,7 @@ from typing import Any
 from krex import paths
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, Timeout, UsageError
 from krex.native import lib
-from krex.protocol import LineReader, encode, peer_cred
+from krex.protocol import FrameReader, encode, peer_cred
 
 _KINDS: dict[str, type[KrexError]] = {
     "UsageError": UsageError,
@@ -39,6 +39,7 @@ _log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = lib.KREX_CONNECT_TIMEOUT_MS / 1e3
 POLL_S = lib.KREX_CLIENT_POLL_NS / 1e9
 HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
+START_WAIT_S = lib.KREX_DAEMON_START_WAIT_MS / 1e3
 REPLY_TIMEOUT_S = 30.0  # requests the daemon answers at once (status, release, ...)
 LONG_OPS = ("admit", "begin")  # these wait for a slot or a region: no hard cap
 
@@ -58,7 +59,7 @@ class Client:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = LineReader(sock)
+        self.reader = FrameReader(sock, replies=True)
         self.lock = threading.Lock()
         self.daemon_pid = peer_cred(sock)[0]
         self._seg: Any = None
@@ -271,7 +272,7 @@ def start_background(
     device: str = "auto",
     idle_exit_s: float | None = None,
     extra: list[str] | None = None,
-    wait_s: float = 15.0,
+    wait_s: float = START_WAIT_S,
     on_demand: bool = False,
 ) -> Started:
     """Start krexd detached (own session, no inherited descriptors, log in the

@@ -7,7 +7,8 @@ the region protocol of DESIGN.md for each GPU on a worker thread of its own:
         -> freeze siblings -> pin the measuring thread -> grant
   end   -> unpin -> thaw -> open gate -> journal
 
-Clients talk JSON lines over a Unix socket (krex/protocol.py); who they are
+Clients send KREX frames over a Unix socket (interpose/krex_abi.h, read by
+krex/protocol.py); each op has one handler in Daemon.handlers; who they are
 comes from SO_PEERCRED, never from the message (I6). Every region ends: on
 END, when its owner's connection closes or its pid dies, when --max-region runs
 out, or when the daemon stops (I4)."""
@@ -25,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from krex.attest import Attestor
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.gpus import GpuInfo, discover
 from krex.native import ffi, lib
-from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
+from krex.protocol import REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
 from krex.segguard import Expected, SegmentGuard
 from krex.shm import Segment, default_name
 
@@ -43,6 +45,21 @@ HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
 HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 
 log = logging.getLogger("krex.daemon")  # not __name__: it runs as __main__ under -m
+# A request handler: (daemon, connection, peer pid from SO_PEERCRED, request, the connection's
+# state) -> reply. HANDLERS is the ONE dispatch table, an op of KREX_OPS -> its handler, filled
+# by @handles on the Daemon's methods; tests/unit/test_protocol.py checks it covers every request op.
+Handler = Callable[["Daemon", socket.socket, int, dict[str, Any], dict[str, Any]], "dict[str, Any] | None"]
+HANDLERS: dict[str, Handler] = {}
+
+
+def handles(op: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        if op not in REQUESTS or op in HANDLERS:
+            raise RuntimeError(f"handler for {op!r}: not a request op of KREX_OPS, or one already has one")
+        HANDLERS[op] = fn
+        return fn
+
+    return register
 
 
 def _error(e: KrexError) -> dict[str, Any]:
@@ -1011,6 +1028,7 @@ class Daemon:
                 rec.get("region_s", 0.0),
                 rec.get("siblings_frozen", 0),
             )
+
     def _trust_checks(self, gpu: int, req: Region, since_ns: int) -> list[tuple[str, str]]:
         """Run before the grant and again at the region's end: the segment is krexd's own and
         intact, and nothing that lived through an incident could have disturbed the region."""
@@ -1044,37 +1062,39 @@ class Daemon:
 
     def _client(self, conn: socket.socket) -> None:
         pid, uid, gid = peer_cred(conn)
-        reader = LineReader(conn)
+        reader = FrameReader(conn, replies=False)
         owned: dict[str, Any] = {"region": None, "slot": None, "guardian": None, "uid": uid}
         try:
             owned["role"] = self._role(pid, uid, gid)
             if owned["role"] is None:
                 conn.sendall(
-                    encode(
+                    encode_reply(
+                        "none",
                         _error(
                             PermissionDenied(
                                 f"permission denied: uid {uid} is neither this daemon's user nor a member "
                                 f"of its group (gid {self.share_gid})",
                                 "ask its owner to add you to that group, or run your own daemon",
                             )
-                        )
+                        ),
                     )
                 )
                 return
             while not self.stop.is_set():
                 try:
-                    msg = reader.read()
+                    m = reader.read_message()
                 except ProtocolError as e:
-                    conn.sendall(encode(_error(e)))
+                    conn.sendall(encode_reply(e.op, _error(e)))
                     if e.fatal:
                         return
                     continue
                 except OSError:
                     return
-                if msg is None:
+                if m is None:
                     return
+                msg = m.to_dict()
                 try:
-                    reply = self._handle(conn, pid, msg, owned)
+                    reply = HANDLERS[m.op.name](self, conn, pid, msg, owned)
                 except KrexError as e:
                     reply = _error(e)
                 except Exception as e:  # noqa: BLE001 - a bad request must never kill its connection thread
@@ -1086,7 +1106,12 @@ class Daemon:
                         "fix": "see krexd.log",
                     }
                 if reply is not None:
-                    conn.sendall(encode(reply))
+                    try:
+                        frame = encode_reply(m.op.code, reply)
+                    except KrexError as e:  # a reply that does not fit its fixed body: a bug here, said so
+                        log.error("reply to %s for pid %d cannot be sent: %s", m.op.name, pid, e)
+                        frame = encode_reply(m.op.code, _error(e))
+                    conn.sendall(frame)
         except OSError:
             pass
         finally:
@@ -1108,72 +1133,102 @@ class Daemon:
             if n is not None and n in self.slots and self.slots[n].kind == "auto":
                 self._release(n, "owner-exit")
 
-    def _handle(
+    # ------------------------------------------------------------- handlers
+    # One per request op of KREX_OPS (HANDLERS, through @handles); each gets the connection,
+    # the peer's pid (SO_PEERCRED), the request as a dict and the connection's state.
+
+    @handles("hello")
+    def _op_hello(
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        op = msg.get("op")
-        if not isinstance(op, str):
-            raise UsageError(f"field 'op' must be a string, not {op!r:.40}", f"send one of {', '.join(OPS)}")
-        if op == "hello":
-            return {
-                "ok": True,
-                "pid": self.pid,
-                "shm": self.shm_name,
-                "gpus": self.info.count,
-                "role": owned.get("role"),
-            }
-        if op == "status":
-            return {"ok": True, **self.status()}
-        if op == "admit":
-            return self._admit(conn, pid, msg, owned)
-        if op == "adopt":
-            return self._adopt(pid, msg, owned)
-        if op == "started":
-            child = int_field(msg, "pid", required=True)
-            assert child is not None
-            # Only the peer's own process tree, with its credentials, may join a slot: a
-            # pid from the message would otherwise let a member freeze anyone's process.
-            _check_own_tree(child, pid, owned["uid"])
-            with self.lock:
-                s = self.slots.get(owned["guardian"])
-                if s is None:
-                    raise UsageError("`started` before `admit`", "send admit first")
-                s.root_pids.add(child)
-                if self.freezer.name == "signal" or msg.get("join"):
-                    # join: the guardian could not enter the slot's cgroup itself (a group
-                    # member); its child waits before exec until the daemon has moved it.
-                    s.group.add(child)
-            return {"ok": True}
-        if op == "release":
-            n = owned["guardian"]
-            out: dict[str, Any] = {"leftovers": [], "action": "none"}
-            if n is not None:
-                policy = "keep" if msg.get("leftovers") == "keep" else "kill"
-                out = self._leftovers(n, policy)
-                if out["action"] in ("none", "killed"):
-                    self._release(n, "command-exit")
-                else:  # the slot lives on until its last process ends (the reaper frees it)
-                    with self.lock:
-                        if n in self.slots:
-                            self.slots[n].guardian_connected = False
-                owned["guardian"] = None
-            return {"ok": True, **out}
-        if op == "register":
-            s = self._slot_for(pid, msg, owned)
-            return {"ok": True, "slot": s.slot, "gpu": s.gpu, "shm": self.shm_name}
-        if op == "begin":
-            return self._begin(pid, msg, owned)
-        if op == "end":
-            return self._end(pid, owned)
-        if op == "shutdown":
-            if owned.get("role") != "owner":
-                raise PermissionDenied(
-                    "only the daemon's user or root may stop it", "ask its owner to run `krex daemon stop`"
-                )
-            self.stop_reason = f"shutdown requested by pid {pid}"
-            self.stop.set()
-            return {"ok": True}
-        raise UsageError(f"unknown operation {op!r}", "upgrade the client and the daemon together")
+    ) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "pid": self.pid,
+            "shm": self.shm_name,
+            "gpus": self.info.count,
+            "role": owned.get("role"),
+        }
+
+    @handles("status")
+    def _op_status(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {"ok": True, **self.status()}
+
+    @handles("adopt")
+    def _op_adopt(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self._adopt(pid, msg, owned)
+
+    @handles("started")
+    def _op_started(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        child = int_field(msg, "pid", required=True)
+        assert child is not None
+        # Only the peer's own process tree, with its credentials, may join a slot: a
+        # pid from the message would otherwise let a member freeze anyone's process.
+        _check_own_tree(child, pid, owned["uid"])
+        with self.lock:
+            s = self.slots.get(owned["guardian"])
+            if s is None:
+                raise UsageError("`started` before `admit`", "send admit first")
+            s.root_pids.add(child)
+            if self.freezer.name == "signal" or msg.get("join"):
+                # join: the guardian could not enter the slot's cgroup itself (a group
+                # member); its child waits before exec until the daemon has moved it.
+                s.group.add(child)
+        return {"ok": True}
+
+    @handles("release")
+    def _op_release(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        n = owned["guardian"]
+        out: dict[str, Any] = {"leftovers": [], "action": "none"}
+        if n is not None:
+            policy = "keep" if msg.get("leftovers") == "keep" else "kill"
+            out = self._leftovers(n, policy)
+            if out["action"] in ("none", "killed"):
+                self._release(n, "command-exit")
+            else:  # the slot lives on until its last process ends (the reaper frees it)
+                with self.lock:
+                    if n in self.slots:
+                        self.slots[n].guardian_connected = False
+            owned["guardian"] = None
+        return {"ok": True, **out}
+
+    @handles("register")
+    def _op_register(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        s = self._slot_for(pid, msg, owned)
+        return {"ok": True, "slot": s.slot, "gpu": s.gpu, "shm": self.shm_name}
+
+    @handles("begin")
+    def _op_begin(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self._begin(pid, msg, owned)
+
+    @handles("end")
+    def _op_end(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self._end(pid, owned)
+
+    @handles("shutdown")
+    def _op_shutdown(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        if owned.get("role") != "owner":
+            raise PermissionDenied(
+                "only the daemon's user or root may stop it", "ask its owner to run `krex daemon stop`"
+            )
+        self.stop_reason = f"shutdown requested by pid {pid}"
+        self.stop.set()
+        return {"ok": True}
 
     def _slot_for(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> Slot:
         with self.lock:
@@ -1191,6 +1246,7 @@ class Daemon:
             owned["slot"] = s.slot
             return s
 
+    @handles("admit")
     def _admit(
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
     ) -> dict[str, Any]:
@@ -1214,7 +1270,7 @@ class Daemon:
                     s.freeze = None if freeze is None else str(freeze)
                     break
                 if not told:
-                    conn.sendall(encode({"event": "queued", "slots_busy": len(self.slots)}))
+                    conn.sendall(encode_reply("event", {"event": "queued", "slots_busy": len(self.slots)}))
                     told = True
                 self.changed.wait(0.5)
                 if self.stop.is_set():
@@ -1407,6 +1463,8 @@ def setup_logging(level: str) -> None:
         h._krexd = True  # type: ignore[attr-defined]
         lg.addHandler(h)
     lg.setLevel(level.upper())
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

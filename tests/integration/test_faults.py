@@ -26,7 +26,8 @@ import pytest
 from helpers import wait_until
 from test_regions import KREX, WORKER, Cmd, Krex, _hold_with_siblings, frozen_reason
 
-from krex.native import LIB_DIR, lib, shim_path
+from krex.native import LIB_DIR, ffi, lib, shim_path
+from krex.protocol import FrameReader, encode
 from krex.shm import Segment
 
 HB_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
@@ -462,39 +463,82 @@ def test_binary_batch_file_is_refused(krex_env: dict[str, str], tmp_path: Path, 
     assert p.returncode == 2 and "NUL" in p.stderr and "fix:" in p.stderr, p.stderr
 
 
+def frame(
+    op: int,
+    body: bytes = b"",
+    js: bytes = b"",
+    *,
+    magic: int | None = None,
+    status: int = 0,
+    body_len: int | None = None,
+    json_len: int | None = None,
+) -> bytes:
+    """A KREX frame built by hand (krex_abi.h's header through cffi), so it may lie."""
+    h = ffi.new("struct krex_msg_hdr *")
+    h.magic = lib.KREX_WIRE_MAGIC if magic is None else magic
+    h.op, h.status = op, status
+    h.body_len = len(body) if body_len is None else body_len
+    h.json_len = len(js) if json_len is None else json_len
+    return bytes(ffi.buffer(h)) + body + js
+
+
+def _begin_body(tid: int = 0, gpu: int = 0) -> bytes:
+    b = ffi.new("struct krex_req_begin *")
+    b.tid, b.gpu = tid, gpu
+    return bytes(ffi.buffer(b))
+
+
+# Frames the daemon can read past: each gets an error reply on a connection that goes on.
 MALFORMED = [
-    b"[1,2,3]\n",
-    b'"op"\n',
-    b"{not json\n",
-    b"\xff\xfe\n",
-    b'{"op": 5}\n',
-    b'{"op": ["begin"]}\n',
-    b'{"op": "admit", "gpu": "zero"}\n',
-    b'{"op": "admit", "gpu": true}\n',
-    b'{"op": "started"}\n',
-    b'{"op": "started", "pid": "1"}\n',
-    b'{"op": "begin", "tid": [1]}\n',
-    b'{"op": "adopt", "slot": 0}\n',
-    b'{"op": "adopt", "slot": 999999, "gpu": 0}\n',
-    b'{"op": "adopt", "slot": 0, "gpu": 0, "pids": "x"}\n',
-    b'{"op": "register", "gpu": 1.5}\n',
+    frame(lib.KREX_OP_HELLO, js=b"[1,2,3]"),
+    frame(lib.KREX_OP_HELLO, js=b'"op"'),
+    frame(lib.KREX_OP_HELLO, js=b"{not json"),
+    frame(lib.KREX_OP_HELLO, js=b"\xff\xfe"),
+    frame(999),
+    frame(lib.KREX_OP_NONE),
+    frame(lib.KREX_OP_EVENT, js=b'{"event": "queued"}'),
+    frame(lib.KREX_OP_HELLO, status=lib.KREX_ST_ERROR),
+    frame(lib.KREX_OP_ADMIT, js=b'{"gpu": "zero"}'),
+    frame(lib.KREX_OP_ADMIT, js=b'{"gpu": true}'),
+    frame(lib.KREX_OP_STARTED),
+    frame(lib.KREX_OP_STARTED, js=b'{"pid": "1"}'),
+    frame(lib.KREX_OP_BEGIN, _begin_body(), b'{"tid": [1]}'),
+    frame(lib.KREX_OP_BEGIN, b"\0\0\0\0"),
+    frame(lib.KREX_OP_REGISTER),
+    frame(lib.KREX_OP_END, _begin_body()),
+    frame(lib.KREX_OP_ADOPT, js=b'{"slot": 0}'),
+    frame(lib.KREX_OP_ADOPT, js=b'{"slot": 999999, "gpu": 0}'),
+    frame(lib.KREX_OP_ADOPT, js=b'{"slot": 0, "gpu": 0, "pids": "x"}'),
 ]
 
 
-def _exchange(sock_path: Path, payload: bytes) -> bytes:
+def _connect(sock_path: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(str(sock_path))
+    return s
+
+
+def _exchange(
+    sock_path: Path, payload: bytes, shut: bool = False, fatal: bool = False
+) -> tuple[dict[str, Any] | None, bool]:
+    """Send `payload` on a new connection (`shut`: then end our side); the reply, and
+    whether the daemon ended the connection after it (waited for long when `fatal`,
+    a moment otherwise: a connection that goes on shows nothing to wait for)."""
+    s = _connect(sock_path)
     try:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it may stop reading a huge line
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it may stop reading
             s.sendall(payload)
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-        return buf
+            if shut:
+                s.shutdown(socket.SHUT_WR)
+        reader = FrameReader(s, replies=True)
+        reply = reader.read()
+        try:
+            s.settimeout(30 if fatal else 0.3)
+            closed = reader.read() is None
+        except TimeoutError:
+            closed = False
+        return reply, closed
     finally:
         s.close()
 
@@ -502,23 +546,28 @@ def _exchange(sock_path: Path, payload: bytes) -> bytes:
 def test_malformed_socket_messages_get_an_error_reply(kx: Krex) -> None:
     kx.start_daemon(slots=2)
     for m in MALFORMED:
-        reply = _exchange(kx.sock, m)
-        assert reply, f"{m!r}: the daemon dropped the connection without a reply"
-        r = json.loads(reply)
+        r, closed = _exchange(kx.sock, m)
+        assert r is not None, f"{m!r}: the daemon dropped the connection without a reply"
         assert r["ok"] is False and r["error"] and r["kind"] in ("UsageError", "NotFound"), (m, r)
-    # An over-long line: an error reply, then the connection ends.
-    reply = _exchange(kx.sock, b"{" + b" " * (2 << 20) + b"}\n")
-    assert json.loads(reply)["ok"] is False and "longer than" in json.loads(reply)["error"]
-    # A bad line does not spoil the connection: the next message on it is answered.
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(str(kx.sock))
-    s.sendall(b"[1]\n" + b'{"op": "hello"}\n')
-    data = b""
-    while data.count(b"\n") < 2:
-        data += s.recv(65536)
+        assert not closed, f"{m!r}: the connection ended after a frame it could read past"
+    # Frames that leave the stream unreadable: an error reply, then the connection ends.
+    fatal = [
+        (frame(lib.KREX_OP_HELLO, js=b"{}", json_len=lib.KREX_WIRE_MAX + 1), "longer than", False),
+        (frame(lib.KREX_OP_HELLO, magic=0x0A7D7B), "not a KREX frame", False),
+        (frame(lib.KREX_OP_HELLO, js=b"{}", json_len=100), "truncated", True),
+        (frame(lib.KREX_OP_HELLO)[:7], "truncated", True),
+    ]
+    for m, needle, shut in fatal:
+        r, closed = _exchange(kx.sock, m, shut, fatal=True)
+        assert r is not None and r["ok"] is False and needle in r["error"], (m, r)
+        assert closed, f"{m!r}: the connection went on after an unreadable frame"
+    # A bad frame does not spoil the connection: the next message on it is answered.
+    s = _connect(kx.sock)
+    s.sendall(MALFORMED[0] + encode({"op": "hello"}))
+    reader = FrameReader(s, replies=True)
+    first, second = reader.read(), reader.read()
     s.close()
-    first, second = (json.loads(x) for x in data.splitlines()[:2])
+    assert first is not None and second is not None
     assert first["ok"] is False and second["ok"] is True and second["pid"] == kx.daemon.pid  # type: ignore[union-attr]
     assert kx.status()["daemon"]["pid"] == kx.daemon.pid  # type: ignore[union-attr]
     log = kx.daemon_log()

@@ -337,11 +337,12 @@ def _orphan_sleeper(u: User | None = None) -> int:
 def _admit_and_start(sock: Path, pid: int, **kw: Any) -> dict[str, Any]:
     script = (
         "import json, socket, sys\n"
-        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile('rwb')\n"
+        "from krex.protocol import FrameReader, encode\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = FrameReader(s, replies=True)\n"
         "def req(m):\n"
-        "    f.write((json.dumps(m) + '\\n').encode()); f.flush()\n"
+        "    s.sendall(encode(m))\n"
         "    while True:\n"
-        "        r = json.loads(f.readline())\n"
+        "        r = f.read()\n"
         "        if 'event' not in r: return r\n"
         "print(json.dumps({'admit': req({'op': 'admit', 'gpu': 0}), "
         "'started': req({'op': 'started', 'pid': int(sys.argv[2])})}))\n"
@@ -349,6 +350,7 @@ def _admit_and_start(sock: Path, pid: int, **kw: Any) -> dict[str, Any]:
     )
     p = subprocess.Popen(
         [user_python(), "-c", script, str(sock), str(pid)],
+        env=user_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -489,13 +491,14 @@ def test_outsiders_are_refused(shared: Shared) -> None:
     shared.kx.sock.chmod(0o666)
     # The daemon may refuse (reply, close) before it reads: a send after that is EPIPE.
     script = (
-        "import socket, sys\n"
+        "import json, socket, sys\n"
+        "from krex.protocol import FrameReader, encode\n"
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
         "try:\n"
-        '    s.sendall(b\'{"op":"status"}\\n\')\n'
+        "    s.sendall(encode({'op': 'status'}))\n"
         "except BrokenPipeError:\n"
         "    pass\n"
-        "print(s.makefile().readline())\n"
+        "print(json.dumps(FrameReader(s, replies=True).read()))\n"
     )
     p = as_user(o, [user_python(), "-c", script, str(shared.kx.sock)], user_env())
     assert p.returncode == 0, p.stderr

@@ -13,7 +13,19 @@ from helpers import CC, INTERPOSE, REPO, SHIM_FILES
 from krex.native import ffi, lib
 from krex.shm import CLASS_NAMES, HOLDER_NAMES, PROC_FLAG_NAMES
 
-STRUCTS = ("krex_header", "krex_gpu", "krex_slot", "krex_proc", "krex_shm")
+STRUCTS = (
+    "krex_header",
+    "krex_gpu",
+    "krex_slot",
+    "krex_proc",
+    "krex_shm",
+    "krex_msg_hdr",
+    "krex_req_register",
+    "krex_rep_register",
+    "krex_req_begin",
+    "krex_rep_begin",
+    "krex_rep_end",
+)
 ABI_H = (INTERPOSE / "krex_abi.h").read_text()
 ABI_DEFINES = {m[1]: int(m[2]) for m in re.finditer(r"^#define\s+(KREX_\w+)\s+(-?\d+)\s*$", ABI_H, re.M)}
 
