@@ -230,3 +230,18 @@ def test_message_dataclasses_follow_the_structs() -> None:
     m = Message.from_dict({"ok": True, "clean": True, "cut": False}, reply=True, op="end")
     assert m.body.clean is True and m.body.cut is False and m.ok
     assert protocol.MAX_FRAME == lib.KREX_WIRE_MAX
+
+
+def test_wire_timings_are_the_headers() -> None:
+    """The client's waits are read from krex_abi.h, not restated (before: a daemon
+    started on demand was waited for 15.0 s, written out in client.py)."""
+    import inspect
+
+    from krex import client
+
+    assert client.CONNECT_TIMEOUT_S == lib.KREX_CONNECT_TIMEOUT_MS / 1e3
+    assert client.POLL_S == lib.KREX_CLIENT_POLL_NS / 1e9
+    assert client.HEARTBEAT_TIMEOUT_S == lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
+    wait = inspect.signature(client.start_background).parameters["wait_s"].default
+    assert wait == lib.KREX_DAEMON_START_WAIT_MS / 1e3
+    assert "15.0" not in inspect.getsource(client.start_background)
