@@ -194,7 +194,7 @@ def _field_value(op: Op, f: dataclasses.Field[Any], v: Any) -> Any:
         return v
     raise UsageError(
         f"{op.name}: field {f.name!r} must be {'a boolean' if want is bool else 'an integer'}, "
-        f"not {json.dumps(v)[:40]}",
+        f"not {json.dumps(v, default=repr)[:40]}",
         f"send {f.name!r} as {'a boolean' if want is bool else 'an integer'}",
     )
 
