@@ -811,12 +811,14 @@ class Daemon:
         try:
             r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
             t["inflight_s"] = r.seconds
+            waits = {"wait_inflight": r.stats}
             if not r.ok:
                 reasons.append(
                     ("inflight-timeout", f"in-flight submissions of pids {r.stragglers} did not finish")
                 )
             r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s)
             t["drain_s"] = r.seconds
+            waits["wait_drain"] = r.stats
             drained = r.count
             if not r.ok:
                 reasons.append(
@@ -875,6 +877,7 @@ class Daemon:
                 "slot": req.slot,
                 **{k: round(v, 6) for k, v in t.items()},
                 "drained": drained,
+                **waits,  # how each wait ended: wake-ups versus re-checks without one
                 "frozen_slots": [s.slot for s in frozen],
                 "freeze_policy": policy,
                 "evicted_threads": len(evicted),

@@ -113,6 +113,19 @@ class StepResult:
     count: int
     stragglers: list[int]
     partial: list[int] = field(default_factory=list)  # acked without a full sync (graph capture)
+    stats: dict[str, int] = field(default_factory=dict)  # the C wait loop's scans, wakeups, timeouts
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def _recheck_ns(recheck: float | None) -> int:
+    return int(lib.KREX_WAIT_RECHECK_NS) if recheck is None else _ns(recheck)
+
+
+def _stats(st: Any) -> dict[str, int]:
+    return {"scans": int(st.scans), "wakeups": int(st.wakeups), "timeouts": int(st.timeouts)}
 
 
 def _oserror(err: int, name: str) -> KrexError:
@@ -331,22 +344,30 @@ class Segment:
         n = lib.krex_gate_inflight(self.raw, gpu, -1 if owner_slot is None else owner_slot, pids, 64)
         return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
 
-    def wait_inflight(self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0) -> StepResult:
-        """Wait until no non-owner thread is inside a gated call (protocol step 3)."""
-        t0 = time.monotonic()
-        delay = 20e-6
-        while True:
-            n, pids = self.inflight(gpu, owner_slot)
-            if n == 0:
-                return StepResult(True, time.monotonic() - t0, 0, [])
-            if time.monotonic() - t0 > timeout:
-                return StepResult(False, time.monotonic() - t0, n, pids)
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+    def wait_inflight(
+        self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
+    ) -> StepResult:
+        """Wait until no non-owner thread is inside a gated call (protocol step 3). Sleeps
+        on the GPU's wake word, which a sibling bumps as it leaves a gated call while the
+        gate is closed; re-checks every `recheck` seconds without a wake (a straggler that
+        died never wakes anyone). The C wait releases the GIL."""
+        pids = ffi.new("int64_t[64]")
+        st = ffi.new("struct krex_wait_stats *")
+        n = int(
+            lib.krex_wait_inflight(
+                self.raw, gpu, -1 if owner_slot is None else owner_slot, _ns(timeout), _recheck_ns(recheck),
+                pids, 64, st,
+            )
+        )
+        stragglers = sorted({int(pids[i]) for i in range(64) if pids[i]}) if n else []
+        return StepResult(n == 0, int(st.waited_ns) / 1e9, n, stragglers, stats=_stats(st))
 
-    def drain(self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0) -> StepResult:
+    def drain(
+        self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
+    ) -> StepResult:
         """Ask every sibling helper to synchronise its contexts and wait for the
-        acks (protocol step 4). `count` is how many processes had to drain."""
+        acks (protocol step 4). `count` is how many processes had to drain. Each helper
+        wakes the waiter after its ack (see wait_inflight for `recheck`)."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
         pids = ffi.new("int64_t[256]")
@@ -354,19 +375,17 @@ class Segment:
         nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
         seq = int(lib.krex_drain_request(self.raw, gpu))
-        delay = 20e-6
-        while True:
-            n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
-            if n == 0:
-                np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
-                partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
-                return StepResult(True, time.monotonic() - t0, initial, [], partial)
-            if time.monotonic() - t0 > timeout:
-                return StepResult(
-                    False, time.monotonic() - t0, initial, sorted(int(pids[i]) for i in range(min(n, 256)))
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        left = max(0.0, timeout - (time.monotonic() - t0))
+        st = ffi.new("struct krex_wait_stats *")
+        n = int(lib.krex_wait_drain(self.raw, gpu, owner, seq, _ns(left), _recheck_ns(recheck), pids, 256, st))
+        if n == 0:
+            np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
+            partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
+            return StepResult(True, time.monotonic() - t0, initial, [], partial, stats=_stats(st))
+        return StepResult(
+            False, time.monotonic() - t0, initial, sorted(int(pids[i]) for i in range(min(n, 256))),
+            stats=_stats(st),
+        )
 
     def heartbeat(self) -> None:
         lib.krex_heartbeat(self.raw)
