@@ -138,8 +138,19 @@ static inline int krex_enter(int cls) {
     return 1;
 }
 
+/* Slow path of a leave: someone else closed the gate while this call ran, so krexd may
+ * be waiting for our in-flight count to reach 0. Wake it instead of letting it poll. */
+__attribute__((noinline, cold)) static void krex_left_closed(void) { krex_wake_controller(g_shm, g_gpu); }
+
+/* The decrement, then the gate load (both seq_cst): krexd closes the gate, then waits on
+ * its wake word and scans the counters, so either its scan sees the decrement or we see
+ * the gate closed and wake it (krex_abi.h). With the gate open: one extra load, no syscall. */
 static inline void krex_leave(int counted) {
-    if (counted) __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_RELEASE);
+    if (counted) {
+        __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
+        uint32_t w = __atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST);
+        if (UNLIKELY(w != KREX_GATE_OPEN && (w & 0xff) != g_fast.owner_byte)) krex_left_closed();
+    }
     t_depth--;
 }
 
@@ -423,9 +434,14 @@ static void *g_cap_streams[KREX_MAX_CAPTURES];
 static uint32_t g_captures;         /* streams in the table, plus captures that did not fit */
 static uint32_t g_capture_overflow;
 
+static uint32_t g_cap_waiting; /* the drain helper sleeps on g_captures (a futex word) */
+
 static void captures_publish(void) {
     struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
     if (p) __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
+    /* After the seq_cst change of g_captures: the helper sets g_cap_waiting, then reads
+     * g_captures, so it either sees the change or is woken here. */
+    if (__atomic_load_n(&g_cap_waiting, __ATOMIC_SEQ_CST)) krex_futex_wake(&g_captures);
 }
 
 static void krex_capture_begin(void *stream) {
@@ -767,8 +783,13 @@ static void *krex_helper(void *arg) {
          * the capture a moment to end, else ack as partial so the controller
          * marks the grant contaminated instead of silently clean. */
         uint64_t t0 = krex_now_ns();
-        while (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0 && krex_now_ns() - t0 < KREX_CAPTURE_WAIT_NS)
-            usleep(1000);
+        __atomic_store_n(&g_cap_waiting, 1, __ATOMIC_SEQ_CST);
+        for (uint32_t c; (c = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST)) > 0;) {
+            uint64_t spent = krex_now_ns() - t0;
+            if (spent >= KREX_CAPTURE_WAIT_NS) break;
+            krex_futex_wait(&g_captures, c, KREX_CAPTURE_WAIT_NS - spent); /* woken by the capture's end */
+        }
+        __atomic_store_n(&g_cap_waiting, 0, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
             __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
             __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
@@ -778,6 +799,7 @@ static void *krex_helper(void *arg) {
         }
         __atomic_fetch_add(&p->drains, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
+        krex_wake_controller(g_shm, g_gpu); /* krexd sleeps until the last ack */
         seen = cur;
     }
     __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
@@ -1173,6 +1195,7 @@ static void atfork_child(void) {
     g_failed_gate = 0;
     for (int i = 0; i < KREX_MAX_CAPTURES; i++) g_cap_streams[i] = NULL;
     g_captures = g_capture_overflow = 0;
+    g_cap_waiting = 0;
     if (g_reg_conn >= 0) close(g_reg_conn);
     g_reg_conn = -1;
     if (g_need_selfreg) g_selfreg = 0;
