@@ -439,6 +439,10 @@ static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_wh
         int r = krex_futex_wait(&g->wake, w, left);
         if (r == ETIMEDOUT) st->timeouts++;
         else if (r == 0 || r == EAGAIN) st->wakeups++;
+        else if (r == EINTR) {
+            st->interrupted = 1;
+            break;
+        }
     }
     __atomic_sub_fetch(&g->waiters, 1, SEQ);
     st->waited_ns = krex_now_ns() - t0;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,8 +125,19 @@ def _recheck_ns(recheck: float | None) -> int:
     return int(lib.KREX_WAIT_RECHECK_NS) if recheck is None else _ns(recheck)
 
 
-def _stats(st: Any) -> dict[str, int]:
-    return {"scans": int(st.scans), "wakeups": int(st.wakeups), "timeouts": int(st.timeouts)}
+def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, dict[str, int]]:
+    """Run a C wait loop (`call(timeout_ns, stats)`) to its end. A signal interrupts the C
+    call; returning here lets Python run the handler (Ctrl-C on `krex pause` raises), and
+    the wait goes on for what is left of the timeout."""
+    t0 = time.monotonic()
+    st = ffi.new("struct krex_wait_stats *")
+    total = {"scans": 0, "wakeups": 0, "timeouts": 0}
+    while True:
+        n = int(call(_ns(timeout - (time.monotonic() - t0)), st))
+        for k in total:
+            total[k] += int(getattr(st, k))
+        if n == 0 or not st.interrupted or time.monotonic() - t0 >= timeout:
+            return n, time.monotonic() - t0, total
 
 
 def _oserror(err: int, name: str) -> KrexError:
@@ -352,15 +364,13 @@ class Segment:
         gate is closed; re-checks every `recheck` seconds without a wake (a straggler that
         died never wakes anyone). The C wait releases the GIL."""
         pids = ffi.new("int64_t[64]")
-        st = ffi.new("struct krex_wait_stats *")
-        n = int(
-            lib.krex_wait_inflight(
-                self.raw, gpu, -1 if owner_slot is None else owner_slot, _ns(timeout), _recheck_ns(recheck),
-                pids, 64, st,
-            )
+        owner = -1 if owner_slot is None else owner_slot
+        every = _recheck_ns(recheck)
+        n, secs, stats = _wait(
+            lambda left, st: lib.krex_wait_inflight(self.raw, gpu, owner, left, every, pids, 64, st), timeout
         )
         stragglers = sorted({int(pids[i]) for i in range(64) if pids[i]}) if n else []
-        return StepResult(n == 0, int(st.waited_ns) / 1e9, n, stragglers, stats=_stats(st))
+        return StepResult(n == 0, secs, n, stragglers, stats=stats)
 
     def drain(
         self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
@@ -375,17 +385,17 @@ class Segment:
         nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
         seq = int(lib.krex_drain_request(self.raw, gpu))
-        left = max(0.0, timeout - (time.monotonic() - t0))
-        st = ffi.new("struct krex_wait_stats *")
-        n = int(lib.krex_wait_drain(self.raw, gpu, owner, seq, _ns(left), _recheck_ns(recheck), pids, 256, st))
+        every = _recheck_ns(recheck)
+        n, _, stats = _wait(
+            lambda left, st: lib.krex_wait_drain(self.raw, gpu, owner, seq, left, every, pids, 256, st),
+            max(0.0, timeout - (time.monotonic() - t0)),
+        )
         if n == 0:
             np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
             partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
-            return StepResult(True, time.monotonic() - t0, initial, [], partial, stats=_stats(st))
-        return StepResult(
-            False, time.monotonic() - t0, initial, sorted(int(pids[i]) for i in range(min(n, 256))),
-            stats=_stats(st),
-        )
+            return StepResult(True, time.monotonic() - t0, initial, [], partial, stats=stats)
+        stragglers = sorted(int(pids[i]) for i in range(min(n, 256)))
+        return StepResult(False, time.monotonic() - t0, initial, stragglers, stats=stats)
 
     def heartbeat(self) -> None:
         lib.krex_heartbeat(self.raw)

@@ -27,7 +27,9 @@ def _sibling_in_call(h: Harness, sib: int, nbytes: int) -> Child:
     c = h.spawn("actor", ["k:1", "line", f"copy:{nbytes}", "line"], h.env(sib))
     c.expect(lambda d: d["act"] == "k", 30, "the registering kernel")
     c.send()
-    wait_until(lambda: (p := h.proc(c.pid)) is not None and p.inflight == 1, 30, "the sibling inside its copy")
+    wait_until(
+        lambda: (p := h.proc(c.pid)) is not None and p.inflight == 1, 30, "the sibling inside its copy"
+    )
     return c
 
 
