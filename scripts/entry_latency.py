@@ -153,13 +153,14 @@ class World:
         return subprocess.Popen(
             self.krex("run", "--device", self.device, "--", self.python, "-c", code, *argv),
             env=self.env,
+            cwd=self.dir,  # never the checkout: `-m krex...` would import the krex found there
             stdout=subprocess.PIPE,
             stderr=out,
             text=True,
         )
 
     def stop_daemon(self) -> None:
-        subprocess.run(self.krex("daemon", "stop"), env=self.env, capture_output=True, timeout=60)
+        subprocess.run(self.krex("daemon", "stop"), env=self.env, cwd=self.dir, capture_output=True, timeout=60)
         for n in (self.env["KREX_SHM"], self.env["KREX_SIM_SHM"]):
             Path("/dev/shm" + n).unlink(missing_ok=True)
 
