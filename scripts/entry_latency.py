@@ -148,10 +148,10 @@ class World:
     def krex(self, *args: str) -> list[str]:
         return [self.python, "-m", "krex.cli.main", *args]
 
-    def run(self, code: str, *argv: str, log: str) -> subprocess.Popen[str]:
+    def run(self, code: str, *argv: str, log: str, opts: tuple[str, ...] = ()) -> subprocess.Popen[str]:
         out = open(self.dir / log, "a")  # noqa: SIM115 - closed with the process by the OS
         return subprocess.Popen(
-            self.krex("run", "--device", self.device, "--", self.python, "-c", code, *argv),
+            self.krex("run", "--device", self.device, *opts, "--", self.python, "-c", code, *argv),
             env=self.env,
             cwd=self.dir,  # never the checkout: `-m krex...` would import the krex found there
             stdout=subprocess.PIPE,
@@ -192,10 +192,11 @@ def stop_all(ps: list[subprocess.Popen[str]]) -> None:
             p.wait()
 
 
-def measure(w: World, kind: str, k: int, n: int, burn: bool) -> list[dict[str, Any]]:
+def measure(w: World, kind: str, k: int, n: int, burn: bool, freeze: str | None) -> list[dict[str, Any]]:
     sibs = siblings(w, kind, k, 900, burn)
     try:
-        p = w.run(source(w.device, _MEASURE), str(n), log=f"measure-{kind}.log")
+        opts = ("--freeze", freeze) if freeze else ()
+        p = w.run(source(w.device, _MEASURE), str(n), log=f"measure-{kind}.log", opts=opts)
         stdout, _ = p.communicate(timeout=540)
     finally:
         stop_all(sibs)
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="rounds, each measuring every build once")
     ap.add_argument("--burn", choices=("auto", "on", "off"), default="auto",
                     help="hammers also burn a CPU thread (auto: on for gpu, off for sim)")
+    ap.add_argument("--freeze", default=None, metavar="POLICY",
+                    help="the measuring command's freeze policy (krex run --freeze; default: krexd's)")
     a = ap.parse_args()
     builds = [b.split("=", 1) for b in a.build] or [["this", sys.executable]]
     burn = a.burn == "on" or (a.burn == "auto" and a.device == "gpu")
@@ -251,7 +254,7 @@ def main() -> None:
             for kind in a.kinds.split(","):
                 for w in worlds if rnd % 2 == 0 else worlds[::-1]:
                     t0 = time.monotonic()
-                    got = measure(w, kind, a.siblings, a.regions, burn)
+                    got = measure(w, kind, a.siblings, a.regions, burn, a.freeze)
                     rows.setdefault((w.name, kind), []).extend(got)
                     print(f"# round {rnd} {w.name} {kind}: {len(got)} regions in {time.monotonic() - t0:.0f}s",
                           flush=True)
@@ -260,10 +263,11 @@ def main() -> None:
             w.stop_daemon()
     summary = {f"{b}/{k}": summarise(r) for (b, k), r in rows.items()}
     (out / "entry_latency.json").write_text(
-        json.dumps({"device": a.device, "siblings": a.siblings, "burn": burn, "summary": summary,
+        json.dumps({"device": a.device, "siblings": a.siblings, "burn": burn, "freeze": a.freeze, "summary": summary,
                     "rows": {f"{b}/{k}": r for (b, k), r in rows.items()}}, indent=1)
     )
-    print(f"\nregion entry latency, {a.siblings} siblings, device {a.device}, burn {'on' if burn else 'off'} "
+    print(f"\nregion entry latency, {a.siblings} siblings, device {a.device}, burn {'on' if burn else 'off'}, "
+          f"freeze {a.freeze or 'default'} "
           f"(client ms; steps: median ms / p99 ms); rows in {out}/entry_latency.json")
     hdr = f"{'build/kind':<18}{'n':>5}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}  " + "  ".join(
         f"{s[:-2]:>13}" for s in STEPS) + "  contam  waits(to/wk)"
