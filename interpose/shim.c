@@ -145,7 +145,7 @@ __attribute__((noinline, cold)) static void krex_left_closed(void) { krex_wake_c
 /* The decrement, then the gate load (both seq_cst): krexd closes the gate, then waits on
  * its wake word and scans the counters, so either its scan sees the decrement or we see
  * the gate closed and wake it (krex_abi.h). With the gate open: one extra load, no syscall. */
-static inline void krex_leave(int counted) {
+__attribute__((always_inline)) static inline void krex_leave(int counted) {
     if (counted) {
         __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
         uint32_t w = __atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST);
