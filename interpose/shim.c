@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -699,15 +700,61 @@ typedef CUresult (*fn_release)(CUdevice);
 typedef CUresult (*fn_void)(void);
 typedef CUresult (*fn_setdev)(int);
 
+/* The vendor functions a drain calls, looked up by the helper thread only. A lookup of a
+ * library that is not loaded (HIP on a CUDA node) searches the whole library path: ~180
+ * syscalls and ~0.2 ms of CPU per drain per process. So they are looked up again only
+ * when the set of loaded objects changed (glibc's dlpi_adds/dlpi_subs counters). */
+static struct {
+    fn_i_p cu_count, cu_push, cu_pop;
+    fn_dev_state cu_state;
+    fn_retain cu_retain;
+    fn_release cu_release;
+    fn_void cu_sync;
+    fn_i_p hip_count;
+    fn_dev_state hip_state;
+    fn_setdev hip_setdev;
+    fn_void hip_sync;
+    unsigned long long adds, subs;
+    int valid;
+} g_dfn;
+
+static int loaded_gen(struct dl_phdr_info *info, size_t size, void *data) {
+    unsigned long long *v = data;
+    if (size >= offsetof(struct dl_phdr_info, dlpi_subs) + sizeof info->dlpi_subs) {
+        v[0] = info->dlpi_adds;
+        v[1] = info->dlpi_subs;
+        v[2] = 1;
+    }
+    return 1; /* the counters are the same in every entry: the first one is enough */
+}
+
+static void drain_fns(void) {
+    unsigned long long v[3] = {0, 0, 0};
+    dl_iterate_phdr(loaded_gen, v);
+    if (g_dfn.valid && v[2] && v[0] == g_dfn.adds && v[1] == g_dfn.subs) return;
+    g_dfn.cu_count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");
+    g_dfn.cu_state = (fn_dev_state)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxGetState");
+    g_dfn.cu_retain = (fn_retain)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRetain");
+    g_dfn.cu_release = (fn_release)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRelease_v2");
+    g_dfn.cu_push = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPushCurrent_v2");
+    g_dfn.cu_pop = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPopCurrent_v2");
+    g_dfn.cu_sync = (fn_void)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize");
+    g_dfn.hip_count = (fn_i_p)vendor_sym(KREX_API_HIP, "hipGetDeviceCount");
+    g_dfn.hip_state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
+    g_dfn.hip_setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
+    g_dfn.hip_sync = (fn_void)vendor_sym(KREX_API_HIP, "hipDeviceSynchronize");
+    g_dfn.adds = v[0];
+    g_dfn.subs = v[1];
+    g_dfn.valid = v[2] != 0; /* counters unknown (an old libc): look up every time, as before */
+}
+
 /* Synchronise the CUDA contexts this process already has; never create one. */
 static void drain_cuda(void) {
-    fn_i_p count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");
-    fn_dev_state state = (fn_dev_state)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxGetState");
-    fn_retain retain = (fn_retain)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRetain");
-    fn_release release = (fn_release)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRelease_v2");
-    fn_i_p push = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPushCurrent_v2");
-    fn_i_p pop = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPopCurrent_v2");
-    fn_void sync = (fn_void)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize");
+    fn_i_p count = g_dfn.cu_count, push = g_dfn.cu_push, pop = g_dfn.cu_pop;
+    fn_dev_state state = g_dfn.cu_state;
+    fn_retain retain = g_dfn.cu_retain;
+    fn_release release = g_dfn.cu_release;
+    fn_void sync = g_dfn.cu_sync;
     if (!count || !state || !retain || !release || !push || !pop || !sync) return;
     int n = 0;
     if (count(&n) != CUDA_SUCCESS) return;
@@ -734,10 +781,10 @@ static void drain_cuda(void) {
 }
 
 static void drain_hip(void) {
-    fn_i_p count = (fn_i_p)vendor_sym(KREX_API_HIP, "hipGetDeviceCount");
-    fn_dev_state state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
-    fn_setdev setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
-    fn_void sync = (fn_void)vendor_sym(KREX_API_HIP, "hipDeviceSynchronize");
+    fn_i_p count = g_dfn.hip_count;
+    fn_dev_state state = g_dfn.hip_state;
+    fn_setdev setdev = g_dfn.hip_setdev;
+    fn_void sync = g_dfn.hip_sync;
     if (!count || !state || !setdev || !sync) return;
     int n = 0;
     if (count(&n) != hipSuccess) return;
@@ -794,6 +841,7 @@ static void *krex_helper(void *arg) {
             __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
             __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
         } else {
+            drain_fns();
             drain_cuda();
             drain_hip();
         }

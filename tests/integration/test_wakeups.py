@@ -118,3 +118,51 @@ def test_a_bounded_wait_reports_a_live_straggler(harness: Harness) -> None:
     res = h.seg.wait_inflight(0, owner, timeout=0.3)
     assert not res.ok and res.count == 1 and res.stragglers == [child.pid], res
     assert res.stats["timeouts"] >= 1, res
+
+
+LATE_HIP = r"""
+import ctypes, json, sys
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+def say(step):
+    print(json.dumps({"step": step}), flush=True)
+    return sys.stdin.readline()
+ctypes.CDLL("libcuda.so.1")
+rt = ctypes.CDLL("libcudart.so.13")
+vp = ctypes.c_void_p
+rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+assert rt.cudaLaunchKernel(vp(0x1234), Dim3(1, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+rt.cudaDeviceSynchronize()
+say("cuda")
+hip = ctypes.CDLL("libamdhip64.so")  # loaded only now: after the helper's first drain
+p = vp()
+assert hip.hipMalloc(ctypes.byref(p), ctypes.c_size_t(64)) == 0
+say("hip")
+"""
+
+
+def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(harness: Harness) -> None:
+    """The helper looks its vendor functions up once and again only when the process
+    loaded (or unloaded) a library since: a HIP runtime loaded after the first drain is
+    synchronised by the next one."""
+    import sys
+
+    h = harness
+    owner, sib = h.claim(), h.claim()
+    child = Child([sys.executable, "-c", LATE_HIP], h.env(sib))
+    h.children.append(child)
+    child.expect(lambda d: d.get("step") == "cuda", 60, "the CUDA part")
+    _close(h, owner)
+    assert h.seg.drain(0, owner, timeout=30).ok
+
+    def syncs() -> list[str]:
+        return [e["api"] for e in h.events() if e.get("ev") == "sync" and e["pid"] == child.pid]
+
+    first = syncs()
+    assert first and not any(a.startswith("hip") for a in first), first
+    child.send()
+    child.expect(lambda d: d.get("step") == "hip", 60, "the HIP runtime loaded")
+    res = h.seg.drain(0, owner, timeout=30)
+    assert res.ok, res
+    later = syncs()[len(first) :]
+    assert "hipDeviceSynchronize" in later, f"the drain after HIP was loaded did not synchronise HIP: {later}"
