@@ -98,6 +98,9 @@
  * ack, re-checks without a wake this often: a straggler that died (SIGKILL mid-call, no
  * wake ever comes) is noticed by the liveness check of the next scan. */
 #define KREX_WAIT_RECHECK_NS 10000000
+/* A Python caller of those waits gets control back at least this often, so a signal that
+ * landed just before the C wait began still runs its handler (Ctrl-C on `krex pause`). */
+#define KREX_WAIT_SLICE_NS 200000000
 /* The drain helper re-checks its GPU's drain_seq (and whether to stop) this often. */
 #define KREX_HELPER_RECHECK_NS 1000000000
 /* A client that starts krexd on demand waits this long for it to answer. */

@@ -435,9 +435,10 @@ static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_wh
         uint64_t now = krex_now_ns();
         if (n == 0 || now >= deadline) break;
         uint64_t left = deadline - now;
-        if (recheck_ns && left > recheck_ns) left = recheck_ns;
+        int rechecks = recheck_ns && left > recheck_ns;
+        if (rechecks) left = recheck_ns;
         int r = krex_futex_wait(&g->wake, w, left);
-        if (r == ETIMEDOUT) st->timeouts++;
+        if (r == ETIMEDOUT && rechecks) st->timeouts++; /* (the deadline's own end is no re-check) */
         else if (r == 0 || r == EAGAIN) st->wakeups++;
         else if (r == EINTR) {
             st->interrupted = 1;

@@ -125,18 +125,22 @@ def _recheck_ns(recheck: float | None) -> int:
     return int(lib.KREX_WAIT_RECHECK_NS) if recheck is None else _ns(recheck)
 
 
+_SLICE_S = lib.KREX_WAIT_SLICE_NS / 1e9
+
+
 def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, dict[str, int]]:
-    """Run a C wait loop (`call(timeout_ns, stats)`) to its end. A signal interrupts the C
-    call; returning here lets Python run the handler (Ctrl-C on `krex pause` raises), and
-    the wait goes on for what is left of the timeout."""
+    """Run a C wait loop (`call(timeout_ns, stats)`) to its end, in slices: between them
+    (and when a signal interrupts the C call) Python runs pending signal handlers, so
+    Ctrl-C on `krex pause` raises even when it landed just before a C wait began."""
     t0 = time.monotonic()
     st = ffi.new("struct krex_wait_stats *")
     total = {"scans": 0, "wakeups": 0, "timeouts": 0}
     while True:
-        n = int(call(_ns(timeout - (time.monotonic() - t0)), st))
+        left = timeout - (time.monotonic() - t0)
+        n = int(call(_ns(min(left, _SLICE_S)), st))
         for k in total:
             total[k] += int(getattr(st, k))
-        if n == 0 or not st.interrupted or time.monotonic() - t0 >= timeout:
+        if n == 0 or time.monotonic() - t0 >= timeout:
             return n, time.monotonic() - t0, total
 
 
