@@ -3,8 +3,10 @@
  * so a region starts with no sibling work left on the device. Also the context
  * and graph-capture tracking the hooks feed it. */
 #define _GNU_SOURCE
+#include <link.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
 #include <time.h>
@@ -21,10 +23,14 @@
 static void *g_cap_streams[KREX_MAX_CAPTURES];
 uint32_t g_captures;                 /* streams in the table, plus captures that did not fit */
 static uint32_t g_capture_overflow;
+static uint32_t g_cap_waiting; /* the drain helper sleeps on g_captures (a futex word) */
 
 static void captures_publish(void) {
     struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
     if (p) __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
+    /* After the seq_cst change of g_captures: the helper sets g_cap_waiting, then reads
+     * g_captures, so it either sees the change or is woken here. */
+    if (__atomic_load_n(&g_cap_waiting, __ATOMIC_SEQ_CST)) krex_futex_wake(&g_captures);
 }
 
 void krex_capture_begin(void *stream) {
@@ -97,15 +103,61 @@ typedef CUresult (*fn_release)(CUdevice);
 typedef CUresult (*fn_void)(void);
 typedef CUresult (*fn_setdev)(int);
 
+/* The vendor functions a drain calls, looked up by the helper thread only. A lookup of a
+ * library that is not loaded (HIP on a CUDA node) searches the whole library path: ~180
+ * syscalls and ~0.2 ms of CPU per drain per process. So they are looked up again only
+ * when the set of loaded objects changed (glibc's dlpi_adds/dlpi_subs counters). */
+static struct {
+    fn_i_p cu_count, cu_push, cu_pop;
+    fn_dev_state cu_state;
+    fn_retain cu_retain;
+    fn_release cu_release;
+    fn_void cu_sync;
+    fn_i_p hip_count;
+    fn_dev_state hip_state;
+    fn_setdev hip_setdev;
+    fn_void hip_sync;
+    unsigned long long adds, subs;
+    int valid;
+} g_dfn;
+
+static int loaded_gen(struct dl_phdr_info *info, size_t size, void *data) {
+    unsigned long long *v = data;
+    if (size >= offsetof(struct dl_phdr_info, dlpi_subs) + sizeof info->dlpi_subs) {
+        v[0] = info->dlpi_adds;
+        v[1] = info->dlpi_subs;
+        v[2] = 1;
+    }
+    return 1; /* the counters are the same in every entry: the first one is enough */
+}
+
+static void drain_fns(void) {
+    unsigned long long v[3] = {0, 0, 0};
+    dl_iterate_phdr(loaded_gen, v);
+    if (g_dfn.valid && v[2] && v[0] == g_dfn.adds && v[1] == g_dfn.subs) return;
+    g_dfn.cu_count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");
+    g_dfn.cu_state = (fn_dev_state)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxGetState");
+    g_dfn.cu_retain = (fn_retain)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRetain");
+    g_dfn.cu_release = (fn_release)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRelease_v2");
+    g_dfn.cu_push = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPushCurrent_v2");
+    g_dfn.cu_pop = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPopCurrent_v2");
+    g_dfn.cu_sync = (fn_void)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize");
+    g_dfn.hip_count = (fn_i_p)vendor_sym(KREX_API_HIP, "hipGetDeviceCount");
+    g_dfn.hip_state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
+    g_dfn.hip_setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
+    g_dfn.hip_sync = (fn_void)vendor_sym(KREX_API_HIP, "hipDeviceSynchronize");
+    g_dfn.adds = v[0];
+    g_dfn.subs = v[1];
+    g_dfn.valid = v[2] != 0; /* counters unknown (an old libc): look up every time, as before */
+}
+
 /* Synchronise the CUDA contexts this process already has; never create one. */
 static void drain_cuda(void) {
-    fn_i_p count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");
-    fn_dev_state state = (fn_dev_state)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxGetState");
-    fn_retain retain = (fn_retain)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRetain");
-    fn_release release = (fn_release)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRelease_v2");
-    fn_i_p push = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPushCurrent_v2");
-    fn_i_p pop = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPopCurrent_v2");
-    fn_void sync = (fn_void)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize");
+    fn_i_p count = g_dfn.cu_count, push = g_dfn.cu_push, pop = g_dfn.cu_pop;
+    fn_dev_state state = g_dfn.cu_state;
+    fn_retain retain = g_dfn.cu_retain;
+    fn_release release = g_dfn.cu_release;
+    fn_void sync = g_dfn.cu_sync;
     if (!count || !state || !retain || !release || !push || !pop || !sync) return;
     int n = 0;
     if (count(&n) != CUDA_SUCCESS) return;
@@ -132,10 +184,10 @@ static void drain_cuda(void) {
 }
 
 static void drain_hip(void) {
-    fn_i_p count = (fn_i_p)vendor_sym(KREX_API_HIP, "hipGetDeviceCount");
-    fn_dev_state state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
-    fn_setdev setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
-    fn_void sync = (fn_void)vendor_sym(KREX_API_HIP, "hipDeviceSynchronize");
+    fn_i_p count = g_dfn.hip_count;
+    fn_dev_state state = g_dfn.hip_state;
+    fn_setdev setdev = g_dfn.hip_setdev;
+    fn_void sync = g_dfn.hip_sync;
     if (!count || !state || !setdev || !sync) return;
     int n = 0;
     if (count(&n) != hipSuccess) return;
@@ -182,17 +234,24 @@ static void *krex_helper(void *arg) {
          * the capture a moment to end, else ack as partial so the controller
          * marks the grant contaminated instead of silently clean. */
         uint64_t t0 = krex_now_ns();
-        while (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0 && krex_now_ns() - t0 < KREX_CAPTURE_WAIT_NS)
-            usleep(1000);
+        __atomic_store_n(&g_cap_waiting, 1, __ATOMIC_SEQ_CST);
+        for (uint32_t c; (c = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST)) > 0;) {
+            uint64_t spent = krex_now_ns() - t0;
+            if (spent >= KREX_CAPTURE_WAIT_NS) break;
+            krex_futex_wait(&g_captures, c, KREX_CAPTURE_WAIT_NS - spent); /* woken by the capture's end */
+        }
+        __atomic_store_n(&g_cap_waiting, 0, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
             __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
             __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
         } else {
+            drain_fns();
             drain_cuda();
             drain_hip();
         }
         __atomic_fetch_add(&p->drains, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
+        krex_wake_controller(g_shm, g_gpu); /* krexd sleeps until the last ack */
         seen = cur;
     }
     __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
@@ -246,5 +305,6 @@ void krex_drain_after_fork(void) {
     __atomic_store_n(&g_helper_started, 0, RELAXED);
     for (int i = 0; i < KREX_MAX_CAPTURES; i++) g_cap_streams[i] = NULL;
     g_captures = g_capture_overflow = 0;
+    g_cap_waiting = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) g_ctxs[i] = NULL;
 }

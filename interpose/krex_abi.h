@@ -11,6 +11,12 @@
  *   shim:       inflight++ ; g = gate ; if closed and not owner: inflight--, futex-wait(gate, g), retry
  *   controller: gate = closed(epoch, owner) ; wait until every non-owner inflight == 0
  * so any submission is either counted before the close or sees the gate closed.
+ *
+ * Waking the controller (the same pairing, once more):
+ *   shim:       inflight-- ; g = gate ; if closed and not owner: wake++, futex-wake(wake) if waiters
+ *   helper:     drain_ack = seq ; wake++, futex-wake(wake) if waiters
+ *   controller: waiters++ ; w = wake ; scan counters/acks ; if not done: futex-wait(wake, w, recheck)
+ * so the controller either sees the change in its scan or the wake word has moved.
  */
 #ifndef KREX_ABI_H
 #define KREX_ABI_H
@@ -89,6 +95,13 @@
 #define KREX_CONNECT_TIMEOUT_MS 5000
 /* The guardian (`krex run`) checks krexd's heartbeat this often. */
 #define KREX_GUARDIAN_POLL_NS 100000000
+/* krexd, waiting on a GPU's `wake` word for in-flight calls to leave or drain helpers to
+ * ack, re-checks without a wake this often: a straggler that died (SIGKILL mid-call, no
+ * wake ever comes) is noticed by the liveness check of the next scan. */
+#define KREX_WAIT_RECHECK_NS 10000000
+/* A Python caller of those waits gets control back at least this often, so a signal that
+ * landed just before the C wait began still runs its handler (Ctrl-C on `krex pause`). */
+#define KREX_WAIT_SLICE_NS 200000000
 /* The drain helper re-checks its GPU's drain_seq (and whether to stop) this often. */
 #define KREX_HELPER_RECHECK_NS 1000000000
 /* A client that starts krexd on demand waits this long for it to answer. */
@@ -200,7 +213,11 @@ struct krex_gpu {
     uint64_t regions;               /* closes so far */
     uint64_t fail_opens;            /* shims that gave up waiting on this gate */
     uint64_t pub_epoch;             /* epoch whose holder fields above are published */
-    uint64_t reserved[7];
+    uint32_t wake;                  /* futex word: bumped when a sibling leaves a gated call while
+                                     * the gate is closed, and when a drain helper acks */
+    uint32_t waiters;               /* controller threads sleeping on `wake` (wakers skip the
+                                     * syscall while 0) */
+    uint64_t reserved[6];
 };
 
 struct krex_slot {

@@ -406,6 +406,60 @@ int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t s
     return drain_scan(shm, gpu, owner_slot, seq, DRAIN_PARTIAL, pids, max_pids);
 }
 
+void krex_wake_controller(struct krex_shm *shm, int gpu) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    __atomic_add_fetch(&g->wake, 1, SEQ);
+    if (__atomic_load_n(&g->waiters, SEQ)) krex_futex_wake(&g->wake);
+}
+
+enum wait_what { WAIT_INFLIGHT, WAIT_DRAIN };
+
+/* Scan, and sleep on the wake word between scans. The word is read before each scan, so
+ * a change that the scan missed has moved it and the futex wait returns at once. */
+static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_what what, uint32_t seq,
+                     uint64_t timeout_ns, uint64_t recheck_ns, int64_t *pids, int max_pids,
+                     struct krex_wait_stats *st) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    struct krex_wait_stats local;
+    if (!st) st = &local;
+    memset(st, 0, sizeof *st);
+    uint64_t t0 = krex_now_ns(), deadline = t0 + timeout_ns;
+    int n;
+    __atomic_add_fetch(&g->waiters, 1, SEQ);
+    for (;;) {
+        uint32_t w = __atomic_load_n(&g->wake, SEQ);
+        if (pids) memset(pids, 0, sizeof *pids * (size_t)(max_pids > 0 ? max_pids : 0)); /* this scan's only */
+        n = what == WAIT_INFLIGHT ? krex_gate_inflight(shm, gpu, owner_slot, pids, max_pids)
+                                  : drain_scan(shm, gpu, owner_slot, seq, DRAIN_PENDING, pids, max_pids);
+        st->scans++;
+        uint64_t now = krex_now_ns();
+        if (n == 0 || now >= deadline) break;
+        uint64_t left = deadline - now;
+        int rechecks = recheck_ns && left > recheck_ns;
+        if (rechecks) left = recheck_ns;
+        int r = krex_futex_wait(&g->wake, w, left);
+        if (r == ETIMEDOUT && rechecks) st->timeouts++; /* (the deadline's own end is no re-check) */
+        else if (r == 0 || r == EAGAIN) st->wakeups++;
+        else if (r == EINTR) {
+            st->interrupted = 1;
+            break;
+        }
+    }
+    __atomic_sub_fetch(&g->waiters, 1, SEQ);
+    st->waited_ns = krex_now_ns() - t0;
+    return n;
+}
+
+int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t timeout_ns, uint64_t recheck_ns,
+                       int64_t *pids, int max_pids, struct krex_wait_stats *st) {
+    return wait_loop(shm, gpu, owner_slot, WAIT_INFLIGHT, 0, timeout_ns, recheck_ns, pids, max_pids, st);
+}
+
+int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, uint64_t timeout_ns,
+                    uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
+    return wait_loop(shm, gpu, owner_slot, WAIT_DRAIN, seq, timeout_ns, recheck_ns, pids, max_pids, st);
+}
+
 void krex_heartbeat(struct krex_shm *shm) {
     __atomic_store_n(&shm->hdr.heartbeat_ns, krex_now_ns(), SEQ);
 }

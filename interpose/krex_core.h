@@ -36,6 +36,25 @@ int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t s
                        int64_t *pids, int max_pids);
 void krex_heartbeat(struct krex_shm *shm);
 
+/* The controller's waits for in-flight calls to leave (step 3) and for drain acks
+ * (step 4): they sleep on the GPU's `wake` futex word and re-scan after each wake, or
+ * after recheck_ns without one (liveness of stragglers), until done or timeout_ns.
+ * Return what is still outstanding (0 = done); pids get the stragglers. A signal ends
+ * the wait early (st->interrupted), so a Python caller can run its handlers. */
+struct krex_wait_stats {
+    uint64_t scans;     /* counter / ack scans */
+    uint64_t wakeups;   /* futex waits that ended by a wake (or a moved word) */
+    uint64_t timeouts;  /* futex waits that ended by recheck_ns: a re-check without a wake */
+    uint64_t waited_ns;
+    uint64_t interrupted; /* 1: a signal ended the wait early (the caller runs its handlers, then waits on) */
+};
+int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t timeout_ns, uint64_t recheck_ns,
+                       int64_t *pids, int max_pids, struct krex_wait_stats *st);
+int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, uint64_t timeout_ns,
+                    uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st);
+/* Waker side: a sibling's call left while the gate was closed, or a helper acked. */
+void krex_wake_controller(struct krex_shm *shm, int gpu);
+
 /* Slots and process records. */
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid);
 int krex_slot_live_procs(struct krex_shm *shm, int slot);

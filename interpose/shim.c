@@ -21,6 +21,8 @@
 struct krex_fast g_fast;
 __thread int t_depth __attribute__((tls_model("initial-exec")));
 
+void krex_left_closed(void) { krex_wake_controller(g_shm, g_gpu); }
+
 int g_mode = MODE_OFF;
 int g_log;
 char g_shm_name[128];

@@ -41,8 +41,20 @@ static inline int krex_enter(int cls) {
     return 1;
 }
 
-static inline void krex_leave(int counted) {
-    if (counted) __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_RELEASE);
+/* Slow path of a leave (shim.c): someone else closed the gate while this call ran,
+ * so krexd may be waiting for our in-flight count to reach 0. Wake it, never poll. */
+void krex_left_closed(void) __attribute__((cold, visibility("hidden")));
+
+/* The decrement, then the gate load (both seq_cst): krexd closes the gate, then waits on
+ * its wake word and scans the counters, so either its scan sees the decrement or we see
+ * the gate closed and wake it (krex_abi.h). With the gate open: one extra load, no syscall.
+ * always_inline: gcc stops inlining it once it grows, which doubles the fast path's cost. */
+__attribute__((always_inline)) static inline void krex_leave(int counted) {
+    if (counted) {
+        __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
+        uint32_t w = __atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST);
+        if (UNLIKELY(w != KREX_GATE_OPEN && (w & 0xff) != g_fast.owner_byte)) krex_left_closed();
+    }
     t_depth--;
 }
 

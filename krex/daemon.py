@@ -1,7 +1,10 @@
 """krexd: the per-node control plane.
 
 Owns the segment, the slot cgroups, the CPU partition and the journal, and runs
-the region protocol of DESIGN.md for each GPU on a worker thread of its own:
+the region protocol of DESIGN.md for each GPU in FIFO order. A request for an idle
+GPU with nobody queued enters on its own connection's thread (no hand-off before the
+grant); otherwise it queues for the GPU's worker thread. Either way the worker holds
+the granted region and runs its end:
 
   queue -> block (close gate) -> catch stragglers (in-flight == 0) -> drain
         -> freeze siblings -> pin the measuring thread -> grant
@@ -26,7 +29,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +174,7 @@ class Region:
     end_reason: str = ""
     grant: dict[str, Any] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
+    after_reply: Callable[[], None] | None = None  # run by the connection thread once the grant is sent
 
 
 class Daemon:
@@ -206,6 +210,10 @@ class Daemon:
             g: collections.deque() for g in range(self.info.count)
         }
         self.current: dict[int, Region | None] = dict.fromkeys(range(self.info.count))
+        # A region granted on its connection's thread, for the GPU's worker to hold and close.
+        self.held: dict[int, tuple[Region, Generator[None, None, None]] | None] = dict.fromkeys(
+            range(self.info.count)
+        )
         self.regions_done = 0
         self.last_busy = time.monotonic()
         self.seg: Segment
@@ -730,38 +738,85 @@ class Daemon:
 
     # ----------------------------------------------------------- the regions
     def _gpu_loop(self, gpu: int) -> None:
-        while not self.stop.is_set():
+        """The GPU's worker: runs queued regions in FIFO order, and holds (waits for the end
+        of, then closes) regions whose entry ran on the requesting connection's thread."""
+        while True:
             with self.lock:
-                while not self.queues[gpu] and not self.stop.is_set():
+                while self.held[gpu] is None and (
+                    self.stop.is_set() or self.current[gpu] is not None or not self.queues[gpu]
+                ):
+                    if self.stop.is_set() and self.current[gpu] is None:
+                        return
                     self.changed.wait(0.5)
-                if self.stop.is_set():
-                    return
-                req = self.queues[gpu].popleft()
-                if req.cancelled:
-                    continue
-                self.current[gpu] = req
-            try:
-                self._run_region(gpu, req)
-            except Exception as e:  # noqa: BLE001 - a bad region must never take the GPU's queue down
-                log.exception(
-                    "gpu %d: region of slot %d pid %d failed; gate reopened", gpu, req.slot, req.pid
-                )
-                req.grant = {
-                    "ok": False,
-                    "error": f"region failed: {type(e).__name__}: {e}",
-                    "fix": "see krexd.log; the gate was reopened",
-                }
-                req.granted.set()
-                with contextlib.suppress(Exception):
-                    cur = self.seg.gate_word(gpu)
-                    if cur & 0xFF == req.slot + 1:  # ours: never open someone else's gate
-                        self.seg.open_gate(gpu, cur)
-            finally:
+                held = self.held[gpu]
+                if held is not None:
+                    self.held[gpu] = None
+                    req, steps = held
+                else:
+                    req = self.queues[gpu].popleft()
+                    if req.cancelled:
+                        continue
+                    self.current[gpu] = req
+                    steps = self._region_steps(gpu, req)
+            self._drive(gpu, req, steps, to_grant=False)
+
+    def _enter_inline(self, gpu: int, req: Region) -> bool:
+        """Run a region's entry on the requesting connection's thread when its GPU is idle
+        and nobody queues (FIFO holds: nobody is overtaken): no hand-off to the GPU's worker
+        and back before the grant. False when the GPU is busy: the caller queues it."""
+        with self.lock:
+            if self.stop.is_set() or self.current[gpu] is not None or self.queues[gpu]:
+                return False
+            self.current[gpu] = req
+        steps = self._region_steps(gpu, req)
+        if self._drive(gpu, req, steps, to_grant=True):
+            # Granted: the worker holds the region from here (--max-region, END, the exit
+            # steps). Handed over only after the reply went out (see _client).
+            def hand_over() -> None:
                 with self.lock:
-                    self.current[gpu] = None
-                    self.regions_done += 1
-                    self.changed.notify_all()
-                req.released.set()
+                    if not self.stop.is_set():
+                        self.held[gpu] = (req, steps)
+                        self.changed.notify_all()
+                        return
+                # Stopping: the worker may be gone; finish here (shutdown ended the region).
+                self._drive(gpu, req, steps, to_grant=False)
+
+            req.after_reply = hand_over
+        return True
+
+    def _drive(self, gpu: int, req: Region, steps: Generator[None, None, None], to_grant: bool) -> bool:
+        """Advance a region's steps: up to its grant (to_grant) or to its end. True when it
+        stopped at the grant; once its steps are over, the GPU is free for the next one."""
+        try:
+            if to_grant:
+                if next(steps, "done") is None:
+                    return True
+            else:
+                for _ in steps:
+                    pass
+        except Exception as e:  # noqa: BLE001 - a bad region must never take the GPU's queue down
+            log.exception("gpu %d: region of slot %d pid %d failed; gate reopened", gpu, req.slot, req.pid)
+            req.grant = {
+                "ok": False,
+                "error": f"region failed: {type(e).__name__}: {e}",
+                "fix": "see krexd.log; the gate was reopened",
+            }
+            req.granted.set()
+            with contextlib.suppress(Exception):
+                cur = self.seg.gate_word(gpu)
+                if cur & 0xFF == req.slot + 1:  # ours: never open someone else's gate
+                    self.seg.open_gate(gpu, cur)
+        with self.lock:
+            self.current[gpu] = None
+            self.regions_done += 1
+            self.changed.notify_all()
+        req.released.set()
+        return False
+
+    def _run_region(self, gpu: int, req: Region) -> None:
+        """A region's steps from queue to journal, on the calling thread."""
+        for _ in self._region_steps(gpu, req):
+            pass
 
     def _acquire_gate(self, gpu: int, req: Region) -> int | None:
         """Take the gate for `req` with one compare-and-swap (krex_gate_acquire). While an
@@ -802,7 +857,11 @@ class Daemon:
                 why.append(f"slot {s.slot}: " + "; ".join(bad[:3]))
         return policy, out, why
 
-    def _run_region(self, gpu: int, req: Region) -> None:
+    def _region_steps(self, gpu: int, req: Region) -> Generator[None, None, None]:
+        """The region protocol for one request. Yields once, right after the grant: the
+        entry (block, stragglers, drain, freeze, pin) may run on one thread and the rest
+        (hold until END or --max-region, thaw, open, journal) on another. Its try/finally
+        spans both halves, so even a generator dropped at the grant closes its region."""
         # Each reason is (flag, text): the flag is a short code for machines (journal
         # "flags"), the text says what happened. Any reason makes the region contaminated:
         # never silently clean.
@@ -828,12 +887,14 @@ class Daemon:
         try:
             r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
             t["inflight_s"] = r.seconds
+            waits = {"wait_inflight": r.stats}
             if not r.ok:
                 reasons.append(
                     ("inflight-timeout", f"in-flight submissions of pids {r.stragglers} did not finish")
                 )
             r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s)
             t["drain_s"] = r.seconds
+            waits["wait_drain"] = r.stats
             drained = r.count
             if not r.ok:
                 reasons.append(
@@ -892,6 +953,7 @@ class Daemon:
                 "slot": req.slot,
                 **{k: round(v, 6) for k, v in t.items()},
                 "drained": drained,
+                **waits,  # how each wait ended: wake-ups versus re-checks without one
                 "frozen_slots": [s.slot for s in frozen],
                 "freeze_policy": policy,
                 "evicted_threads": len(evicted),
@@ -913,6 +975,7 @@ class Daemon:
             sub0 = self.seg.slot_submits(req.slot) if adaptive else 0
             t_grant_ns = time.monotonic_ns()
             req.granted.set()
+            yield
             attest_entry = self.attestor.sample(gpu)
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
@@ -1107,18 +1170,29 @@ class Daemon:
                     }
                 if reply is not None:
                     try:
-                        frame = encode_reply(m.op.code, reply)
-                    except KrexError as e:  # a reply that does not fit its fixed body: a bug here, said so
-                        log.error("reply to %s for pid %d cannot be sent: %s", m.op.name, pid, e)
-                        frame = encode_reply(m.op.code, _error(e))
-                    conn.sendall(frame)
+                        try:
+                            frame = encode_reply(m.op.code, reply)
+                        except KrexError as e:  # a reply that does not fit its fixed body: a bug here, said so
+                            log.error("reply to %s for pid %d cannot be sent: %s", m.op.name, pid, e)
+                            frame = encode_reply(m.op.code, _error(e))
+                        conn.sendall(frame)
+                    finally:
+                        self._after_reply(owned)
         except OSError:
             pass
         finally:
             self._disconnect(pid, owned)
             conn.close()
 
+    @staticmethod
+    def _after_reply(owned: dict[str, Any]) -> None:
+        r: Region | None = owned["region"]
+        if r is not None and r.after_reply is not None:
+            hand_over, r.after_reply = r.after_reply, None
+            hand_over()
+
     def _disconnect(self, pid: int, owned: dict[str, Any]) -> None:
+        self._after_reply(owned)  # a region granted inline but never replied to: hand it over first
         r: Region | None = owned["region"]
         if r is not None and not r.ended.is_set():
             r.end_reason = "owner-exit"
@@ -1347,10 +1421,11 @@ class Daemon:
             raise UsageError(f"thread {tid} is not a thread of pid {pid}", "send your own thread id")
         label = str(msg.get("label") or "")[:200]
         req = Region(s.slot, s.gpu, pid, tid, time.monotonic(), label=label)
-        with self.lock:
-            self.queues[s.gpu].append(req)
-            self.changed.notify_all()
         owned["region"] = req
+        if not self._enter_inline(s.gpu, req):
+            with self.lock:
+                self.queues[s.gpu].append(req)
+                self.changed.notify_all()
         req.granted.wait()
         if req.cancelled:
             if self.stop.is_set():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -113,6 +114,34 @@ class StepResult:
     count: int
     stragglers: list[int]
     partial: list[int] = field(default_factory=list)  # acked without a full sync (graph capture)
+    stats: dict[str, int] = field(default_factory=dict)  # the C wait loop's scans, wakeups, timeouts
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+def _recheck_ns(recheck: float | None) -> int:
+    return int(lib.KREX_WAIT_RECHECK_NS) if recheck is None else _ns(recheck)
+
+
+_SLICE_S = lib.KREX_WAIT_SLICE_NS / 1e9
+
+
+def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, dict[str, int]]:
+    """Run a C wait loop (`call(timeout_ns, stats)`) to its end, in slices: between them
+    (and when a signal interrupts the C call) Python runs pending signal handlers, so
+    Ctrl-C on `krex pause` raises even when it landed just before a C wait began."""
+    t0 = time.monotonic()
+    st = ffi.new("struct krex_wait_stats *")
+    total = {"scans": 0, "wakeups": 0, "timeouts": 0}
+    while True:
+        left = timeout - (time.monotonic() - t0)
+        n = int(call(_ns(min(left, _SLICE_S)), st))
+        for k in total:
+            total[k] += int(getattr(st, k))
+        if n == 0 or time.monotonic() - t0 >= timeout:
+            return n, time.monotonic() - t0, total
 
 
 def _oserror(err: int, name: str) -> KrexError:
@@ -331,22 +360,28 @@ class Segment:
         n = lib.krex_gate_inflight(self.raw, gpu, -1 if owner_slot is None else owner_slot, pids, 64)
         return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
 
-    def wait_inflight(self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0) -> StepResult:
-        """Wait until no non-owner thread is inside a gated call (protocol step 3)."""
-        t0 = time.monotonic()
-        delay = 20e-6
-        while True:
-            n, pids = self.inflight(gpu, owner_slot)
-            if n == 0:
-                return StepResult(True, time.monotonic() - t0, 0, [])
-            if time.monotonic() - t0 > timeout:
-                return StepResult(False, time.monotonic() - t0, n, pids)
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+    def wait_inflight(
+        self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
+    ) -> StepResult:
+        """Wait until no non-owner thread is inside a gated call (protocol step 3). Sleeps
+        on the GPU's wake word, which a sibling bumps as it leaves a gated call while the
+        gate is closed; re-checks every `recheck` seconds without a wake (a straggler that
+        died never wakes anyone). The C wait releases the GIL."""
+        pids = ffi.new("int64_t[64]")
+        owner = -1 if owner_slot is None else owner_slot
+        every = _recheck_ns(recheck)
+        n, secs, stats = _wait(
+            lambda left, st: lib.krex_wait_inflight(self.raw, gpu, owner, left, every, pids, 64, st), timeout
+        )
+        stragglers = sorted({int(pids[i]) for i in range(64) if pids[i]}) if n else []
+        return StepResult(n == 0, secs, n, stragglers, stats=stats)
 
-    def drain(self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0) -> StepResult:
+    def drain(
+        self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
+    ) -> StepResult:
         """Ask every sibling helper to synchronise its contexts and wait for the
-        acks (protocol step 4). `count` is how many processes had to drain."""
+        acks (protocol step 4). `count` is how many processes had to drain. Each helper
+        wakes the waiter after its ack (see wait_inflight for `recheck`)."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
         pids = ffi.new("int64_t[256]")
@@ -354,19 +389,17 @@ class Segment:
         nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
         seq = int(lib.krex_drain_request(self.raw, gpu))
-        delay = 20e-6
-        while True:
-            n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
-            if n == 0:
-                np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
-                partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
-                return StepResult(True, time.monotonic() - t0, initial, [], partial)
-            if time.monotonic() - t0 > timeout:
-                return StepResult(
-                    False, time.monotonic() - t0, initial, sorted(int(pids[i]) for i in range(min(n, 256)))
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        every = _recheck_ns(recheck)
+        n, _, stats = _wait(
+            lambda left, st: lib.krex_wait_drain(self.raw, gpu, owner, seq, left, every, pids, 256, st),
+            max(0.0, timeout - (time.monotonic() - t0)),
+        )
+        if n == 0:
+            np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
+            partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
+            return StepResult(True, time.monotonic() - t0, initial, [], partial, stats=stats)
+        stragglers = sorted(int(pids[i]) for i in range(min(n, 256)))
+        return StepResult(False, time.monotonic() - t0, initial, stragglers, stats=stats)
 
     def heartbeat(self) -> None:
         lib.krex_heartbeat(self.raw)

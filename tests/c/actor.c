@@ -5,6 +5,7 @@
  *
  *   k:US       launch a US-microsecond simulated kernel with cudaLaunchKernel
  *              (asynchronous: it returns at once, the kernel ends US later)
+ *   copy:N     a synchronous N-byte cudaMemcpy: inside a gated call for N ns
  *   malloc     cudaMalloc (not gated; creates a context in the simulator)
  *   sync       cudaDeviceSynchronize
  *   fork       fork(); the child runs the remaining actions too, as "child"
@@ -40,6 +41,7 @@
 extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
                                     size_t sharedMem, cudaStream_t stream);
 extern cudaError_t cudaMalloc(void **p, size_t n);
+extern cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind);
 extern cudaError_t cudaDeviceSynchronize(void);
 extern cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode);
 extern cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
@@ -89,6 +91,10 @@ int main(int argc, char **argv) {
             dim3 grid = {(unsigned)strtoul(a + 2, NULL, 10), 1, 1}, block = {1, 1, 1};
             rc = cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
             report("k", rc, t0, now_ns());
+        } else if (!strncmp(a, "copy:", 5)) {
+            static char buf[16]; /* the simulator moves no bytes: any pointers do */
+            rc = cudaMemcpy(buf, buf + 8, (size_t)strtoull(a + 5, NULL, 10), cudaMemcpyHostToHost);
+            report("copy", rc, t0, now_ns());
         } else if (!strcmp(a, "malloc")) {
             void *p = NULL;
             rc = cudaMalloc(&p, 64);
