@@ -88,8 +88,8 @@ def _fmt_s(s: float) -> str:
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
 def env(device: str, export: bool) -> None:
     """Print the variables that opt a process into KREX."""
-    from krex.envvars import format_env, opt_in_env
-    from krex.gpus import discover, sim_gpu_count
+    from krex.proc.envvars import format_env, opt_in_env
+    from krex.device.gpus import discover, sim_gpu_count
     from krex.shm import default_name
 
     kind = "sim" if device == "sim" else discover(device).kind
@@ -127,7 +127,7 @@ def pause(gpu: int, timeout: float, lease: float) -> None:
     """Stop new GPU work on a GPU until `krex resume` (or until --for runs out).
 
     Interrupted while it waits (Ctrl-C, SIGTERM, SIGHUP), it reopens the gate."""
-    from krex.control import pause as do_pause
+    from krex.node.control import pause as do_pause
     from krex.shm import Segment
 
     with Segment.attach() as seg, _signals_interrupt():
@@ -156,7 +156,7 @@ def _signals_interrupt() -> Iterator[None]:
 @click.option("--gpu", type=int, required=True, help="GPU index")
 def resume(gpu: int) -> None:
     """Open a paused GPU's gate."""
-    from krex.control import resume as do_resume
+    from krex.node.control import resume as do_resume
     from krex.shm import Segment
 
     with Segment.attach() as seg:
@@ -384,7 +384,7 @@ def _run(
     cmd: list[str],
     keep_leftovers: bool = False,
 ) -> int:
-    from krex.gpus import discover
+    from krex.device.gpus import discover
     from krex.launcher import resolve_command, run_direct, run_guarded
 
     if report:
@@ -618,7 +618,7 @@ def _partition_lines(part: dict[str, Any]) -> list[str]:
 @click.option("--node-root", default=None, help="with --fleet: the --node-root the fleet ran with")
 def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_root: str | None) -> None:
     """Print recent regions from the journal (of every node with --fleet)."""
-    from krex import journal as jr
+    from krex.node import journal as jr
     from krex import paths
 
     if fleet:

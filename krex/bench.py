@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from krex import bench_metrics as bm
 from krex.errors import KrexError, NotFound, UsageError
-from krex.freezepolicy import POLICIES as FREEZE_POLICIES
+from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 
 __all__ = [
     "MODES",
@@ -861,7 +861,7 @@ def _visible_token(pos: int) -> str:
 
 
 def _resolve_device(device: str) -> tuple[str, list[str]]:
-    from krex.gpus import discover
+    from krex.device.gpus import discover
 
     info = discover(device)
     return ("sim" if info.kind == "sim" else "gpu"), list(info.names)

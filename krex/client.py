@@ -278,7 +278,7 @@ def start_background(
     state directory) and wait until a daemon answers on the socket. Concurrent
     starts are safe: only one takes the lock; the others exit 6 and this returns
     the daemon that answers, with `ours` telling which case it was. ``on_demand``:
-    started for a command, it exits when idle (settings: krex.config)."""
+    started for a command, it exits when idle (settings: krex.node.config)."""
     paths.ensure_state_dir()
     sock = paths.socket_path()
     log = paths.log_path()

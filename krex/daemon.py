@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex import cpus, freezepolicy, freezer, journal, paths
-from krex.attest import Attestor
+from krex import paths
+from krex.node import cpus, freezepolicy, freezer, journal
+from krex.node.attest import Attestor
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
-from krex.gpus import GpuInfo, discover
+from krex.device.gpus import GpuInfo, discover
 from krex.native import ffi, lib
 from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
-from krex.segguard import Expected, SegmentGuard
+from krex.node.segguard import Expected, SegmentGuard
 from krex.shm import Segment, default_name
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
@@ -113,12 +114,12 @@ class Config:
     idle_exit_s: float | None = None
     freezer: str | None = None
     shm_name: str | None = None
-    freeze_policy: str = freezepolicy.DEFAULT  # see krex/freezepolicy.py
+    freeze_policy: str = freezepolicy.DEFAULT  # see krex/node/freezepolicy.py
     # Commands may also run on their GPU's region core(s) while no region needs them; a
     # region moves every thread but the measuring one off them (cpus.evict).
     lend_cores: bool = False
     log_level: str = "info"
-    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.config)
+    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.node.config)
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
 
 
@@ -406,7 +407,7 @@ class Daemon:
         return [int(self.seg.raw.gpus[g].fail_opens) for g in range(self.seg.n_gpus)]
 
     def _start_watchdog(self) -> None:
-        """A process of our own that thaws our groups if we hang (krex/watchdog.py)."""
+        """A process of our own that thaws our groups if we hang (krex/node/watchdog.py)."""
         import subprocess
         import sys
 
@@ -414,7 +415,7 @@ class Daemon:
         args = [str(self.pid), self.shm_name, root, self.freezer.name]
         try:
             self._watchdog: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "krex.watchdog", *args],
+                [sys.executable, "-m", "krex.node.watchdog", *args],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
                 env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
@@ -1451,8 +1452,8 @@ def run(cfg: Config) -> None:
 
 def config_from(device: str, overrides: dict[str, Any], on_demand: bool = False) -> Config:
     """A Config from the command line's ``overrides`` (None: not given), the environment
-    and the config file (krex.config)."""
-    from krex.config import daemon_settings
+    and the config file (krex.node.config)."""
+    from krex.node.config import daemon_settings
 
     values, sources = daemon_settings(overrides, on_demand=on_demand)
     return Config(device=device, **values, sources=sources)

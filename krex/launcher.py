@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex.envvars import opt_in_env
+from krex.proc.envvars import opt_in_env
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
 from krex.shm import Segment
 
@@ -140,7 +140,7 @@ def _set_affinity(cpus: list[int]) -> Callable[[], None]:
 
 
 def _static_cudart_warning(exe: str) -> str | None:
-    from krex.elfcheck import inspect
+    from krex.device.elfcheck import inspect
 
     if inspect(exe).static_cudart:
         return (
@@ -161,7 +161,8 @@ def run_guarded(
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5)."""
-    from krex import freezer, journal, paths
+    from krex import paths
+    from krex.node import freezer, journal
     from krex.client import Client
     from krex.shm import Segment
 
@@ -572,7 +573,8 @@ class _Guardian:
         return (int(lib.krex_now_ns()) - hb) / 1e9 if hb else None
 
     def _lost(self, seg: Segment | None, why: str) -> None:
-        from krex import journal, paths
+        from krex import paths
+        from krex.node import journal
         from krex.native import lib
 
         with_contextlib_thaw(self.backend, self.group_path, self.child_pid)

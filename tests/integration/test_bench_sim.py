@@ -76,7 +76,7 @@ def krex_cmd() -> list[str]:
 
 
 def _cgroup_mounts() -> list[str]:
-    from krex import freezer
+    from krex.node import freezer
 
     mounts = freezer._read_mounts()
     return freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)

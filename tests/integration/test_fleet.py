@@ -30,7 +30,7 @@ import pytest
 from helpers import clean_env, read_jsonl, wait_until
 from ray.cluster_utils import Cluster
 
-from krex import freezer
+from krex.node import freezer
 from krex.fleet import node_world
 from krex.shm import Segment
 

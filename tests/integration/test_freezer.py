@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from krex import freezer
+from krex.node import freezer
 from krex.errors import KrexError, NotFound, Timeout, UsageError
 
 BURNER = Path(__file__).resolve().parent.parent / "helpers" / "burner.py"

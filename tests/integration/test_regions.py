@@ -44,7 +44,7 @@ import psutil
 import pytest
 from helpers import clean_env, read_jsonl, wait_until
 
-from krex import freezer
+from krex.node import freezer
 from krex.client import Client, daemon_alive
 from krex.errors import Busy, KrexError, NotFound, UsageError
 from krex.native import lib

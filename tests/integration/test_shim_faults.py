@@ -23,7 +23,7 @@ from helpers import CC, Harness, clean_env, wait_until
 from test_regions import KREX, Krex
 
 from krex import daemon, paths
-from krex.envvars import opt_in_env
+from krex.proc.envvars import opt_in_env
 from krex.native import LIB_DIR, lib, shim_path
 from krex.shm import Segment
 

@@ -1,4 +1,4 @@
-"""krexd settings (krex/config.py): command line > environment > config file > defaults,
+"""krexd settings (krex/node/config.py): command line > environment > config file > defaults,
 and every bad value named with its source and a fix. Also: the library's logger."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from krex.config import ON_DEMAND_IDLE_EXIT_S, daemon_settings
+from krex.node.config import ON_DEMAND_IDLE_EXIT_S, daemon_settings
 from krex.daemon import Config, config_from
 from krex.errors import UsageError
 

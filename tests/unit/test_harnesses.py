@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import krex
-from krex import autoregion
+from krex.proc import autoregion
 
 PREFIXES = ("torch", "kernelbench", "hlog", "triton", "inhouse_bench")
 

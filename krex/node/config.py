@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from krex import freezepolicy
+from krex.node import freezepolicy
 from krex.errors import UsageError
 
 ON_DEMAND_IDLE_EXIT_S = 120.0

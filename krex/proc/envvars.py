@@ -10,6 +10,12 @@ from pathlib import Path
 from krex.native import shim_path, sim_dir
 
 
+def hook_dir() -> Path:
+    """The directory to put on PYTHONPATH: its sitecustomize.py installs automatic
+    regions when KREX_AUTO_REGION is set, and costs one `import os` otherwise."""
+    return Path(__file__).resolve().parent / "_hook"
+
+
 def _prepend(var: str, value: str, base: dict[str, str]) -> str:
     old = base.get(var, "")
     parts = [p for p in old.replace(" ", ":").split(":") if p and p != value]
@@ -34,9 +40,7 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
             f"--on-demand --log {shlex.quote(str(log))}"
         ),
     }
-    # krex/_hook holds a sitecustomize that installs automatic regions when
-    # KREX_AUTO_REGION is set, and costs one `import os` otherwise.
-    hook = str(Path(__file__).resolve().parent / "_hook")
+    hook = str(hook_dir())
     env["PYTHONPATH"] = os.pathsep.join(
         dict.fromkeys([hook, *(p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p)])
     )

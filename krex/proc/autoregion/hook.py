@@ -3,7 +3,7 @@
     eval "$(krex env --export)"
     KREX_AUTO_REGION=do_bench python bench.py
 
-``krex/_hook/sitecustomize.py`` (on PYTHONPATH) calls :func:`install` at
+``krex/proc/_hook/sitecustomize.py`` (on PYTHONPATH) calls :func:`install` at
 interpreter start when the variable is set. :func:`install` puts an import hook
 (a ``sys.meta_path`` finder) in front of the import system; right after a target
 module has been executed the hook replaces the target function or method with a
@@ -32,7 +32,7 @@ Built-in targets and what their wrapper puts inside the region:
   ``TritonBenchmarker`` / ``InductorBenchmarker.benchmark_gpu`` wrapped whole.
 - ``pytest_benchmark`` (pytest-benchmark's fixture): ``BenchmarkFixture._raw`` and
   ``_raw_pedantic``, calibration, warm-up and rounds. krex's pytest plugin
-  (``krex.pytest_plugin``) turns this on by itself under KREX.
+  (``krex.proc.pytest_plugin``) turns this on by itself under KREX.
 - ``module:function`` / ``module:Class.method``: the whole call; with a suffix
   ``@do_bench``, ``@do_bench_cudagraph`` or ``@kernelbench`` the function is treated
   like that built-in (for forks of those harnesses, docs/inhouse-do-bench.md).
@@ -294,11 +294,6 @@ def status() -> list[dict[str, str]]:
     unsupported / failed (the original was left in place; detail says why)."""
     with _lock:
         return [dict(e) for e in _status.values()]
-
-
-def hook_dir() -> Path:
-    """The directory to put on PYTHONPATH; it holds the bootstrap sitecustomize.py."""
-    return Path(__file__).resolve().parent / "_hook"
 
 
 def installed() -> bool:
