@@ -88,8 +88,8 @@ def _fmt_s(s: float) -> str:
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
 def env(device: str, export: bool) -> None:
     """Print the variables that opt a process into KREX."""
-    from krex.proc.envvars import format_env, opt_in_env
     from krex.device.gpus import discover, sim_gpu_count
+    from krex.proc.envvars import format_env, opt_in_env
     from krex.shm import default_name
 
     kind = "sim" if device == "sim" else discover(device).kind
@@ -618,8 +618,8 @@ def _partition_lines(part: dict[str, Any]) -> list[str]:
 @click.option("--node-root", default=None, help="with --fleet: the --node-root the fleet ran with")
 def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_root: str | None) -> None:
     """Print recent regions from the journal (of every node with --fleet)."""
-    from krex.node import journal as jr
     from krex import paths
+    from krex.node import journal as jr
 
     if fleet:
         from .fleet_cmd import journal_fleet

@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from krex import paths
+from krex.device.gpus import GpuInfo, discover
+from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
+from krex.native import ffi, lib
 from krex.node import cpus, freezepolicy, freezer, journal
 from krex.node.attest import Attestor
-from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
-from krex.device.gpus import GpuInfo, discover
-from krex.native import ffi, lib
-from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
 from krex.node.segguard import Expected, SegmentGuard
+from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
 from krex.shm import Segment, default_name
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).

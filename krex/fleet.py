@@ -152,8 +152,8 @@ def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
 def node_resources(device: str = "auto", slots_per_gpu: int | None = None) -> tuple[dict[str, float], int]:
     """({RESOURCE: slots}, GPUs) for this machine: what `ray start --resources` should offer.
     Slots per GPU default to krexd's own default (the physical cores of the GPU's CPU slice)."""
-    from krex.node import cpus
     from krex.device.gpus import discover
+    from krex.node import cpus
 
     check_args(1, device)
     if slots_per_gpu is not None and not 1 <= slots_per_gpu <= 64:

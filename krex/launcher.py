@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex.proc.envvars import opt_in_env
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
+from krex.proc.envvars import opt_in_env
 from krex.shm import Segment
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -162,8 +162,8 @@ def run_guarded(
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5)."""
     from krex import paths
-    from krex.node import freezer, journal
     from krex.client import Client
+    from krex.node import freezer, journal
     from krex.shm import Segment
 
     exe = resolve_command(cmd)
@@ -574,8 +574,8 @@ class _Guardian:
 
     def _lost(self, seg: Segment | None, why: str) -> None:
         from krex import paths
-        from krex.node import journal
         from krex.native import lib
+        from krex.node import journal
 
         with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
         ev: dict[str, object] = {"event": "daemon-lost", "ts": time.time(), "why": why, "region_cut": False}

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from krex.node import freezepolicy
 from krex.errors import UsageError
+from krex.node import freezepolicy
 
 ON_DEMAND_IDLE_EXIT_S = 120.0
 FREEZERS = ("cgroup2", "cgroup1", "signal")

@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from krex.node import freezer
 from krex.errors import KrexError
 from krex.native import lib
+from krex.node import freezer
 from krex.shm import Segment
 
 

@@ -200,8 +200,8 @@ class Chaos:
             self.res.faults[f] += 1
 
     def _f_pause(self) -> bool:
-        from krex.node import control
         from krex.errors import KrexError
+        from krex.node import control
         from krex.shm import Segment
 
         try:

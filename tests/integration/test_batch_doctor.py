@@ -418,8 +418,8 @@ def test_doctor_missing_binary_fails(krex_env: dict[str, str], tmp_path: Path) -
 
 
 def test_doctor_gpu_without_gpu(krex_env: dict[str, str]) -> None:
-    from krex.errors import NotFound
     from krex.device.gpus import discover
+    from krex.errors import NotFound
 
     try:
         discover("gpu")

@@ -30,8 +30,8 @@ import pytest
 from helpers import clean_env, read_jsonl, wait_until
 from ray.cluster_utils import Cluster
 
-from krex.node import freezer
 from krex.fleet import node_world
+from krex.node import freezer
 from krex.shm import Segment
 
 pytestmark = pytest.mark.timeout(420)

@@ -160,8 +160,8 @@ def test_unknown_freeze_policy_is_a_usage_error(kx: Krex) -> None:
 
 def test_inspector_verdicts(tmp_path: Path) -> None:
     """With the shim mapped: gateable; without: not; a static CUDA runtime: not."""
-    from krex.node import freezepolicy
     from krex.native import shim_path
+    from krex.node import freezepolicy
 
     ins = freezepolicy.Inspector()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}

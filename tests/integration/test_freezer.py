@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from krex.node import freezer
 from krex.errors import KrexError, NotFound, Timeout, UsageError
+from krex.node import freezer
 
 BURNER = Path(__file__).resolve().parent.parent / "helpers" / "burner.py"
 LEVELS = 2  # a child and its grandchild

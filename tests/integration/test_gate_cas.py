@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from krex.node import control
 from krex.errors import Busy
 from krex.native import lib
+from krex.node import control
 from krex.shm import Segment
 
 SECONDS = 3.0

@@ -44,10 +44,10 @@ import psutil
 import pytest
 from helpers import clean_env, read_jsonl, wait_until
 
-from krex.node import freezer
 from krex.client import Client, daemon_alive
 from krex.errors import Busy, KrexError, NotFound, UsageError
 from krex.native import lib
+from krex.node import freezer
 from krex.shm import Segment
 
 pytestmark = [

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 import krex
-from krex.proc import autoregion
 from krex.errors import UsageError
+from krex.proc import autoregion
 
 FAKE_PREFIXES = ("triton", "torch", "kernelbench", "src", "userbench", "legacybench", "legacy30", "fakelog")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from krex.node.config import ON_DEMAND_IDLE_EXIT_S, daemon_settings
 from krex.daemon import Config, config_from
 from krex.errors import UsageError
+from krex.node.config import ON_DEMAND_IDLE_EXIT_S, daemon_settings
 
 ENV = [k for k in ("KREX_CONFIG", "XDG_CONFIG_HOME")] + [
     "KREX_SLOTS_PER_GPU",

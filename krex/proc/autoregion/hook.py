@@ -61,7 +61,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any
 
