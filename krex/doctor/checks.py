@@ -90,16 +90,16 @@ def _clean_env() -> dict[str, str]:
 
 
 def check_privileges() -> Check:
-    from krex.node import freezer
+    from krex.node import mounts
 
     euid = os.geteuid()
     try:
-        mounts = freezer._read_mounts()
+        found = mounts.read_mounts()
     except KrexError as e:
         return Check("privileges", FAIL, str(e), e.fix, {"euid": euid})
     writable: list[str] = []
     readonly: list[str] = []
-    for m in mounts:
+    for m in found:
         if m.fstype == "cgroup2" or (m.fstype == "cgroup" and "freezer" in m.super_options):
             ok = "ro" not in m.options and os.access(m.mount_point, os.W_OK)
             (writable if ok else readonly).append(f"{m.mount_point} ({m.fstype})")
@@ -153,13 +153,13 @@ def check_freezer() -> Check:
 
 
 def _candidate_roots(root_name: str) -> list[str]:
-    from krex.node import freezer
+    from krex.node import mounts
 
     try:
-        mounts = freezer._read_mounts()
+        found = mounts.read_mounts()
     except KrexError:
         return []
-    points = freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+    points = mounts.cgroup2_mounts(found) + mounts.cgroup1_freezer_mounts(found)
     return [os.path.join(p, root_name) for p in points]
 
 

@@ -62,10 +62,10 @@ sys.exit(code)
 
 
 def _cgroup_mounts() -> list[str]:
-    from krex.node import freezer
+    from krex.node import mounts
 
-    mounts = freezer._read_mounts()
-    return freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+    found = mounts.read_mounts()
+    return mounts.cgroup2_mounts(found) + mounts.cgroup1_freezer_mounts(found)
 
 
 @pytest.fixture
@@ -324,10 +324,10 @@ def _checks(stdout: str) -> dict[str, dict[str, Any]]:
 
 
 def _cgroup2_writable() -> bool:
-    from krex.node import freezer
+    from krex.node import mounts
 
     return any(m.fstype == "cgroup2" and "ro" not in m.options and os.access(m.mount_point, os.W_OK)
-               for m in freezer._read_mounts())
+               for m in mounts.read_mounts())
 
 
 def test_doctor_json_on_this_machine(krex_env: dict[str, str]) -> None:
