@@ -24,12 +24,11 @@ import os
 import re
 import select
 import signal
-import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 
-from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError
+from krex import paths
+from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
 from krex.node import mounts, procfs
 
 __all__ = [
@@ -45,6 +44,7 @@ BACKENDS = ("cgroup2", "cgroup1", "signal")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_+@:=-][A-Za-z0-9_.+@:=-]{0,199}$")
 _FIX_ROOT = "run krexd as root, or delegate a writable cgroup subtree to the user running it"
+_FIX_RO = "the cgroup filesystem is mounted read-only (a container without cgroup access?)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,16 +52,10 @@ _FIX_ROOT = "run krexd as root, or delegate a writable cgroup subtree to the use
 
 
 def _error(exc: OSError, what: str, fix: str = "") -> KrexError:
-    msg = f"{what}: {exc.strerror or exc}"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return PermissionDenied(msg, fix or _FIX_ROOT)
-    if exc.errno == errno.EROFS:
-        return PermissionDenied(
-            msg, fix or "the cgroup filesystem is mounted read-only (a container without cgroup access?)"
-        )
-    if exc.errno in (errno.ENOENT, errno.ESRCH):
-        return NotFound(msg, fix)
-    return KrexError(msg, fix)
+    kind = error_kind(exc)
+    if not fix and kind is PermissionDenied:
+        fix = _FIX_RO if exc.errno == errno.EROFS else _FIX_ROOT
+    return kind(f"{what}: {exc.strerror or exc}", fix)
 
 
 def _check_name(kind: str, name: str, allow_slash: bool = False) -> str:
@@ -714,7 +708,9 @@ class SignalFreezer(Freezer):
 
     @classmethod
     def probe(cls, root_name: str) -> SignalFreezer:
-        return cls(os.path.join(_state_base(), root_name, "signal"))
+        # In KREX's state directory (krex.paths: its rules, its checks), beside the
+        # daemon's socket and journal, so a restarted daemon or its watchdog finds it.
+        return cls(os.path.join(paths.ensure_state_dir(), "freezer", root_name, "signal"))
 
     def __init__(self, root: str) -> None:
         super().__init__(root)
@@ -751,21 +747,6 @@ class SignalFreezer(Freezer):
 
     def describe(self) -> str:
         return f"signal: SIGSTOP/SIGCONT of process trees, state in {self.root}" + self._fallback_note()
-
-
-def _state_base() -> str:
-    if os.geteuid() == 0 and os.access("/run", os.W_OK):
-        return "/run"
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(), f"krex-{os.geteuid()}")
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    st = os.lstat(base)
-    # A shared /tmp lets anyone pre-create the directory; trust only our own.
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise PermissionDenied(
-            f"freezer state directory {base} is not a directory owned by uid {os.geteuid()}",
-            "remove it or set XDG_RUNTIME_DIR",
-        )
-    return base
 
 
 # ---------------------------------------------------------------------------------------------
