@@ -782,7 +782,7 @@ def _daemon_status() -> dict[str, Any] | None:
 def _start_daemon(dev: str, slots: int) -> None:
     from krex.client import start_background
 
-    start_background(device=dev, idle_exit_s=600.0, extra=["--slots-per-gpu", str(max(1, min(64, slots)))])
+    start_background(device=dev, settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))})
 
 
 def _stop_daemon() -> None:

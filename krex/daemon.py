@@ -33,8 +33,9 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import cpus, freezepolicy, freezer, journal
+from krex.node import config, cpus, freezepolicy, freezer, journal
 from krex.node.attest import Attestor
+from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
 from krex.protocol import OPS, LineReader, ProtocolError, encode, int_field, peer_cred
 from krex.shm import Segment, default_name
@@ -102,25 +103,6 @@ def _check_own_tree(child: int, peer: int, uid: int) -> None:
         f"process {child} is not in the process tree of pid {peer}: only your own command may join your slot",
         "send the pid of the command you started",
     )
-
-
-@dataclass
-class Config:
-    device: str = "auto"
-    slots_per_gpu: int | None = None
-    max_region_s: float = 60.0
-    drain_timeout_s: float = 5.0
-    freeze_timeout_s: float = 2.0
-    idle_exit_s: float | None = None
-    freezer: str | None = None
-    shm_name: str | None = None
-    freeze_policy: str = freezepolicy.DEFAULT  # see krex/node/freezepolicy.py
-    # Commands may also run on their GPU's region core(s) while no region needs them; a
-    # region moves every thread but the measuring one off them (cpus.evict).
-    lend_cores: bool = False
-    log_level: str = "info"
-    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.node.config)
-    group: str | None = None  # share the daemon with this group (default: the daemon's own group)
 
 
 @dataclass(eq=False)  # identity semantics: slots are dict keys and set members
@@ -1450,15 +1432,6 @@ def run(cfg: Config) -> None:
     d.serve_forever()
 
 
-def config_from(device: str, overrides: dict[str, Any], on_demand: bool = False) -> Config:
-    """A Config from the command line's ``overrides`` (None: not given), the environment
-    and the config file (krex.node.config)."""
-    from krex.node.config import daemon_settings
-
-    values, sources = daemon_settings(overrides, on_demand=on_demand)
-    return Config(device=device, **values, sources=sources)
-
-
 def _redirect_output(logfile: Path) -> None:
     """Point stdout and stderr at the log, opened without following symlinks in a
     directory checked first (a shell's `>>log` would follow a planted link)."""
@@ -1478,27 +1451,13 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="krexd")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--slots-per-gpu", type=int, default=None)
-    ap.add_argument("--max-region", type=float, default=None)
-    ap.add_argument("--idle-exit", type=float, default=None)
-    ap.add_argument("--freezer", default=None)
-    ap.add_argument("--freeze-policy", default=None, choices=freezepolicy.POLICIES)
-    ap.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    config.add_arguments(ap)  # the settings' one table (krex/node/config.py)
     ap.add_argument(
         "--on-demand", action="store_true", help="started by a command: exits when idle (KREX_IDLE_EXIT)"
     )
-    ap.add_argument("--group", default=None)
     ap.add_argument("--log", default=None, help="append stdout and stderr here (in a checked directory)")
     a = ap.parse_args(argv)
-    overrides = {
-        "slots_per_gpu": a.slots_per_gpu,
-        "max_region_s": a.max_region,
-        "idle_exit_s": a.idle_exit,
-        "freezer": a.freezer,
-        "freeze_policy": a.freeze_policy,
-        "log_level": a.log_level,
-        "group": a.group,
-    }
+    overrides = config.overrides_from(a)
     try:
         if a.log:
             _redirect_output(Path(a.log))

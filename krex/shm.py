@@ -122,7 +122,7 @@ def _oserror(err: int, name: str) -> KrexError:
             f"no KREX shared memory {name}: nothing has run under KREX on this machine yet",
             "start a command with `krex run -- CMD` (or `krex daemon start`)",
         )
-    if err == errno.EPERM:
+    if kind is PermissionDenied and err == errno.EPERM:  # krex_shm_open's word for "not ours"
         try:
             st = os.stat("/dev/shm" + name, follow_symlinks=False)
             what = f"belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:04o}"

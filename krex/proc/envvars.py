@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from pathlib import Path
 
 from krex.native import shim_path, sim_dir
@@ -26,6 +25,7 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
     """Variables (only the ones KREX sets) that put a process under KREX."""
     base = dict(os.environ if base is None else base)
     from krex import paths
+    from krex.node.config import daemon_argv
 
     sock = paths.socket_path()
     log = paths.log_path()
@@ -35,10 +35,7 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
         "KREX_SOCKET": str(sock),
         # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
         # krexd opens its log itself (checked directory, no symlink followed).
-        "KREX_DAEMON_CMD": (
-            f"exec env -u LD_PRELOAD {shlex.quote(sys.executable)} -m krex.daemon --device {device} "
-            f"--on-demand --log {shlex.quote(str(log))}"
-        ),
+        "KREX_DAEMON_CMD": "exec env -u LD_PRELOAD " + shlex.join(daemon_argv(device, log, on_demand=True)),
     }
     hook = str(hook_dir())
     env["PYTHONPATH"] = os.pathsep.join(

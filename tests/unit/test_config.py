@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from krex.daemon import Config, config_from
 from krex.errors import UsageError
-from krex.node.config import ON_DEMAND_IDLE_EXIT_S, daemon_settings
+from krex.node.config import ON_DEMAND_IDLE_EXIT_S, Config, config_from, daemon_settings
 
 ENV = [k for k in ("KREX_CONFIG", "XDG_CONFIG_HOME")] + [
     "KREX_SLOTS_PER_GPU",
