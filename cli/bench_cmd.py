@@ -123,7 +123,7 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     if text is None:
         return None
     if text.strip() == "all":
-        from krex.gpus import discover
+        from krex.device.gpus import discover
 
         return list(range(discover(device).count))
     try:

@@ -18,6 +18,7 @@ import click
 
 from krex import __version__
 from krex.errors import KrexError
+from krex.native import lib
 
 from . import quiet
 from .bench_cmd import register as register_bench
@@ -25,26 +26,6 @@ from .commands_extra import register as register_extra
 from .fleet_cmd import register as register_fleet
 
 DEVICE = click.Choice(["auto", "gpu", "sim"])
-
-
-class _FinitePositive(click.ParamType):  # type: ignore[type-arg]
-    """Seconds: a finite number > 0 and at most a year (nan and inf pass FloatRange)."""
-
-    name = "seconds"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        import math
-
-        try:
-            v = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if not (math.isfinite(v) and 0 < v <= 365 * 86400):
-            self.fail(f"{value!r} must be a finite number of seconds in (0, 31536000]", param, ctx)
-        return v
-
-
-FINITE_POSITIVE = _FinitePositive()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,8 +69,8 @@ def _fmt_s(s: float) -> str:
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
 def env(device: str, export: bool) -> None:
     """Print the variables that opt a process into KREX."""
-    from krex.envvars import format_env, opt_in_env
-    from krex.gpus import discover, sim_gpu_count
+    from krex.device.gpus import discover, sim_gpu_count
+    from krex.proc.envvars import format_env, opt_in_env
     from krex.shm import default_name
 
     kind = "sim" if device == "sim" else discover(device).kind
@@ -111,7 +92,7 @@ def include_dir() -> None:
 @click.option(
     "--timeout",
     type=float,
-    default=10.0,
+    default=lib.KREX_PAUSE_TIMEOUT_MS / 1e3,
     show_default=True,
     help="seconds to wait for in-flight work and drain acks",
 )
@@ -119,7 +100,7 @@ def include_dir() -> None:
     "--for",
     "lease",
     type=float,
-    default=600.0,
+    default=lib.KREX_PAUSE_LEASE_MS / 1e3,
     show_default=True,
     help="seconds the pause holds before it lapses by itself",
 )
@@ -127,7 +108,7 @@ def pause(gpu: int, timeout: float, lease: float) -> None:
     """Stop new GPU work on a GPU until `krex resume` (or until --for runs out).
 
     Interrupted while it waits (Ctrl-C, SIGTERM, SIGHUP), it reopens the gate."""
-    from krex.control import pause as do_pause
+    from krex.node.control import pause as do_pause
     from krex.shm import Segment
 
     with Segment.attach() as seg, _signals_interrupt():
@@ -156,7 +137,7 @@ def _signals_interrupt() -> Iterator[None]:
 @click.option("--gpu", type=int, required=True, help="GPU index")
 def resume(gpu: int) -> None:
     """Open a paused GPU's gate."""
-    from krex.control import resume as do_resume
+    from krex.node.control import resume as do_resume
     from krex.shm import Segment
 
     with Segment.attach() as seg:
@@ -384,7 +365,7 @@ def _run(
     cmd: list[str],
     keep_leftovers: bool = False,
 ) -> int:
-    from krex.gpus import discover
+    from krex.device.gpus import discover
     from krex.launcher import resolve_command, run_direct, run_guarded
 
     if report:
@@ -420,54 +401,38 @@ def daemon() -> None:
     """Start, stop or inspect the node daemon (krexd)."""
 
 
+class _Setting(click.ParamType):  # type: ignore[type-arg]
+    """A krexd setting, checked by its entry in krex.node.config.KEYS; passed on as given."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self.name = key.name
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            self.key.check(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+def _daemon_settings(f: Any) -> Any:
+    """krexd's settings as click options, made from the one table (krex.node.config.KEYS)."""
+    from krex.node.config import FLAGS
+
+    for key in reversed(FLAGS):
+        assert key.flag is not None  # FLAGS: the keys that have one
+        f = click.option(
+            key.flag, key.name, type=_Setting(key), default=None, metavar=key.metavar(), help=key.help_text()
+        )(f)
+    return f
+
+
 @daemon.command("start")
 @click.option("--device", type=DEVICE, default="auto", show_default=True)
-@click.option(
-    "--slots-per-gpu",
-    type=click.IntRange(1, 64),
-    default=None,
-    help="admission limit per GPU (default: from the GPU's CPU slice)",
-)
-@click.option(
-    "--max-region",
-    type=FINITE_POSITIVE,
-    default=None,
-    help="seconds after which a region is ended by force  [default: 60, or KREX_MAX_REGION / config file]",
-)
-@click.option(
-    "--idle-exit", type=FINITE_POSITIVE, default=None, help="exit after this many idle seconds"
-)
-@click.option(
-    "--freezer",
-    type=click.Choice(["cgroup2", "cgroup1", "signal"]),
-    default=None,
-    help="force a freezer backend (default: the first that works)",
-)
-@click.option(
-    "--freeze-policy",
-    type=click.Choice(["all", "gpu", "adaptive"]),
-    default=None,
-    help="which siblings a region freezes: all, only those the gate cannot hold (gpu), "
-    "or by the region's launch rate (adaptive)  [default: all, or KREX_FREEZE_POLICY / config file]",
-)
-@click.option(
-    "--group",
-    default=None,
-    metavar="GROUP",
-    help="share the daemon with this group: members may run commands and pause, only you (or root) stop it  "
-    "[default: your own group, or KREX_GROUP / config file]",
-)
+@_daemon_settings
 @click.option("--foreground", is_flag=True, help="run in this process instead of detaching")
-def daemon_start(
-    device: str,
-    slots_per_gpu: int | None,
-    max_region: float | None,
-    idle_exit: float | None,
-    freezer: str | None,
-    freeze_policy: str | None,
-    group: str | None,
-    foreground: bool,
-) -> None:
+def daemon_start(device: str, foreground: bool, **settings: Any) -> None:
     """Start krexd (krex run starts it on demand anyway).
 
     Settings not given here come from the environment (KREX_SLOTS_PER_GPU,
@@ -475,9 +440,9 @@ def daemon_start(
     (KREX_CONFIG, ~/.config/krex/krex.toml, /etc/krex/krex.toml); see docs/operating.md."""
     from krex import paths
     from krex.client import daemon_alive, start_background
-    from krex.daemon import config_from
     from krex.daemon import run as run_daemon
     from krex.errors import Busy
+    from krex.node.config import config_from
 
     holder = paths.lock_holder()
     if daemon_alive() or holder is not None:
@@ -485,28 +450,11 @@ def daemon_start(
             f"a KREX daemon is already running (pid {holder or '?'}) on {paths.socket_path()}",
             "use it, or stop it first with `krex daemon stop`",
         )
-    overrides = {
-        "slots_per_gpu": slots_per_gpu,
-        "max_region_s": max_region,
-        "idle_exit_s": idle_exit,
-        "freezer": freezer,
-        "freeze_policy": freeze_policy,
-        "group": group,
-    }
-    cfg = config_from(device, overrides)  # a bad setting fails here, not in a detached daemon
+    cfg = config_from(device, settings)  # a bad setting fails here, not in a detached daemon
     if foreground:
         run_daemon(cfg)
         return
-    extra = ["--max-region", str(max_region)] if max_region is not None else []
-    if slots_per_gpu:
-        extra += ["--slots-per-gpu", str(slots_per_gpu)]
-    if freezer:
-        extra += ["--freezer", freezer]
-    if freeze_policy:
-        extra += ["--freeze-policy", freeze_policy]
-    if group:
-        extra += ["--group", group]
-    started = start_background(device, idle_exit, extra)
+    started = start_background(device, settings)
     if not started.ours:  # a concurrent `daemon start` won: report the one that runs
         raise Busy(
             f"a KREX daemon is already running (pid {started.pid}) on {paths.socket_path()}",
@@ -618,8 +566,8 @@ def _partition_lines(part: dict[str, Any]) -> list[str]:
 @click.option("--node-root", default=None, help="with --fleet: the --node-root the fleet ran with")
 def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_root: str | None) -> None:
     """Print recent regions from the journal (of every node with --fleet)."""
-    from krex import journal as jr
     from krex import paths
+    from krex.node import journal as jr
 
     if fleet:
         from .fleet_cmd import journal_fleet

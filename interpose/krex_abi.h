@@ -106,6 +106,22 @@
 #define KREX_HELPER_RECHECK_NS 1000000000
 /* A client that starts krexd on demand waits this long for it to answer. */
 #define KREX_DAEMON_START_WAIT_MS 15000
+/* krexd's defaults, overridden by its settings (krex/node/config.py). The shim needs
+ * none of them; they are here so that every timing constant has one home. */
+/* A region still open after this long is ended by force (max_region, --max-region). */
+#define KREX_MAX_REGION_MS 60000
+/* A daemon started on demand exits after this long without work (idle_exit). */
+#define KREX_ON_DEMAND_IDLE_EXIT_MS 120000
+/* Region entry waits this long for in-flight work and drain acks (drain_timeout). */
+#define KREX_DRAIN_TIMEOUT_MS 5000
+/* Region entry waits this long for a group to report frozen (freeze_timeout). */
+#define KREX_FREEZE_TIMEOUT_MS 2000
+/* `krex pause`: how long the pause holds (--for) by default and at most, and how long
+ * it waits for in-flight work and drain acks (--timeout) by default and at most. */
+#define KREX_PAUSE_LEASE_MS 600000
+#define KREX_PAUSE_LEASE_MAX_MS 604800000
+#define KREX_PAUSE_TIMEOUT_MS 10000
+#define KREX_PAUSE_TIMEOUT_MAX_MS 86400000
 
 /* ------------------------------------------------------------------ the wire
  * Clients (krex run's guardian, krex.region, the shim) and krexd talk over one Unix

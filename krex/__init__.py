@@ -7,7 +7,7 @@ with krex.region():
 
 import logging
 
-from krex.region import RegionWarning, region, under_krex
+from krex.proc.region import RegionWarning, region, under_krex
 
 # The library logs to the `krex` logger and never prints; applications (the CLI,
 # krexd) attach handlers. Without one, nothing is shown.

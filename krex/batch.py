@@ -384,7 +384,7 @@ def _write_json(path: Path, data: Any) -> None:
 def _static_cudart_warning(cmd: BatchCommand) -> list[str]:
     """`krex run` warns about a statically linked CUDA runtime, but for a shell line it
     only sees /bin/sh; look at the line's first word ourselves."""
-    from krex.elfcheck import inspect
+    from krex.device.elfcheck import inspect
 
     if cmd.line is not None:
         try:
@@ -429,7 +429,7 @@ class _Running:
 
 def check_args(jobs: int, device: str) -> None:
     """Validate the cheap arguments (before reading any file)."""
-    from krex.gpus import DEVICES
+    from krex.device.gpus import DEVICES
 
     if jobs < 1:
         raise UsageError(f"-j {jobs}: need at least one job slot", "give -j 1 or more (e.g. -j 4)")
@@ -458,7 +458,7 @@ def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
     calling thread) stops starting commands, forwards SIGINT to the running guardians (SIGTERM
     and SIGKILL follow after GRACE_S each), and still writes everything: the commands that
     never started are recorded with exit_status None and the summary says `interrupted`."""
-    from krex.gpus import discover
+    from krex.device.gpus import discover
 
     check_args(jobs, device)
     if not commands:

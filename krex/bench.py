@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from krex import bench_metrics as bm
 from krex.errors import KrexError, NotFound, UsageError
-from krex.freezepolicy import POLICIES as FREEZE_POLICIES
+from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 
 __all__ = [
     "MODES",
@@ -782,7 +782,7 @@ def _daemon_status() -> dict[str, Any] | None:
 def _start_daemon(dev: str, slots: int) -> None:
     from krex.client import start_background
 
-    start_background(device=dev, idle_exit_s=600.0, extra=["--slots-per-gpu", str(max(1, min(64, slots)))])
+    start_background(device=dev, settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))})
 
 
 def _stop_daemon() -> None:
@@ -861,7 +861,7 @@ def _visible_token(pos: int) -> str:
 
 
 def _resolve_device(device: str) -> tuple[str, list[str]]:
-    from krex.gpus import discover
+    from krex.device.gpus import discover
 
     info = discover(device)
     return ("sim" if info.kind == "sim" else "gpu"), list(info.names)

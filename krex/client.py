@@ -15,9 +15,9 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,24 +270,23 @@ class Started:
 
 def start_background(
     device: str = "auto",
-    idle_exit_s: float | None = None,
-    extra: list[str] | None = None,
+    settings: Mapping[str, Any] | None = None,
     wait_s: float = START_WAIT_S,
     on_demand: bool = False,
 ) -> Started:
     """Start krexd detached (own session, no inherited descriptors, log in the
-    state directory) and wait until a daemon answers on the socket. Concurrent
-    starts are safe: only one takes the lock; the others exit 6 and this returns
-    the daemon that answers, with `ours` telling which case it was. ``on_demand``:
-    started for a command, it exits when idle (settings: krex.config)."""
+    state directory) and wait until a daemon answers on the socket: the one way to
+    start it (`krex daemon start`, the start on demand, `krex bench`). ``settings``:
+    {Config field: value} passed on its command line (krex.node.config.KEYS).
+    Concurrent starts are safe: only one takes the lock; the others exit 6 and this
+    returns the daemon that answers, with `ours` telling which case it was.
+    ``on_demand``: started for a command, it exits when idle."""
+    from krex.node.config import daemon_argv
+
     paths.ensure_state_dir()
     sock = paths.socket_path()
     log = paths.log_path()
-    args = [sys.executable, "-m", "krex.daemon", "--device", device, "--log", str(log), *(extra or [])]
-    if idle_exit_s is not None:
-        args += ["--idle-exit", str(idle_exit_s)]
-    if on_demand:
-        args.append("--on-demand")
+    args = daemon_argv(device, log, settings, on_demand=on_demand)
     _log.info("starting krexd: %s (log %s)", " ".join(args), log)
     # stderr is a pipe until krexd has opened its log: an error before that (a refused
     # state directory, say) reaches us rather than a log that could not be opened.

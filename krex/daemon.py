@@ -34,13 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex import cpus, freezepolicy, freezer, journal, paths
-from krex.attest import Attestor
+from krex import paths
+from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
-from krex.gpus import GpuInfo, discover
 from krex.native import ffi, lib
+from krex.node import config, cpus, freezepolicy, freezer, journal
+from krex.node.attest import Attestor
+from krex.node.config import Config, config_from
+from krex.node.segguard import Expected, SegmentGuard
 from krex.protocol import REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
-from krex.segguard import Expected, SegmentGuard
 from krex.shm import Segment, default_name
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
@@ -121,25 +123,6 @@ def _check_own_tree(child: int, peer: int, uid: int) -> None:
         f"process {child} is not in the process tree of pid {peer}: only your own command may join your slot",
         "send the pid of the command you started",
     )
-
-
-@dataclass
-class Config:
-    device: str = "auto"
-    slots_per_gpu: int | None = None
-    max_region_s: float = 60.0
-    drain_timeout_s: float = 5.0
-    freeze_timeout_s: float = 2.0
-    idle_exit_s: float | None = None
-    freezer: str | None = None
-    shm_name: str | None = None
-    freeze_policy: str = freezepolicy.DEFAULT  # see krex/freezepolicy.py
-    # Commands may also run on their GPU's region core(s) while no region needs them; a
-    # region moves every thread but the measuring one off them (cpus.evict).
-    lend_cores: bool = False
-    log_level: str = "info"
-    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (krex.config)
-    group: str | None = None  # share the daemon with this group (default: the daemon's own group)
 
 
 @dataclass(eq=False)  # identity semantics: slots are dict keys and set members
@@ -431,7 +414,7 @@ class Daemon:
         return [int(self.seg.raw.gpus[g].fail_opens) for g in range(self.seg.n_gpus)]
 
     def _start_watchdog(self) -> None:
-        """A process of our own that thaws our groups if we hang (krex/watchdog.py)."""
+        """A process of our own that thaws our groups if we hang (krex/node/watchdog.py)."""
         import subprocess
         import sys
 
@@ -439,7 +422,7 @@ class Daemon:
         args = [str(self.pid), self.shm_name, root, self.freezer.name]
         try:
             self._watchdog: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "krex.watchdog", *args],
+                [sys.executable, "-m", "krex.node.watchdog", *args],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
                 env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
@@ -1172,7 +1155,7 @@ class Daemon:
                     try:
                         try:
                             frame = encode_reply(m.op.code, reply)
-                        except KrexError as e:  # a reply that does not fit its fixed body: a bug here, said so
+                        except KrexError as e:  # a reply that does not fit its fixed body: a bug, said so
                             log.error("reply to %s for pid %d cannot be sent: %s", m.op.name, pid, e)
                             frame = encode_reply(m.op.code, _error(e))
                         conn.sendall(frame)
@@ -1582,15 +1565,6 @@ def run(cfg: Config) -> None:
     d.serve_forever()
 
 
-def config_from(device: str, overrides: dict[str, Any], on_demand: bool = False) -> Config:
-    """A Config from the command line's ``overrides`` (None: not given), the environment
-    and the config file (krex.config)."""
-    from krex.config import daemon_settings
-
-    values, sources = daemon_settings(overrides, on_demand=on_demand)
-    return Config(device=device, **values, sources=sources)
-
-
 def _redirect_output(logfile: Path) -> None:
     """Point stdout and stderr at the log, opened without following symlinks in a
     directory checked first (a shell's `>>log` would follow a planted link)."""
@@ -1610,27 +1584,13 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="krexd")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--slots-per-gpu", type=int, default=None)
-    ap.add_argument("--max-region", type=float, default=None)
-    ap.add_argument("--idle-exit", type=float, default=None)
-    ap.add_argument("--freezer", default=None)
-    ap.add_argument("--freeze-policy", default=None, choices=freezepolicy.POLICIES)
-    ap.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    config.add_arguments(ap)  # the settings' one table (krex/node/config.py)
     ap.add_argument(
         "--on-demand", action="store_true", help="started by a command: exits when idle (KREX_IDLE_EXIT)"
     )
-    ap.add_argument("--group", default=None)
     ap.add_argument("--log", default=None, help="append stdout and stderr here (in a checked directory)")
     a = ap.parse_args(argv)
-    overrides = {
-        "slots_per_gpu": a.slots_per_gpu,
-        "max_region_s": a.max_region,
-        "idle_exit_s": a.idle_exit,
-        "freezer": a.freezer,
-        "freeze_policy": a.freeze_policy,
-        "log_level": a.log_level,
-        "group": a.group,
-    }
+    overrides = config.overrides_from(a)
     try:
         if a.log:
             _redirect_output(Path(a.log))

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class KrexError(Exception):
     exit_code = 1
@@ -55,6 +57,24 @@ class CommandNotFound(KrexError):
 
 class NotExecutable(KrexError):
     exit_code = 126
+
+
+# The one errno -> error kind mapping; every OSError the library turns into a
+# KrexError picks its kind here (the message and the fix stay the caller's).
+ERRNO_KINDS: dict[int, type[KrexError]] = {
+    errno.EPERM: PermissionDenied,
+    errno.EACCES: PermissionDenied,
+    errno.EROFS: PermissionDenied,
+    errno.ENOENT: NotFound,
+    errno.ESRCH: NotFound,
+}
+
+
+def error_kind(err: int | OSError | None) -> type[KrexError]:
+    """The KrexError subclass for an errno (or an OSError's errno); KrexError when
+    the errno says nothing more specific."""
+    code = err.errno if isinstance(err, OSError) else err
+    return ERRNO_KINDS.get(code, KrexError) if code is not None else KrexError
 
 
 RUN_FAILURE = 125  # `krex run`: KREX itself failed (as `docker run` and `env` do)

@@ -152,8 +152,8 @@ def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
 def node_resources(device: str = "auto", slots_per_gpu: int | None = None) -> tuple[dict[str, float], int]:
     """({RESOURCE: slots}, GPUs) for this machine: what `ray start --resources` should offer.
     Slots per GPU default to krexd's own default (the physical cores of the GPU's CPU slice)."""
-    from krex import cpus
-    from krex.gpus import discover
+    from krex.device.gpus import discover
+    from krex.node import cpus
 
     check_args(1, device)
     if slots_per_gpu is not None and not 1 <= slots_per_gpu <= 64:
@@ -405,7 +405,8 @@ def node_journal(node_root: str | None, since: float | None, last: int | None) -
     """The body of a journal-gathering task pinned to one node: that node's regions."""
     import ray
 
-    from krex import journal, paths
+    from krex import paths
+    from krex.node import journal
 
     node_id = ray.get_runtime_context().get_node_id()
     world = node_world(node_id, node_root)

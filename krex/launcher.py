@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex.envvars import opt_in_env
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
+from krex.proc.envvars import opt_in_env
 from krex.shm import Segment
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -140,7 +140,7 @@ def _set_affinity(cpus: list[int]) -> Callable[[], None]:
 
 
 def _static_cudart_warning(exe: str) -> str | None:
-    from krex.elfcheck import inspect
+    from krex.device.elfcheck import inspect
 
     if inspect(exe).static_cudart:
         return (
@@ -161,8 +161,9 @@ def run_guarded(
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5)."""
-    from krex import freezer, journal, paths
+    from krex import paths
     from krex.client import Client
+    from krex.node import freezer, journal
     from krex.shm import Segment
 
     exe = resolve_command(cmd)
@@ -572,8 +573,9 @@ class _Guardian:
         return (int(lib.krex_now_ns()) - hb) / 1e9 if hb else None
 
     def _lost(self, seg: Segment | None, why: str) -> None:
-        from krex import journal, paths
+        from krex import paths
         from krex.native import lib
+        from krex.node import journal
 
         with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
         ev: dict[str, object] = {"event": "daemon-lost", "ts": time.time(), "why": why, "region_cut": False}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, UsageError
+from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
 from krex.native import ffi, lib
 
 CLASS_NAMES = ("kernel", "copy", "memset", "graph", "prefetch")
@@ -145,12 +145,13 @@ def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, 
 
 
 def _oserror(err: int, name: str) -> KrexError:
-    if err == errno.ENOENT:
+    kind = error_kind(err)  # the kind is krex.errors'; the words are about the segment
+    if kind is NotFound:
         return NotFound(
             f"no KREX shared memory {name}: nothing has run under KREX on this machine yet",
             "start a command with `krex run -- CMD` (or `krex daemon start`)",
         )
-    if err == errno.EPERM:
+    if kind is PermissionDenied and err == errno.EPERM:  # krex_shm_open's word for "not ours"
         try:
             st = os.stat("/dev/shm" + name, follow_symlinks=False)
             what = f"belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:04o}"
@@ -161,7 +162,7 @@ def _oserror(err: int, name: str) -> KrexError:
             "planted it), refusing to use it",
             f"remove it (its owner or root: rm /dev/shm{name}), or set KREX_SHM to another name",
         )
-    if err == errno.EACCES:
+    if kind is PermissionDenied:
         return PermissionDenied(
             f"permission denied opening shared memory {name}",
             "run as the user who started KREX, or point KREX_SHM at a segment of your own",
@@ -171,7 +172,7 @@ def _oserror(err: int, name: str) -> KrexError:
             f"shared memory {name} is not a KREX segment of ABI {lib.KREX_ABI_VERSION}",
             f"remove it (`krex daemon stop`, or rm /dev/shm{name}) and start again",
         )
-    return KrexError(f"cannot open shared memory {name}: {os.strerror(err)}", "check /dev/shm")
+    return kind(f"cannot open shared memory {name}: {os.strerror(err)}", "check /dev/shm")
 
 
 class Segment:

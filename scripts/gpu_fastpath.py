@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 
-from krex.envvars import opt_in_env
+from krex.proc.envvars import opt_in_env
 from krex.shm import Segment
 
 

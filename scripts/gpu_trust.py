@@ -66,8 +66,8 @@ def journal() -> list[dict[str, object]]:
 
 
 def main() -> int:
-    from krex.gpus import discover
-    from krex.nvml import open_nvml
+    from krex.device.gpus import discover
+    from krex.device.nvml import open_nvml
 
     info = discover("auto")
     rows.append(("discovery auto", info.kind, f"{info.count} GPU(s): {info.names[:1]}"))
@@ -102,7 +102,7 @@ def main() -> int:
     ok = "foreign-process" in (own2.get("flags") or []) and outsider.pid in foreign
     rows.append(("region + outsider", "FLAGGED (expected)" if ok else "NOT FLAGGED",
                  f"outsider pid {outsider.pid}, foreign {foreign}, flags {own2.get('flags')}"))
-    from krex.attest import Attestor
+    from krex.node.attest import Attestor
 
     a = Attestor("nvidia", info.physical)
     t = time.perf_counter()

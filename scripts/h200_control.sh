@@ -16,7 +16,7 @@ echo "== freezer tests on pure cgroup v2"
 echo "== coverage"
 python3 - <<'PY' 2>&1 | grep -v Warn | tee "$OUT/coverage.log"
 import json, os
-from krex.coverage import run_all
+from krex.doctor.coverage import run_all
 rows = run_all()
 json.dump([r.__dict__ for r in rows], open(os.environ['OUT'] + '/coverage.json', 'w'), indent=1)
 for r in rows:

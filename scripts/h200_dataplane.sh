@@ -10,7 +10,7 @@ python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$
 echo "== coverage"
 python3 - <<'PY' 2>&1 | tee "$OUT/coverage.log"
 import json
-from krex.coverage import run_all
+from krex.doctor.coverage import run_all
 rows = run_all()
 json.dump([r.__dict__ for r in rows], open(__import__('os').environ['OUT'] + '/coverage.json', 'w'), indent=1)
 for r in rows:

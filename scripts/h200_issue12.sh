@@ -25,7 +25,7 @@ GPUS=$(python3 -c 'import json,sys; c={x["name"]:x for x in json.load(open(sys.a
 
 cat > /tmp/i12_inductor.py <<'PY'
 import json, torch, torch._inductor.config as cfg
-from krex import autoregion
+from krex.proc import autoregion
 from torch._inductor.runtime import benchmarking as b
 cfg.max_autotune_gemm_backends = "TRITON"
 a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)

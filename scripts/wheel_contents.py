@@ -28,12 +28,19 @@ REQUIRED = [
     "krex/_lib/libcudart.so.13",
     "krex/_lib/libamdhip64.so",
     "krex/_lib/krex.h",
-    "krex/_hook/sitecustomize.py",
+    "krex/proc/_hook/sitecustomize.py",
     "krex/workloads/manifest.py",
     "krex/workloads/sim/sim_cmd.py",
     "krex/workloads/gpu/matmul.py",
     "krex/cli/main.py",
-    "krex/pytest_plugin.py",
+    "krex/proc/pytest_plugin.py",
+    # one module of each package (a package missing from pyproject's list would be left out)
+    "krex/node/freezer.py",
+    "krex/proc/region.py",
+    "krex/proc/autoregion/hook.py",
+    "krex/device/gpus.py",
+    "krex/doctor/checks.py",
+    "krex/doctor/coverage.py",
 ]
 MACHINE = {"x86_64": "Advanced Micro Devices X86-64", "aarch64": "AArch64"}
 

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from krex.envvars import opt_in_env
+from krex.proc.envvars import opt_in_env
 from krex.shm import Segment
 
 HERE = Path(__file__).resolve().parent

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from krex.gpus import discover
+from krex.device.gpus import discover
 
 try:
     HAVE_GPU = discover("auto").kind == "nvidia"
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs an
 
 
 def test_every_kernel_and_copy_passes_the_gate() -> None:
-    from krex.coverage import run_all
+    from krex.doctor.coverage import run_all
 
     rows = run_all()
     bad = [r for r in rows if not r.ok]

@@ -9,7 +9,7 @@ without asking KREX):
   leftover  an owner started as `sh -c 'hammer & exec owner'`: the hammer outlives
             the command (killed by krex run, or kept with --keep-leftovers);
   hammer    cp_worker.py hammer: a sibling that submits all the time.
-Faults, one every `fault_every` seconds on average: pause/resume (krex.control),
+Faults, one every `fault_every` seconds on average: pause/resume (krex.node.control),
 SIGKILL of an owner or of a hammer, SIGKILL of krexd and a restart, random bytes
 over part of the segment, unlink of the segment's name.
 
@@ -200,8 +200,8 @@ class Chaos:
             self.res.faults[f] += 1
 
     def _f_pause(self) -> bool:
-        from krex import control
         from krex.errors import KrexError
+        from krex.node import control
         from krex.shm import Segment
 
         try:

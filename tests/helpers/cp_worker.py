@@ -221,7 +221,7 @@ def mode_chaos(a: argparse.Namespace, out: Path) -> int:
 
     import krex
 
-    kr = sys.modules["krex.region"]  # the module: `krex.region` is also the class's name
+    kr = sys.modules["krex.proc.region"]  # the module: `krex.region` is also the class's name
     rng = random.Random(os.getpid())
     gpu = Gpu()
     gpu.kernel(a.us)

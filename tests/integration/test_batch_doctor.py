@@ -62,10 +62,10 @@ sys.exit(code)
 
 
 def _cgroup_mounts() -> list[str]:
-    from krex import freezer
+    from krex.node import mounts
 
-    mounts = freezer._read_mounts()
-    return freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+    found = mounts.read_mounts()
+    return mounts.cgroup2_mounts(found) + mounts.cgroup1_freezer_mounts(found)
 
 
 @pytest.fixture
@@ -324,14 +324,14 @@ def _checks(stdout: str) -> dict[str, dict[str, Any]]:
 
 
 def _cgroup2_writable() -> bool:
-    from krex import freezer
+    from krex.node import mounts
 
     return any(m.fstype == "cgroup2" and "ro" not in m.options and os.access(m.mount_point, os.W_OK)
-               for m in freezer._read_mounts())
+               for m in mounts.read_mounts())
 
 
 def test_doctor_json_on_this_machine(krex_env: dict[str, str]) -> None:
-    from krex import cpus
+    from krex.node import cpus
 
     roots = [os.path.join(m, krex_env["KREX_SHM"].lstrip("/")) for m in _cgroup_mounts()]
     p = krex(["doctor", "--json"], krex_env)
@@ -418,8 +418,8 @@ def test_doctor_missing_binary_fails(krex_env: dict[str, str], tmp_path: Path) -
 
 
 def test_doctor_gpu_without_gpu(krex_env: dict[str, str]) -> None:
+    from krex.device.gpus import discover
     from krex.errors import NotFound
-    from krex.gpus import discover
 
     try:
         discover("gpu")

@@ -76,10 +76,10 @@ def krex_cmd() -> list[str]:
 
 
 def _cgroup_mounts() -> list[str]:
-    from krex import freezer
+    from krex.node import mounts
 
-    mounts = freezer._read_mounts()
-    return freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+    found = mounts.read_mounts()
+    return mounts.cgroup2_mounts(found) + mounts.cgroup1_freezer_mounts(found)
 
 
 @pytest.fixture

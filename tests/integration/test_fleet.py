@@ -30,8 +30,8 @@ import pytest
 from helpers import clean_env, read_jsonl, wait_until
 from ray.cluster_utils import Cluster
 
-from krex import freezer
 from krex.fleet import node_world
+from krex.node import mounts
 from krex.shm import Segment
 
 pytestmark = pytest.mark.timeout(420)
@@ -180,8 +180,8 @@ class Fleet:
 
 
 def _cgroup_mounts() -> list[str]:
-    mounts = freezer._read_mounts()
-    return freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+    found = mounts.read_mounts()
+    return mounts.cgroup2_mounts(found) + mounts.cgroup1_freezer_mounts(found)
 
 
 def _read(p: Path) -> str:

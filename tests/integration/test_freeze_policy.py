@@ -1,4 +1,4 @@
-"""Freeze policies (krex/freezepolicy.py) end to end: a real krexd, real `krex run`
+"""Freeze policies (krex/node/freezepolicy.py) end to end: a real krexd, real `krex run`
 guardians, real cgroups, the real shim and the simulated GPU.
 
 Three siblings of a region owner:
@@ -160,8 +160,8 @@ def test_unknown_freeze_policy_is_a_usage_error(kx: Krex) -> None:
 
 def test_inspector_verdicts(tmp_path: Path) -> None:
     """With the shim mapped: gateable; without: not; a static CUDA runtime: not."""
-    from krex import freezepolicy
     from krex.native import shim_path
+    from krex.node import freezepolicy
 
     ins = freezepolicy.Inspector()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
@@ -193,7 +193,7 @@ def test_inspector_verdicts(tmp_path: Path) -> None:
 
 
 def test_adaptive_resolves_by_launch_rate() -> None:
-    from krex import freezepolicy
+    from krex.node import freezepolicy
 
     assert freezepolicy.effective("adaptive", None) == "all"  # first region: be safe
     assert freezepolicy.effective("adaptive", freezepolicy.ADAPTIVE_RATE * 2) == "all"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from krex import freezer
 from krex.errors import KrexError, NotFound, Timeout, UsageError
+from krex.node import freezer, mounts, procfs
 
 BURNER = Path(__file__).resolve().parent.parent / "helpers" / "burner.py"
 LEVELS = 2  # a child and its grandchild
@@ -348,7 +348,7 @@ def test_signal_freeze_timeout_lists_stragglers(signal_env: Env, monkeypatch: py
     g = env.group("timeout")
     g.add(tree.root)
     # Pretend the kernel never reports the tree stopped.
-    monkeypatch.setattr(freezer, "_stopped", lambda pid: False)
+    monkeypatch.setattr(procfs, "stopped", lambda pid: False)
     with pytest.raises(Timeout) as info:
         g.freeze(timeout=0.2)
     assert sorted(info.value.stragglers) == sorted(tree.pids())
@@ -360,7 +360,7 @@ def test_signal_freeze_timeout_lists_stragglers(signal_env: Env, monkeypatch: py
 
 def test_signal_backend_without_proc_children(signal_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     # Kernels without CONFIG_PROC_CHILDREN: the tree comes from a full /proc scan instead.
-    monkeypatch.setattr(freezer, "_children", lambda pid: None)
+    monkeypatch.setattr(procfs, "children", lambda pid: None)
     tree = signal_env.tree()
     g = signal_env.group("scan")
     g.add(tree.root)
@@ -398,15 +398,15 @@ HYBRID = """\
 
 
 def test_mountinfo_pure_v2() -> None:
-    mounts = freezer.parse_mountinfo(PURE_V2)
-    assert freezer.cgroup2_mounts(mounts) == ["/sys/fs/cgroup"]
-    assert freezer.cgroup1_freezer_mounts(mounts) == []
+    found = mounts.parse_mountinfo(PURE_V2)
+    assert mounts.cgroup2_mounts(found) == ["/sys/fs/cgroup"]
+    assert mounts.cgroup1_freezer_mounts(found) == []
 
 
 def test_mountinfo_hybrid() -> None:
-    mounts = freezer.parse_mountinfo(HYBRID)
-    assert freezer.cgroup2_mounts(mounts) == ["/sys/fs/cgroup/unified"]
-    assert freezer.cgroup1_freezer_mounts(mounts) == ["/sys/fs/cgroup/freezer"]
+    found = mounts.parse_mountinfo(HYBRID)
+    assert mounts.cgroup2_mounts(found) == ["/sys/fs/cgroup/unified"]
+    assert mounts.cgroup1_freezer_mounts(found) == ["/sys/fs/cgroup/freezer"]
 
 
 def test_mountinfo_escapes_and_order() -> None:
@@ -415,7 +415,7 @@ def test_mountinfo_escapes_and_order() -> None:
         "51 1 0:41 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
         "52 1 0:42 / /sys/fs/cgroup rw shared:1 master:2 - cgroup2 cgroup2 rw\n"
     )
-    assert freezer.cgroup2_mounts(freezer.parse_mountinfo(text)) == [
+    assert mounts.cgroup2_mounts(mounts.parse_mountinfo(text)) == [
         "/sys/fs/cgroup",
         "/sys/fs/cgroup/unified",
         "/mnt/my cg",
@@ -425,7 +425,7 @@ def test_mountinfo_escapes_and_order() -> None:
 def test_forced_backend_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake = tmp_path / "mountinfo"
     fake.write_text("22 1 0:5 / /proc rw - proc proc rw\n")
-    monkeypatch.setattr(freezer, "MOUNTINFO", str(fake))
+    monkeypatch.setattr(mounts, "MOUNTINFO", str(fake))
     for backend in ("cgroup2", "cgroup1"):
         with pytest.raises(NotFound) as info:
             freezer.detect(prefer=backend, root_name=f"krex-test-{os.getpid()}-none")

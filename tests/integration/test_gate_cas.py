@@ -2,7 +2,7 @@
 
 Two real processes race on one segment with the very calls krexd and `krex pause` use:
 one takes the gate for regions (Segment.close_gate with an owner slot), the other
-pauses and resumes (krex.control.pause / resume). Whoever believes it holds the gate
+pauses and resumes (krex.node.control.pause / resume). Whoever believes it holds the gate
 checks, while it holds it, that the gate word is still its own. Before gate ownership
 was one compare-and-swap, a check-then-store let each overwrite the other."""
 
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from krex import control
 from krex.errors import Busy
 from krex.native import lib
+from krex.node import control
 from krex.shm import Segment
 
 SECONDS = 3.0

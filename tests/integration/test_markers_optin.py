@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import krex
-import krex.region
+import krex.proc.region
 from krex.errors import NotFound
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def journal(env: dict[str, str]) -> list[dict[str, object]]:
 def test_outside_krex_region_warns_once_and_strict_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ("KREX_SHM", "KREX_SOCKET", "KREX_STRICT"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(sys.modules["krex.region"], "_warned", False)
+    monkeypatch.setattr(sys.modules["krex.proc.region"], "_warned", False)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         with krex.region() as r:

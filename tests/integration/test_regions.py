@@ -44,10 +44,10 @@ import psutil
 import pytest
 from helpers import clean_env, read_jsonl, wait_until
 
-from krex import freezer
 from krex.client import Client, daemon_alive
 from krex.errors import Busy, KrexError, NotFound, UsageError
 from krex.native import lib
+from krex.node import freezer, mounts
 from krex.shm import Segment
 
 pytestmark = [
@@ -70,8 +70,8 @@ _ids = itertools.count()
 
 def _mounts() -> tuple[str | None, str | None]:
     with open("/proc/self/mountinfo") as f:
-        m = freezer.parse_mountinfo(f.read())
-    v2, v1 = freezer.cgroup2_mounts(m), freezer.cgroup1_freezer_mounts(m)
+        m = mounts.parse_mountinfo(f.read())
+    v2, v1 = mounts.cgroup2_mounts(m), mounts.cgroup1_freezer_mounts(m)
     return (v2[0] if v2 else None), (v1[0] if v1 else None)
 
 

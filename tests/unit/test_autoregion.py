@@ -1,4 +1,4 @@
-"""krex.autoregion: automatic regions for unmodified harnesses (KREX_AUTO_REGION).
+"""krex.proc.autoregion: automatic regions for unmodified harnesses (KREX_AUTO_REGION).
 
 The fakes below are written into a temporary directory as real packages
 (triton, torch, kernelbench, src) so the import hook is exercised for real.
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 import krex
-from krex import autoregion
 from krex.errors import UsageError
+from krex.proc import autoregion
 
 FAKE_PREFIXES = ("triton", "torch", "kernelbench", "src", "userbench", "legacybench", "legacy30", "fakelog")
 
@@ -943,7 +943,7 @@ def test_missing_and_unwrappable_targets_are_recorded_not_raised(sandbox: Sandbo
 
 def test_outside_krex_wrappers_behave_like_originals(sandbox: Sandbox,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    region_mod = sys.modules["krex.region"]  # (`import krex.region` would give the patched attribute)
+    region_mod = sys.modules["krex.proc.region"]  # (`import krex.region` would give the patched attribute)
     monkeypatch.setattr(krex, "region", region_mod.region)  # the real one
     for var in ("KREX_SHM", "KREX_SOCKET", "KREX_STRICT"):
         monkeypatch.delenv(var, raising=False)
@@ -1061,7 +1061,7 @@ def test_hook_alone_on_the_path_is_harmless(tmp_path: Path) -> None:
 def test_hook_set_installs_wraps_and_chains(tmp_path: Path, other_site: Path) -> None:
     code = PROBE + """
     import userbench
-    from krex import autoregion
+    from krex.proc import autoregion
     assert getattr(userbench.bench, autoregion.MARK) == "userbench:bench"
     assert userbench.bench(3) == 6
     print([e["state"] for e in autoregion.status()])
@@ -1071,7 +1071,7 @@ def test_hook_set_installs_wraps_and_chains(tmp_path: Path, other_site: Path) ->
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     got = _probe(lines[0])
-    assert got["finders"][0] == "krex.autoregion._Finder"
+    assert got["finders"][0] == "krex.proc.autoregion.hook._Finder"
     assert got["other"] == str(other_site / "sitecustomize.py")
     assert lines[-1] == "['wrapped']"
     assert "not running under KREX" in r.stderr  # region() outside KREX: a no-op that warns once
@@ -1092,7 +1092,7 @@ def test_hook_malformed_value_reports_and_goes_on(tmp_path: Path, other_site: Pa
 REAL_TIMER = """
     import json
     import krex
-    from krex import autoregion
+    from krex.proc import autoregion
 
     log = []
 
@@ -1158,7 +1158,7 @@ REAL_TRITON = """
         print(json.dumps({"skip": "needs torch with CUDA, triton and a GPU"}))
         sys.exit(0)
     import krex
-    from krex import autoregion
+    from krex.proc import autoregion
 
     log = []
 

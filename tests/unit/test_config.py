@@ -1,4 +1,4 @@
-"""krexd settings (krex/config.py): command line > environment > config file > defaults,
+"""krexd settings (krex/node/config.py): command line > environment > config file > defaults,
 and every bad value named with its source and a fix. Also: the library's logger."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from krex.config import ON_DEMAND_IDLE_EXIT_S, daemon_settings
-from krex.daemon import Config, config_from
 from krex.errors import UsageError
+from krex.node.config import ON_DEMAND_IDLE_EXIT_S, Config, config_from, daemon_settings
 
 ENV = [k for k in ("KREX_CONFIG", "XDG_CONFIG_HOME")] + [
     "KREX_SLOTS_PER_GPU",

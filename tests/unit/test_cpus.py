@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from krex import cpus
-from krex.cpus import Partition, Topology
 from krex.errors import KrexError, NotFound, PermissionDenied, UsageError
+from krex.node import cpus
+from krex.node.cpus import Partition, Topology
 
 # --------------------------------------------------------------------------- fake sysfs
 

@@ -2,7 +2,7 @@
 that has a GPU driver, CUDA_VISIBLE_DEVICES given as UUIDs or MIG ids is understood,
 and a run on the simulator says so.
 
-NVML is replaced by the fake layer of krex.nvml (KREX_NVML_FAKE); the driver's device
+NVML is replaced by the fake layer of krex.device.nvml (KREX_NVML_FAKE); the driver's device
 nodes by files of our own (KREX_GPU_DEVICE_NODES)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from krex import gpus
+from krex.device import gpus
 from krex.errors import NotFound
 
 UUID0 = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"

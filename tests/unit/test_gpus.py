@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from krex import gpus
+from krex.device import gpus
 from krex.errors import NotFound
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

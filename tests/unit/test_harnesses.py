@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 import krex
-from krex import autoregion
+from krex.errors import UsageError
+from krex.proc import autoregion
 
 PREFIXES = ("torch", "kernelbench", "hlog", "triton", "inhouse_bench")
 
@@ -368,5 +369,5 @@ def test_inhouse_do_bench_fork_with_the_do_bench_strategy(log: list[str]) -> Non
 def test_user_strategy_is_checked() -> None:
     assert autoregion.parse("m.bench:f@kernelbench")[0].strategy == autoregion.KERNELBENCH
     assert autoregion.parse("m.bench:f")[0].strategy == autoregion.WHOLE
-    with pytest.raises(autoregion.UsageError, match="unknown strategy 'fast'"):
+    with pytest.raises(UsageError, match="unknown strategy 'fast'"):
         autoregion.parse("m.bench:f@fast")

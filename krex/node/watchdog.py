@@ -5,7 +5,7 @@ hung) it thaws every slot group of that daemon, so commands without a guardian
 hung daemon; guardians of `krex run` do the same for their own command. When
 krexd is gone it thaws everything once more and exits.
 
-    python -m krex.watchdog DAEMON_PID SHM ROOT_NAME FREEZER"""
+    python -m krex.node.watchdog DAEMON_PID SHM ROOT_NAME FREEZER"""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-from krex import freezer
 from krex.errors import KrexError
 from krex.native import lib
+from krex.node import freezer
 from krex.shm import Segment
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex.errors import KrexError, NotFound, PermissionDenied, UsageError
+from krex.errors import KrexError, NotFound, PermissionDenied, UsageError, error_kind
 
 # Fewest shared cores a slice may have before we call the partition degraded: a
 # benchmarking command is a Python process with compiler and loader threads, and
@@ -445,16 +445,17 @@ def default_slots_per_gpu(part: Partition, gpu: int) -> int:
 
 
 def _affinity_error(tid: int, exc: OSError, doing: str) -> KrexError:
-    if isinstance(exc, ProcessLookupError) or exc.errno == errno.ESRCH:
+    kind = error_kind(exc)
+    if kind is NotFound:
         return NotFound(
             f"thread {tid} does not exist (it exited?) while {doing}", "nothing to pin; check the tid"
         )
-    if isinstance(exc, PermissionError) or exc.errno == errno.EPERM:
+    if kind is PermissionDenied:
         return PermissionDenied(
             f"not allowed to change the CPU affinity of thread {tid} while {doing}",
             "run the daemon as the command's user or as root (CAP_SYS_NICE)",
         )
-    if exc.errno == errno.EINVAL:
+    if exc.errno == errno.EINVAL:  # sched_setaffinity's own meaning: the CPU set it was given
         return UsageError(
             f"CPU set rejected for thread {tid} while {doing}: {exc.strerror}",
             "the CPUs must be online and inside the thread's cpuset "

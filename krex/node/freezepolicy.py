@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from krex import elfcheck
+from krex.device import elfcheck
 
 POLICIES = ("all", "gpu", "adaptive")
 DEFAULT = "all"

@@ -5,7 +5,7 @@ without the management library, or nvidia-ml-py not installed), the CUDA driver
 through cuda-python (`krex[cuda]`). AMD: amdsmi (`krex[amd]`), else hip-python.
 The first that finds a visible GPU wins, in that order. Each backend is one small
 function over an imported module, so tests replace the module with a fake
-(KREX_NVML_FAKE stands in for NVML in tests that start processes: krex/nvml.py).
+(KREX_NVML_FAKE stands in for NVML in tests that start processes: krex/device/nvml.py).
 
 `--device auto` falls back to the simulated GPU only where no GPU driver node exists
 (`/dev/nvidiactl`, `/dev/kfd`): on a GPU machine a silent simulator would turn every
@@ -149,7 +149,7 @@ def _import(name: str) -> Any:
 
 
 def _nvml() -> GpuInfo:
-    from krex.nvml import FakeNvml, NvmlUnavailable, RealNvml, fake_path
+    from krex.device.nvml import FakeNvml, NvmlUnavailable, RealNvml, fake_path
 
     fake = fake_path()
     if fake is None and _import("pynvml") is None:

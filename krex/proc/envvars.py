@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from pathlib import Path
 
 from krex.native import shim_path, sim_dir
+
+
+def hook_dir() -> Path:
+    """The directory to put on PYTHONPATH: its sitecustomize.py installs automatic
+    regions when KREX_AUTO_REGION is set, and costs one `import os` otherwise."""
+    return Path(__file__).resolve().parent / "_hook"
 
 
 def _prepend(var: str, value: str, base: dict[str, str]) -> str:
@@ -20,6 +25,7 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
     """Variables (only the ones KREX sets) that put a process under KREX."""
     base = dict(os.environ if base is None else base)
     from krex import paths
+    from krex.node.config import daemon_argv
 
     sock = paths.socket_path()
     log = paths.log_path()
@@ -29,14 +35,9 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
         "KREX_SOCKET": str(sock),
         # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
         # krexd opens its log itself (checked directory, no symlink followed).
-        "KREX_DAEMON_CMD": (
-            f"exec env -u LD_PRELOAD {shlex.quote(sys.executable)} -m krex.daemon --device {device} "
-            f"--on-demand --log {shlex.quote(str(log))}"
-        ),
+        "KREX_DAEMON_CMD": "exec env -u LD_PRELOAD " + shlex.join(daemon_argv(device, log, on_demand=True)),
     }
-    # krex/_hook holds a sitecustomize that installs automatic regions when
-    # KREX_AUTO_REGION is set, and costs one `import os` otherwise.
-    hook = str(Path(__file__).resolve().parent / "_hook")
+    hook = str(hook_dir())
     env["PYTHONPATH"] = os.pathsep.join(
         dict.fromkeys([hook, *(p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p)])
     )

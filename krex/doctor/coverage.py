@@ -189,7 +189,7 @@ def child_main(name: str, out_path: str, iters: int = 20) -> None:
 
 def run_all(workloads: tuple[str, ...] = WORKLOADS, device: str = "gpu") -> list[CoverageRow]:
     """Launch every workload under the shim (one process each) and collect rows."""
-    from krex.gpus import discover
+    from krex.device.gpus import discover
     from krex.launcher import run_direct
 
     info = discover(device)
@@ -197,7 +197,7 @@ def run_all(workloads: tuple[str, ...] = WORKLOADS, device: str = "gpu") -> list
     for w in workloads:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
             out = tf.name
-        rc = run_direct([sys.executable, "-m", "krex.coverage", w, out], "gpu", 0, info.count)
+        rc = run_direct([sys.executable, "-m", "krex.doctor.coverage", w, out], "gpu", 0, info.count)
         try:
             with open(out) as f:
                 d = json.load(f)

@@ -90,16 +90,16 @@ def _clean_env() -> dict[str, str]:
 
 
 def check_privileges() -> Check:
-    from krex import freezer
+    from krex.node import mounts
 
     euid = os.geteuid()
     try:
-        mounts = freezer._read_mounts()
+        found = mounts.read_mounts()
     except KrexError as e:
         return Check("privileges", FAIL, str(e), e.fix, {"euid": euid})
     writable: list[str] = []
     readonly: list[str] = []
-    for m in mounts:
+    for m in found:
         if m.fstype == "cgroup2" or (m.fstype == "cgroup" and "freezer" in m.super_options):
             ok = "ro" not in m.options and os.access(m.mount_point, os.W_OK)
             (writable if ok else readonly).append(f"{m.mount_point} ({m.fstype})")
@@ -125,7 +125,7 @@ def check_privileges() -> Check:
 
 def check_freezer() -> Check:
     """Which backend krexd would use (detect() with the daemon's root name)."""
-    from krex import freezer
+    from krex.node import freezer
     from krex.shm import default_name
 
     try:
@@ -153,13 +153,13 @@ def check_freezer() -> Check:
 
 
 def _candidate_roots(root_name: str) -> list[str]:
-    from krex import freezer
+    from krex.node import mounts
 
     try:
-        mounts = freezer._read_mounts()
+        found = mounts.read_mounts()
     except KrexError:
         return []
-    points = freezer.cgroup2_mounts(mounts) + freezer.cgroup1_freezer_mounts(mounts)
+    points = mounts.cgroup2_mounts(found) + mounts.cgroup1_freezer_mounts(found)
     return [os.path.join(p, root_name) for p in points]
 
 
@@ -167,7 +167,7 @@ def _candidate_roots(root_name: str) -> list[str]:
 
 
 def check_partition(n_gpus: int, gpu_numa: Sequence[int | None] | None = None) -> Check:
-    from krex import cpus
+    from krex.node import cpus
 
     try:
         part = cpus.partition(cpus.discover(), n_gpus, list(gpu_numa) if gpu_numa else None)
@@ -258,7 +258,7 @@ def check_shim(timeout: float = 30.0) -> Check:
 def check_gpus() -> tuple[Check, int, list[int | None]]:
     """GPUs as `--device auto` finds them (NVML, cuda-python, amdsmi, hip-python). Returns
     the check, the GPU count KREX would partition for, and their NUMA nodes."""
-    from krex.gpus import discover
+    from krex.device.gpus import discover
 
     have_nvml_py = importlib.util.find_spec("pynvml") is not None
     try:
@@ -385,7 +385,7 @@ def check_segment() -> Check:
 
 def check_binary(name: str) -> Check:
     """A benchmark binary: statically linked cudart cannot be gated (DESIGN.md consequence 5)."""
-    from krex.elfcheck import inspect
+    from krex.device.elfcheck import inspect
 
     label = f"binary {name}"
     path = name if "/" in name else (shutil.which(name) or name)
@@ -423,8 +423,8 @@ def check_binary(name: str) -> Check:
 
 
 def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Check:
-    """Interposition coverage against CUPTI on the real GPU (krex.coverage.run_all)."""
-    from krex.gpus import discover
+    """Interposition coverage against CUPTI on the real GPU (krex.doctor.coverage.run_all)."""
+    from krex.device.gpus import discover
 
     try:
         info = discover("gpu")
@@ -437,7 +437,7 @@ def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Ch
                      "(pip install 'krex[gpu]'); check CUDA_VISIBLE_DEVICES",
                      {"error": type(e).__name__})
     if run_all is None:
-        from krex import coverage
+        from krex.doctor import coverage
 
         run_all = coverage.run_all
     try:

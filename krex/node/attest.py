@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from krex.nvml import DISTURBING, Nvml, NvmlUnavailable, open_nvml, throttle_names
+from krex.device.nvml import DISTURBING, Nvml, NvmlUnavailable, open_nvml, throttle_names
 
 
 def _cmd(pid: int) -> str:
@@ -43,7 +43,7 @@ class Attestor:
 
     @classmethod
     def for_device(cls, kind: str, physical: list[int]) -> Attestor:
-        from krex.nvml import fake_path
+        from krex.device.nvml import fake_path
 
         if kind == "sim" and not fake_path():
             return cls(kind, physical, None, "unavailable: simulated GPU")

@@ -11,9 +11,10 @@ from krex.errors import Busy, UsageError
 from krex.native import ffi, lib
 from krex.shm import Segment, StepResult, raise_stragglers
 
-DEFAULT_PAUSE_LEASE_S = 600.0
-MAX_PAUSE_LEASE_S = 7 * 86400.0
-MAX_PAUSE_TIMEOUT_S = 86400.0
+DEFAULT_PAUSE_LEASE_S = lib.KREX_PAUSE_LEASE_MS / 1e3
+MAX_PAUSE_LEASE_S = lib.KREX_PAUSE_LEASE_MAX_MS / 1e3
+DEFAULT_PAUSE_TIMEOUT_S = lib.KREX_PAUSE_TIMEOUT_MS / 1e3
+MAX_PAUSE_TIMEOUT_S = lib.KREX_PAUSE_TIMEOUT_MAX_MS / 1e3
 
 
 @dataclass
@@ -28,7 +29,7 @@ class PauseResult:
 def pause(
     seg: Segment,
     gpu: int,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_PAUSE_TIMEOUT_S,
     lease_s: float = DEFAULT_PAUSE_LEASE_S,
     wait_s: float | None = None,
 ) -> PauseResult:
@@ -46,12 +47,13 @@ def pause(
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_PAUSE_TIMEOUT_S):
         raise UsageError(
             f"--timeout {timeout:g} must be a number of seconds in (0, {MAX_PAUSE_TIMEOUT_S:g}]",
-            "pass e.g. --timeout 10",
+            f"pass e.g. --timeout {DEFAULT_PAUSE_TIMEOUT_S:g}",
         )
     if not (math.isfinite(lease_s) and 0 < lease_s <= MAX_PAUSE_LEASE_S):
         raise UsageError(
-            f"--for {lease_s:g} must be a number of seconds in (0, {MAX_PAUSE_LEASE_S:g}] (7 days)",
-            "pass e.g. --for 600; renew a longer pause with another `krex pause`",
+            f"--for {lease_s:g} must be a number of seconds in (0, {MAX_PAUSE_LEASE_S:g}] "
+            f"({MAX_PAUSE_LEASE_S / 86400:g} days)",
+            f"pass e.g. --for {DEFAULT_PAUSE_LEASE_S:g}; renew a longer pause with another `krex pause`",
         )
     word = _acquire(seg, gpu, lease_s, timeout if wait_s is None else wait_s)
     try:

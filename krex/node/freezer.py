@@ -10,7 +10,8 @@ Three backends share one interface and `detect()` picks the first that works:
 
 Each slot gets a group ``<hierarchy>/<root_name>/<slot_name>``. The parent group never holds
 processes itself, so cgroup v2's no-internal-process rule never blocks enabling controllers on it.
-Nothing here ever kills a process; the library never prints.
+Nothing here ever kills a process; the library never prints. Reading /proc is
+krex/node/procfs.py, finding the hierarchies krex/node/mounts.py.
 """
 
 from __future__ import annotations
@@ -23,289 +24,38 @@ import os
 import re
 import select
 import signal
-import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError
+from krex import paths
+from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
+from krex.node import mounts, procfs
 
 __all__ = [
     "BACKENDS",
     "Freezer",
     "Group",
-    "Mount",
-    "cgroup1_freezer_mounts",
-    "cgroup2_mounts",
     "detect",
-    "parse_mountinfo",
+    "leave_slot_groups",
     "preexec_join",
 ]
 
 BACKENDS = ("cgroup2", "cgroup1", "signal")
-MOUNTINFO = "/proc/self/mountinfo"
-PROC = "/proc"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_+@:=-][A-Za-z0-9_.+@:=-]{0,199}$")
-# Stopped ('T'), traced ('t'), zombie ('Z') and dead ('X') tasks cannot run user code.
-_STOPPED_STATES = frozenset("TtZX")
 _FIX_ROOT = "run krexd as root, or delegate a writable cgroup subtree to the user running it"
+_FIX_RO = "the cgroup filesystem is mounted read-only (a container without cgroup access?)"
 
 
 # ---------------------------------------------------------------------------------------------
-# /proc/self/mountinfo
-
-
-@dataclass(frozen=True)
-class Mount:
-    mount_point: str
-    root: str  # the hierarchy path that is visible at mount_point
-    fstype: str
-    options: tuple[str, ...]  # per-mount options (rw/ro, ...)
-    super_options: tuple[str, ...]  # per-superblock options (v1 controllers live here)
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    mounts: list[Mount] = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        sep = fields.index("-")
-        if sep < 6 or len(fields) < sep + 4:
-            continue
-        mounts.append(
-            Mount(
-                mount_point=_unescape(fields[4]),
-                root=_unescape(fields[3]),
-                fstype=fields[sep + 1],
-                options=tuple(fields[5].split(",")),
-                super_options=tuple(fields[sep + 3].split(",")),
-            )
-        )
-    return mounts
-
-
-def _read_mounts() -> list[Mount]:
-    try:
-        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
-            return parse_mountinfo(f.read())
-    except OSError as exc:
-        raise NotFound(f"cannot read {MOUNTINFO}: {exc.strerror}", "mount /proc") from exc
-
-
-def cgroup2_mounts(mounts: Iterable[Mount]) -> list[str]:
-    """Mount points of the v2 hierarchy, the canonical places first (pure, then hybrid)."""
-    order = {"/sys/fs/cgroup": 0, "/sys/fs/cgroup/unified": 1}
-    found = [m.mount_point for m in mounts if m.fstype == "cgroup2"]
-    return sorted(dict.fromkeys(found), key=lambda p: order.get(p, 2))
-
-
-def cgroup1_freezer_mounts(mounts: Iterable[Mount]) -> list[str]:
-    found = [m.mount_point for m in mounts if m.fstype == "cgroup" and "freezer" in m.super_options]
-    return list(dict.fromkeys(found))
-
-
-# ---------------------------------------------------------------------------------------------
-# small file and /proc helpers
+# errors and names
 
 
 def _error(exc: OSError, what: str, fix: str = "") -> KrexError:
-    msg = f"{what}: {exc.strerror or exc}"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return PermissionDenied(msg, fix or _FIX_ROOT)
-    if exc.errno == errno.EROFS:
-        return PermissionDenied(
-            msg, fix or "the cgroup filesystem is mounted read-only (a container without cgroup access?)"
-        )
-    if exc.errno in (errno.ENOENT, errno.ESRCH):
-        return NotFound(msg, fix)
-    return KrexError(msg, fix)
-
-
-def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-def _keyed(text: str, key: str) -> str | None:
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        if k == key:
-            return v.strip()
-    return None
-
-
-@dataclass(frozen=True)
-class _Stat:
-    pid: int
-    state: str
-    ppid: int
-    start: int  # clock ticks since boot; tells a reused pid apart
-
-
-def _parse_stat(text: str, pid: int) -> _Stat | None:
-    # comm (field 2) may contain spaces and parentheses, so split after the last ')'.
-    rest = text[text.rfind(")") + 2 :].split()
-    if len(rest) < 20:
-        return None
-    return _Stat(pid=pid, state=rest[0], ppid=int(rest[1]), start=int(rest[19]))
-
-
-def _stat(pid: int) -> _Stat | None:
-    try:
-        with open(f"{PROC}/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return _parse_stat(f.read(), pid)
-    except (OSError, ValueError):
-        return None
-
-
-def _proc_table() -> dict[int, _Stat]:
-    table: dict[int, _Stat] = {}
-    for entry in os.listdir(PROC):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st is not None:
-                table[st.pid] = st
-    return table
-
-
-def _descendants(roots: Iterable[int], table: dict[int, _Stat]) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for st in table.values():
-        children.setdefault(st.ppid, []).append(st.pid)
-    seen: set[int] = set()
-    todo = [r for r in roots if r in table]
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo.extend(children.get(pid, ()))
-    return seen
-
-
-def _children(pid: int) -> list[int] | None:
-    """Children of a process from /proc/PID/task/*/children; None where the kernel lacks the file."""
-    try:
-        tids = os.listdir(f"{PROC}/{pid}/task")
-    except OSError:
-        return []
-    kids: list[int] = []
-    for tid in tids:
-        try:
-            kids.extend(int(x) for x in _read(f"{PROC}/{pid}/task/{tid}/children").split())
-        except FileNotFoundError:
-            if not os.path.exists(f"{PROC}/{pid}/task"):
-                return []  # the process is gone
-            return None  # CONFIG_PROC_CHILDREN is off
-        except (OSError, ValueError):
-            continue
-    return kids
-
-
-def _tree(roots: dict[int, int]) -> dict[int, int]:
-    """The live processes among roots (pid -> start time) and all their descendants.
-
-    Walks the children files, so a signal freeze costs O(tree) rather than O(all processes).
-    Those files can miss a fork that races the read; callers re-check once everything is stopped.
-    """
-    found: dict[int, int] = {}
-    todo = list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in found:
-            continue
-        st = _stat(pid)
-        if st is None or (pid in roots and roots[pid] != st.start):
-            continue
-        kids = _children(pid)
-        if kids is None:
-            return _tree_by_scan(roots)
-        found[pid] = st.start
-        todo.extend(kids)
-    return found
-
-
-def _tree_by_scan(roots: dict[int, int]) -> dict[int, int]:
-    table = _proc_table()
-    alive = [p for p, s in roots.items() if p in table and table[p].start == s]
-    return {p: table[p].start for p in _descendants(alive, table)}
-
-
-def _task_states(pid: int) -> list[str]:
-    """States of every thread of a process; SIGSTOP stops the whole thread group."""
-    states: list[str] = []
-    try:
-        tids = os.listdir(f"{PROC}/{pid}/task")
-    except OSError:
-        return states
-    for tid in tids:
-        try:
-            with open(f"{PROC}/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as f:
-                st = _parse_stat(f.read(), int(tid))
-        except (OSError, ValueError):
-            continue
-        if st is not None:
-            states.append(st.state)
-    return states
-
-
-def _stopped(pid: int) -> bool:
-    return all(s in _STOPPED_STATES for s in _task_states(pid))
-
-
-def _still_running(pid: int) -> bool:
-    """Best guess whether a process in a freezing cgroup has not stopped yet.
-
-    A v2-frozen task sleeps ('S') in the freezer trap, a v1-frozen one shows 'D' in
-    __refrigerator; a straggler is running ('R') or stuck in some other 'D' wait (a driver call).
-    """
-    try:
-        tids = os.listdir(f"{PROC}/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        base = f"{PROC}/{pid}/task/{tid}"
-        try:
-            st = _parse_stat(_read(f"{base}/stat"), int(tid))
-        except (OSError, ValueError):
-            continue
-        if st is None:
-            continue
-        if st.state == "R":
-            return True
-        if st.state == "D":
-            try:
-                if _read(f"{base}/wchan").strip() != "__refrigerator":
-                    return True
-            except OSError:
-                return True
-    return False
-
-
-def _self_and_ancestors() -> set[int]:
-    pids: set[int] = set()
-    pid = os.getpid()
-    while pid > 0 and pid not in pids:
-        pids.add(pid)
-        st = _stat(pid)
-        pid = st.ppid if st else 0
-    return pids
+    kind = error_kind(exc)
+    if not fix and kind is PermissionDenied:
+        fix = _FIX_RO if exc.errno == errno.EROFS else _FIX_ROOT
+    return kind(f"{what}: {exc.strerror or exc}", fix)
 
 
 def _check_name(kind: str, name: str, allow_slash: bool = False) -> str:
@@ -336,11 +86,11 @@ def leave_slot_groups(pid: int = 0) -> list[str]:
     pid = pid or os.getpid()
     left: list[str] = []
     try:
-        lines = _read(f"/proc/{pid}/cgroup").splitlines()
+        lines = procfs.read(f"/proc/{pid}/cgroup").splitlines()
     except OSError:
         return left
-    mounts = _read_mounts()
-    v2, v1 = cgroup2_mounts(mounts), cgroup1_freezer_mounts(mounts)
+    found = mounts.read_mounts()
+    v2, v1 = mounts.cgroup2_mounts(found), mounts.cgroup1_freezer_mounts(found)
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3 or "/slot-" not in parts[2]:
@@ -350,7 +100,7 @@ def leave_slot_groups(pid: int = 0) -> list[str]:
         for root in roots:
             if os.path.isdir(root + path):
                 with contextlib.suppress(OSError):
-                    _write(os.path.join(root, "cgroup.procs"), str(pid))
+                    procfs.write(os.path.join(root, "cgroup.procs"), str(pid))
                     left.append(root + path)
                 break
     return left
@@ -429,7 +179,7 @@ class Group(abc.ABC):
         once the signal is queued: a task with SIGKILL pending exits without running user code,
         which the cgroup v1 freezer needs before the signal can land."""
         for pid in pids:
-            if pid <= 0 or pid in _self_and_ancestors():
+            if pid <= 0 or pid in procfs.self_and_ancestors():
                 continue
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -439,7 +189,7 @@ class Group(abc.ABC):
 
     def _guard(self, pid: int) -> None:
         # Freezing the daemon (or what it runs under) would deadlock the region protocol.
-        if pid <= 0 or pid in _self_and_ancestors():
+        if pid <= 0 or pid in procfs.self_and_ancestors():
             raise UsageError(
                 f"refusing to put pid {pid} into freezer group {self.name}: it is this process or one "
                 "of its ancestors",
@@ -555,7 +305,7 @@ class _CgroupGroup(Group):
         # outside (each pass moves one more generation).
         for _ in range(64):
             inside = set(self.pids())
-            outside = _descendants([pid], _proc_table()) - inside
+            outside = procfs.descendants([pid], procfs.proc_table()) - inside
             if not outside:
                 return
             for child in sorted(outside):
@@ -567,7 +317,7 @@ class _CgroupGroup(Group):
 
     def _move(self, pid: int, missing_ok: bool) -> None:
         try:
-            _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+            procfs.write(os.path.join(self.path, "cgroup.procs"), str(pid))
         except OSError as exc:
             if missing_ok and exc.errno in (errno.ESRCH, errno.ENOENT):
                 return  # it exited meanwhile
@@ -579,7 +329,7 @@ class _CgroupGroup(Group):
         found: set[int] = set()
         for dirpath, _dirs, _files in os.walk(self.path):
             try:
-                text = _read(os.path.join(dirpath, "cgroup.procs"))
+                text = procfs.read(os.path.join(dirpath, "cgroup.procs"))
             except OSError:
                 continue
             found.update(int(x) for x in text.split())
@@ -602,7 +352,7 @@ class _CgroupGroup(Group):
 
     def _stragglers(self) -> list[int]:
         pids = self.pids()
-        return [p for p in pids if _still_running(p)] or pids
+        return [p for p in pids if procfs.still_running(p)] or pids
 
 
 class _Cgroup2Group(_CgroupGroup):
@@ -611,7 +361,7 @@ class _Cgroup2Group(_CgroupGroup):
     def kill_all(self, pids: Iterable[int]) -> None:
         # cgroup.kill (Linux 5.14+) also gets what forks while we enumerate.
         with contextlib.suppress(OSError):
-            _write(os.path.join(self.path, "cgroup.kill"), "1")
+            procfs.write(os.path.join(self.path, "cgroup.kill"), "1")
         super().kill_all(pids)
 
     def freeze(self, timeout: float = 2.0) -> float:
@@ -622,20 +372,20 @@ class _Cgroup2Group(_CgroupGroup):
 
     def is_frozen(self) -> bool:
         try:
-            return _keyed(_read(os.path.join(self.path, "cgroup.events")), "frozen") == "1"
+            return procfs.keyed(procfs.read(os.path.join(self.path, "cgroup.events")), "frozen") == "1"
         except OSError:
             return False
 
     def freeze_requested(self) -> bool:
         try:
-            return _read(os.path.join(self.path, "cgroup.freeze")).strip() == "1"
+            return procfs.read(os.path.join(self.path, "cgroup.freeze")).strip() == "1"
         except OSError:
             return False
 
     def _set(self, frozen: bool, timeout: float) -> float:
         t0 = time.perf_counter()
         try:
-            _write(os.path.join(self.path, "cgroup.freeze"), "1" if frozen else "0")
+            procfs.write(os.path.join(self.path, "cgroup.freeze"), "1" if frozen else "0")
         except OSError as exc:
             raise _error(exc, f"cannot write {self.path}/cgroup.freeze") from exc
         if not self._wait_events("1" if frozen else "0", time.monotonic() + timeout):
@@ -657,7 +407,7 @@ class _Cgroup2Group(_CgroupGroup):
             poller.register(fd, select.POLLPRI | select.POLLERR)
             while True:
                 os.lseek(fd, 0, os.SEEK_SET)
-                if _keyed(os.read(fd, 4096).decode(), "frozen") == want:
+                if procfs.keyed(os.read(fd, 4096).decode(), "frozen") == want:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -672,13 +422,13 @@ class _Cgroup1Group(_CgroupGroup):
 
     def _state(self) -> str:
         try:
-            return _read(os.path.join(self.path, "freezer.state")).strip()
+            return procfs.read(os.path.join(self.path, "freezer.state")).strip()
         except OSError as exc:
             raise _error(exc, f"cannot read {self.path}/freezer.state") from exc
 
     def _request(self, state: str) -> None:
         try:
-            _write(os.path.join(self.path, "freezer.state"), state)
+            procfs.write(os.path.join(self.path, "freezer.state"), state)
         except OSError as exc:
             raise _error(exc, f"cannot write {self.path}/freezer.state") from exc
 
@@ -717,7 +467,7 @@ class _Cgroup1Group(_CgroupGroup):
 
     def freeze_requested(self) -> bool:
         try:
-            return _read(os.path.join(self.path, "freezer.self_freezing")).strip() == "1"
+            return procfs.read(os.path.join(self.path, "freezer.self_freezing")).strip() == "1"
         except OSError:
             return False
 
@@ -765,7 +515,7 @@ class Cgroup2Freezer(_CgroupFreezer):
             )
         try:
             # Thawing the parent is harmless (we never freeze it) and proves we may write.
-            _write(os.path.join(root, "cgroup.freeze"), "0")
+            procfs.write(os.path.join(root, "cgroup.freeze"), "0")
         except OSError as exc:
             raise _error(exc, f"cannot write {root}/cgroup.freeze") from exc
         return cls(root, mount)
@@ -775,7 +525,7 @@ class Cgroup2Freezer(_CgroupFreezer):
 
     def _thaw_root(self) -> None:
         with contextlib.suppress(OSError):
-            _write(os.path.join(self.root, "cgroup.freeze"), "0")
+            procfs.write(os.path.join(self.root, "cgroup.freeze"), "0")
 
     def describe(self) -> str:
         layout = (
@@ -796,7 +546,7 @@ class Cgroup1Freezer(_CgroupFreezer):
         root = os.path.join(mount, root_name)
         try:
             os.makedirs(root, exist_ok=True)
-            _write(os.path.join(root, "freezer.state"), "THAWED")
+            procfs.write(os.path.join(root, "freezer.state"), "THAWED")
         except OSError as exc:
             raise _error(exc, f"cannot set up v1 freezer group {root}") from exc
         return cls(root, mount)
@@ -806,7 +556,7 @@ class Cgroup1Freezer(_CgroupFreezer):
 
     def _thaw_root(self) -> None:
         with contextlib.suppress(OSError):
-            _write(os.path.join(self.root, "freezer.state"), "THAWED")
+            procfs.write(os.path.join(self.root, "freezer.state"), "THAWED")
 
     def describe(self) -> str:
         return (
@@ -836,7 +586,7 @@ class _SignalGroup(Group):
 
     def _load(self) -> None:
         try:
-            data = json.loads(_read(self.path))
+            data = json.loads(procfs.read(self.path))
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:
@@ -861,8 +611,8 @@ class _SignalGroup(Group):
             raise _error(exc, f"cannot write freezer state {self.path}") from exc
 
     def _members(self) -> dict[int, int]:
-        members = _tree({**self._known, **self._roots})
-        exclude = _self_and_ancestors()
+        members = procfs.tree({**self._known, **self._roots})
+        exclude = procfs.self_and_ancestors()
         return {p: s for p, s in members.items() if p not in exclude}
 
     def _remember(self, members: dict[int, int]) -> None:
@@ -873,7 +623,7 @@ class _SignalGroup(Group):
 
     def add(self, pid: int) -> None:
         self._guard(pid)
-        st = _stat(pid)
+        st = procfs.pid_stat(pid)
         if st is None:
             raise NotFound(f"no process {pid} to add to group {self.name}")
         self._roots[pid] = st.start
@@ -906,7 +656,7 @@ class _SignalGroup(Group):
         self._save()
         step = 0.0002
         while True:
-            running = [p for p in members if not _stopped(p)]
+            running = [p for p in members if not procfs.stopped(p)]
             if running:
                 self._signal(running, signal.SIGSTOP)
             else:
@@ -918,7 +668,7 @@ class _SignalGroup(Group):
                 self._remember(members)
                 continue
             if time.monotonic() >= deadline:
-                stragglers = sorted(p for p in members if not _stopped(p))
+                stragglers = sorted(p for p in members if not procfs.stopped(p))
                 raise self._timeout("freezing", timeout, stragglers)
             step = _sleep_step(step)
 
@@ -932,7 +682,7 @@ class _SignalGroup(Group):
         self._signal(members, signal.SIGCONT)
         step = 0.0002
         while True:
-            still = sorted(p for p in members if "T" in _task_states(p))
+            still = sorted(p for p in members if "T" in procfs.task_states(p))
             if not still:
                 return time.perf_counter() - t0
             if time.monotonic() >= deadline:
@@ -941,7 +691,7 @@ class _SignalGroup(Group):
             step = _sleep_step(step)
 
     def is_frozen(self) -> bool:
-        return self._frozen and all(_stopped(p) for p in self._members())
+        return self._frozen and all(procfs.stopped(p) for p in self._members())
 
     def freeze_requested(self) -> bool:
         return self._frozen
@@ -958,7 +708,9 @@ class SignalFreezer(Freezer):
 
     @classmethod
     def probe(cls, root_name: str) -> SignalFreezer:
-        return cls(os.path.join(_state_base(), root_name, "signal"))
+        # In KREX's state directory (krex.paths: its rules, its checks), beside the
+        # daemon's socket and journal, so a restarted daemon or its watchdog finds it.
+        return cls(os.path.join(paths.ensure_state_dir(), "freezer", root_name, "signal"))
 
     def __init__(self, root: str) -> None:
         super().__init__(root)
@@ -997,21 +749,6 @@ class SignalFreezer(Freezer):
         return f"signal: SIGSTOP/SIGCONT of process trees, state in {self.root}" + self._fallback_note()
 
 
-def _state_base() -> str:
-    if os.geteuid() == 0 and os.access("/run", os.W_OK):
-        return "/run"
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(), f"krex-{os.geteuid()}")
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    st = os.lstat(base)
-    # A shared /tmp lets anyone pre-create the directory; trust only our own.
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise PermissionDenied(
-            f"freezer state directory {base} is not a directory owned by uid {os.geteuid()}",
-            "remove it or set XDG_RUNTIME_DIR",
-        )
-    return base
-
-
 # ---------------------------------------------------------------------------------------------
 # detection
 
@@ -1019,20 +756,20 @@ def _state_base() -> str:
 def _make(backend: str, root_name: str) -> Freezer:
     if backend == "signal":
         return SignalFreezer.probe(root_name)
-    mounts = _read_mounts()
+    found = mounts.read_mounts()
     if backend == "cgroup2":
-        points = cgroup2_mounts(mounts)
+        points = mounts.cgroup2_mounts(found)
         if not points:
             raise NotFound(
-                f"no cgroup v2 hierarchy is mounted (none in {MOUNTINFO})",
+                f"no cgroup v2 hierarchy is mounted (none in {mounts.MOUNTINFO})",
                 "mount -t cgroup2 none /sys/fs/cgroup, or choose the cgroup1 or signal freezer",
             )
         probe2: Callable[[str, str], Freezer] = Cgroup2Freezer.probe
         return _first(points, root_name, probe2)
-    points = cgroup1_freezer_mounts(mounts)
+    points = mounts.cgroup1_freezer_mounts(found)
     if not points:
         raise NotFound(
-            f"no cgroup v1 freezer hierarchy is mounted (none in {MOUNTINFO})",
+            f"no cgroup v1 freezer hierarchy is mounted (none in {mounts.MOUNTINFO})",
             "mount -t cgroup -o freezer freezer /sys/fs/cgroup/freezer, or choose another freezer",
         )
     probe1: Callable[[str, str], Freezer] = Cgroup1Freezer.probe

@@ -11,7 +11,7 @@ input generation, assertions) shares the GPU.
   --krex-regions=on     on even without KREX (regions are then no-ops that warn once)
   --krex-regions=off    never
 
-Same as ``KREX_AUTO_REGION=pytest_benchmark`` (krex.autoregion), without having to
+Same as ``KREX_AUTO_REGION=pytest_benchmark`` (krex.proc.autoregion), without having to
 set it. The import of this module costs nothing but pytest's own."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _active(config: Any) -> bool:
         return False  # pytest-benchmark's entry point is named "benchmark"
     if mode == "on":
         return True
-    from krex.region import under_krex
+    from krex.proc.region import under_krex
 
     return under_krex()
 
@@ -56,7 +56,7 @@ def pytest_configure(config: Any) -> None:
     active = _active(config)
     config._krex_regions = active  # read by the report header
     if active:
-        from krex import autoregion
+        from krex.proc import autoregion
 
         autoregion.install("pytest_benchmark")
 
@@ -64,7 +64,7 @@ def pytest_configure(config: Any) -> None:
 def pytest_report_header(config: Any) -> str | None:
     if not getattr(config, "_krex_regions", False):
         return None
-    from krex import autoregion
+    from krex.proc import autoregion
 
     states = sorted({e["state"] for e in autoregion.status() if e["builtin"] == "pytest_benchmark"})
     return f"krex: regions around pytest-benchmark timing ({', '.join(states) or 'pending'})"

@@ -5,7 +5,7 @@ the first sitecustomize it finds on sys.path at start-up; this one
 
 1. does nothing else but `import os` and a look at KREX_AUTO_REGION when the
    variable is unset, empty or "0" (no krex import, no import hook);
-2. otherwise imports krex.autoregion and installs the import hook;
+2. otherwise imports krex.proc.autoregion and installs the import hook;
 3. in both cases runs the next sitecustomize on sys.path, if there is one, so a
    sitecustomize of the user's or the distribution's is never hidden.
 
@@ -62,7 +62,7 @@ def _main() -> None:
     value = os.environ.get("KREX_AUTO_REGION", "").strip()
     if value and value != "0":
         try:
-            from krex import autoregion
+            from krex.proc import autoregion
         except ImportError as e:
             import sys
 

@@ -1,0 +1,3 @@
+"""What the machine's GPU stack is: GPU discovery (NVML, the driver, the simulated
+GPU), the NVML layer, and the ELF check for statically linked CUDA runtimes. Used by
+the node daemon, the process side, the doctor and the benchmark alike."""

@@ -1,0 +1,327 @@
+"""krexd's settings: ONE table (`KEYS`) from which the config file, the environment,
+`python -m krex.daemon`'s argparse options, `krex daemon start`'s click options and
+the argv of a daemon started in the background are all made; `Config` holds the
+defaults (the timing ones are krex_abi.h's KREX_*_MS, read through cffi).
+
+Precedence: command line > environment > config file > defaults. The config file is
+``$KREX_CONFIG`` if set (``/dev/null`` for none), else the first that exists of
+``${XDG_CONFIG_HOME:-~/.config}/krex/krex.toml`` and ``/etc/krex/krex.toml``; its
+``[daemon]`` table holds the keys below. This matters most for the daemon that
+``krex run`` or a self-registering process starts on demand: nobody passes it flags.
+
+  key              environment            flag               meaning
+  slots_per_gpu    KREX_SLOTS_PER_GPU     --slots-per-gpu    admission limit per GPU (from the CPU slice)
+  max_region       KREX_MAX_REGION        --max-region       seconds before a region is ended by force
+  idle_exit        KREX_IDLE_EXIT         --idle-exit        seconds idle before exiting, or "never"
+                                                             (on demand: KREX_ON_DEMAND_IDLE_EXIT_MS)
+  freezer          KREX_FREEZER           --freezer          freeze backend: cgroup2, cgroup1, signal
+  freeze_policy    KREX_FREEZE_POLICY     --freeze-policy    which siblings a region freezes
+  lend_cores       KREX_LEND_CORES                           commands may run on their GPU's region
+                                                             core while no region needs it
+  freeze_timeout   KREX_FREEZE_TIMEOUT                       seconds to wait for a group to report frozen
+  drain_timeout    KREX_DRAIN_TIMEOUT                        seconds to wait for in-flight work and drain acks
+  log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
+  group            KREX_GROUP             --group            share the daemon with this group: members run
+                                                             commands and pause, only its user or root stop it
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from krex.errors import UsageError
+from krex.native import lib
+from krex.node import freezepolicy
+
+ON_DEMAND_IDLE_EXIT_S = lib.KREX_ON_DEMAND_IDLE_EXIT_MS / 1e3
+DAEMON_MODULE = "krex.daemon"  # what `python -m` runs to start krexd
+FREEZERS = ("cgroup2", "cgroup1", "signal")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _num(lo: float, hi: float, integer: bool = False) -> Callable[[Any], Any]:
+    def conv(v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("not a number")
+        x = float(v) if not isinstance(v, (int, float)) else v
+        if integer and float(x) != int(float(x)):
+            raise ValueError("not a whole number")
+        if not math.isfinite(float(x)) or not lo <= float(x) <= hi:
+            raise ValueError(f"not in [{lo:g}, {hi:g}]")
+        return int(float(x)) if integer else float(x)
+
+    return conv
+
+
+def _idle(v: Any) -> float | None:
+    if isinstance(v, str) and v.strip().lower() in ("never", "none", "off"):
+        return None
+    return float(_num(0.1, 1e9)(v))
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("not a yes/no value")
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
+    def conv(v: Any) -> str:
+        s = str(v).strip().lower()
+        if s not in options:
+            raise ValueError(f"not one of {', '.join(options)}")
+        return s
+
+    return conv
+
+
+def _group(v: Any) -> str:
+    s = str(v).strip()
+    if not s or any(c.isspace() for c in s):
+        raise ValueError("not a group name or gid")
+    return s
+
+
+@dataclass
+class Config:
+    """krexd's settings. The defaults live here and only here (timings: krex_abi.h)."""
+
+    device: str = "auto"
+    slots_per_gpu: int | None = None  # None: from the GPU's CPU slice (krex.node.cpus)
+    max_region_s: float = lib.KREX_MAX_REGION_MS / 1e3
+    drain_timeout_s: float = lib.KREX_DRAIN_TIMEOUT_MS / 1e3
+    freeze_timeout_s: float = lib.KREX_FREEZE_TIMEOUT_MS / 1e3
+    idle_exit_s: float | None = None  # None: never (a daemon started on demand: ON_DEMAND_IDLE_EXIT_S)
+    freezer: str | None = None  # None: the first backend that works
+    shm_name: str | None = None
+    freeze_policy: str = freezepolicy.DEFAULT  # see krex/node/freezepolicy.py
+    # Commands may also run on their GPU's region core(s) while no region needs them; a
+    # region moves every thread but the measuring one off them (cpus.evict).
+    lend_cores: bool = False
+    log_level: str = "info"
+    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
+    group: str | None = None  # share the daemon with this group (default: the daemon's own group)
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str  # Config field
+    file_key: str
+    env: str
+    conv: Callable[[Any], Any]
+    hint: str
+    flag: str | None = None  # the command-line option, None: file and environment only
+    help: str = ""
+    choices: tuple[str, ...] = ()
+
+    def default_text(self) -> str:
+        """The default as help text shows it, from Config."""
+        default = next(f.default for f in fields(Config) if f.name == self.name)
+        if self.name == "idle_exit_s":
+            return f"never; {ON_DEMAND_IDLE_EXIT_S:g} when started on demand"
+        if default is None:
+            return {"slots_per_gpu": "from the GPU's CPU slice", "freezer": "the first that works",
+                    "group": "your own group"}.get(self.name, "none")
+        return f"{default:g}" if isinstance(default, float) else str(default)
+
+    def metavar(self) -> str:
+        if self.choices:
+            return "[" + "|".join(self.choices) + "]"
+        if self.name.endswith("_s"):
+            return "SECONDS"
+        return "N" if self.name == "slots_per_gpu" else self.name.upper()
+
+    def help_text(self) -> str:
+        return f"{self.help}  [default: {self.default_text()}, or {self.env} / config file]"
+
+    def check(self, raw: Any) -> Any:
+        """The value `raw` means, or ValueError saying what is wrong and what to write."""
+        try:
+            return self.conv(raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{raw!r}: {e}; use {self.hint}") from None
+
+
+KEYS = (
+    Key("slots_per_gpu", "slots_per_gpu", "KREX_SLOTS_PER_GPU", _num(1, 64, True), "a whole number 1..64",
+        "--slots-per-gpu", "admission limit per GPU"),
+    Key("max_region_s", "max_region", "KREX_MAX_REGION", _num(0.001, 1e9), "seconds, e.g. 60",
+        "--max-region", "seconds after which a region is ended by force"),
+    Key("idle_exit_s", "idle_exit", "KREX_IDLE_EXIT", _idle, "seconds, e.g. 120, or never",
+        "--idle-exit", "exit after this many idle seconds, or never"),
+    Key("freezer", "freezer", "KREX_FREEZER", _choice(FREEZERS), "one of " + ", ".join(FREEZERS),
+        "--freezer", "force a freezer backend", FREEZERS),
+    Key(
+        "freeze_policy",
+        "freeze_policy",
+        "KREX_FREEZE_POLICY",
+        _choice(freezepolicy.POLICIES),
+        "one of " + ", ".join(freezepolicy.POLICIES),
+        "--freeze-policy",
+        "which siblings a region freezes: all, only those the gate cannot hold (gpu), "
+        "or by the region's launch rate (adaptive)",
+        freezepolicy.POLICIES,
+    ),
+    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _bool, "1 or 0 (true or false)"),
+    Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
+    Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
+    Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),
+        "--log-level", "what krexd logs", LOG_LEVELS),
+    Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon",
+        "--group", "share the daemon with this group: members may run commands and pause, only you "
+        "(or root) stop it"),
+)
+FLAGS = tuple(k for k in KEYS if k.flag)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The settings' options on an argparse parser (`python -m krex.daemon`); each
+    lands under its Config field name, None when not given."""
+    for k in FLAGS:
+        assert k.flag is not None
+
+        def conv(raw: str, k: Key = k) -> str:
+            try:
+                k.check(raw)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+            return raw
+
+        ap.add_argument(k.flag, dest=k.name, type=conv, default=None, help=k.help_text(), metavar=k.metavar())
+
+
+def overrides_from(ns: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
+    """{Config field: value or None} of the settings with a flag, from parsed options."""
+    get = ns.get if isinstance(ns, Mapping) else lambda name: getattr(ns, name, None)
+    return {k.name: get(k.name) for k in FLAGS}
+
+
+def to_argv(overrides: Mapping[str, Any] | None) -> list[str]:
+    """The options that give a daemon started in the background these settings
+    (None: not given)."""
+    by_name = {k.name: k for k in FLAGS}
+    argv: list[str] = []
+    for name, v in (overrides or {}).items():
+        if v is None:
+            continue
+        k = by_name.get(name)
+        if k is None or k.flag is None:
+            raise UsageError(f"{name} cannot be passed on krexd's command line",
+                             "set it in the environment or the config file")
+        argv += [k.flag, str(v)]
+    return argv
+
+
+def daemon_argv(device: str, log: Path | None, overrides: Mapping[str, Any] | None = None,
+                on_demand: bool = False) -> list[str]:
+    """The command that starts krexd: `krex daemon start`, the library's start on
+    demand and the shim's (KREX_DAEMON_CMD) all use this one."""
+    argv = [sys.executable, "-m", DAEMON_MODULE, "--device", device]
+    if log is not None:
+        argv += ["--log", str(log)]
+    argv += to_argv(overrides)
+    if on_demand:
+        argv.append("--on-demand")
+    return argv
+
+
+def config_file() -> Path | None:
+    """The config file in force, or None."""
+    raw = os.environ.get("KREX_CONFIG")
+    if raw:
+        p = Path(raw)
+        if not p.exists():
+            raise UsageError(
+                f"KREX_CONFIG={raw!r} does not exist", "point KREX_CONFIG at a TOML file, or unset it"
+            )
+        return p
+    xdg = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    for p in (Path(xdg) / "krex" / "krex.toml", Path("/etc/krex/krex.toml")):
+        if p.is_file():
+            return p
+    return None
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"cannot read the config file {p}: {e.strerror}", "fix its permissions") from e
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"the config file {p} is not valid TOML: {e}", "fix its syntax") from e
+    table = data.get("daemon", {})
+    if not isinstance(table, dict):
+        raise UsageError(f"{p}: [daemon] must be a table", "write the keys under a [daemon] header")
+    unknown = sorted(set(table) - {k.file_key for k in KEYS})
+    if unknown:
+        raise UsageError(
+            f"{p}: unknown key(s) in [daemon]: {', '.join(unknown)}",
+            "use " + ", ".join(k.file_key for k in KEYS),
+        )
+    return table
+
+
+def daemon_settings(
+    overrides: Mapping[str, Any] | None = None, on_demand: bool = False
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """({Config field: value}, {Config field: where it came from}) for the keys that are
+    set anywhere; the daemon's own defaults fill the rest. ``overrides`` are command-line
+    values (None means not given)."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if on_demand:
+        values["idle_exit_s"], sources["idle_exit_s"] = ON_DEMAND_IDLE_EXIT_S, "on-demand default"
+    path = config_file()
+    table = _read_toml(path) if path else {}
+    for k in KEYS:
+        if k.file_key in table:
+            try:
+                values[k.name] = k.conv(table[k.file_key])
+            except (TypeError, ValueError) as e:
+                raise UsageError(
+                    f"{path}: {k.file_key} = {table[k.file_key]!r}: {e}", f"use {k.hint}"
+                ) from None
+            sources[k.name] = f"file {path}"
+        raw = os.environ.get(k.env)
+        if raw not in (None, ""):
+            try:
+                values[k.name] = k.conv(raw)
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"{k.env}={raw!r}: {e}", f"set {k.env} to {k.hint}") from None
+            sources[k.name] = f"env {k.env}"
+    by_name = {k.name: k for k in KEYS}
+    for name, v in (overrides or {}).items():
+        if v is None:
+            continue
+        key = by_name.get(name)
+        if key is not None:
+            try:  # options arrive as the text given (argparse, click) or as values
+                v = key.check(v)
+            except ValueError as e:
+                raise UsageError(f"{key.flag or name} {e}", f"use {key.hint}") from None
+        values[name], sources[name] = v, "command line"
+    return values, sources
+
+
+def config_from(device: str, overrides: Mapping[str, Any], on_demand: bool = False) -> Config:
+    """A Config from the command line's ``overrides`` (None: not given), the environment
+    and the config file."""
+    values, sources = daemon_settings(dict(overrides), on_demand=on_demand)
+    return Config(device=device, **values, sources=sources)

@@ -1,0 +1,192 @@
+"""Reading /proc (and writing small control files): process state, parents and start
+times, process trees, thread states. The freezer backends and krexd use these; they
+never raise for a process that has gone, they report it missing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PROC = "/proc"
+# Stopped ('T'), traced ('t'), zombie ('Z') and dead ('X') tasks cannot run user code.
+STOPPED_STATES = frozenset("TtZX")
+
+
+def write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def keyed(text: str, key: str) -> str | None:
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return v.strip()
+    return None
+
+
+@dataclass(frozen=True)
+class Stat:
+    pid: int
+    state: str
+    ppid: int
+    start: int  # clock ticks since boot; tells a reused pid apart
+
+
+def parse_stat(text: str, pid: int) -> Stat | None:
+    # comm (field 2) may contain spaces and parentheses, so split after the last ')'.
+    rest = text[text.rfind(")") + 2 :].split()
+    if len(rest) < 20:
+        return None
+    return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), start=int(rest[19]))
+
+
+def pid_stat(pid: int) -> Stat | None:
+    try:
+        with open(f"{PROC}/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return parse_stat(f.read(), pid)
+    except (OSError, ValueError):
+        return None
+
+
+def proc_table() -> dict[int, Stat]:
+    table: dict[int, Stat] = {}
+    for entry in os.listdir(PROC):
+        if entry.isdigit():
+            st = pid_stat(int(entry))
+            if st is not None:
+                table[st.pid] = st
+    return table
+
+
+def descendants(roots: Iterable[int], table: dict[int, Stat]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for st in table.values():
+        children.setdefault(st.ppid, []).append(st.pid)
+    seen: set[int] = set()
+    todo = [r for r in roots if r in table]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo.extend(children.get(pid, ()))
+    return seen
+
+
+def children(pid: int) -> list[int] | None:
+    """Children of a process from /proc/PID/task/*/children; None where the kernel lacks the file."""
+    try:
+        tids = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tids:
+        try:
+            kids.extend(int(x) for x in read(f"{PROC}/{pid}/task/{tid}/children").split())
+        except FileNotFoundError:
+            if not os.path.exists(f"{PROC}/{pid}/task"):
+                return []  # the process is gone
+            return None  # CONFIG_PROC_CHILDREN is off
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def tree(roots: dict[int, int]) -> dict[int, int]:
+    """The live processes among roots (pid -> start time) and all their descendants.
+
+    Walks the children files, so a signal freeze costs O(tree) rather than O(all processes).
+    Those files can miss a fork that races the read; callers re-check once everything is stopped.
+    """
+    found: dict[int, int] = {}
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        st = pid_stat(pid)
+        if st is None or (pid in roots and roots[pid] != st.start):
+            continue
+        kids = children(pid)
+        if kids is None:
+            return tree_by_scan(roots)
+        found[pid] = st.start
+        todo.extend(kids)
+    return found
+
+
+def tree_by_scan(roots: dict[int, int]) -> dict[int, int]:
+    table = proc_table()
+    alive = [p for p, s in roots.items() if p in table and table[p].start == s]
+    return {p: table[p].start for p in descendants(alive, table)}
+
+
+def task_states(pid: int) -> list[str]:
+    """States of every thread of a process; SIGSTOP stops the whole thread group."""
+    states: list[str] = []
+    try:
+        tids = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"{PROC}/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as f:
+                st = parse_stat(f.read(), int(tid))
+        except (OSError, ValueError):
+            continue
+        if st is not None:
+            states.append(st.state)
+    return states
+
+
+def stopped(pid: int) -> bool:
+    return all(s in STOPPED_STATES for s in task_states(pid))
+
+
+def still_running(pid: int) -> bool:
+    """Best guess whether a process in a freezing cgroup has not stopped yet.
+
+    A v2-frozen task sleeps ('S') in the freezer trap, a v1-frozen one shows 'D' in
+    __refrigerator; a straggler is running ('R') or stuck in some other 'D' wait (a driver call).
+    """
+    try:
+        tids = os.listdir(f"{PROC}/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        base = f"{PROC}/{pid}/task/{tid}"
+        try:
+            st = parse_stat(read(f"{base}/stat"), int(tid))
+        except (OSError, ValueError):
+            continue
+        if st is None:
+            continue
+        if st.state == "R":
+            return True
+        if st.state == "D":
+            try:
+                if read(f"{base}/wchan").strip() != "__refrigerator":
+                    return True
+            except OSError:
+                return True
+    return False
+
+
+def self_and_ancestors() -> set[int]:
+    pids: set[int] = set()
+    pid = os.getpid()
+    while pid > 0 and pid not in pids:
+        pids.add(pid)
+        st = pid_stat(pid)
+        pid = st.ppid if st else 0
+    return pids
