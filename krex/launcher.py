@@ -706,13 +706,13 @@ _ENTRY_USAGE = (
 )
 
 
-def _parse_entry(argv: list[str]) -> dict[str, Any]:
-    """The options the library's runner (krex.runner) passes; the CLI's `krex run` is the
-    user-facing spelling of the same."""
+def _parse_entry(argv: list[str], opts: dict[str, Any]) -> None:
+    """Fill ``opts`` with the options the library's runner (krex.runner) passes (the CLI's
+    `krex run` is the user-facing spelling of the same); as far as it got on an error."""
     from krex.freezepolicy import POLICIES
 
-    opts: dict[str, Any] = {"device": "auto", "gpu": None, "freeze": None, "report": None,
-                            "keep_leftovers": False, "slots": None, "idle_exit": None}
+    opts.update(device="auto", gpu=None, freeze=None, report=None, keep_leftovers=False, slots=None,
+                idle_exit=None)
     valued = {"--device": "device", "--gpu": "gpu", "--freeze": "freeze", "--report": "report",
               "--daemon-slots-per-gpu": "slots", "--daemon-idle-exit": "idle_exit"}
     i = 0
@@ -737,7 +737,6 @@ def _parse_entry(argv: list[str]) -> dict[str, Any]:
         raise UsageError(
             f"bad --device {opts['device']!r} or --freeze {opts['freeze']!r}", f"usage: {_ENTRY_USAGE}"
         )
-    return opts
 
 
 def _ensure_daemon(device: str, slots: int | None, idle_exit_s: float | None) -> bool:
@@ -768,22 +767,21 @@ def main(argv: list[str] | None = None) -> None:
     h.setFormatter(logging.Formatter("krex: %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("krex").addHandler(h)
     logging.getLogger("krex").setLevel(logging.WARNING)
-    report: str | None = None
+    o: dict[str, Any] = {}
     ran = False  # run_command writes its own errors into the report
     try:
-        o = _parse_entry(list(sys.argv[1:] if argv is None else argv))
-        report = o["report"]
+        _parse_entry(list(sys.argv[1:] if argv is None else argv), o)
         extra: dict[str, Any] = {}
         if o["slots"] is not None or o["idle_exit"] is not None:
             extra["daemon_started"] = _ensure_daemon(o["device"], o["slots"], o["idle_exit"])
         ran = True
-        status = run_command(o["cmd"], o["device"], o["gpu"], report, freeze=o["freeze"],
+        status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], freeze=o["freeze"],
                              keep_leftovers=o["keep_leftovers"], notify=say, report_extra=extra)
     except KrexError as e:
         code = run_exit_code(e)
-        if report and not ran:
+        if o.get("report") and not ran:
             with contextlib.suppress(OSError, KrexError):
-                _write_report(report, {"exit_status": code, "krex_error": _error_json(e)})
+                _write_report(o["report"], {"exit_status": code, "krex_error": _error_json(e)})
         say(f"krex: error: {e}")
         if e.fix:
             say(f"  fix: {e.fix}")
