@@ -239,7 +239,7 @@ def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Pat
     assert Path(dirs[0], "cmd-002.stdout").read_text() == "hi\n"
 
 
-def test_batch_spawns_the_guardian_library_entry_not_the_cli(krex_env: dict[str, str], tmp_path: Path) -> None:
+def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], tmp_path: Path) -> None:
     """Each command's parent is its guardian: `python -m krex.launcher`, never `krex.cli`."""
     out = tmp_path / "o"
     p = krex_or_daemon_log(["batch", "-", "-j", "2", "--device", "sim", "--out", str(out)], krex_env,
