@@ -6,7 +6,6 @@ KrexError subclasses, mapped to exit codes by cli/main.py's main()."""
 from __future__ import annotations
 
 import math
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, TextIO
 import click
 
 from . import progress_stream, quiet
+from .progress import Progress, bar, fmt_s
 
 __all__ = ["bench", "register"]
 
@@ -24,38 +24,21 @@ def register(cli_group: click.Group) -> None:
     cli_group.add_command(bench)
 
 
-def _fmt_s(s: float) -> str:
-    if s < 60:
-        return f"{s:.0f}s"
-    return f"{int(s // 60)}m{int(s % 60):02d}s"
-
-
 class _Progress:
-    """A live one-line bar on a terminal; plain lines (one per finished run) otherwise."""
+    """A live status line on a terminal; plain lines (one per finished run) otherwise."""
 
     def __init__(self, stream: TextIO, tty: bool) -> None:
-        self.stream, self.tty = stream, tty
+        self.out = Progress(stream, tty)
         self.cell = ""
-        self.drawn = False
-
-    def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
-
-    def _line(self, text: str) -> None:
-        if self.tty and self.drawn:
-            self._write("\r\x1b[K")
-            self.drawn = False
-        self._write(text + "\n")
 
     def __call__(self, ev: Any) -> None:  # ev: krex.bench.BenchEvent
         if ev.kind in ("plan", "note", "cell-skip", "cell-start", "cell-done", "report"):
             if ev.cell:
                 self.cell = ev.cell
-            self._line(f"krex bench: {ev.message}")
+            self.out.line(f"krex bench: {ev.message}")
         elif ev.kind == "run-done" and ev.record is not None:
             r = ev.record
-            if not self.tty:
+            if not self.out.tty:
                 res = r.get("result") or {}
                 ms = res.get("ms")
                 state = "ok  " if r.get("ok") else "FAIL"
@@ -63,32 +46,22 @@ class _Progress:
                 wall = r.get("wall_s")
                 if isinstance(wall, (int, float)):
                     detail += f" (wall {wall:.1f} s)"
-                self._line(
+                self.out.line(
                     f"krex bench: [{ev.done}/{ev.total}] {state} {r.get('cell')} {r.get('name')} {detail}"
                 )
             elif not r.get("ok"):
-                self._line(f"krex bench: FAIL {r.get('cell')} {r.get('name')}: {r.get('error')}")
-        if self.tty and ev.kind in ("run-done", "tick", "cell-start"):
-            self._bar(ev)
-
-    def _bar(self, ev: Any) -> None:
-        width = 24
-        fill = int(width * ev.done / max(1, ev.total))
-        eta = ""
-        if ev.done and ev.total > ev.done:
-            eta = f", ~{_fmt_s(ev.elapsed_s / ev.done * (ev.total - ev.done))} left"
-        text = (
-            f"krex bench [{'#' * fill}{'.' * (width - fill)}] {ev.done}/{ev.total} runs, {self.cell}, "
-            f"{ev.running} running, {ev.failed} failed, {_fmt_s(ev.elapsed_s)}{eta}"
-        )
-        cols = shutil.get_terminal_size((100, 20)).columns
-        self._write("\r\x1b[K" + text[: max(10, cols - 1)])
-        self.drawn = True
+                self.out.line(f"krex bench: FAIL {r.get('cell')} {r.get('name')}: {r.get('error')}")
+        if ev.kind in ("run-done", "tick", "cell-start"):
+            eta = ""
+            if ev.done and ev.total > ev.done:
+                eta = f", ~{fmt_s(ev.elapsed_s / ev.done * (ev.total - ev.done))} left"
+            self.out.status(
+                f"krex bench {bar(ev.done, ev.total)} {ev.done}/{ev.total} runs, {self.cell}, "
+                f"{ev.running} running, {ev.failed} failed, {fmt_s(ev.elapsed_s)}{eta}"
+            )
 
     def finish(self) -> None:
-        if self.tty and self.drawn:
-            self._write("\r\x1b[K")
-            self.drawn = False
+        self.out.close()
 
 
 def _headline_text(summary: dict[str, Any]) -> str:

@@ -7,7 +7,6 @@ commands with `register(cli)`."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any, TextIO
 import click
 
 from . import progress_stream, quiet
+from .progress import Progress, bar, fmt_s, short
 
 __all__ = ["batch", "doctor", "register"]
 
@@ -28,63 +28,37 @@ def register(cli_group: click.Group) -> None:
     cli_group.add_command(doctor)
 
 
-def _fmt_s(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def _short(text: str, n: int = 80) -> str:
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
 # ------------------------------------------------------------------------------------- batch
 
 
 class _BatchProgress:
-    """A live one-line bar on a terminal; plain lines (one per finished command) otherwise."""
+    """A live status line on a terminal; plain lines (one per finished command) otherwise."""
 
     def __init__(self, stream: TextIO, tty: bool, header: str = "") -> None:
-        self.stream = stream
-        self.tty = tty
-        self.drawn = False
+        self.out = Progress(stream, tty)
         self.header = header  # printed (without a TTY) once the batch really starts
-
-    def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
 
     def __call__(self, ev: Any) -> None:  # ev: krex.batch.BatchEvent
         res = ev.result
-        if self.header and not self.tty:
-            self._write(self.header + "\n")
+        if self.header and not self.out.tty:
+            self.out.line(self.header)
         self.header = ""
-        if self.tty:
+        if self.out.tty:
             if ev.kind == "done" and res is not None and not res.ok:
-                self._write(f"\r\x1b[K#{res.command.index} failed (exit {res.exit_status}): "
-                            f"{_short(res.command.display)}\n")
-            self._bar(ev)
+                self.out.line(f"#{res.command.index} failed (exit {res.exit_status}): "
+                              f"{short(res.command.display)}")
+            text = (f"krex batch {bar(ev.done, ev.total)} {ev.done}/{ev.total} done, "
+                    f"{ev.running} running, {ev.failed} failed, {ev.elapsed_s:.1f} s")
+            if ev.cancelling:
+                text += " - stopping (waiting for the running commands)"
+            self.out.status(text)
         elif ev.kind == "done" and res is not None:
             state = "ok  " if res.ok else "FAIL"
-            self._write(f"krex batch: [{ev.done}/{ev.total}] {state} #{res.command.index} exit "
-                        f"{res.exit_status} in {_fmt_s(res.wall_s)}: {_short(res.command.display)}\n")
-
-    def _bar(self, ev: Any) -> None:
-        width = 24
-        fill = int(width * ev.done / max(1, ev.total))
-        text = (f"krex batch [{'#' * fill}{'.' * (width - fill)}] {ev.done}/{ev.total} done, "
-                f"{ev.running} running, {ev.failed} failed, {ev.elapsed_s:.1f} s")
-        if ev.cancelling:
-            text += " - stopping (waiting for the running commands)"
-        cols = shutil.get_terminal_size((100, 20)).columns
-        self._write("\r\x1b[K" + text[: max(10, cols - 1)])
-        self.drawn = True
+            self.out.line(f"krex batch: [{ev.done}/{ev.total}] {state} #{res.command.index} exit "
+                          f"{res.exit_status} in {fmt_s(res.wall_s)}: {short(res.command.display)}")
 
     def close(self) -> None:
-        if self.tty and self.drawn:
-            self._write("\n")
-            self.drawn = False
+        self.out.close(keep=True)
 
 
 @contextmanager
@@ -107,13 +81,13 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
     lines = [
         f"{data['commands']} commands: {data['succeeded']} ok, {data['failures']} failed"
         + (f", {len(data['not_run'])} not run" if data["not_run"] else "")
-        + f" in {_fmt_s(data['total_wall_s'])} ({'-' if tp is None else f'{tp:.1f}'} commands/min, "
+        + f" in {fmt_s(data['total_wall_s'])} ({'-' if tp is None else f'{tp:.1f}'} commands/min, "
         f"-j {data['jobs']}, device {data['device']})",
-        f"regions: {data['regions']}, {_fmt_s(data['region_s'])} in regions = {share_txt} of command wall "
+        f"regions: {data['regions']}, {fmt_s(data['region_s'])} in regions = {share_txt} of command wall "
         f"time; contaminated regions: {data['contaminated_regions']}",
-        f"region waits: total {_fmt_s(waits['total_s'])}, p50 {_fmt_s(waits['p50_s'])}, "
-        f"p95 {_fmt_s(waits['p95_s'])}, max {_fmt_s(waits['max_s'])}",
-        f"admission waits: total {_fmt_s(adm['total_s'])}, p95 {_fmt_s(adm['p95_s'])}; "
+        f"region waits: total {fmt_s(waits['total_s'])}, p50 {fmt_s(waits['p50_s'])}, "
+        f"p95 {fmt_s(waits['p95_s'])}, max {fmt_s(waits['max_s'])}",
+        f"admission waits: total {fmt_s(adm['total_s'])}, p95 {fmt_s(adm['p95_s'])}; "
         f"gate blocks: {data['gate_blocks']}, fail-opens: {data['fail_opens']}",
     ]
     if data.get("partition_degraded"):
@@ -145,10 +119,10 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"CONTAMINATED region of #{c['index']}: {'; '.join(c['reasons'])}")
     lines.append(f"results: {data['dir']}/ (summary.json; cmd-N.json, .stdout, .stderr per command)")
     for f in data["failed"]:
-        lines.append(f"failed: #{f['index']} exit {f['exit_status']}: {_short(f['command'])}  "
+        lines.append(f"failed: #{f['index']} exit {f['exit_status']}: {short(f['command'])}  "
                      f"(stderr: {f['stderr']})")
         if f.get("error"):
-            lines.append(f"        {_short(f['error'], 160)}")
+            lines.append(f"        {short(f['error'], 160)}")
     return lines
 
 
@@ -231,17 +205,15 @@ def doctor(binaries: tuple[str, ...], as_json: bool, gpu: bool) -> None:
     failed (warnings allowed), 1 otherwise."""
     from krex.doctor import run_doctor
 
-    live = not as_json and sys.stderr.isatty()
+    live = Progress(sys.stderr, not as_json and sys.stderr.isatty())
 
     def progress(name: str) -> None:
-        if live:
-            click.echo(f"\r\x1b[Kkrex doctor: checking {name}...", err=True, nl=False)
+        live.status(f"krex doctor: checking {name}...")
 
     try:
         report = run_doctor(binaries, gpu=gpu, progress=progress)
     finally:
-        if live:
-            click.echo("\r\x1b[K", err=True, nl=False)
+        live.close()
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

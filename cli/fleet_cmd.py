@@ -7,14 +7,14 @@ command with `register(cli)`."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import threading
 from typing import Any, TextIO
 
 import click
 
-from .commands_extra import _cancel_on_signals, _fmt_s, _short
+from .commands_extra import _cancel_on_signals
+from .progress import Progress, bar, fmt_s, short
 
 __all__ = ["fleet", "journal_fleet", "register"]
 
@@ -28,55 +28,36 @@ def _node(nid: str | None) -> str:
 
 
 class _FleetProgress:
-    """A live one-line bar on a terminal; plain lines (one per finished or lost command) otherwise."""
+    """A live status line on a terminal; plain lines (one per finished or lost command) otherwise."""
 
     def __init__(self, stream: TextIO, tty: bool) -> None:
-        self.stream = stream
-        self.tty = tty
-        self.drawn = False
-
-    def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
-
-    def _line(self, text: str) -> None:
-        self._write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.out = Progress(stream, tty)
 
     def __call__(self, ev: Any) -> None:  # ev: krex.fleet.FleetEvent
         res = ev.result
         if ev.kind == "lost" and ev.lost is not None:
-            self._line(f"krex fleet: #{ev.command.index} lost with node {_node(ev.node_id)} "
-                       f"({ev.lost['error']}, attempt {ev.lost['attempt']}): it runs again elsewhere")
+            self.out.line(f"krex fleet: #{ev.command.index} lost with node {_node(ev.node_id)} "
+                          f"({ev.lost['error']}, attempt {ev.lost['attempt']}): it runs again elsewhere")
         elif ev.kind == "done" and res is not None:
             where = f"on {_node(ev.node_id)}" if ev.node_id else "(no node)"
-            if not self.tty:
+            if not self.out.tty:
                 state = "ok  " if res.ok else "FAIL"
-                self._line(f"krex fleet: [{ev.done}/{ev.total}] {state} #{res.command.index} exit "
-                           f"{res.exit_status} {where} in {_fmt_s(res.wall_s)}: "
-                           f"{_short(res.command.display)}")
+                self.out.line(f"krex fleet: [{ev.done}/{ev.total}] {state} #{res.command.index} exit "
+                              f"{res.exit_status} {where} in {fmt_s(res.wall_s)}: "
+                              f"{short(res.command.display)}")
             elif not res.ok:
-                self._line(f"#{res.command.index} failed (exit {res.exit_status}) {where}: "
-                           f"{_short(res.command.display)}")
-        if self.tty:
-            self._bar(ev)
-
-    def _bar(self, ev: Any) -> None:
-        width = 24
-        fill = int(width * ev.done / max(1, ev.total))
+                self.out.line(f"#{res.command.index} failed (exit {res.exit_status}) {where}: "
+                              f"{short(res.command.display)}")
         nodes = " ".join(f"{_node(n)[:6]}:{c}" for n, c in sorted(ev.per_node.items()))
-        text = (f"krex fleet [{'#' * fill}{'.' * (width - fill)}] {ev.done}/{ev.total} done, "
-                f"{ev.in_flight} in flight, {ev.failed} failed, {ev.reruns} rerun; {ev.nodes_alive} node(s), "
-                f"{ev.slots} slots; {ev.elapsed_s:.1f} s" + (f" | {nodes}" if nodes else ""))
-        if ev.cancelling:
-            text += " - stopping"
-        cols = shutil.get_terminal_size((100, 20)).columns
-        self._write("\r\x1b[K" + text[: max(10, cols - 1)])
-        self.drawn = True
+        self.out.status(
+            f"krex fleet {bar(ev.done, ev.total)} {ev.done}/{ev.total} done, {ev.in_flight} in flight, "
+            f"{ev.failed} failed, {ev.reruns} rerun; {ev.nodes_alive} node(s), {ev.slots} slots; "
+            f"{ev.elapsed_s:.1f} s" + (f" | {nodes}" if nodes else "")
+            + (" - stopping" if ev.cancelling else "")
+        )
 
     def close(self) -> None:
-        if self.tty and self.drawn:
-            self._write("\n")
-            self.drawn = False
+        self.out.close(keep=True)
 
 
 def _summary_lines(data: dict[str, Any]) -> list[str]:
@@ -87,15 +68,15 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
     lines = [
         f"{data['commands']} commands: {data['succeeded']} ok, {data['failures']} failed"
         + (f", {len(data['not_run'])} not run" if data["not_run"] else "")
-        + f" in {_fmt_s(data['total_wall_s'])} ({'-' if tp is None else f'{tp:.1f}'} commands/min) on "
+        + f" in {fmt_s(data['total_wall_s'])} ({'-' if tp is None else f'{tp:.1f}'} commands/min) on "
         f"{len(data['nodes'])} node(s), {data['jobs']} slots, device {data['device']}",
-        f"regions: {data['regions']}, {_fmt_s(data['region_s'])} in regions = {share_txt} of command wall "
+        f"regions: {data['regions']}, {fmt_s(data['region_s'])} in regions = {share_txt} of command wall "
         f"time; contaminated regions: {data['contaminated_regions']}",
-        f"region waits: total {_fmt_s(waits['total_s'])}, p50 {_fmt_s(waits['p50_s'])}, "
-        f"p95 {_fmt_s(waits['p95_s'])}; admission waits: total {_fmt_s(adm['total_s'])}; "
+        f"region waits: total {fmt_s(waits['total_s'])}, p50 {fmt_s(waits['p50_s'])}, "
+        f"p95 {fmt_s(waits['p95_s'])}; admission waits: total {fmt_s(adm['total_s'])}; "
         f"gate blocks: {data['gate_blocks']}, fail-opens: {data['fail_opens']}",
-        f"Ray dispatch per command (round trip - command wall): p50 {_fmt_s(disp['p50_s'])}, "
-        f"p95 {_fmt_s(disp['p95_s'])}; re-runs after lost nodes: {data['reruns']}",
+        f"Ray dispatch per command (round trip - command wall): p50 {fmt_s(disp['p50_s'])}, "
+        f"p95 {fmt_s(disp['p95_s'])}; re-runs after lost nodes: {data['reruns']}",
         "{:<12} {:>15} {:>4} {:>5} {:>5} {:>5} {:>7} {:>6} {:>10} {:>10} {:>5}  {}".format(
             "node", "ip", "gpus", "slots", "cmds", "fail", "regions", "contam", "wait_p95", "adm_total",
             "lost", "state"),
@@ -105,8 +86,8 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
             _node(n["node_id"]), str(n.get("ip") or "-")[:15], str(n.get("gpus") if n.get("gpus") is not None
                                                                  else "-"),
             str(n.get("slots") if n.get("slots") is not None else "-"), n["commands"], n["failures"],
-            n["regions"], n["contaminated_regions"], _fmt_s(n["region_waits"]["p95_s"]),
-            _fmt_s(n["admission_waits"]["total_s"]), n["lost_attempts"],
+            n["regions"], n["contaminated_regions"], fmt_s(n["region_waits"]["p95_s"]),
+            fmt_s(n["admission_waits"]["total_s"]), n["lost_attempts"],
             n["state"] + (f" (journal: {n['journal_error']})" if n.get("journal_error") else "")))
     if data.get("partition_degraded"):
         lines.append("note: the CPU partition is degraded on some node (cores are shared); see `krex doctor`")
@@ -117,9 +98,9 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
     lines.append(f"results: {data['dir']}/ (summary.json, journal.jsonl; cmd-N.json, .stdout, .stderr "
                  "(output tails) per command)")
     for f in data["failed"]:
-        lines.append(f"failed: #{f['index']} exit {f['exit_status']}: {_short(f['command'])}")
+        lines.append(f"failed: #{f['index']} exit {f['exit_status']}: {short(f['command'])}")
         if f.get("error"):
-            lines.append(f"        {_short(f['error'], 160)}")
+            lines.append(f"        {short(f['error'], 160)}")
     return lines
 
 

@@ -1,14 +1,13 @@
 """`krex batch`: run a file of commands under KREX, at most N at a time.
 
-Each command runs as its own `krex run` guardian *process*
-(``python -m krex.cli.main run --report F -- ...``), not a thread: a guardian
-installs signal handlers, forwards signals to its command's process group and
-thaws its own command if the daemon dies (I5), and all of that only works in a
-process of its own. Every guardian gets a process group of its own, so a
-Ctrl-C on the terminal reaches only the batch, which then forwards exactly one
-SIGINT to each running guardian (and escalates if they do not finish). (A
-session of its own, in fact: that is the same for the guardian, which needs no
-terminal, and it type-checks on Python 3.10, which lacks Popen(process_group=).)
+Each command runs as its own `krex run` guardian *process* (krex.runner:
+``python -m krex.launcher --report F -- ...``, the library entry of `krex run`),
+not a thread: a guardian installs signal handlers, forwards signals to its
+command's process group and thaws its own command if the daemon dies (I5), and
+all of that only works in a process of its own. krex.runner.Pool runs them, at
+most N at a time, each in a session of its own, so a Ctrl-C on the terminal
+reaches only the batch, which then forwards exactly one SIGINT to each running
+guardian (and escalates if they do not finish).
 
 Input (`load_commands` / `parse_commands`):
 
@@ -33,11 +32,8 @@ import contextlib
 import json
 import math
 import os
-import queue
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -46,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from krex.bench.metrics import percentile
 from krex.errors import KrexError, NotFound, PermissionDenied, UsageError
+from krex.runner import Outcome, Pool, Spec, guardian_argv
 
 __all__ = [
     "BatchCommand",
@@ -58,7 +56,6 @@ __all__ = [
     "default_out_dir",
     "load_commands",
     "parse_commands",
-    "percentile",
     "run_batch",
     "summarize",
 ]
@@ -226,23 +223,15 @@ def _num(v: Any) -> float:
     return f if math.isfinite(f) else 0.0
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _dist(values: Sequence[float]) -> dict[str, Any]:
     def r(v: float | None) -> float | None:
         return None if v is None else round(v, 6)
 
-    return {"count": len(values), "total_s": round(sum(values), 6), "p50_s": r(percentile(values, 50)),
-            "p95_s": r(percentile(values, 95)), "max_s": r(max(values) if values else None)}
+    def pct(q: float) -> float | None:
+        return r(percentile(values, q)) if values else None
+
+    return {"count": len(values), "total_s": round(sum(values), 6), "p50_s": pct(50), "p95_s": pct(95),
+            "max_s": r(max(values) if values else None)}
 
 
 def summarize(results: Sequence[CommandResult], total_wall_s: float, jobs: int, device: str,
@@ -405,26 +394,7 @@ def _static_cudart_warning(cmd: BatchCommand) -> list[str]:
     return []
 
 
-def _tail(path: Path, n: int = 3) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return " | ".join(lines[-n:])[-400:]
-
-
 # ----------------------------------------------------------------------------------------- run
-
-
-@dataclass
-class _Running:
-    cmd: BatchCommand
-    proc: subprocess.Popen[bytes]
-    t0: float
-    started_at: float
-    report_path: Path
-    stdout: Path
-    stderr: Path
 
 
 def check_args(jobs: int, device: str) -> None:
@@ -476,128 +446,42 @@ def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
 
     width = max(3, len(str(len(commands))))
     base_env = dict(os.environ if env is None else env)
-    cancel = cancel or threading.Event()
-    done_q: queue.Queue[tuple[int, float]] = queue.Queue()
+    pool: Pool[BatchCommand] = Pool(jobs, cancel=cancel, grace_s=GRACE_S, tick_s=TICK_S)
     results: dict[int, CommandResult] = {}
-    running: dict[int, _Running] = {}
-    pending = list(commands)
-    pending.reverse()  # pop() from the end = the file's order
     t_batch = time.monotonic()
     failed = 0
-    next_tick = t_batch + TICK_S
-    cancel_step = 0  # 0 none, 1 SIGINT sent, 2 SIGTERM sent, 3 SIGKILL sent
-    cancel_at = 0.0
 
     def emit(kind_: Literal["start", "done", "tick"], cmd: BatchCommand | None = None,
              res: CommandResult | None = None) -> None:
         if progress is not None:
-            progress(BatchEvent(kind_, len(commands), len(results), len(running), failed,
-                                time.monotonic() - t_batch, cmd, res, cancel_step > 0))
+            progress(BatchEvent(kind_, len(commands), len(results), pool.running, failed,
+                                time.monotonic() - t_batch, cmd, res, pool.cancelling))
 
-    def start(cmd: BatchCommand) -> None:
-        stem = f"cmd-{cmd.index:0{width}d}"
-        report_path = out / f"{stem}.report.json"
-        stdout, stderr = out / f"{stem}.stdout", out / f"{stem}.stderr"
-        argv = [python, "-m", "krex.cli.main", "run", "--device", device, "--report", str(report_path)]
-        if gpu is not None:
-            argv += ["--gpu", str(gpu)]
-        argv += ["--", *cmd.argv]
-        with open(stdout, "wb") as so, open(stderr, "wb") as se:
-            started_at, t0 = time.time(), time.monotonic()
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=so, stderr=se, env=base_env,
-                                        start_new_session=True, close_fds=True)
-            except OSError as e:  # e.g. the interpreter vanished: this command fails, the batch goes on
-                record(CommandResult(cmd, 127, time.monotonic() - t0, started_at, time.time(), str(stdout),
-                                     str(stderr), None, f"could not start krex run: {e}"))
-                return
-        r = _Running(cmd, proc, t0, started_at, report_path, stdout, stderr)
-        running[cmd.index] = r
-        emit("start", cmd)
+    def spec(cmd: BatchCommand, _lane: int) -> Spec:
+        stem = out / f"cmd-{cmd.index:0{width}d}"
+        report = stem.with_name(stem.name + ".report.json")
+        return Spec(guardian_argv(cmd.argv, report, device, gpu, python=python),
+                    stem.with_name(stem.name + ".stdout"), stem.with_name(stem.name + ".stderr"),
+                    env=base_env, report=report)
 
-        def wait() -> None:
-            r.proc.wait()
-            done_q.put((cmd.index, time.monotonic()))
-
-        threading.Thread(target=wait, name=f"krex-batch-wait-{cmd.index}", daemon=True).start()
-
-    def finish(index: int, t_end: float) -> None:
-        r = running.pop(index)
-        rc = r.proc.returncode
-        status = rc if rc >= 0 else 128 - rc
-        report: dict[str, Any] | None = None
-        error: str | None = None
-        try:
-            with open(r.report_path) as f:
-                loaded = json.load(f)
-            report = loaded if isinstance(loaded, dict) else None
-            r.report_path.unlink()
-            kerr = (report or {}).get("krex_error")
-            if isinstance(kerr, dict):  # exit 125: KREX failed, not the command
-                error = f"KREX error: {kerr.get('message')} (fix: {kerr.get('fix')})"
-        except FileNotFoundError:
-            error = f"krex run wrote no report (exit {status})"
-            tail = _tail(r.stderr)
-            if tail:
-                error += f": {tail}"
-        except (OSError, ValueError) as e:
-            error = f"unreadable report {r.report_path}: {e}"
-        if rc < 0:
-            error = (error + "; " if error else "") + f"the krex run guardian died of signal {-rc}"
-        record(CommandResult(r.cmd, status, t_end - r.t0, r.started_at, r.started_at + (t_end - r.t0),
-                             str(r.stdout), str(r.stderr), report, error, _static_cudart_warning(r.cmd)))
-
-    def record(res: CommandResult) -> None:
+    def finished(cmd: BatchCommand, got: Outcome) -> None:
         nonlocal failed
-        results[res.command.index] = res
+        if got.spec.report is not None:
+            with contextlib.suppress(OSError):
+                got.spec.report.unlink()
+        error = got.error or got.start_error
+        res = CommandResult(cmd, got.exit_status, got.wall_s, got.started_at, got.ended_at,
+                            str(got.spec.stdout), str(got.spec.stderr), got.report, error,
+                            [] if got.start_error else _static_cudart_warning(cmd))
+        results[cmd.index] = res
         if not res.ok:
             failed += 1
-        _write_json(out / f"cmd-{res.command.index:0{width}d}.json", res.to_json())
-        emit("done", res.command, res)
+        _write_json(out / f"cmd-{cmd.index:0{width}d}.json", res.to_json())
+        emit("done", cmd, res)
 
-    def signal_running(sig: int) -> None:
-        for r in running.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                r.proc.send_signal(sig)  # a no-op once the guardian has been reaped
-
-    try:
-        while pending or running:
-            try:
-                if cancel.is_set() and cancel_step == 0:
-                    cancel_step, cancel_at = 1, time.monotonic()
-                    pending.clear()
-                    signal_running(signal.SIGINT)
-                elif cancel_step in (1, 2) and time.monotonic() - cancel_at > GRACE_S:
-                    cancel_step += 1
-                    cancel_at = time.monotonic()
-                    signal_running(signal.SIGTERM if cancel_step == 2 else signal.SIGKILL)
-                while pending and len(running) < jobs and cancel_step == 0:
-                    cmd = pending.pop()
-                    start(cmd)
-                try:
-                    idx, t_end = done_q.get(timeout=0.1)
-                except queue.Empty:
-                    pass
-                else:
-                    finish(idx, t_end)
-                    while True:
-                        try:
-                            idx, t_end = done_q.get_nowait()
-                        except queue.Empty:
-                            break
-                        finish(idx, t_end)
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + TICK_S
-                    emit("tick")
-            except KeyboardInterrupt:
-                cancel.set()
-    finally:
-        # Only reached with guardians still running if something above raised: don't orphan them.
-        if running:
-            signal_running(signal.SIGTERM)
+    interrupted = pool.run(commands, spec, finished, started=lambda cmd: emit("start", cmd),
+                           tick=lambda: emit("tick"))
     total = time.monotonic() - t_batch
-    interrupted = cancel_step > 0
     all_results: list[CommandResult] = []
     for cmd in commands:
         res = results.get(cmd.index)

@@ -12,10 +12,11 @@ How KREX maps onto Ray (docs/fleet.md has the operator's side):
   node's krexd admits each `krex run` to the least loaded GPU and never more than
   slots-per-gpu on one (the daemon is started with slots-per-gpu = the node's
   ``krex_slot`` / its GPUs).
-* **One daemon per node, started on demand.** The first task on a node that finds
-  no daemon answering starts it (``krex daemon start --slots-per-gpu S
-  --idle-exit T``); it exits by itself after T idle seconds.
-* **Each command runs under ``krex run --report`` on its node**; the task is the
+* **One daemon per node, started on demand.** The first guardian on a node that
+  finds no daemon answering starts it (krex.client.start_background with
+  ``--slots-per-gpu S --idle-exit T``); it exits by itself after T idle seconds.
+* **Each command runs under a `krex run` guardian with a report on its node**
+  (krex.runner: ``python -m krex.launcher``, never the CLI); the task is the
   guardian's parent and returns exit status, result line (the last non-empty
   stdout line, parsed when it is a JSON object), the report and the output tails.
   The guardian dies with the task (PR_SET_PDEATHSIG): a lost worker or a cancelled
@@ -42,11 +43,9 @@ import json
 import math
 import os
 import re
-import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -72,6 +71,7 @@ from krex.batch import (
     default_out_dir as _default_out_dir,
 )
 from krex.errors import KrexError, NotFound, UsageError
+from krex.runner import Spec, guardian_argv, run_one
 
 __all__ = [
     "PYTHON",
@@ -204,33 +204,6 @@ def _this_node(ray: Any, node_id: str) -> tuple[float, int]:
     return _NODE_INFO[node_id]
 
 
-def _socket_for(world: dict[str, str]) -> Path:
-    from krex import paths
-
-    return Path(world["KREX_STATE_DIR"]) / "krexd.sock" if world else paths.socket_path()
-
-
-def _ensure_daemon(env: dict[str, str], world: dict[str, str], device: str, slots: float, gpus: int,
-                   idle_exit_s: float) -> bool:
-    """Start the node's krexd if none answers. True if this call started it."""
-    from krex.client import daemon_alive
-
-    sock = _socket_for(world)
-    if daemon_alive(sock):
-        return False
-    per_gpu = max(1, min(64, math.ceil(slots / max(1, gpus)))) if slots >= 1 else None
-    argv = [sys.executable, "-m", "krex.cli.main", "daemon", "start", "--device", device,
-            "--idle-exit", f"{idle_exit_s:g}"]
-    if per_gpu:
-        argv += ["--slots-per-gpu", str(per_gpu)]
-    p = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
-    if daemon_alive(sock):  # ours, or one a concurrent task on this node started first
-        return p.returncode == 0
-    raise KrexError(f"could not start the KREX daemon on this node (exit {p.returncode}): "
-                    f"{(p.stderr or p.stdout).strip()[-400:]}",
-                    f"check `krex doctor` on the node; log in {sock.parent}")
-
-
 def _die_with_parent() -> Callable[[], None]:
     """preexec_fn: the guardian gets SIGTERM when the task's thread goes (a lost worker,
     a killed task). prctl is resolved before the fork, so the child only calls it.
@@ -248,31 +221,6 @@ def _die_with_parent() -> Callable[[], None]:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return apply
-
-
-def _wait(proc: subprocess.Popen[bytes]) -> int:
-    """Wait for the guardian, returning to Python every 0.2 s so that a Ray cancel
-    (a KeyboardInterrupt raised in this thread) gets through; wakes at once on exit."""
-    fd = -1
-    with contextlib.suppress(OSError, AttributeError):
-        fd = os.pidfd_open(proc.pid)
-    try:
-        while True:
-            if fd >= 0:
-                select.select([fd], [], [], 0.2)
-            rc = proc.poll() if fd >= 0 else _poll_slow(proc)
-            if rc is not None:
-                return rc
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _poll_slow(proc: subprocess.Popen[bytes]) -> int | None:
-    try:
-        return proc.wait(timeout=0.2)
-    except subprocess.TimeoutExpired:
-        return None
 
 
 def _raylet_gone() -> bool:
@@ -336,33 +284,28 @@ def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
     out["krex_shm"] = env.get("KREX_SHM")
     work = Path(tempfile.mkdtemp(prefix="krex-fleet-"))
     try:
-        out["daemon_started"] = _ensure_daemon(env, world, device, slots, gpus,
-                                               float(payload["idle_exit_s"]))
         argv = [sys.executable if a == PYTHON else str(a) for a in payload["argv"]]
         report = work / "report.json"
         so, se = work / "stdout", work / "stderr"
-        cmd = [sys.executable, "-m", "krex.cli.main", "run", "--device", device, "--report", str(report),
-               "--", *argv]
+        # The guardian starts the node's daemon when none answers (slots per GPU = the node's
+        # krex_slot / its GPUs, exiting after idle_exit_s), through the library's one start path.
+        per_gpu = max(1, min(64, math.ceil(slots / max(1, gpus)))) if slots >= 1 else None
+        cmd = guardian_argv(argv, report, device, daemon_slots_per_gpu=per_gpu,
+                            daemon_idle_exit_s=float(payload["idle_exit_s"]))
         cwd = payload.get("cwd")
         if cwd and not os.path.isdir(cwd):
             raise NotFound(f"the working directory {cwd} does not exist on node {node_id[:12]}",
                            "give --cwd a directory that every node has (or a shared filesystem)")
-        with open(so, "wb") as fo, open(se, "wb") as fe:
-            out["setup_s"] = round(time.monotonic() - t0, 6)
-            t_run = time.monotonic()
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, env=env, cwd=cwd,
-                                    start_new_session=True, close_fds=True, preexec_fn=_die_with_parent())
-        try:
-            rc = _wait(proc)
-        except KeyboardInterrupt:  # ray.cancel(force=False): stop the command like Ctrl-C would
-            proc.send_signal(signal.SIGINT)
-            try:
-                rc = proc.wait(timeout=GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
+        out["setup_s"] = round(time.monotonic() - t0, 6)
+        # ray.cancel(force=False) raises KeyboardInterrupt here: run_one stops the command like Ctrl-C.
+        got = run_one(Spec(cmd, so, se, env, cwd, report=report, preexec_fn=_die_with_parent()),
+                      interrupt_grace_s=GRACE_S)
+        if got.start_error:
+            raise KrexError(got.start_error, "check the node's Python and its krex installation")
+        if got.cancelled:
             out["cancelled"] = True
-        out["exit_status"] = rc if rc >= 0 else 128 - rc
+        rc = got.returncode if got.returncode is not None else 127
+        out["exit_status"] = got.exit_status
         if _raylet_gone():
             # The node is going down under us (Ray kills a dying worker's children): whatever the
             # command's status says, this attempt was cut short by the node, not by the command.
@@ -372,21 +315,14 @@ def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
             # that itself died of a signal was killed from outside (the OOM killer, a node going
             # down). The attempt is lost, not failed.
             out["lost"] = f"the krex run guardian was killed by signal {-rc}"
-        out["wall_s"] = round(time.monotonic() - t_run, 6)
-        try:
-            loaded = json.loads(report.read_text())
-            out["report"] = loaded if isinstance(loaded, dict) else None
-        except FileNotFoundError:
-            out["report"] = None
-            out["error"] = f"krex run wrote no report (exit {out['exit_status']})"
-        except (OSError, ValueError) as e:
-            out["report"] = None
-            out["error"] = f"unreadable report: {e}"
+        out["wall_s"] = round(got.wall_s, 6)
+        out["report"] = got.report
+        out["daemon_started"] = bool((got.report or {}).get("daemon_started"))
+        if got.error:
+            out["error"] = got.error
         n = int(payload.get("tail_bytes") or TAIL_BYTES)
         out["stdout_tail"], out["stdout_bytes"] = _tail(so, n)
         out["stderr_tail"], out["stderr_bytes"] = _tail(se, n)
-        if out.get("error") and out["stderr_tail"].strip():
-            out["error"] += ": " + " | ".join(out["stderr_tail"].strip().splitlines()[-3:])[-400:]
         out["result_line"], out["result"] = _result_line(out["stdout_tail"])
     except KrexError as e:  # the node could not run it (no daemon, no cwd): a failed command, not a lost one
         out.update(exit_status=out.get("exit_status", 1), wall_s=out.get("wall_s", 0.0), report=None,

@@ -603,3 +603,198 @@ class _Guardian:
                     journal.append(paths.journal_path(), rec)
         self.events.append(ev)
         self.notify("krex: the daemon went away; your command was thawed and keeps running")
+
+
+# ------------------------------------------------------------------- `krex run` as a function
+
+
+def _error_json(e: Exception) -> dict[str, str]:
+    return {"kind": type(e).__name__, "message": str(e), "fix": str(getattr(e, "fix", ""))}
+
+
+def _check_report_path(report: str) -> None:
+    """Before the command runs: a report that cannot be written would lose it."""
+    path = os.path.abspath(report)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise UsageError(f"--report {report} is a directory", "give a file path, e.g. --report out/run.json")
+    if not os.path.isdir(parent):
+        raise UsageError(
+            f"--report {report}: the directory {parent} does not exist", f"create it first: mkdir -p {parent}"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"--report {report} is not writable", "give a path in a directory you may write")
+
+
+def _write_report(report: str, data: dict[str, Any]) -> None:
+    import json
+
+    try:
+        with open(report, "w") as f:
+            json.dump(data, f, indent=2)
+    except OSError as e:
+        raise KrexError(
+            f"cannot write the report {report}: {e.strerror} (the command exited {data.get('exit_status')})",
+            "give --report a writable path",
+        ) from e
+
+
+def run_command(
+    cmd: list[str],
+    device: str = "auto",
+    gpu: int | None = None,
+    report: str | None = None,
+    no_daemon: bool = False,
+    freeze: str | None = None,
+    keep_leftovers: bool = False,
+    notify: Callable[[str], None] = lambda _m: None,
+    report_extra: dict[str, Any] | None = None,
+) -> int:
+    """`krex run` (the CLI command and `python -m krex.launcher` alike): run ``cmd`` under
+    KREX, write the report, return the command's exit status. A KrexError gets
+    `krex run`'s exit status (125, or 126/127: errors.run_exit_code), is written to the
+    report as ``krex_error`` and raised."""
+    from krex.errors import run_exit_code
+
+    try:
+        status, data = _run_command(cmd, device, gpu, report, no_daemon, freeze, keep_leftovers, notify)
+        if report and data is not None:
+            _write_report(report, {**data, **(report_extra or {})})
+        return status
+    except KrexError as e:
+        e.exit_code = run_exit_code(e)
+        if report:
+            with contextlib.suppress(OSError, KrexError):
+                _write_report(
+                    report, {"exit_status": e.exit_code, "krex_error": _error_json(e), **(report_extra or {})}
+                )
+        raise
+
+
+def _run_command(
+    cmd: list[str],
+    device: str,
+    gpu: int | None,
+    report: str | None,
+    no_daemon: bool,
+    freeze: str | None,
+    keep_leftovers: bool,
+    notify: Callable[[str], None],
+) -> tuple[int, dict[str, object] | None]:
+    from krex.device.gpus import discover
+
+    if report:
+        _check_report_path(report)
+    resolve_command(cmd)  # fail on a bad command before touching anything
+    info = discover(device)
+    kind = "sim" if info.kind == "sim" else "gpu"
+    if gpu is not None and not 0 <= gpu < info.count:
+        # Checked here so a refused command never starts a daemon.
+        raise NotFound(
+            f"unknown GPU {gpu}: this node has {info.count} GPU(s) (0..{info.count - 1})",
+            "pick a GPU index from `krex status`",
+        )
+    if no_daemon:
+        return run_direct(cmd, kind, gpu, info.count), None
+    res = run_guarded(cmd, kind, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers)
+    return res.exit_status, res.report
+
+
+# ------------------------------------------------------------- `python -m krex.launcher`
+
+_ENTRY_USAGE = (
+    "python -m krex.launcher [--device auto|gpu|sim] [--gpu N] [--freeze all|gpu|adaptive] [--report FILE] "
+    "[--keep-leftovers] [--daemon-slots-per-gpu N] [--daemon-idle-exit S] -- CMD..."
+)
+
+
+def _parse_entry(argv: list[str], opts: dict[str, Any]) -> None:
+    """Fill ``opts`` with the options the library's runner (krex.runner) passes (the CLI's
+    `krex run` is the user-facing spelling of the same); as far as it got on an error."""
+    from krex.node.freezepolicy import POLICIES
+
+    opts.update(device="auto", gpu=None, freeze=None, report=None, keep_leftovers=False, slots=None,
+                idle_exit=None)
+    valued = {"--device": "device", "--gpu": "gpu", "--freeze": "freeze", "--report": "report",
+              "--daemon-slots-per-gpu": "slots", "--daemon-idle-exit": "idle_exit"}
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        a = argv[i]
+        if a == "--keep-leftovers":
+            opts["keep_leftovers"] = True
+        elif a in valued and i + 1 < len(argv):
+            opts[valued[a]] = argv[i + 1]
+            i += 1
+        else:
+            raise UsageError(f"unknown or incomplete option {a!r}", f"usage: {_ENTRY_USAGE}")
+        i += 1
+    opts["cmd"] = argv[i + 1 :]
+    try:
+        for k in ("gpu", "slots"):
+            opts[k] = None if opts[k] is None else int(opts[k])
+        opts["idle_exit"] = None if opts["idle_exit"] is None else float(opts["idle_exit"])
+    except ValueError as e:
+        raise UsageError(f"bad option value: {e}", f"usage: {_ENTRY_USAGE}") from None
+    if opts["device"] not in ("auto", "gpu", "sim") or (opts["freeze"] and opts["freeze"] not in POLICIES):
+        raise UsageError(
+            f"bad --device {opts['device']!r} or --freeze {opts['freeze']!r}", f"usage: {_ENTRY_USAGE}"
+        )
+
+
+def _ensure_daemon(device: str, slots: int | None, idle_exit_s: float | None) -> bool:
+    """Start the node's daemon with these settings if none answers (the library's one way,
+    client.start_background); True if this call started it."""
+    from krex.client import daemon_alive, start_background
+
+    if daemon_alive():
+        return False
+    settings: dict[str, object] = {"slots_per_gpu": slots} if slots else {}
+    if idle_exit_s is not None:
+        settings["idle_exit_s"] = idle_exit_s
+    return start_background(device, settings).ours
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The guardian as a process of its own, spawned by krex.runner (batch, bench, fleet):
+    `krex run`'s behaviour, report and exit statuses without the CLI. Notices and errors
+    go to stderr as `krex run` prints them; a bad option is a KREX failure (125)."""
+    import logging
+    import sys
+
+    from krex.errors import run_exit_code
+
+    def say(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    h = logging.StreamHandler(sys.stderr)  # as the CLI shows the library's warnings
+    h.setFormatter(logging.Formatter("krex: %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("krex").addHandler(h)
+    logging.getLogger("krex").setLevel(logging.WARNING)
+    o: dict[str, Any] = {}
+    ran = False  # run_command writes its own errors into the report
+    try:
+        _parse_entry(list(sys.argv[1:] if argv is None else argv), o)
+        extra: dict[str, Any] = {}
+        if o["slots"] is not None or o["idle_exit"] is not None:
+            extra["daemon_started"] = _ensure_daemon(o["device"], o["slots"], o["idle_exit"])
+        ran = True
+        status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], freeze=o["freeze"],
+                             keep_leftovers=o["keep_leftovers"], notify=say, report_extra=extra)
+    except KrexError as e:
+        code = run_exit_code(e)
+        if o.get("report") and not ran:
+            with contextlib.suppress(OSError, KrexError):
+                _write_report(o["report"], {"exit_status": code, "krex_error": _error_json(e)})
+        say(f"krex: error: {e}")
+        if e.fix:
+            say(f"  fix: {e.fix}")
+        raise SystemExit(code) from None
+    except KeyboardInterrupt:  # as click's Abort in the CLI
+        say("krex: aborted")
+        raise SystemExit(130) from None
+    raise SystemExit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -182,7 +182,7 @@ def scaling() -> dict[str, object]:
     B's inflation against A's native-serial medians."""
     from pathlib import Path
 
-    from krex import bench_metrics as bm
+    from krex.bench import metrics as bm
 
     a_dir, b_dir = Path(os.environ["BENCH_A"]), Path(os.environ["BENCH_B"])
     sa = json.loads((a_dir / "summary.json").read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from krex.batch import BatchCommand, CommandResult, parse_commands, percentile, summarize
+from krex.batch import BatchCommand, CommandResult, _dist, parse_commands, summarize
+from krex.bench.metrics import percentile
 from krex.errors import UsageError
 
 pytestmark = pytest.mark.timeout(180)
@@ -237,6 +239,18 @@ def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Pat
     assert Path(dirs[0], "cmd-002.stdout").read_text() == "hi\n"
 
 
+def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """Each command's parent is its guardian: `python -m krex.launcher`, never `krex.cli`."""
+    out = tmp_path / "o"
+    p = krex_or_daemon_log(["batch", "-", "-j", "2", "--device", "sim", "--out", str(out)], krex_env,
+                           stdin="tr '\\0' ' ' < /proc/$PPID/cmdline\n" * 2)
+    assert p.returncode == 0, p.stderr
+    for i in (1, 2):
+        parent = (out / f"cmd-00{i}.stdout").read_text()
+        assert " -m krex.launcher " in parent and "krex.cli" not in parent, parent
+        assert f"--report {out}/cmd-00{i}.report.json" in parent
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "jobs0", "device", "badjson", "notlist", "outbusy"])
 def test_batch_bad_input(krex_env: dict[str, str], tmp_path: Path, case: str) -> None:
     good = tmp_path / "good.txt"
@@ -284,7 +298,9 @@ def test_parse_commands() -> None:
 
 
 def test_percentile_and_summarize() -> None:
-    assert percentile([], 50) is None
+    # One percentile (krex.bench.metrics, NaN for no values); batch's distributions say None.
+    assert math.isnan(percentile([], 50))
+    assert _dist([])["p50_s"] is None and _dist([])["p95_s"] is None and _dist([])["count"] == 0
     assert percentile([3.0], 95) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([float(i) for i in range(101)], 95) == pytest.approx(95.0)

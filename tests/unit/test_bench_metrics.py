@@ -1,4 +1,4 @@
-"""krex.bench_metrics: every metric against hand-computed values (and Kendall tau
+"""krex.bench.metrics: every metric against hand-computed values (and Kendall tau
 against scipy when it is installed), plus the pure planning/summary helpers of
 krex.bench that need no processes."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from krex import bench
-from krex import bench_metrics as bm
+from krex.bench import metrics as bm
 from krex.errors import UsageError
 
 # ------------------------------------------------------------------------------ percentiles

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from krex import bench_metrics as bm
+from krex.bench import metrics as bm
 from krex.errors import NotFound
 
 __all__ = ["write_plots"]

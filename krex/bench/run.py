@@ -1,0 +1,733 @@
+"""`krex bench`: throughput, timing fidelity and ranking fidelity, side by side.
+
+One invocation runs a corpus of benchmarking commands (krex.bench.corpus) in several
+*cells*; a cell is a mode and a concurrency C (krex.bench.plan):
+
+  reference       native, one at a time, ``reference_repeat`` passes (median), only for
+                  families whose true order is "measured" (tiling variants): it
+                  establishes that true order (``reference_rep_ms`` lengthens the
+                  timed loop through KREX_WL_REP_MS; by default it is the commands' own)
+  native-serial   no KREX, one command at a time: command-granular exclusivity, the
+                  baseline for throughput and the per-command timing reference
+  native-repeat   a second, independent native-serial pass: the noise floor
+  unprotected-C   C commands at a time, no KREX
+  krex-C          C commands at a time, each under a KREX guardian (region-granular
+                  exclusivity; `krex run`'s library entry, krex.runner.guardian_argv)
+
+Cells run in an interleaved order (`plan_cells`) so that drift cannot favour one mode;
+the commands of a cell run through krex.runner.Pool. Every command run appends one line
+to ``raw.jsonl``; every finished cell one line to ``cells.jsonl``. ``--resume DIR``
+skips cells already in ``cells.jsonl`` (runs of a cell that did not finish are ignored
+and the cell runs again). At the end the metrics (krex.bench.summary, .metrics) go to
+``summary.json`` and ``summary.md``, the plots (krex.bench.plots) to PNG files.
+
+The library never prints: progress goes to the ``progress`` callback as `BenchEvent`s,
+always called on the thread that called `run_bench`. Errors are KrexError subclasses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from krex.bench.corpus import corpus_digest, default_corpus_path, load_corpus
+from krex.bench.plan import (
+    CELLS,
+    CONCURRENT,
+    META,
+    MODES,
+    RAW,
+    SCHEMA,
+    Cell,
+    Job,
+    append_jsonl,
+    carried_runs,
+    load_results,
+    order_jobs,
+    parse_concurrency,
+    parse_modes,
+    plan_cells,
+    serial_span_s,
+)
+from krex.bench.summary import compute_summary, json_safe, render_summary_md
+from krex.errors import KrexError, UsageError
+from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
+from krex.runner import Outcome, Pool, Spec, guardian_argv, run_one
+
+__all__ = ["BenchConfig", "BenchError", "BenchEvent", "BenchResult", "plots_available", "run_bench"]
+
+TICK_S = 0.5
+GRACE_S = 5.0
+
+
+class BenchError(KrexError):
+    """A bench run could not be done (nothing to run, every command failed, ...)."""
+
+    exit_code = 1
+
+
+# ------------------------------------------------------------------------------ config, events
+
+
+@dataclass
+class BenchConfig:
+    device: str = "auto"  # auto | gpu | sim
+    modes: Sequence[str] | None = None  # None: MODES, or what the resumed run first asked for
+    concurrency: Sequence[int] | None = None  # None: (2, 4, 8, 16), or (2, 4) with quick
+    quick: bool | None = None  # None: False, or what the resumed run used
+    out_dir: Path | None = None
+    resume: bool = False  # out_dir holds an earlier run: skip its finished cells
+    seed: int | None = None
+    repeat: int | None = None  # corpus passes per cell (trajectories for ranking)
+    reference_repeat: int = 5
+    reference_rep_ms: float | None = None  # None: the commands' own timed loop (see docs/bench.md)
+    corpus: Path | None = None
+    only: Sequence[str] | None = None
+    timeout_s: float | None = None  # per command; None: 900 s on a GPU, 120 s simulated
+    slots_per_gpu: int | None = None  # for a daemon the bench starts; None: max C
+    # GPUs (positions among the visible ones) the concurrent cells spread over, C commands per
+    # GPU on each; None: today's single-GPU behaviour (one GPU, or the daemon's choice).
+    gpus: Sequence[int] | None = None
+    # Freeze policies to compare: one krex cell per policy (krex-C@gpu, ...); None: one
+    # krex-C cell under the daemon's own policy.
+    freezes: Sequence[str] | None = None
+    cold_cache: bool = True  # fresh Triton/Inductor/extension caches per run (a new candidate compiles)
+    warmup: bool = True
+    plots: bool = True
+    python: str = field(default_factory=lambda: sys.executable)
+    argv: Sequence[str] = ()  # the command line, for the record
+
+
+EventKind = Literal["plan", "note", "cell-skip", "cell-start", "run-done", "cell-done", "tick", "report"]
+
+
+@dataclass
+class BenchEvent:
+    kind: EventKind
+    cell: str | None = None
+    done: int = 0  # command runs finished in this invocation
+    total: int = 0  # command runs this invocation will do
+    running: int = 0
+    failed: int = 0
+    elapsed_s: float = 0.0
+    message: str = ""
+    record: dict[str, Any] | None = None
+
+
+@dataclass
+class BenchResult:
+    out_dir: Path
+    summary: dict[str, Any]
+    summary_md: Path
+    plots: list[Path]
+    ran: list[str]
+    skipped: list[str]
+    failures: int
+    plots_note: str = ""  # why no plots were drawn although they were asked for
+
+
+Progress = Callable[[BenchEvent], None]
+
+
+# -------------------------------------------------------------------------------- helpers
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _parse_result(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                v = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(v, dict) and "ms" in v:
+                return v
+    return None
+
+
+def _strip_krex(env: dict[str, str]) -> dict[str, str]:
+    """An environment in which krex.region() is a no-op and no shim is preloaded."""
+    out = {
+        k: v
+        for k, v in env.items()
+        if k
+        not in (
+            "KREX_SHM",
+            "KREX_SOCKET",
+            "KREX_DAEMON_CMD",
+            "KREX_DEVICE",
+            "KREX_SLOT",
+            "KREX_GPU",
+            "KREX_STRICT",
+        )
+    }
+    _drop_shim(out)
+    return out
+
+
+def _drop_shim(env: dict[str, str]) -> None:
+    """Remove the KREX shim from LD_PRELOAD, keeping anything else preloaded."""
+    pre = [
+        p
+        for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+        if p and "libkrex_interpose" not in p
+    ]
+    if pre:
+        env["LD_PRELOAD"] = ":".join(pre)
+    else:
+        env.pop("LD_PRELOAD", None)
+
+
+def _short(text: str, n: int = 2000) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _versions(dev: str, names: list[str]) -> dict[str, Any]:
+    from krex import __version__
+
+    return {
+        "krex": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": dev,
+        "gpu_names": names,
+    }
+
+
+# --------------------------------------------------------------------------------- commands
+
+
+class _Commands:
+    """A bench job as a runner Spec (its argv, environment and private temporary directory),
+    and a finished run as its raw.jsonl record."""
+
+    def __init__(self, cfg: BenchConfig, dev: str, timeout_s: float) -> None:
+        self.cfg, self.dev, self.timeout_s = cfg, dev, timeout_s
+
+    def env_for(self, cell: Cell, tmp: Path) -> dict[str, str]:
+        base = dict(os.environ)
+        if cell.mode == "krex":
+            # the guardian sets the rest; keep KREX_SHM/KREX_SOCKET/KREX_STATE_DIR (the daemon's)
+            env = {k: v for k, v in base.items() if k not in ("KREX_SLOT", "KREX_GPU")}
+            _drop_shim(env)
+        else:
+            env = _strip_krex(base)
+        if self.cfg.cold_cache:
+            env["TRITON_CACHE_DIR"] = str(tmp / "triton")
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")
+            env["TORCH_EXTENSIONS_DIR"] = str(tmp / "extensions")
+        if cell.mode == "reference" and self.cfg.reference_rep_ms:
+            env["KREX_WL_REP_MS"] = f"{self.cfg.reference_rep_ms:g}"
+            env["KREX_WL_WARMUP_MS"] = f"{max(25.0, self.cfg.reference_rep_ms / 10):g}"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def spec(self, cell: Cell, job: Job, gpu: int | None) -> Spec:
+        w = job.workload
+        tmp = Path(tempfile.mkdtemp(prefix="krexbench-"))
+        cmd = w.argv(self.cfg.python)
+        report = tmp / "report.json" if cell.mode == "krex" else None
+        if report is not None:
+            cmd = guardian_argv(cmd, report, self.dev, gpu, cell.freeze or None, self.cfg.python)
+        env = self.env_for(cell, tmp)
+        env.update(dict(w.env))
+        if gpu is not None and cell.mode != "krex":  # the guardian's --gpu sets it for krex cells
+            env["CUDA_VISIBLE_DEVICES"] = _visible_token(gpu)
+        return Spec(cmd, tmp / "stdout", tmp / "stderr", env, str(w.script.parent), self.timeout_s, report)
+
+    def record(self, cell: Cell, run_id: str, job: Job, gpu: int | None, got: Outcome) -> dict[str, Any]:
+        """The raw.jsonl line of a finished run; removes the run's temporary directory."""
+        w = job.workload
+        rec: dict[str, Any] = {
+            "v": SCHEMA,
+            "run": run_id,
+            "cell": cell.key,
+            "mode": cell.mode,
+            "c": cell.c,
+            "rep": job.rep,
+            "seq": job.seq,
+            "name": w.name,
+            "family": w.family,
+            "param": w.param,
+            "device": self.dev,
+            "gpu": gpu,
+            "exit_status": None,
+            "timed_out": False,
+            "ok": False,
+            "wall_s": None,
+            "started_at": None,
+            "ended_at": None,
+            "result": None,
+            "krex": None,
+            "error": None,
+        }
+        try:
+            if got.start_error:
+                rec["error"] = got.start_error
+                return rec
+            stdout, stderr = got.read()
+            rec.update(
+                started_at=got.started_at,
+                ended_at=got.ended_at,
+                wall_s=got.wall_s,
+                exit_status=got.exit_status,
+                timed_out=got.timed_out,
+            )
+            if got.hang is not None:
+                rec["hang"] = got.hang
+            res = _parse_result(stdout)
+            rec["result"] = res
+            if got.report is not None:
+                rec["krex"] = _compact_report(got.report)
+            ok = rec["exit_status"] == 0 and res is not None and bool(res.get("correct"))
+            if res is not None:
+                ms = res.get("ms")
+                ok = ok and isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0
+            rec["ok"] = ok
+            if not ok:
+                if rec["timed_out"]:
+                    rec["error"] = f"timed out after {self.timeout_s:g} s"
+                elif got.cancelled:
+                    rec["error"] = "cancelled"
+                elif rec["exit_status"] != 0:
+                    rec["error"] = f"exit status {rec['exit_status']}"
+                elif res is None:
+                    rec["error"] = "no JSON result line on stdout"
+                else:
+                    rec["error"] = "incorrect result" if not res.get("correct") else "bad ms in the result"
+                rec["stderr_tail"] = _short(stderr)
+                rec["stdout_tail"] = _short(stdout, 1000)
+            return rec
+        except Exception as e:  # never lose a run silently
+            rec.update(ok=False, error=f"bench error: {type(e).__name__}: {e}")
+            return rec
+        finally:
+            shutil.rmtree(got.spec.stdout.parent, ignore_errors=True)
+
+
+def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "queue_wait_s",
+        "block_s",
+        "inflight_s",
+        "drain_s",
+        "freeze_s",
+        "pin_s",
+        "entry_s",
+        "region_s",
+        "thaw_s",
+        "contaminated",
+        "reasons",
+        "siblings_frozen",
+        "drained",
+        "partition_degraded",
+        "freezer",
+        "freeze_policy",
+        "running_slots",
+        "freeze_why",
+        "cut",
+        "flags",
+        "label",
+        "attest",
+    )
+    regions = [{k: r.get(k) for k in keys if k in r} for r in rep.get("regions") or [] if isinstance(r, dict)]
+    return {
+        "slot": rep.get("slot"),
+        "gpu": rep.get("gpu"),
+        "admission_wait_s": rep.get("admission_wait_s"),
+        "gate_blocks": rep.get("gate_blocks"),
+        "gate_blocked_ms": rep.get("gate_blocked_ms"),
+        "fail_opens": rep.get("fail_opens"),
+        "contaminated_regions": rep.get("contaminated_regions"),
+        "region_wait_s": rep.get("region_wait_s"),
+        "cut_regions": rep.get("cut_regions"),
+        "simulated": rep.get("simulated"),
+        "leftovers": len(rep.get("leftovers") or []),
+        "auto_region": {
+            k: (rep.get("auto_region") or {}).get(k) for k in ("value", "wrapped", "auto_regions")
+        }
+        if rep.get("auto_region")
+        else None,
+        "regions": regions,
+    }
+
+
+# ----------------------------------------------------------------------------------- daemon
+
+
+def _daemon_status() -> dict[str, Any] | None:
+    from krex.client import Client, daemon_alive
+
+    if not daemon_alive():
+        return None
+    c = Client.connect()
+    try:
+        return c.request({"op": "status"})
+    finally:
+        c.close()
+
+
+def _start_daemon(dev: str, slots: int) -> None:
+    from krex.client import start_background
+
+    start_background(device=dev, settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))})
+
+
+def _stop_daemon() -> None:
+    from krex.client import Client, daemon_alive
+
+    with contextlib.suppress(KrexError, OSError):
+        c = Client.connect()
+        try:
+            c.request({"op": "shutdown"})
+        finally:
+            c.close()
+    for _ in range(100):
+        if not daemon_alive():
+            return
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def _visible_token(pos: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of visible GPU number ``pos`` (our own list, if set)."""
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return str(pos)
+    toks = [t.strip() for t in spec.split(",") if t.strip()]
+    return toks[pos] if 0 <= pos < len(toks) else str(pos)
+
+
+def _resolve_device(device: str) -> tuple[str, list[str]]:
+    from krex.device.gpus import discover
+
+    info = discover(device)
+    return ("sim" if info.kind == "sim" else "gpu"), list(info.names)
+
+
+def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
+    """Run (or continue) a bench; write raw results, summary and plots; return them."""
+    emit: Progress = progress or (lambda _e: None)
+    t_start = time.monotonic()
+    dev, gpu_names = _resolve_device(cfg.device)
+
+    # ---- results directory and meta
+    if cfg.resume:
+        if cfg.out_dir is None:
+            raise UsageError("--resume needs the results directory", "pass --resume DIR")
+        out_dir = cfg.out_dir
+        meta, done_cells, _ = load_results(out_dir)
+        if meta.get("device") != dev:
+            raise UsageError(
+                f"{out_dir} holds a {meta.get('device')} run; this is {dev}",
+                f"pass --device {meta.get('device')}, or start a new results directory",
+            )
+    else:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out_dir = cfg.out_dir or Path.cwd() / "krex-bench" / f"{dev}-{stamp}"
+        if (out_dir / META).exists() or (out_dir / RAW).exists():
+            raise UsageError(
+                f"{out_dir} already holds bench results",
+                f"continue it with --resume {out_dir}, or pick another --out",
+            )
+        meta, done_cells = {}, []
+    quick = cfg.quick if cfg.quick is not None else bool(meta.get("quick", False))
+    seed = cfg.seed if cfg.seed is not None else int(meta.get("seed", 0))
+    repeat = cfg.repeat if cfg.repeat is not None else int(meta.get("repeat", 1))
+    only = list(cfg.only) if cfg.only is not None else list(meta.get("only") or [])
+    corpus_path = (
+        cfg.corpus or (Path(meta["corpus"]) if meta.get("corpus") else None) or default_corpus_path()
+    )
+    if repeat < 1:
+        raise UsageError(f"--repeat {repeat} is not a pass count", "use --repeat 1 or more")
+    workloads = load_corpus(corpus_path, dev, quick, only)
+    digest = corpus_digest(workloads)
+    if meta and meta.get("corpus_digest") != digest:
+        raise UsageError(
+            f"the corpus differs from the one {out_dir} was run with "
+            f"({len(workloads)} commands now, {len(meta.get('corpus_names', []))} then)",
+            "resume with the same --quick/--only/--corpus, or start a new results directory",
+        )
+    if meta and int(meta.get("repeat", 1)) != repeat:
+        raise UsageError(
+            f"{out_dir} was run with --repeat {meta.get('repeat')}", "resume with the same --repeat"
+        )
+    # A resumed run keeps the modes and concurrency its first invocation asked for, unless
+    # new ones are given: resuming must not run cells nobody asked for.
+    first = (meta.get("invocations") or [{}])[0]
+    modes = parse_modes(cfg.modes if cfg.modes is not None else first.get("modes") or MODES)
+    conc = parse_concurrency(
+        cfg.concurrency
+        if cfg.concurrency is not None
+        else first.get("concurrency") or ((2, 4) if quick else (2, 4, 8, 16))
+    )
+    timeout_s = cfg.timeout_s or (120.0 if dev == "sim" else 900.0)
+    freezes = list(cfg.freezes) if cfg.freezes else list(first.get("freezes") or [""])
+    for f in freezes:
+        if f and f not in FREEZE_POLICIES:
+            raise UsageError(
+                f"unknown freeze policy {f!r}", f"use a comma list of: {', '.join(FREEZE_POLICIES)}"
+            )
+    gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
+    if gpus is not None:
+        bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
+        if bad or len(set(gpus)) != len(gpus) or not gpus:
+            raise UsageError(
+                f"--gpus {','.join(map(str, gpus))}: {len(gpu_names)} {dev} GPU(s) are visible "
+                "(numbered from 0), and each may appear once",
+                f"pick from 0..{len(gpu_names) - 1}",
+            )
+        if meta and meta.get("gpus") not in (None, gpus):
+            raise UsageError(
+                f"{out_dir} was run with --gpus {','.join(map(str, meta['gpus']))}",
+                "resume with the same --gpus, or start a new results directory",
+            )
+    cfg = replace(cfg, gpus=gpus)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    invocation = {
+        "argv": list(cfg.argv),
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+        "modes": modes,
+        "concurrency": conc,
+        "freezes": freezes,
+    }
+    if not meta:
+        meta = {
+            "schema": SCHEMA,
+            "device": dev,
+            "quick": quick,
+            "seed": seed,
+            "repeat": repeat,
+            "only": only,
+            "corpus": str(corpus_path.resolve()),
+            "corpus_digest": digest,
+            "corpus_names": [w.name for w in workloads],
+            "cold_cache": cfg.cold_cache,
+            "reference_repeat": cfg.reference_repeat,
+            "reference_rep_ms": cfg.reference_rep_ms,
+            "gpus": gpus,
+            "created": invocation["started"],
+            "versions": _versions(dev, gpu_names),
+            "invocations": [],
+        }
+    meta.setdefault("invocations", []).append(invocation)
+    meta.setdefault("notes", [])
+    (out_dir / META).write_text(json.dumps(meta, indent=1))
+
+    # ---- plan
+    measured = [w for w in workloads if w.truth == "measured"]
+    cells = plan_cells(modes, conc, seed, freezes)
+    if not measured:
+        cells = [c for c in cells if c.mode != "reference"]
+    done_keys = {str(c.get("cell")) for c in done_cells}
+    todo = [c for c in cells if c.key not in done_keys]
+    skipped = [c.key for c in cells if c.key in done_keys]
+
+    def cell_jobs(c: Cell, hint: dict[str, float], carried: list[dict[str, Any]]) -> list[Job]:
+        if c.mode == "reference":
+            jobs = order_jobs(c, measured, cfg.reference_repeat, seed, hint)
+        else:
+            jobs = order_jobs(c, workloads, repeat, seed, hint)
+        kept = {(str(r["name"]), int(r.get("rep", 0))) for r in carried}
+        return [j for j in jobs if (j.workload.name, j.rep) not in kept]
+
+    total = sum(len(cell_jobs(c, {}, carried_runs(out_dir, c))) for c in todo)
+    emit(
+        BenchEvent(
+            "plan",
+            total=total,
+            message=f"{len(workloads)} {dev} commands; cells in order: "
+            + ", ".join(c.key for c in cells)
+            + (f"; already done: {', '.join(skipped)}" if skipped else ""),
+        )
+    )
+    for k in skipped:
+        emit(BenchEvent("cell-skip", cell=k, total=total, message=f"{k}: already in {out_dir}, skipped"))
+
+    cmds = _Commands(cfg, dev, timeout_s)
+    done = failed = 0
+    ran: list[str] = []
+    started_daemon = False
+
+    def event(kind: EventKind, **kw: Any) -> None:
+        """Emit an event with this invocation's counters as they are now."""
+        emit(
+            BenchEvent(
+                kind, done=done, total=total, failed=failed, elapsed_s=time.monotonic() - t_start, **kw
+            )
+        )
+
+    def note(msg: str) -> None:
+        # Into meta.json at once: an invocation killed by `timeout` keeps its notes too.
+        m = json.loads((out_dir / META).read_text())
+        m["notes"] = list(dict.fromkeys([*m.get("notes", []), msg]))
+        (out_dir / META).write_text(json.dumps(m, indent=1))
+        event("note", message=msg)
+
+    def run_cell(cell: Cell, run_id: str, jobs: list[Job]) -> tuple[float, float, int]:
+        """Run a cell's jobs; (start, last command start, failures). Raises KeyboardInterrupt
+        when cancelled (its commands stopped; the cell never counts)."""
+        nonlocal done, failed
+        # C commands on each GPU at once: place (lane) i stays on one GPU; serial cells
+        # run on the first GPU.
+        gpus = list(cfg.gpus or [])
+        width = cell.c * max(1, len(gpus)) if cell.mode in CONCURRENT else 1
+        pool: Pool[Job] = Pool(width, stop_signals=(signal.SIGTERM, signal.SIGKILL), grace_s=GRACE_S,
+                               tree=True, tick_s=TICK_S)
+        gpu_of: dict[int, int | None] = {}
+        c_start = last_start = _now()
+        cell_failed = 0
+
+        def spec(job: Job, lane: int) -> Spec:
+            gpu_of[job.seq] = gpus[lane % len(gpus)] if gpus else None
+            return cmds.spec(cell, job, gpu_of[job.seq])
+
+        def started(_job: Job) -> None:
+            nonlocal last_start
+            last_start = _now()
+
+        def finished(job: Job, got: Outcome) -> None:
+            nonlocal done, failed, cell_failed
+            rec = cmds.record(cell, run_id, job, gpu_of.pop(job.seq, None), got)
+            if got.cancelled:  # killed by the cancel: the cell did not finish, its runs never count
+                return
+            done += 1
+            if not rec.get("ok"):
+                failed += 1
+                cell_failed += 1
+            append_jsonl(out_dir / RAW, rec)
+            event("run-done", cell=cell.key, running=pool.running, record=rec)
+
+        def tick() -> None:
+            event("tick", cell=cell.key, running=pool.running)
+
+        if pool.run(jobs, spec, finished, started, tick):
+            raise KeyboardInterrupt  # the runs were stopped; the caller exits 130
+        return c_start, last_start, cell_failed
+
+    try:
+        if todo and any(c.mode == "krex" for c in todo):
+            need = max(c.c for c in todo if c.mode == "krex")
+            st = _daemon_status()
+            if st is None:
+                slots = cfg.slots_per_gpu or need
+                _start_daemon(dev, slots)
+                started_daemon = True
+                note(f"started a KREX daemon for the krex cells ({slots} slots per GPU); stopped at the end")
+            else:
+                have = min(st.get("slots_per_gpu") or [need])
+                pid = st.get("daemon", {}).get("pid")
+                note(f"using the running KREX daemon (pid {pid}, {have} slots per GPU)")
+                if have < need:
+                    note(
+                        f"the running daemon admits {have} commands per GPU at a time, fewer than C={need}: "
+                        "krex cells above that queue at admission"
+                    )
+        if todo and cfg.warmup:
+            w0 = min(workloads, key=lambda w: w.est_wall_s)
+            note(f"warm-up: {w0.name} once, natively, not recorded (page cache, driver caches)")
+            warm, job0 = Cell("native-serial"), Job(w0, 0, 0)
+            got = run_one(cmds.spec(warm, job0, None))
+            cmds.record(warm, "warmup", job0, None, got)
+            if got.cancelled:
+                raise KeyboardInterrupt
+
+        for cell in todo:
+            _, _, prior = load_results(out_dir)
+            hint = {
+                r["name"]: float(r["wall_s"])
+                for r in prior
+                if r.get("mode") == "native-serial" and r.get("wall_s") is not None
+            }
+            carried = carried_runs(out_dir, cell)
+            jobs = cell_jobs(cell, hint, carried)
+            run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            event("cell-start", cell=cell.key, message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time")
+            prior_span = serial_span_s(carried)
+            for r in carried:  # the kept runs join this run id, once the cell is finished
+                append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
+            if carried:
+                note(f"{cell.key}: kept {len(carried)} runs of an unfinished earlier invocation")
+            c_start, last_start, cell_failed = run_cell(cell, run_id, jobs)
+            c_end = _now()
+            row = {
+                "v": SCHEMA,
+                "cell": cell.key,
+                "mode": cell.mode,
+                "c": cell.c,
+                "run": run_id,
+                "n_runs": len(jobs) + len(carried),
+                "carried_runs": len(carried),
+                "failures": cell_failed,
+                "started_at": c_start,
+                "ended_at": c_end,
+                "makespan_s": prior_span + (c_end - c_start),
+                "last_start_s": last_start - c_start,
+                "timeout_s": timeout_s,
+            }
+            append_jsonl(out_dir / CELLS, row)
+            ran.append(cell.key)
+            event(
+                "cell-done",
+                cell=cell.key,
+                message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
+            )
+    finally:
+        if started_daemon:
+            _stop_daemon()
+
+    # ---- report (the notes are in meta.json already)
+    meta, cell_rows, recs = load_results(out_dir)
+    summary = compute_summary(meta, cell_rows, recs, workloads)
+    (out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
+    md = out_dir / "summary.md"
+    md.write_text(render_summary_md(summary, out_dir))
+    plots: list[Path] = []
+    plots_note = ""
+    if cfg.plots and not plots_available():
+        plots_note = PLOTS_MISSING
+    elif cfg.plots:
+        from krex.bench.plots import write_plots
+
+        plots = write_plots(summary, out_dir)
+    event("report", message=f"summary in {md}")
+    if done and failed == done:
+        raise BenchError(
+            f"all {done} command runs of this invocation failed (results are in {out_dir})",
+            f"see the Failures table of {md} and stderr_tail in {out_dir / RAW}",
+        )
+    return BenchResult(out_dir, summary, md, plots, ran, skipped, failed, plots_note)
+
+
+PLOTS_MISSING = (
+    "no plots: matplotlib is not installed (pip install 'krex[bench]' draws them; --no-plots silences this)"
+)
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported: the plots are an extra (`krex[bench]`), the
+    numbers never depend on it."""
+    return importlib.util.find_spec("matplotlib") is not None

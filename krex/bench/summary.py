@@ -1,0 +1,780 @@
+"""Every metric of a bench results directory (`compute_summary`, pure) and its Markdown
+(`render_summary_md`): the goal, the paper's figures and ours side by side."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from krex.bench import metrics as bm
+from krex.bench.corpus import Workload
+from krex.bench.plan import CONCURRENT, MODES, Cell
+
+__all__ = ["GOAL_THROUGHPUT", "PAPER", "SIM_LABEL", "compute_summary", "json_safe", "render_summary_md"]
+
+SIM_LABEL = "SIMULATED GPU - logic demo, not performance evidence"
+
+# The paper's figures (arXiv:2609.30057, NVIDIA H20) and our goals (issue 4).
+PAPER: dict[str, Any] = {
+    "throughput_ratio": 3.4,
+    "native_cpm": 16.0,
+    "krex_cpm": 54.8,
+    "unprotected_cpm": 41.9,
+    "p95_inflation": {">10ms": 0.0030, ">1ms": 0.0158, ">0.1ms": 0.0390},
+    "tau": {"krex": 0.857, "native-repeat": 0.820, "unprotected": 0.432},
+    "flip_pp": 0.03,
+    "critical_fraction_median": 0.12,
+}
+GOAL_THROUGHPUT = 4.0
+
+
+def json_safe(v: Any) -> Any:
+    if isinstance(v, float):
+        return None if not math.isfinite(v) else v
+    if isinstance(v, dict):
+        return {str(k): json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
+
+
+def _ms(r: dict[str, Any]) -> float | None:
+    res = r.get("result")
+    if not r.get("ok") or not isinstance(res, dict):
+        return None
+    v = res.get("ms")
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
+
+
+def _cell_sort_key(key: str) -> tuple[int, int, str]:
+    c = Cell.from_key(key)
+    return MODES.index(c.mode), c.c, c.freeze
+
+
+def compute_summary(
+    meta: dict[str, Any],
+    cells: Sequence[dict[str, Any]],
+    recs: Sequence[dict[str, Any]],
+    workloads: Sequence[Workload],
+) -> dict[str, Any]:
+    """Every metric of a results directory, as one JSON-able dict (see docs/bench.md)."""
+    by_cell: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        by_cell[str(r.get("cell"))].append(r)
+    cell_rows = {str(c["cell"]): c for c in cells}
+    keys = sorted(cell_rows, key=_cell_sort_key)
+    notes: list[str] = list(meta.get("notes", []))
+    wl = {w.name: w for w in workloads}
+
+    # Reference per command: median ms and wall over the native-serial cell.
+    ref_ms: dict[str, float] = {}
+    ref_wall: dict[str, float] = {}
+    ns = by_cell.get("native-serial", [])
+    for name in {r["name"] for r in ns}:
+        xs = [m for r in ns if r["name"] == name and (m := _ms(r)) is not None]
+        walls_n = [float(r["wall_s"]) for r in ns if r["name"] == name and r.get("ok") and r.get("wall_s")]
+        if xs:
+            ref_ms[name] = bm.median(xs)
+        if walls_n:
+            ref_wall[name] = bm.median(walls_n)
+    if not ref_ms:
+        notes.append("no native-serial results: inflation and the throughput ratio are not available")
+
+    # Throughput.
+    ns_cpm = math.nan
+    if "native-serial" in cell_rows:
+        row = cell_rows["native-serial"]
+        n_ok = sum(1 for r in by_cell.get("native-serial", []) if r.get("ok"))
+        ns_cpm = bm.throughput_per_min(n_ok, float(row["makespan_s"]))
+    thr: list[dict[str, Any]] = []
+    for k in keys:
+        row = cell_rows[k]
+        if row["mode"] == "reference":
+            continue
+        rs = by_cell.get(k, [])
+        n_ok = sum(1 for r in rs if r.get("ok"))
+        cpm = bm.throughput_per_min(n_ok, float(row["makespan_s"]))
+        walls = [float(r["wall_s"]) for r in rs if r.get("wall_s")]
+        last = float(row.get("last_start_s") or 0.0)
+        t0 = float(row["started_at"])
+        steady = math.nan
+        if last > 0 and row["mode"] in CONCURRENT:
+            n_in = sum(
+                1 for r in rs if r.get("ok") and r.get("ended_at") and float(r["ended_at"]) - t0 <= last
+            )
+            if n_in >= int(row["c"]):
+                steady = 60.0 * n_in / last
+        thr.append(
+            {
+                "cell": k,
+                "mode": row["mode"],
+                "c": int(row["c"]),
+                "n_runs": int(row["n_runs"]),
+                "failures": int(row["failures"]),
+                "makespan_s": float(row["makespan_s"]),
+                "cmds_per_min": cpm,
+                "ratio": cpm / ns_cpm if ns_cpm and math.isfinite(ns_cpm) else math.nan,
+                "steady_cmds_per_min": steady,
+                "mean_wall_s": sum(walls) / len(walls) if walls else math.nan,
+            }
+        )
+
+    # Inflation vs native-serial.
+    infl: dict[str, dict[str, Any]] = {}
+    for k in keys:
+        if k in ("native-serial", "reference"):
+            continue
+        pairs = [
+            (ref_ms[r["name"]], m)
+            for r in by_cell.get(k, [])
+            if r["name"] in ref_ms and (m := _ms(r)) is not None
+        ]
+        bands = bm.inflation_by_band(pairs)
+        infl[k] = {b: {**bm.dist(v).to_json(), "values": v} for b, v in bands.items()}
+
+    # Fidelity per GPU, when the concurrent cells were spread over several (--gpus).
+    per_gpu: dict[str, dict[str, dict[str, Any]]] = {}
+    if len(meta.get("gpus") or []) > 1:
+        for k in keys:
+            if cell_rows[k]["mode"] not in CONCURRENT:
+                continue
+            by_gpu: dict[str, list[tuple[float, float]]] = defaultdict(list)
+            for r in by_cell.get(k, []):
+                if r["name"] in ref_ms and (m := _ms(r)) is not None and r.get("gpu") is not None:
+                    by_gpu[str(r["gpu"])].append((ref_ms[r["name"]], m))
+            per_gpu[k] = {
+                g: {"n": len(p), **{b: bm.dist(v).to_json() for b, v in bm.inflation_by_band(p).items()}}
+                for g, p in sorted(by_gpu.items())
+            }
+
+    # Ranking: true order per family.
+    fams: dict[str, list[Workload]] = defaultdict(list)
+    for w in workloads:
+        if w.family:
+            fams[w.family].append(w)
+    truth: dict[str, dict[str, Any]] = {}
+    refc = by_cell.get("reference", [])
+    for fam, ws in sorted(fams.items()):
+        kind = ws[0].truth
+        if kind == "param":
+            truth[fam] = {"kind": "param", "values": {w.name: float(w.work or 0.0) for w in ws}}
+            continue
+        src = [r for r in refc if r.get("family") == fam]
+        how = "reference"
+        if not src:
+            src = [
+                r
+                for r in by_cell.get("native-serial", []) + by_cell.get("native-repeat", [])
+                if r.get("family") == fam
+            ]
+            how = "native passes"
+            if src:
+                notes.append(
+                    f"family {fam}: no reference pass; true order taken from the native passes "
+                    "(native ranking figures for it are then not independent)"
+                )
+        vals: dict[str, float] = {}
+        for w in ws:
+            xs = [m for r in src if r["name"] == w.name and (m := _ms(r)) is not None]
+            if xs:
+                vals[w.name] = bm.median(xs)
+        if len(vals) >= 2:
+            truth[fam] = {"kind": f"measured ({how})", "values": vals}
+        else:
+            notes.append(f"family {fam}: no true order (no measurements); left out of the ranking metrics")
+
+    ranking: dict[str, dict[str, Any]] = {}
+    for k in keys:
+        if k == "reference":
+            continue
+        rs = by_cell.get(k, [])
+        taus: dict[str, list[float]] = {}
+        flip_pairs: list[tuple[float, bool]] = []
+        for fam, t in truth.items():
+            per_rep: dict[int, dict[str, float]] = defaultdict(dict)
+            for r in rs:
+                if r.get("family") == fam and r["name"] in t["values"] and (m := _ms(r)) is not None:
+                    per_rep[int(r.get("rep", 0))][r["name"]] = m
+            taus[fam] = []
+            for _rep, got in sorted(per_rep.items()):
+                names = [n for n in t["values"] if n in got]
+                if len(names) < 3:
+                    continue
+                tv = [t["values"][n] for n in names]
+                mv = [got[n] for n in names]
+                tau = bm.kendall_tau(tv, mv)
+                if math.isfinite(tau):
+                    taus[fam].append(tau)
+                flip_pairs.extend(bm.pairwise_flips(tv, mv))
+        all_t = [x for v in taus.values() for x in v]
+        ranking[k] = {
+            "tau": taus,
+            "tau_median": bm.median(all_t) if all_t else math.nan,
+            "tau_n": len(all_t),
+            "flip": {c: fr.to_json() for c, fr in bm.flip_rates(flip_pairs).items()},
+        }
+
+    # Critical fraction (native-serial, else any native pass).
+    src = ns or by_cell.get("native-repeat", [])
+    fr_list: list[float] = []
+    reg_sum = tot_sum = 0.0
+    for r in src:
+        res = r.get("result")
+        if not r.get("ok") or not isinstance(res, dict):
+            continue
+        tr, tt = float(res.get("t_region_s") or 0.0), float(res.get("t_total_s") or 0.0)
+        if tt > 0:
+            fr_list.append(bm.critical_fraction(tr, tt))
+            reg_sum += tr
+            tot_sum += tt
+    agg = reg_sum / tot_sum if tot_sum > 0 else math.nan
+    critical = {
+        "n": len(fr_list),
+        "fractions": fr_list,
+        **{f"p{q}": bm.percentile(fr_list, q) if fr_list else math.nan for q in (10, 25, 50, 75, 90)},
+        "share_below_25": (sum(1 for f in fr_list if f < 0.25) / len(fr_list)) if fr_list else math.nan,
+        "aggregate": agg,
+        "amdahl_bound": bm.amdahl_bound(agg) if math.isfinite(agg) else math.nan,
+        "median_bound": bm.amdahl_bound(bm.median(fr_list)) if fr_list else math.nan,
+        "paper_median": PAPER["critical_fraction_median"],
+    }
+
+    # Region entry overhead and queue wait.
+    regions: dict[str, dict[str, Any]] = {}
+    for k in keys:
+        rs = [r for r in by_cell.get(k, []) if isinstance(r.get("result"), dict)]
+        if not rs:
+            continue
+        client = [float(r["result"].get("region_entry_s") or 0.0) for r in rs]
+        qw: list[float] = []
+        proto: list[float] = []
+        adm: list[float] = []
+        contaminated = nreg = cut = no_region = 0
+        flags: dict[str, int] = {}
+        wrapped: set[str] = set()
+        for r in rs:
+            kr = r.get("krex") or {}
+            if r.get("krex") is not None and not kr.get("regions"):
+                no_region += 1
+            for w in (kr.get("auto_region") or {}).get("wrapped") or []:
+                wrapped.add(str(w))
+            for g in kr.get("regions") or []:
+                nreg += 1
+                contaminated += int(bool(g.get("contaminated")))
+                cut += int(bool(g.get("cut")))
+                for f in g.get("flags") or []:
+                    flags[str(f)] = flags.get(str(f), 0) + 1
+                if g.get("queue_wait_s") is not None:
+                    qw.append(float(g["queue_wait_s"]))
+                if g.get("entry_s") is not None:
+                    proto.append(float(g["entry_s"]))
+            if kr.get("admission_wait_s") is not None:
+                adm.append(float(kr["admission_wait_s"]))
+        regions[k] = {
+            "client_entry_s": bm.dist(client).to_json(),
+            "queue_wait_s": bm.dist(qw).to_json(),
+            "protocol_entry_s": bm.dist(proto).to_json(),
+            "admission_wait_s": bm.dist(adm).to_json(),
+            "regions": nreg,
+            "contaminated": contaminated,
+            # Trust: what KREX could not vouch for (attestation flags included).
+            "cut": cut,
+            "flags": flags,
+            "runs_without_region": no_region,
+            "auto_wrapped": sorted(wrapped),
+        }
+
+    failures = [
+        {
+            "cell": r.get("cell"),
+            "name": r.get("name"),
+            "rep": r.get("rep"),
+            "exit_status": r.get("exit_status"),
+            "error": r.get("error"),
+            "stderr_tail": (r.get("stderr_tail") or "")[-400:],
+        }
+        for r in recs
+        if not r.get("ok")
+    ]
+
+    headline = _headline(thr, infl, ranking, critical, ns_cpm)
+    sim = meta.get("device") == "sim"
+    return {
+        "device": meta.get("device"),
+        "simulated": sim,
+        "label": SIM_LABEL if sim else "",
+        "quick": meta.get("quick"),
+        "seed": meta.get("seed"),
+        "repeat": meta.get("repeat"),
+        "commands": len(workloads),
+        "cold_cache": meta.get("cold_cache"),
+        "versions": meta.get("versions", {}),
+        "workload_versions": _workload_versions(recs),
+        "invocations": meta.get("invocations", []),
+        "cells_done": keys,
+        "throughput": thr,
+        "native_cpm": ns_cpm,
+        "reference": {"ms": ref_ms, "wall_s": ref_wall, "expect_ms": {n: w.expect_ms for n, w in wl.items()}},
+        "inflation": infl,
+        "inflation_per_gpu": per_gpu,
+        "truth": truth,
+        "ranking": ranking,
+        "critical": critical,
+        "regions": regions,
+        "headline": headline,
+        "failures": failures,
+        "notes": list(dict.fromkeys(notes)),
+        "paper": PAPER,
+    }
+
+
+def _workload_versions(recs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, set[str]] = defaultdict(set)
+    for r in recs:
+        res = r.get("result")
+        if isinstance(res, dict):
+            for k in ("torch", "triton"):
+                if res.get(k):
+                    out[k].add(str(res[k]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _headline(
+    thr: list[dict[str, Any]],
+    infl: dict[str, dict[str, Any]],
+    ranking: dict[str, dict[str, Any]],
+    critical: dict[str, Any],
+    ns_cpm: float,
+) -> dict[str, Any]:
+    krex_cells = [t for t in thr if t["mode"] == "krex" and math.isfinite(t["cmds_per_min"])]
+    best = max(krex_cells, key=lambda t: t["cmds_per_min"]) if krex_cells else None
+    h: dict[str, Any] = {"krex_cell": best["cell"] if best else None, "native_cpm": ns_cpm}
+    goals: list[dict[str, Any]] = []
+
+    def fmt_pct(x: float) -> str:
+        return "-" if not math.isfinite(x) else f"{100 * x:.2f}%"
+
+    def met(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("yes" if ok else "NO")
+
+    unp = None
+    if best:
+        unp = next((t for t in thr if t["mode"] == "unprotected" and t["c"] == best["c"]), None)
+        h.update(krex_cpm=best["cmds_per_min"], throughput_ratio=best["ratio"], krex_c=best["c"])
+    unp_best = max(
+        (t for t in thr if t["mode"] == "unprotected" and math.isfinite(t["cmds_per_min"])),
+        key=lambda t: t["cmds_per_min"],
+        default=None,
+    )
+    ratio = best["ratio"] if best else math.nan
+    goals.append(
+        {
+            "metric": "throughput vs native serial (best krex-C)",
+            "goal": f">= {GOAL_THROUGHPUT:.1f}x",
+            "paper": f"{PAPER['throughput_ratio']}x ({PAPER['native_cpm']} -> {PAPER['krex_cpm']} cmds/min)",
+            "ours": "-"
+            if not best
+            else f"{ratio:.2f}x ({ns_cpm:.1f} -> {best['cmds_per_min']:.1f} cmds/min, {best['cell']})",
+            "met": met(None if not math.isfinite(ratio) else ratio >= GOAL_THROUGHPUT),
+        }
+    )
+    amd = float(critical.get("amdahl_bound", math.nan))
+    if not math.isfinite(amd):
+        amd_txt = "-"
+    else:
+        amd_txt = f"{amd:.1f}x (aggregate critical fraction {fmt_pct(float(critical['aggregate']))})"
+        if math.isfinite(ratio):
+            amd_txt += f"; krex reaches {ratio / amd:.0%} of it"
+    goals.append(
+        {
+            "metric": "Amdahl bound 1/(critical fraction)",
+            "goal": "-",
+            "paper": f"{1 / PAPER['critical_fraction_median']:.1f}x (median fraction 12%)",
+            "ours": amd_txt,
+            "met": "-",
+        }
+    )
+    goals.append(
+        {
+            "metric": "unprotected sharing throughput",
+            "goal": "-",
+            "paper": f"{PAPER['unprotected_cpm']} cmds/min "
+            f"({PAPER['unprotected_cpm'] / PAPER['native_cpm']:.1f}x), below KREX",
+            "ours": "-"
+            if not unp_best
+            else f"{unp_best['cmds_per_min']:.1f} cmds/min ({unp_best['ratio']:.2f}x, {unp_best['cell']})",
+            "met": "-",
+        }
+    )
+    p95: dict[str, float] = {}
+    for band, paper_v in PAPER["p95_inflation"].items():
+        d = (infl.get(best["cell"]) or {}).get(band) if best else None
+        v = float(d["p95"]) if d and d.get("p95") is not None else math.nan
+        p95[band] = v
+        nr = (infl.get("native-repeat") or {}).get(band) or {}
+        nr_v = float(nr["p95"]) if nr.get("p95") is not None else math.nan
+        ours = (
+            "-"
+            if not math.isfinite(v)
+            else f"{fmt_pct(v)} (n={d['n'] if d else 0}; native repeat {fmt_pct(nr_v)})"
+        )
+        goals.append(
+            {
+                "metric": f"p95 timing inflation, kernels {band}",
+                "goal": f"<= {fmt_pct(paper_v)}",
+                "paper": fmt_pct(paper_v),
+                "ours": ours,
+                "met": met(None if not math.isfinite(v) else v <= paper_v),
+            }
+        )
+    h["p95_inflation"] = p95
+    tau = {
+        "krex": ranking.get(best["cell"], {}).get("tau_median", math.nan) if best else math.nan,
+        "native-repeat": ranking.get("native-repeat", {}).get("tau_median", math.nan),
+        "native-serial": ranking.get("native-serial", {}).get("tau_median", math.nan),
+        "unprotected": ranking.get(unp["cell"], {}).get("tau_median", math.nan) if unp else math.nan,
+    }
+    h["tau"] = tau
+
+    def f3(x: float) -> str:
+        return "-" if not math.isfinite(x) else f"{x:.3f}"
+
+    goals.append(
+        {
+            "metric": "Kendall tau (median per family and pass), krex",
+            "goal": ">= native repeat",
+            "paper": f"{PAPER['tau']['krex']:.3f}",
+            "ours": f3(tau["krex"]),
+            "met": met(
+                None
+                if not (math.isfinite(tau["krex"]) and math.isfinite(tau["native-repeat"]))
+                else tau["krex"] >= tau["native-repeat"] - 1e-12
+            ),
+        }
+    )
+    goals.append(
+        {
+            "metric": "Kendall tau, native repeat",
+            "goal": "-",
+            "paper": f"{PAPER['tau']['native-repeat']:.3f}",
+            "ours": f3(tau["native-repeat"]),
+            "met": "-",
+        }
+    )
+    goals.append(
+        {
+            "metric": "Kendall tau, unprotected (same C)",
+            "goal": "-",
+            "paper": f"{PAPER['tau']['unprotected']:.3f}",
+            "ours": f3(tau["unprotected"]),
+            "met": "-",
+        }
+    )
+    flips: dict[str, dict[str, float]] = {}
+    kr = ranking.get(best["cell"], {}).get("flip", {}) if best else {}
+    nr_f = ranking.get("native-repeat", {}).get("flip", {})
+    un_f = ranking.get(unp["cell"], {}).get("flip", {}) if unp else {}
+    for label, _, _ in bm.GAP_CLASSES:
+        a = (kr.get(label) or {}).get("rate")
+        b = (nr_f.get(label) or {}).get("rate")
+        u = (un_f.get(label) or {}).get("rate")
+        fa = math.nan if a is None else float(a)
+        fb = math.nan if b is None else float(b)
+        fu = math.nan if u is None else float(u)
+        flips[label] = {"krex": fa, "native-repeat": fb, "unprotected": fu}
+        if (kr.get(label) or {}).get("pairs", 0) == 0 and (nr_f.get(label) or {}).get("pairs", 0) == 0:
+            continue
+        ok = None if not (math.isfinite(fa) and math.isfinite(fb)) else fa <= fb + PAPER["flip_pp"] + 1e-12
+        goals.append(
+            {
+                "metric": f"pairwise flip rate, true gap {label}",
+                "goal": "<= native repeat + 3 pp",
+                "paper": "within 3 pp of native repeat",
+                "ours": f"{fmt_pct(fa)} (native repeat {fmt_pct(fb)}, unprotected {fmt_pct(fu)})",
+                "met": met(ok),
+            }
+        )
+    h["flips"] = flips
+    h["goals"] = goals
+    return h
+
+
+# ----------------------------------------------------------------------------------- summary.md
+
+
+def _pct(x: Any, digits: int = 2) -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    return "-" if not math.isfinite(v) else f"{100 * v:.{digits}f}%"
+
+
+def _num(x: Any, fmt: str = "{:.2f}") -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    return "-" if not math.isfinite(v) else fmt.format(v)
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
+    """summary.md: the goal, the paper's figures and ours side by side, then details."""
+    L: list[str] = ["# krex bench results", ""]  # noqa: N806
+    if s.get("simulated"):
+        L += [
+            f"> **{SIM_LABEL}.** The simulated GPU models time-slicing only; every number below shows "
+            "whether the logic works, never how a real GPU performs.",
+            "",
+        ]
+    v = s.get("versions", {})
+    wv = s.get("workload_versions", {})
+    L += [
+        f"- device: **{s.get('device')}** ({', '.join(v.get('gpu_names') or []) or '-'}); "
+        f"{v.get('cpus')} CPUs; {v.get('platform')}",
+        f"- krex {v.get('krex')}, Python {v.get('python')}"
+        + (f", torch {', '.join(wv['torch'])}" if wv.get("torch") else "")
+        + (f", triton {', '.join(wv['triton'])}" if wv.get("triton") else ""),
+        f"- corpus: {s.get('commands')} commands{' (--quick)' if s.get('quick') else ''}, "
+        f"{s.get('repeat')} pass(es) per cell, seed {s.get('seed')}, "
+        f"{'fresh compiler caches per run' if s.get('cold_cache') else 'shared compiler caches'}",
+        f"- cells done: {', '.join(s.get('cells_done') or []) or '-'}",
+    ]
+    for inv in s.get("invocations", []):
+        L.append(f"- run {inv.get('started')}: `{' '.join(inv.get('argv') or []) or 'krex bench'}`")
+    L += [""]
+
+    h = s.get("headline", {})
+    L += ["## Headline: goal, paper (NVIDIA H20) and ours", ""]
+    if h.get("krex_cell"):
+        L += [
+            f"Ours are the krex cell with the highest throughput ({h['krex_cell']}), and the native-repeat "
+            "and the unprotected cell of the same C beside it.",
+            "",
+        ]
+    L += _table(
+        ["metric", "goal", "paper", "ours", "goal met"],
+        [[g["metric"], g["goal"], g["paper"], g["ours"], g["met"]] for g in h.get("goals", [])],
+    )
+    L += [""]
+
+    L += [
+        "## Throughput",
+        "",
+        "Commands per minute = runs / makespan of the cell (first start to last end). "
+        "`steady` counts only the runs that ended while the cell still had commands waiting to start.",
+        "",
+    ]
+    L += _table(
+        [
+            "cell",
+            "C",
+            "runs",
+            "failed",
+            "makespan s",
+            "cmds/min",
+            "vs native-serial",
+            "steady cmds/min",
+            "mean wall s",
+        ],
+        [
+            [
+                t["cell"],
+                str(t["c"]),
+                str(t["n_runs"]),
+                str(t["failures"]),
+                _num(t["makespan_s"], "{:.1f}"),
+                _num(t["cmds_per_min"], "{:.1f}"),
+                _num(t["ratio"], "{:.2f}x"),
+                _num(t["steady_cmds_per_min"], "{:.1f}"),
+                _num(t["mean_wall_s"], "{:.2f}"),
+            ]
+            for t in s.get("throughput", [])
+        ],
+    )
+    L += [""]
+
+    L += [
+        "## Timing inflation against native-serial",
+        "",
+        "Inflation = measured ms / the same command's native-serial ms - 1, signed. Bands are nested, by "
+        "native-serial duration (a 20 ms kernel counts in all three), as in the paper.",
+        "",
+    ]
+    rows = []
+    for k, bands in s.get("inflation", {}).items():
+        for band, _ in bm.BANDS:
+            d = bands.get(band) or {}
+            rows.append(
+                [
+                    k,
+                    band,
+                    str(d.get("n", 0)),
+                    _pct(d.get("p50")),
+                    _pct(d.get("p95")),
+                    _pct(d.get("max")),
+                    _pct(PAPER["p95_inflation"][band]),
+                ]
+            )
+    L += _table(["cell", "band", "n", "p50", "p95", "max", "paper p95 (krex)"], rows) + [""]
+    if s.get("inflation_per_gpu"):
+        L += ["### Per GPU (C commands on each GPU at once)", ""]
+        rows = []
+        for k, gs in s["inflation_per_gpu"].items():
+            for g, bands in gs.items():
+                for band, _ in bm.BANDS:
+                    d = bands.get(band) or {}
+                    if d.get("n"):
+                        rows.append([k, g, band, str(d["n"]), _pct(d.get("p50")), _pct(d.get("p95"))])
+        L += _table(["cell", "gpu", "band", "n", "p50", "p95"], rows) + [""]
+
+    L += ["## Ranking fidelity", ""]
+    truth = s.get("truth", {})
+    L += _table(
+        ["family", "true order from", "candidates (fastest first)"],
+        [
+            [f, t["kind"], ", ".join(sorted(t["values"], key=lambda n: t["values"][n]))]
+            for f, t in truth.items()
+        ],
+    ) + [""]
+    fams = list(truth)
+    L += ["### Kendall tau per family (mean over passes) and median over all (family, pass)", ""]
+    rows = []
+    for k, r in s.get("ranking", {}).items():
+        cols = []
+        for f in fams:
+            xs = r["tau"].get(f) or []
+            cols.append(_num(sum(xs) / len(xs), "{:.3f}") if xs else "-")
+        rows.append([k, *cols, _num(r.get("tau_median"), "{:.3f}")])
+    L += _table(["cell", *fams, "median"], rows) + [""]
+    L += [
+        "### Pairwise flip rate per true-gap class",
+        "",
+        "A flip: the measured order of two candidates of a family disagrees with the true order.",
+        "",
+    ]
+    rows = []
+    for k, r in s.get("ranking", {}).items():
+        cols = []
+        for label, _, _ in bm.GAP_CLASSES:
+            f = r["flip"].get(label) or {}
+            cols.append(
+                "-" if not f.get("pairs") else f"{_pct(f.get('rate'), 1)} ({f['flips']}/{f['pairs']})"
+            )
+        rows.append([k, *cols])
+    L += _table(["cell", *[g[0] for g in bm.GAP_CLASSES]], rows) + [""]
+
+    c = s.get("critical", {})
+    L += [
+        "## Critical-region fraction (native-serial)",
+        "",
+        "fraction = t_region_s / t_total_s per command (time inside `krex.region()` over the process's "
+        "whole life). Amdahl bound on the throughput gain = total command time / total region time.",
+        "",
+    ]
+    L += _table(
+        ["n", "p10", "p25", "p50", "p75", "p90", "share < 25%", "aggregate", "Amdahl bound", "paper median"],
+        [
+            [
+                str(c.get("n", 0)),
+                _pct(c.get("p10"), 1),
+                _pct(c.get("p25"), 1),
+                _pct(c.get("p50"), 1),
+                _pct(c.get("p75"), 1),
+                _pct(c.get("p90"), 1),
+                _pct(c.get("share_below_25"), 0),
+                _pct(c.get("aggregate"), 1),
+                _num(c.get("amdahl_bound"), "{:.1f}x"),
+                _pct(c.get("paper_median"), 0),
+            ]
+        ],
+    ) + [""]
+
+    L += [
+        "## Region entry overhead and queue wait",
+        "",
+        "client entry: time from `with krex.region()` to its body (queue wait + protocol), per command. "
+        "queue wait and protocol entry (block, catch stragglers, drain, freeze, pin) come from the daemon's "
+        "journal via `krex run --report`. Native and unprotected cells enter no-op regions.",
+        "",
+    ]
+    rows = []
+    for k, r in s.get("regions", {}).items():
+        ce, qw, pe, ad = r["client_entry_s"], r["queue_wait_s"], r["protocol_entry_s"], r["admission_wait_s"]
+        rows.append(
+            [
+                k,
+                _num(ce.get("p50"), "{:.4f}"),
+                _num(ce.get("p95"), "{:.4f}"),
+                _num(qw.get("p50"), "{:.4f}"),
+                _num(qw.get("p95"), "{:.4f}"),
+                _num(pe.get("p50"), "{:.5f}"),
+                _num(pe.get("p95"), "{:.5f}"),
+                _num(ad.get("p95"), "{:.4f}"),
+                str(r["regions"]),
+                str(r["contaminated"]),
+                str(r.get("cut", 0)),
+                ", ".join(f"{f} {n}" for f, n in (r.get("flags") or {}).items()) or "-",
+                str(r.get("runs_without_region", 0)),
+                ", ".join(r.get("auto_wrapped") or []) or "-",
+            ]
+        )
+    L += _table(
+        [
+            "cell",
+            "client entry p50 s",
+            "p95 s",
+            "queue wait p50 s",
+            "p95 s",
+            "protocol entry p50 s",
+            "p95 s",
+            "admission wait p95 s",
+            "regions",
+            "contaminated",
+            "cut",
+            "flagged by reason",
+            "runs without a region",
+            "auto targets wrapped",
+        ],
+        rows,
+    ) + [""]
+
+    fails = s.get("failures", [])
+    L += ["## Failures", ""]
+    if fails:
+        L += _table(
+            ["cell", "command", "pass", "exit", "error"],
+            [
+                [str(f["cell"]), str(f["name"]), str(f["rep"]), str(f["exit_status"]), str(f["error"])]
+                for f in fails[:50]
+            ],
+        )
+        if len(fails) > 50:
+            L.append(f"... and {len(fails) - 50} more (raw.jsonl has them all)")
+    else:
+        L.append("None.")
+    L += [""]
+    if s.get("notes"):
+        L += ["## Notes", ""] + [f"- {n}" for n in s["notes"]] + [""]
+    L += [
+        "## Files",
+        "",
+        "- `raw.jsonl`: one line per command run (cell, mode, C, pass, wall times, the command's JSON line, "
+        "the `krex run` report)",
+        "- `cells.jsonl`: one line per finished cell (makespan); `meta.json`: configuration and versions",
+        "- `summary.json`: every metric below in machine-readable form",
+        "- `throughput.png`, `inflation_cdf.png`, `flip_rates.png`, `critical_fraction.png`",
+        "",
+    ]
+    if s.get("simulated"):
+        L += [f"**{SIM_LABEL}.**", ""]
+    return "\n".join(L)
