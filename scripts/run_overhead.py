@@ -1,0 +1,148 @@
+"""What `krex run` adds per command when N commands start at once, against the bare command.
+
+    python3 scripts/run_overhead.py --device gpu -n 16 -r 10
+    python3 scripts/run_overhead.py --device sim -n 16 -r 10 --cmd "python3 bench.py"
+
+Each round starts N copies of the bare command at once (`python -c pass` with this
+interpreter, and the --cmd command if given), waits for all, then the same N under
+`krex run --device DEVICE --`; rounds alternate bare/krex so both see the same noise.
+Per-command wall time = spawn to exit (os.wait4). A daemon is started first in an
+isolated KREX world (own state dir, segment and simulated-GPU names; `--slots-per-gpu N`
+so all N are admitted at once) and warmed by one round that is not counted, and stopped
+at the end. Needs only the krex package (and its dependencies) and the standard library.
+Raw times go to $OUT (or --out) as run_overhead.json; the table is printed last."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def krex_argv(entry: str) -> list[str]:
+    """How `krex` is called: the console script next to this interpreter (as users call
+    it), or `python -m krex.cli.main` (what the library spawned before it had an entry)."""
+    script = Path(sys.executable).parent / "krex"
+    if entry == "script":
+        if not script.exists():
+            found = shutil.which("krex")
+            if not found:
+                sys.exit("no `krex` console script next to this python nor on PATH; use --entry module")
+            return [found]
+        return [str(script)]
+    return [sys.executable, "-m", "krex.cli.main"]
+
+
+def wave(argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[tuple[float, float, int]]:
+    """Start every argv at once; return (wall seconds, CPU seconds of it and its reaped
+    children, exit status) per command. CPU time does not depend on contention."""
+    t0: dict[int, float] = {}
+    out: dict[int, tuple[float, float, int]] = {}
+    procs = []
+    for a in argvs:
+        t = time.perf_counter()
+        p = subprocess.Popen(a, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        t0[p.pid] = t
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
+        if time.monotonic() > deadline:
+            for p in procs:
+                if p.pid not in out:
+                    p.kill()
+            raise SystemExit(f"a wave did not finish within {timeout:g} s")
+        pid, status, ru = os.wait4(-1, 0)
+        if pid in t0:
+            out[pid] = (time.perf_counter() - t0[pid], ru.ru_utime + ru.ru_stime, os.waitstatus_to_exitcode(status))
+    for p in procs:
+        p.returncode = out[p.pid][2]  # reaped above; keeps Popen from waiting again
+    return [out[p.pid] for p in procs]
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["sim", "gpu"], default="sim")
+    ap.add_argument("-n", type=int, default=16, help="commands started at once (default 16)")
+    ap.add_argument("-r", "--repeat", type=int, default=5, help="rounds per case (default 5)")
+    ap.add_argument("--cmd", default=None, help="another command to measure the same way (a shell-quoted line)")
+    ap.add_argument("--entry", choices=["script", "module"], default="script",
+                    help="krex as the console script (default) or `python -m krex.cli.main`")
+    ap.add_argument("--krex-arg", action="append", default=[],
+                    help="extra argument for `krex run` (repeatable), e.g. --krex-arg=--report=/dev/null")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="where to write run_overhead.json")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per wave")
+    args = ap.parse_args()
+
+    world = Path(tempfile.mkdtemp(prefix="krex-overhead-"))
+    tag = f"{os.getpid()}"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KREX_") and k not in ("LD_PRELOAD",)}
+    env.update(KREX_STATE_DIR=str(world / "state"), KREX_SHM=f"/krex-ovh-{tag}", KREX_SIM_SHM=f"/krex-ovhsim-{tag}")
+    if args.device == "sim":
+        env["KREX_SIM_TRACE"] = str(world / "trace.jsonl")
+    krex = krex_argv(args.entry)
+    cases: list[tuple[str, list[str]]] = [("python -c pass", [sys.executable, "-c", "pass"])]
+    if args.cmd:
+        cases.append((args.cmd, shlex.split(args.cmd)))
+
+    start = subprocess.run([*krex, "daemon", "start", "--device", args.device, "--slots-per-gpu", str(args.n)],
+                           env=env, capture_output=True, text=True, timeout=60)
+    if start.returncode != 0:
+        sys.exit(f"krex daemon start failed ({start.returncode}): {start.stderr.strip()}")
+    raw: dict[str, Any] = {"device": args.device, "n": args.n, "repeat": args.repeat, "krex": krex,
+                           "python": sys.executable, "cpus": os.cpu_count(), "cases": {}}
+    rows = []
+    try:
+        for name, cmd in cases:
+            under = [*krex, "-q", "run", "--device", args.device, *args.krex_arg, "--", *cmd]
+            wave([under] * args.n, env, args.timeout)  # warm-up: page cache, daemon threads
+            wave([cmd] * args.n, env, args.timeout)
+            wall: dict[str, list[float]] = {"bare": [], "krex": []}
+            cpu: dict[str, list[float]] = {"bare": [], "krex": []}
+            bad: list[int] = []
+            for _ in range(args.repeat):
+                for label, argv in (("bare", cmd), ("krex", under)):
+                    res = wave([argv] * args.n, env, args.timeout)
+                    wall[label].extend(w for w, _c, _rc in res)
+                    cpu[label].extend(c for _w, c, _rc in res)
+                    bad += [rc for _w, _c, rc in res if rc != 0]
+            raw["cases"][name] = {"wall_s": wall, "cpu_s": cpu, "nonzero_exits": bad}
+            mb, mk = statistics.median(wall["bare"]), statistics.median(wall["krex"])
+            cb, ck = statistics.median(cpu["bare"]), statistics.median(cpu["krex"])
+            rows.append((name, mb, pct(wall["bare"], 0.95), mk, pct(wall["krex"], 0.95), mk - mb, ck - cb, len(bad)))
+    finally:
+        subprocess.run([*krex, "daemon", "stop"], env=env, capture_output=True, timeout=60)
+        for n in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
+            Path("/dev/shm" + n).unlink(missing_ok=True)
+        shutil.rmtree(world, ignore_errors=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "run_overhead.json").write_text(json.dumps(raw, indent=1))
+    print(f"\nkrex run overhead: device {args.device}, {args.n} commands at once, {args.repeat} rounds, "
+          f"{os.cpu_count()} CPUs, krex = {' '.join(krex)}")
+    print(f"{'command':<28} {'bare p50':>9} {'bare p95':>9} {'krex p50':>9} {'krex p95':>9} {'added p50':>10} {'added CPU':>10} {'rc!=0':>6}")
+    for name, mb, pb, mk, pk, add, addc, nbad in rows:
+        print(f"{name[:28]:<28} {mb * 1e3:8.1f}ms {pb * 1e3:8.1f}ms {mk * 1e3:8.1f}ms {pk * 1e3:8.1f}ms "
+              f"{add * 1e3:9.1f}ms {addc * 1e3:9.1f}ms {nbad:>6}")
+    print("added p50: median krex wall - median bare wall per command; added CPU: the same for user+sys "
+          "CPU time of the command's process tree (krex: guardian + command)")
+    if any(r[7] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
