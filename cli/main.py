@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -23,6 +22,7 @@ from . import quiet
 from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
 from .fleet_cmd import register as register_fleet
+from .lean import setup_cli_logging
 
 DEVICE = click.Choice(["auto", "gpu", "sim"])
 
@@ -58,19 +58,6 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
         raise click.UsageError("-v and -q contradict each other")
     ctx.obj = {"quiet": quiet, "verbose": verbose}
     setup_cli_logging(verbose, quiet)
-
-
-def setup_cli_logging(verbose: int, quiet: bool) -> None:
-    """The library logs to the `krex` logger (NullHandler by default); the CLI shows
-    warnings, -v info, -vv debug, -q errors only."""
-    level = logging.ERROR if quiet else {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-    lg = logging.getLogger("krex")
-    if not any(getattr(h, "_krex_cli", False) for h in lg.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("krex: %(levelname)s %(name)s: %(message)s"))
-        h._krex_cli = True  # type: ignore[attr-defined]
-        lg.addHandler(h)
-    lg.setLevel(level)
 
 
 def _fmt_s(s: float) -> str:
@@ -329,90 +316,10 @@ def run(
     Exit status: CMD's own; 125 when KREX itself failed (the error is printed and,
     with --report, written to the report as `krex_error`); 126/127 when CMD cannot
     be executed / is not found."""
-    from krex.errors import KrexError, run_exit_code
+    from .lean import run_command
 
-    try:
-        status = _run(device, gpu, report, no_daemon, freeze, list(cmd), keep_leftovers)
-    except KrexError as e:
-        e.exit_code = run_exit_code(e)
-        if report:
-            with contextlib.suppress(OSError, KrexError):
-                _write_report(report, {"exit_status": e.exit_code, "krex_error": _error_json(e)})
-        raise
-    sys.exit(status)
-
-
-def _error_json(e: Exception) -> dict[str, str]:
-    return {"kind": type(e).__name__, "message": str(e), "fix": str(getattr(e, "fix", ""))}
-
-
-def _check_report_path(report: str) -> None:
-    """Before the command runs: a report that cannot be written would lose it."""
-    from krex.errors import UsageError
-
-    path = os.path.abspath(report)
-    parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        raise UsageError(f"--report {report} is a directory", "give a file path, e.g. --report out/run.json")
-    if not os.path.isdir(parent):
-        raise UsageError(
-            f"--report {report}: the directory {parent} does not exist", f"create it first: mkdir -p {parent}"
-        )
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"--report {report} is not writable", "give a path in a directory you may write")
-
-
-def _write_report(report: str, data: dict[str, Any]) -> None:
-    from krex.errors import KrexError
-
-    try:
-        with open(report, "w") as f:
-            json.dump(data, f, indent=2)
-    except OSError as e:
-        raise KrexError(
-            f"cannot write the report {report}: {e.strerror} (the command exited {data.get('exit_status')})",
-            "give --report a writable path",
-        ) from e
-
-
-def _run(
-    device: str,
-    gpu: int | None,
-    report: str | None,
-    no_daemon: bool,
-    freeze: str | None,
-    cmd: list[str],
-    keep_leftovers: bool = False,
-) -> int:
-    from krex.gpus import discover
-    from krex.launcher import resolve_command, run_direct, run_guarded
-
-    if report:
-        _check_report_path(report)
-    resolve_command(cmd)  # fail on a bad command before touching anything
-    info = discover(device)
-    kind = "sim" if info.kind == "sim" else "gpu"
-    if gpu is not None and not 0 <= gpu < info.count:
-        from krex.errors import NotFound
-
-        # Checked here so a refused command never starts a daemon.
-        raise NotFound(
-            f"unknown GPU {gpu}: this node has {info.count} GPU(s) (0..{info.count - 1})",
-            "pick a GPU index from `krex status`",
-        )
-    if no_daemon:
-        return run_direct(cmd, kind, gpu, info.count)
-    res = run_guarded(
-        cmd,
-        kind,
-        gpu,
-        notify=lambda m: None if quiet() else click.echo(m, err=True),
-        freeze=freeze,
-        keep_leftovers=keep_leftovers,
-    )
-    if report:
-        _write_report(report, res.report)
-    return res.exit_status
+    notify = (lambda _m: None) if quiet() else (lambda m: click.echo(m, err=True))
+    sys.exit(run_command(device, gpu, report, no_daemon, freeze, list(cmd), keep_leftovers, notify))
 
 
 @cli.group()

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from krex.envvars import opt_in_env
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
-from krex.shm import Segment
+
+if TYPE_CHECKING:
+    from krex.client import Client
+    from krex.shm import Segment
+
+# Imports inside functions keep `krex run`'s start-up short (issue 11): every module
+# loaded here is paid by every command.
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -40,6 +43,8 @@ def resolve_command(cmd: Sequence[str]) -> str:
                 f"{exe} is not executable", f"chmod +x {exe}, or run it through its interpreter"
             )
         return exe
+    import shutil
+
     found = shutil.which(exe)
     if not found:
         raise CommandNotFound(f"command not found: {exe}", "check the spelling, or that it is on PATH")
@@ -58,6 +63,8 @@ class Launch:
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
     """Run the command in its own process group; forward signals; return a
     shell-style exit status (128+N for a signal)."""
+    import subprocess
+
     child: subprocess.Popen[bytes] | None = None
 
     def forward(signum: int, _frame: object) -> None:
@@ -99,6 +106,9 @@ def run_direct(
     extra_env: dict[str, str] | None = None,
 ) -> int:
     """First-version run without a daemon: claim a slot in the segment directly."""
+    from krex.envvars import opt_in_env
+    from krex.shm import Segment
+
     exe = resolve_command(cmd)
     seg = Segment.create(shm_name, n_gpus=n_gpus)
     try:
@@ -150,6 +160,52 @@ def _static_cudart_warning(exe: str) -> str | None:
     return None
 
 
+def connect_daemon(device: str, gpu: int | None) -> tuple[Client, str | None]:
+    """The daemon for `krex run`, and the device kind ("sim"/"gpu") if it had to be found here.
+
+    A daemon that answers has discovered the GPUs itself: its admission reply says which
+    device it runs and refuses an unknown `gpu`, so no GPU discovery (NVML) runs here (None).
+    Only when none answers are the GPUs discovered and `gpu` checked here, so a refused
+    command never starts a daemon; then one is started for that device."""
+    from krex.client import Client
+    from krex.errors import NotFound
+
+    if device not in ("sim", "gpu", "auto"):
+        raise UsageError(f"unknown device {device!r}", "use one of: auto, gpu, sim")
+    try:
+        return Client.connect(), None
+    except NotFound:
+        pass
+    kind, count = discover_kind(device)
+    if gpu is not None and not 0 <= gpu < count:
+        raise NotFound(
+            f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
+            "pick a GPU index from `krex status`",
+        )
+    return Client.connect(autostart=True, device=kind), kind
+
+
+def discover_kind(device: str) -> tuple[str, int]:
+    """("sim" or "gpu", GPU count) for `--device auto|gpu|sim` (krex.gpus.discover)."""
+    from krex.gpus import discover
+
+    info = discover(device)
+    return ("sim" if info.kind == "sim" else "gpu"), info.count
+
+
+def _run_kind(device: str, found: str | None, adm: dict[str, Any]) -> str:
+    """The kind the command opts into: `--device sim` or a simulated daemon under `auto`
+    is "sim"; `--device gpu` is "gpu" (a simulated daemon: only after discovery here finds
+    a real GPU, as when the daemon was not asked)."""
+    if found is not None:
+        return found
+    if device == "sim" or (device == "auto" and adm.get("device") == "sim"):
+        return "sim"
+    if device == "gpu" and adm.get("device") == "sim":
+        return discover_kind("gpu")[0]  # raises NotFound without a real GPU
+    return "gpu"
+
+
 def run_guarded(
     cmd: Sequence[str],
     device: str,
@@ -160,16 +216,17 @@ def run_guarded(
 ) -> RunResult:
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
-    own command if the daemon disappears (invariant I5)."""
-    from krex import freezer, journal, paths
-    from krex.client import Client
+    own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
+    with a daemon running, no GPU discovery happens here (connect_daemon)."""
+    from krex import freezer, paths
+    from krex.envvars import opt_in_env
     from krex.shm import Segment
 
     exe = resolve_command(cmd)
     warns = [w for w in [_static_cudart_warning(exe)] if w]
     for w in warns:
         notify("warning: " + w)
-    client = Client.connect(autostart=True, device=device)
+    client, found = connect_daemon(device, gpu)
     waited: list[bool] = []
 
     def on_event(ev: dict[str, object]) -> None:
@@ -177,7 +234,15 @@ def run_guarded(
             notify(f"krex: waiting for a free slot ({ev.get('slots_busy')} commands are running)...")
             waited.append(True)
 
-    adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
+    try:
+        adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
+        kind = _run_kind(device, found, adm)
+    except BaseException:
+        with contextlib.suppress(KrexError, OSError):
+            client.request({"op": "release"})
+        client.close()
+        raise
+    device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
     sim = adm.get("physical") is not None and device == "sim"
     simulated = adm.get("device") == "sim" or device == "sim"
@@ -198,7 +263,6 @@ def run_guarded(
     )
     if adm.get("vendor") == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
         env["HIP_VISIBLE_DEVICES"] = str(adm["physical"])
-    import tempfile
 
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
     # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
@@ -206,7 +270,7 @@ def run_guarded(
     # (A private temporary directory: the state directory may belong to another user.)
     auto_dir: Path | None = None
     with contextlib.suppress(OSError):
-        auto_dir = Path(tempfile.mkdtemp(prefix=f"krex-auto-{slot}-"))
+        auto_dir = _private_tmpdir(f"krex-auto-{slot}-")
         env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
     if adm.get("generation") is not None:
         # The shim compares it with the slot's generation: a process of this command that
@@ -220,7 +284,7 @@ def run_guarded(
         _set_affinity(list(adm.get("shared_cpus") or [])),
     ]
 
-    stop = threading.Event()
+    stop = _Stop()
     guardian = _Guardian(client.daemon_pid, str(adm["shm"]), slot, g, backend, group_path, child_pid, notify)
     watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
     watcher.start()
@@ -249,6 +313,7 @@ def run_guarded(
     finally:
         stop.set()
         watcher.join(timeout=2)
+        stop.close()
         report: dict[str, object] = {
             "slot": slot,
             "gpu": g,
@@ -267,7 +332,7 @@ def run_guarded(
                 )
         except KrexError:
             pass
-        rel: dict[str, object] = {}
+        rel: dict[str, Any] = {}
         with contextlib.suppress(KrexError, OSError):
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
@@ -284,17 +349,16 @@ def run_guarded(
             else:
                 act = rel.get("action")
                 notify(f"krex: {len(left)} process(es) outlived the command and were {act}: {what}")
-        regs: list[dict[str, object]] = []
-        try:
-            jr = journal.read_counted(paths.journal_path())
-            regs = [r for r in jr.records if r.get("owner_slot") == slot and float(r["ts"]) >= t_start]
-            if jr.skipped:
-                report["journal_skipped_lines"] = jr.skipped
-        except NotFound:
-            pass
-        except KrexError as e:  # never fatal: the command ran; the report says what is missing
-            report["journal_error"] = str(e)
-            notify(f"krex: warning: {e}")
+        regs: list[dict[str, Any]] = []
+        if isinstance(rel.get("regions"), list):
+            # The daemon's own records of this slot's regions (what it journaled): no need
+            # to read the whole journal, which grows with every command the node ran.
+            regs = [r for r in rel["regions"] if isinstance(r, dict)]
+            if rel.get("journal_error"):
+                report["journal_error"] = str(rel["journal_error"])
+                notify(f"krex: warning: {rel['journal_error']}")
+        else:  # no reply (the daemon is gone: the guardian may have journaled), or too many
+            regs = _journal_regions(slot, t_start, report, notify)
         if guardian.events:
             report["daemon_events"] = guardian.events
         report["regions"] = regs
@@ -320,6 +384,60 @@ def run_guarded(
         notify(auto_region_warning(str(auto_rep.get("value")), auto_rep))
     report["exit_status"] = status
     return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
+
+
+def _journal_regions(
+    slot: int, t_start: float, report: dict[str, object], notify: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """This slot's regions since `t_start`, read from the journal."""
+    from krex import journal, paths
+
+    try:
+        jr = journal.read_counted(paths.journal_path())
+        if jr.skipped:
+            report["journal_skipped_lines"] = jr.skipped
+        return [r for r in jr.records if r.get("owner_slot") == slot and float(r["ts"]) >= t_start]
+    except NotFound:
+        return []
+    except KrexError as e:  # never fatal: the command ran; the report says what is missing
+        report["journal_error"] = str(e)
+        notify(f"krex: warning: {e}")
+        return []
+
+
+def _private_tmpdir(prefix: str) -> Path:
+    """tempfile.mkdtemp without importing tempfile (and random) on the launch path."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    for _ in range(100):
+        p = Path(base, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(p, 0o700)
+            return p
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name for {prefix} in {base}")
+
+
+class _Stop:
+    """threading.Event for the watcher, plus a pipe its select() wakes on, so the
+    guardian need not wait out a poll interval when the command has ended."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.r, self.w = os.pipe()
+
+    def set(self) -> None:
+        self.event.set()
+        with contextlib.suppress(OSError):
+            os.write(self.w, b"x")
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 _STATE_RANK = {
@@ -511,11 +629,12 @@ class _Guardian:
         self.backend, self.group_path, self.child_pid, self.notify = backend, group_path, child_pid, notify
         self.events: list[dict[str, object]] = []
 
-    def watch(self, stop: threading.Event) -> None:
+    def watch(self, stop: _Stop) -> None:
         import select
 
         from krex.client import Client
         from krex.native import lib
+        from krex.shm import Segment
 
         poll_s = lib.KREX_GUARDIAN_POLL_NS / 1e9
         seg: Segment | None = None
@@ -532,7 +651,9 @@ class _Guardian:
                 if w is None:
                     self._lost(seg, "no connection to krexd")
                     return
-                r, _, _ = select.select([w.sock], [], [], poll_s)
+                r, _, _ = select.select([w.sock, stop.r], [], [], poll_s)
+                if stop.is_set():
+                    return
                 if r:
                     try:
                         gone = not w.sock.recv(1)

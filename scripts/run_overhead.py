@@ -68,6 +68,13 @@ def wave(argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[tu
     return [out[p.pid] for p in procs]
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process (its own threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
@@ -103,6 +110,8 @@ def main() -> None:
                            env=env, capture_output=True, text=True, timeout=60)
     if start.returncode != 0:
         sys.exit(f"krex daemon start failed ({start.returncode}): {start.stderr.strip()}")
+    st = subprocess.run([*krex, "daemon", "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
+    daemon_pid = int(json.loads(st.stdout)["daemon"]["pid"])
     raw: dict[str, Any] = {"device": args.device, "n": args.n, "repeat": args.repeat, "krex": krex,
                            "python": sys.executable, "cpus": os.cpu_count(), "cases": {}}
     rows = []
@@ -114,16 +123,21 @@ def main() -> None:
             wall: dict[str, list[float]] = {"bare": [], "krex": []}
             cpu: dict[str, list[float]] = {"bare": [], "krex": []}
             bad: list[int] = []
+            daemon_cpu = 0.0
             for _ in range(args.repeat):
                 for label, argv in (("bare", cmd), ("krex", under)):
+                    d0 = proc_cpu_s(daemon_pid)
                     res = wave([argv] * args.n, env, args.timeout)
+                    if label == "krex":
+                        daemon_cpu += proc_cpu_s(daemon_pid) - d0
                     wall[label].extend(w for w, _c, _rc in res)
                     cpu[label].extend(c for _w, c, _rc in res)
                     bad += [rc for _w, _c, rc in res if rc != 0]
-            raw["cases"][name] = {"wall_s": wall, "cpu_s": cpu, "nonzero_exits": bad}
+            per_cmd_daemon = daemon_cpu / (args.repeat * args.n)
+            raw["cases"][name] = {"wall_s": wall, "cpu_s": cpu, "nonzero_exits": bad, "daemon_cpu_s_per_cmd": per_cmd_daemon}
             mb, mk = statistics.median(wall["bare"]), statistics.median(wall["krex"])
             cb, ck = statistics.median(cpu["bare"]), statistics.median(cpu["krex"])
-            rows.append((name, mb, pct(wall["bare"], 0.95), mk, pct(wall["krex"], 0.95), mk - mb, ck - cb, len(bad)))
+            rows.append((name, mb, pct(wall["bare"], 0.95), mk, pct(wall["krex"], 0.95), mk - mb, ck - cb, per_cmd_daemon, len(bad)))
     finally:
         subprocess.run([*krex, "daemon", "stop"], env=env, capture_output=True, timeout=60)
         for n in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
@@ -134,13 +148,14 @@ def main() -> None:
         Path(args.out, "run_overhead.json").write_text(json.dumps(raw, indent=1))
     print(f"\nkrex run overhead: device {args.device}, {args.n} commands at once, {args.repeat} rounds, "
           f"{os.cpu_count()} CPUs, krex = {' '.join(krex)}")
-    print(f"{'command':<28} {'bare p50':>9} {'bare p95':>9} {'krex p50':>9} {'krex p95':>9} {'added p50':>10} {'added CPU':>10} {'rc!=0':>6}")
-    for name, mb, pb, mk, pk, add, addc, nbad in rows:
+    print(f"{'command':<28} {'bare p50':>9} {'bare p95':>9} {'krex p50':>9} {'krex p95':>9} {'added p50':>10} {'added CPU':>10} {'krexd CPU':>10} {'rc!=0':>6}")
+    for name, mb, pb, mk, pk, add, addc, dcpu, nbad in rows:
         print(f"{name[:28]:<28} {mb * 1e3:8.1f}ms {pb * 1e3:8.1f}ms {mk * 1e3:8.1f}ms {pk * 1e3:8.1f}ms "
-              f"{add * 1e3:9.1f}ms {addc * 1e3:9.1f}ms {nbad:>6}")
+              f"{add * 1e3:9.1f}ms {addc * 1e3:9.1f}ms {dcpu * 1e3:9.1f}ms {nbad:>6}")
     print("added p50: median krex wall - median bare wall per command; added CPU: the same for user+sys "
-          "CPU time of the command's process tree (krex: guardian + command)")
-    if any(r[7] for r in rows):
+          "CPU time of the command's process tree (krex: guardian + command); krexd CPU: the daemon's CPU time "
+          "per krex command")
+    if any(r[8] for r in rows):
         sys.exit(1)
 
 
