@@ -651,7 +651,7 @@ class _Guardian:
                 if w is None:
                     self._lost(seg, "no connection to krexd")
                     return
-                r, _, _ = select.select([w.sock, stop.r], [], [], poll_s)
+                r, _, _ = select.select([w.sock.fileno(), stop.r], [], [], poll_s)
                 if stop.is_set():
                     return
                 if r:

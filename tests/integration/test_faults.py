@@ -390,7 +390,8 @@ def test_journal_replaced_by_a_directory_is_not_fatal(krex_env: dict[str, str], 
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
     # krexd's own error (the report's regions come from krexd, so they are not lost with it).
-    assert "cannot write the journal" in r["journal_error"] and "is a directory" in r["journal_error"].lower(), r
+    err = r["journal_error"]
+    assert "cannot write the journal" in err and "is a directory" in err.lower(), r
     assert len(r["regions"]) == 1 and r["regions"][0]["owner_slot"] == r["slot"], r
     st = krex(krex_env, "daemon", "status", "--json")
     assert "journal" in json.loads(st.stdout)["daemon"]["journal_error"]

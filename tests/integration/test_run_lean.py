@@ -34,11 +34,14 @@ def journal(env: dict[str, str]) -> list[dict[str, object]]:
     return json.loads(p.stdout)  # type: ignore[no-any-return]
 
 
-def test_lean_run_loads_neither_click_nor_discovery_with_a_daemon(krex_env: dict[str, str], tmp_path: Path) -> None:
+def test_lean_run_loads_neither_click_nor_discovery_with_a_daemon(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
     env = krex_env
     assert run([*KREX, "daemon", "start", "--device", "sim"], env).returncode == 0
     rep = tmp_path / "r.json"
-    p = run([*LEAN_IMPORTTIME, "run", "--device", "sim", "--report", str(rep), "--", "sh", "-c", "echo hi; exit 3"], env)
+    argv = ["run", "--device", "sim", "--report", str(rep), "--", "sh", "-c", "echo hi; exit 3"]
+    p = run([*LEAN_IMPORTTIME, *argv], env)
     assert p.returncode == 3 and p.stdout == "hi\n", p.stderr
     mods = imported(p.stderr)
     assert "krex.launcher" in mods and "krex.client" in mods  # the measurement sees the run path
@@ -117,7 +120,9 @@ def test_report_regions_come_from_the_release_reply_and_equal_the_journal(
     assert all(g["owner_slot"] == r["slot"] for g in mine)
 
 
-def test_region_of_a_command_killed_inside_it_is_in_the_report(krex_env: dict[str, str], tmp_path: Path) -> None:
+def test_region_of_a_command_killed_inside_it_is_in_the_report(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
     """The owner dies in its region: krexd ends and journals the region after the guardian's
     `release` has started; the reply waits for that record, so the report has it."""
     env = dict(krex_env)
@@ -135,7 +140,8 @@ def test_many_regions_fall_back_to_the_journal(krex_env: dict[str, str], tmp_pat
     env = dict(krex_env, KREX_JOURNAL_MAX_BYTES=str(64 << 20))
     code = "import krex\nfor i in range(1001):\n    with krex.region():\n        pass\n"
     rep = tmp_path / "r.json"
-    p = run([*LEAN, "run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", code], env, 300)
+    argv = ["run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", code]
+    p = run([*LEAN, *argv], env, 300)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
     assert r["region_count"] == 1001 and r["regions"] == journal(env)

@@ -4,8 +4,8 @@ exactly as the click CLI does, and leave every other one to click."""
 from __future__ import annotations
 
 import pytest
-
 from krex.cli.lean import parse_run
+
 from krex.launcher import _run_kind
 
 TAKEN = [
@@ -42,9 +42,9 @@ LEFT_TO_CLICK = [
 
 
 def _click_parse(argv: list[str]) -> dict[str, object]:
-    from krex.cli.main import cli
-
     import warnings
+
+    from krex.cli.main import cli
 
     ctx = cli.make_context("krex", list(argv), resilient_parsing=False)
     with warnings.catch_warnings():  # click 8.2 deprecates protected_args; 8.1 needs it
