@@ -24,7 +24,6 @@ import re
 import select
 import signal
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -998,6 +997,8 @@ class SignalFreezer(Freezer):
 
 
 def _state_base() -> str:
+    import tempfile  # here: `krex run` imports this module and should not pay for tempfile
+
     if os.geteuid() == 0 and os.access("/run", os.W_OK):
         return "/run"
     base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(tempfile.gettempdir(), f"krex-{os.geteuid()}")

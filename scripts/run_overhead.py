@@ -68,6 +68,28 @@ def wave(argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[tu
     return [out[p.pid] for p in procs]
 
 
+def stream(argv: list[str], env: dict[str, str], total: int, inflight: int, timeout: float) -> float:
+    """Run `total` copies of argv with at most `inflight` at once, starting the next as one
+    ends (as `krex batch -j` does); the makespan in seconds."""
+    t0 = time.perf_counter()
+    live: set[int] = set()
+    started = 0
+    deadline = time.monotonic() + timeout
+    while started < total or live:
+        while started < total and len(live) < inflight:
+            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            p.returncode = 0  # reaped below
+            live.add(p.pid)
+            started += 1
+        if time.monotonic() > deadline:
+            raise SystemExit(f"a stream did not finish within {timeout:g} s")
+        pid, status, _ru = os.wait4(-1, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"a streamed command failed ({os.waitstatus_to_exitcode(status)}): {argv}")
+        live.discard(pid)
+    return time.perf_counter() - t0
+
+
 def proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a running process (its own threads)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -90,6 +112,13 @@ def main() -> None:
                     help="krex as the console script (default) or `python -m krex.cli.main`")
     ap.add_argument("--krex-arg", action="append", default=[],
                     help="extra argument for `krex run` (repeatable), e.g. --krex-arg=--report=/dev/null")
+    ap.add_argument("--stream", type=int, default=0, metavar="M",
+                    help="also: M commands through -n slots, started as slots free up, without and with "
+                    "--prewarm guardians started early (they wait in admission); makespans")
+    ap.add_argument("--prewarm", type=int, default=None, metavar="K",
+                    help="extra guardians in flight for --stream (default: -n)")
+    ap.add_argument("--stream-cmd", default=None,
+                    help="the streamed command (default: python -c 'import time; time.sleep(1)')")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where to write run_overhead.json")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per wave")
     args = ap.parse_args()
@@ -115,6 +144,7 @@ def main() -> None:
     raw: dict[str, Any] = {"device": args.device, "n": args.n, "repeat": args.repeat, "krex": krex,
                            "python": sys.executable, "cpus": os.cpu_count(), "cases": {}}
     rows = []
+    srow: tuple[str, float, float, int] = ("", 0.0, 0.0, 0)
     try:
         for name, cmd in cases:
             under = [*krex, "-q", "run", "--device", args.device, *args.krex_arg, "--", *cmd]
@@ -138,6 +168,16 @@ def main() -> None:
             mb, mk = statistics.median(wall["bare"]), statistics.median(wall["krex"])
             cb, ck = statistics.median(cpu["bare"]), statistics.median(cpu["krex"])
             rows.append((name, mb, pct(wall["bare"], 0.95), mk, pct(wall["krex"], 0.95), mk - mb, ck - cb, per_cmd_daemon, len(bad)))
+        if args.stream:
+            scmd = shlex.split(args.stream_cmd) if args.stream_cmd else [sys.executable, "-c", "import time; time.sleep(1)"]
+            sunder = [*krex, "-q", "run", "--device", args.device, *args.krex_arg, "--", *scmd]
+            k = args.n if args.prewarm is None else args.prewarm
+            spans: dict[str, list[float]] = {"plain": [], "prewarm": []}
+            for _ in range(args.repeat):
+                for label, inflight in (("plain", args.n), ("prewarm", args.n + k)):
+                    spans[label].append(stream(sunder, env, args.stream, inflight, args.timeout * args.stream))
+            raw["stream"] = {"cmd": scmd, "total": args.stream, "slots": args.n, "prewarm": k, "makespan_s": spans}
+            srow = (" ".join(scmd), statistics.median(spans["plain"]), statistics.median(spans["prewarm"]), k)
     finally:
         subprocess.run([*krex, "daemon", "stop"], env=env, capture_output=True, timeout=60)
         for n in (env["KREX_SHM"], env["KREX_SIM_SHM"]):
@@ -155,6 +195,13 @@ def main() -> None:
     print("added p50: median krex wall - median bare wall per command; added CPU: the same for user+sys "
           "CPU time of the command's process tree (krex: guardian + command); krexd CPU: the daemon's CPU time "
           "per krex command")
+    if args.stream:
+        name, plain, pre, k = srow
+        print(f"\nstream: {args.stream} x `{name[:40]}` through {args.n} slots, {args.repeat} rounds (median makespan)")
+        print(f"  plain (next guardian starts when a command ends): {plain:.2f} s, "
+              f"{60 * args.stream / plain:.1f} commands/min")
+        print(f"  prewarm (+{k} guardians waiting in admission):    {pre:.2f} s, "
+              f"{60 * args.stream / pre:.1f} commands/min, gain {100 * (plain / pre - 1):+.1f}%")
     if any(r[8] for r in rows):
         sys.exit(1)
 
