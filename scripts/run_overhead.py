@@ -9,7 +9,18 @@ interpreter, and the --cmd command if given), waits for all, then the same N und
 Per-command wall time = spawn to exit (os.wait4). A daemon is started first in an
 isolated KREX world (own state dir, segment and simulated-GPU names; `--slots-per-gpu N`
 so all N are admitted at once) and warmed by one round that is not counted, and stopped
-at the end. Needs only the krex package (and its dependencies) and the standard library.
+at the end. Needs only the krex package (and its dependencies) and the standard library,
+and drives only the `krex` CLI, so the same file measures an older checkout too (before/after).
+
+--journal-mb fills the fresh journal first, as on a node with history (a guardian that reads
+the journal pays for its size). --stream M runs M commands through N slots, starting the next
+`krex run` as one ends, against keeping K more guardians in flight that wait in admission
+with their interpreter and imports done ("pre-warmed starts"); it prints both makespans.
+
+On the H200, one call of about 3-5 minutes (logs and raw times to $OUT):
+
+    python3 scripts/run_overhead.py --device gpu -n 16 -r 10 --journal-mb 16 --stream 48
+
 Raw times go to $OUT (or --out) as run_overhead.json; the table is printed last."""
 
 from __future__ import annotations
@@ -90,6 +101,22 @@ def stream(argv: list[str], env: dict[str, str], total: int, inflight: int, time
     return time.perf_counter() - t0
 
 
+def fill_journal(path: Path, size: int) -> None:
+    """Older region records (slot 63, a day old) up to `size` bytes, as krexd writes them."""
+    rec = {"ts": time.time() - 86400, "gpu": 0, "owner_slot": 63, "owner_pid": 1, "tid": 1, "slot": 63,
+           "queue_wait_s": 1e-4, "block_s": 1e-4, "inflight_s": 1e-5, "drain_s": 1e-5, "freeze_s": 1e-5,
+           "pin_s": 1e-4, "entry_s": 5e-4, "drained": 0, "frozen_slots": [], "freeze_policy": "all",
+           "running_slots": [], "freeze_why": [], "reserved_cpus": [1], "contaminated": False, "reasons": [],
+           "flags": [], "region_s": 1e-3, "thaw_s": 1e-5, "end": "end", "siblings_frozen": 0, "cut": False,
+           "attest": {"nvml": "unavailable"}}
+    line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o640)
+    try:
+        os.write(fd, line * max(1, size // len(line)))
+    finally:
+        os.close(fd)
+
+
 def proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a running process (its own threads)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -119,6 +146,9 @@ def main() -> None:
                     help="extra guardians in flight for --stream (default: -n)")
     ap.add_argument("--stream-cmd", default=None,
                     help="the streamed command (default: python -c 'import time; time.sleep(1)')")
+    ap.add_argument("--journal-mb", type=float, default=0.0,
+                    help="fill the fresh journal with this many MiB of older region records first, as on a "
+                    "node with history (a guardian that reads the journal pays for its size)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where to write run_overhead.json")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per wave")
     args = ap.parse_args()
@@ -141,7 +171,9 @@ def main() -> None:
         sys.exit(f"krex daemon start failed ({start.returncode}): {start.stderr.strip()}")
     st = subprocess.run([*krex, "daemon", "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
     daemon_pid = int(json.loads(st.stdout)["daemon"]["pid"])
-    raw: dict[str, Any] = {"device": args.device, "n": args.n, "repeat": args.repeat, "krex": krex,
+    if args.journal_mb > 0:
+        fill_journal(world / "state" / "journal.jsonl", int(args.journal_mb * (1 << 20)))
+    raw: dict[str, Any] = {"journal_mb": args.journal_mb, "device": args.device, "n": args.n, "repeat": args.repeat, "krex": krex,
                            "python": sys.executable, "cpus": os.cpu_count(), "cases": {}}
     rows = []
     srow: tuple[str, float, float, int] = ("", 0.0, 0.0, 0)
@@ -187,7 +219,8 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "run_overhead.json").write_text(json.dumps(raw, indent=1))
     print(f"\nkrex run overhead: device {args.device}, {args.n} commands at once, {args.repeat} rounds, "
-          f"{os.cpu_count()} CPUs, krex = {' '.join(krex)}")
+          f"{os.cpu_count()} CPUs, krex = {' '.join(krex)}"
+          + (f", journal prefilled with {args.journal_mb:g} MiB" if args.journal_mb else ""))
     print(f"{'command':<28} {'bare p50':>9} {'bare p95':>9} {'krex p50':>9} {'krex p95':>9} {'added p50':>10} {'added CPU':>10} {'krexd CPU':>10} {'rc!=0':>6}")
     for name, mb, pb, mk, pk, add, addc, dcpu, nbad in rows:
         print(f"{name[:28]:<28} {mb * 1e3:8.1f}ms {pb * 1e3:8.1f}ms {mk * 1e3:8.1f}ms {pk * 1e3:8.1f}ms "
