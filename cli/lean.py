@@ -7,16 +7,14 @@ anything it does not take plainly (help, --version, another command, an option i
 does not know, a value click would refuse) goes to the click CLI (`krex.cli.main`)
 unchanged, so every message and exit status of those cases stays click's.
 
-The run itself (`run_command`) is shared with the click `run` command."""
+The run itself is `krex.launcher.run_command`, shared with the click `run` command."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from krex.errors import KrexError
@@ -95,93 +93,6 @@ def parse_run(argv: list[str]) -> dict[str, Any] | None:
     return o
 
 
-def error_json(e: Exception) -> dict[str, str]:
-    return {"kind": type(e).__name__, "message": str(e), "fix": str(getattr(e, "fix", ""))}
-
-
-def check_report_path(report: str) -> None:
-    """Before the command runs: a report that cannot be written would lose it."""
-    from krex.errors import UsageError
-
-    path = os.path.abspath(report)
-    parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        raise UsageError(f"--report {report} is a directory", "give a file path, e.g. --report out/run.json")
-    if not os.path.isdir(parent):
-        raise UsageError(
-            f"--report {report}: the directory {parent} does not exist", f"create it first: mkdir -p {parent}"
-        )
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"--report {report} is not writable", "give a path in a directory you may write")
-
-
-def write_report(report: str, data: dict[str, Any]) -> None:
-    try:
-        with open(report, "w") as f:
-            json.dump(data, f, indent=2)
-    except OSError as e:
-        raise KrexError(
-            f"cannot write the report {report}: {e.strerror} (the command exited {data.get('exit_status')})",
-            "give --report a writable path",
-        ) from e
-
-
-def run_command(
-    device: str,
-    gpu: int | None,
-    report: str | None,
-    no_daemon: bool,
-    freeze: str | None,
-    cmd: list[str],
-    keep_leftovers: bool,
-    notify: Callable[[str], None],
-) -> int:
-    """`krex run`: the command's exit status. A KrexError gets `krex run`'s exit status
-    (errors.run_exit_code) and, with a report, is written to it as `krex_error`."""
-    from krex.errors import run_exit_code
-
-    try:
-        return _run(device, gpu, report, no_daemon, freeze, cmd, keep_leftovers, notify)
-    except KrexError as e:
-        e.exit_code = run_exit_code(e)
-        if report:
-            with contextlib.suppress(OSError, KrexError):
-                write_report(report, {"exit_status": e.exit_code, "krex_error": error_json(e)})
-        raise
-
-
-def _run(
-    device: str,
-    gpu: int | None,
-    report: str | None,
-    no_daemon: bool,
-    freeze: str | None,
-    cmd: list[str],
-    keep_leftovers: bool,
-    notify: Callable[[str], None],
-) -> int:
-    from krex.launcher import discover_kind, resolve_command, run_direct, run_guarded
-
-    if report:
-        check_report_path(report)
-    resolve_command(cmd)  # fail on a bad command before touching anything
-    if no_daemon:
-        kind, count = discover_kind(device)
-        if gpu is not None and not 0 <= gpu < count:
-            from krex.errors import NotFound
-
-            raise NotFound(
-                f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
-                "pick a GPU index from `krex status`",
-            )
-        return run_direct(cmd, kind, gpu, count)
-    # GPU discovery happens only when no daemon answers (launcher.connect_daemon).
-    res = run_guarded(cmd, device, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers)
-    if report:
-        write_report(report, res.report)
-    return res.exit_status
-
-
 def _say(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -197,8 +108,10 @@ def main(argv: list[str] | None = None) -> Any:
         return click_main(args)
     setup_cli_logging(o["verbose"], o["quiet"])
     notify = (lambda _m: None) if o["quiet"] else _say
+    from krex.launcher import run_command
+
     try:
-        status = run_command(o["device"], o["gpu"], o["report"], o["no_daemon"], o["freeze"], o["cmd"],
+        status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], o["no_daemon"], o["freeze"],
                              o["keep_leftovers"], notify)
     except KrexError as e:  # as cli.main.main prints it
         _say(f"krex: error: {e}")

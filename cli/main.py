@@ -316,10 +316,10 @@ def run(
     Exit status: CMD's own; 125 when KREX itself failed (the error is printed and,
     with --report, written to the report as `krex_error`); 126/127 when CMD cannot
     be executed / is not found."""
-    from .lean import run_command
+    from krex.launcher import run_command
 
     notify = (lambda _m: None) if quiet() else (lambda m: click.echo(m, err=True))
-    sys.exit(run_command(device, gpu, report, no_daemon, freeze, list(cmd), keep_leftovers, notify))
+    sys.exit(run_command(list(cmd), device, gpu, report, no_daemon, freeze, keep_leftovers, notify))
 
 
 @cli.group()

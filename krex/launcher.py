@@ -722,3 +722,95 @@ class _Guardian:
                     journal.append(paths.journal_path(), rec)
         self.events.append(ev)
         self.notify("krex: the daemon went away; your command was thawed and keeps running")
+
+
+# ------------------------------------------------------------------- `krex run` as a function
+
+
+def _error_json(e: Exception) -> dict[str, str]:
+    return {"kind": type(e).__name__, "message": str(e), "fix": str(getattr(e, "fix", ""))}
+
+
+def _check_report_path(report: str) -> None:
+    """Before the command runs: a report that cannot be written would lose it."""
+    path = os.path.abspath(report)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise UsageError(f"--report {report} is a directory", "give a file path, e.g. --report out/run.json")
+    if not os.path.isdir(parent):
+        raise UsageError(
+            f"--report {report}: the directory {parent} does not exist", f"create it first: mkdir -p {parent}"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"--report {report} is not writable", "give a path in a directory you may write")
+
+
+def _write_report(report: str, data: dict[str, Any]) -> None:
+    import json
+
+    try:
+        with open(report, "w") as f:
+            json.dump(data, f, indent=2)
+    except OSError as e:
+        raise KrexError(
+            f"cannot write the report {report}: {e.strerror} (the command exited {data.get('exit_status')})",
+            "give --report a writable path",
+        ) from e
+
+
+def run_command(
+    cmd: list[str],
+    device: str = "auto",
+    gpu: int | None = None,
+    report: str | None = None,
+    no_daemon: bool = False,
+    freeze: str | None = None,
+    keep_leftovers: bool = False,
+    notify: Callable[[str], None] = lambda _m: None,
+    report_extra: dict[str, Any] | None = None,
+) -> int:
+    """`krex run` (the console script's lean door and the click command alike): run ``cmd``
+    under KREX, write the report, return the command's exit status. A KrexError gets
+    `krex run`'s exit status (125, or 126/127: errors.run_exit_code), is written to the
+    report as ``krex_error`` and raised."""
+    from krex.errors import run_exit_code
+
+    try:
+        status, data = _run_command(cmd, device, gpu, report, no_daemon, freeze, keep_leftovers, notify)
+        if report and data is not None:
+            _write_report(report, {**data, **(report_extra or {})})
+        return status
+    except KrexError as e:
+        e.exit_code = run_exit_code(e)
+        if report:
+            with contextlib.suppress(OSError, KrexError):
+                _write_report(
+                    report, {"exit_status": e.exit_code, "krex_error": _error_json(e), **(report_extra or {})}
+                )
+        raise
+
+
+def _run_command(
+    cmd: list[str],
+    device: str,
+    gpu: int | None,
+    report: str | None,
+    no_daemon: bool,
+    freeze: str | None,
+    keep_leftovers: bool,
+    notify: Callable[[str], None],
+) -> tuple[int, dict[str, object] | None]:
+    if report:
+        _check_report_path(report)
+    resolve_command(cmd)  # fail on a bad command before touching anything
+    if no_daemon:
+        kind, count = discover_kind(device)
+        if gpu is not None and not 0 <= gpu < count:
+            raise NotFound(
+                f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
+                "pick a GPU index from `krex status`",
+            )
+        return run_direct(cmd, kind, gpu, count), None
+    # GPU discovery happens only when no daemon answers (connect_daemon).
+    res = run_guarded(cmd, device, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers)
+    return res.exit_status, res.report
