@@ -95,6 +95,9 @@ def test_no_nvml_discovery_when_the_daemon_answers(krex_env: dict[str, str], tmp
             assert p.returncode == 0 and "HIP=" in p.stdout, p.stderr
             assert "SIMULATED" not in p.stderr
     assert not log.exists(), f"GPU discovery ran in `krex run` although krexd answered: {log.read_text()}"
+    # hello says the device too, for clients that ask before admission.
+    hello = run([sys.executable, "-c", "from krex.client import hello; print(hello()['device'])"], env)
+    assert hello.returncode == 0 and hello.stdout.strip() == "amd", hello.stderr
     # An unknown GPU is still refused, by krexd's admission.
     p = run([*LEAN, "run", "--device", "gpu", "--gpu", "2", "--", "true"], env)
     assert p.returncode == 125 and "unknown GPU 2" in p.stderr, p.stderr
