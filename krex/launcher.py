@@ -406,16 +406,22 @@ def _journal_regions(
 
 
 def _private_tmpdir(prefix: str) -> Path:
-    """tempfile.mkdtemp without importing tempfile (and random) on the launch path."""
-    base = os.environ.get("TMPDIR") or "/tmp"
-    for _ in range(100):
-        p = Path(base, prefix + os.urandom(6).hex())
-        try:
-            os.mkdir(p, 0o700)
-            return p
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free name for {prefix} in {base}")
+    """tempfile.mkdtemp (mode 0700, a fresh random name) without importing tempfile and
+    random on the launch path; the directories tempfile.gettempdir() would try, in order."""
+    env = [os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")]
+    last: OSError = FileNotFoundError("no temporary directory")
+    for base in [d for d in env if d] + ["/tmp", "/var/tmp", os.getcwd()]:
+        for _ in range(100):
+            p = Path(base, prefix + os.urandom(6).hex())
+            try:
+                os.mkdir(p, 0o700)
+                return p
+            except FileExistsError:
+                continue
+            except OSError as e:  # not writable, missing: the next candidate
+                last = e
+                break
+    raise last
 
 
 class _Stop:

@@ -103,3 +103,21 @@ def test_gpu_asked_of_a_simulated_daemon_still_needs_a_real_gpu(monkeypatch: pyt
     monkeypatch.setattr(launcher, "discover_kind", no_gpu)
     with pytest.raises(NotFound):
         _run_kind("gpu", None, {"device": "sim"})
+
+
+def test_private_tmpdir_is_fresh_private_and_falls_back(
+    tmp_path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    import os
+    import stat
+
+    from krex.launcher import _private_tmpdir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    a, b = _private_tmpdir("krex-auto-3-"), _private_tmpdir("krex-auto-3-")
+    assert a != b and a.parent == b.parent == tmp_path and a.name.startswith("krex-auto-3-")
+    assert stat.S_IMODE(os.stat(a).st_mode) == 0o700
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
+    c = _private_tmpdir("krex-auto-3-")
+    assert c.parent != tmp_path / "missing" and c.is_dir()
+    c.rmdir()
