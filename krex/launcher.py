@@ -58,6 +58,9 @@ class Launch:
     slot: int
     gpu: int
     preexec: list[Callable[[], None]] = field(default_factory=list)
+    # A cgroup v2 directory the command is forked straight into (clone3 CLONE_INTO_CGROUP);
+    # `preexec` then holds no join. If the kernel refuses, it joins in preexec instead.
+    cgroup: str | None = None
 
 
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
@@ -66,11 +69,30 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
     import subprocess
 
     child: subprocess.Popen[bytes] | None = None
+    born: list[int] = []  # a pid from _clone_into_cgroup
 
     def forward(signum: int, _frame: object) -> None:
-        if child is not None:
+        pid = child.pid if child is not None else (born[0] if born else None)
+        if pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signum)
+                os.killpg(pid, signum)
+
+    if launch.cgroup is not None:
+        old = {s: signal.signal(s, forward) for s in FORWARDED}
+        try:
+            pid = _clone_into_cgroup(launch, born)
+            if pid is not None:
+                if on_start:
+                    on_start(pid)
+                rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                return rc if rc >= 0 else 128 - rc
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        from krex.freezer import preexec_join
+
+        launch = Launch(launch.cmd, launch.env, launch.slot, launch.gpu,
+                        [preexec_join(launch.cgroup), *launch.preexec])
 
     def preexec() -> None:
         os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
@@ -95,6 +117,92 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
         for s, h in old.items():
             signal.signal(s, h)
     return rc if rc >= 0 else 128 - rc
+
+
+_CLONE_INTO_CGROUP = 0x200000000  # linux/sched.h, Linux 5.7
+_SYS_CLONE3 = 435  # the same on x86_64 and aarch64 (asm-generic)
+_RESET_SIGNALS = ("SIGPIPE", "SIGXFZ", "SIGXFSZ")  # as subprocess's restore_signals
+
+
+def _clone_into_cgroup(launch: Launch, born: list[int]) -> int | None:
+    """Fork the command directly into its slot's cgroup v2 and exec it; its pid, or None
+    when the kernel cannot (then nothing was started). Moving a started process in
+    (a write to cgroup.procs, as a preexec_fn does) waits for an RCU grace period under a
+    lock global to the cgroup tree: 16 guardians starting at once queue there for tens of
+    milliseconds each. A raw clone3 skips Python's fork bookkeeping: the child runs only
+    what is imported already until execve, and only when this process has a single
+    thread (with another one, the child could wait for a GIL hand-over that never comes;
+    the guardian starts its watcher after the spawn). Exec errors come back through a
+    pipe, as in subprocess."""
+    import ctypes
+    import gc
+
+    if threading.active_count() != 1:
+        return None
+    try:
+        cg = os.open(launch.cgroup or "", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+    class CloneArgs(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in (
+            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls",
+            "set_tid", "set_tid_size", "cgroup")]
+
+    args = CloneArgs(flags=_CLONE_INTO_CGROUP, exit_signal=int(signal.SIGCHLD), cgroup=cg)
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    resets = [getattr(signal, n) for n in _RESET_SIGNALS if hasattr(signal, n)]
+    exe, argv, env = launch.cmd[0], launch.cmd, launch.env
+    maxfd = max(os.sysconf("SC_OPEN_MAX"), 1 << 16)
+    r, w = os.pipe()
+    gc_was = gc.isenabled()
+    gc.disable()  # no finalizer may run in the child
+    try:
+        pid = int(syscall(_SYS_CLONE3, ctypes.byref(args), ctypes.sizeof(args)))
+        if pid == 0:  # the child: no exception may leave this block
+            try:
+                os.setpgid(0, 0)
+                for sig in resets:
+                    signal.signal(sig, signal.SIG_DFL)
+                for fn in launch.preexec:
+                    fn()
+                os.closerange(3, w)
+                os.closerange(w + 1, maxfd)
+                os.execve(exe, argv, env)
+            except BaseException as e:  # noqa: BLE001 - reported through the pipe
+                with contextlib.suppress(BaseException):
+                    os.write(w, str(getattr(e, "errno", 0) or 0).encode())
+            finally:
+                os._exit(127)
+        if gc_was:
+            gc.enable()
+        if pid < 0:
+            return None  # ENOSYS, EINVAL, EACCES (a member's guardian), EBUSY: the caller joins
+        born.append(pid)
+        os.close(w)
+        w = -1
+        msg = b""
+        while chunk := os.read(r, 64):
+            msg += chunk
+        if msg:  # exec failed
+            os.waitpid(pid, 0)
+            err = int(msg or b"0")
+            if err == 2:  # ENOENT
+                raise CommandNotFound(f"command not found: {exe}", "check the path")
+            raise NotExecutable(
+                f"cannot execute {exe}: {os.strerror(err) if err else 'failed before exec'}",
+                "run it through its interpreter, or chmod +x it",
+            )
+        return pid
+    finally:
+        if gc_was:
+            gc.enable()
+        os.close(cg)
+        os.close(r)
+        if w >= 0:
+            os.close(w)
 
 
 def run_direct(
@@ -279,18 +387,24 @@ def run_guarded(
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
     joined = _DaemonJoin(client) if backend != "signal" and not _can_join(group_path) else None
-    preexec = [
-        joined.preexec if joined else freezer.preexec_join(group_path),
-        _set_affinity(list(adm.get("shared_cpus") or [])),
-    ]
+    affinity = _set_affinity(list(adm.get("shared_cpus") or []))
+    # cgroup v2: the command is forked straight into its slot (Launch.cgroup).
+    born_in = group_path if backend == "cgroup2" and joined is None and _can_join(group_path) else None
+    if born_in is not None and not os.path.isfile(os.path.join(group_path, "cgroup.procs")):
+        born_in = None
+    preexec = (
+        [affinity]
+        if born_in is not None
+        else [joined.preexec if joined else freezer.preexec_join(group_path), affinity]
+    )
 
     stop = _Stop()
     guardian = _Guardian(client.daemon_pid, str(adm["shm"]), slot, g, backend, group_path, child_pid, notify)
     watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
-    watcher.start()
 
     def _started(pid: int) -> None:
         child_pid.append(pid)
+        watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
         if joined is not None:
             return  # the daemon already has it (and moved it into the slot before exec)
         try:
@@ -304,7 +418,7 @@ def run_guarded(
             joined.start()
         try:
             status = spawn_and_wait(
-                Launch([exe, *cmd[1:]], env, slot, g, preexec),
+                Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in),
                 on_start=lambda pid: _started(pid),
             )
         finally:
@@ -312,7 +426,8 @@ def run_guarded(
                 joined.close()
     finally:
         stop.set()
-        watcher.join(timeout=2)
+        if watcher.ident is not None:
+            watcher.join(timeout=2)
         stop.close()
         report: dict[str, object] = {
             "slot": slot,
