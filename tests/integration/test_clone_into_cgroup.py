@@ -87,10 +87,8 @@ def test_another_thread_means_no_clone(group: Path) -> None:
         assert _clone_into_cgroup(true, born) is None
         assert born == []
         # spawn_and_wait then joins in preexec: the command still runs in the group.
-        rc = spawn_and_wait(
-            Launch(["/bin/sh", "-c", f"grep -q '^0::.*{group.name}$' /proc/self/cgroup"], dict(os.environ), 0, 0,
-                   cgroup=str(group))
-        )
+        check = ["/bin/sh", "-c", f"grep -q '^0::.*{group.name}$' /proc/self/cgroup"]
+        rc = spawn_and_wait(Launch(check, dict(os.environ), 0, 0, cgroup=str(group)))
         assert rc == 0
     finally:
         stop.set()
