@@ -6,11 +6,11 @@ import io
 import sys
 from typing import TextIO
 
-import click
-
 
 def quiet() -> bool:
     """Whether `krex -q` was given: results and errors only, no progress or notices."""
+    import click  # here, not above: `krex run` (cli/lean.py) never loads click
+
     ctx = click.get_current_context(silent=True)
     obj = ctx.find_root().obj if ctx else None
     return bool(isinstance(obj, dict) and obj.get("quiet"))

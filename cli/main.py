@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ from . import quiet
 from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
 from .fleet_cmd import register as register_fleet
+from .lean import setup_cli_logging
 from .progress import fmt_s
 
 DEVICE = click.Choice(["auto", "gpu", "sim"])
@@ -42,17 +42,6 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
     setup_cli_logging(verbose, quiet)
 
 
-def setup_cli_logging(verbose: int, quiet: bool) -> None:
-    """The library logs to the `krex` logger (NullHandler by default); the CLI shows
-    warnings, -v info, -vv debug, -q errors only."""
-    level = logging.ERROR if quiet else {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-    lg = logging.getLogger("krex")
-    if not any(getattr(h, "_krex_cli", False) for h in lg.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("krex: %(levelname)s %(name)s: %(message)s"))
-        h._krex_cli = True  # type: ignore[attr-defined]
-        lg.addHandler(h)
-    lg.setLevel(level)
 
 
 @cli.command()
@@ -309,17 +298,8 @@ def run(
     be executed / is not found."""
     from krex.launcher import run_command
 
-    status = run_command(
-        list(cmd),
-        device,
-        gpu,
-        report,
-        no_daemon,
-        freeze,
-        keep_leftovers,
-        notify=lambda m: None if quiet() else click.echo(m, err=True),
-    )
-    sys.exit(status)
+    notify = (lambda _m: None) if quiet() else (lambda m: click.echo(m, err=True))
+    sys.exit(run_command(list(cmd), device, gpu, report, no_daemon, freeze, keep_leftovers, notify))
 
 
 @cli.group()

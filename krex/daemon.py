@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import grp
+import json
 import logging
 import os
 import signal
@@ -42,12 +43,13 @@ from krex.node import config, cpus, freezepolicy, freezer, journal
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
-from krex.protocol import REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
+from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
 from krex.shm import Segment, default_name
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
 HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
 HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
+RELEASE_MAX_RECORDS = 1000  # a slot's region records kept for its `release` reply
 
 log = logging.getLogger("krex.daemon")  # not __name__: it runs as __main__ under -m
 # A request handler: (daemon, connection, peer pid from SO_PEERCRED, request, the connection's
@@ -139,6 +141,9 @@ class Slot:
     last_rate: float | None = None  # submissions per second of its last region (adaptive policy)
     generation: int = 0  # the segment's slot generation when this slot was claimed
     last_deep_scan: float = 0.0
+    # Its regions' journal records, for the guardian's report (the `release` reply), so the
+    # guardian never reads the whole journal; None once there are too many to send.
+    records: list[dict[str, Any]] | None = field(default_factory=list)
 
 
 @dataclass
@@ -852,6 +857,8 @@ class Daemon:
         t: dict[str, float] = {"queue_wait_s": time.monotonic() - req.t_request}
         t0 = time.monotonic()
         t_entry_ns = time.monotonic_ns()
+        with self.lock:  # held on to: `release` may drop the slot before the record is made
+            owner_slot = self.slots.get(req.slot)
         word = self._acquire_gate(gpu, req)
         if word is None:  # the owner left while queued, or the daemon stops
             req.granted.set()
@@ -1039,6 +1046,11 @@ class Daemon:
         }
         rec.pop("ok", None)
         req.record = rec
+        if owner_slot is not None and owner_slot.records is not None:
+            if len(owner_slot.records) < RELEASE_MAX_RECORDS:
+                owner_slot.records.append(rec)
+            else:  # too many for one reply: the guardian reads the journal instead
+                owner_slot.records = None
         self._log_region(rec)
         self._journal(rec)
 
@@ -1203,6 +1215,7 @@ class Daemon:
             "pid": self.pid,
             "shm": self.shm_name,
             "gpus": self.info.count,
+            "device": self.info.kind,  # so a client needs no GPU discovery of its own
             "role": owned.get("role"),
         }
 
@@ -1245,6 +1258,8 @@ class Daemon:
         n = owned["guardian"]
         out: dict[str, Any] = {"leftovers": [], "action": "none"}
         if n is not None:
+            with self.lock:
+                slot = self.slots.get(n)
             policy = "keep" if msg.get("leftovers") == "keep" else "kill"
             out = self._leftovers(n, policy)
             if out["action"] in ("none", "killed"):
@@ -1254,6 +1269,8 @@ class Daemon:
                     if n in self.slots:
                         self.slots[n].guardian_connected = False
             owned["guardian"] = None
+            if slot is not None:
+                out.update(self._slot_regions(slot))
         return {"ok": True, **out}
 
     @handles("register")
@@ -1286,6 +1303,24 @@ class Daemon:
         self.stop_reason = f"shutdown requested by pid {pid}"
         self.stop.set()
         return {"ok": True}
+
+    def _slot_regions(self, s: Slot) -> dict[str, Any]:
+        """The `release` reply's `regions`: the slot's journal records, once a region it
+        still had (ended by the release) is recorded. Left out when there were too many,
+        or the region does not finish in time: the guardian then reads the journal."""
+        with self.lock:
+            cur = [r for r in self.current.values() if r is not None and r.slot == s.slot]
+        pending = [r for r in cur if r.ended.is_set()]
+        for r in pending:
+            r.released.wait(10)
+        out: dict[str, Any] = {}
+        if self.journal_error:
+            out["journal_error"] = self.journal_error
+        regs = s.records
+        done = all(r.released.is_set() for r in pending)
+        if regs is not None and done and len(json.dumps(regs, default=str)) < MAX_FRAME // 2:
+            out["regions"] = list(regs)
+        return out
 
     def _slot_for(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> Slot:
         with self.lock:

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
-from krex.proc.envvars import opt_in_env
-from krex.shm import Segment
+
+if TYPE_CHECKING:
+    from krex.client import Client
+    from krex.shm import Segment
+
+# Imports inside functions keep `krex run`'s start-up short (issue 11): every module
+# loaded here is paid by every command.
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -40,6 +43,8 @@ def resolve_command(cmd: Sequence[str]) -> str:
                 f"{exe} is not executable", f"chmod +x {exe}, or run it through its interpreter"
             )
         return exe
+    import shutil
+
     found = shutil.which(exe)
     if not found:
         raise CommandNotFound(f"command not found: {exe}", "check the spelling, or that it is on PATH")
@@ -53,17 +58,41 @@ class Launch:
     slot: int
     gpu: int
     preexec: list[Callable[[], None]] = field(default_factory=list)
+    # A cgroup v2 directory the command is forked straight into (clone3 CLONE_INTO_CGROUP);
+    # `preexec` then holds no join. If the kernel refuses, it joins in preexec instead.
+    cgroup: str | None = None
 
 
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
     """Run the command in its own process group; forward signals; return a
     shell-style exit status (128+N for a signal)."""
+    import subprocess
+
     child: subprocess.Popen[bytes] | None = None
+    born: list[int] = []  # a pid from _clone_into_cgroup
 
     def forward(signum: int, _frame: object) -> None:
-        if child is not None:
+        pid = child.pid if child is not None else (born[0] if born else None)
+        if pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signum)
+                os.killpg(pid, signum)
+
+    if launch.cgroup is not None:
+        old = {s: signal.signal(s, forward) for s in FORWARDED}
+        try:
+            pid = _clone_into_cgroup(launch, born)
+            if pid is not None:
+                if on_start:
+                    on_start(pid)
+                rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                return rc if rc >= 0 else 128 - rc
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        from krex.node.freezer import preexec_join
+
+        launch = Launch(launch.cmd, launch.env, launch.slot, launch.gpu,
+                        [preexec_join(launch.cgroup), *launch.preexec])
 
     def preexec() -> None:
         os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
@@ -90,6 +119,92 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
     return rc if rc >= 0 else 128 - rc
 
 
+_CLONE_INTO_CGROUP = 0x200000000  # linux/sched.h, Linux 5.7
+_SYS_CLONE3 = 435  # the same on x86_64 and aarch64 (asm-generic)
+_RESET_SIGNALS = ("SIGPIPE", "SIGXFZ", "SIGXFSZ")  # as subprocess's restore_signals
+
+
+def _clone_into_cgroup(launch: Launch, born: list[int]) -> int | None:
+    """Fork the command directly into its slot's cgroup v2 and exec it; its pid, or None
+    when the kernel cannot (then nothing was started). Moving a started process in
+    (a write to cgroup.procs, as a preexec_fn does) waits for an RCU grace period under a
+    lock global to the cgroup tree: 16 guardians starting at once queue there for tens of
+    milliseconds each. A raw clone3 skips Python's fork bookkeeping: the child runs only
+    what is imported already until execve, and only when this process has a single
+    thread (with another one, the child could wait for a GIL hand-over that never comes;
+    the guardian starts its watcher after the spawn). Exec errors come back through a
+    pipe, as in subprocess."""
+    import ctypes
+    import gc
+
+    if threading.active_count() != 1:
+        return None
+    try:
+        cg = os.open(launch.cgroup or "", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+    class CloneArgs(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in (
+            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls",
+            "set_tid", "set_tid_size", "cgroup")]
+
+    args = CloneArgs(flags=_CLONE_INTO_CGROUP, exit_signal=int(signal.SIGCHLD), cgroup=cg)
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    resets = [getattr(signal, n) for n in _RESET_SIGNALS if hasattr(signal, n)]
+    exe, argv, env = launch.cmd[0], launch.cmd, launch.env
+    maxfd = max(os.sysconf("SC_OPEN_MAX"), 1 << 16)
+    r, w = os.pipe()
+    gc_was = gc.isenabled()
+    gc.disable()  # no finalizer may run in the child
+    try:
+        pid = int(syscall(_SYS_CLONE3, ctypes.byref(args), ctypes.sizeof(args)))
+        if pid == 0:  # the child: no exception may leave this block
+            try:
+                os.setpgid(0, 0)
+                for sig in resets:
+                    signal.signal(sig, signal.SIG_DFL)
+                for fn in launch.preexec:
+                    fn()
+                os.closerange(3, w)
+                os.closerange(w + 1, maxfd)
+                os.execve(exe, argv, env)
+            except BaseException as e:  # noqa: BLE001 - reported through the pipe
+                with contextlib.suppress(BaseException):
+                    os.write(w, str(getattr(e, "errno", 0) or 0).encode())
+            finally:
+                os._exit(127)
+        if gc_was:
+            gc.enable()
+        if pid < 0:
+            return None  # ENOSYS, EINVAL, EACCES (a member's guardian), EBUSY: the caller joins
+        born.append(pid)
+        os.close(w)
+        w = -1
+        msg = b""
+        while chunk := os.read(r, 64):
+            msg += chunk
+        if msg:  # exec failed
+            os.waitpid(pid, 0)
+            err = int(msg or b"0")
+            if err == 2:  # ENOENT
+                raise CommandNotFound(f"command not found: {exe}", "check the path")
+            raise NotExecutable(
+                f"cannot execute {exe}: {os.strerror(err) if err else 'failed before exec'}",
+                "run it through its interpreter, or chmod +x it",
+            )
+        return pid
+    finally:
+        if gc_was:
+            gc.enable()
+        os.close(cg)
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
 def run_direct(
     cmd: Sequence[str],
     device: str,
@@ -99,6 +214,9 @@ def run_direct(
     extra_env: dict[str, str] | None = None,
 ) -> int:
     """First-version run without a daemon: claim a slot in the segment directly."""
+    from krex.proc.envvars import opt_in_env
+    from krex.shm import Segment
+
     exe = resolve_command(cmd)
     seg = Segment.create(shm_name, n_gpus=n_gpus)
     try:
@@ -150,6 +268,52 @@ def _static_cudart_warning(exe: str) -> str | None:
     return None
 
 
+def connect_daemon(device: str, gpu: int | None) -> tuple[Client, str | None]:
+    """The daemon for `krex run`, and the device kind ("sim"/"gpu") if it had to be found here.
+
+    A daemon that answers has discovered the GPUs itself: its admission reply says which
+    device it runs and refuses an unknown `gpu`, so no GPU discovery (NVML) runs here (None).
+    Only when none answers are the GPUs discovered and `gpu` checked here, so a refused
+    command never starts a daemon; then one is started for that device."""
+    from krex.client import Client
+    from krex.errors import NotFound
+
+    if device not in ("sim", "gpu", "auto"):
+        raise UsageError(f"unknown device {device!r}", "use one of: auto, gpu, sim")
+    try:
+        return Client.connect(), None
+    except NotFound:
+        pass
+    kind, count = discover_kind(device)
+    if gpu is not None and not 0 <= gpu < count:
+        raise NotFound(
+            f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
+            "pick a GPU index from `krex status`",
+        )
+    return Client.connect(autostart=True, device=kind), kind
+
+
+def discover_kind(device: str) -> tuple[str, int]:
+    """("sim" or "gpu", GPU count) for `--device auto|gpu|sim` (krex.gpus.discover)."""
+    from krex.device.gpus import discover
+
+    info = discover(device)
+    return ("sim" if info.kind == "sim" else "gpu"), info.count
+
+
+def _run_kind(device: str, found: str | None, adm: dict[str, Any]) -> str:
+    """The kind the command opts into: `--device sim` or a simulated daemon under `auto`
+    is "sim"; `--device gpu` is "gpu" (a simulated daemon: only after discovery here finds
+    a real GPU, as when the daemon was not asked)."""
+    if found is not None:
+        return found
+    if device == "sim" or (device == "auto" and adm.get("device") == "sim"):
+        return "sim"
+    if device == "gpu" and adm.get("device") == "sim":
+        return discover_kind("gpu")[0]  # raises NotFound without a real GPU
+    return "gpu"
+
+
 def run_guarded(
     cmd: Sequence[str],
     device: str,
@@ -160,17 +324,18 @@ def run_guarded(
 ) -> RunResult:
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
-    own command if the daemon disappears (invariant I5)."""
+    own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
+    with a daemon running, no GPU discovery happens here (connect_daemon)."""
     from krex import paths
-    from krex.client import Client
-    from krex.node import freezer, journal
+    from krex.node import freezer
+    from krex.proc.envvars import opt_in_env
     from krex.shm import Segment
 
     exe = resolve_command(cmd)
     warns = [w for w in [_static_cudart_warning(exe)] if w]
     for w in warns:
         notify("warning: " + w)
-    client = Client.connect(autostart=True, device=device)
+    client, found = connect_daemon(device, gpu)
     waited: list[bool] = []
 
     def on_event(ev: dict[str, object]) -> None:
@@ -178,7 +343,15 @@ def run_guarded(
             notify(f"krex: waiting for a free slot ({ev.get('slots_busy')} commands are running)...")
             waited.append(True)
 
-    adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
+    try:
+        adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
+        kind = _run_kind(device, found, adm)
+    except BaseException:
+        with contextlib.suppress(KrexError, OSError):
+            client.request({"op": "release"})
+        client.close()
+        raise
+    device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
     sim = adm.get("physical") is not None and device == "sim"
     simulated = adm.get("device") == "sim" or device == "sim"
@@ -199,7 +372,6 @@ def run_guarded(
     )
     if adm.get("vendor") == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
         env["HIP_VISIBLE_DEVICES"] = str(adm["physical"])
-    import tempfile
 
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
     # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
@@ -207,7 +379,7 @@ def run_guarded(
     # (A private temporary directory: the state directory may belong to another user.)
     auto_dir: Path | None = None
     with contextlib.suppress(OSError):
-        auto_dir = Path(tempfile.mkdtemp(prefix=f"krex-auto-{slot}-"))
+        auto_dir = _private_tmpdir(f"krex-auto-{slot}-")
         env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
     if adm.get("generation") is not None:
         # The shim compares it with the slot's generation: a process of this command that
@@ -216,18 +388,24 @@ def run_guarded(
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
     joined = _DaemonJoin(client) if backend != "signal" and not _can_join(group_path) else None
-    preexec = [
-        joined.preexec if joined else freezer.preexec_join(group_path),
-        _set_affinity(list(adm.get("shared_cpus") or [])),
-    ]
+    affinity = _set_affinity(list(adm.get("shared_cpus") or []))
+    # cgroup v2: the command is forked straight into its slot (Launch.cgroup).
+    born_in = group_path if backend == "cgroup2" and joined is None and _can_join(group_path) else None
+    if born_in is not None and not os.path.isfile(os.path.join(group_path, "cgroup.procs")):
+        born_in = None
+    preexec = (
+        [affinity]
+        if born_in is not None
+        else [joined.preexec if joined else freezer.preexec_join(group_path), affinity]
+    )
 
-    stop = threading.Event()
+    stop = _Stop()
     guardian = _Guardian(client.daemon_pid, str(adm["shm"]), slot, g, backend, group_path, child_pid, notify)
     watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
-    watcher.start()
 
     def _started(pid: int) -> None:
         child_pid.append(pid)
+        watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
         if joined is not None:
             return  # the daemon already has it (and moved it into the slot before exec)
         try:
@@ -241,7 +419,7 @@ def run_guarded(
             joined.start()
         try:
             status = spawn_and_wait(
-                Launch([exe, *cmd[1:]], env, slot, g, preexec),
+                Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in),
                 on_start=lambda pid: _started(pid),
             )
         finally:
@@ -249,7 +427,9 @@ def run_guarded(
                 joined.close()
     finally:
         stop.set()
-        watcher.join(timeout=2)
+        if watcher.ident is not None:
+            watcher.join(timeout=2)
+        stop.close()
         report: dict[str, object] = {
             "slot": slot,
             "gpu": g,
@@ -268,7 +448,7 @@ def run_guarded(
                 )
         except KrexError:
             pass
-        rel: dict[str, object] = {}
+        rel: dict[str, Any] = {}
         with contextlib.suppress(KrexError, OSError):
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
@@ -285,17 +465,16 @@ def run_guarded(
             else:
                 act = rel.get("action")
                 notify(f"krex: {len(left)} process(es) outlived the command and were {act}: {what}")
-        regs: list[dict[str, object]] = []
-        try:
-            jr = journal.read_counted(paths.journal_path())
-            regs = [r for r in jr.records if r.get("owner_slot") == slot and float(r["ts"]) >= t_start]
-            if jr.skipped:
-                report["journal_skipped_lines"] = jr.skipped
-        except NotFound:
-            pass
-        except KrexError as e:  # never fatal: the command ran; the report says what is missing
-            report["journal_error"] = str(e)
-            notify(f"krex: warning: {e}")
+        regs: list[dict[str, Any]] = []
+        if isinstance(rel.get("regions"), list):
+            # The daemon's own records of this slot's regions (what it journaled): no need
+            # to read the whole journal, which grows with every command the node ran.
+            regs = [r for r in rel["regions"] if isinstance(r, dict)]
+            if rel.get("journal_error"):
+                report["journal_error"] = str(rel["journal_error"])
+                notify(f"krex: warning: {rel['journal_error']}")
+        else:  # no reply (the daemon is gone: the guardian may have journaled), or too many
+            regs = _journal_regions(slot, t_start, report, notify)
         if guardian.events:
             report["daemon_events"] = guardian.events
         report["regions"] = regs
@@ -321,6 +500,67 @@ def run_guarded(
         notify(auto_region_warning(str(auto_rep.get("value")), auto_rep))
     report["exit_status"] = status
     return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
+
+
+def _journal_regions(
+    slot: int, t_start: float, report: dict[str, object], notify: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """This slot's regions since `t_start`, read from the journal."""
+    from krex import paths
+    from krex.node import journal
+
+    try:
+        jr = journal.read_counted(paths.journal_path())
+        if jr.skipped:
+            report["journal_skipped_lines"] = jr.skipped
+        return [r for r in jr.records if r.get("owner_slot") == slot and float(r["ts"]) >= t_start]
+    except NotFound:
+        return []
+    except KrexError as e:  # never fatal: the command ran; the report says what is missing
+        report["journal_error"] = str(e)
+        notify(f"krex: warning: {e}")
+        return []
+
+
+def _private_tmpdir(prefix: str) -> Path:
+    """tempfile.mkdtemp (mode 0700, a fresh random name) without importing tempfile and
+    random on the launch path; the directories tempfile.gettempdir() would try, in order."""
+    env = [os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")]
+    last: OSError = FileNotFoundError("no temporary directory")
+    for base in [d for d in env if d] + ["/tmp", "/var/tmp", os.getcwd()]:
+        for _ in range(100):
+            p = Path(base, prefix + os.urandom(6).hex())
+            try:
+                os.mkdir(p, 0o700)
+                return p
+            except FileExistsError:
+                continue
+            except OSError as e:  # not writable, missing: the next candidate
+                last = e
+                break
+    raise last
+
+
+class _Stop:
+    """threading.Event for the watcher, plus a pipe its select() wakes on, so the
+    guardian need not wait out a poll interval when the command has ended."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.r, self.w = os.pipe()
+
+    def set(self) -> None:
+        self.event.set()
+        with contextlib.suppress(OSError):
+            os.write(self.w, b"x")
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 _STATE_RANK = {
@@ -512,11 +752,12 @@ class _Guardian:
         self.backend, self.group_path, self.child_pid, self.notify = backend, group_path, child_pid, notify
         self.events: list[dict[str, object]] = []
 
-    def watch(self, stop: threading.Event) -> None:
+    def watch(self, stop: _Stop) -> None:
         import select
 
         from krex.client import Client
         from krex.native import lib
+        from krex.shm import Segment
 
         poll_s = lib.KREX_GUARDIAN_POLL_NS / 1e9
         seg: Segment | None = None
@@ -533,7 +774,9 @@ class _Guardian:
                 if w is None:
                     self._lost(seg, "no connection to krexd")
                     return
-                r, _, _ = select.select([w.sock], [], [], poll_s)
+                r, _, _ = select.select([w.sock.fileno(), stop.r], [], [], poll_s)
+                if stop.is_set():
+                    return
                 if r:
                     try:
                         gone = not w.sock.recv(1)
@@ -650,8 +893,8 @@ def run_command(
     notify: Callable[[str], None] = lambda _m: None,
     report_extra: dict[str, Any] | None = None,
 ) -> int:
-    """`krex run` (the CLI command and `python -m krex.launcher` alike): run ``cmd`` under
-    KREX, write the report, return the command's exit status. A KrexError gets
+    """`krex run` (the console script's lean door and the click command alike): run ``cmd``
+    under KREX, write the report, return the command's exit status. A KrexError gets
     `krex run`'s exit status (125, or 126/127: errors.run_exit_code), is written to the
     report as ``krex_error`` and raised."""
     from krex.errors import run_exit_code
@@ -681,22 +924,19 @@ def _run_command(
     keep_leftovers: bool,
     notify: Callable[[str], None],
 ) -> tuple[int, dict[str, object] | None]:
-    from krex.device.gpus import discover
-
     if report:
         _check_report_path(report)
     resolve_command(cmd)  # fail on a bad command before touching anything
-    info = discover(device)
-    kind = "sim" if info.kind == "sim" else "gpu"
-    if gpu is not None and not 0 <= gpu < info.count:
-        # Checked here so a refused command never starts a daemon.
-        raise NotFound(
-            f"unknown GPU {gpu}: this node has {info.count} GPU(s) (0..{info.count - 1})",
-            "pick a GPU index from `krex status`",
-        )
     if no_daemon:
-        return run_direct(cmd, kind, gpu, info.count), None
-    res = run_guarded(cmd, kind, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers)
+        kind, count = discover_kind(device)
+        if gpu is not None and not 0 <= gpu < count:
+            raise NotFound(
+                f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
+                "pick a GPU index from `krex status`",
+            )
+        return run_direct(cmd, kind, gpu, count), None
+    # GPU discovery happens only when no daemon answers (connect_daemon).
+    res = run_guarded(cmd, device, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers)
     return res.exit_status, res.report
 
 

@@ -357,9 +357,11 @@ def test_bad_journal_lines_are_skipped_and_counted(krex_env: dict[str, str], tmp
     no_traceback(p)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
-    assert len(r["regions"]) == 1 and r["journal_skipped_lines"] == 5, r
+    # The report's regions come from krexd's `release` reply, not from reading the journal,
+    # so its bad lines cost the report nothing (and are not counted there).
+    assert len(r["regions"]) == 1 and "journal_skipped_lines" not in r, r
     j = krex(krex_env, "journal", "--json")
-    assert j.returncode == 0 and len(json.loads(j.stdout)) == 1, j.stderr
+    assert j.returncode == 0 and json.loads(j.stdout) == r["regions"], j.stderr
     assert "5 malformed line(s) skipped" in j.stderr
     # `krex batch` does not mark every command failed either.
     batch = tmp_path / "cmds.json"
@@ -388,7 +390,10 @@ def test_journal_replaced_by_a_directory_is_not_fatal(krex_env: dict[str, str], 
     no_traceback(p)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
-    assert "is a directory" in r["journal_error"], r
+    # krexd's own error (the report's regions come from krexd, so they are not lost with it).
+    err = r["journal_error"]
+    assert "cannot write the journal" in err and "is a directory" in err.lower(), r
+    assert len(r["regions"]) == 1 and r["regions"][0]["owner_slot"] == r["slot"], r
     st = krex(krex_env, "daemon", "status", "--json")
     assert "journal" in json.loads(st.stdout)["daemon"]["journal_error"]
     log = (state / "krexd.log").read_text()
