@@ -7,7 +7,7 @@ anything it does not take plainly (help, --version, another command, an option i
 does not know, a value click would refuse) goes to the click CLI (`krex.cli.main`)
 unchanged, so every message and exit status of those cases stays click's.
 
-The run itself is `krex.launcher.run_command`, shared with the click `run` command."""
+The run itself is `krex.proc.launcher.run_command`, shared with the click `run` command."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> Any:
         return click_main(args)
     setup_cli_logging(o["verbose"], o["quiet"])
     notify = (lambda _m: None) if o["quiet"] else _say
-    from krex.launcher import run_command
+    from krex.proc.launcher import run_command
 
     try:
         status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], o["no_daemon"], o["freeze"],

@@ -56,8 +56,8 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
 def env(device: str, export: bool) -> None:
     """Print the variables that opt a process into KREX."""
     from krex.device.gpus import discover, sim_gpu_count
+    from krex.node.shm import default_name
     from krex.proc.envvars import format_env, opt_in_env
-    from krex.shm import default_name
 
     kind = "sim" if device == "sim" else discover(device).kind
     if kind == "sim":
@@ -95,7 +95,7 @@ def pause(gpu: int, timeout: float, lease: float) -> None:
 
     Interrupted while it waits (Ctrl-C, SIGTERM, SIGHUP), it reopens the gate."""
     from krex.node.control import pause as do_pause
-    from krex.shm import Segment
+    from krex.node.shm import Segment
 
     with Segment.attach() as seg, _signals_interrupt():
         r = do_pause(seg, gpu, timeout, lease)
@@ -124,7 +124,7 @@ def _signals_interrupt() -> Iterator[None]:
 def resume(gpu: int) -> None:
     """Open a paused GPU's gate."""
     from krex.node.control import resume as do_resume
-    from krex.shm import Segment
+    from krex.node.shm import Segment
 
     with Segment.attach() as seg:
         opened = do_resume(seg, gpu)
@@ -135,9 +135,9 @@ def resume(gpu: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def status(as_json: bool) -> None:
     """Show gates, slots, processes and counters."""
-    from krex.client import Client
     from krex.errors import NotFound
-    from krex.shm import Segment
+    from krex.node.shm import Segment
+    from krex.proc.client import Client
 
     live: dict[str, Any] = {}
     daemon_error = "no daemon running"
@@ -296,7 +296,7 @@ def run(
     Exit status: CMD's own; 125 when KREX itself failed (the error is printed and,
     with --report, written to the report as `krex_error`); 126/127 when CMD cannot
     be executed / is not found."""
-    from krex.launcher import run_command
+    from krex.proc.launcher import run_command
 
     notify = (lambda _m: None) if quiet() else (lambda m: click.echo(m, err=True))
     sys.exit(run_command(list(cmd), device, gpu, report, no_daemon, freeze, keep_leftovers, notify))
@@ -345,10 +345,10 @@ def daemon_start(device: str, foreground: bool, **settings: Any) -> None:
     KREX_MAX_REGION, KREX_IDLE_EXIT, KREX_FREEZER, ...) or the config file
     (KREX_CONFIG, ~/.config/krex/krex.toml, /etc/krex/krex.toml); see docs/operating.md."""
     from krex import paths
-    from krex.client import daemon_alive, start_background
-    from krex.daemon import run as run_daemon
     from krex.errors import Busy
     from krex.node.config import config_from
+    from krex.node.daemon import run as run_daemon
+    from krex.proc.client import daemon_alive, start_background
 
     holder = paths.lock_holder()
     if daemon_alive() or holder is not None:
@@ -378,8 +378,8 @@ def daemon_stop() -> None:
     import time
 
     from krex import paths
-    from krex.client import Client, proc_state
     from krex.errors import NotFound, Timeout
+    from krex.proc.client import Client, proc_state
 
     pid: int | None = None
     how = ""
@@ -431,7 +431,7 @@ def _signal_daemon(pid: int) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def daemon_status(as_json: bool) -> None:
     """Show the daemon's pid, socket, uptime, freezer and CPU partition."""
-    from krex.client import Client
+    from krex.proc.client import Client
 
     c = Client.connect()
     try:

@@ -1,7 +1,7 @@
 """`krex batch`: run a file of commands under KREX, at most N at a time.
 
 Each command runs as its own `krex run` guardian *process* (krex.runner:
-``python -m krex.launcher --report F -- ...``, the library entry of `krex run`),
+``python -m krex.proc.launcher --report F -- ...``, the library entry of `krex run`),
 not a thread: a guardian installs signal handlers, forwards signals to its
 command's process group and thaws its own command if the daemon dies (I5), and
 all of that only works in a process of its own. krex.runner.Pool runs them, at
@@ -410,7 +410,7 @@ def check_args(jobs: int, device: str) -> None:
 def _ensure_daemon(kind: str) -> None:
     """Start krexd once, before the guardians: N guardians that all find no daemon
     would otherwise race to start one each."""
-    from krex.client import Client
+    from krex.proc.client import Client
 
     Client.connect(autostart=True, device=kind).close()
 

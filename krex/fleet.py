@@ -13,10 +13,10 @@ How KREX maps onto Ray (docs/fleet.md has the operator's side):
   slots-per-gpu on one (the daemon is started with slots-per-gpu = the node's
   ``krex_slot`` / its GPUs).
 * **One daemon per node, started on demand.** The first guardian on a node that
-  finds no daemon answering starts it (krex.client.start_background with
+  finds no daemon answering starts it (krex.proc.client.start_background with
   ``--slots-per-gpu S --idle-exit T``); it exits by itself after T idle seconds.
 * **Each command runs under a `krex run` guardian with a report on its node**
-  (krex.runner: ``python -m krex.launcher``, never the CLI); the task is the
+  (krex.runner: ``python -m krex.proc.launcher``, never the CLI); the task is the
   guardian's parent and returns exit status, result line (the last non-empty
   stdout line, parsed when it is a JSON object), the report and the output tails.
   The guardian dies with the task (PR_SET_PDEATHSIG): a lost worker or a cancelled

@@ -1,7 +1,7 @@
 """Run commands as child processes, at most N at a time: the one runner of `krex batch`,
 `krex bench` and `krex fleet`.
 
-* `guardian_argv` puts a command under a KREX guardian: ``python -m krex.launcher``
+* `guardian_argv` puts a command under a KREX guardian: ``python -m krex.proc.launcher``
   (the library entry of `krex run`, never the CLI) with a report file.
 * `Spec` says how to run one command (argv, environment, output files, timeout, the
   guardian's report); `Outcome` is what came of it (exit status, times, the report,
@@ -48,7 +48,7 @@ __all__ = [
     "tree_state",
 ]
 
-GUARDIAN_MODULE = "krex.launcher"
+GUARDIAN_MODULE = "krex.proc.launcher"
 TICK_S = 0.5
 J = TypeVar("J")
 

@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 from test_regions import KREX, WORKER, Cmd, Krex, _hold_with_siblings, frozen_reason  # noqa: E402
 
 from krex.native import LIB_DIR, lib, shim_path  # noqa: E402
-from krex.shm import Segment  # noqa: E402
+from krex.node.shm import Segment  # noqa: E402
 
 
 def until(pred: Callable[[], Any], limit: float) -> float | None:

@@ -9,8 +9,8 @@ import statistics
 import subprocess
 import sys
 
+from krex.node.shm import Segment
 from krex.proc.envvars import opt_in_env
-from krex.shm import Segment
 
 
 def launch(binary: str, n: int, mode: str, env: dict[str, str]) -> float:

@@ -90,7 +90,7 @@ class World:
         self.state.mkdir(mode=0o700)
         log = open(self.base / "krexd.log", "wb")  # noqa: SIM115 - handed to the child
         self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "krex.daemon", "--device", "sim", "--slots-per-gpu", "8"],
+            [sys.executable, "-m", "krex.node.daemon", "--device", "sim", "--slots-per-gpu", "8"],
             env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )
         log.close()

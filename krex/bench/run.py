@@ -376,7 +376,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
 
 
 def _daemon_status() -> dict[str, Any] | None:
-    from krex.client import Client, daemon_alive
+    from krex.proc.client import Client, daemon_alive
 
     if not daemon_alive():
         return None
@@ -388,13 +388,13 @@ def _daemon_status() -> dict[str, Any] | None:
 
 
 def _start_daemon(dev: str, slots: int) -> None:
-    from krex.client import start_background
+    from krex.proc.client import start_background
 
     start_background(device=dev, settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))})
 
 
 def _stop_daemon() -> None:
-    from krex.client import Client, daemon_alive
+    from krex.proc.client import Client, daemon_alive
 
     with contextlib.suppress(KrexError, OSError):
         c = Client.connect()

@@ -126,7 +126,7 @@ def check_privileges() -> Check:
 def check_freezer() -> Check:
     """Which backend krexd would use (detect() with the daemon's root name)."""
     from krex.node import freezer
-    from krex.shm import default_name
+    from krex.node.shm import default_name
 
     try:
         root_name = default_name().strip("/").replace("/", "-") or "krex"
@@ -298,7 +298,7 @@ def check_mps() -> Check:
 def check_daemon() -> Check:
     """Whether krexd answers; not running is fine (krex run starts it on demand)."""
     from krex import paths
-    from krex.client import Client, daemon_alive
+    from krex.proc.client import Client, daemon_alive
 
     try:
         sock = paths.socket_path()
@@ -333,8 +333,8 @@ def check_daemon() -> Check:
 
 def check_segment() -> Check:
     """The shared segment: present, intact, and the one krexd gates with (trust issue, case 3)."""
-    from krex.client import Client, daemon_alive
-    from krex.shm import Segment, default_name
+    from krex.node.shm import Segment, default_name
+    from krex.proc.client import Client, daemon_alive
 
     name = default_name()
     seg_state: dict[str, Any] = {}

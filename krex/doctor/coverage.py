@@ -32,7 +32,7 @@ class CoverageRow:
 
 
 def _my_counters() -> dict[str, int]:
-    from krex.shm import CLASS_NAMES, Segment
+    from krex.node.shm import CLASS_NAMES, Segment
 
     with Segment.attach() as seg:
         raw = seg.raw
@@ -121,7 +121,7 @@ def _workload(name: str) -> tuple[Callable[[], None], int]:
             # invalidate the capture (DESIGN.md consequence 7).
             import threading
 
-            from krex.shm import Segment
+            from krex.node.shm import Segment
 
             def drain_soon() -> None:
                 with Segment.attach() as seg:
@@ -190,7 +190,7 @@ def child_main(name: str, out_path: str, iters: int = 20) -> None:
 def run_all(workloads: tuple[str, ...] = WORKLOADS, device: str = "gpu") -> list[CoverageRow]:
     """Launch every workload under the shim (one process each) and collect rows."""
     from krex.device.gpus import discover
-    from krex.launcher import run_direct
+    from krex.proc.launcher import run_direct
 
     info = discover(device)
     rows = []

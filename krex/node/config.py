@@ -1,5 +1,5 @@
 """krexd's settings: ONE table (`KEYS`) from which the config file, the environment,
-`python -m krex.daemon`'s argparse options, `krex daemon start`'s click options and
+`python -m krex.node.daemon`'s argparse options, `krex daemon start`'s click options and
 the argv of a daemon started in the background are all made; `Config` holds the
 defaults (the timing ones are krex_abi.h's KREX_*_MS, read through cffi).
 
@@ -41,7 +41,7 @@ from krex.native import lib
 from krex.node import freezepolicy
 
 ON_DEMAND_IDLE_EXIT_S = lib.KREX_ON_DEMAND_IDLE_EXIT_MS / 1e3
-DAEMON_MODULE = "krex.daemon"  # what `python -m` runs to start krexd
+DAEMON_MODULE = "krex.node.daemon"  # what `python -m` runs to start krexd
 FREEZERS = ("cgroup2", "cgroup1", "signal")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -187,7 +187,7 @@ FLAGS = tuple(k for k in KEYS if k.flag)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The settings' options on an argparse parser (`python -m krex.daemon`); each
+    """The settings' options on an argparse parser (`python -m krex.node.daemon`); each
     lands under its Config field name, None when not given."""
     for k in FLAGS:
         assert k.flag is not None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from krex.errors import Busy, UsageError
 from krex.native import ffi, lib
-from krex.shm import Segment, StepResult, raise_stragglers
+from krex.node.shm import Segment, StepResult, raise_stragglers
 
 DEFAULT_PAUSE_LEASE_S = lib.KREX_PAUSE_LEASE_MS / 1e3
 MAX_PAUSE_LEASE_S = lib.KREX_PAUSE_LEASE_MAX_MS / 1e3

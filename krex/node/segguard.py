@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from krex.native import ffi, lib
-from krex.shm import Segment
+from krex.node.shm import Segment
 
 SHM_DIR = "/dev/shm"
 _WHY = {1: "check", 2: "gpu", 4: "drain ack ahead", 8: "slot", 16: "counters"}

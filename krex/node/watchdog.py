@@ -17,7 +17,7 @@ import time
 from krex.errors import KrexError
 from krex.native import lib
 from krex.node import freezer
-from krex.shm import Segment
+from krex.node.shm import Segment
 
 
 def watch(daemon_pid: int, shm: str, root_name: str, backend: str) -> None:

@@ -42,7 +42,7 @@ def _strict() -> bool:
 
 def _get_client() -> Any:
     global _client, _client_pid
-    from krex.client import Client
+    from krex.proc.client import Client
 
     if _client is None or _client_pid != os.getpid():  # a fork child needs its own connection
         _client = Client.connect(autostart=True, device=os.environ.get("KREX_DEVICE", "auto"))

@@ -12,8 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from krex.node.shm import Segment
 from krex.proc.envvars import opt_in_env
-from krex.shm import Segment
 
 HERE = Path(__file__).resolve().parent
 

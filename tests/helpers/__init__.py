@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from krex.native import LIB_DIR, lib, shim_path
-from krex.shm import ProcInfo, Segment
+from krex.node.shm import ProcInfo, Segment
 
 REPO = Path(__file__).resolve().parents[2]
 INTERPOSE = REPO / "interpose"

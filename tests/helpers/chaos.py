@@ -202,7 +202,7 @@ class Chaos:
     def _f_pause(self) -> bool:
         from krex.errors import KrexError
         from krex.node import control
-        from krex.shm import Segment
+        from krex.node.shm import Segment
 
         try:
             with Segment.attach(self.kx.shm) as seg:
@@ -257,7 +257,7 @@ class Chaos:
         return True
 
     def _restart(self) -> None:
-        from krex.client import daemon_alive
+        from krex.proc.client import daemon_alive
 
         for _ in range(50):
             if daemon_alive(self.kx.sock):

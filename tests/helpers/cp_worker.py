@@ -28,7 +28,7 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            probability --cut-p a region sleeps --cut-s inside (longer than --max-region).
            Appends one line per region to NAME.regions.jsonl as it goes: {"i", "t_grant",
            "t_end", "long", "clean", "cut", "flags", "end"} or {"i", "error"}.
-  end      send {"op": "end"} on a fresh connection (krex.client.Client) without
+  end      send {"op": "end"} on a fresh connection (krex.proc.client.Client) without
            ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}; on an
            error it also prints it on stderr and exits 1.
 """
@@ -253,7 +253,7 @@ def mode_chaos(a: argparse.Namespace, out: Path) -> int:
         except Exception as e:  # noqa: BLE001 - the daemon may die under us: note it, go on
             rec.update(error=f"{type(e).__name__}: {e}", t_grant=t_grant, t_end=t_end or time.monotonic_ns())
             kr._client = None  # a restarted daemon needs a new connection
-            from krex.client import daemon_alive
+            from krex.proc.client import daemon_alive
 
             # Wait for the test's daemon rather than have the region API start one of its own.
             deadline = time.monotonic() + 20
@@ -267,8 +267,8 @@ def mode_chaos(a: argparse.Namespace, out: Path) -> int:
 
 
 def mode_end(a: argparse.Namespace, out: Path) -> int:
-    from krex.client import Client
     from krex.errors import KrexError
+    from krex.proc.client import Client
 
     c = Client.connect()
     result: dict[str, Any] = {"pid": os.getpid()}

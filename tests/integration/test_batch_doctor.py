@@ -240,14 +240,14 @@ def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Pat
 
 
 def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], tmp_path: Path) -> None:
-    """Each command's parent is its guardian: `python -m krex.launcher`, never `krex.cli`."""
+    """Each command's parent is its guardian: `python -m krex.proc.launcher`, never `krex.cli`."""
     out = tmp_path / "o"
     p = krex_or_daemon_log(["batch", "-", "-j", "2", "--device", "sim", "--out", str(out)], krex_env,
                            stdin="tr '\\0' ' ' < /proc/$PPID/cmdline\n" * 2)
     assert p.returncode == 0, p.stderr
     for i in (1, 2):
         parent = (out / f"cmd-00{i}.stdout").read_text()
-        assert " -m krex.launcher " in parent and "krex.cli" not in parent, parent
+        assert " -m krex.proc.launcher " in parent and "krex.cli" not in parent, parent
         assert f"--report {out}/cmd-00{i}.report.json" in parent
 
 

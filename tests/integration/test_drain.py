@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import Child, Harness, stop_process, wait_until
 
-import krex.shm
+import krex.node.shm
 from krex.native import lib
 
 LONG_US = 600_000  # a 0.6 s kernel (gridDim.x microseconds)
@@ -128,7 +128,8 @@ def test_drain_count_survives_controller_preemption(
     _submitted(child)
     wait_until(lambda: h.proc(child.pid), 10, "the sibling's process record")
     _close(h, owner)
-    monkeypatch.setattr(krex.shm, "lib", _PreemptedLib(lib, lambda seq: h.proc(child.pid).drain_ack == seq))
+    preempted = _PreemptedLib(lib, lambda seq: h.proc(child.pid).drain_ack == seq)
+    monkeypatch.setattr(krex.node.shm, "lib", preempted)
     res = h.seg.drain(0, owner, timeout=10)
     assert res.ok, res
     assert h.proc(child.pid).drains == 1, "the sibling's helper drained"

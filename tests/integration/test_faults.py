@@ -27,8 +27,8 @@ from helpers import wait_until
 from test_regions import KREX, WORKER, Cmd, Krex, _hold_with_siblings, frozen_reason
 
 from krex.native import LIB_DIR, ffi, lib, shim_path
+from krex.node.shm import Segment
 from krex.protocol import FrameReader, encode
-from krex.shm import Segment
 
 HB_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 

@@ -32,7 +32,7 @@ from ray.cluster_utils import Cluster
 
 from krex.fleet import node_world
 from krex.node import mounts
-from krex.shm import Segment
+from krex.node.shm import Segment
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -18,7 +18,7 @@ import pytest
 from krex.errors import Busy
 from krex.native import lib
 from krex.node import control
-from krex.shm import Segment
+from krex.node.shm import Segment
 
 SECONDS = 3.0
 

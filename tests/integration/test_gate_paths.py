@@ -22,7 +22,7 @@ import pytest
 from helpers import ALL_PATHS, Harness, driver_list, wait_until
 
 from krex.native import lib
-from krex.shm import CLASS_NAMES
+from krex.node.shm import CLASS_NAMES
 
 LIST = driver_list()
 KEYS = [(d["name"], d["path"]) for d in LIST]

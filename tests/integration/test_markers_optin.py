@@ -193,7 +193,7 @@ def test_cli_errors_name_problem_and_fix(
 
 
 def test_pause_unknown_gpu_and_stragglers(iso: dict[str, str]) -> None:
-    from krex.shm import Segment
+    from krex.node.shm import Segment
 
     seg = Segment.create(iso["KREX_SHM"], n_gpus=1)
     try:

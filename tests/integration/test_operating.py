@@ -128,7 +128,7 @@ def test_bad_setting_is_named_before_a_daemon_starts(krex_env: dict[str, str]) -
 def test_verbose_and_quiet(krex_env: dict[str, str]) -> None:
     env = krex_env
     v = krex(env, "-v", "run", "--device", "sim", "--", "true")
-    assert v.returncode == 0 and "krex: INFO krex.client: starting krexd" in v.stderr, v.stderr
+    assert v.returncode == 0 and "krex: INFO krex.proc.client: starting krexd" in v.stderr, v.stderr
     assert krex(env, "daemon", "stop").returncode == 0
     plain = krex(env, "run", "--device", "sim", "--", "true")
     assert plain.returncode == 0 and "starting krexd" not in plain.stderr

@@ -44,11 +44,11 @@ import psutil
 import pytest
 from helpers import clean_env, read_jsonl, wait_until
 
-from krex.client import Client, daemon_alive
 from krex.errors import Busy, KrexError, NotFound, UsageError
 from krex.native import lib
 from krex.node import freezer, mounts
-from krex.shm import Segment
+from krex.node.shm import Segment
+from krex.proc.client import Client, daemon_alive
 
 pytestmark = [
     pytest.mark.cgroup,
@@ -244,7 +244,7 @@ class Krex:
     def start_daemon(
         self, *, freezer_name: str | None = None, max_region: float | None = None, slots: int = 8
     ) -> subprocess.Popen[bytes]:
-        args = [sys.executable, "-m", "krex.daemon", "--device", "sim", "--slots-per-gpu", str(slots)]
+        args = [sys.executable, "-m", "krex.node.daemon", "--device", "sim", "--slots-per-gpu", str(slots)]
         if freezer_name:
             args += ["--freezer", freezer_name]
         if max_region is not None:
@@ -1008,11 +1008,13 @@ def test_second_daemon_start_is_refused(kx: Krex) -> None:
     # The first daemon is unharmed, and no second one runs.
     assert first.poll() is None and daemon_alive(kx.sock)
     assert kx.status()["daemon"]["pid"] == first.pid
-    daemons = [pid for pid in kx.our_pids() if b"krex.daemon" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    daemons = [
+        pid for pid in kx.our_pids() if b"krex.node.daemon" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
     assert daemons == [first.pid]
     # The same through the daemon's own lock, bypassing the CLI's socket check.
     q = subprocess.run(
-        [sys.executable, "-m", "krex.daemon", "--device", "sim"],
+        [sys.executable, "-m", "krex.node.daemon", "--device", "sim"],
         env=kx.env(),
         capture_output=True,
         text=True,

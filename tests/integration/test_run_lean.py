@@ -44,7 +44,7 @@ def test_lean_run_loads_neither_click_nor_discovery_with_a_daemon(
     p = run([*LEAN_IMPORTTIME, *argv], env)
     assert p.returncode == 3 and p.stdout == "hi\n", p.stderr
     mods = imported(p.stderr)
-    assert "krex.launcher" in mods and "krex.client" in mods  # the measurement sees the run path
+    assert "krex.proc.launcher" in mods and "krex.proc.client" in mods  # the measurement sees the run path
     assert not {m for m in mods if m == "click" or m.startswith("click.")}, sorted(mods)
     assert not {"krex.gpus", "krex.cli.main", "krex.bench", "krex.journal"} & mods, sorted(mods)
     assert "SIMULATED GPU" in p.stderr  # notices as the click path prints them
@@ -96,7 +96,7 @@ def test_no_nvml_discovery_when_the_daemon_answers(krex_env: dict[str, str], tmp
             assert "SIMULATED" not in p.stderr
     assert not log.exists(), f"GPU discovery ran in `krex run` although krexd answered: {log.read_text()}"
     # hello says the device too, for clients that ask before admission.
-    hello = run([sys.executable, "-c", "from krex.client import hello; print(hello()['device'])"], env)
+    hello = run([sys.executable, "-c", "from krex.proc.client import hello; print(hello()['device'])"], env)
     assert hello.returncode == 0 and hello.stdout.strip() == "amd", hello.stderr
     # An unknown GPU is still refused, by krexd's admission.
     p = run([*LEAN, "run", "--device", "gpu", "--gpu", "2", "--", "true"], env)

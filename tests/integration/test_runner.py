@@ -1,5 +1,5 @@
 """krex.runner: the one runner of batch, bench and fleet, with real processes; and the
-guardian's library entry (`python -m krex.launcher`) that it spawns instead of the CLI.
+guardian's library entry (`python -m krex.proc.launcher`) that it spawns instead of the CLI.
 
 No timed asserts: sleeps only make commands overlap or hang; every wait is generous."""
 
@@ -110,14 +110,14 @@ def test_guardian_entry_runs_krex_run_without_the_cli(krex_env: dict[str, str], 
     code = ("import os, sys; parent = open(f'/proc/{os.getppid()}/cmdline').read().split(chr(0)); "
             "print(os.environ['KREX_SLOT'], ' '.join(parent)); sys.exit(3)")
     argv = guardian_argv([sys.executable, "-c", code], report, device="sim")
-    assert argv[1:3] == ["-m", "krex.launcher"]
+    assert argv[1:3] == ["-m", "krex.proc.launcher"]
     p = subprocess.run(argv, env=krex_env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stderr
     slot, parent = p.stdout.split(" ", 1)
     rep = json.loads(report.read_text())
     assert rep["exit_status"] == 3 and rep["slot"] == int(slot) and "regions" in rep
     # The command's parent is the guardian, a library process: not the CLI.
-    assert "-m krex.launcher" in parent and "krex.cli" not in parent, parent
+    assert "-m krex.proc.launcher" in parent and "krex.cli" not in parent, parent
 
     p = subprocess.run(guardian_argv([str(tmp_path / "missing")], report, device="sim"), env=krex_env,
                        capture_output=True, text=True, timeout=120)
@@ -125,7 +125,7 @@ def test_guardian_entry_runs_krex_run_without_the_cli(krex_env: dict[str, str], 
     rep = json.loads(report.read_text())
     assert rep["exit_status"] == 127 and rep["krex_error"]["kind"] == "CommandNotFound"
 
-    bogus = [sys.executable, "-m", "krex.launcher", "--report", str(report), "--bogus", "--", "true"]
+    bogus = [sys.executable, "-m", "krex.proc.launcher", "--report", str(report), "--bogus", "--", "true"]
     p = subprocess.run(bogus, env=krex_env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 125 and "--bogus" in p.stderr and "fix:" in p.stderr
     assert json.loads(report.read_text())["krex_error"]["kind"] == "UsageError"

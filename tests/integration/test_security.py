@@ -34,7 +34,7 @@ from helpers import clean_env, wait_until
 from test_regions import Krex, proc_state
 
 import krex
-from krex.shm import Segment
+from krex.node.shm import Segment
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates users, groups and daemons")
 

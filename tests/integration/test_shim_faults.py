@@ -22,10 +22,11 @@ import pytest
 from helpers import CC, Harness, clean_env, shim_text, wait_until
 from test_regions import KREX, Krex
 
-from krex import daemon, paths
+from krex import paths
 from krex.native import LIB_DIR, lib, shim_path
+from krex.node import daemon
+from krex.node.shm import Segment
 from krex.proc.envvars import opt_in_env
-from krex.shm import Segment
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import Child, Harness, wait_until
 
 from krex.native import lib
-from krex.shm import StepResult
+from krex.node.shm import StepResult
 
 NEVER = 120.0  # a re-check interval far past the work (3 s at most): only a wake ends the wait sooner
 COPY_NS = 3_000_000_000  # a 3 s synchronous copy (1 ns per byte): inside a gated call that long

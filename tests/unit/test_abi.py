@@ -11,7 +11,7 @@ import pytest
 from helpers import CC, INTERPOSE, REPO, SHIM_FILES
 
 from krex.native import ffi, lib
-from krex.shm import CLASS_NAMES, HOLDER_NAMES, PROC_FLAG_NAMES
+from krex.node.shm import CLASS_NAMES, HOLDER_NAMES, PROC_FLAG_NAMES
 
 STRUCTS = (
     "krex_header",

@@ -137,9 +137,9 @@ def test_library_logs_to_krex_logger_with_null_handler() -> None:
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("krex").handlers)
     # Importing and using the library prints nothing, even with Python's last-resort handler.
     code = (
-        "import logging, krex, krex.client, krex.daemon\n"
-        "logging.getLogger('krex.client').info('hidden')\n"
-        "logging.getLogger('krex.client').warning('shown by lastResort only without NullHandler')\n"
+        "import logging, krex, krex.proc.client, krex.node.daemon\n"
+        "logging.getLogger('krex.proc.client').info('hidden')\n"
+        "logging.getLogger('krex.proc.client').warning('shown by lastResort only without NullHandler')\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr

@@ -1,5 +1,5 @@
 """The library never depends on its own CLI: nothing under krex/ imports `krex.cli` (or
-`cli`), and no argv it builds names it (the runner spawns `python -m krex.launcher`)."""
+`cli`), and no argv it builds names it (the runner spawns `python -m krex.proc.launcher`)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,6 @@ def test_library_never_spawns_the_cli() -> None:
 
 def test_the_runner_spawns_the_guardian_entry() -> None:
     argv = guardian_argv(["x", "--y"], "/r.json", device="sim", gpu=1, freeze="gpu", python="py")
-    assert argv[:3] == ["py", "-m", GUARDIAN_MODULE] and GUARDIAN_MODULE == "krex.launcher"
+    assert argv[:3] == ["py", "-m", GUARDIAN_MODULE] and GUARDIAN_MODULE == "krex.proc.launcher"
     assert argv[argv.index("--") + 1 :] == ["x", "--y"]
     assert not any("cli" in a for a in argv)

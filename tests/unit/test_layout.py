@@ -56,8 +56,8 @@ def test_packages_exist_with_their_parts() -> None:
     for rel in [
         "node/freezer.py", "node/procfs.py", "node/mounts.py", "node/cpus.py", "node/journal.py",
         "node/watchdog.py", "node/freezepolicy.py", "node/segguard.py", "node/attest.py",
-        "node/config.py", "node/control.py",
-        "proc/region.py", "proc/envvars.py", "proc/pytest_plugin.py", "proc/_hook/sitecustomize.py",
+        "node/config.py", "node/control.py", "node/daemon.py", "node/shm.py",
+        "proc/client.py", "proc/launcher.py", "proc/region.py", "proc/envvars.py", "proc/pytest_plugin.py", "proc/_hook/sitecustomize.py",
         "proc/autoregion/hook.py", "proc/autoregion/core.py", "proc/autoregion/targets.py",
         "doctor/checks.py", "doctor/coverage.py",
         "device/gpus.py", "device/nvml.py", "device/elfcheck.py",
@@ -65,7 +65,9 @@ def test_packages_exist_with_their_parts() -> None:
         assert (KREX / rel).is_file(), rel
     for old in ["freezer.py", "cpus.py", "journal.py", "watchdog.py", "freezepolicy.py", "segguard.py",
                 "attest.py", "config.py", "control.py", "region.py", "envvars.py", "pytest_plugin.py",
-                "autoregion.py", "doctor.py", "coverage.py", "gpus.py", "nvml.py", "elfcheck.py", "_hook"]:
+                "autoregion.py", "doctor.py", "coverage.py", "gpus.py", "nvml.py", "elfcheck.py", "_hook",
+                "daemon.py", "shm.py", "client.py", "launcher.py", "bench.py", "bench_metrics.py",
+                "bench_plots.py"]:
         assert not (KREX / old).exists(), f"krex/{old} is left behind"
 
 
@@ -89,6 +91,14 @@ def test_node_never_imports_the_process_side_bench_or_cli() -> None:
     assert not bad, bad
 
 
+def test_process_side_never_imports_bench_batch_fleet_or_cli() -> None:
+    # krex.proc sits on krex.node (it reads the segment, joins slots) and below the runners.
+    files = [p for p in PY if p.is_relative_to(KREX / "proc")]
+    assert files
+    bad = _offenders(files, re.compile(r"krex\.(bench\w*|cli|batch|fleet|runner|doctor)(\..*)?"))
+    assert not bad, bad
+
+
 def test_library_never_imports_the_cli() -> None:
     bad = _offenders(PY, re.compile(r"krex\.cli(\..*)?"))
     assert not bad, bad
@@ -96,7 +106,7 @@ def test_library_never_imports_the_cli() -> None:
 
 def test_device_and_base_modules_stay_below_the_parts() -> None:
     # krex.device and the base modules (errors, paths, native) are used by every part.
-    base = [KREX / "errors.py", KREX / "paths.py", KREX / "native.py"]
+    base = [KREX / "errors.py", KREX / "paths.py", KREX / "native.py", KREX / "protocol.py"]
     files = base + [p for p in PY if p.is_relative_to(KREX / "device")]
     above = r"krex\.(node|proc|doctor|bench\w*|cli|batch|fleet|launcher|daemon)(\..*)?"
     bad = _offenders(files, re.compile(above))
@@ -141,10 +151,10 @@ def test_each_timing_constant_is_defined_once(name: str) -> None:
 
 
 def test_the_values_the_code_uses_are_the_headers() -> None:
-    from krex.client import HEARTBEAT_TIMEOUT_S
-    from krex.daemon import HEARTBEAT_TIMEOUT_S as DAEMON_HEARTBEAT_TIMEOUT_S
     from krex.native import lib
     from krex.node import config, control
+    from krex.node.daemon import HEARTBEAT_TIMEOUT_S as DAEMON_HEARTBEAT_TIMEOUT_S
+    from krex.proc.client import HEARTBEAT_TIMEOUT_S
 
     assert HEARTBEAT_TIMEOUT_S == DAEMON_HEARTBEAT_TIMEOUT_S == lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
     cfg = config.Config()
@@ -169,7 +179,7 @@ def test_one_errno_mapper() -> None:
     assert error_kind(errno.EIO) is error_kind(None) is KrexError
     # The three mappers there were (freezer, CPU pinning, segment) now ask error_kind;
     # an errno may still pick the words (EPERM: "not ours"), never the kind on its own.
-    mappers = [("node/freezer.py", "_error"), ("node/cpus.py", "_affinity_error"), ("shm.py", "_oserror")]
+    mappers = [("node/freezer.py", "_error"), ("node/cpus.py", "_affinity_error"), ("node/shm.py", "_oserror")]
     for rel, func in mappers:
         tree = ast.parse((KREX / rel).read_text())
         fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == func)
@@ -218,7 +228,7 @@ def test_one_way_to_start_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv("KREX_STATE_DIR", str(tmp_path))
     argv = config.daemon_argv("sim", tmp_path / "krexd.log", {"max_region_s": 5.0, "idle_exit_s": None},
                               on_demand=True)
-    assert argv[:3] == [sys.executable, "-m", "krex.daemon"]
+    assert argv[:3] == [sys.executable, "-m", "krex.node.daemon"]
     assert argv[3:] == ["--device", "sim", "--log", str(tmp_path / "krexd.log"), "--max-region", "5.0",
                         "--on-demand"]
     # The shim's on-demand command is the same argv.
@@ -227,7 +237,7 @@ def test_one_way_to_start_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
     assert shlex.split(cmd) == ["exec", "env", "-u", "LD_PRELOAD",
                                 *config.daemon_argv("sim", tmp_path / "krexd.log", on_demand=True)]
-    # Nobody else spells out `-m krex.daemon`.
+    # Nobody else spells out `-m krex.node.daemon`.
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in CODE if p.name != "config.py"
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(r"""["']-m["'],\s*["']krex\.daemon["']|-m krex\.daemon --""", line)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from krex.cli.lean import parse_run
 
-from krex.launcher import _run_kind
+from krex.proc.launcher import _run_kind
 
 TAKEN = [
     ["run", "--", "true"],
@@ -94,8 +94,8 @@ def test_the_daemons_device_decides_without_discovery(device: str, daemon: str, 
 
 
 def test_gpu_asked_of_a_simulated_daemon_still_needs_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from krex import launcher
     from krex.errors import NotFound
+    from krex.proc import launcher
 
     def no_gpu(device: str) -> tuple[str, int]:
         raise NotFound("no GPU found", "use --device sim")
@@ -111,7 +111,7 @@ def test_private_tmpdir_is_fresh_private_and_falls_back(
     import os
     import stat
 
-    from krex.launcher import _private_tmpdir
+    from krex.proc.launcher import _private_tmpdir
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     a, b = _private_tmpdir("krex-auto-3-"), _private_tmpdir("krex-auto-3-")

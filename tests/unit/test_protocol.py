@@ -15,9 +15,9 @@ import pytest
 from helpers import CC, INTERPOSE, REPO
 
 from krex import protocol
-from krex.daemon import HANDLERS
 from krex.errors import UsageError
 from krex.native import ffi, lib
+from krex.node.daemon import HANDLERS
 from krex.protocol import OPS, REQUESTS, FrameReader, Message, ProtocolError, decode, encode, encode_reply
 
 BODY_OPS = [o for o in OPS.values() if o.request or o.reply]
@@ -237,7 +237,7 @@ def test_wire_timings_are_the_headers() -> None:
     started on demand was waited for 15.0 s, written out in client.py)."""
     import inspect
 
-    from krex import client
+    from krex.proc import client
 
     assert client.CONNECT_TIMEOUT_S == lib.KREX_CONNECT_TIMEOUT_MS / 1e3
     assert client.POLL_S == lib.KREX_CLIENT_POLL_NS / 1e9

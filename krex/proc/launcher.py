@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
 
 if TYPE_CHECKING:
-    from krex.client import Client
-    from krex.shm import Segment
+    from krex.node.shm import Segment
+    from krex.proc.client import Client
 
 # Imports inside functions keep `krex run`'s start-up short (issue 11): every module
 # loaded here is paid by every command.
@@ -214,8 +214,8 @@ def run_direct(
     extra_env: dict[str, str] | None = None,
 ) -> int:
     """First-version run without a daemon: claim a slot in the segment directly."""
+    from krex.node.shm import Segment
     from krex.proc.envvars import opt_in_env
-    from krex.shm import Segment
 
     exe = resolve_command(cmd)
     seg = Segment.create(shm_name, n_gpus=n_gpus)
@@ -275,8 +275,8 @@ def connect_daemon(device: str, gpu: int | None) -> tuple[Client, str | None]:
     device it runs and refuses an unknown `gpu`, so no GPU discovery (NVML) runs here (None).
     Only when none answers are the GPUs discovered and `gpu` checked here, so a refused
     command never starts a daemon; then one is started for that device."""
-    from krex.client import Client
     from krex.errors import NotFound
+    from krex.proc.client import Client
 
     if device not in ("sim", "gpu", "auto"):
         raise UsageError(f"unknown device {device!r}", "use one of: auto, gpu, sim")
@@ -328,8 +328,8 @@ def run_guarded(
     with a daemon running, no GPU discovery happens here (connect_daemon)."""
     from krex import paths
     from krex.node import freezer
+    from krex.node.shm import Segment
     from krex.proc.envvars import opt_in_env
-    from krex.shm import Segment
 
     exe = resolve_command(cmd)
     warns = [w for w in [_static_cudart_warning(exe)] if w]
@@ -755,9 +755,9 @@ class _Guardian:
     def watch(self, stop: _Stop) -> None:
         import select
 
-        from krex.client import Client
         from krex.native import lib
-        from krex.shm import Segment
+        from krex.node.shm import Segment
+        from krex.proc.client import Client
 
         poll_s = lib.KREX_GUARDIAN_POLL_NS / 1e9
         seg: Segment | None = None
@@ -940,10 +940,11 @@ def _run_command(
     return res.exit_status, res.report
 
 
-# ------------------------------------------------------------- `python -m krex.launcher`
+# ------------------------------------------------------------- `python -m krex.proc.launcher`
 
 _ENTRY_USAGE = (
-    "python -m krex.launcher [--device auto|gpu|sim] [--gpu N] [--freeze all|gpu|adaptive] [--report FILE] "
+    "python -m krex.proc.launcher [--device auto|gpu|sim] [--gpu N] [--freeze all|gpu|adaptive] "
+    "[--report FILE] "
     "[--keep-leftovers] [--daemon-slots-per-gpu N] [--daemon-idle-exit S] -- CMD..."
 )
 
@@ -984,7 +985,7 @@ def _parse_entry(argv: list[str], opts: dict[str, Any]) -> None:
 def _ensure_daemon(device: str, slots: int | None, idle_exit_s: float | None) -> bool:
     """Start the node's daemon with these settings if none answers (the library's one way,
     client.start_background); True if this call started it."""
-    from krex.client import daemon_alive, start_background
+    from krex.proc.client import daemon_alive, start_background
 
     if daemon_alive():
         return False

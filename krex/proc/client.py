@@ -129,7 +129,7 @@ class Client:
     def _heartbeat_age(self) -> float | None:
         if not self._seg_tried:
             self._seg_tried = True
-            from krex.shm import Segment, default_name
+            from krex.node.shm import Segment, default_name
 
             with contextlib.suppress(KrexError):
                 self._seg = Segment.attach(default_name())

@@ -43,15 +43,15 @@ from krex.node import config, cpus, freezepolicy, freezer, journal
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
+from krex.node.shm import Segment, default_name
 from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
-from krex.shm import Segment, default_name
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
 HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
 HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 RELEASE_MAX_RECORDS = 1000  # a slot's region records kept for its `release` reply
 
-log = logging.getLogger("krex.daemon")  # not __name__: it runs as __main__ under -m
+log = logging.getLogger("krex.node.daemon")  # not __name__: it runs as __main__ under -m
 # A request handler: (daemon, connection, peer pid from SO_PEERCRED, request, the connection's
 # state) -> reply. HANDLERS is the ONE dispatch table, an op of KREX_OPS -> its handler, filled
 # by @handles on the Daemon's methods; tests/unit/test_protocol.py checks it covers every request op.
@@ -1614,7 +1614,7 @@ def _redirect_output(logfile: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m krex.daemon` entry used when the daemon is started in the background."""
+    """`python -m krex.node.daemon` entry used when the daemon is started in the background."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="krexd")
