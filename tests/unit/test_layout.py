@@ -57,7 +57,8 @@ def test_packages_exist_with_their_parts() -> None:
         "node/freezer.py", "node/procfs.py", "node/mounts.py", "node/cpus.py", "node/journal.py",
         "node/watchdog.py", "node/freezepolicy.py", "node/segguard.py", "node/attest.py",
         "node/config.py", "node/control.py", "node/daemon.py", "node/shm.py",
-        "proc/client.py", "proc/launcher.py", "proc/region.py", "proc/envvars.py", "proc/pytest_plugin.py", "proc/_hook/sitecustomize.py",
+        "proc/client.py", "proc/launcher.py", "proc/region.py", "proc/envvars.py", "proc/pytest_plugin.py",
+        "proc/_hook/sitecustomize.py",
         "proc/autoregion/hook.py", "proc/autoregion/core.py", "proc/autoregion/targets.py",
         "doctor/checks.py", "doctor/coverage.py",
         "device/gpus.py", "device/nvml.py", "device/elfcheck.py",
@@ -179,7 +180,9 @@ def test_one_errno_mapper() -> None:
     assert error_kind(errno.EIO) is error_kind(None) is KrexError
     # The three mappers there were (freezer, CPU pinning, segment) now ask error_kind;
     # an errno may still pick the words (EPERM: "not ours"), never the kind on its own.
-    mappers = [("node/freezer.py", "_error"), ("node/cpus.py", "_affinity_error"), ("node/shm.py", "_oserror")]
+    mappers = [
+        ("node/freezer.py", "_error"), ("node/cpus.py", "_affinity_error"), ("node/shm.py", "_oserror")
+    ]
     for rel, func in mappers:
         tree = ast.parse((KREX / rel).read_text())
         fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == func)
