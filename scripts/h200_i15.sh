@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# Issues 15 and 11 on the H200, one device call: the same measurements for the build before
-# the redesign (.whl-old, built from the last commit before it) and after (.whl-krex, built
-# from this tree), side by side:
-#   - region entry with 8 idle and 8 hammering siblings (scripts/gpu_fidelity.py --latency-only)
-#   - what `krex run` adds per command with 16 starting at once (scripts/run_overhead.py)
-# Needs carry: .whl .whl-old .whl-krex. Logs under $OUT/<build>/, the table last.
+# Issue 15 on the H200, one device call: region entry before the redesign and after it, side
+# by side in one run (scripts/entry_latency.py interleaves the builds round by round), and what
+# `krex run` adds per command with 16 starting at once (scripts/run_overhead.py), per build.
+#   before: .whl-old, a wheel built from 201d96c (the last commit before the redesign)
+#   after:  .whl-krex, a wheel built from this tree (`pip wheel --no-deps -w .whl-krex .`)
+# Needs carry: .whl (cffi, pycparser, posix_ipc for cp312) .whl-old .whl-krex.
+# Each build runs from its own --target directory through a wrapper interpreter, with its own
+# KREX world (state directory, segment), so the two never share a daemon. Logs under $OUT.
 set -uo pipefail
 REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; mkdir -p "$FINAL"
-ROUNDS=${ROUNDS:-4}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+ROUNDS=${ROUNDS:-2}; REGIONS=${REGIONS:-100}
+pip() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$@"; }
+pip /tmp/site .whl/*.whl || exit 1
 for v in old new; do
   w=.whl-krex; [ $v = old ] && w=.whl-old
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/$v $w/krex-*.whl || exit 1
+  pip /tmp/$v $w/krex-*.whl || exit 1
+  printf '#!/bin/sh\nPYTHONPATH=/tmp/%s:/tmp/site${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' $v > /tmp/py-$v
+  chmod +x /tmp/py-$v
+  /tmp/py-$v -c "import krex; print('$v:', krex.__file__)" | tee -a "$FINAL/builds.txt"
 done
 cd /tmp
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$FINAL/gpu.txt"
+OUT="$FINAL/entry" timeout 480 python3 "$REPO/scripts/entry_latency.py" --device gpu --siblings 8 \
+  --regions "$REGIONS" --rounds "$ROUNDS" --build old=/tmp/py-old --build new=/tmp/py-new > "$FINAL/entry.log" 2>&1
+echo "entry_latency rc=$?" >> "$FINAL/entry.log"
 for v in old new; do
-  O="$FINAL/$v"; mkdir -p "$O"
-  export PYTHONPATH=/tmp/$v:/tmp/site KREX_STATE_DIR=/tmp/state-$v PYTHONUNBUFFERED=1 OUT="$O"
-  ENTRY=(python3 -m krex.cli.main); [ -x /tmp/$v/bin/krex ] && ENTRY=(/tmp/$v/bin/krex)
-  python3 -c "import krex, sys; print('$v krex from', krex.__file__)" | tee "$O/which.txt"
-  "${ENTRY[@]}" daemon start --device gpu --slots-per-gpu 16 > "$O/daemon.txt" 2>&1 || { cat "$O/daemon.txt"; continue; }
-  timeout 150 python3 "$REPO/scripts/gpu_fidelity.py" --latency-only 2>&1 | tail -4 | tee "$O/latency.txt"
-  "${ENTRY[@]}" daemon stop >> "$O/daemon.txt" 2>&1
-  timeout 100 python3 "$REPO/scripts/run_overhead.py" --device gpu -n 16 -r "$ROUNDS" --out "$O" 2>&1 | tail -8 | tee "$O/overhead.txt"
+  PATH=/tmp/$v/bin:$PATH PYTHONPATH=/tmp/$v:/tmp/site timeout 150 python3 "$REPO/scripts/run_overhead.py" --krex-bin /tmp/$v/bin/krex \
+    --device gpu -n 16 -r 3 --out "$FINAL/overhead-$v" > "$FINAL/overhead-$v.log" 2>&1
+  echo "run_overhead rc=$?" >> "$FINAL/overhead-$v.log"
 done
-echo "== table (before = old, after = new)"
-for v in old new; do
-  echo "-- $v"; grep -h "region entry" "$FINAL/$v/latency.txt"; tail -4 "$FINAL/$v/overhead.txt"
-done
+echo "== region entry (old = before, new = after)"; tail -8 "$FINAL/entry.log"
+for v in old new; do echo "== krex run overhead, $v"; tail -7 "$FINAL/overhead-$v.log"; done

@@ -39,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 
-def krex_argv(entry: str) -> list[str]:
-    """How `krex` is called: the console script next to this interpreter (as users call
-    it), or `python -m krex.cli.main` (what the library spawned before it had an entry)."""
+def krex_argv(entry: str, given: str | None = None) -> list[str]:
+    """How `krex` is called: the console script given, or next to this interpreter (as users
+    call it), or `python -m krex.cli.main` (what the library spawned before it had an entry)."""
+    if given:
+        return [given]
     script = Path(sys.executable).parent / "krex"
     if entry == "script":
         if not script.exists():
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--cmd", default=None, help="another command to measure the same way (a shell-quoted line)")
     ap.add_argument("--entry", choices=["script", "module"], default="script",
                     help="krex as the console script (default) or `python -m krex.cli.main`")
+    ap.add_argument("--krex-bin", default=None, help="the krex console script to measure (a build elsewhere)")
     ap.add_argument("--krex-arg", action="append", default=[],
                     help="extra argument for `krex run` (repeatable), e.g. --krex-arg=--report=/dev/null")
     ap.add_argument("--stream", type=int, default=0, metavar="M",
@@ -160,7 +163,7 @@ def main() -> None:
     env.update(KREX_STATE_DIR=str(world / "state"), KREX_SHM=f"/krex-ovh-{tag}", KREX_SIM_SHM=f"/krex-ovhsim-{tag}")
     if args.device == "sim":
         env["KREX_SIM_TRACE"] = str(world / "trace.jsonl")
-    krex = krex_argv(args.entry)
+    krex = krex_argv(args.entry, args.krex_bin)
     cases: list[tuple[str, list[str]]] = [("python -c pass", [sys.executable, "-c", "pass"])]
     if args.cmd:
         cases.append((args.cmd, shlex.split(args.cmd)))
