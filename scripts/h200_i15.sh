@@ -9,7 +9,7 @@
 # KREX world (state directory, segment), so the two never share a daemon. Logs under $OUT.
 set -uo pipefail
 REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; mkdir -p "$FINAL"
-ROUNDS=${ROUNDS:-2}; REGIONS=${REGIONS:-100}
+ROUNDS=${ROUNDS:-3}; REGIONS=${REGIONS:-100}
 pip() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$@"; }
 pip /tmp/site .whl/*.whl || exit 1
 for v in old new; do
@@ -21,6 +21,10 @@ for v in old new; do
 done
 cd /tmp
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$FINAL/gpu.txt"
+for t in "" --torch; do  # the cgroup v2 freeze itself: notification by poll against re-reading
+  OUT="$FINAL" timeout 120 python3 "$REPO/scripts/freeze_latency.py" --n 8 --rounds 300 $t > "$FINAL/freeze$t.log" 2>&1
+  cp "$FINAL/freeze_latency.json" "$FINAL/freeze_latency$t.json" 2>/dev/null
+done
 OUT="$FINAL/entry" timeout 480 python3 "$REPO/scripts/entry_latency.py" --device gpu --siblings 8 \
   --regions "$REGIONS" --rounds "$ROUNDS" --build old=/tmp/py-old --build new=/tmp/py-new > "$FINAL/entry.log" 2>&1
 echo "entry_latency rc=$?" >> "$FINAL/entry.log"
@@ -29,5 +33,6 @@ for v in old new; do
     --device gpu -n 16 -r 3 --out "$FINAL/overhead-$v" > "$FINAL/overhead-$v.log" 2>&1
   echo "run_overhead rc=$?" >> "$FINAL/overhead-$v.log"
 done
+for t in "" --torch; do echo "== freeze $t"; tail -4 "$FINAL/freeze$t.log"; done
 echo "== region entry (old = before, new = after)"; tail -8 "$FINAL/entry.log"
 for v in old new; do echo "== krex run overhead, $v"; tail -7 "$FINAL/overhead-$v.log"; done
