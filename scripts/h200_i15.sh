@@ -8,7 +8,9 @@
 # Each build runs from its own --target directory through a wrapper interpreter, with its own
 # KREX world (state directory, segment), so the two never share a daemon. Logs under $OUT.
 set -uo pipefail
-REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; mkdir -p "$FINAL"
+REPO=$PWD; RES=${OUT:-/tmp/krex-out}; FINAL=/tmp/i15; mkdir -p "$FINAL" "$RES"
+# At most 8 files come back from a device call: everything travels as one archive.
+trap 'find "$FINAL" -name "ready-*" -delete; rm -rf "$FINAL"/entry/*/state; tar czf "$RES/i15.tgz" -C "$FINAL" .' EXIT
 ROUNDS=${ROUNDS:-3}; REGIONS=${REGIONS:-100}
 pip() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$@"; }
 pip /tmp/site .whl/*.whl || exit 1
