@@ -13,6 +13,8 @@ from typing import Any, TextIO
 
 import click
 
+from krex.device.gpus import DEVICES
+
 from . import progress_stream, quiet
 from .progress import Progress, bar, fmt_s
 
@@ -110,7 +112,7 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
 @click.command()
 @click.option(
     "--device",
-    type=click.Choice(["auto", "gpu", "sim"]),
+    type=click.Choice(DEVICES),
     default="auto",
     show_default=True,
     help="real GPU (the GPU corpus) or the simulated one (the SIM corpus)",

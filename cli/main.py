@@ -16,8 +16,10 @@ from typing import Any
 import click
 
 from krex import __version__
+from krex.device.gpus import DEVICES
 from krex.errors import KrexError
 from krex.native import lib
+from krex.node.freezepolicy import POLICIES
 
 from . import quiet
 from .bench_cmd import register as register_bench
@@ -26,7 +28,7 @@ from .fleet_cmd import register as register_fleet
 from .lean import setup_cli_logging
 from .progress import fmt_s
 
-DEVICE = click.Choice(["auto", "gpu", "sim"])
+DEVICE = click.Choice(DEVICES)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -268,7 +270,7 @@ def _segment_line(st: dict[str, Any]) -> str:
 )
 @click.option(
     "--freeze",
-    type=click.Choice(["all", "gpu", "adaptive"]),
+    type=click.Choice(POLICIES),
     default=None,
     help="which siblings this command's regions freeze (default: the daemon's policy)",
 )

@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from krex import runner
 from krex.bench.metrics import percentile
 from krex.errors import KrexError, NotFound, PermissionDenied, UsageError
-from krex.runner import Outcome, Pool, Spec, guardian_argv
+from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv
 
 __all__ = [
     "BatchCommand",
@@ -62,8 +63,7 @@ __all__ = [
 
 SHELL = "/bin/sh"
 FILE_HELP = "FILE holds one shell command per line (# comments), or a JSON list of argv lists"
-TICK_S = 0.5
-GRACE_S = 10.0  # after a cancel: how long guardians get for each escalation step (SIGINT, SIGTERM)
+GRACE_S = runner.GRACE_S  # after a cancel: how long guardians get for each escalation step (SIGINT, SIGTERM)
 
 
 class BatchFailed(KrexError):

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from krex import paths, runner
 from krex.batch import (
     BatchCommand,
     BatchSummary,
@@ -71,7 +72,8 @@ from krex.batch import (
     default_out_dir as _default_out_dir,
 )
 from krex.errors import KrexError, NotFound, UsageError
-from krex.runner import Spec, guardian_argv, run_one
+from krex.native import lib
+from krex.runner import TICK_S, Spec, guardian_argv, run_one
 
 __all__ = [
     "PYTHON",
@@ -96,8 +98,7 @@ PYTHON = "{python}"  # argv placeholder for the node's own Python (corpus comman
 INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' "
                "(or pip install ray)")
 TAIL_BYTES = 64 * 1024
-TICK_S = 0.5
-GRACE_S = 10.0  # after a cancel: how long running commands get before their tasks are killed
+GRACE_S = runner.GRACE_S  # after a cancel: how long running commands get before their tasks are killed
 NODES_REFRESH_S = 2.0
 # Set by Ray in every worker; a command under `krex batch` would not have them
 # (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
@@ -141,7 +142,7 @@ def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
     root = Path(node_root).absolute()
     d = root / node_id[:12]
     tag = hashlib.sha1(f"{root}\0{node_id}".encode()).hexdigest()[:12]
-    sock = d / "krexd.sock"
+    sock = d / paths.SOCKET_NAME
     if len(str(sock).encode()) > 100:
         raise UsageError(f"--node-root {root} is too long for a Unix socket path ({sock})",
                          "use a short directory, e.g. one made by mktemp -d /tmp/kx-XXXX")
@@ -346,7 +347,7 @@ def node_journal(node_root: str | None, since: float | None, last: int | None) -
 
     node_id = ray.get_runtime_context().get_node_id()
     world = node_world(node_id, node_root)
-    path = Path(world["KREX_STATE_DIR"]) / "journal.jsonl" if world else paths.journal_path()
+    path = Path(world["KREX_STATE_DIR"]) / paths.JOURNAL_NAME if world else paths.journal_path()
     out: dict[str, Any] = {"node_id": node_id, "host": socket.gethostname(),
                            "node_ip": _node_ip(ray), "journal": str(path)}
     try:
@@ -369,7 +370,7 @@ class FleetConfig:
     node_root: str | None = None  # a KREX world per Ray node under this directory (see node_world)
     slots_per_gpu: int | None = None  # local cluster only: its krex_slot = this x GPUs
     max_attempts: int = 3  # a command lost with its node runs again, up to this many attempts in all
-    idle_exit_s: float = 120.0  # daemons the fleet starts exit after this long idle
+    idle_exit_s: float = lib.KREX_ON_DEMAND_IDLE_EXIT_MS / 1e3  # daemons the fleet starts exit when idle
     cwd: str | None = None  # where commands run on the nodes (default: the driver's cwd)
     tail_bytes: int = TAIL_BYTES
     wait_nodes_s: float = 60.0  # give up when no live node offers krex_slot for this long

@@ -19,6 +19,10 @@ from krex.errors import PermissionDenied, UsageError
 _FIX_DIR = "set KREX_STATE_DIR to a directory of your own (mode 0700 or 0750)"
 
 
+SOCKET_NAME = "krexd.sock"  # inside a state directory (fleet builds one per Ray node)
+JOURNAL_NAME = "journal.jsonl"
+
+
 def state_dir() -> Path:
     """$KREX_STATE_DIR, else /run/krex for root, else a per-user directory."""
     raw = os.environ.get("KREX_STATE_DIR")
@@ -144,11 +148,11 @@ def socket_path() -> Path:
                 "use a path of at most 100 bytes",
             )
         return Path(raw)
-    return state_dir() / "krexd.sock"
+    return state_dir() / SOCKET_NAME
 
 
 def journal_path() -> Path:
-    return Path(os.environ.get("KREX_JOURNAL") or state_dir() / "journal.jsonl")
+    return Path(os.environ.get("KREX_JOURNAL") or state_dir() / JOURNAL_NAME)
 
 
 def lock_path() -> Path:

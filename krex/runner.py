@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 GUARDIAN_MODULE = "krex.proc.launcher"
-TICK_S = 0.5
+TICK_S = 0.5  # how often a pool wakes its caller with a "tick" (progress, cancels)
+GRACE_S = 10.0  # after a cancel: how long each escalation step (SIGINT, SIGTERM) waits
 J = TypeVar("J")
 
 
@@ -284,7 +285,7 @@ def _wait_interruptibly(proc: subprocess.Popen[bytes], deadline: float | None) -
             os.close(fd)
 
 
-def run_one(spec: Spec, interrupt_grace_s: float = 10.0) -> Outcome:
+def run_one(spec: Spec, interrupt_grace_s: float = GRACE_S) -> Outcome:
     """Run one command to its end in this thread. A KeyboardInterrupt while it runs sends
     it SIGINT (SIGKILL after ``interrupt_grace_s``) and returns with ``cancelled`` set.
     A command past ``spec.timeout_s`` has its tree's state noted and is killed."""
@@ -328,7 +329,7 @@ class Pool(Generic[J]):
         *,
         cancel: threading.Event | None = None,
         stop_signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL),
-        grace_s: float = 10.0,
+        grace_s: float = GRACE_S,
         tree: bool = False,
         tick_s: float = TICK_S,
     ) -> None:

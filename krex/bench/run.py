@@ -66,11 +66,10 @@ from krex.bench.plan import (
 from krex.bench.summary import compute_summary, json_safe, render_summary_md
 from krex.errors import KrexError, UsageError
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
-from krex.runner import Outcome, Pool, Spec, guardian_argv, run_one
+from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv, run_one
 
 __all__ = ["BenchConfig", "BenchError", "BenchEvent", "BenchResult", "plots_available", "run_bench"]
 
-TICK_S = 0.5
 GRACE_S = 5.0
 
 

@@ -125,7 +125,7 @@ def _workload(name: str) -> tuple[Callable[[], None], int]:
 
             def drain_soon() -> None:
                 with Segment.attach() as seg:
-                    seg.drain(int(os.environ.get("KREX_GPU", "0")), None, timeout=5.0)
+                    seg.drain(int(os.environ.get("KREX_GPU", "0")), None)
 
             t = threading.Thread(target=drain_soon)
             with torch.cuda.graph(g):

@@ -39,7 +39,7 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import config, cpus, freezepolicy, freezer, journal
+from krex.node import config, cpus, freezepolicy, freezer, journal, procfs
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
@@ -708,11 +708,10 @@ class Daemon:
             for s in self.slots.values():
                 if p in s.root_pids or (s.kind == "auto" and p == s.guardian_pid):
                     return s
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    p = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+            st = procfs.pid_stat(p)
+            if st is None:
                 return None
+            p = st.ppid
             if p <= 1:
                 return None
         return None
@@ -820,7 +819,7 @@ class Daemon:
                 if lapsed:
                     expect = cur
                 else:
-                    lib.krex_futex_wait(ffi.addressof(gp, "gate"), cur, 10_000_000)
+                    lib.krex_futex_wait(ffi.addressof(gp, "gate"), cur, lib.KREX_GATE_RECHECK_NS)
                     continue
             try:
                 return self.seg.close_gate(

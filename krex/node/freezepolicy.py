@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from krex.device import elfcheck
+from krex.node import procfs
 
 POLICIES = ("all", "gpu", "adaptive")
 DEFAULT = "all"
@@ -43,17 +44,8 @@ class Verdict:
 
 
 def _start_ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and ')': split after the last ')'.
-    fields = text[text.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22 overall
-    except (IndexError, ValueError):
-        return None
+    st = procfs.pid_stat(pid)
+    return None if st is None else st.start
 
 
 class Inspector:

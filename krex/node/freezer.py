@@ -29,7 +29,10 @@ from collections.abc import Callable, Iterable
 
 from krex import paths
 from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
+from krex.native import lib
 from krex.node import mounts, procfs
+
+FREEZE_TIMEOUT_S = lib.KREX_FREEZE_TIMEOUT_MS / 1e3  # krexd's default; a freeze or thaw gives up after it
 
 __all__ = [
     "BACKENDS",
@@ -152,13 +155,13 @@ class Group(abc.ABC):
     def pids(self) -> list[int]: ...
 
     @abc.abstractmethod
-    def freeze(self, timeout: float = 2.0) -> float:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         """Freeze and return the seconds until the kernel reported every process stopped.
 
         On Timeout the freeze stays requested (stragglers stop once they can); call thaw()."""
 
     @abc.abstractmethod
-    def thaw(self, timeout: float = 2.0) -> float: ...
+    def thaw(self, timeout: float = FREEZE_TIMEOUT_S) -> float: ...
 
     @abc.abstractmethod
     def is_frozen(self) -> bool: ...
@@ -368,10 +371,10 @@ class _Cgroup2Group(_CgroupGroup):
             procfs.write(os.path.join(self.path, "cgroup.kill"), "1")
         super().kill_all(pids)
 
-    def freeze(self, timeout: float = 2.0) -> float:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         return self._set(True, timeout)
 
-    def thaw(self, timeout: float = 2.0) -> float:
+    def thaw(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         return self._set(False, timeout)
 
     def is_frozen(self) -> bool:
@@ -443,7 +446,7 @@ class _Cgroup1Group(_CgroupGroup):
         except OSError as exc:
             raise _error(exc, f"cannot write {self.path}/freezer.state") from exc
 
-    def freeze(self, timeout: float = 2.0) -> float:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         self._request("FROZEN")
@@ -459,7 +462,7 @@ class _Cgroup1Group(_CgroupGroup):
             step = _sleep_step(step)
         return time.perf_counter() - t0
 
-    def thaw(self, timeout: float = 2.0) -> float:
+    def thaw(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         self._request("THAWED")
@@ -657,7 +660,7 @@ class _SignalGroup(Group):
             except OSError as exc:
                 raise _error(exc, f"cannot send {sig.name} to pid {pid}") from exc
 
-    def freeze(self, timeout: float = 2.0) -> float:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         members = self._members()
@@ -683,7 +686,7 @@ class _SignalGroup(Group):
                 raise self._timeout("freezing", timeout, stragglers)
             step = _sleep_step(step)
 
-    def thaw(self, timeout: float = 2.0) -> float:
+    def thaw(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         members = self._members()

@@ -126,6 +126,7 @@ def _recheck_ns(recheck: float | None) -> int:
 
 
 _SLICE_S = lib.KREX_WAIT_SLICE_NS / 1e9
+DRAIN_TIMEOUT_S = lib.KREX_DRAIN_TIMEOUT_MS / 1e3  # krexd's default for the in-flight and drain waits
 
 
 def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, dict[str, int]]:
@@ -362,7 +363,11 @@ class Segment:
         return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
 
     def wait_inflight(
-        self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
+        self,
+        gpu: int,
+        owner_slot: int | None = None,
+        timeout: float = DRAIN_TIMEOUT_S,
+        recheck: float | None = None,
     ) -> StepResult:
         """Wait until no non-owner thread is inside a gated call (protocol step 3). Sleeps
         on the GPU's wake word, which a sibling bumps as it leaves a gated call while the
@@ -378,7 +383,11 @@ class Segment:
         return StepResult(n == 0, secs, n, stragglers, stats=stats)
 
     def drain(
-        self, gpu: int, owner_slot: int | None = None, timeout: float = 5.0, recheck: float | None = None
+        self,
+        gpu: int,
+        owner_slot: int | None = None,
+        timeout: float = DRAIN_TIMEOUT_S,
+        recheck: float | None = None,
     ) -> StepResult:
         """Ask every sibling helper to synchronise its contexts and wait for the
         acks (protocol step 4). `count` is how many processes had to drain. Each helper

@@ -294,7 +294,7 @@ def connect_daemon(device: str, gpu: int | None) -> tuple[Client, str | None]:
 
 
 def discover_kind(device: str) -> tuple[str, int]:
-    """("sim" or "gpu", GPU count) for `--device auto|gpu|sim` (krex.gpus.discover)."""
+    """("sim" or "gpu", GPU count) for `--device auto|gpu|sim` (krex.device.gpus.discover)."""
     from krex.device.gpus import discover
 
     info = discover(device)
