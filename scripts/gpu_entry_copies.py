@@ -130,7 +130,9 @@ class World:
     def krex(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "krex.cli.main", *args]
 
-    def run(self, code: str, *argv: str, log: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    def run(
+        self, code: str, *argv: str, log: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         out = open(self.dir / log, "a")  # noqa: SIM115 - closed with the process by the OS
         return subprocess.Popen(
             self.krex("run", "--device", self.device, "--", sys.executable, "-c", code, *argv),
@@ -142,7 +144,9 @@ class World:
         )
 
     def stop_daemon(self) -> None:
-        subprocess.run(self.krex("daemon", "stop"), env=self.env, cwd=self.dir, capture_output=True, timeout=60)
+        subprocess.run(
+            self.krex("daemon", "stop"), env=self.env, cwd=self.dir, capture_output=True, timeout=60
+        )
         for n in (self.env["KREX_SHM"], self.env["KREX_SIM_SHM"]):
             Path("/dev/shm" + n).unlink(missing_ok=True)
 
@@ -186,8 +190,13 @@ def run_case(w: World, chunk: str | None, k: int, nbytes: int, regions: int) -> 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     ms = [r["client_s"] * 1e3 for r in rows]
-    s = {"n": float(len(rows)), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90), "p99_ms": pct(ms, 99),
-         "max_ms": max(ms)}
+    s = {
+        "n": float(len(rows)),
+        "p50_ms": pct(ms, 50),
+        "p90_ms": pct(ms, 90),
+        "p99_ms": pct(ms, 99),
+        "max_ms": max(ms),
+    }
     for step in STEPS:
         vals = [r[step] * 1e3 for r in rows if isinstance(r.get(step), (int, float))]
         s[f"{step[:-2]}_p50_ms"] = statistics.median(vals) if vals else float("nan")
@@ -203,7 +212,9 @@ def main() -> None:
     ap.add_argument("--regions", type=int, default=100)
     ap.add_argument("--gib", type=float, default=2.0, help="bytes each sibling copies each way (gpu)")
     ap.add_argument("--sim-mib", type=int, default=256, help="bytes each sibling copies each way (sim)")
-    ap.add_argument("--chunk-bytes", default=None, help="the chunked case's KREX_COPY_CHUNK_BYTES (default: the shim's)")
+    ap.add_argument(
+        "--chunk-bytes", default=None, help="the chunked case's KREX_COPY_CHUNK_BYTES (default: the shim's)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/krex-entry-copies")
     a = ap.parse_args()
     root = Path(a.out)
@@ -217,17 +228,32 @@ def main() -> None:
         try:
             t0 = time.time()
             rows = run_case(w, chunk, a.siblings, nbytes, a.regions)
-            result["cases"][name] = {"chunk": chunk, "rows": rows, "summary": summary(rows),
-                                     "wall_s": time.time() - t0}
+            result["cases"][name] = {
+                "chunk": chunk,
+                "rows": rows,
+                "summary": summary(rows),
+                "wall_s": time.time() - t0,
+            }
             print(f"{name}: {len(rows)} regions in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         finally:
             w.stop_daemon()
     result["wall_s"] = time.time() - t_start
     (root / "entry_copies.json").write_text(json.dumps(result, indent=1))
-    cols = ("p50_ms", "p90_ms", "p99_ms", "max_ms", "inflight_p50_ms", "inflight_max_ms", "drain_p50_ms",
-            "freeze_p50_ms", "contaminated")
-    print(f"region entry with {a.siblings} siblings copying {nbytes / 2**30:.2f} GiB each way ({a.device}), "
-          f"{a.regions} regions per case; raw rows in {root / 'entry_copies.json'}")
+    cols = (
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "max_ms",
+        "inflight_p50_ms",
+        "inflight_max_ms",
+        "drain_p50_ms",
+        "freeze_p50_ms",
+        "contaminated",
+    )
+    print(
+        f"region entry with {a.siblings} siblings copying {nbytes / 2**30:.2f} GiB each way ({a.device}), "
+        f"{a.regions} regions per case; raw rows in {root / 'entry_copies.json'}"
+    )
     print(f"{'case':<10} " + " ".join(f"{c:>15}" for c in cols))
     for name, c in result["cases"].items():
         print(f"{name:<10} " + " ".join(f"{c['summary'][k]:>15.2f}" for k in cols))

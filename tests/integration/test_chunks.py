@@ -59,25 +59,52 @@ def test_names_every_required_entry(harness: Harness) -> None:
     _, lines = _run(h, ["run", "4096"])
     names = {d["name"] for d in lines if "name" in d}
     need = {
-        "cudaMemcpy", "cudaMemcpyAsync", "cudaMemset", "cudaMemsetAsync", "cudaMemcpy_ptds",
-        "cudaMemcpyAsync_ptsz", "cudaMemset_ptds", "cudaMemsetAsync_ptsz", "cuMemcpy", "cuMemcpyAsync",
-        "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemcpyDtoD_v2", "cuMemcpyHtoDAsync_v2",
-        "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2", "cuMemsetD8_v2", "cuMemsetD16_v2", "cuMemsetD32_v2",
-        "cuMemsetD8Async", "cuMemsetD16Async", "cuMemsetD32Async", "hipMemcpy", "hipMemcpyAsync",
-        "hipMemset", "hipMemsetAsync", "hipMemsetD16", "hipMemsetD32Async", "hipMemcpyHtoD",
+        "cudaMemcpy",
+        "cudaMemcpyAsync",
+        "cudaMemset",
+        "cudaMemsetAsync",
+        "cudaMemcpy_ptds",
+        "cudaMemcpyAsync_ptsz",
+        "cudaMemset_ptds",
+        "cudaMemsetAsync_ptsz",
+        "cuMemcpy",
+        "cuMemcpyAsync",
+        "cuMemcpyHtoD_v2",
+        "cuMemcpyDtoH_v2",
+        "cuMemcpyDtoD_v2",
+        "cuMemcpyHtoDAsync_v2",
+        "cuMemcpyDtoHAsync_v2",
+        "cuMemcpyDtoDAsync_v2",
+        "cuMemsetD8_v2",
+        "cuMemsetD16_v2",
+        "cuMemsetD32_v2",
+        "cuMemsetD8Async",
+        "cuMemsetD16Async",
+        "cuMemsetD32Async",
+        "hipMemcpy",
+        "hipMemcpyAsync",
+        "hipMemset",
+        "hipMemsetAsync",
+        "hipMemsetD16",
+        "hipMemsetD32Async",
+        "hipMemcpyHtoD",
     }
     assert need <= names, sorted(need - names)
 
 
-@pytest.mark.parametrize("name", ["cudaMemcpy", "cudaMemsetAsync", "cuMemsetD32_v2", "hipMemsetD16Async",
-                                  "cuMemcpyDtoHAsync_v2"])
+@pytest.mark.parametrize(
+    "name", ["cudaMemcpy", "cudaMemsetAsync", "cuMemsetD32_v2", "hipMemsetD16Async", "cuMemcpyDtoHAsync_v2"]
+)
 def test_first_error_ends_the_sequence(harness: Harness, name: str) -> None:
     """The simulated GPU fails the 3rd call: the wrapper returns its code at once,
     two whole chunks were done and nothing after them."""
     h = harness
     slot = h.claim()
-    c = h.run("chunks", ["run", str(BYTES), name],
-              h.env(slot, rc=7, KREX_SIM_MOVE_BYTES="1", KREX_SIM_RC_AFTER="2", KREX_COPY_CHUNK_BYTES=str(CHUNK)))
+    c = h.run(
+        "chunks",
+        ["run", str(BYTES), name],
+        h.env(slot, rc=7, KREX_SIM_MOVE_BYTES="1", KREX_SIM_RC_AFTER="2", KREX_COPY_CHUNK_BYTES=str(CHUNK)),
+    )
     (done,) = [d for d in c.lines if "done_bytes" in d]
     (call,) = [d for d in c.lines if d.get("name") == name]
     assert call["rc"] == 7
@@ -97,8 +124,11 @@ def test_no_split_while_capturing(harness: Harness) -> None:
 
 def test_outside_krex_nothing_is_split(harness: Harness) -> None:
     h = harness
-    c = h.run("chunks", ["run", str(BYTES), "cudaMemcpy"],
-              h.env(None, krex=False, KREX_SIM_MOVE_BYTES="1", KREX_COPY_CHUNK_BYTES=str(CHUNK)))
+    c = h.run(
+        "chunks",
+        ["run", str(BYTES), "cudaMemcpy"],
+        h.env(None, krex=False, KREX_SIM_MOVE_BYTES="1", KREX_COPY_CHUNK_BYTES=str(CHUNK)),
+    )
     (call,) = [d for d in c.lines if d.get("name") == "cudaMemcpy"]
     assert call["ok"] == 1 and len(_ops_during(h, c.pid, call)) == 1
 
@@ -106,10 +136,14 @@ def test_outside_krex_nothing_is_split(harness: Harness) -> None:
 def _inflight_wait(h: Harness, chunk: str) -> float:
     """A sibling inside a 400 ms synchronous copy; close the gate, time the in-flight wait."""
     owner, sib = h.claim(), h.claim()
-    c = h.spawn("actor", ["k:1", "line", f"copy:{400_000_000}", "line"], h.env(sib, KREX_COPY_CHUNK_BYTES=chunk))
+    c = h.spawn(
+        "actor", ["k:1", "line", f"copy:{400_000_000}", "line"], h.env(sib, KREX_COPY_CHUNK_BYTES=chunk)
+    )
     c.expect(lambda d: d["act"] == "k", 30, "the registering kernel")
     c.send()
-    wait_until(lambda: (p := h.proc(c.pid)) is not None and p.inflight == 1, 30, "the sibling inside its copy")
+    wait_until(
+        lambda: (p := h.proc(c.pid)) is not None and p.inflight == 1, 30, "the sibling inside its copy"
+    )
     time.sleep(0.05)
     h.seg.set_daemon(os.getpid(), heartbeat_timeout_s=600)
     h.seg.close_gate(0, owner_slot=owner, holder=lib.KREX_HOLDER_REGION)
@@ -136,9 +170,27 @@ def test_region_entry_bounded_under_krex_run(tmp_path: Path) -> None:
     loop, an owner taking regions (scripts/gpu_entry_copies.py, both cases)."""
     env = clean_env()
     r = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gpu_entry_copies.py"), "--device", "sim", "--siblings", "2",
-         "--regions", "15", "--sim-mib", "256", "--chunk-bytes", str(4 << 20), "--out", str(tmp_path)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_entry_copies.py"),
+            "--device",
+            "sim",
+            "--siblings",
+            "2",
+            "--regions",
+            "15",
+            "--sim-mib",
+            "256",
+            "--chunk-bytes",
+            str(4 << 20),
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])

@@ -180,7 +180,8 @@ def test_constants_used_by_the_c_side_exist_in_python() -> None:
     abi_used = {
         n
         for n in used
-        if n not in local and not n.startswith(("KREX_ID_", "KREX_BODY_", "KREX_VAR_", "KREX_WRAP_"))
+        if n not in local
+        and not n.startswith(("KREX_ID_", "KREX_BODY_", "KREX_VAR_", "KREX_WRAP_"))
         and not n.endswith("_")  # a prefix of a pasted name (KREX_CLS_##cls)
     }
     assert {"KREX_MAX_GPUS", "KREX_HOLDER_REGION", "KREX_NGATED"} <= abi_used
