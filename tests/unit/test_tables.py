@@ -323,9 +323,12 @@ def test_chunk_specs_name_the_rows_parameters() -> None:
             bad.append((r.name, r.chunk))
         elif types[m[2] or m[5]] not in ("size_t", "unsigned int"):
             bad.append((r.name, "count type " + types[m[2] or m[5]]))
-        elif m[5] and (m[6] != "1" or r.name.startswith(("cuMemsetD", "hipMemsetD"))):
-            if sizes.get(types[m[8]]) != int(m[6]):
-                bad.append((r.name, f"element size {m[6]} for a {types[m[8]]} value"))
+        elif (
+            m[5]
+            and (m[6] != "1" or r.name.startswith(("cuMemsetD", "hipMemsetD")))
+            and sizes.get(types[m[8]]) != int(m[6])
+        ):
+            bad.append((r.name, f"element size {m[6]} for a {types[m[8]]} value"))
     assert not bad, bad
     assert sum(r.chunk != "NONE" for r in ROWS) >= 60
 
