@@ -31,6 +31,48 @@
 #define KREX_BODY_GRAPH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_GRAPH, p, a)
 #define KREX_BODY_PREFETCH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_PREFETCH, p, a)
 
+/* Large 1-D copies and memsets (the `chunk` column): above g_chunk_bytes the call is
+ * issued as a sequence of calls of at most that many bytes, in order, on the same
+ * stream, each through the gate, so a closing gate stops the sequence between two
+ * chunks and a region waits for one chunk, not a GB-scale copy. Same bytes, same
+ * order, no added synchronisation; the first error ends it and is returned. A small
+ * call pays one compare. Not while a graph capture runs in the process (a captured
+ * copy stays one node), nor in a nested call (the outer call holds the gate). */
+static inline int krex_may_chunk(void) {
+    return t_depth == 0 && __atomic_load_n(&g_captures, RELAXED) == 0;
+}
+#define KREX_ADV1(p) p = (__typeof__(p))((uintptr_t)(p) + krex_bytes);
+#define KREX_CHUNKED(fname, name, k, cls, params, args, cnt, esz, val, ...)          \
+    KREX_RET fname params {                                                          \
+        KREX_GET_FN(name, k)                                                         \
+        if (UNLIKELY((uint64_t)(cnt) > g_chunk_bytes / (esz)) && krex_may_chunk()) { \
+            const uint64_t krex_step = g_chunk_bytes / (esz);                        \
+            uint64_t krex_left = (uint64_t)(cnt);                                    \
+            KREX_RET krex_rc;                                                        \
+            do {                                                                     \
+                uint64_t krex_n = krex_left < krex_step ? krex_left : krex_step;     \
+                cnt = (__typeof__(cnt))krex_n;                                       \
+                int krex_counted = krex_enter(cls);                                  \
+                krex_rc = fn args;                                                   \
+                krex_leave(krex_counted);                                            \
+                uint64_t krex_bytes = krex_n * (esz);                                \
+                KREX_FOR_EACH(KREX_ADV1, __VA_ARGS__)                                \
+                krex_left -= krex_n;                                                 \
+            } while (krex_rc == 0 && krex_left != 0);                                \
+            return krex_rc;                                                          \
+        }                                                                            \
+        int krex_counted = krex_enter(cls);                                          \
+        KREX_RET krex_rc = fn args;                                                  \
+        krex_leave(krex_counted);                                                    \
+        return krex_rc;                                                              \
+    }
+/* One wrapper: by class, or chunked when the row's chunk column says so. */
+#define KREX_WRAP(ck, ...) KREX_WRAP_(ck, __VA_ARGS__)
+#define KREX_WRAP_(kind, spec, cls, f, n, k, p, a) KREX_WRAP_##kind(spec, cls, f, n, k, p, a)
+#define KREX_WRAP_NONE(spec, cls, f, n, k, p, a) KREX_BODY_##cls(f, n, k, p, a)
+#define KREX_WRAP_COPY(spec, cls, f, n, k, p, a) KREX_CALL(KREX_CHUNKED, f, n, k, KREX_CLS_##cls, p, a, KREX_UNPAREN spec)
+#define KREX_WRAP_SET KREX_WRAP_COPY
+
 static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint64_t flags);
 
 /* Lookups are not gated: call the real one, then swap in our wrapper. */
@@ -74,12 +116,12 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
         return krex_rc;                                                                     \
     }
 
-#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
-    typedef KREX_RET(*krex_fn_##name) params;                             \
-    KREX_EXPORT KREX_BODY_##cls(name, name, 0, params, args)              \
-    static KREX_BODY_##cls(krex_w1_##name, name, 1, params, args)         \
-    static KREX_BODY_##cls(krex_w2_##name, name, 2, params, args)         \
-    static KREX_BODY_##cls(krex_w3_##name, name, 3, params, args)
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample, chunk)      \
+    typedef KREX_RET(*krex_fn_##name) params;                                       \
+    KREX_EXPORT KREX_WRAP(KREX_CK_##chunk, cls, name, name, 0, params, args)        \
+    static KREX_WRAP(KREX_CK_##chunk, cls, krex_w1_##name, name, 1, params, args)   \
+    static KREX_WRAP(KREX_CK_##chunk, cls, krex_w2_##name, name, 2, params, args)   \
+    static KREX_WRAP(KREX_CK_##chunk, cls, krex_w3_##name, name, 3, params, args)
 
 #define KREX_RET cudaError_t
 #define KREX_NOTFOUND cudaErrorInitializationError

@@ -78,6 +78,16 @@
 #define KREX_BAD_SIZE 8
 #define KREX_BAD_CHECK 16
 
+/* Copies and memsets larger than this (bytes) are issued by the shim as a sequence of
+ * calls of at most this size, each passing the gate on its own (the `chunk` column of
+ * the api_*.def tables), so a region waits for one chunk of a sibling's copy, not for
+ * all of it. 64 MiB is 1-3 ms at the 25-50 GB/s of a PCIe 5 / H200 host copy, while a
+ * gated call costs ~5 ns: the split adds nothing measurable to a large copy. A process
+ * may override it once, at load, with KREX_COPY_CHUNK_BYTES (0: never split). */
+#define KREX_COPY_CHUNK_BYTES 67108864
+/* The smallest chunk an override may ask for. */
+#define KREX_COPY_CHUNK_MIN_BYTES 4096
+
 /* Timing constants: the ONE home of each. The shim (C) and krexd and its clients
  * (Python, through cffi) both read them from here; nothing restates a value.
  * krexd beats every KREX_HEARTBEAT_INTERVAL_NS. A beat older than

@@ -77,6 +77,15 @@ static const struct krex_entry krex_entries[KREX_N_IDS] = {
 #define KREX_FE_16(m, x, ...) m(x) KREX_FE_15(m, __VA_ARGS__)
 #define KREX_FOR_EACH(m, ...) KREX_CAT(KREX_FE_, KREX_NARGS(__VA_ARGS__))(m, __VA_ARGS__)
 
+/* The `chunk` column: KREX_CK_##chunk is `kind, (count, element size, value, pointers...)`.
+ * kind NONE: never split; COPY: a 1-D copy, `count` bytes from src to dst; SET: a 1-D
+ * memset of `count` elements. Chunks advance every pointer by the bytes done. */
+#define KREX_CK_NONE NONE, ()
+#define KREX_CK_COPY(count, dst, src) COPY, (count, 1, 0, dst, src)
+#define KREX_CK_SET(count, esize, dst, value) SET, (count, esize, value, dst)
+/* m(a..., the spec's fields): one more expansion, so `KREX_UNPAREN spec` splits. */
+#define KREX_CALL(m, ...) m(__VA_ARGS__)
+
 /* FNV-1a over the bytes of every argument: the simulator records it and the
  * tests recompute it, which proves arguments pass through the shim untouched. */
 static inline uint64_t krex_fnv(uint64_t h, const void *p, unsigned long n) {

@@ -24,6 +24,7 @@ __thread int t_depth __attribute__((tls_model("initial-exec")));
 void krex_left_closed(void) { krex_wake_controller(g_shm, g_gpu); }
 
 int g_mode = MODE_OFF;
+uint64_t g_chunk_bytes = UINT64_MAX; /* outside KREX nothing is split */
 int g_log;
 char g_shm_name[128];
 int g_slot = -1;
@@ -245,6 +246,15 @@ __attribute__((constructor)) static void krex_init(void) {
         if (!vis || !parse_int(vis, &g_gpu)) g_gpu = -1;
     }
     strcpy(g_shm_name, name);
+    g_chunk_bytes = KREX_COPY_CHUNK_BYTES;
+    const char *ck = getenv("KREX_COPY_CHUNK_BYTES");
+    if (ck && *ck) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(ck, &end, 10);
+        if (errno || *end) klog("KREX_COPY_CHUNK_BYTES=%s is not a byte count; using %d", ck, KREX_COPY_CHUNK_BYTES);
+        else g_chunk_bytes = v == 0 ? UINT64_MAX : v < KREX_COPY_CHUNK_MIN_BYTES ? KREX_COPY_CHUNK_MIN_BYTES : v;
+    }
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     __atomic_store_n(&g_mode, MODE_ON, RELAXED);
 }

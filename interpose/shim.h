@@ -37,6 +37,7 @@ extern struct krex_shm *g_shm;        /* atomic pointer: published once attached
 extern struct krex_proc *g_proc;
 extern int g_attach_err;              /* why we could not attach the segment we were told to use */
 extern uint32_t g_pending_flags;
+extern uint64_t g_chunk_bytes;        /* split copies/memsets above this; set once at load */
 /* Held only for short, local work (attach, record, helper start): never across a
  * connect, a krexd reply or a grant, so fork (prepare handler) never waits long. */
 extern pthread_mutex_t g_reg_lock;

@@ -19,31 +19,49 @@ static int sim_is_sync(const char *name, int cls) {
     return (cls == KREX_CLS_COPY || cls == KREX_CLS_MEMSET) && !strstr(name, "Async");
 }
 
-#define SIM_GATED(name, cls, params, args, stream, cost)                                       \
+/* 1-D copies and memsets (the tables' chunk column) move real bytes when
+ * KREX_SIM_MOVE_BYTES=1: "device" memory is host memory here, so a test can check
+ * that a call split into chunks leaves the same bytes as one call. Off by default:
+ * the tables' samples pass sizes larger than their buffers. */
+#define SIM_MOVE_NONE()
+#define SIM_MOVE_COPY(cnt, esz, val, dst, src) \
+    if (simgpu_moves_bytes()) memmove((void *)(uintptr_t)(dst), (const void *)(uintptr_t)(src), (size_t)(cnt));
+#define SIM_MOVE_SET(cnt, esz, val, dst) \
+    if (simgpu_moves_bytes()) sim_fill((void *)(uintptr_t)(dst), (uint32_t)(val), esz, (size_t)(cnt));
+static inline void sim_fill(void *dst, uint32_t v, int esz, size_t n) {
+    if (esz == 1) memset(dst, (int)(v & 0xff), n);
+    else if (esz == 2) for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = (uint16_t)v;
+    else for (size_t i = 0; i < n; i++) ((uint32_t *)dst)[i] = v;
+}
+#define SIM_MOVE(kind, spec) SIM_MOVE_##kind spec
+
+#define SIM_GATED(name, cls, params, args, stream, cost, ck)                                   \
     EXPORT SIM_RET name params {                                                               \
+        int sim_rc = simgpu_gated_rc();                                                        \
+        if (sim_rc == 0) { KREX_CALL(SIM_MOVE, KREX_UNPAREN ck) }                              \
         simgpu_submit(#name, cls, (const void *)(stream), (uint64_t)(cost), KREX_HASH_ARGS args, \
                       sim_is_sync(#name, cls));                                                \
-        return (SIM_RET)simgpu_rc();                                                           \
+        return (SIM_RET)sim_rc;                                                                \
     }
-#define SIM_BODY_KERNEL(n, p, a, s, c) SIM_GATED(n, KREX_CLS_KERNEL, p, a, s, c)
-#define SIM_BODY_COPY(n, p, a, s, c) SIM_GATED(n, KREX_CLS_COPY, p, a, s, c)
-#define SIM_BODY_MEMSET(n, p, a, s, c) SIM_GATED(n, KREX_CLS_MEMSET, p, a, s, c)
-#define SIM_BODY_GRAPH(n, p, a, s, c) SIM_GATED(n, KREX_CLS_GRAPH, p, a, s, c)
-#define SIM_BODY_PREFETCH(n, p, a, s, c) SIM_GATED(n, KREX_CLS_PREFETCH, p, a, s, c)
-#define SIM_BODY_LOOKUP(n, p, a, s, c) \
+#define SIM_BODY_KERNEL(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_KERNEL, p, a, s, c, ck)
+#define SIM_BODY_COPY(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_COPY, p, a, s, c, ck)
+#define SIM_BODY_MEMSET(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_MEMSET, p, a, s, c, ck)
+#define SIM_BODY_GRAPH(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_GRAPH, p, a, s, c, ck)
+#define SIM_BODY_PREFETCH(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_PREFETCH, p, a, s, c, ck)
+#define SIM_BODY_LOOKUP(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)sim_lookup(symbol, pfn, (uint64_t)flags); }
-#define SIM_BODY_CTXNEW(n, p, a, s, c)                   \
+#define SIM_BODY_CTXNEW(n, p, a, s, c, ck)                   \
     EXPORT SIM_RET n p {                                 \
         static char fake_ctx[KREX_MAX_GPUS];             \
         if (pctx) *pctx = (CUcontext)(void *)&fake_ctx[0]; \
         simgpu_ctx_activate(0);                          \
         return (SIM_RET)simgpu_rc();                     \
     }
-#define SIM_BODY_CAPBEGIN(n, p, a, s, c) \
+#define SIM_BODY_CAPBEGIN(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
-#define SIM_BODY_CAPEND(n, p, a, s, c) \
+#define SIM_BODY_CAPEND(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
-#define SIM_BODY_CTXDEL(n, p, a, s, c) \
+#define SIM_BODY_CTXDEL(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p {               \
         (void)ctx;                     \
         return (SIM_RET)simgpu_rc();   \
@@ -68,8 +86,8 @@ static int sim_is_sync(const char *name, int cls) {
 
 static int sim_lookup(const char *symbol, void **pfn, uint64_t flags);
 
-#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
-    SIM_BODY_##cls(name, params, args, stream, cost)
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample, chunk) \
+    SIM_BODY_##cls(name, params, args, stream, cost, (KREX_CK_##chunk))
 #include SIM_TABLE
 #undef X
 

@@ -26,6 +26,9 @@ static struct sim_dev_shm *g_dev;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_trace_fd = -2;
 static int g_rc;
+static long g_rc_after;  /* KREX_SIM_RC_AFTER: gated calls that succeed before g_rc applies */
+static long g_gated_calls;
+static int g_move_bytes;
 static int g_visible[SIMGPU_MAX];
 static int g_nvisible = -1;
 static __thread int t_device;
@@ -236,4 +239,14 @@ static void atfork_child(void) {
 __attribute__((constructor)) static void sim_init(void) {
     pthread_atfork(NULL, NULL, atfork_child);
     g_rc = env_int("KREX_SIM_RC", 0);
+    g_rc_after = env_int("KREX_SIM_RC_AFTER", 0);
+    g_move_bytes = env_int("KREX_SIM_MOVE_BYTES", 0);
 }
+
+/* A gated call's return code: KREX_SIM_RC, after the first KREX_SIM_RC_AFTER calls
+ * of the process (so a test can fail the 3rd chunk of a split copy). */
+EXPORT int simgpu_gated_rc(void) {
+    long n = __atomic_add_fetch(&g_gated_calls, 1, __ATOMIC_RELAXED);
+    return n > g_rc_after ? g_rc : 0;
+}
+EXPORT int simgpu_moves_bytes(void) { return g_move_bytes; }

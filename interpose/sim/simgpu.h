@@ -2,7 +2,7 @@
  * only: every process on the node shares one timeline per simulated GPU through
  * shared memory, so kernels of different processes never overlap and a
  * kernel's measured time grows when another process's work runs in between.
- * It models time, not data: copies move no bytes. */
+ * It models time, not data: copies move no bytes (unless KREX_SIM_MOVE_BYTES=1). */
 #ifndef KREX_SIMGPU_H
 #define KREX_SIMGPU_H
 #include <stdint.h>
@@ -23,6 +23,8 @@ int simgpu_ctx_active(int dev);
 void simgpu_ctx_activate(int dev);
 int simgpu_rc(void);                             /* what every simulated call returns */
 void simgpu_set_return(int rc);
+int simgpu_gated_rc(void);                       /* a gated call's: KREX_SIM_RC[_AFTER] */
+int simgpu_moves_bytes(void);                    /* KREX_SIM_MOVE_BYTES: copies move bytes */
 uint64_t simgpu_now(void);
 void simgpu_sleep_until(uint64_t t);
 void simgpu_trace(const char *json_fields);      /* append {"pid":..,<fields>} */

@@ -7,3 +7,9 @@ __attribute__((visibility("default"), noinline)) int cuLaunchKernel(CUfunction f
     __asm__ volatile("" ::: "memory");
     return (int)(gx == 0xdeadbeef);
 }
+/* A small copy: the chunked wrappers' fast path (one size compare more than a kernel's). */
+__attribute__((visibility("default"), noinline)) int cuMemcpyHtoD_v2(unsigned long long dst, const void *src,
+                                                                   unsigned long n) {
+    __asm__ volatile("" ::: "memory");
+    return (int)(n == 0xdeadbeef);
+}

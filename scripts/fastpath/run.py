@@ -1,6 +1,7 @@
 """Fast-path cost of the gate, in isolation: ns per call through the shim (gate
 open, KREX active) minus ns per direct call into a stand-in driver. Alternates
-the two in one run. Usage: python scripts/fastpath/run.py [rounds]"""
+the two in one run. Usage: python scripts/fastpath/run.py [rounds] [kernel|copy] [SHIM]
+(copy: a 4 KiB cuMemcpyHtoD_v2, below the chunk size; SHIM: another build's shim)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    call = sys.argv[2] if len(sys.argv) > 2 else "kernel"
     tmp = Path(tempfile.mkdtemp())
     subprocess.run(
         [
@@ -52,6 +54,8 @@ def main() -> None:
     slot = seg.claim_slot(0)
     on = dict(os.environ, **opt_in_env("gpu", name), KREX_SLOT=str(slot), KREX_GPU="0")
     on.pop("KREX_SOCKET", None)
+    if len(sys.argv) > 3:
+        on["LD_PRELOAD"] = sys.argv[3]
     off = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "LD_PRELOAD"}
     preload_only = dict(off, LD_PRELOAD=on["LD_PRELOAD"])
     res: dict[str, list[float]] = {"direct": [], "shim_passthrough": [], "shim_gate_open": []}
@@ -59,10 +63,10 @@ def main() -> None:
         for _ in range(rounds):
             for key, env in (("direct", off), ("shim_passthrough", preload_only), ("shim_gate_open", on)):
                 out = subprocess.run(
-                    [tmp / "micro", "5000000"], env=env, capture_output=True, text=True, check=True
+                    [tmp / "micro", "5000000", call], env=env, capture_output=True, text=True, check=True
                 )
                 res[key].append(json.loads(out.stdout)["ns_per_call"])
-        gated = sum(p.submits["kernel"] for p in seg.snapshot().procs)
+        gated = sum(p.submits["kernel" if call == "kernel" else "copy"] for p in seg.snapshot().procs)
     finally:
         seg.release_slot(slot)
         seg.close()

@@ -25,7 +25,7 @@
 extern uint64_t krex_now_ns(void);
 
 /* Direct (PLT) references to every entry: only the shim or the simulated library satisfies them. */
-#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample, chunk) \
     extern int name params;                                               \
     static uint64_t hash_##name params { return KREX_HASH_ARGS args; }    \
     static int call_##name(void *fp) { return ((int(*) params)fp) sample; }
@@ -43,7 +43,7 @@ static const caller_t callers[KREX_N_IDS] = {
 #include "api_hip.def"
 #undef X
 };
-#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample, chunk) \
     static uint64_t samplehash_##name(void) { return hash_##name sample; }
 #include "api_cudart.def"
 #include "api_driver.def"

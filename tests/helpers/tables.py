@@ -32,6 +32,7 @@ class Row:
     stream: str
     cost: str
     sample: str
+    chunk: str
 
     @property
     def gated(self) -> bool:
@@ -39,9 +40,10 @@ class Row:
 
 
 _DUMP = r"""
-#define X(name, lookup, variant, cls, params, args, stream, cost, sample) \
+#define X(name, lookup, variant, cls, params, args, stream, cost, sample, chunk) \
     KREXROW {"api": KREX_API_NAME, "name": #name, "lookup": #lookup, "variant": #variant, "cls": #cls, \
-             "params": #params, "args": #args, "stream": #stream, "cost": #cost, "sample": #sample}
+             "params": #params, "args": #args, "stream": #stream, "cost": #cost, "sample": #sample, \
+             "chunk": #chunk}
 """
 
 

@@ -24,7 +24,8 @@ COPY_NS = 3_000_000_000  # a 3 s synchronous copy (1 ns per byte): inside a gate
 
 def _sibling_in_call(h: Harness, sib: int, nbytes: int) -> Child:
     """A sibling that registered (first kernel), then sits inside a synchronous copy."""
-    c = h.spawn("actor", ["k:1", "line", f"copy:{nbytes}", "line"], h.env(sib))
+    # One long gated call, not split into chunks: that is what these waits are about.
+    c = h.spawn("actor", ["k:1", "line", f"copy:{nbytes}", "line"], h.env(sib, KREX_COPY_CHUNK_BYTES="0"))
     c.expect(lambda d: d["act"] == "k", 30, "the registering kernel")
     c.send()
     wait_until(

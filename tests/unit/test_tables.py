@@ -209,6 +209,7 @@ UNGATED_BY_DESIGN = {
     "cudaLaunchHostFunc_ptsz",
 }
 
+
 def _vendor_submission_names() -> list[str]:
     if ROOT is None:
         return []
@@ -301,6 +302,35 @@ def test_lookup_and_ctx_rows_have_the_names_the_shim_uses() -> None:
     need = {"LOOKUP": {"symbol", "pfn", "flags"}, "CTXNEW": {"pctx"}, "CTXDEL": {"ctx"}}
     bad = [r.name for r in ROWS if r.cls in need and not need[r.cls] <= set(param_names(r.params))]
     assert not bad, bad
+
+
+def test_chunk_specs_name_the_rows_parameters() -> None:
+    """A chunk spec (COPY(bytes, dst, src) / SET(elements, size, dst, value)) sits on a
+    COPY or MEMSET row, names its parameters, counts in an unsigned size type, and a
+    memset's element size matches the value's type."""
+    sizes = {"unsigned char": 1, "unsigned short": 2, "unsigned int": 4, "int": 4}
+    bad = []
+    for r in ROWS:
+        m = re.fullmatch(r"(NONE)|COPY\((\w+), (\w+), (\w+)\)|SET\((\w+), ([124]), (\w+), (\w+)\)", r.chunk)
+        if not m:
+            bad.append((r.name, r.chunk))
+            continue
+        if m[1]:
+            continue
+        types = {param_names(f"({p})")[0]: p.rsplit(" ", 1)[0].strip() for p in split_top(r.params)}
+        names = [n for n in m.groups()[1:] if n and not n.isdigit()]
+        if r.cls != ("COPY" if m[2] else "MEMSET") or not set(names) <= set(types):
+            bad.append((r.name, r.chunk))
+        elif types[m[2] or m[5]] not in ("size_t", "unsigned int"):
+            bad.append((r.name, "count type " + types[m[2] or m[5]]))
+        elif (
+            m[5]
+            and (m[6] != "1" or r.name.startswith(("cuMemsetD", "hipMemsetD")))
+            and sizes.get(types[m[8]]) != int(m[6])
+        ):
+            bad.append((r.name, f"element size {m[6]} for a {types[m[8]]} value"))
+    assert not bad, bad
+    assert sum(r.chunk != "NONE" for r in ROWS) >= 60
 
 
 def test_every_lookup_target_is_a_row_of_its_api() -> None:

@@ -1,0 +1,264 @@
+"""Region entry while siblings move GB-scale inputs: large copies split into gated chunks
+(KREX_COPY_CHUNK_BYTES, interpose/krex_abi.h) against the same run with splitting off.
+
+    python scripts/gpu_entry_copies.py --device gpu          # the H200: 8 siblings, 2 GiB each
+    python scripts/gpu_entry_copies.py --device sim --siblings 2 --regions 20 --sim-mib 256 \\
+        --chunk-bytes 4194304                                # the simulated GPU (tests)
+
+Per case ("chunked": the shim's default chunk or --chunk-bytes; "unchunked":
+KREX_COPY_CHUNK_BYTES=0 in the siblings) a world of its own (state directory, segment,
+simulated device), N siblings under `krex run --device D`, each copying a large pageable
+host buffer to the GPU and back in a loop (synchronous copies), and one measuring command
+that enters `krex.region()` R times around a short GPU operation. It records the client's
+entry time (from `with krex.region()` to the first line inside) and the grant's steps
+(inflight_s: the gate closed, waiting for siblings to leave their gated call; drain_s;
+freeze_s). Uses only `krex run`, `krex.region()` and torch (gpu) or ctypes (sim).
+
+Raw rows go to $OUT/entry_copies.json (default /tmp/krex-entry-copies); the table is
+printed last. Simulated numbers (1 ns per byte) show logic, never GPU performance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_SIM_PRELUDE = r"""
+import ctypes
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+rt = ctypes.CDLL("libcudart.so.13")  # the simulated runtime: krex run --device sim puts it on the path
+vp = ctypes.c_void_p
+rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+rt.cudaMalloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t]
+rt.cudaMemcpy.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int]
+FN = ctypes.cast(rt.cudaDeviceSynchronize, vp)
+def kernel(us):
+    assert rt.cudaLaunchKernel(FN, Dim3(us, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+def sync():
+    rt.cudaDeviceSynchronize()
+def short_op():
+    kernel(100)
+def setup(nbytes):
+    global H, D, N
+    N = nbytes
+    H, D = vp(), vp()
+    rt.cudaMalloc(ctypes.byref(H), 16); rt.cudaMalloc(ctypes.byref(D), 16)  # the sim moves no bytes
+def round_trip():
+    assert rt.cudaMemcpy(D, H, N, 1) == 0  # host to device, synchronous: N ns on the simulated GPU
+    assert rt.cudaMemcpy(H, D, N, 2) == 0
+"""
+
+_GPU_PRELUDE = r"""
+import torch
+x = torch.randn(1 << 20, device="cuda")
+def sync():
+    torch.cuda.synchronize()
+def short_op():
+    x.mul_(1.0)
+def setup(nbytes):
+    global H, D
+    H = torch.ones(nbytes // 4, dtype=torch.float32)  # pageable: staged through the driver
+    D = torch.empty_like(H, device="cuda")
+def round_trip():
+    D.copy_(H)  # cudaMemcpyAsync + a stream synchronise: a synchronous copy
+    H.copy_(D)
+"""
+
+_SIBLING = r"""
+import sys, time
+nbytes, ready = int(sys.argv[1]), sys.argv[2]
+setup(nbytes)
+round_trip(); sync()
+open(ready, "w").write("ready")
+while True:
+    round_trip()
+"""
+
+_MEASURE = r"""
+import json, sys, time, krex
+n = int(sys.argv[1])
+short_op(); sync()
+rows = []
+for _ in range(n):
+    t0 = time.perf_counter()
+    with krex.region() as r:
+        t1 = time.perf_counter()
+        short_op(); sync()
+    g = r.grant or {}
+    rows.append({"client_s": t1 - t0, **{k: v for k, v in g.items() if k.endswith("_s") or k.startswith("wait_")
+                                          or k in ("contaminated", "flags")}})
+    time.sleep(0.005)  # let the siblings run between regions
+print(json.dumps(rows))
+"""
+
+STEPS = ("inflight_s", "drain_s", "freeze_s", "entry_s")
+
+
+def source(device: str, body: str) -> str:
+    return (_GPU_PRELUDE if device == "gpu" else _SIM_PRELUDE) + body
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
+
+
+class World:
+    """One case's isolated KREX world: its own state directory, segment and simulated GPU."""
+
+    def __init__(self, name: str, device: str, root: Path, slots: int) -> None:
+        self.name, self.device = name, device
+        tag = f"{os.getpid()}-{name}"
+        self.dir = root / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "LD_PRELOAD"}
+        self.env.update(
+            KREX_STATE_DIR=str(self.dir / "state"),
+            KREX_SHM=f"/krex-cp-{tag}",
+            KREX_SIM_SHM=f"/krex-cpsim-{tag}",
+            KREX_SLOTS_PER_GPU=str(slots),
+            PYTHONUNBUFFERED="1",
+        )
+
+    def krex(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "krex.cli.main", *args]
+
+    def run(
+        self, code: str, *argv: str, log: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        out = open(self.dir / log, "a")  # noqa: SIM115 - closed with the process by the OS
+        return subprocess.Popen(
+            self.krex("run", "--device", self.device, "--", sys.executable, "-c", code, *argv),
+            env={**self.env, **(env or {})},
+            cwd=self.dir,  # never the checkout: `-m krex...` would import the krex found there
+            stdout=subprocess.PIPE,
+            stderr=out,
+            text=True,
+        )
+
+    def stop_daemon(self) -> None:
+        subprocess.run(
+            self.krex("daemon", "stop"), env=self.env, cwd=self.dir, capture_output=True, timeout=60
+        )
+        for n in (self.env["KREX_SHM"], self.env["KREX_SIM_SHM"]):
+            Path("/dev/shm" + n).unlink(missing_ok=True)
+
+
+def stop_all(ps: list[subprocess.Popen[str]]) -> None:
+    for p in ps:
+        p.terminate()
+    for p in ps:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_case(w: World, chunk: str | None, k: int, nbytes: int, regions: int) -> list[dict[str, Any]]:
+    """k siblings copying nbytes each way in a loop, then `regions` regions. chunk: the
+    siblings' KREX_COPY_CHUNK_BYTES (None: the shim's default)."""
+    env = {} if chunk is None else {"KREX_COPY_CHUNK_BYTES": chunk}
+    files = [w.dir / f"ready-{i}" for i in range(k)]
+    for f in files:
+        f.unlink(missing_ok=True)
+    code = source(w.device, _SIBLING)
+    sibs = [w.run(code, str(nbytes), str(f), log=f"sibling-{i}.log", env=env) for i, f in enumerate(files)]
+    try:
+        deadline = time.time() + 120
+        while not all(f.exists() for f in files):
+            if any(p.poll() is not None for p in sibs) or time.time() > deadline:
+                raise SystemExit(f"{w.name}: siblings not ready (exited or 120 s); see {w.dir}")
+            time.sleep(0.2)
+        time.sleep(0.5)  # every sibling inside its copy loop
+        p = w.run(source(w.device, _MEASURE), str(regions), log="measure.log")
+        stdout, _ = p.communicate(timeout=300)
+        if p.returncode != 0:
+            raise SystemExit(f"{w.name}: measuring command failed ({p.returncode}); see {w.dir}/measure.log")
+        rows: list[dict[str, Any]] = json.loads(stdout.strip().splitlines()[-1])
+        return rows
+    finally:
+        stop_all(sibs)
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    ms = [r["client_s"] * 1e3 for r in rows]
+    s = {
+        "n": float(len(rows)),
+        "p50_ms": pct(ms, 50),
+        "p90_ms": pct(ms, 90),
+        "p99_ms": pct(ms, 99),
+        "max_ms": max(ms),
+    }
+    for step in STEPS:
+        vals = [r[step] * 1e3 for r in rows if isinstance(r.get(step), (int, float))]
+        s[f"{step[:-2]}_p50_ms"] = statistics.median(vals) if vals else float("nan")
+        s[f"{step[:-2]}_max_ms"] = max(vals) if vals else float("nan")
+    s["contaminated"] = float(sum(1 for r in rows if r.get("contaminated")))
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("sim", "gpu"), default="gpu")
+    ap.add_argument("--siblings", type=int, default=8)
+    ap.add_argument("--regions", type=int, default=100)
+    ap.add_argument("--gib", type=float, default=2.0, help="bytes each sibling copies each way (gpu)")
+    ap.add_argument("--sim-mib", type=int, default=256, help="bytes each sibling copies each way (sim)")
+    ap.add_argument(
+        "--chunk-bytes", default=None, help="the chunked case's KREX_COPY_CHUNK_BYTES (default: the shim's)"
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/krex-entry-copies")
+    a = ap.parse_args()
+    root = Path(a.out)
+    root.mkdir(parents=True, exist_ok=True)
+    nbytes = int(a.gib * 2**30) if a.device == "gpu" else a.sim_mib * 2**20
+    cases = (("chunked", a.chunk_bytes), ("unchunked", "0"))
+    result: dict[str, Any] = {"device": a.device, "siblings": a.siblings, "bytes": nbytes, "cases": {}}
+    t_start = time.time()
+    for name, chunk in cases:
+        w = World(name, a.device, root, a.siblings + 1)
+        try:
+            t0 = time.time()
+            rows = run_case(w, chunk, a.siblings, nbytes, a.regions)
+            result["cases"][name] = {
+                "chunk": chunk,
+                "rows": rows,
+                "summary": summary(rows),
+                "wall_s": time.time() - t0,
+            }
+            print(f"{name}: {len(rows)} regions in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        finally:
+            w.stop_daemon()
+    result["wall_s"] = time.time() - t_start
+    (root / "entry_copies.json").write_text(json.dumps(result, indent=1))
+    cols = (
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "max_ms",
+        "inflight_p50_ms",
+        "inflight_max_ms",
+        "drain_p50_ms",
+        "freeze_p50_ms",
+        "contaminated",
+    )
+    print(
+        f"region entry with {a.siblings} siblings copying {nbytes / 2**30:.2f} GiB each way ({a.device}), "
+        f"{a.regions} regions per case; raw rows in {root / 'entry_copies.json'}"
+    )
+    print(f"{'case':<10} " + " ".join(f"{c:>15}" for c in cols))
+    for name, c in result["cases"].items():
+        print(f"{name:<10} " + " ".join(f"{c['summary'][k]:>15.2f}" for k in cols))
+    print(json.dumps({n: c["summary"] for n, c in result["cases"].items()}))
+
+
+if __name__ == "__main__":
+    main()
