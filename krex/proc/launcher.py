@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
+# KREX_RUN_TRACE=1: the guardian's steps as CLOCK_MONOTONIC stamps, written to stderr at exit
+# by the console script (scripts/run_breakdown.py reads them). Off: one lookup, no cost.
+TRACE: list[tuple[str, int]] | None = [] if os.environ.get("KREX_RUN_TRACE") else None
+
+
+def mark(step: str) -> None:
+    if TRACE is not None:
+        TRACE.append((step, time.monotonic_ns()))
+
 
 def resolve_command(cmd: Sequence[str]) -> str:
     if not cmd or not cmd[0]:
@@ -331,11 +340,14 @@ def run_guarded(
     from krex.node.shm import Segment
     from krex.proc.envvars import opt_in_env
 
+    mark("imported")
     exe = resolve_command(cmd)
     warns = [w for w in [_static_cudart_warning(exe)] if w]
     for w in warns:
         notify("warning: " + w)
+    mark("resolved")
     client, found = connect_daemon(device, gpu)
+    mark("connected")
     waited: list[bool] = []
 
     def on_event(ev: dict[str, object]) -> None:
@@ -346,6 +358,7 @@ def run_guarded(
     try:
         adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
         kind = _run_kind(device, found, adm)
+        mark("admitted")
     except BaseException:
         with contextlib.suppress(KrexError, OSError):
             client.request({"op": "release"})
@@ -404,6 +417,7 @@ def run_guarded(
     watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
 
     def _started(pid: int) -> None:
+        mark("spawned")
         child_pid.append(pid)
         watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
         if joined is not None:
@@ -412,8 +426,10 @@ def run_guarded(
             client.request({"op": "started", "pid": pid})
         except KrexError as e:  # the command runs anyway; it is just not frozen as a sibling
             notify(f"krex: warning: krexd did not take the command into its slot: {e}")
+        mark("started")
 
     t_start = time.time()
+    mark("env")
     try:
         if joined is not None:
             joined.start()
@@ -426,10 +442,12 @@ def run_guarded(
             if joined is not None:
                 joined.close()
     finally:
+        mark("exited")
         stop.set()
         if watcher.ident is not None:
             watcher.join(timeout=2)
         stop.close()
+        mark("watcher")
         report: dict[str, object] = {
             "slot": slot,
             "gpu": g,
@@ -448,10 +466,12 @@ def run_guarded(
                 )
         except KrexError:
             pass
+        mark("counters")
         rel: dict[str, Any] = {}
         with contextlib.suppress(KrexError, OSError):
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
+        mark("released")
         left = rel.get("leftovers") or []
         report["leftovers"] = left
         report["leftovers_action"] = rel.get("action", "unknown")
