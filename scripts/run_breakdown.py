@@ -86,7 +86,7 @@ def main() -> None:
     order = [k for k in runs[0] if k != "reaped"] + ["reaped"]
     steps: dict[str, list[float]] = {}
     for s in runs:
-        for a, b in zip(order, order[1:]):
+        for a, b in zip(order, order[1:], strict=False):
             if a in s and b in s:
                 steps.setdefault(f"{a} -> {b}", []).append((s[b] - s[a]) / 1e6)
     total = [(s["reaped"] - s["spawn"]) / 1e6 for s in runs]
