@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
 
 if TYPE_CHECKING:
+    import subprocess
+
     from krex.node.shm import Segment
     from krex.proc.client import Client
 
@@ -83,8 +85,6 @@ class Launch:
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
     """Run the command in its own process group; forward signals; return a
     shell-style exit status (128+N for a signal)."""
-    import subprocess
-
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
 
@@ -110,6 +110,8 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
 
         launch = Launch(launch.cmd, launch.env, launch.slot, launch.gpu,
                         [preexec_join(launch.cgroup), *launch.preexec])
+
+    import subprocess  # only here: the clone above needs none of it
 
     def preexec() -> None:
         os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
