@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from krex.errors import KrexError
@@ -100,6 +101,7 @@ def _say(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> Any:
     """The `krex` console script: `krex run` here, everything else in the click CLI."""
+    t_main = time.monotonic_ns()
     args = list(sys.argv[1:] if argv is None else argv)
     o = parse_run(args)
     if o is None:
@@ -108,8 +110,11 @@ def main(argv: list[str] | None = None) -> Any:
         return click_main(args)
     setup_cli_logging(o["verbose"], o["quiet"])
     notify = (lambda _m: None) if o["quiet"] else _say
+    from krex.proc import launcher
     from krex.proc.launcher import run_command
 
+    if launcher.TRACE is not None:
+        launcher.TRACE.insert(0, ("main", t_main))
     try:
         status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], o["no_daemon"], o["freeze"],
                              o["keep_leftovers"], notify)
@@ -127,6 +132,11 @@ def main(argv: list[str] | None = None) -> Any:
 def _exit(code: int) -> None:
     """Exit without the interpreter's teardown (module and thread clean-up costs every
     command milliseconds): everything the guardian owes is done and flushed by now."""
+    from krex.proc.launcher import TRACE, mark
+
+    if TRACE is not None:
+        mark("exit")
+        sys.stderr.write("krex-trace " + " ".join(f"{k}={t}" for k, t in TRACE) + "\n")
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):

@@ -55,6 +55,18 @@ def _body_class(ctype: str) -> type:
     return dataclasses.make_dataclass(camel, fields, frozen=True)
 
 
+_BODIES: dict[str, type] = {}
+
+
+def _body(ctype: str | None) -> type | None:
+    """The body dataclass of a struct, made on first use (`krex run` sends only JSON-only
+    ops: it never pays for make_dataclass). setdefault: racing threads share one class."""
+    if ctype is None:
+        return None
+    cls_ = _BODIES.get(ctype)
+    return cls_ if cls_ is not None else _BODIES.setdefault(ctype, _body_class(ctype))
+
+
 @dataclass(frozen=True)
 class Op:
     """One row of KREX_OPS. `request` / `reply`: the dataclass of the fixed body
@@ -62,10 +74,16 @@ class Op:
 
     name: str  # lower case, as the dict messages spell it: "begin"
     code: int
-    request: type | None
-    reply: type | None
     request_ctype: str | None
     reply_ctype: str | None
+
+    @property
+    def request(self) -> type | None:
+        return _body(self.request_ctype)
+
+    @property
+    def reply(self) -> type | None:
+        return _body(self.reply_ctype)
 
     def body(self, reply: bool) -> tuple[type | None, str | None]:
         return (self.reply, self.reply_ctype) if reply else (self.request, self.request_ctype)
@@ -81,14 +99,7 @@ def _load_ops() -> dict[str, Op]:
         req, rep = (ffi.string(x).decode() for x in (r.request, r.reply))
         rq = None if req == "none" else f"struct {req}"
         rp = None if rep == "none" else f"struct {rep}"
-        ops[name] = Op(
-            name,
-            int(r.code),
-            _body_class(rq) if rq else None,
-            _body_class(rp) if rp else None,
-            rq,
-            rp,
-        )
+        ops[name] = Op(name, int(r.code), rq, rp)
     return ops
 
 

@@ -27,18 +27,20 @@ Precedence: command line > environment > config file > defaults. The config file
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from krex.errors import UsageError
 from krex.native import lib
 from krex.node import freezepolicy
+
+if TYPE_CHECKING:  # argparse is imported where a parser is built: `krex run` loads this module
+    import argparse
 
 ON_DEMAND_IDLE_EXIT_S = lib.KREX_ON_DEMAND_IDLE_EXIT_MS / 1e3
 DAEMON_MODULE = "krex.node.daemon"  # what `python -m` runs to start krexd
@@ -189,6 +191,8 @@ FLAGS = tuple(k for k in KEYS if k.flag)
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The settings' options on an argparse parser (`python -m krex.node.daemon`); each
     lands under its Config field name, None when not given."""
+    import argparse
+
     for k in FLAGS:
         assert k.flag is not None
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Mapping
@@ -281,6 +279,8 @@ def start_background(
     Concurrent starts are safe: only one takes the lock; the others exit 6 and this
     returns the daemon that answers, with `ours` telling which case it was.
     ``on_demand``: started for a command, it exits when idle."""
+    import subprocess  # here: `krex run` imports this module and seldom starts krexd
+
     from krex.node.config import daemon_argv
 
     paths.ensure_state_dir()
@@ -324,6 +324,8 @@ def start_background(
 def _start_error(rc: int, early: str, log: Path) -> KrexError:
     """The daemon's own error (`... krexd[PID] ERROR ...` / `  fix: ...`), with its kind
     recovered from the exit status, so `daemon start` exits as krexd did."""
+    import re
+
     msg = fix = ""
     text = early if early.strip() else _log_tail(log, joined=False)
     for line in text.splitlines():

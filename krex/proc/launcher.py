@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
 
 if TYPE_CHECKING:
+    import subprocess
+
     from krex.node.shm import Segment
     from krex.proc.client import Client
 
@@ -26,6 +28,15 @@ if TYPE_CHECKING:
 # loaded here is paid by every command.
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+# KREX_RUN_TRACE=1: the guardian's steps as CLOCK_MONOTONIC stamps, written to stderr at exit
+# by the console script (scripts/run_breakdown.py reads them). Off: one lookup, no cost.
+TRACE: list[tuple[str, int]] | None = [] if os.environ.get("KREX_RUN_TRACE") else None
+
+
+def mark(step: str) -> None:
+    if TRACE is not None:
+        TRACE.append((step, time.monotonic_ns()))
 
 
 def resolve_command(cmd: Sequence[str]) -> str:
@@ -43,12 +54,20 @@ def resolve_command(cmd: Sequence[str]) -> str:
                 f"{exe} is not executable", f"chmod +x {exe}, or run it through its interpreter"
             )
         return exe
-    import shutil
-
-    found = shutil.which(exe)
+    found = _which(exe)
     if not found:
         raise CommandNotFound(f"command not found: {exe}", "check the spelling, or that it is on PATH")
     return found
+
+
+def _which(name: str) -> str | None:
+    """shutil.which(name) without importing shutil (bz2, lzma, fnmatch) on every `krex run`:
+    the first executable file of that name on PATH."""
+    for d in os.get_exec_path():
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK) and not os.path.isdir(p):
+            return p
+    return None
 
 
 @dataclass
@@ -66,8 +85,6 @@ class Launch:
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
     """Run the command in its own process group; forward signals; return a
     shell-style exit status (128+N for a signal)."""
-    import subprocess
-
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
 
@@ -93,6 +110,8 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
 
         launch = Launch(launch.cmd, launch.env, launch.slot, launch.gpu,
                         [preexec_join(launch.cgroup), *launch.preexec])
+
+    import subprocess  # only here: the clone above needs none of it
 
     def preexec() -> None:
         os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
@@ -327,15 +346,17 @@ def run_guarded(
     own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
     with a daemon running, no GPU discovery happens here (connect_daemon)."""
     from krex import paths
-    from krex.node import freezer
     from krex.node.shm import Segment
     from krex.proc.envvars import opt_in_env
 
+    mark("imported")
     exe = resolve_command(cmd)
     warns = [w for w in [_static_cudart_warning(exe)] if w]
     for w in warns:
         notify("warning: " + w)
+    mark("resolved")
     client, found = connect_daemon(device, gpu)
+    mark("connected")
     waited: list[bool] = []
 
     def on_event(ev: dict[str, object]) -> None:
@@ -346,6 +367,7 @@ def run_guarded(
     try:
         adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
         kind = _run_kind(device, found, adm)
+        mark("admitted")
     except BaseException:
         with contextlib.suppress(KrexError, OSError):
             client.request({"op": "release"})
@@ -393,17 +415,21 @@ def run_guarded(
     born_in = group_path if backend == "cgroup2" and joined is None and _can_join(group_path) else None
     if born_in is not None and not os.path.isfile(os.path.join(group_path, "cgroup.procs")):
         born_in = None
-    preexec = (
-        [affinity]
-        if born_in is not None
-        else [joined.preexec if joined else freezer.preexec_join(group_path), affinity]
-    )
+    preexec: list[Callable[[], None]] = [affinity]
+    if born_in is None:
+        from krex.node.freezer import preexec_join
+
+        preexec.insert(0, joined.preexec if joined else preexec_join(group_path))
 
     stop = _Stop()
-    guardian = _Guardian(client.daemon_pid, str(adm["shm"]), slot, g, backend, group_path, child_pid, notify)
+    guardian = _Guardian(
+        client.daemon_pid, client.sock.fileno(), str(adm["shm"]), slot, g, backend, group_path, child_pid,
+        notify,
+    )
     watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
 
     def _started(pid: int) -> None:
+        mark("spawned")
         child_pid.append(pid)
         watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
         if joined is not None:
@@ -412,8 +438,10 @@ def run_guarded(
             client.request({"op": "started", "pid": pid})
         except KrexError as e:  # the command runs anyway; it is just not frozen as a sibling
             notify(f"krex: warning: krexd did not take the command into its slot: {e}")
+        mark("started")
 
     t_start = time.time()
+    mark("env")
     try:
         if joined is not None:
             joined.start()
@@ -426,10 +454,12 @@ def run_guarded(
             if joined is not None:
                 joined.close()
     finally:
+        mark("exited")
         stop.set()
         if watcher.ident is not None:
             watcher.join(timeout=2)
         stop.close()
+        mark("watcher")
         report: dict[str, object] = {
             "slot": slot,
             "gpu": g,
@@ -448,10 +478,12 @@ def run_guarded(
                 )
         except KrexError:
             pass
+        mark("counters")
         rel: dict[str, Any] = {}
         with contextlib.suppress(KrexError, OSError):
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
+        mark("released")
         left = rel.get("leftovers") or []
         report["leftovers"] = left
         report["leftovers_action"] = rel.get("action", "unknown")
@@ -578,13 +610,18 @@ def auto_region_report(value: str, d: Path, regs: list[dict[str, Any]]) -> dict[
     """Which KREX_AUTO_REGION targets were wrapped (whole-call fallbacks included) and how
     many regions each made, merged over every process of the command."""
     import json
-    import shutil
 
     targets: dict[str, dict[str, Any]] = {}
     procs = 0
-    for f in sorted(d.glob("*.json")):
+    try:
+        names = sorted(os.listdir(d))  # not Path.glob: no pattern compiled on every run
+    except OSError:
+        names = []
+    for n in names:
+        if not n.endswith(".json"):
+            continue
         try:
-            data = json.loads(f.read_text())
+            data = json.loads(Path(d, n).read_text())
         except (OSError, ValueError):
             continue
         procs += 1
@@ -595,7 +632,12 @@ def auto_region_report(value: str, d: Path, regs: list[dict[str, Any]]) -> dict[
             rank = _STATE_RANK.get(str(t.get("state")), 0)
             if cur is None or rank > _STATE_RANK.get(str(cur["state"]), 0):
                 targets[name] = {k: t.get(k) for k in ("target", "builtin", "state", "detail")}
-    shutil.rmtree(d, ignore_errors=True)
+    try:
+        os.rmdir(d)  # empty, the common case: no shutil
+    except OSError:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
     per: dict[str, int] = {}
     for r in regs:
         label = str(r.get("label") or "")
@@ -731,8 +773,8 @@ class _DaemonJoin:
 
 
 class _Guardian:
-    """The part of `krex run` that is never frozen (I5): it watches krexd through a
-    connection the daemon never writes to (EOF = the daemon died) and through the
+    """The part of `krex run` that is never frozen (I5): it watches krexd through its
+    admission connection (krexd's end closed = the daemon died) and through the
     heartbeat in the segment (stale = the daemon is stopped or hung). Either way it
     thaws its own command, within the heartbeat timeout; if the daemon died during
     this command's region it journals that region itself, as cut and contaminated."""
@@ -740,6 +782,7 @@ class _Guardian:
     def __init__(
         self,
         daemon_pid: int,
+        sock_fd: int,
         shm: str,
         slot: int,
         gpu: int,
@@ -748,7 +791,7 @@ class _Guardian:
         child_pid: list[int],
         notify: Callable[[str], None],
     ) -> None:
-        self.daemon_pid, self.shm, self.slot, self.gpu = daemon_pid, shm, slot, gpu
+        self.daemon_pid, self.sock_fd, self.shm, self.slot, self.gpu = daemon_pid, sock_fd, shm, slot, gpu
         self.backend, self.group_path, self.child_pid, self.notify = backend, group_path, child_pid, notify
         self.events: list[dict[str, object]] = []
 
@@ -757,35 +800,26 @@ class _Guardian:
 
         from krex.native import lib
         from krex.node.shm import Segment
-        from krex.proc.client import Client
 
-        poll_s = lib.KREX_GUARDIAN_POLL_NS / 1e9
+        poll_ms = int(lib.KREX_GUARDIAN_POLL_NS // 1_000_000)
         seg: Segment | None = None
         with contextlib.suppress(KrexError):
             seg = Segment.attach(self.shm)
-        w: Client | None = None
         try:
-            try:
-                w = Client.connect()
-            except (OSError, KrexError):
-                w = None
+            # The admission connection itself: krexd writes to it only to answer a request,
+            # and POLLRDHUP (unlike POLLIN) fires only when krexd's end is closed, i.e. it
+            # died. A second connection would cost every command a connect and krexd a thread.
+            p = select.poll()
+            p.register(self.sock_fd, select.POLLRDHUP)
+            p.register(stop.r, select.POLLIN)
             stale = False
             while not stop.is_set():
-                if w is None:
-                    self._lost(seg, "no connection to krexd")
-                    return
-                r, _, _ = select.select([w.sock.fileno(), stop.r], [], [], poll_s)
+                ev = dict(p.poll(poll_ms))
                 if stop.is_set():
                     return
-                if r:
-                    try:
-                        gone = not w.sock.recv(1)
-                    except OSError:
-                        gone = True
-                    if gone:
-                        if not stop.is_set():
-                            self._lost(seg, "krexd exited")
-                        return
+                if ev.get(self.sock_fd):
+                    self._lost(seg, "krexd exited")
+                    return
                 age = self._heartbeat_age(seg)
                 if age is not None and age > lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9:
                     if not stale and not stop.is_set():
@@ -802,8 +836,6 @@ class _Guardian:
                     stale = False
                     self.events.append({"event": "daemon-resumed", "ts": time.time()})
         finally:
-            if w is not None:
-                w.close()
             if seg is not None:
                 seg.close()
 

@@ -149,3 +149,46 @@ def test_many_regions_fall_back_to_the_journal(krex_env: dict[str, str], tmp_pat
     r = json.loads(rep.read_text())
     assert r["region_count"] == 1001 and r["regions"] == journal(env)
     assert os.path.exists(Path(env["KREX_STATE_DIR"]) / "journal.jsonl")
+
+
+# Modules `krex run` must not load (issue 11: each was on its path once and cost every command
+# milliseconds): the CLI and GPU discovery, psutil, krexd's argparse, shutil (which, rmtree),
+# tempfile, glob; with the command cloned into its cgroup v2 slot also the Popen fallback
+# (subprocess) and the freezer's preexec join.
+NEVER = {"click", "psutil", "krex.cli.main", "krex.device.gpus", "argparse", "shutil", "tempfile", "glob"}
+CLONED = {"subprocess", "krex.node.freezer"}
+
+# The guardian with its connections and requests counted, as `krex run --device sim -- CMD`.
+COUNTED = r"""
+import json, sys
+from krex.proc import client, launcher
+seen = {"connects": 0, "ops": []}
+real_connect, real_send = client._connect, client.Client.send
+def connect(p):
+    seen["connects"] += 1
+    return real_connect(p)
+def send(self, msg):
+    seen["ops"].append(msg["op"])
+    return real_send(self, msg)
+client._connect, client.Client.send = connect, send
+rc = launcher.run_command(sys.argv[1:], "sim")
+print(json.dumps({**seen, "rc": rc}))
+"""
+
+
+def test_run_path_imports_and_messages(krex_env: dict[str, str]) -> None:
+    env = krex_env
+    assert run([*KREX, "daemon", "start", "--device", "sim"], env).returncode == 0
+    p = run([*LEAN_IMPORTTIME, "-q", "run", "--device", "sim", "--", "true"], env)
+    assert p.returncode == 0, p.stderr
+    mods = imported(p.stderr)
+    assert "krex.proc.launcher" in mods  # the measurement sees the run path
+    assert not NEVER & mods, sorted(NEVER & mods)
+    st = json.loads(run([*KREX, "daemon", "status", "--json"], env).stdout)
+    kernel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if st["daemon"]["freezer"] == "cgroup2" and kernel >= (5, 7):
+        assert not CLONED & mods, sorted(CLONED & mods)
+    # One connection (the watcher polls it for krexd's death) and three requests.
+    p = run([sys.executable, "-c", COUNTED, "sh", "-c", "exit 4"], env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"connects": 1, "ops": ["admit", "started", "release"], "rc": 4}
