@@ -417,7 +417,7 @@ enum wait_what { WAIT_INFLIGHT, WAIT_DRAIN };
 /* Scan, and sleep on the wake word between scans. The word is read before each scan, so
  * a change that the scan missed has moved it and the futex wait returns at once. */
 static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_what what, uint32_t seq,
-                     uint64_t timeout_ns, uint64_t recheck_ns, int64_t *pids, int max_pids,
+                     uint64_t timeout_ns, uint64_t recheck_ns, int below, int64_t *pids, int max_pids,
                      struct krex_wait_stats *st) {
     struct krex_gpu *g = &shm->gpus[gpu];
     struct krex_wait_stats local;
@@ -433,7 +433,7 @@ static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_wh
                                   : drain_scan(shm, gpu, owner_slot, seq, DRAIN_PENDING, pids, max_pids);
         st->scans++;
         uint64_t now = krex_now_ns();
-        if (n == 0 || now >= deadline) break;
+        if (n < below || now >= deadline) break;
         uint64_t left = deadline - now;
         int rechecks = recheck_ns && left > recheck_ns;
         if (rechecks) left = recheck_ns;
@@ -452,12 +452,13 @@ static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_wh
 
 int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t timeout_ns, uint64_t recheck_ns,
                        int64_t *pids, int max_pids, struct krex_wait_stats *st) {
-    return wait_loop(shm, gpu, owner_slot, WAIT_INFLIGHT, 0, timeout_ns, recheck_ns, pids, max_pids, st);
+    return wait_loop(shm, gpu, owner_slot, WAIT_INFLIGHT, 0, timeout_ns, recheck_ns, 1, pids, max_pids, st);
 }
 
 int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, uint64_t timeout_ns,
-                    uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
-    return wait_loop(shm, gpu, owner_slot, WAIT_DRAIN, seq, timeout_ns, recheck_ns, pids, max_pids, st);
+                    uint64_t recheck_ns, int below, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
+    return wait_loop(shm, gpu, owner_slot, WAIT_DRAIN, seq, timeout_ns, recheck_ns, below < 1 ? 1 : below, pids,
+                     max_pids, st);
 }
 
 void krex_heartbeat(struct krex_shm *shm) {

@@ -50,8 +50,10 @@ struct krex_wait_stats {
 };
 int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t timeout_ns, uint64_t recheck_ns,
                        int64_t *pids, int max_pids, struct krex_wait_stats *st);
+/* Returns once fewer than `below` helpers still owe their ack (1: all acked), so krexd can
+ * freeze each sibling as soon as it has drained, while the others still drain. */
 int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, uint64_t timeout_ns,
-                    uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st);
+                    uint64_t recheck_ns, int below, int64_t *pids, int max_pids, struct krex_wait_stats *st);
 /* Waker side: a sibling's call left while the gate was closed, or a helper acked. */
 void krex_wake_controller(struct krex_shm *shm, int gpu);
 

@@ -165,6 +165,52 @@ class Region:
     after_reply: Callable[[], None] | None = None  # run by the connection thread once the grant is sent
 
 
+class _FreezePlan:
+    """Which siblings a region freezes, each started as soon as its processes have acked
+    the drain (`progress` is shm.drain's callback). The siblings and the policy are read
+    on the first call, right after the drain request; `final=True` after the drain adds
+    the siblings that arrived meanwhile and starts every freeze not yet started."""
+
+    def __init__(self, d: Daemon, gpu: int, owner_slot: int, frozen: list[Slot]) -> None:
+        self.d, self.gpu, self.owner_slot = d, gpu, owner_slot
+        self.frozen = frozen  # the region's list, filled as each freeze starts: thawed whatever happens
+        self.planned = False
+        self.owner: Slot | None = None
+        self.policy = ""
+        self.why: list[str] = []
+        self.siblings: list[Slot] = []
+        self.to_freeze: list[Slot] = []
+        self.futs: dict[Slot, concurrent.futures.Future[float]] = {}
+        self.early = 0  # freezes started while other siblings still drained
+
+    def _plan(self, siblings: list[Slot]) -> None:
+        policy, chosen, why = self.d._freeze_choice(self.owner, siblings)
+        self.policy = self.policy or policy
+        self.why.extend(why)
+        self.siblings.extend(siblings)
+        self.to_freeze.extend(chosen)
+
+    def progress(self, pending: set[int], final: bool = False) -> None:
+        d = self.d
+        with d.lock:
+            now = [s for s in d.slots.values() if s.gpu == self.gpu and s.slot != self.owner_slot]
+            if not self.planned:
+                self.owner = d.slots.get(self.owner_slot)
+        if not self.planned:
+            self.planned = True
+            self._plan(now)
+        elif final:
+            known = {s.slot for s in self.siblings}
+            self._plan([s for s in now if s.slot not in known])
+        for s in self.to_freeze:
+            # Its registered pids read now, not at the plan: one that registered since
+            # must have acked too.
+            if s not in self.futs and (final or not (set(d.seg.slot_pids(s.slot)) & pending)):
+                self.early += 0 if final else 1
+                self.frozen.append(s)
+                self.futs[s] = d.pool.submit(s.group.freeze, d.cfg.freeze_timeout_s)
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -881,7 +927,12 @@ class Daemon:
                 reasons.append(
                     ("inflight-timeout", f"in-flight submissions of pids {r.stragglers} did not finish")
                 )
-            r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s)
+            # Each sibling is frozen as soon as it has drained, while the others still
+            # drain: entry pays the slowest drain plus one freeze, not every drain then
+            # every freeze. The plan is made right after the drain request (its checks
+            # run while the GPU finishes the siblings' queued work).
+            fz = _FreezePlan(self, gpu, req.slot, frozen)
+            r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s, on_progress=fz.progress)
             t["drain_s"] = r.seconds
             waits["wait_drain"] = r.stats
             drained = r.count
@@ -900,17 +951,10 @@ class Daemon:
                     )
                 )
             t1 = time.monotonic()
-            with self.lock:
-                siblings = [s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot]
-                owner = self.slots.get(req.slot)
-            running_all = list(siblings)
-            policy, to_freeze, why = self._freeze_choice(owner, siblings)
-            frozen.extend(to_freeze)
-            siblings = to_freeze
-            # All siblings at once: the kernel freezes cgroups concurrently, so entry
-            # costs the slowest group, not the sum.
-            futs = {s: self.pool.submit(s.group.freeze, self.cfg.freeze_timeout_s) for s in siblings}
-            for s, f in futs.items():
+            # Siblings that came (or a plan never made) since the first progress call.
+            fz.progress(set(), final=True)
+            owner, policy, why, running_all = fz.owner, fz.policy, fz.why, fz.siblings
+            for s, f in fz.futs.items():
                 try:
                     f.result()
                 except (KrexError, OSError) as e:  # OSError: the group vanished mid-freeze
@@ -918,7 +962,7 @@ class Daemon:
                         gone = s.slot not in self.slots  # the command ended meanwhile: nothing to freeze
                     if not gone:
                         reasons.append(("freeze-failed", f"slot {s.slot} did not freeze: {e}"))
-            t["freeze_s"] = time.monotonic() - t1
+            t["freeze_s"] = time.monotonic() - t1  # what the freeze added after the drain
             t2 = time.monotonic()
             reserved = self.partition.slice_for(gpu).reserved
             try:
@@ -945,6 +989,7 @@ class Daemon:
                 **waits,  # how each wait ended: wake-ups versus re-checks without one
                 "frozen_slots": [s.slot for s in frozen],
                 "freeze_policy": policy,
+                "frozen_early": fz.early,  # frozen while other siblings still drained
                 "evicted_threads": len(evicted),
                 "running_slots": sorted(s.slot for s in set(running_all) - set(frozen)),
                 "freeze_why": why,

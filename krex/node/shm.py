@@ -129,10 +129,13 @@ _SLICE_S = lib.KREX_WAIT_SLICE_NS / 1e9
 DRAIN_TIMEOUT_S = lib.KREX_DRAIN_TIMEOUT_MS / 1e3  # krexd's default for the in-flight and drain waits
 
 
-def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, dict[str, int]]:
-    """Run a C wait loop (`call(timeout_ns, stats)`) to its end, in slices: between them
-    (and when a signal interrupts the C call) Python runs pending signal handlers, so
-    Ctrl-C on `krex pause` raises even when it landed just before a C wait began."""
+def _wait(
+    call: Callable[[int, Any], int], timeout: float, below: int = 1
+) -> tuple[int, float, dict[str, int]]:
+    """Run a C wait loop (`call(timeout_ns, stats)`) until fewer than `below` remain or the
+    timeout, in slices: between them (and when a signal interrupts the C call) Python runs
+    pending signal handlers, so Ctrl-C on `krex pause` raises even when it landed just
+    before a C wait began."""
     t0 = time.monotonic()
     st = ffi.new("struct krex_wait_stats *")
     total = {"scans": 0, "wakeups": 0, "timeouts": 0}
@@ -141,7 +144,7 @@ def _wait(call: Callable[[int, Any], int], timeout: float) -> tuple[int, float, 
         n = int(call(_ns(min(left, _SLICE_S)), st))
         for k in total:
             total[k] += int(getattr(st, k))
-        if n == 0 or time.monotonic() - t0 >= timeout:
+        if n < below or time.monotonic() - t0 >= timeout:
             return n, time.monotonic() - t0, total
 
 
@@ -388,10 +391,13 @@ class Segment:
         owner_slot: int | None = None,
         timeout: float = DRAIN_TIMEOUT_S,
         recheck: float | None = None,
+        on_progress: Callable[[set[int]], None] | None = None,
     ) -> StepResult:
         """Ask every sibling helper to synchronise its contexts and wait for the
         acks (protocol step 4). `count` is how many processes had to drain. Each helper
-        wakes the waiter after its ack (see wait_inflight for `recheck`)."""
+        wakes the waiter after its ack (see wait_inflight for `recheck`). `on_progress`
+        gets the pids still owing an ack, first right after the request and then each time
+        fewer remain, so krexd freezes a drained sibling while the others still drain."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
         pids = ffi.new("int64_t[256]")
@@ -400,10 +406,22 @@ class Segment:
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
         seq = int(lib.krex_drain_request(self.raw, gpu))
         every = _recheck_ns(recheck)
-        n, _, stats = _wait(
-            lambda left, st: lib.krex_wait_drain(self.raw, gpu, owner, seq, left, every, pids, 256, st),
-            max(0.0, timeout - (time.monotonic() - t0)),
-        )
+        stats = {"scans": 1, "wakeups": 0, "timeouts": 0}
+        n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
+        while True:
+            if on_progress is not None and n <= 256:  # a capped list would not say who is done
+                on_progress({int(pids[i]) for i in range(n)})
+            left = timeout - (time.monotonic() - t0)
+            if n == 0 or left <= 0:
+                break
+            below = n if on_progress is not None else 1
+
+            def call(left_ns: int, st: Any, b: int = below) -> int:
+                return int(lib.krex_wait_drain(self.raw, gpu, owner, seq, left_ns, every, b, pids, 256, st))
+
+            n, _, st = _wait(call, left, below)
+            for k in stats:
+                stats[k] += st[k]
         if n == 0:
             np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
             partial = sorted(int(pids[i]) for i in range(min(np_, 256)))

@@ -613,6 +613,50 @@ def test_grant_waits_for_earlier_sibling_work(kx: Krex) -> None:
         assert g["drained"] >= 2
 
 
+def test_a_sibling_that_has_drained_is_frozen_while_another_still_drains(kx: Krex) -> None:
+    """Entry pays the slowest drain plus one freeze: a sibling whose helper acked at once
+    is frozen then, not after a slower sibling's queued work has finished."""
+    kx.start_daemon(slots=3)
+    go, trigger, quick_go = kx.out / "go", kx.out / "trigger", kx.out / "quick_go"
+    owner = kx.run("own", "regions", "-n", "1", "--kernels", "1", "--us", "100", "--go", str(go))
+    kx.result("own", "waiting", timeout=30)
+    kx.run("slow", "hammer", "--long-us", "600000", "--trigger", str(trigger))  # 0.6 s queued
+    kx.run("quick", "hammer", "--long-us", "1000", "--trigger", str(quick_go))  # 1 ms, done before
+    for h in ("slow", "quick"):
+        kx.wait_running(h, ticks=0)
+    # The simulated GPU runs kernels one after another: the quick sibling's kernel must
+    # end before the slow one's begins, or its drain would wait for both.
+    quick_go.write_text("")
+    kx.result("quick", "ready", timeout=10)
+    time.sleep(0.05)
+    trigger.write_text("")
+    kx.result("slow", "ready", timeout=10)
+    go.write_text("")
+    assert owner.wait(60) == 0, owner.output()
+    for h in ("slow", "quick"):
+        kx.touch(h)
+    for h in ("slow", "quick"):
+        assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
+
+    reg = kx.result("own")["regions"][0]
+    g = reg["grant"]
+    assert not g["contaminated"], g["reasons"]
+    assert g["drained"] == 2 and len(g["frozen_slots"]) == 2, g
+    slow_pid = kx.result("slow", "ready")["pid"]
+    (long_op,) = [o for o in kx.ops(gpu=0) if o["pid"] == slow_pid]
+    assert long_op["end"] > reg["t_request"] + 200e6, "the slow sibling's work ended too early to tell"
+    quick_ticks = [t for t in kx.result("quick")["ticks"] if t < reg["t_grant"]]
+    slow_ticks = [t for t in kx.result("slow")["ticks"] if t < reg["t_grant"]]
+    # The quick sibling stopped running long before the slow one's kernel ended; the slow
+    # one kept running until its own drain (its helper must ack, so it is not frozen early).
+    assert quick_ticks and quick_ticks[-1] < long_op["end"] - 200e6, (
+        f"quick sibling ran until {(long_op['end'] - quick_ticks[-1]) / 1e6:.0f} ms before the slow drain ended"
+    )
+    assert slow_ticks and slow_ticks[-1] > quick_ticks[-1] + 100e6
+    assert g["frozen_early"] >= 1, g
+    assert g["freeze_s"] < g["drain_s"], g
+
+
 # ====================================================================== pin
 
 
