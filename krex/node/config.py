@@ -16,8 +16,9 @@ Precedence: command line > environment > config file > defaults. The config file
                                                              (on demand: KREX_ON_DEMAND_IDLE_EXIT_MS)
   freezer          KREX_FREEZER           --freezer          freeze backend: cgroup2, cgroup1, signal
   freeze_policy    KREX_FREEZE_POLICY     --freeze-policy    which siblings a region freezes
-  lend_cores       KREX_LEND_CORES                           commands may run on their GPU's region
-                                                             core while no region needs it
+  lend_cores       KREX_LEND_CORES                           off, region or all: commands may also run on
+                                                             their GPU's region core (and the housekeeping
+                                                             core) while no region needs it
   freeze_timeout   KREX_FREEZE_TIMEOUT                       seconds to wait for a group to report frozen
   drain_timeout    KREX_DRAIN_TIMEOUT                        seconds to wait for in-flight work and drain acks
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
@@ -79,6 +80,18 @@ def _bool(v: Any) -> bool:
     raise ValueError("not a yes/no value")
 
 
+LEND = ("off", "region", "all")
+
+
+def _lend(v: Any) -> str:
+    """off, region (the GPU's region core) or all (the housekeeping core too); the yes/no
+    of older configurations still reads: yes is region."""
+    s = str(v).strip().lower()
+    if s in LEND:
+        return s
+    return "region" if _bool(v) else "off"
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def conv(v: Any) -> str:
         s = str(v).strip().lower()
@@ -109,9 +122,10 @@ class Config:
     freezer: str | None = None  # None: the first backend that works
     shm_name: str | None = None
     freeze_policy: str = freezepolicy.DEFAULT  # see krex/node/freezepolicy.py
-    # Commands may also run on their GPU's region core(s) while no region needs them; a
-    # region moves every thread but the measuring one off them (cpus.evict).
-    lend_cores: bool = False
+    # Commands may also run on their GPU's region core(s) ("region"), and on the housekeeping
+    # core ("all"), while no region needs them; a region moves every thread but the
+    # measuring one off the region core (cpus.evict).
+    lend_cores: str = "off"
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
@@ -176,7 +190,7 @@ KEYS = (
         "or by the region's launch rate (adaptive)",
         freezepolicy.POLICIES,
     ),
-    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _bool, "1 or 0 (true or false)"),
+    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),

@@ -251,6 +251,13 @@ class Partition:
                 return s
         raise NotFound(f"no CPU slice for GPU {gpu}", f"GPUs with slices: {[s.gpu for s in self.slices]}")
 
+    def command_cpus(self, gpu: int, lend: str = "off") -> list[int]:
+        """Where a command on `gpu` runs: its slice's shared cores, plus, while no region
+        needs them, the region core(s) (lend "region") and the housekeeping core ("all")."""
+        sl = self.slice_for(gpu)
+        extra = {"off": [], "region": sl.reserved, "all": [*sl.reserved, *self.housekeeping]}[lend]
+        return sl.shared + [c for c in dict.fromkeys(extra) if c not in sl.shared]
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -393,6 +393,11 @@ class Daemon:
             os.chmod(paths.state_dir(), 0o750)
 
     def start(self) -> dict[str, int]:
+        if self.cfg.lend_cores == "all":
+            # Commands now share krexd's core: keep region entry ahead of their CPU work.
+            # Every thread started from here on inherits it (nice is per thread on Linux).
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, -5)
         self._open_segment()
         self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
@@ -969,7 +974,7 @@ class Daemon:
                 old_aff = cpus.pin_thread(req.tid, reserved)
             except KrexError as e:
                 reasons.append(("pin-failed", f"could not pin thread {req.tid}: {e}"))
-            if self.cfg.lend_cores or self.partition.degraded:
+            if self.cfg.lend_cores != "off" or self.partition.degraded:
                 # Others may run on the region core (lent, or a degraded partition): keep it
                 # for the measuring thread. Frozen siblings cannot run; running ones (gpu
                 # policy) and the owner's own other threads are moved off it.
@@ -1415,7 +1420,6 @@ class Daemon:
         log.info("slot %d on gpu %d admitted for guardian pid %d", s.slot, gpu, pid)
         if owned.get("role") == "member":
             self._delegate_thaw(s, owned["uid"])
-        sl = self.partition.slice_for(gpu)
         return {
             "ok": True,
             "slot": s.slot,
@@ -1428,9 +1432,7 @@ class Daemon:
             "shm": self.shm_name,
             "group": s.group.path,
             "freezer": self.freezer.name,
-            "shared_cpus": sl.shared + [c for c in sl.reserved if c not in sl.shared]
-            if self.cfg.lend_cores
-            else sl.shared,
+            "shared_cpus": self.partition.command_cpus(gpu, self.cfg.lend_cores),
             "admission_wait_s": round(time.monotonic() - t0, 6),
         }
 

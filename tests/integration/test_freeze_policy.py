@@ -236,7 +236,7 @@ def test_region_core_is_the_measuring_threads_alone(kx: Krex, monkeypatch: pytes
     plain_env = kx.env
     monkeypatch.setattr(kx, "env", lambda **extra: plain_env(KREX_LEND_CORES="1", **extra))
     kx.start_daemon(slots=2)
-    assert kx.status()["daemon"]["lend_cores"] is True
+    assert kx.status()["daemon"]["lend_cores"] == "region"
     out = kx.out / "aux.json"
     p = subprocess.run(
         [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],

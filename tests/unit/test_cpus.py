@@ -192,6 +192,10 @@ def test_design_example_16_cores_1_gpu(tmp_path: Path) -> None:
     check_invariants(topo, part, 1)
     assert cpus.default_slots_per_gpu(part, 0) == 14
     assert "cpus: gpu 0 numa 0: shared 1-14, reserved for regions 15" in part.describe()
+    # Lent cores: the region core, then the housekeeping core too; never a core twice.
+    assert part.command_cpus(0) == list(range(1, 15))
+    assert part.command_cpus(0, "region") == list(range(1, 16))
+    assert sorted(part.command_cpus(0, "all")) == list(range(16))
 
 
 def test_two_sockets_ht_four_gpus_numa(tmp_path: Path) -> None:
