@@ -18,7 +18,7 @@ for lend in ${ORDER:-off all}; do
   d=$L/$TAG-$lend; T0=$(date +%s)
   KREX_STATE_DIR=/tmp/krexstate-$TAG-$lend KREX_SHM=/krex-$TAG-$lend KREX_LEND_CORES=$lend timeout ${BENCH_TIMEOUT:-280} \
     python3 -m krex.cli.main bench --device gpu --corpus "$REPO/examples/workloads/manifest.py" --quick \
-    --modes unprotected,krex --concurrency 8,16 --timeout 200 --seed ${SEED:-1} --out "$d" > "$d.log" 2>&1
+    --modes ${MODES:-unprotected,krex} --concurrency 8,16 --timeout 200 --seed ${SEED:-1} --out "$d" > "$d.log" 2>&1
   echo "lend=$lend exit $? in $(( $(date +%s) - T0 )) s"
-  grep -E "^\| *(unprotected|krex)-(8|16)" "$d/summary.md" | head -4
+  grep -E "^\| *(native-serial|unprotected|krex)-?(8|16)? " "$d/summary.md" | head -16
 done
