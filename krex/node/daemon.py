@@ -709,6 +709,12 @@ class Daemon:
 
     # ------------------------------------------------------------------ slots
     def _new_slot(self, gpu: int, kind: str, guardian_pid: int) -> Slot:
+        # The slot table lives in the segment, which any process of the user can write:
+        # check (and repair) it before claiming from it, as before every grant. Waiting for
+        # the next heartbeat instead, a claim right after damage read random slot records
+        # as taken ("all 64 slots are taken") or took a slot whose generation was garbage.
+        self._guard_tick()
+        self._check_not_lost()
         n = self.seg.claim_slot(gpu, guardian_pid, reap=False)
         group = self.freezer.group(f"slot-{n}")
         with contextlib.suppress(KrexError):

@@ -1,11 +1,12 @@
 """krexd's watch over its shared-memory segment.
 
 Everything KREX promises rests on one segment that every process of the user can
-write. krexd therefore checks it before every grant, at the end of every region and
-every heartbeat (100 ms): the name still leads to krexd's own segment (its inode),
-the header (magic, ABI version, GPU count, size, the random instance number and a
-check over them), every process record (a check over its identity fields) and, from
-krexd's own state, the gate words and the slot table.
+write. krexd therefore checks it before every slot claim (an admission, or a region's
+automatic slot) and every grant, at the end of every region and every heartbeat
+(100 ms): the name still leads to krexd's own segment (its inode), the header (magic,
+ABI version, GPU count, size, the random instance number and a check over them), every
+process record (a check over its identity fields) and, from krexd's own state, the gate
+words and the slot table.
 
 What it does when something is wrong (an *incident*):
 - the name was unlinked: it is linked again to krexd's segment, from a hidden hard

@@ -243,6 +243,32 @@ def test_random_bytes_over_the_segment_are_detected_repaired_and_flagged(kx: Kre
     assert "Traceback" not in kx.daemon_log()
 
 
+def test_an_admission_right_after_random_bytes_claims_from_the_repaired_slot_table(kx: Krex) -> None:
+    """Random slot records read as taken. An admission that came before krexd's next
+    heartbeat check claimed from them and failed with "all 64 slots are taken" (seen as a
+    flake of the test above under CPU load): krexd must check the segment before a claim."""
+    import random
+
+    kx.start_daemon(slots=3)
+    c = kx.client()  # connected before the damage, so the admit follows it within a few ms
+    try:
+        size = Path("/dev/shm" + kx.shm).stat().st_size
+        rng = random.Random(7)
+        data = bytes(rng.getrandbits(8) for _ in range(min(size, 1 << 16)))
+        with open("/dev/shm" + kx.shm, "r+b") as f:
+            f.write(data)
+        adm = c.request({"op": "admit", "gpu": 0})
+        assert adm["ok"] is True and 0 <= adm["slot"] < 3, adm
+        st = kx.status()
+        assert st["segment"]["incidents"], st["segment"]
+        assert [s["slot"] for s in st["slots"]] == [adm["slot"]], st["slots"]
+        actions = [a for i in st["segment"]["incidents"] for a in i["actions"]]
+        assert any("slot record" in a for a in actions), st["segment"]
+    finally:
+        c.close()
+    assert "Traceback" not in kx.daemon_log()
+
+
 # ====================================================================== case 5: automatic regions
 
 
