@@ -1021,6 +1021,9 @@ class Daemon:
             t_grant_ns = time.monotonic_ns()
             req.granted.set()
             yield
+            # Who was ours at the start: a sibling that is not frozen (gpu policy) may end
+            # during the region, and NVML still lists it; it was never foreign.
+            known_at_entry = self._known_pids() if self.attestor.nvml is not None else set()
             attest_entry = self.attestor.sample(gpu)
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
@@ -1046,7 +1049,9 @@ class Daemon:
                     )
                 )
             reasons.extend(self._trust_checks(gpu, req, t_grant_ns))
-            attest, more = self.attestor.judge(gpu, attest_entry, self.attestor.sample(gpu), self._known_pids)
+            attest, more = self.attestor.judge(
+                gpu, attest_entry, self.attestor.sample(gpu), lambda: known_at_entry | self._known_pids()
+            )
             reasons.extend(more)
             stalled = self._stalled_during(t0, time.monotonic())
             if stalled:

@@ -381,6 +381,41 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     assert rec["attest"]["throttle"][1] == ["sw_power_cap"]
 
 
+def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex) -> None:
+    """Under the gpu policy a sibling is not frozen and may end inside a region while NVML
+    still lists its pid: it was under KREX when the region began, so nothing is flagged.
+    A process outside KREX in the same sample still is."""
+    nvml = kx.out / "nvml.json"
+    base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
+    nvml.write_text(json.dumps(base))
+    kx_env = kx.env
+    kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
+        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
+    )
+    kx.start_daemon(slots=2)
+    kx.run("sib", "hammer", "--us", "0", "--seconds", "60")  # CPU only: never held at the gate
+    sib = kx.wait_running("sib")
+    nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
+    ready = _hold_region(kx, "a")
+    assert ready["grant"]["freeze_policy"] == "gpu" and ready["grant"]["frozen_slots"] == [], ready["grant"]
+    kx.touch("sib")  # it ends inside the region
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    assert not os.path.exists(f"/proc/{sib}"), "the sibling must be gone before the region ends"
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "foreign-process" not in rec["flags"], rec["reasons"]
+    assert rec["attest"]["foreign"] == [] and rec["attest"]["gpu_processes"] == 1
+    # The same region shape with an outsider in the sample is flagged (the check still bites).
+    nvml.write_text(json.dumps(base))
+    outsider = subprocess.Popen(["sleep", "60"])
+    try:
+        ready = _hold_region(kx, "b")
+        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[outsider.pid])]}))
+        rec = _end_hold(kx, "b", ready["pid"])
+    finally:
+        outsider.kill()
+    assert [f["pid"] for f in rec["attest"]["foreign"]] == [outsider.pid], rec["attest"]
+
+
 def test_a_sibling_that_fails_open_during_a_region_flags_it(kx: Krex) -> None:
     import signal
     import time
