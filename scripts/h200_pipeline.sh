@@ -18,7 +18,7 @@ for v in old prev new; do
   pipt /tmp/$v $w/krex-*.whl || exit 1
   printf '#!/bin/sh\nPYTHONPATH=/tmp/%s:/tmp/site${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' $v > /tmp/py-$v
   chmod +x /tmp/py-$v
-  /tmp/py-$v -c "import krex; print('$v:', krex.__file__)" | tee -a "$F/builds.txt"
+  (cd /tmp && /tmp/py-$v -c "import krex; print('$v:', krex.__file__)") | tee -a "$F/builds.txt"
 done
 cd /tmp
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$F/gpu.txt"
