@@ -974,44 +974,27 @@ def _run_command(
 
 # ------------------------------------------------------------- `python -m krex.proc.launcher`
 
-_ENTRY_USAGE = (
-    "python -m krex.proc.launcher [--device auto|gpu|sim] [--gpu N] [--freeze all|gpu|adaptive] "
-    "[--report FILE] "
-    "[--keep-leftovers] [--daemon-slots-per-gpu N] [--daemon-idle-exit S] -- CMD..."
-)
-
-
 def _parse_entry(argv: list[str], opts: dict[str, Any]) -> None:
     """Fill ``opts`` with the options the library's runner (krex.runner) passes (the CLI's
-    `krex run` is the user-facing spelling of the same); as far as it got on an error."""
-    from krex.node.freezepolicy import POLICIES
+    `krex run` is the user-facing spelling of the same; both from krex.proc.runopts); as far
+    as it got on an error."""
+    from krex.proc import runopts
 
-    opts.update(device="auto", gpu=None, freeze=None, report=None, keep_leftovers=False, slots=None,
-                idle_exit=None)
-    valued = {"--device": "device", "--gpu": "gpu", "--freeze": "freeze", "--report": "report",
-              "--daemon-slots-per-gpu": "slots", "--daemon-idle-exit": "idle_exit"}
-    i = 0
-    while i < len(argv) and argv[i] != "--":
-        a = argv[i]
-        if a == "--keep-leftovers":
-            opts["keep_leftovers"] = True
-        elif a in valued and i + 1 < len(argv):
-            opts[valued[a]] = argv[i + 1]
-            i += 1
-        else:
-            raise UsageError(f"unknown or incomplete option {a!r}", f"usage: {_ENTRY_USAGE}")
-        i += 1
-    opts["cmd"] = argv[i + 1 :]
+    usage = f"usage: {runopts.ENTRY_USAGE}"
+    opts.update(runopts.defaults(runopts.ENTRY))
     try:
-        for k in ("gpu", "slots"):
-            opts[k] = None if opts[k] is None else int(opts[k])
-        opts["idle_exit"] = None if opts["idle_exit"] is None else float(opts["idle_exit"])
+        i = runopts.scan(argv, 0, runopts.ENTRY, opts, click_like=False)
     except ValueError as e:
-        raise UsageError(f"bad option value: {e}", f"usage: {_ENTRY_USAGE}") from None
-    if opts["device"] not in ("auto", "gpu", "sim") or (opts["freeze"] and opts["freeze"] not in POLICIES):
-        raise UsageError(
-            f"bad --device {opts['device']!r} or --freeze {opts['freeze']!r}", f"usage: {_ENTRY_USAGE}"
-        )
+        raise UsageError(f"unknown or incomplete option {e.args[0]!r}", usage) from None
+    opts["cmd"] = argv[i:]
+    try:
+        for o in runopts.ENTRY:
+            if o.type in (int, float) and opts[o.dest] is not None:
+                opts[o.dest] = o.type(opts[o.dest])
+    except ValueError as e:
+        raise UsageError(f"bad option value: {e}", usage) from None
+    if runopts.bad_choice(runopts.ENTRY, opts):
+        raise UsageError(f"bad --device {opts['device']!r} or --freeze {opts['freeze']!r}", usage)
 
 
 def _ensure_daemon(device: str, slots: int | None, idle_exit_s: float | None) -> bool:
@@ -1035,6 +1018,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     from krex.errors import run_exit_code
+    from krex.proc import runopts
 
     def say(text: str) -> None:
         sys.stderr.write(text + "\n")
@@ -1052,8 +1036,8 @@ def main(argv: list[str] | None = None) -> None:
         if o["slots"] is not None or o["idle_exit"] is not None:
             extra["daemon_started"] = _ensure_daemon(o["device"], o["slots"], o["idle_exit"])
         ran = True
-        status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], freeze=o["freeze"],
-                             keep_leftovers=o["keep_leftovers"], notify=say, report_extra=extra)
+        status = run_command(o["cmd"], notify=say, report_extra=extra,
+                             **{opt.dest: o[opt.dest] for opt in runopts.ENTRY if opt.run})
     except KrexError as e:
         code = run_exit_code(e)
         if o.get("report") and not ran:
