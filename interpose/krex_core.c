@@ -464,6 +464,13 @@ void krex_heartbeat(struct krex_shm *shm) {
     __atomic_store_n(&shm->hdr.heartbeat_ns, krex_now_ns(), SEQ);
 }
 
+int krex_heartbeat_stale(struct krex_shm *shm, uint64_t now, int never) {
+    uint64_t hb = __atomic_load_n(&shm->hdr.heartbeat_ns, SEQ);
+    uint64_t to = __atomic_load_n(&shm->hdr.heartbeat_timeout_ns, __ATOMIC_RELAXED);
+    if (!hb) return never;
+    return now > hb && now - hb > (to ? to : KREX_HEARTBEAT_TIMEOUT_NS);
+}
+
 /* Pids of the live processes registered under `slot` (all of them counted, at most
  * `max` written): one C scan instead of 1024 record reads from Python on region entry. */
 int krex_slot_procs(struct krex_shm *shm, int slot, int64_t *pids, int max) {

@@ -35,6 +35,10 @@ int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t s
 int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
                        int64_t *pids, int max_pids);
 void krex_heartbeat(struct krex_shm *shm);
+/* Has krexd stopped beating: its last beat older at `now` than the segment's timeout
+ * (hdr.heartbeat_timeout_ns, else KREX_HEARTBEAT_TIMEOUT_NS)? `never`: the answer for a
+ * segment never beaten. The one staleness test of the C side (shim gate waits, client). */
+int krex_heartbeat_stale(struct krex_shm *shm, uint64_t now, int never);
 
 /* The controller's waits for in-flight calls to leave (step 3) and for drain acks
  * (step 4): they sleep on the GPU's `wake` futex word and re-scan after each wake, or

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
 from krex.native import ffi, lib
@@ -48,6 +48,16 @@ def default_name() -> str:
 
 def now_ns() -> int:
     return int(lib.krex_now_ns())
+
+
+# krexd beats in the segment every KREX_HEARTBEAT_INTERVAL_NS; a beat older than this
+# means it is stopped or hung (C: krex_heartbeat_stale in krex_core.c).
+HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
+
+
+def heartbeat_stale(age_s: float | None) -> TypeGuard[float]:
+    """Is a heartbeat this old (Segment.heartbeat_age; None: never beaten) past the timeout?"""
+    return age_s is not None and age_s > HEARTBEAT_TIMEOUT_S
 
 
 @dataclass
@@ -242,7 +252,6 @@ class Segment:
     def snapshot(self) -> Snapshot:
         p = self.raw
         now = now_ns()
-        hb = int(p.hdr.heartbeat_ns)
         gates = []
         for g in range(self.n_gpus):
             gp = p.gpus[g]
@@ -297,7 +306,7 @@ class Segment:
             name=self.name,
             n_gpus=self.n_gpus,
             daemon_pid=int(p.hdr.daemon_pid),
-            heartbeat_age_s=(now - hb) / 1e9 if hb else None,
+            heartbeat_age_s=self.heartbeat_age(),
             proc_overflows=int(p.hdr.proc_overflows),
             gates=gates,
             slots=slots,
@@ -413,6 +422,14 @@ class Segment:
 
     def heartbeat(self) -> None:
         lib.krex_heartbeat(self.raw)
+
+    def heartbeat_age(self, daemon_pid: int | None = None) -> float | None:
+        """Seconds since krexd's last beat; None before its first one, or when ``daemon_pid``
+        is given and the segment is another daemon's."""
+        if daemon_pid is not None and int(self.raw.hdr.daemon_pid) != daemon_pid:
+            return None
+        hb = int(self.raw.hdr.heartbeat_ns)
+        return (now_ns() - hb) / 1e9 if hb else None
 
     def set_daemon(self, pid: int, heartbeat_timeout_s: float | None = None) -> None:
         self.raw.hdr.daemon_pid = pid

@@ -799,7 +799,7 @@ class _Guardian:
         import select
 
         from krex.native import lib
-        from krex.node.shm import Segment
+        from krex.node.shm import Segment, heartbeat_stale
 
         poll_ms = int(lib.KREX_GUARDIAN_POLL_NS // 1_000_000)
         seg: Segment | None = None
@@ -820,8 +820,8 @@ class _Guardian:
                 if ev.get(self.sock_fd):
                     self._lost(seg, "krexd exited")
                     return
-                age = self._heartbeat_age(seg)
-                if age is not None and age > lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9:
+                age = None if seg is None else seg.heartbeat_age(self.daemon_pid)
+                if heartbeat_stale(age):
                     if not stale and not stop.is_set():
                         stale = True
                         with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
@@ -838,14 +838,6 @@ class _Guardian:
         finally:
             if seg is not None:
                 seg.close()
-
-    def _heartbeat_age(self, seg: Segment | None) -> float | None:
-        from krex.native import lib
-
-        if seg is None or int(seg.raw.hdr.daemon_pid) != self.daemon_pid:
-            return None
-        hb = int(seg.raw.hdr.heartbeat_ns)
-        return (int(lib.krex_now_ns()) - hb) / 1e9 if hb else None
 
     def _lost(self, seg: Segment | None, why: str) -> None:
         from krex import paths
