@@ -293,7 +293,7 @@ uint32_t krex_gate_acquire(struct krex_shm *shm, int gpu, uint32_t expect, int o
     struct krex_gpu *g = &shm->gpus[gpu];
     uint32_t owner = owner_slot >= 0 ? (uint32_t)owner_slot + 1 : KREX_OWNER_NONE;
     uint64_t epoch = __atomic_load_n(&g->epoch, SEQ) + 1;
-    uint32_t word = (uint32_t)((epoch & 0xffffff) << 8) | owner;
+    uint32_t word = (uint32_t)((epoch & KREX_GATE_EPOCH_MASK) << KREX_GATE_EPOCH_SHIFT) | owner;
     uint32_t seen = expect;
     if (!__atomic_compare_exchange_n(&g->gate, &seen, word, 0, SEQ, SEQ)) {
         if (cur) *cur = seen;
@@ -327,7 +327,8 @@ int krex_gate_holder(struct krex_shm *shm, int gpu, uint32_t word, uint32_t *hol
                      uint64_t *lease_deadline_ns) {
     struct krex_gpu *g = &shm->gpus[gpu];
     uint64_t e = __atomic_load_n(&g->pub_epoch, SEQ);
-    if (word == KREX_GATE_OPEN || (uint32_t)(e & 0xffffff) != (word >> 8)) return 0;
+    if (word == KREX_GATE_OPEN || (uint32_t)(e & KREX_GATE_EPOCH_MASK) != (word >> KREX_GATE_EPOCH_SHIFT))
+        return 0;
     *holder = g->holder;
     *holder_pid = g->holder_pid;
     *lease_deadline_ns = g->lease_deadline_ns;

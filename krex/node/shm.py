@@ -50,6 +50,12 @@ def now_ns() -> int:
     return int(lib.krex_now_ns())
 
 
+def gate_owner(word: int) -> int:
+    """The owner byte of a closed gate word: slot+1, or KREX_OWNER_NONE for a pause
+    (the word's layout is krex_abi.h's)."""
+    return int(word & lib.KREX_GATE_OWNER_MASK)
+
+
 # krexd beats in the segment every KREX_HEARTBEAT_INTERVAL_NS; a beat older than this
 # means it is stopped or hung (C: krex_heartbeat_stale in krex_core.c).
 HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
@@ -347,7 +353,7 @@ class Segment:
     def describe_holder(self, gpu: int, word: int) -> str:
         if word == lib.KREX_GATE_OPEN:
             return "nobody"
-        owner = word & 0xFF
+        owner = gate_owner(word)
         return "an operator pause" if owner == lib.KREX_OWNER_NONE else f"a region of slot {owner - 1}"
 
     def holder(self, gpu: int, word: int) -> tuple[int, int, int] | None:
