@@ -23,6 +23,7 @@ from typing import Any
 from krex import paths
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, Timeout, UsageError
 from krex.native import lib
+from krex.node import procfs
 from krex.node.shm import HEARTBEAT_TIMEOUT_S, heartbeat_stale
 from krex.protocol import FrameReader, encode, peer_cred
 
@@ -44,11 +45,8 @@ LONG_OPS = ("admit", "begin")  # these wait for a slot or a region: no hard cap
 
 def proc_state(pid: int) -> str | None:
     """The one-letter state of a process (R, S, T, Z, ...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    st = procfs.pid_stat(pid)
+    return None if st is None else st.state
 
 
 class Client:

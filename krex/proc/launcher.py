@@ -695,31 +695,14 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
             Path(group_path, "cgroup.freeze").write_text("0")
         elif backend == "cgroup1":
             Path(group_path, "freezer.state").write_text("THAWED")
+    from krex.node import procfs
+
     for pid in pids:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGCONT)
-        for d in _descendants(pid):
+        for d in procfs.descendants([pid], procfs.proc_table()) - {pid}:
             with contextlib.suppress(OSError):
                 os.kill(d, signal.SIGCONT)
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _can_join(group_path: str) -> bool:
