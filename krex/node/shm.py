@@ -377,6 +377,20 @@ class Segment:
         n = lib.krex_gate_inflight(self.raw, gpu, -1 if owner_slot is None else owner_slot, pids, 64)
         return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
 
+    def _c_wait(
+        self, wait: Any, gpu: int, owner: int, extra: tuple[int, ...], timeout: float, recheck: float | None,
+        max_pids: int,
+    ) -> tuple[int, float, dict[str, int], Any]:
+        """One of the C waits of protocol steps 3 and 4 (krex_wait_inflight, krex_wait_drain:
+        ``wait(shm, gpu, owner, *extra, timeout_ns, recheck_ns, pids, max_pids, stats)``) run
+        by _wait: (what is outstanding, seconds, wait stats, the pids buffer)."""
+        pids = ffi.new(f"int64_t[{max_pids}]")
+        every = _recheck_ns(recheck)
+        n, secs, stats = _wait(
+            lambda left, st: wait(self.raw, gpu, owner, *extra, left, every, pids, max_pids, st), timeout
+        )
+        return n, secs, stats, pids
+
     def wait_inflight(
         self,
         gpu: int,
@@ -388,12 +402,8 @@ class Segment:
         on the GPU's wake word, which a sibling bumps as it leaves a gated call while the
         gate is closed; re-checks every `recheck` seconds without a wake (a straggler that
         died never wakes anyone). The C wait releases the GIL."""
-        pids = ffi.new("int64_t[64]")
         owner = -1 if owner_slot is None else owner_slot
-        every = _recheck_ns(recheck)
-        n, secs, stats = _wait(
-            lambda left, st: lib.krex_wait_inflight(self.raw, gpu, owner, left, every, pids, 64, st), timeout
-        )
+        n, secs, stats, pids = self._c_wait(lib.krex_wait_inflight, gpu, owner, (), timeout, recheck, 64)
         stragglers = sorted({int(pids[i]) for i in range(64) if pids[i]}) if n else []
         return StepResult(n == 0, secs, n, stragglers, stats=stats)
 
@@ -409,16 +419,12 @@ class Segment:
         wakes the waiter after its ack (see wait_inflight for `recheck`)."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
-        pids = ffi.new("int64_t[256]")
         # Count who must drain BEFORE asking: a quick helper could ack in between.
         nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
         seq = int(lib.krex_drain_request(self.raw, gpu))
-        every = _recheck_ns(recheck)
-        n, _, stats = _wait(
-            lambda left, st: lib.krex_wait_drain(self.raw, gpu, owner, seq, left, every, pids, 256, st),
-            max(0.0, timeout - (time.monotonic() - t0)),
-        )
+        left = max(0.0, timeout - (time.monotonic() - t0))
+        n, _, stats, pids = self._c_wait(lib.krex_wait_drain, gpu, owner, (seq,), left, recheck, 256)
         if n == 0:
             np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
             partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
