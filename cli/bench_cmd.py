@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import click
 
-from krex.device.gpus import DEVICES
+from krex.device import DEVICES
 
 from . import progress_stream, quiet
 from .progress import Progress, bar, fmt_s

@@ -19,11 +19,7 @@ import time
 from typing import Any
 
 from krex.errors import KrexError
-
-DEVICES = ("auto", "gpu", "sim")
-FREEZE = ("all", "gpu", "adaptive")
-_VALUED = {"--device": "device", "--gpu": "gpu", "--report": "report", "--freeze": "freeze"}
-_FLAGS = {"--no-daemon": "no_daemon", "--keep-leftovers": "keep_leftovers"}
+from krex.proc import runopts
 
 
 def setup_cli_logging(verbose: int, quiet: bool) -> None:
@@ -42,8 +38,7 @@ def setup_cli_logging(verbose: int, quiet: bool) -> None:
 def parse_run(argv: list[str]) -> dict[str, Any] | None:
     """The options of `krex [-v|-q] run ...` as the click CLI would read them, or None
     when the click CLI must handle `argv` (it then also writes any error)."""
-    o: dict[str, Any] = {"verbose": 0, "quiet": False, "device": "auto", "gpu": None, "report": None,
-                         "freeze": None, "no_daemon": False, "keep_leftovers": False}
+    o: dict[str, Any] = {"verbose": 0, "quiet": False, **runopts.defaults(runopts.RUN)}
     i = 0
     while i < len(argv) and argv[i] != "run":  # the group's own options
         a = argv[i]
@@ -59,29 +54,12 @@ def parse_run(argv: list[str]) -> dict[str, Any] | None:
         i += 1
     if i == len(argv) or (o["verbose"] and o["quiet"]):
         return None
-    i += 1
-    while i < len(argv):  # `run`'s options; the first other word starts CMD (as click)
-        a = argv[i]
-        if a == "--":
-            i += 1
-            break
-        if not a.startswith("-") or a == "-":
-            break
-        name, eq, value = a.partition("=")
-        if name in _FLAGS and not eq:
-            o[_FLAGS[name]] = True
-        elif name in _VALUED:
-            if not eq:
-                if i + 1 >= len(argv):
-                    return None
-                i += 1
-                value = argv[i]
-            o[_VALUED[name]] = value
-        else:
-            return None  # -h, --help, an unknown option: click's messages
-        i += 1
+    try:  # `run`'s options; the first other word starts CMD (as click)
+        i = runopts.scan(argv, i + 1, runopts.RUN, o, click_like=True)
+    except ValueError:
+        return None  # -h, --help, an unknown option: click's messages
     o["cmd"] = argv[i:]
-    if not o["cmd"] or o["device"] not in DEVICES or (o["freeze"] is not None and o["freeze"] not in FREEZE):
+    if not o["cmd"] or runopts.bad_choice(runopts.RUN, o):
         return None
     if o["gpu"] is not None:
         if not o["gpu"].isdigit() or not o["gpu"].isascii():
@@ -116,8 +94,7 @@ def main(argv: list[str] | None = None) -> Any:
     if launcher.TRACE is not None:
         launcher.TRACE.insert(0, ("main", t_main))
     try:
-        status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], o["no_daemon"], o["freeze"],
-                             o["keep_leftovers"], notify)
+        status = run_command(o["cmd"], notify=notify, **{opt.dest: o[opt.dest] for opt in runopts.RUN})
     except KrexError as e:  # as cli.main.main prints it
         _say(f"krex: error: {e}")
         if e.fix:

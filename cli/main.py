@@ -16,10 +16,9 @@ from typing import Any
 import click
 
 from krex import __version__
-from krex.device.gpus import DEVICES
+from krex.device import DEVICES
 from krex.errors import KrexError
 from krex.native import lib
-from krex.node.freezepolicy import POLICIES
 
 from . import quiet
 from .bench_cmd import register as register_bench
@@ -254,42 +253,29 @@ def _segment_line(st: dict[str, Any]) -> str:
     )
 
 
+def _run_options(f: Any) -> Any:
+    """`krex run`'s options as click options, made from the one table (krex.proc.runopts)."""
+    from krex.proc.runopts import RUN
+
+    for o in reversed(RUN):
+        kw: dict[str, Any]
+        if o.is_flag:
+            kw = {"is_flag": True}
+        elif o.choices:
+            shown = o.default is not None
+            kw = {"type": click.Choice(o.choices), "default": o.default, "show_default": shown}
+        elif o.path:
+            kw = {"type": click.Path(dir_okay=False, writable=True), "default": o.default}
+        else:
+            kw = {"type": o.type, "default": o.default}
+        f = click.option(o.flag, help=o.help, **kw)(f)
+    return f
+
+
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option(
-    "--device", type=DEVICE, default="auto", show_default=True, help="real GPU or the simulated one"
-)
-@click.option("--gpu", type=int, default=None, help="GPU index (default: the least loaded)")
-@click.option(
-    "--report",
-    type=click.Path(dir_okay=False, writable=True),
-    default=None,
-    help="write a JSON report: regions, waits, gate blocks, contamination",
-)
-@click.option(
-    "--no-daemon", is_flag=True, help="claim a slot directly in shared memory (no regions, no freezing)"
-)
-@click.option(
-    "--freeze",
-    type=click.Choice(POLICIES),
-    default=None,
-    help="which siblings this command's regions freeze (default: the daemon's policy)",
-)
-@click.option(
-    "--keep-leftovers",
-    is_flag=True,
-    help="processes that outlive CMD keep running (as a frozen sibling during other regions) "
-    "instead of being killed when CMD exits",
-)
+@_run_options
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def run(
-    device: str,
-    gpu: int | None,
-    report: str | None,
-    no_daemon: bool,
-    freeze: str | None,
-    keep_leftovers: bool,
-    cmd: tuple[str, ...],
-) -> None:
+def run(cmd: tuple[str, ...], **opts: Any) -> None:
     """Run CMD under KREX and exit with its exit status.
 
     Starts the node daemon if none is running. CMD's whole process tree lives in
@@ -301,7 +287,7 @@ def run(
     from krex.proc.launcher import run_command
 
     notify = (lambda _m: None) if quiet() else (lambda m: click.echo(m, err=True))
-    sys.exit(run_command(list(cmd), device, gpu, report, no_daemon, freeze, keep_leftovers, notify))
+    sys.exit(run_command(list(cmd), notify=notify, **opts))
 
 
 @cli.group()

@@ -124,10 +124,7 @@ static int send_all(int fd, const char *buf, size_t len) {
 static int daemon_stale(void) {
     struct krex_shm *shm = attach_shm();
     if (!shm) return 0;
-    uint64_t hb = __atomic_load_n(&shm->hdr.heartbeat_ns, __ATOMIC_SEQ_CST);
-    uint64_t to = __atomic_load_n(&shm->hdr.heartbeat_timeout_ns, RELAXED);
-    uint64_t now = krex_now_ns();
-    return hb && now > hb && now - hb > (to ? to : KREX_HEARTBEAT_TIMEOUT_NS);
+    return krex_heartbeat_stale(shm, krex_now_ns(), 0);
 }
 
 /* Read exactly n bytes (buf NULL: read and drop them). As long as krexd beats this

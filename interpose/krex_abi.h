@@ -29,9 +29,15 @@
 #define KREX_MAX_PROCS 1024
 
 /* Gate word (a futex): 0 = open. Closed = (epoch24 << 8) | owner byte, where the
- * owner byte is slot+1, or KREX_OWNER_NONE for an operator pause. Never 0 when closed. */
+ * owner byte is slot+1, or KREX_OWNER_NONE for an operator pause. Never 0 when closed.
+ * Its layout, for C and Python alike: the owner byte is word & KREX_GATE_OWNER_MASK
+ * (0xFF), the epoch word >> KREX_GATE_EPOCH_SHIFT, of which the word keeps the bits of
+ * KREX_GATE_EPOCH_MASK (0xFFFFFF). Decimal: cffi reads plain numbers. */
 #define KREX_GATE_OPEN 0
 #define KREX_OWNER_NONE 255
+#define KREX_GATE_OWNER_MASK 255
+#define KREX_GATE_EPOCH_SHIFT 8
+#define KREX_GATE_EPOCH_MASK 16777215
 
 /* Who holds a closed gate, and therefore what a waiting shim checks before failing open. */
 #define KREX_HOLDER_NONE 0

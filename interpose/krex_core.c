@@ -293,7 +293,7 @@ uint32_t krex_gate_acquire(struct krex_shm *shm, int gpu, uint32_t expect, int o
     struct krex_gpu *g = &shm->gpus[gpu];
     uint32_t owner = owner_slot >= 0 ? (uint32_t)owner_slot + 1 : KREX_OWNER_NONE;
     uint64_t epoch = __atomic_load_n(&g->epoch, SEQ) + 1;
-    uint32_t word = (uint32_t)((epoch & 0xffffff) << 8) | owner;
+    uint32_t word = (uint32_t)((epoch & KREX_GATE_EPOCH_MASK) << KREX_GATE_EPOCH_SHIFT) | owner;
     uint32_t seen = expect;
     if (!__atomic_compare_exchange_n(&g->gate, &seen, word, 0, SEQ, SEQ)) {
         if (cur) *cur = seen;
@@ -327,7 +327,8 @@ int krex_gate_holder(struct krex_shm *shm, int gpu, uint32_t word, uint32_t *hol
                      uint64_t *lease_deadline_ns) {
     struct krex_gpu *g = &shm->gpus[gpu];
     uint64_t e = __atomic_load_n(&g->pub_epoch, SEQ);
-    if (word == KREX_GATE_OPEN || (uint32_t)(e & 0xffffff) != (word >> 8)) return 0;
+    if (word == KREX_GATE_OPEN || (uint32_t)(e & KREX_GATE_EPOCH_MASK) != (word >> KREX_GATE_EPOCH_SHIFT))
+        return 0;
     *holder = g->holder;
     *holder_pid = g->holder_pid;
     *lease_deadline_ns = g->lease_deadline_ns;
@@ -455,14 +456,21 @@ int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t t
     return wait_loop(shm, gpu, owner_slot, WAIT_INFLIGHT, 0, timeout_ns, recheck_ns, 1, pids, max_pids, st);
 }
 
-int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, uint64_t timeout_ns,
-                    uint64_t recheck_ns, int below, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
+int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, int below, uint64_t timeout_ns,
+                    uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
     return wait_loop(shm, gpu, owner_slot, WAIT_DRAIN, seq, timeout_ns, recheck_ns, below < 1 ? 1 : below, pids,
                      max_pids, st);
 }
 
 void krex_heartbeat(struct krex_shm *shm) {
     __atomic_store_n(&shm->hdr.heartbeat_ns, krex_now_ns(), SEQ);
+}
+
+int krex_heartbeat_stale(struct krex_shm *shm, uint64_t now, int never) {
+    uint64_t hb = __atomic_load_n(&shm->hdr.heartbeat_ns, SEQ);
+    uint64_t to = __atomic_load_n(&shm->hdr.heartbeat_timeout_ns, __ATOMIC_RELAXED);
+    if (!hb) return never;
+    return now > hb && now - hb > (to ? to : KREX_HEARTBEAT_TIMEOUT_NS);
 }
 
 /* Pids of the live processes registered under `slot` (all of them counted, at most

@@ -35,6 +35,10 @@ int krex_drain_pending(struct krex_shm *shm, int gpu, int owner_slot, uint32_t s
 int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq,
                        int64_t *pids, int max_pids);
 void krex_heartbeat(struct krex_shm *shm);
+/* Has krexd stopped beating: its last beat older at `now` than the segment's timeout
+ * (hdr.heartbeat_timeout_ns, else KREX_HEARTBEAT_TIMEOUT_NS)? `never`: the answer for a
+ * segment never beaten. The one staleness test of the C side (shim gate waits, client). */
+int krex_heartbeat_stale(struct krex_shm *shm, uint64_t now, int never);
 
 /* The controller's waits for in-flight calls to leave (step 3) and for drain acks
  * (step 4): they sleep on the GPU's `wake` futex word and re-scan after each wake, or
@@ -52,8 +56,8 @@ int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t t
                        int64_t *pids, int max_pids, struct krex_wait_stats *st);
 /* Returns once fewer than `below` helpers still owe their ack (1: all acked), so krexd can
  * freeze each sibling as soon as it has drained, while the others still drain. */
-int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, uint64_t timeout_ns,
-                    uint64_t recheck_ns, int below, int64_t *pids, int max_pids, struct krex_wait_stats *st);
+int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, int below, uint64_t timeout_ns,
+                    uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st);
 /* Waker side: a sibling's call left while the gate was closed, or a helper acked. */
 void krex_wake_controller(struct krex_shm *shm, int gpu);
 

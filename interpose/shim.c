@@ -68,12 +68,8 @@ static int holder_gone(int gpu, uint32_t w, uint64_t now, uint64_t since) {
     switch (holder) {
     case KREX_HOLDER_PAUSE:
         return dl != 0 && now > dl;
-    case KREX_HOLDER_REGION: {
-        uint64_t hb = __atomic_load_n(&g_shm->hdr.heartbeat_ns, __ATOMIC_SEQ_CST);
-        uint64_t to = g_shm->hdr.heartbeat_timeout_ns ? g_shm->hdr.heartbeat_timeout_ns
-                                                      : KREX_HEARTBEAT_TIMEOUT_NS;
-        return now > hb && now - hb > to;
-    }
+    case KREX_HOLDER_REGION:
+        return krex_heartbeat_stale(g_shm, now, 1);
     default:
         return now - since > KREX_HEARTBEAT_TIMEOUT_NS;
     }

@@ -30,7 +30,7 @@ static inline int krex_enter(int cls) {
     for (;;) {
         __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
         uint32_t w = __atomic_load_n(gate, __ATOMIC_SEQ_CST);
-        if (LIKELY(w == KREX_GATE_OPEN || (w & 0xff) == g_fast.owner_byte)) break;
+        if (LIKELY(w == KREX_GATE_OPEN || (w & KREX_GATE_OWNER_MASK) == g_fast.owner_byte)) break;
         __atomic_fetch_sub(inflight, 1, __ATOMIC_SEQ_CST);
         if (krex_wait_gate(w)) { /* holder is gone: fail open */
             __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
@@ -53,7 +53,7 @@ __attribute__((always_inline)) static inline void krex_leave(int counted) {
     if (counted) {
         __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
         uint32_t w = __atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST);
-        if (UNLIKELY(w != KREX_GATE_OPEN && (w & 0xff) != g_fast.owner_byte)) krex_left_closed();
+        if (UNLIKELY(w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) != g_fast.owner_byte)) krex_left_closed();
     }
     t_depth--;
 }

@@ -399,7 +399,7 @@ def _static_cudart_warning(cmd: BatchCommand) -> list[str]:
 
 def check_args(jobs: int, device: str) -> None:
     """Validate the cheap arguments (before reading any file)."""
-    from krex.device.gpus import DEVICES
+    from krex.device import DEVICES
 
     if jobs < 1:
         raise UsageError(f"-j {jobs}: need at least one job slot", "give -j 1 or more (e.g. -j 4)")

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from krex.proc import runopts
+
 __all__ = [
     "GUARDIAN_MODULE",
     "Outcome",
@@ -67,16 +69,9 @@ def guardian_argv(
     """argv that runs ``cmd`` under a guardian, as `krex run --report` would: same
     behaviour, report and exit statuses. The daemon options start the node's daemon
     with those settings when none answers (else it starts on demand, as for `krex run`)."""
-    argv = [python, "-m", GUARDIAN_MODULE, "--device", device, "--report", str(report)]
-    if gpu is not None:
-        argv += ["--gpu", str(gpu)]
-    if freeze:
-        argv += ["--freeze", freeze]
-    if daemon_slots_per_gpu is not None:
-        argv += ["--daemon-slots-per-gpu", str(daemon_slots_per_gpu)]
-    if daemon_idle_exit_s is not None:
-        argv += ["--daemon-idle-exit", f"{daemon_idle_exit_s:g}"]
-    return [*argv, "--", *cmd]
+    values = {"device": device, "report": str(report), "gpu": gpu, "freeze": freeze,
+              "slots": daemon_slots_per_gpu, "idle_exit": daemon_idle_exit_s}
+    return [python, "-m", GUARDIAN_MODULE, *runopts.to_argv(runopts.ENTRY, values), "--", *cmd]
 
 
 @dataclass

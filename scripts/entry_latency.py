@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _siblings import World, fresh, percentile, stop_all, wait_ready
+
 # ------------------------------------------------------------------ the commands
 # Each runs under `krex run`, with the build's own interpreter. argv: SECONDS READY_FILE [BURN]
 
@@ -123,73 +125,17 @@ def source(device: str, body: str, kind: str = "") -> str:
     return f"KIND = {kind!r}\n" + prelude + body
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
-
-
-class World:
-    """One build's isolated KREX world: its own state directory, segment and simulated GPU."""
-
-    def __init__(self, name: str, python: str, device: str, root: Path, slots: int) -> None:
-        self.name, self.python, self.device = name, python, device
-        tag = f"{os.getpid()}-{name}"
-        self.dir = root / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "LD_PRELOAD"}
-        self.env.update(
-            KREX_STATE_DIR=str(self.dir / "state"),
-            KREX_SHM=f"/krex-lat-{tag}",
-            KREX_SIM_SHM=f"/krex-latsim-{tag}",
-            KREX_SLOTS_PER_GPU=str(slots),  # every sibling and the measurer admitted at once
-            PYTHONUNBUFFERED="1",
-        )
-
-    def krex(self, *args: str) -> list[str]:
-        return [self.python, "-m", "krex.cli.main", *args]
-
-    def run(self, code: str, *argv: str, log: str, opts: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-        out = open(self.dir / log, "a")  # noqa: SIM115 - closed with the process by the OS
-        return subprocess.Popen(
-            self.krex("run", "--device", self.device, *opts, "--", self.python, "-c", code, *argv),
-            env=self.env,
-            cwd=self.dir,  # never the checkout: `-m krex...` would import the krex found there
-            stdout=subprocess.PIPE,
-            stderr=out,
-            text=True,
-        )
-
-    def stop_daemon(self) -> None:
-        subprocess.run(self.krex("daemon", "stop"), env=self.env, cwd=self.dir, capture_output=True, timeout=60)
-        for n in (self.env["KREX_SHM"], self.env["KREX_SIM_SHM"]):
-            Path("/dev/shm" + n).unlink(missing_ok=True)
-
-
 def siblings(w: World, kind: str, k: int, secs: float, burn: bool) -> list[subprocess.Popen[str]]:
     files = [w.dir / f"ready-{kind}-{i}" for i in range(k)]
-    for f in files:
-        f.unlink(missing_ok=True)
+    fresh(files)
     code = source(w.device, _SIBLING, kind)
     ps = [w.run(code, str(secs), str(f), "1" if burn else "0", log=f"sibling-{kind}-{i}.log") for i, f in enumerate(files)]
-    deadline = time.time() + 180
-    while time.time() < deadline and not all(f.exists() for f in files):
-        if any(p.poll() is not None for p in ps):
-            raise SystemExit(f"{w.name}: a {kind} sibling exited early; see {w.dir}")
-        time.sleep(0.2)
-    if not all(f.exists() for f in files):
+    why = wait_ready(files, ps, 180)
+    if why == "exited":
+        raise SystemExit(f"{w.name}: a {kind} sibling exited early; see {w.dir}")
+    if why:
         raise SystemExit(f"{w.name}: {kind} siblings not ready after 180 s; see {w.dir}")
     return ps
-
-
-def stop_all(ps: list[subprocess.Popen[str]]) -> None:
-    for p in ps:
-        p.terminate()
-    for p in ps:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def measure(w: World, kind: str, k: int, n: int, burn: bool, freeze: str | None) -> list[dict[str, Any]]:
@@ -211,16 +157,16 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     cl = [1e3 * r["client_s"] for r in rows]
     out: dict[str, Any] = {
         "n": len(rows),
-        "p50_ms": pct(cl, 50),
-        "p90_ms": pct(cl, 90),
-        "p99_ms": pct(cl, 99),
+        "p50_ms": percentile(cl, 50),
+        "p90_ms": percentile(cl, 90),
+        "p99_ms": percentile(cl, 99),
         "max_ms": max(cl) if cl else float("nan"),
         "contaminated": sum(1 for r in rows if r.get("contaminated")),
     }
     for s in STEPS:
         xs = [1e3 * (r.get(s) or 0.0) for r in rows]
         out[f"{s[:-2]}_p50"] = statistics.median(xs) if xs else float("nan")
-        out[f"{s[:-2]}_p99"] = pct(xs, 99)
+        out[f"{s[:-2]}_p99"] = percentile(xs, 99)
     for key in ("wait_inflight", "wait_drain"):  # builds with wake-ups report their wait loops
         vals = [r[key] for r in rows if isinstance(r.get(key), dict)]
         if vals:
@@ -247,7 +193,7 @@ def main() -> None:
     burn = a.burn == "on" or (a.burn == "auto" and a.device == "gpu")
     out = Path(os.environ.get("OUT") or tempfile.gettempdir() + "/krex-entry-latency")
     out.mkdir(parents=True, exist_ok=True)
-    worlds = [World(name, py, a.device, out, a.siblings + 1) for name, py in builds]
+    worlds = [World(name, py, a.device, out, a.siblings + 1, "lat") for name, py in builds]
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     try:
         for rnd in range(a.rounds):

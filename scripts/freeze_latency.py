@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _siblings import percentile
+
 
 def mount() -> Path:
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
@@ -115,10 +117,6 @@ def main() -> None:
             g.rmdir()
         root.rmdir()
 
-    def pct(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return 1e3 * xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
     out = Path(os.environ.get("OUT", "/tmp"))
     (out / "freeze_latency.json").write_text(json.dumps({"args": vars(a), "all": res, "per_group": per}))
     kind = "idle torch (CUDA context)" if a.torch else f"python, {a.threads} threads"
@@ -126,8 +124,8 @@ def main() -> None:
     print(f"{'wait':<6}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}   per group p50/p99")
     for how in ("poll", "spin"):
         xs = res[how]
-        print(f"{how:<6}{1e3 * statistics.median(xs):>8.2f}{pct(xs, 90):>8.2f}{pct(xs, 99):>8.2f}{1e3 * max(xs):>8.2f}"
-              f"   {1e3 * statistics.median(per[how]):.2f}/{pct(per[how], 99):.2f}")
+        print(f"{how:<6}{1e3 * statistics.median(xs):>8.2f}{1e3 * percentile(xs, 90):>8.2f}{1e3 * percentile(xs, 99):>8.2f}{1e3 * max(xs):>8.2f}"
+              f"   {1e3 * statistics.median(per[how]):.2f}/{1e3 * percentile(per[how], 99):.2f}")
 
 
 if __name__ == "__main__":

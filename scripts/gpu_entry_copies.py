@@ -23,11 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _siblings import World, fresh, percentile, stop_all, wait_ready
 
 _SIM_PRELUDE = r"""
 import ctypes
@@ -105,78 +106,17 @@ def source(device: str, body: str) -> str:
     return (_GPU_PRELUDE if device == "gpu" else _SIM_PRELUDE) + body
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))] if xs else float("nan")
-
-
-class World:
-    """One case's isolated KREX world: its own state directory, segment and simulated GPU."""
-
-    def __init__(self, name: str, device: str, root: Path, slots: int) -> None:
-        self.name, self.device = name, device
-        tag = f"{os.getpid()}-{name}"
-        self.dir = root / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k != "LD_PRELOAD"}
-        self.env.update(
-            KREX_STATE_DIR=str(self.dir / "state"),
-            KREX_SHM=f"/krex-cp-{tag}",
-            KREX_SIM_SHM=f"/krex-cpsim-{tag}",
-            KREX_SLOTS_PER_GPU=str(slots),
-            PYTHONUNBUFFERED="1",
-        )
-
-    def krex(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "krex.cli.main", *args]
-
-    def run(
-        self, code: str, *argv: str, log: str, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[str]:
-        out = open(self.dir / log, "a")  # noqa: SIM115 - closed with the process by the OS
-        return subprocess.Popen(
-            self.krex("run", "--device", self.device, "--", sys.executable, "-c", code, *argv),
-            env={**self.env, **(env or {})},
-            cwd=self.dir,  # never the checkout: `-m krex...` would import the krex found there
-            stdout=subprocess.PIPE,
-            stderr=out,
-            text=True,
-        )
-
-    def stop_daemon(self) -> None:
-        subprocess.run(
-            self.krex("daemon", "stop"), env=self.env, cwd=self.dir, capture_output=True, timeout=60
-        )
-        for n in (self.env["KREX_SHM"], self.env["KREX_SIM_SHM"]):
-            Path("/dev/shm" + n).unlink(missing_ok=True)
-
-
-def stop_all(ps: list[subprocess.Popen[str]]) -> None:
-    for p in ps:
-        p.terminate()
-    for p in ps:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def run_case(w: World, chunk: str | None, k: int, nbytes: int, regions: int) -> list[dict[str, Any]]:
     """k siblings copying nbytes each way in a loop, then `regions` regions. chunk: the
     siblings' KREX_COPY_CHUNK_BYTES (None: the shim's default)."""
     env = {} if chunk is None else {"KREX_COPY_CHUNK_BYTES": chunk}
     files = [w.dir / f"ready-{i}" for i in range(k)]
-    for f in files:
-        f.unlink(missing_ok=True)
+    fresh(files)
     code = source(w.device, _SIBLING)
     sibs = [w.run(code, str(nbytes), str(f), log=f"sibling-{i}.log", env=env) for i, f in enumerate(files)]
     try:
-        deadline = time.time() + 120
-        while not all(f.exists() for f in files):
-            if any(p.poll() is not None for p in sibs) or time.time() > deadline:
-                raise SystemExit(f"{w.name}: siblings not ready (exited or 120 s); see {w.dir}")
-            time.sleep(0.2)
+        if wait_ready(files, sibs, 120):
+            raise SystemExit(f"{w.name}: siblings not ready (exited or 120 s); see {w.dir}")
         time.sleep(0.5)  # every sibling inside its copy loop
         p = w.run(source(w.device, _MEASURE), str(regions), log="measure.log")
         stdout, _ = p.communicate(timeout=300)
@@ -192,9 +132,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     ms = [r["client_s"] * 1e3 for r in rows]
     s = {
         "n": float(len(rows)),
-        "p50_ms": pct(ms, 50),
-        "p90_ms": pct(ms, 90),
-        "p99_ms": pct(ms, 99),
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
         "max_ms": max(ms),
     }
     for step in STEPS:
@@ -224,7 +164,7 @@ def main() -> None:
     result: dict[str, Any] = {"device": a.device, "siblings": a.siblings, "bytes": nbytes, "cases": {}}
     t_start = time.time()
     for name, chunk in cases:
-        w = World(name, a.device, root, a.siblings + 1)
+        w = World(name, sys.executable, a.device, root, a.siblings + 1, "cp")
         try:
             t0 = time.time()
             rows = run_case(w, chunk, a.siblings, nbytes, a.regions)

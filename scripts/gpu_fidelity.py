@@ -3,12 +3,14 @@ and region-entry latency with idle and busy siblings. Prints JSON; the summary t
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
+
+from _siblings import fresh, percentile, stop_all, wait_ready
 
 PY = sys.executable
 KREX = [PY, "-m", "krex.cli.main"]
@@ -74,30 +76,17 @@ print(json.dumps(rows))
 """
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
-
-
 def start(cmd: list[str], under: bool) -> subprocess.Popen[str]:
     full = [*KREX, "run", "--device", "gpu", "--", *cmd] if under else cmd
     return subprocess.Popen(full, stdout=subprocess.PIPE, text=True)
 
 
-def wait_ready(files: list[str], timeout: float = 120) -> None:
-    t = time.time()
-    while time.time() - t < timeout and not all(os.path.exists(f) for f in files):
-        time.sleep(0.2)
-
-
 def cotenants(kind: str, k: int, under: bool, secs: float, tag: str) -> list[subprocess.Popen[str]]:
     src = HAMMER if kind == "hammer" else IDLE
     files = [f"/tmp/krex_{tag}_{i}" for i in range(k)]
-    for f in files:
-        if os.path.exists(f):
-            os.unlink(f)
+    fresh(files)
     ps = [start([PY, "-c", src, str(secs), f], under) for f in files]
-    wait_ready(files)
+    wait_ready(files)  # not ready after 120 s: measured all the same
     return ps
 
 
@@ -112,40 +101,37 @@ def bench(n_cmds: int, reps: int, under: bool) -> list[dict[str, object]]:
     return out
 
 
-def stop_all(ps: list[subprocess.Popen[str]]) -> None:
-    for p in ps:
-        p.terminate()
-    for p in ps:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+def latency(kind: str) -> list[dict[str, float]]:
+    """100 regions of one command with 8 siblings (idle or hammer) under KREX."""
+    cs = cotenants(kind, 8, True, 900, f"l{kind}")
+    p = start([PY, "-c", LATENCY, "100"], True)
+    stdout, _ = p.communicate(timeout=600)
+    stop_all(cs)
+    rows: list[dict[str, float]] = json.loads(stdout.strip().splitlines()[-1])
+    return rows
 
 
-def latency_only() -> None:
-    for kind in ("idle", "hammer"):
-        cs = cotenants(kind, 8, True, 900, f"l{kind}")
-        p = start([PY, "-c", LATENCY, "100"], True)
-        stdout, _ = p.communicate(timeout=600)
-        stop_all(cs)
-        rows = json.loads(stdout.strip().splitlines()[-1])
-        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"latency_{kind}.json"), "w") as f:
-            json.dump(rows, f)
-        report_latency(kind, rows)
-
-
-def report_latency(kind: str, rows: list[dict[str, float]]) -> None:
+def latency_line(kind: str, rows: list[dict[str, float]]) -> str:
     cl = [1e3 * r["client_s"] for r in rows]
     steps = {s: statistics.median([1e3 * (r[s] or 0) for r in rows])
              for s in ("block_s", "inflight_s", "drain_s", "freeze_s", "pin_s")}
     dom = max(steps, key=lambda s: steps[s])
-    print(f"region entry, 8 {kind} siblings: p50 {pct(cl, 50):.2f} ms p99 {pct(cl, 99):.2f} ms; median steps (ms) "
-          + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in steps.items()) + f"; dominant: {dom[:-2]}; "
-          f"contaminated {sum(1 for r in rows if r.get('contaminated'))}")
+    return (f"region entry, 8 {kind} siblings: p50 {percentile(cl, 50):.2f} ms p99 {percentile(cl, 99):.2f} ms; "
+            "median steps (ms) " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in steps.items()) + f"; dominant: {dom[:-2]}")
+
+
+def latency_only() -> None:
+    for kind in ("idle", "hammer"):
+        rows = latency(kind)
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"latency_{kind}.json"), "w") as f:
+            json.dump(rows, f)
+        print(latency_line(kind, rows) + f"; contaminated {sum(1 for r in rows if r.get('contaminated'))}")
 
 
 def main() -> None:
-    if "--latency-only" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--latency-only", action="store_true", help="only the region-entry latency (idle, hammer)")
+    if ap.parse_args().latency_only:
         latency_only()
         return
     res: dict[str, object] = {}
@@ -161,13 +147,7 @@ def main() -> None:
     res["krex_8x_with_4_hammers"] = runs
     ref2 = bench(1, 10, under=False)
     res["alone_after"] = [r["ms"] for r in ref2]
-    lat: dict[str, object] = {}
-    for kind in ("idle", "hammer"):
-        cs = cotenants(kind, 8, True, 900, f"l{kind}")
-        p = start([PY, "-c", LATENCY, "100"], True)
-        stdout, _ = p.communicate(timeout=600)
-        stop_all(cs)
-        lat[kind] = json.loads(stdout.strip().splitlines()[-1])
+    lat = {kind: latency(kind) for kind in ("idle", "hammer")}
     res["latency"] = lat
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "fidelity.json"), "w") as f:
@@ -183,22 +163,11 @@ def main() -> None:
         print(f"no KREX, {k} co-tenants: median inflation {100 * (statistics.median(xs) / ref - 1):+.1f}%")  # type: ignore[arg-type]
     infl = [100 * (r["ms"] / ref - 1) for r in runs]  # type: ignore[operator]
     print(
-        f"KREX, 8 concurrent benches + 4 hammers: n={len(infl)} inflation p50 {pct(infl, 50):+.2f}% "
-        f"p95 {pct(infl, 95):+.2f}% max {max(infl):+.2f}% contaminated {sum(1 for r in runs if r.get('contaminated'))}"
+        f"KREX, 8 concurrent benches + 4 hammers: n={len(infl)} inflation p50 {percentile(infl, 50):+.2f}% "
+        f"p95 {percentile(infl, 95):+.2f}% max {max(infl):+.2f}% contaminated {sum(1 for r in runs if r.get('contaminated'))}"
     )
     for kind, rows in lat.items():
-        cl = [1e3 * r["client_s"] for r in rows]  # type: ignore[index]
-        steps = {
-            s: statistics.median([1e3 * (r[s] or 0) for r in rows])
-            for s in ("block_s", "inflight_s", "drain_s", "freeze_s", "pin_s")  # type: ignore[index]
-        }
-        dom = max(steps, key=lambda s: steps[s])
-        print(
-            f"region entry, 8 {kind} siblings: p50 {pct(cl, 50):.2f} ms p99 {pct(cl, 99):.2f} ms; "
-            f"median steps (ms) "
-            + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in steps.items())
-            + f"; dominant: {dom[:-2]}"
-        )
+        print(latency_line(kind, rows))
 
 
 if __name__ == "__main__":

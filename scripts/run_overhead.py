@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _siblings import percentile
+
 
 def krex_argv(entry: str, given: str | None = None) -> list[str]:
     """How `krex` is called: the console script given, or next to this interpreter (as users
@@ -126,11 +128,6 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["sim", "gpu"], default="sim")
@@ -202,7 +199,7 @@ def main() -> None:
             raw["cases"][name] = {"wall_s": wall, "cpu_s": cpu, "nonzero_exits": bad, "daemon_cpu_s_per_cmd": per_cmd_daemon}
             mb, mk = statistics.median(wall["bare"]), statistics.median(wall["krex"])
             cb, ck = statistics.median(cpu["bare"]), statistics.median(cpu["krex"])
-            rows.append((name, mb, pct(wall["bare"], 0.95), mk, pct(wall["krex"], 0.95), mk - mb, ck - cb, per_cmd_daemon, len(bad)))
+            rows.append((name, mb, percentile(wall["bare"], 95), mk, percentile(wall["krex"], 95), mk - mb, ck - cb, per_cmd_daemon, len(bad)))
         if args.stream:
             scmd = shlex.split(args.stream_cmd) if args.stream_cmd else [sys.executable, "-c", "import time; time.sleep(1)"]
             sunder = [*krex, "-q", "run", "--device", args.device, *args.krex_arg, "--", *scmd]

@@ -10,6 +10,8 @@ A simulated run carries the SIMULATED label in every figure's title."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,33 @@ def _plt() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+@contextmanager
+def _figure(path: Path, title: str, figsize: tuple[float, float], ncols: int = 0) -> Iterator[Any]:
+    """One figure for the body to draw on: its Axes (with ``ncols``: one row of that many,
+    as an array, the title then over them all); titled, laid out and written to ``path``
+    after the body."""
+    plt = _plt()
+    if ncols:
+        fig, ax = plt.subplots(1, ncols, figsize=figsize, squeeze=False)
+    else:
+        fig, ax = plt.subplots(figsize=figsize)
+    try:
+        yield ax
+        (fig.suptitle if ncols else ax.set_title)(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def _axes(ax: Any, xlabel: str | None, ylabel: str, grid: str = "both") -> None:
+    """An Axes' labels and its light grid."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis=grid, alpha=0.3)
 
 
 def _title(s: dict[str, Any], text: str) -> str:
@@ -80,8 +109,12 @@ def _shade(key: str, keys: list[str]) -> str:
 
 
 def plot_throughput(s: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    with _figure(path, _title(s, "Throughput against concurrency"), (7, 4.5)) as ax:
+        _draw_throughput(s, ax)
+    return path
+
+
+def _draw_throughput(s: dict[str, Any], ax: Any) -> None:
     thr = s.get("throughput") or []
     cs_all: list[int] = sorted({int(t["c"]) for t in thr if t["mode"] in ("unprotected", "krex")}) or [1]
     for mode in ("unprotected", "krex"):
@@ -117,22 +150,20 @@ def plot_throughput(s: dict[str, Any], path: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xticks(cs_all)
     ax.set_xticklabels([str(c) for c in cs_all])
-    ax.set_xlabel("concurrent commands C")
-    ax.set_ylabel("commands / minute")
+    _axes(ax, "concurrent commands C", "commands / minute")
     ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(_title(s, "Throughput against concurrency"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
+    title = _title(s, "Timing inflation CDF per band")
+    with _figure(path, title, (5 * len(bm.BANDS), 4.2), ncols=len(bm.BANDS)) as axes:
+        _draw_inflation_cdf(s, axes)
+    return path
+
+
+def _draw_inflation_cdf(s: dict[str, Any], axes: Any) -> None:
     infl = s.get("inflation") or {}
-    fig, axes = plt.subplots(1, len(bm.BANDS), figsize=(5 * len(bm.BANDS), 4.2), squeeze=False)
     paper = (s.get("paper") or {}).get("p95_inflation") or {}
     for ax, (band, _) in zip(axes[0], bm.BANDS, strict=True):
         drawn = 0
@@ -160,24 +191,22 @@ def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
         ax.axhline(0.95, color="#bbbbbb", linewidth=0.8)
         ax.set_ylim(0.0, 1.02)
         ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_xlabel("inflation vs native-serial (%)")
-        ax.set_ylabel("fraction of commands")
+        _axes(ax, "inflation vs native-serial (%)", "fraction of commands")
         ax.set_title(f"kernels {band}" + ("" if drawn else " (no data)"), fontsize=9)
-        ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(_title(s, "Timing inflation CDF per band"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def plot_flip_rates(s: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
     ranking = s.get("ranking") or {}
     classes = [g[0] for g in bm.GAP_CLASSES]
     keys = [k for k in ranking if any((ranking[k]["flip"].get(c) or {}).get("pairs") for c in classes)]
-    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(classes) * max(1, len(keys)) / 2), 4.5))
+    size = (max(7, 1.2 * len(classes) * max(1, len(keys)) / 2), 4.5)
+    with _figure(path, _title(s, "Pairwise ranking flips by true gap"), size) as ax:
+        _draw_flip_rates(ranking, classes, keys, ax)
+    return path
+
+
+def _draw_flip_rates(ranking: dict[str, Any], classes: list[str], keys: list[str], ax: Any) -> None:
     width = 0.8 / max(1, len(keys))
     for i, k in enumerate(keys):
         vals = []
@@ -207,24 +236,22 @@ def plot_flip_rates(s: dict[str, Any], path: Path) -> Path:
                 )
     ax.set_xticks(range(len(classes)))
     ax.set_xticklabels([f"true gap {c}" for c in classes])
-    ax.set_ylabel("pairwise flip rate (%)")
-    ax.grid(True, axis="y", alpha=0.3)
+    _axes(ax, None, "pairwise flip rate (%)", grid="y")
     if keys:
         ax.legend(fontsize=7, ncol=2)
     else:
         ax.text(0.5, 0.5, "no ranking data", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(_title(s, "Pairwise ranking flips by true gap"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def plot_critical_fraction(s: dict[str, Any], path: Path) -> Path:
-    plt = _plt()
     c = s.get("critical") or {}
     fr = [100.0 * v for v in _finite(c.get("fractions") or [])]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    with _figure(path, _title(s, "Critical-region fraction (native-serial)"), (7, 4.2)) as ax:
+        _draw_critical_fraction(fr, ax)
+    return path
+
+
+def _draw_critical_fraction(fr: list[float], ax: Any) -> None:
     if fr:
         ax.hist(fr, bins=min(30, max(5, len(fr) // 2)), color="#1f77b4", alpha=0.8)
         med = bm.median(fr)
@@ -233,14 +260,7 @@ def plot_critical_fraction(s: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no native-serial data", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("critical-region fraction of the command's time (%)")
-    ax.set_ylabel("commands")
-    ax.grid(True, alpha=0.3)
-    ax.set_title(_title(s, "Critical-region fraction (native-serial)"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _axes(ax, "critical-region fraction of the command's time (%)", "commands")
 
 
 def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:

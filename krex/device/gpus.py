@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from krex.device import DEVICES
 from krex.errors import NotFound, UsageError
 
-DEVICES = ("auto", "gpu", "sim")
 log = logging.getLogger(__name__)
 
 

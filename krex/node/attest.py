@@ -18,14 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from krex.device.nvml import DISTURBING, Nvml, NvmlUnavailable, open_nvml, throttle_names
+from krex.node import procfs
 
 
 def _cmd(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
-    except OSError:
-        return "not visible in this pid namespace"
+    cmd = procfs.cmdline(pid, 120)
+    return "not visible in this pid namespace" if cmd is None else cmd or "?"
 
 
 class Attestor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from krex.errors import Busy, UsageError
 from krex.native import ffi, lib
-from krex.node.shm import Segment, StepResult, raise_stragglers
+from krex.node.shm import Segment, StepResult, gate_owner, raise_stragglers
 
 DEFAULT_PAUSE_LEASE_S = lib.KREX_PAUSE_LEASE_MS / 1e3
 MAX_PAUSE_LEASE_S = lib.KREX_PAUSE_LEASE_MAX_MS / 1e3
@@ -76,7 +76,7 @@ def _acquire(seg: Segment, gpu: int, lease_s: float, wait_s: float) -> int:
     while True:
         cur = seg.gate_word(gpu)
         # A pause may replace a pause (renewal, or one whose lease ran out), never a region.
-        is_pause = cur != lib.KREX_GATE_OPEN and cur & 0xFF == lib.KREX_OWNER_NONE
+        is_pause = cur != lib.KREX_GATE_OPEN and gate_owner(cur) == lib.KREX_OWNER_NONE
         expect = cur if is_pause else lib.KREX_GATE_OPEN
         try:
             return seg.close_gate(
@@ -105,9 +105,9 @@ def resume(seg: Segment, gpu: int) -> bool:
     word = seg.gate_word(gpu)
     if word == lib.KREX_GATE_OPEN:
         return False
-    if word & 0xFF != lib.KREX_OWNER_NONE:
+    if gate_owner(word) != lib.KREX_OWNER_NONE:
         raise Busy(
-            f"GPU {gpu} is held by a region of slot {(word & 0xFF) - 1}, not by a pause",
+            f"GPU {gpu} is held by a region of slot {gate_owner(word) - 1}, not by a pause",
             "regions end by themselves; `krex status` shows who holds it",
         )
     if not seg.open_gate(gpu, word):

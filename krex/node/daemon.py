@@ -43,12 +43,11 @@ from krex.node import config, cpus, freezepolicy, freezer, journal, procfs
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
-from krex.node.shm import Segment, default_name
+from krex.node.shm import HEARTBEAT_TIMEOUT_S, Segment, default_name, gate_owner
 from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
 HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
-HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 RELEASE_MAX_RECORDS = 1000  # a slot's region records kept for its `release` reply
 
 log = logging.getLogger("krex.node.daemon")  # not __name__: it runs as __main__ under -m
@@ -540,7 +539,7 @@ class Daemon:
             time.sleep(0.01)
         for g in range(self.info.count):
             w = self.seg.gate_word(g)
-            if w != lib.KREX_GATE_OPEN and w & 0xFF != lib.KREX_OWNER_NONE:
+            if w != lib.KREX_GATE_OPEN and gate_owner(w) != lib.KREX_OWNER_NONE:
                 self.seg.open_gate(g, w)
         for s in list(self.slots.values()):
             with contextlib.suppress(KrexError):
@@ -695,7 +694,7 @@ class Daemon:
         if s is None:
             return {"leftovers": [], "action": "none"}
         found = self._group_pids(s, deep=True)
-        info = [{"pid": p, "cmd": _cmdline(p)} for p in found]
+        info = [{"pid": p, "cmd": procfs.cmdline(p, 200) or "?"} for p in found]
         if not found:
             return {"leftovers": [], "action": "none"}
         if policy == "keep":
@@ -848,7 +847,7 @@ class Daemon:
             req.granted.set()
             with contextlib.suppress(Exception):
                 cur = self.seg.gate_word(gpu)
-                if cur & 0xFF == req.slot + 1:  # ours: never open someone else's gate
+                if gate_owner(cur) == req.slot + 1:  # ours: never open someone else's gate
                     self.seg.open_gate(gpu, cur)
         with self.lock:
             self.current[gpu] = None
@@ -1613,14 +1612,6 @@ def setup_logging(level: str) -> None:
         h._krexd = True  # type: ignore[attr-defined]
         lg.addHandler(h)
     lg.setLevel(level.upper())
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    except OSError:
-        return "?"
 
 
 def _env_tagged(shm: str, slot: int, generation: int) -> set[int]:

@@ -58,6 +58,16 @@ def pid_stat(pid: int) -> Stat | None:
         return None
 
 
+def cmdline(pid: int, limit: int) -> str | None:
+    """A process's arguments joined by spaces, cut to ``limit`` characters; None when
+    /proc/PID/cmdline cannot be read (gone, or not in this pid namespace)."""
+    try:
+        with open(f"{PROC}/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
+    except OSError:
+        return None
+
+
 def proc_table() -> dict[int, Stat]:
     table: dict[int, Stat] = {}
     for entry in os.listdir(PROC):

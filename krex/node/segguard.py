@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from krex.native import ffi, lib
-from krex.node.shm import Segment
+from krex.node.shm import Segment, gate_owner
 
 SHM_DIR = "/dev/shm"
 _WHY = {1: "check", 2: "gpu", 4: "drain ack ahead", 8: "slot", 16: "counters"}
@@ -181,10 +181,10 @@ class SegmentGuard:
     def _gate_ok(w: int, ok: set[int], owner: int) -> bool:
         if w == lib.KREX_GATE_OPEN or w in ok:
             return True
-        if w & 0xFF == lib.KREX_OWNER_NONE:
+        if gate_owner(w) == lib.KREX_OWNER_NONE:
             return True  # an operator pause (krex pause holds it without krexd)
         # A region of `owner` that has just taken the gate (its word not yet known here).
-        return not ok and w & 0xFF == owner
+        return not ok and gate_owner(w) == owner
 
     # ------------------------------------------------------------------ repair
     def repair(

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
 from krex.native import ffi, lib
@@ -48,6 +48,22 @@ def default_name() -> str:
 
 def now_ns() -> int:
     return int(lib.krex_now_ns())
+
+
+def gate_owner(word: int) -> int:
+    """The owner byte of a closed gate word: slot+1, or KREX_OWNER_NONE for a pause
+    (the word's layout is krex_abi.h's)."""
+    return int(word & lib.KREX_GATE_OWNER_MASK)
+
+
+# krexd beats in the segment every KREX_HEARTBEAT_INTERVAL_NS; a beat older than this
+# means it is stopped or hung (C: krex_heartbeat_stale in krex_core.c).
+HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
+
+
+def heartbeat_stale(age_s: float | None) -> TypeGuard[float]:
+    """Is a heartbeat this old (Segment.heartbeat_age; None: never beaten) past the timeout?"""
+    return age_s is not None and age_s > HEARTBEAT_TIMEOUT_S
 
 
 @dataclass
@@ -245,7 +261,6 @@ class Segment:
     def snapshot(self) -> Snapshot:
         p = self.raw
         now = now_ns()
-        hb = int(p.hdr.heartbeat_ns)
         gates = []
         for g in range(self.n_gpus):
             gp = p.gpus[g]
@@ -300,7 +315,7 @@ class Segment:
             name=self.name,
             n_gpus=self.n_gpus,
             daemon_pid=int(p.hdr.daemon_pid),
-            heartbeat_age_s=(now - hb) / 1e9 if hb else None,
+            heartbeat_age_s=self.heartbeat_age(),
             proc_overflows=int(p.hdr.proc_overflows),
             gates=gates,
             slots=slots,
@@ -341,7 +356,7 @@ class Segment:
     def describe_holder(self, gpu: int, word: int) -> str:
         if word == lib.KREX_GATE_OPEN:
             return "nobody"
-        owner = word & 0xFF
+        owner = gate_owner(word)
         return "an operator pause" if owner == lib.KREX_OWNER_NONE else f"a region of slot {owner - 1}"
 
     def holder(self, gpu: int, word: int) -> tuple[int, int, int] | None:
@@ -365,6 +380,23 @@ class Segment:
         n = lib.krex_gate_inflight(self.raw, gpu, -1 if owner_slot is None else owner_slot, pids, 64)
         return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
 
+    def _c_wait(
+        self, wait: Any, gpu: int, owner: int, extra: tuple[int, ...], timeout: float, recheck: float | None,
+        max_pids: int, below: int = 1,
+    ) -> tuple[int, float, dict[str, int], Any]:
+        """One of the C waits of protocol steps 3 and 4 (krex_wait_inflight, krex_wait_drain:
+        ``wait(shm, gpu, owner, *extra, timeout_ns, recheck_ns, pids, max_pids, stats)``) run
+        by _wait until fewer than `below` are outstanding: (what is outstanding, seconds,
+        wait stats, the pids buffer)."""
+        pids = ffi.new(f"int64_t[{max_pids}]")
+        every = _recheck_ns(recheck)
+        n, secs, stats = _wait(
+            lambda left, st: wait(self.raw, gpu, owner, *extra, left, every, pids, max_pids, st),
+            timeout,
+            below,
+        )
+        return n, secs, stats, pids
+
     def wait_inflight(
         self,
         gpu: int,
@@ -376,12 +408,8 @@ class Segment:
         on the GPU's wake word, which a sibling bumps as it leaves a gated call while the
         gate is closed; re-checks every `recheck` seconds without a wake (a straggler that
         died never wakes anyone). The C wait releases the GIL."""
-        pids = ffi.new("int64_t[64]")
         owner = -1 if owner_slot is None else owner_slot
-        every = _recheck_ns(recheck)
-        n, secs, stats = _wait(
-            lambda left, st: lib.krex_wait_inflight(self.raw, gpu, owner, left, every, pids, 64, st), timeout
-        )
+        n, secs, stats, pids = self._c_wait(lib.krex_wait_inflight, gpu, owner, (), timeout, recheck, 64)
         stragglers = sorted({int(pids[i]) for i in range(64) if pids[i]}) if n else []
         return StepResult(n == 0, secs, n, stragglers, stats=stats)
 
@@ -400,12 +428,11 @@ class Segment:
         fewer remain, so krexd freezes a drained sibling while the others still drain."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
-        pids = ffi.new("int64_t[256]")
         # Count who must drain BEFORE asking: a quick helper could ack in between.
         nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
         seq = int(lib.krex_drain_request(self.raw, gpu))
-        every = _recheck_ns(recheck)
+        pids = ffi.new("int64_t[256]")
         stats = {"scans": 1, "wakeups": 0, "timeouts": 0}
         n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
         while True:
@@ -415,11 +442,9 @@ class Segment:
             if n == 0 or left <= 0:
                 break
             below = n if on_progress is not None else 1
-
-            def call(left_ns: int, st: Any, b: int = below) -> int:
-                return int(lib.krex_wait_drain(self.raw, gpu, owner, seq, left_ns, every, b, pids, 256, st))
-
-            n, _, st = _wait(call, left, below)
+            n, _, st, pids = self._c_wait(
+                lib.krex_wait_drain, gpu, owner, (seq, below), left, recheck, 256, below
+            )
             for k in stats:
                 stats[k] += st[k]
         if n == 0:
@@ -431,6 +456,14 @@ class Segment:
 
     def heartbeat(self) -> None:
         lib.krex_heartbeat(self.raw)
+
+    def heartbeat_age(self, daemon_pid: int | None = None) -> float | None:
+        """Seconds since krexd's last beat; None before its first one, or when ``daemon_pid``
+        is given and the segment is another daemon's."""
+        if daemon_pid is not None and int(self.raw.hdr.daemon_pid) != daemon_pid:
+            return None
+        hb = int(self.raw.hdr.heartbeat_ns)
+        return (now_ns() - hb) / 1e9 if hb else None
 
     def set_daemon(self, pid: int, heartbeat_timeout_s: float | None = None) -> None:
         self.raw.hdr.daemon_pid = pid

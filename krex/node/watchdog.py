@@ -17,22 +17,20 @@ import time
 from krex.errors import KrexError
 from krex.native import lib
 from krex.node import freezer
-from krex.node.shm import Segment
+from krex.node.shm import Segment, heartbeat_stale
 
 
 def watch(daemon_pid: int, shm: str, root_name: str, backend: str) -> None:
     fz = freezer.detect(backend, root_name=root_name)
     seg = Segment.attach(shm)
     poll_s = lib.KREX_GUARDIAN_POLL_NS / 1e9
-    timeout_s = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
     rescued = False
     try:
         while os.getppid() == daemon_pid:
             time.sleep(poll_s)
             if int(seg.raw.hdr.daemon_pid) != daemon_pid:
                 continue
-            hb = int(seg.raw.hdr.heartbeat_ns)
-            stale = hb != 0 and (int(lib.krex_now_ns()) - hb) / 1e9 > timeout_s
+            stale = heartbeat_stale(seg.heartbeat_age())
             if stale and not rescued:
                 with contextlib.suppress(KrexError, OSError):
                     fz.thaw_all()

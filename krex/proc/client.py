@@ -23,6 +23,8 @@ from typing import Any
 from krex import paths
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, Timeout, UsageError
 from krex.native import lib
+from krex.node import procfs
+from krex.node.shm import HEARTBEAT_TIMEOUT_S, heartbeat_stale
 from krex.protocol import FrameReader, encode, peer_cred
 
 _KINDS: dict[str, type[KrexError]] = {
@@ -36,7 +38,6 @@ _KINDS: dict[str, type[KrexError]] = {
 _log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = lib.KREX_CONNECT_TIMEOUT_MS / 1e3
 POLL_S = lib.KREX_CLIENT_POLL_NS / 1e9
-HEARTBEAT_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 START_WAIT_S = lib.KREX_DAEMON_START_WAIT_MS / 1e3
 REPLY_TIMEOUT_S = 30.0  # requests the daemon answers at once (status, release, ...)
 LONG_OPS = ("admit", "begin")  # these wait for a slot or a region: no hard cap
@@ -44,11 +45,8 @@ LONG_OPS = ("admit", "begin")  # these wait for a slot or a region: no hard cap
 
 def proc_state(pid: int) -> str | None:
     """The one-letter state of a process (R, S, T, Z, ...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    st = procfs.pid_stat(pid)
+    return None if st is None else st.state
 
 
 class Client:
@@ -115,7 +113,7 @@ class Client:
             since.setdefault("stopped", now)
         else:
             since.pop("stopped", None)
-        if age is not None and age > HEARTBEAT_TIMEOUT_S:
+        if heartbeat_stale(age):
             return (
                 f"the KREX daemon (pid {self.daemon_pid}) is not responding: no heartbeat for {age:.1f} s "
                 f"(process state {state}{', stopped' if state in ('T', 't') else ''})"
@@ -131,11 +129,7 @@ class Client:
 
             with contextlib.suppress(KrexError):
                 self._seg = Segment.attach(default_name())
-        seg = self._seg
-        if seg is None or int(seg.raw.hdr.daemon_pid) != self.daemon_pid:
-            return None
-        hb = int(seg.raw.hdr.heartbeat_ns)
-        return (int(lib.krex_now_ns()) - hb) / 1e9 if hb else None
+        return None if self._seg is None else self._seg.heartbeat_age(self.daemon_pid)
 
     def recv(self, timeout: float | None = REPLY_TIMEOUT_S) -> dict[str, Any]:
         self.sock.settimeout(POLL_S)

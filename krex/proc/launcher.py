@@ -695,31 +695,14 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
             Path(group_path, "cgroup.freeze").write_text("0")
         elif backend == "cgroup1":
             Path(group_path, "freezer.state").write_text("THAWED")
+    from krex.node import procfs
+
     for pid in pids:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGCONT)
-        for d in _descendants(pid):
+        for d in procfs.descendants([pid], procfs.proc_table()) - {pid}:
             with contextlib.suppress(OSError):
                 os.kill(d, signal.SIGCONT)
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _can_join(group_path: str) -> bool:
@@ -799,7 +782,7 @@ class _Guardian:
         import select
 
         from krex.native import lib
-        from krex.node.shm import Segment
+        from krex.node.shm import Segment, heartbeat_stale
 
         poll_ms = int(lib.KREX_GUARDIAN_POLL_NS // 1_000_000)
         seg: Segment | None = None
@@ -820,8 +803,8 @@ class _Guardian:
                 if ev.get(self.sock_fd):
                     self._lost(seg, "krexd exited")
                     return
-                age = self._heartbeat_age(seg)
-                if age is not None and age > lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9:
+                age = None if seg is None else seg.heartbeat_age(self.daemon_pid)
+                if heartbeat_stale(age):
                     if not stale and not stop.is_set():
                         stale = True
                         with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
@@ -838,14 +821,6 @@ class _Guardian:
         finally:
             if seg is not None:
                 seg.close()
-
-    def _heartbeat_age(self, seg: Segment | None) -> float | None:
-        from krex.native import lib
-
-        if seg is None or int(seg.raw.hdr.daemon_pid) != self.daemon_pid:
-            return None
-        hb = int(seg.raw.hdr.heartbeat_ns)
-        return (int(lib.krex_now_ns()) - hb) / 1e9 if hb else None
 
     def _lost(self, seg: Segment | None, why: str) -> None:
         from krex import paths
@@ -974,44 +949,27 @@ def _run_command(
 
 # ------------------------------------------------------------- `python -m krex.proc.launcher`
 
-_ENTRY_USAGE = (
-    "python -m krex.proc.launcher [--device auto|gpu|sim] [--gpu N] [--freeze all|gpu|adaptive] "
-    "[--report FILE] "
-    "[--keep-leftovers] [--daemon-slots-per-gpu N] [--daemon-idle-exit S] -- CMD..."
-)
-
-
 def _parse_entry(argv: list[str], opts: dict[str, Any]) -> None:
     """Fill ``opts`` with the options the library's runner (krex.runner) passes (the CLI's
-    `krex run` is the user-facing spelling of the same); as far as it got on an error."""
-    from krex.node.freezepolicy import POLICIES
+    `krex run` is the user-facing spelling of the same; both from krex.proc.runopts); as far
+    as it got on an error."""
+    from krex.proc import runopts
 
-    opts.update(device="auto", gpu=None, freeze=None, report=None, keep_leftovers=False, slots=None,
-                idle_exit=None)
-    valued = {"--device": "device", "--gpu": "gpu", "--freeze": "freeze", "--report": "report",
-              "--daemon-slots-per-gpu": "slots", "--daemon-idle-exit": "idle_exit"}
-    i = 0
-    while i < len(argv) and argv[i] != "--":
-        a = argv[i]
-        if a == "--keep-leftovers":
-            opts["keep_leftovers"] = True
-        elif a in valued and i + 1 < len(argv):
-            opts[valued[a]] = argv[i + 1]
-            i += 1
-        else:
-            raise UsageError(f"unknown or incomplete option {a!r}", f"usage: {_ENTRY_USAGE}")
-        i += 1
-    opts["cmd"] = argv[i + 1 :]
+    usage = f"usage: {runopts.ENTRY_USAGE}"
+    opts.update(runopts.defaults(runopts.ENTRY))
     try:
-        for k in ("gpu", "slots"):
-            opts[k] = None if opts[k] is None else int(opts[k])
-        opts["idle_exit"] = None if opts["idle_exit"] is None else float(opts["idle_exit"])
+        i = runopts.scan(argv, 0, runopts.ENTRY, opts, click_like=False)
     except ValueError as e:
-        raise UsageError(f"bad option value: {e}", f"usage: {_ENTRY_USAGE}") from None
-    if opts["device"] not in ("auto", "gpu", "sim") or (opts["freeze"] and opts["freeze"] not in POLICIES):
-        raise UsageError(
-            f"bad --device {opts['device']!r} or --freeze {opts['freeze']!r}", f"usage: {_ENTRY_USAGE}"
-        )
+        raise UsageError(f"unknown or incomplete option {e.args[0]!r}", usage) from None
+    opts["cmd"] = argv[i:]
+    try:
+        for o in runopts.ENTRY:
+            if o.type in (int, float) and opts[o.dest] is not None:
+                opts[o.dest] = o.type(opts[o.dest])
+    except ValueError as e:
+        raise UsageError(f"bad option value: {e}", usage) from None
+    if runopts.bad_choice(runopts.ENTRY, opts):
+        raise UsageError(f"bad --device {opts['device']!r} or --freeze {opts['freeze']!r}", usage)
 
 
 def _ensure_daemon(device: str, slots: int | None, idle_exit_s: float | None) -> bool:
@@ -1035,6 +993,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     from krex.errors import run_exit_code
+    from krex.proc import runopts
 
     def say(text: str) -> None:
         sys.stderr.write(text + "\n")
@@ -1052,8 +1011,8 @@ def main(argv: list[str] | None = None) -> None:
         if o["slots"] is not None or o["idle_exit"] is not None:
             extra["daemon_started"] = _ensure_daemon(o["device"], o["slots"], o["idle_exit"])
         ran = True
-        status = run_command(o["cmd"], o["device"], o["gpu"], o["report"], freeze=o["freeze"],
-                             keep_leftovers=o["keep_leftovers"], notify=say, report_extra=extra)
+        status = run_command(o["cmd"], notify=say, report_extra=extra,
+                             **{opt.dest: o[opt.dest] for opt in runopts.ENTRY if opt.run})
     except KrexError as e:
         code = run_exit_code(e)
         if o.get("report") and not ran:

@@ -275,6 +275,39 @@ def _swap_fn(args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
     return None
 
 
+def _unhooked(t: Target, why: str, func: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+    """A harness's hook point could not be hooked: ``why`` ("!reason": never in this
+    version, so the target is degraded; "reason": for this call only, noted). The call
+    runs whole."""
+    if why.startswith("!"):
+        _degrade(t, why[1:])
+    else:
+        _note(t, why)
+    return _call_whole(func, args, kwargs)
+
+
+def _probed(t: Target, probe: _Probe, call: Callable[[], Any], missed: str) -> Any:
+    """Run ``call`` under ``probe``; a call that ends without the probe having entered
+    its region degrades the target (``missed`` says why)."""
+    result = _run(probe, call)
+    if not probe.entered:
+        _degrade(t, missed)
+    return result
+
+
+def _probed_fn(t: Target, probe: _Probe, func: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], wrap_fn: Callable[[Any], Any], missed: str) -> Any:
+    """_probed for harnesses that take the benchmarked callable as ``fn`` (Triton's
+    do_bench and do_bench_cudagraph): ``fn`` wrapped by ``wrap_fn`` for the probe. Without
+    one the original is called as given (it raises its own TypeError)."""
+    swapped = _swap_fn(args, kwargs, "fn", wrap_fn)
+    if swapped is None:
+        return func(*args, **kwargs)
+    a, k = swapped
+    return _probed(t, probe, lambda: func(*a, **k), missed)
+
+
 Body = Callable[[Target, Fn, Args, Kwargs], Any]
 
 

@@ -15,17 +15,14 @@ from krex.proc.autoregion.core import (
     Fn,
     Kwargs,
     Target,
-    _call_whole,
     _class_raw,
-    _degrade,
     _is_ours,
     _lock,
-    _note,
     _Probe,
+    _probed_fn,
     _replace,
-    _run,
-    _swap_fn,
     _top,
+    _unhooked,
 )
 
 TARGET = Target("triton.testing", "do_bench", DO_BENCH, source="do_bench")
@@ -42,11 +39,7 @@ def _body_do_bench(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
     a row (the last warm-up calls); that holds with and without the estimate."""
     why = _hook_clear_cache(func)
     if why:
-        if why.startswith("!"):
-            _degrade(t, why[1:])
-        else:
-            _note(t, why)
-        return _call_whole(func, args, kwargs)
+        return _unhooked(t, why, func, args, kwargs)
     probe = _Probe(DO_BENCH)
 
     def wrap_fn(fn: Any) -> Any:
@@ -56,15 +49,8 @@ def _body_do_bench(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
 
         return fn_
 
-    swapped = _swap_fn(args, kwargs, "fn", wrap_fn)
-    if swapped is None:
-        return func(*args, **kwargs)  # no fn: the original raises its own TypeError
-    a, k = swapped
-    result = _run(probe, lambda: func(*a, **k))
-    if not probe.entered:
-        _degrade(t, "a call ended without the timed loop being recognised "
-                    "(no clear_cache right after warm-up calls)")
-    return result
+    missed = "a call ended without the timed loop being recognised (no clear_cache right after warm-up calls)"
+    return _probed_fn(t, probe, func, args, kwargs, wrap_fn, missed)
 
 
 def _hook_clear_cache(func: Callable[..., Any]) -> str:

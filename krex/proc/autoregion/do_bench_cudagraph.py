@@ -15,17 +15,14 @@ from krex.proc.autoregion.core import (
     Fn,
     Kwargs,
     Target,
-    _call_whole,
     _class_raw,
-    _degrade,
     _is_ours,
     _lock,
-    _note,
     _Probe,
+    _probed_fn,
     _replace,
-    _run,
-    _swap_fn,
     _top,
+    _unhooked,
 )
 
 TARGETS = {
@@ -43,8 +40,7 @@ def _body_cudagraph(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
     cudagraphs during warm-up, do not count)."""
     why = _hook_capture_end()
     if why:
-        _note(t, why)
-        return _call_whole(func, args, kwargs)
+        return _unhooked(t, why, func, args, kwargs)
     probe = _Probe(CUDAGRAPH)
 
     def wrap_fn(fn: Any) -> Any:
@@ -57,14 +53,8 @@ def _body_cudagraph(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
 
         return fn_
 
-    swapped = _swap_fn(args, kwargs, "fn", wrap_fn)
-    if swapped is None:
-        return func(*args, **kwargs)
-    a, k = swapped
-    result = _run(probe, lambda: func(*a, **k))
-    if not probe.entered:
-        _degrade(t, "a call ended without a CUDA graph capture being seen")
-    return result
+    missed = "a call ended without a CUDA graph capture being seen"
+    return _probed_fn(t, probe, func, args, kwargs, wrap_fn, missed)
 
 
 def _hook_capture_end() -> str:

@@ -18,7 +18,7 @@ from krex.proc.autoregion.core import (
     _call_whole,
     _degrade,
     _Probe,
-    _run,
+    _probed,
 )
 
 _KB_MODULES = ("kernelbench.timing", "kernelbench.eval", "src.timing", "src.eval")
@@ -77,10 +77,7 @@ def _body_kernelbench(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
             probe.enter()
         return func(*bound.args, **bound.kwargs)
 
-    result = _run(probe, call)
-    if not probe.entered:
-        _degrade(t, f"a call made fewer than {probe.threshold} untimed calls of kernel_fn")
-    return result
+    return _probed(t, probe, call, f"a call made fewer than {probe.threshold} untimed calls of kernel_fn")
 
 
 BODIES = {KERNELBENCH: _body_kernelbench}

@@ -20,11 +20,10 @@ from krex.proc.autoregion.core import (
     Kwargs,
     Target,
     _class_raw,
-    _degrade,
     _is_ours,
     _Probe,
+    _probed,
     _replace,
-    _run,
     _top,
 )
 
@@ -91,10 +90,8 @@ def _body_timer(t: Target, func: Fn, args: Args, kwargs: Kwargs) -> Any:
     if not args:
         return func(*args, **kwargs)  # unbound misuse: let the original complain
     probe = _Probe(t.strategy, owner=args[0], threshold=1 if t.strategy == TIMER_TIMEIT else 0)
-    result = _run(probe, lambda: func(*args, **kwargs))
-    if not probe.entered:
-        _degrade(t, "a call ended without its timed part being recognised")
-    return result
+    missed = "a call ended without its timed part being recognised"
+    return _probed(t, probe, lambda: func(*args, **kwargs), missed)
 
 
 BODIES = {TIMER_TIMEIT: _body_timer, TIMER_LOOP: _body_timer, TIMER_FIRST: _body_timer}
