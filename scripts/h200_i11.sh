@@ -11,15 +11,8 @@
 set -uo pipefail
 REPO=$PWD; RES=${OUT:-/tmp/krex-out}; FINAL=/tmp/i11; mkdir -p "$FINAL" "$RES"
 trap 'tar czf "$RES/i11.tgz" -C "$FINAL" .' EXIT  # at most 8 files come back: one archive
-pip() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$@"; }
-pip /tmp/site .whl/*.whl || exit 1
-for v in old new; do
-  w=.whl-krex; [ $v = old ] && w=.whl-old
-  pip /tmp/$v $w/krex-*.whl || exit 1
-  printf '#!/bin/sh\nPYTHONPATH=/tmp/%s:/tmp/site exec python3 -P -c "import sys; from krex.cli.lean import main; sys.exit(main())" "$@"\n' $v > /tmp/krex-$v
-  chmod +x /tmp/krex-$v
-done
-python3 -m compileall -q /tmp/site /tmp/old /tmp/new > /dev/null
+source scripts/_builds.sh
+install_builds old=.whl-old new=.whl-krex || exit 1
 cd /tmp
 for i in 1 2; do
   for v in old new; do

@@ -12,15 +12,8 @@ REPO=$PWD; RES=${OUT:-/tmp/krex-out}; FINAL=/tmp/i15; mkdir -p "$FINAL" "$RES"
 # At most 8 files come back from a device call: everything travels as one archive.
 trap 'find "$FINAL" -name "ready-*" -delete; rm -rf "$FINAL"/entry/*/state; tar czf "$RES/i15.tgz" -C "$FINAL" .' EXIT
 ROUNDS=${ROUNDS:-3}; REGIONS=${REGIONS:-100}
-pip() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$@"; }
-pip /tmp/site .whl/*.whl || exit 1
-for v in old new; do
-  w=.whl-krex; [ $v = old ] && w=.whl-old
-  pip /tmp/$v $w/krex-*.whl || exit 1
-  printf '#!/bin/sh\nPYTHONPATH=/tmp/%s:/tmp/site${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' $v > /tmp/py-$v
-  chmod +x /tmp/py-$v
-  /tmp/py-$v -c "import krex; print('$v:', krex.__file__)" | tee -a "$FINAL/builds.txt"
-done
+source scripts/_builds.sh
+install_builds old=.whl-old new=.whl-krex | tee -a "$FINAL/builds.txt"; [ -x /tmp/py-new ] || exit 1
 cd /tmp
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$FINAL/gpu.txt"
 for t in "" --torch; do  # the cgroup v2 freeze itself: notification by poll against re-reading

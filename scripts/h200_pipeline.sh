@@ -11,15 +11,8 @@ set -uo pipefail
 REPO=$PWD; RES=${OUT:-/tmp/krex-out}; F=/tmp/pipe; mkdir -p "$F" "$RES"
 trap 'find "$F" -name "ready-*" -delete; rm -rf "$F"/*/*/state; tar czf "$RES/pipeline.tgz" -C "$F" .' EXIT
 ROUNDS=${ROUNDS:-2}; REGIONS=${REGIONS:-100}
-pipt() { python3 -m pip install -q --no-index --no-deps --target "$@"; }  # compiled: start-up is measured
-pipt /tmp/site .whl/*.whl || exit 1
-for v in old prev new; do
-  w=.whl-$v; [ $v = old ] && w=.whl-old; [ $v = prev ] && w=.whl-krex
-  pipt /tmp/$v $w/krex-*.whl || exit 1
-  printf '#!/bin/sh\nPYTHONPATH=/tmp/%s:/tmp/site${PYTHONPATH:+:$PYTHONPATH} exec python3 "$@"\n' $v > /tmp/py-$v
-  chmod +x /tmp/py-$v
-  (cd /tmp && /tmp/py-$v -c "import krex; print('$v:', krex.__file__)") | tee -a "$F/builds.txt"
-done
+source scripts/_builds.sh
+install_builds old=.whl-old prev=.whl-krex new=.whl-new | tee -a "$F/builds.txt"; [ -x /tmp/py-new ] || exit 1
 cd /tmp
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$F/gpu.txt"
 T0=$(date +%s)
