@@ -200,8 +200,10 @@ class _FreezePlan:
             self.planned = True
             self._plan(now)
         elif final:
-            known = {s.slot for s in self.siblings}
-            self._plan([s for s in now if s.slot not in known])
+            # By identity, not by number: a sibling that ended mid-drain may have left its
+            # number to a newcomer, which must be planned (frozen) as well.
+            known = set(self.siblings)
+            self._plan([s for s in now if s not in known])
         for s in self.to_freeze:
             # Its registered pids read now, not at the plan: one that registered since
             # must have acked too.

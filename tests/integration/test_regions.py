@@ -360,7 +360,9 @@ class Krex:
                         return True
                 return cmd is not None and cmd.popen.poll() is not None
 
-            self.wait(lambda: path.exists() or finished(), timeout,
+            self.wait(
+                lambda: path.exists() or finished(),
+                timeout,
                 f"{path.name}",
             )
             if not path.exists():
@@ -1081,3 +1083,39 @@ def test_krex_error_kinds_reach_the_client(kx: Krex) -> None:
     finally:
         c.close()
     _nothing_left(kx, daemon_expected=True)
+
+
+def test_a_slot_number_handed_to_a_new_command_mid_drain_is_frozen_too(kx: Krex) -> None:
+    """A sibling frozen early (it had nothing to drain) is killed while another sibling
+    still drains, and its slot number goes at once to a queued command: the region must
+    freeze the newcomer too, not take it for the sibling it froze at the drain's start."""
+    kx.start_daemon(slots=3)
+    go, t_slow = kx.out / "go", kx.out / "t_slow"
+    owner = kx.run(
+        "own", "regions", "-n", "1", "--kernels", "1", "--us", "100", "--sleep-ms", "500", "--go", str(go)
+    )
+    kx.result("own", "waiting", timeout=30)
+    kx.run("short", "hammer", "--us", "0")  # CPU only: frozen as soon as the drain starts
+    kx.run("slow", "hammer", "--long-us", "1500000", "--trigger", str(t_slow))
+    short_pid = kx.wait_running("short")
+    kx.wait_running("slow", ticks=0)
+    kx.run("new", "hammer", "--us", "0")  # every slot is taken: it queues for the short one's
+    t_slow.write_text("")
+    kx.result("slow", "ready", timeout=10)
+    go.write_text("")
+    kx.wait(lambda: kx.stands_still("short", 0.05), 10, "the short sibling to be frozen")
+    os.kill(short_pid, signal.SIGKILL)  # a runner's timeout, the OOM killer
+    assert kx.cmds["short"].wait(30) != 0
+    new_pid = kx.wait_running("new", ticks=5)
+    assert owner.wait(60) == 0, owner.output()
+    for h in ("slow", "new"):
+        kx.touch(h)
+    for h in ("slow", "new"):
+        assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
+    reg = kx.result("own")["regions"][0]
+    g = reg["grant"]
+    assert reg["t_grant"] > kx.result("new")["ticks"][0], ("the newcomer came too late", g)
+    if not g["contaminated"]:
+        iv = owner_intervals(kx.result("own"))
+        assert foreign_ticks(iv, new_pid, kx.result("new")["ticks"])[:2] == [], g
+    assert kx.frozen_groups() == []
