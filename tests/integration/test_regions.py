@@ -1119,3 +1119,36 @@ def test_a_slot_number_handed_to_a_new_command_mid_drain_is_frozen_too(kx: Krex)
         iv = owner_intervals(kx.result("own"))
         assert foreign_ticks(iv, new_pid, kx.result("new")["ticks"])[:2] == [], g
     assert kx.frozen_groups() == []
+
+
+def test_a_sibling_whose_new_processes_register_mid_drain_never_stalls_the_entry(kx: Krex) -> None:
+    """A sibling forks processes that make their first GPU call while another sibling
+    still drains: each registers (owing the drain an ack) at the closed gate. Freezing
+    that sibling early must not freeze one before its helper acked and then wait for
+    that ack until the drain timeout (a false drain-timeout and a 5 s entry)."""
+    kx.start_daemon(slots=3)
+    kx.run("fork", "forker", "--us", "10", "--fork-ms", "1", "--max-children", "64")
+    kx.result("fork", "ready", timeout=30)
+    bad = []
+    for i in range(6):
+        go, trig = kx.out / f"go{i}", kx.out / f"trig{i}"
+        owner = kx.run(f"own{i}", "regions", "-n", "1", "--kernels", "1", "--us", "100", "--go", str(go))
+        kx.result(f"own{i}", "waiting", timeout=30)
+        kx.run(f"slow{i}", "hammer", "--long-us", "400000", "--trigger", str(trig))
+        kx.wait_running(f"slow{i}", ticks=0)
+        trig.write_text("")
+        kx.result(f"slow{i}", "ready", timeout=10)
+        go.write_text("")
+        assert owner.wait(60) == 0, owner.output()
+        kx.touch(f"slow{i}")
+        assert kx.cmds[f"slow{i}"].wait(30) == 0
+        g = kx.result(f"own{i}")["regions"][0]["grant"]
+        # Only the drain is judged here: this fork pattern also trips the process audit
+        # now and then (an in-flight counter out of range), a separate matter.
+        if "drain-timeout" in g["flags"] or g["drain_s"] > 2:
+            bad.append({k: g[k] for k in ("drain_s", "reasons", "frozen_early", "drained")})
+    kx.touch("fork")
+    assert kx.cmds["fork"].wait(30) == 0, kx.cmds["fork"].output()
+    assert kx.result("fork")["children"] > 100
+    assert bad == []
+    assert kx.frozen_groups() == []

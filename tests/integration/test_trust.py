@@ -369,8 +369,20 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     try:
         ready = _hold_region(kx, "b")
         own = {kx.progress("b")[2]} if (kx.out / "b.progress").exists() else set()
-        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[outsider.pid, ready["pid"], *own],
-                                                  sm_clock=1410, throttle=0x4)]}))
+        nvml.write_text(
+            json.dumps(
+                {
+                    "gpus": [
+                        dict(
+                            base["gpus"][0],
+                            procs=[outsider.pid, ready["pid"], *own],
+                            sm_clock=1410,
+                            throttle=0x4,
+                        )
+                    ]
+                }
+            )
+        )
         rec = _end_hold(kx, "b", ready["pid"])
     finally:
         outsider.kill()
@@ -424,9 +436,28 @@ def test_a_sibling_that_fails_open_during_a_region_flags_it(kx: Krex) -> None:
     ready = _hold_region(kx, "own")
     # A command gated through the segment but not frozen by krexd (claimed with --no-daemon).
     sib = subprocess.Popen(
-        [*KREX, "run", "--device", "sim", "--no-daemon", "--", sys.executable, str(WORKER), "hammer",
-         str(kx.out), "--name", "sib", "--us", "50", "--seconds", "20"],
-        env=kx.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            *KREX,
+            "run",
+            "--device",
+            "sim",
+            "--no-daemon",
+            "--",
+            sys.executable,
+            str(WORKER),
+            "hammer",
+            str(kx.out),
+            "--name",
+            "sib",
+            "--us",
+            "50",
+            "--seconds",
+            "20",
+        ],
+        env=kx.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     kx.popens.append(sib)
     kx.wait(lambda: (kx.out / "sib.progress").exists(), 30, "the sibling to start")
