@@ -158,6 +158,17 @@ int krex_register(void) {
         g_fast.inflight = &p->inflight;
         g_fast.submits = p->submits;
         __atomic_store_n(&p->has_ctx, 1, __ATOMIC_SEQ_CST);
+        /* It registers at its first gated call, so it has no GPU work yet: it owes no ack
+         * to a drain requested before now. Without this, a process registering at a
+         * closed gate while krexd drains owes that drain an ack, and krexd, having seen
+         * its slot drained a moment before (krexd freezes each sibling as soon as it has
+         * drained), may freeze it before its helper acks: the drain then waits for it to
+         * its timeout. has_ctx is stored before drain_seq is read, and krexd bumps
+         * drain_seq before it scans has_ctx (seq_cst both): a scan that misses has_ctx
+         * finds an ack that is already current; one that sees it with the older sequence
+         * waits for the helper's ack, as for any process registered before the request. */
+        __atomic_store_n(&p->drain_ack, __atomic_load_n(&g_shm->gpus[g_gpu].drain_seq, __ATOMIC_SEQ_CST),
+                         __ATOMIC_SEQ_CST);
     } else {
         /* No record left: still gated, through the slot's shared counter. */
         g_fast.inflight = &g_shm->slots[g_slot].inflight;

@@ -164,6 +164,17 @@ class Region:
     after_reply: Callable[[], None] | None = None  # run by the connection thread once the grant is sent
 
 
+def _same_processes(known: dict[int, int]) -> set[int]:
+    """The pids of `known` (pid -> start time) that are gone or still the same process:
+    not one that reused the pid since."""
+    out = set()
+    for pid, start in known.items():
+        now = int(lib.krex_pid_start_ticks(pid))
+        if now == 0 or now == start:
+            out.add(pid)
+    return out
+
+
 class _FreezePlan:
     """Which siblings a region freezes, each started as soon as its processes have acked
     the drain (`progress` is shm.drain's callback). The siblings and the policy are read
@@ -199,8 +210,10 @@ class _FreezePlan:
             self.planned = True
             self._plan(now)
         elif final:
-            known = {s.slot for s in self.siblings}
-            self._plan([s for s in now if s.slot not in known])
+            # By identity, not by number: a sibling that ended mid-drain may have left its
+            # number to a newcomer, which must be planned (frozen) as well.
+            known = set(self.siblings)
+            self._plan([s for s in now if s not in known])
         for s in self.to_freeze:
             # Its registered pids read now, not at the plan: one that registered since
             # must have acked too.
@@ -1021,8 +1034,13 @@ class Daemon:
             req.granted.set()
             yield
             # Who was ours at the start: a sibling that is not frozen (gpu policy) may end
-            # during the region, and NVML still lists it; it was never foreign.
-            known_at_entry = self._known_pids() if self.attestor.nvml is not None else set()
+            # during the region, and NVML still lists it; it was never foreign. Kept with
+            # each process's start time: a pid reused meanwhile is another process.
+            known_at_entry = (
+                {p: int(lib.krex_pid_start_ticks(p)) for p in self._known_pids()}
+                if self.attestor.nvml is not None
+                else {}
+            )
             attest_entry = self.attestor.sample(gpu)
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
@@ -1049,7 +1067,10 @@ class Daemon:
                 )
             reasons.extend(self._trust_checks(gpu, req, t_grant_ns))
             attest, more = self.attestor.judge(
-                gpu, attest_entry, self.attestor.sample(gpu), lambda: known_at_entry | self._known_pids()
+                gpu,
+                attest_entry,
+                self.attestor.sample(gpu),
+                lambda: _same_processes(known_at_entry) | self._known_pids(),
             )
             reasons.extend(more)
             stalled = self._stalled_during(t0, time.monotonic())

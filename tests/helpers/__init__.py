@@ -42,6 +42,7 @@ def shim_text() -> str:
     """The shim's source, every part of it, for tests that read what it names."""
     return "\n".join((INTERPOSE / f).read_text() for f in SHIM_FILES)
 
+
 _counter = itertools.count()
 
 

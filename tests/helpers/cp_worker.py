@@ -28,6 +28,9 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            probability --cut-p a region sleeps --cut-s inside (longer than --max-region).
            Appends one line per region to NAME.regions.jsonl as it goes: {"i", "t_grant",
            "t_end", "long", "clean", "cut", "flags", "end"} or {"i", "error"}.
+  forker   until NAME.stop appears (or --seconds): fork a child every --fork-ms that makes
+           one GPU call (--us) and exits, at most --max-children alive at once; the parent
+           itself never touches the GPU. Output: NAME.json {"pid", "children"}
   end      send {"op": "end"} on a fresh connection (krex.proc.client.Client) without
            ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}; on an
            error it also prints it on stderr and exits 1.
@@ -266,6 +269,35 @@ def mode_chaos(a: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def mode_forker(a: argparse.Namespace, out: Path) -> int:
+    gpu = Gpu()  # loaded, never called here: each child registers on its own first call
+    stop = out / f"{a.name}.stop"
+    deadline = time.monotonic() + a.seconds
+    alive: set[int] = set()
+    n = 0
+    write_json(out / f"{a.name}.ready", {"pid": os.getpid()})
+    while time.monotonic() < deadline and not stop.exists():
+        while alive:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            alive.discard(pid)
+        if len(alive) < a.max_children:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    gpu.kernel(a.us)
+                finally:
+                    os._exit(0)
+            alive.add(pid)
+            n += 1
+        time.sleep(a.fork_ms / 1000)
+    for pid in alive:
+        os.waitpid(pid, 0)
+    write_json(out / f"{a.name}.json", {"pid": os.getpid(), "children": n})
+    return 0
+
+
 def mode_end(a: argparse.Namespace, out: Path) -> int:
     from krex.errors import KrexError
     from krex.proc.client import Client
@@ -286,7 +318,7 @@ def mode_end(a: argparse.Namespace, out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cp_worker")
-    p.add_argument("mode", choices=["regions", "hammer", "hold", "end", "chaos"])
+    p.add_argument("mode", choices=["regions", "hammer", "hold", "end", "chaos", "forker"])
     p.add_argument("out")
     p.add_argument("--name", default="worker")
     p.add_argument("-n", type=int, default=20, help="regions")
@@ -305,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-end", action="store_true", help="hold: a child process sends END in the region")
     p.add_argument("--cut-p", type=float, default=0.0, help="chaos: probability of a region that overstays")
     p.add_argument("--cut-s", type=float, default=0.5, help="chaos: how long such a region sleeps inside")
+    p.add_argument("--fork-ms", type=float, default=2.0, help="forker: time between forks")
+    p.add_argument("--max-children", type=int, default=32, help="forker: children alive at most")
     a = p.parse_args(argv)
     out = Path(a.out)
     modes = {
@@ -313,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "hold": mode_hold,
         "end": mode_end,
         "chaos": mode_chaos,
+        "forker": mode_forker,
     }
     return modes[a.mode](a, out)
 

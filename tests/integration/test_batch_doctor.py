@@ -30,8 +30,10 @@ from krex.errors import UsageError
 pytestmark = pytest.mark.timeout(180)
 
 # Until cli/main.py calls register(), run the CLI with the commands added the same way.
-_WRAPPER = ("import sys; from krex.cli.main import cli, main; "
-            "from krex.cli.commands_extra import register; register(cli); main(sys.argv[1:])")
+_WRAPPER = (
+    "import sys; from krex.cli.main import cli, main; "
+    "from krex.cli.commands_extra import register; register(cli); main(sys.argv[1:])"
+)
 
 
 def krex_cmd() -> list[str]:
@@ -76,10 +78,17 @@ def krex_env() -> Iterator[dict[str, str]]:
     segment and simulated device. Stops the daemon and removes what it left."""
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     state = tempfile.mkdtemp(prefix="kxbd-")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KREX_", "SIM_")) and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}
-    env.update(KREX_STATE_DIR=state, KREX_SHM=f"/krex-tbd-{tag}", KREX_SIM_SHM=f"/krex-tbdsim-{tag}",
-               KREX_SIM_GPUS="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KREX_", "SIM_")) and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+    }
+    env.update(
+        KREX_STATE_DIR=state,
+        KREX_SHM=f"/krex-tbd-{tag}",
+        KREX_SIM_SHM=f"/krex-tbdsim-{tag}",
+        KREX_SIM_GPUS="1",
+    )
     try:
         yield env
     finally:
@@ -94,14 +103,21 @@ def krex_env() -> Iterator[dict[str, str]]:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def krex(args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float = 120,
-         stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*krex_cmd(), *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, input=stdin)
+def krex(
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path | None = None,
+    timeout: float = 120,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*krex_cmd(), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=stdin
+    )
 
 
-def krex_or_daemon_log(args: list[str], env: dict[str, str], timeout: float = 90,
-                       **kw: Any) -> subprocess.CompletedProcess[str]:
+def krex_or_daemon_log(
+    args: list[str], env: dict[str, str], timeout: float = 90, **kw: Any
+) -> subprocess.CompletedProcess[str]:
     """krex(), but a hang fails with the daemon's log (a batch waits on the daemon)."""
     try:
         return krex(args, env, timeout=timeout, **kw)
@@ -117,13 +133,51 @@ def socket_exists(env: dict[str, str]) -> bool:
 
 # ---------------------------------------------------------------------------------- batch
 
-RESULT_KEYS = {"index", "command", "argv", "shell", "exit_status", "ok", "not_run", "wall_s", "started_at",
-               "ended_at", "stdout", "stderr", "regions", "region_s", "contaminated_regions", "warnings",
-               "error", "report"}
-SUMMARY_KEYS = {"commands", "ran", "succeeded", "failures", "failed", "not_run", "interrupted", "jobs",
-                "device", "dir", "total_wall_s", "command_wall_s", "throughput_per_min", "regions",
-                "region_s", "region_share", "region_waits", "admission_waits", "contaminated_regions",
-                "contaminated", "gate_blocks", "fail_opens", "partition_degraded"}
+RESULT_KEYS = {
+    "index",
+    "command",
+    "argv",
+    "shell",
+    "exit_status",
+    "ok",
+    "not_run",
+    "wall_s",
+    "started_at",
+    "ended_at",
+    "stdout",
+    "stderr",
+    "regions",
+    "region_s",
+    "contaminated_regions",
+    "warnings",
+    "error",
+    "report",
+}
+SUMMARY_KEYS = {
+    "commands",
+    "ran",
+    "succeeded",
+    "failures",
+    "failed",
+    "not_run",
+    "interrupted",
+    "jobs",
+    "device",
+    "dir",
+    "total_wall_s",
+    "command_wall_s",
+    "throughput_per_min",
+    "regions",
+    "region_s",
+    "region_share",
+    "region_waits",
+    "admission_waits",
+    "contaminated_regions",
+    "contaminated",
+    "gate_blocks",
+    "fail_opens",
+    "partition_degraded",
+}
 
 
 def test_batch_sim_end_to_end(krex_env: dict[str, str], tmp_path: Path) -> None:
@@ -138,8 +192,9 @@ def test_batch_sim_end_to_end(krex_env: dict[str, str], tmp_path: Path) -> None:
     batch_file.write_text("\n".join(lines) + "\n")
     out = tmp_path / "results"
 
-    p = krex_or_daemon_log(["batch", str(batch_file), "-j", "3", "--device", "sim", "--out", str(out)],
-                           krex_env, cwd=tmp_path)
+    p = krex_or_daemon_log(
+        ["batch", str(batch_file), "-j", "3", "--device", "sim", "--out", str(out)], krex_env, cwd=tmp_path
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     assert "1 of 6 command(s) failed" in p.stderr
     assert "fix:" in p.stderr and "Traceback" not in p.stderr
@@ -150,8 +205,9 @@ def test_batch_sim_end_to_end(krex_env: dict[str, str], tmp_path: Path) -> None:
     assert "6 commands: 5 ok, 1 failed" in p.stdout
 
     names = sorted(x.name for x in out.iterdir())
-    assert names == sorted(["summary.json"] + [f"cmd-{i:03d}.{ext}" for i in range(1, 7)
-                                               for ext in ("json", "stdout", "stderr")])
+    assert names == sorted(
+        ["summary.json"] + [f"cmd-{i:03d}.{ext}" for i in range(1, 7) for ext in ("json", "stdout", "stderr")]
+    )
     results = [json.loads((out / f"cmd-{i:03d}.json").read_text()) for i in range(1, 7)]
     for i, (r, (n, code)) in enumerate(zip(results, plan, strict=True), 1):
         assert set(r) >= RESULT_KEYS, RESULT_KEYS - set(r)
@@ -164,8 +220,15 @@ def test_batch_sim_end_to_end(krex_env: dict[str, str], tmp_path: Path) -> None:
         assert "bench stderr line" in Path(r["stderr"]).read_text()
         rep = r["report"]
         assert rep is not None and rep["exit_status"] == code
-        assert {"slot", "gpu", "admission_wait_s", "gate_blocks", "regions", "contaminated_regions",
-                "region_wait_s"} <= set(rep)
+        assert {
+            "slot",
+            "gpu",
+            "admission_wait_s",
+            "gate_blocks",
+            "regions",
+            "contaminated_regions",
+            "region_wait_s",
+        } <= set(rep)
         assert r["regions"] == n == len(rep["regions"])
         for reg in rep["regions"]:
             assert reg["owner_slot"] == rep["slot"]
@@ -229,8 +292,9 @@ def test_batch_json_argv_lists(krex_env: dict[str, str], tmp_path: Path) -> None
 
 
 def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Path) -> None:
-    p = krex_or_daemon_log(["batch", "-", "-j", "1", "--device", "sim"], krex_env, cwd=tmp_path,
-                           stdin="true\n# c\necho hi\n")
+    p = krex_or_daemon_log(
+        ["batch", "-", "-j", "1", "--device", "sim"], krex_env, cwd=tmp_path, stdin="true\n# c\necho hi\n"
+    )
     assert p.returncode == 0, p.stderr
     dirs = glob(str(tmp_path / "krex-batch-*"))
     assert len(dirs) == 1
@@ -242,8 +306,11 @@ def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Pat
 def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], tmp_path: Path) -> None:
     """Each command's parent is its guardian: `python -m krex.proc.launcher`, never `krex.cli`."""
     out = tmp_path / "o"
-    p = krex_or_daemon_log(["batch", "-", "-j", "2", "--device", "sim", "--out", str(out)], krex_env,
-                           stdin="tr '\\0' ' ' < /proc/$PPID/cmdline\n" * 2)
+    p = krex_or_daemon_log(
+        ["batch", "-", "-j", "2", "--device", "sim", "--out", str(out)],
+        krex_env,
+        stdin="tr '\\0' ' ' < /proc/$PPID/cmdline\n" * 2,
+    )
     assert p.returncode == 0, p.stderr
     for i in (1, 2):
         parent = (out / f"cmd-00{i}.stdout").read_text()
@@ -309,9 +376,11 @@ def test_percentile_and_summarize() -> None:
         report = None if status is None else {"regions": regs, "admission_wait_s": 0.01, "gate_blocks": 2}
         return CommandResult(BatchCommand(i, ["x"]), status, wall, 0.0, wall, "o", "e", report)
 
-    rs = [res(1, 0, 2.0, [{"region_s": 0.5, "queue_wait_s": 0.1}]),
-          res(2, 1, 2.0, [{"region_s": 0.5, "queue_wait_s": 0.3, "contaminated": True, "reasons": ["r"]}]),
-          res(3, None, 0.0, [])]
+    rs = [
+        res(1, 0, 2.0, [{"region_s": 0.5, "queue_wait_s": 0.1}]),
+        res(2, 1, 2.0, [{"region_s": 0.5, "queue_wait_s": 0.3, "contaminated": True, "reasons": ["r"]}]),
+        res(3, None, 0.0, []),
+    ]
     s = summarize(rs, total_wall_s=3.0, jobs=2, device="sim", out_dir="/d", interrupted=True)
     assert s["commands"] == 3 and s["ran"] == 2 and s["failures"] == 1 and s["not_run"] == [3]
     assert s["regions"] == 2 and s["region_share"] == pytest.approx(0.25)
@@ -342,8 +411,10 @@ def _checks(stdout: str) -> dict[str, dict[str, Any]]:
 def _cgroup2_writable() -> bool:
     from krex.node import mounts
 
-    return any(m.fstype == "cgroup2" and "ro" not in m.options and os.access(m.mount_point, os.W_OK)
-               for m in mounts.read_mounts())
+    return any(
+        m.fstype == "cgroup2" and "ro" not in m.options and os.access(m.mount_point, os.W_OK)
+        for m in mounts.read_mounts()
+    )
 
 
 def test_doctor_json_on_this_machine(krex_env: dict[str, str]) -> None:
@@ -400,12 +471,17 @@ def cuda_bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pytest.skip("nvcc is not installed")
     d = tmp_path_factory.mktemp("cuda")
     src = d / "st.cu"
-    src.write_text("__global__ void k(int *p) { if (p) *p = 1; }\n"
-                   "int main() { k<<<1, 1>>>(nullptr); return 0; }\n")
+    src.write_text(
+        "__global__ void k(int *p) { if (p) *p = 1; }\nint main() { k<<<1, 1>>>(nullptr); return 0; }\n"
+    )
     out = {"static": d / "st", "shared": d / "sh"}
     subprocess.run([nvcc, "-o", str(out["static"]), str(src)], check=True, capture_output=True, timeout=300)
-    subprocess.run([nvcc, "-cudart", "shared", "-o", str(out["shared"]), str(src)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [nvcc, "-cudart", "shared", "-o", str(out["shared"]), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return out
 
 

@@ -109,14 +109,32 @@ class Fleet:
 
     def batch_file(self, n: int, rounds: int) -> Path:
         f = self.tmp / "cmds.txt"
-        f.write_text("".join(f"{sys.executable} {self.bench} {i} {rounds} {self.done}\n"
-                             for i in range(1, n + 1)))
+        f.write_text(
+            "".join(f"{sys.executable} {self.bench} {i} {rounds} {self.done}\n" for i in range(1, n + 1))
+        )
         return f
 
     def fleet(self, args: list[str], out: Path) -> subprocess.Popen[str]:
-        p = subprocess.Popen([*KREX, "fleet", *args, "--address", self.cluster.address, "--device", "sim",
-                              "--node-root", str(self.root), "--out", str(out)], env=self.env(),
-                             cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [
+                *KREX,
+                "fleet",
+                *args,
+                "--address",
+                self.cluster.address,
+                "--device",
+                "sim",
+                "--node-root",
+                str(self.root),
+                "--out",
+                str(out),
+            ],
+            env=self.env(),
+            cwd=self.tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.procs.append(p)
         return p
 
@@ -127,8 +145,9 @@ class Fleet:
             p.kill()
             out, err = p.communicate()
             logs = {n: self.daemon_log(n)[-1500:] for n in self.nodes}
-            raise AssertionError(f"krex fleet hung for {timeout}s\nstdout:\n{out}\nstderr:\n{err[-4000:]}\n"
-                                 f"daemon logs: {logs}") from None
+            raise AssertionError(
+                f"krex fleet hung for {timeout}s\nstdout:\n{out}\nstderr:\n{err[-4000:]}\ndaemon logs: {logs}"
+            ) from None
         return p.returncode, out, err
 
     def daemon_log(self, node_id: str) -> str:
@@ -149,8 +168,9 @@ class Fleet:
         bad = []
         for mount in _cgroup_mounts():
             for d in glob(os.path.join(mount, name, "**/"), recursive=True):
-                if _read(Path(d, "cgroup.freeze")).strip() == "1" or _read(Path(d, "freezer.state")).strip() \
-                        not in ("", "THAWED"):
+                if _read(Path(d, "cgroup.freeze")).strip() == "1" or _read(
+                    Path(d, "freezer.state")
+                ).strip() not in ("", "THAWED"):
                     bad.append(d)
         with contextlib.suppress(Exception):
             for p in self.snapshot(node_id).procs:
@@ -222,8 +242,10 @@ def foreign_work(ops: list[dict[str, Any]], regions: list[tuple[int, int, int, i
         for pid, gpu, t0, t1 in regions:
             ran_inside = o["start"] < t1 and o["end"] > t0
             if o["pid"] != pid and o["gpu"] == gpu and (t0 <= o["submit"] <= t1 or ran_inside):
-                bad.append(f"pid {o['pid']} {o['api']} [{o['submit']}, {o['start']}, {o['end']}] inside the "
-                           f"region of pid {pid} on gpu {gpu} [{t0}, {t1}]")
+                bad.append(
+                    f"pid {o['pid']} {o['api']} [{o['submit']}, {o['start']}, {o['end']}] inside the "
+                    f"region of pid {pid} on gpu {gpu} [{t0}, {t1}]"
+                )
     return bad
 
 
@@ -235,8 +257,11 @@ def check_node_worlds(fleet: Fleet, results: list[dict[str, Any]], nodes: list[s
     """Per-node exclusivity in each node's own trace, and nothing left frozen or closed."""
     for nid in nodes:
         mine = [r for r in results if r["node_id"] == nid]
-        regions = [(r["result"]["pid"], r["report"]["gpu"], t0, t1)
-                   for r in mine for t0, t1, _ in r["result"]["regions"]]
+        regions = [
+            (r["result"]["pid"], r["report"]["gpu"], t0, t1)
+            for r in mine
+            for t0, t1, _ in r["result"]["regions"]
+        ]
         ops = fleet.trace_ops(nid)
         assert ops, f"node {nid[:12]}: its simulated GPU saw nothing"
         assert foreign_work(ops, regions) == []
@@ -264,7 +289,7 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
     assert "Traceback" not in stderr
     assert sum(1 for ln in stderr.splitlines() if ln.startswith("krex fleet: [")) == n
     assert f"{n} commands: {n} ok, 0 failed" in stdout
-    table = stdout[stdout.index("node "):]
+    table = stdout[stdout.index("node ") :]
     assert a[:12] in table and b[:12] in table
 
     # Every command completed exactly once, on the node (world) that returned its result.
@@ -318,9 +343,24 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
     assert {(j["node_id"], j["owner_pid"]) for j in journal} == owners
 
     # `krex journal --fleet` gathers the same regions from every node.
-    p = subprocess.run([*KREX, "journal", "--fleet", "--address", fleet.cluster.address, "--node-root",
-                        str(fleet.root), "-n", "1000", "--json"], env=fleet.env(), capture_output=True,
-                       text=True, timeout=180)
+    p = subprocess.run(
+        [
+            *KREX,
+            "journal",
+            "--fleet",
+            "--address",
+            fleet.cluster.address,
+            "--node-root",
+            str(fleet.root),
+            "-n",
+            "1000",
+            "--json",
+        ],
+        env=fleet.env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr
     per_node = {j["node_id"]: len(j["records"]) for j in json.loads(p.stdout)}
     assert per_node == {nid: row["regions"] for nid, row in rows.items()}
@@ -406,18 +446,37 @@ def test_fleet_on_a_local_cluster_by_default(tmp_path: Path) -> None:
     state = tempfile.mkdtemp(prefix="kxfd-")
     env = clean_env()
     env.pop("RAY_ADDRESS", None)
-    env.update(KREX_STATE_DIR=state, KREX_SHM=f"/krex-tfd-{tag}", KREX_SIM_SHM=f"/krex-tfdsim-{tag}",
-               KREX_SIM_GPUS="1", PYTHONUNBUFFERED="1")
+    env.update(
+        KREX_STATE_DIR=state,
+        KREX_SHM=f"/krex-tfd-{tag}",
+        KREX_SIM_SHM=f"/krex-tfdsim-{tag}",
+        KREX_SIM_GPUS="1",
+        PYTHONUNBUFFERED="1",
+    )
     cmds = tmp_path / "cmds.json"
-    cmds.write_text(json.dumps([["sh", "-c", "echo one; exit 0"], ["sh", "-c", "echo two >&2; exit 4"],
-                                "echo '{\"ms\": 1.5}'"]))
+    cmds.write_text(
+        json.dumps(
+            [["sh", "-c", "echo one; exit 0"], ["sh", "-c", "echo two >&2; exit 4"], "echo '{\"ms\": 1.5}'"]
+        )
+    )
     try:
-        p = subprocess.run([*KREX, "fleet", "--node-resources", "--device", "sim", "--slots-per-gpu", "3"],
-                           env=env, capture_output=True, text=True, timeout=60)
+        p = subprocess.run(
+            [*KREX, "fleet", "--node-resources", "--device", "sim", "--slots-per-gpu", "3"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 0 and json.loads(p.stdout) == {"krex_slot": 3}, p.stderr
         out = tmp_path / "out"
-        p = subprocess.run([*KREX, "fleet", str(cmds), "--device", "sim", "--slots-per-gpu", "2", "--out",
-                            str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        p = subprocess.run(
+            [*KREX, "fleet", str(cmds), "--device", "sim", "--slots-per-gpu", "2", "--out", str(out)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert p.returncode == 1, p.stdout + p.stderr
         assert "1 of 3 command(s) failed or did not run" in p.stderr and "fix:" in p.stderr
         s = json.loads((out / "summary.json").read_text())
@@ -445,8 +504,14 @@ def test_fleet_without_ray_says_how_to_install_it(tmp_path: Path, args: list[str
     cmds = tmp_path / "cmds.txt"
     cmds.write_text("echo hi\n")
     argv = [str(cmds) if a == "CMDS" else a for a in args]
-    p = subprocess.run([sys.executable, "-c", BLOCK_RAY, *argv], env=clean_env(), capture_output=True,
-                       text=True, timeout=60, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-c", BLOCK_RAY, *argv],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert p.returncode == 3, p.stdout + p.stderr
     assert "krex fleet needs Ray, which is not installed" in p.stderr
     assert "pip install 'krex[fleet]'" in p.stderr
@@ -457,8 +522,13 @@ def test_fleet_without_ray_says_how_to_install_it(tmp_path: Path, args: list[str
 def test_fleet_usage_errors(tmp_path: Path) -> None:
     p = subprocess.run([*KREX, "fleet"], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "give either a batch FILE or --corpus" in p.stderr and "fix:" in p.stderr
-    p = subprocess.run([*KREX, "fleet", str(tmp_path / "nope.txt")], env=clean_env(), capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [*KREX, "fleet", str(tmp_path / "nope.txt")],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 3 and "does not exist" in p.stderr
 
 
@@ -480,8 +550,14 @@ time.sleep(60)
         wait_until(lambda: marker.exists() and marker.read_text().strip(), 30, "the child to start")
         child = int(marker.read_text())
         assert _proc_state(child) not in ("", "Z", "X")
-        blocked = int(next(ln.split()[1] for ln in _read(Path(f"/proc/{child}/status")).splitlines()
-                           if ln.startswith("SigBlk:")), 16)
+        blocked = int(
+            next(
+                ln.split()[1]
+                for ln in _read(Path(f"/proc/{child}/status")).splitlines()
+                if ln.startswith("SigBlk:")
+            ),
+            16,
+        )
         assert blocked == 0
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
@@ -497,13 +573,19 @@ def test_fleet_interrupted_stops_its_commands_and_writes_everything(fleet: Fleet
     started = tmp_path / "started"
     started.mkdir()
     cmds = tmp_path / "long.json"
-    body = (f"import os, time; open(os.path.join({str(started)!r}, str(os.getpid())), 'w').close(); "
-            "time.sleep(120)")
+    body = (
+        f"import os, time; open(os.path.join({str(started)!r}, str(os.getpid())), 'w').close(); "
+        "time.sleep(120)"
+    )
     cmds.write_text(json.dumps([[sys.executable, "-c", body]] * 4))
     out = tmp_path / "out"
     proc = fleet.fleet([str(cmds)], out)
-    wait_until(lambda: len(list(started.iterdir())) >= 2 or proc.poll() is not None, 240,
-               "two commands running", interval=0.1)
+    wait_until(
+        lambda: len(list(started.iterdir())) >= 2 or proc.poll() is not None,
+        240,
+        "two commands running",
+        interval=0.1,
+    )
     assert proc.poll() is None
     pids = [int(p.name) for p in started.iterdir()]
     proc.send_signal(signal.SIGINT)

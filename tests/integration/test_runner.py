@@ -56,8 +56,9 @@ def test_pool_timeout_notes_the_tree_and_kills_all_of_it(tmp_path: Path) -> None
     got: list[Outcome] = []
     # A child that outlives its shell's TERM handling: the whole tree must go.
     script = "sleep 300 & echo $! > " + str(tmp_path / "child.pid") + "; wait"
-    Pool[int](1).run([0], lambda _j, _l: _spec(tmp_path, "hang", script, timeout_s=1.0),
-                     lambda _j, o: got.append(o))
+    Pool[int](1).run(
+        [0], lambda _j, _l: _spec(tmp_path, "hang", script, timeout_s=1.0), lambda _j, o: got.append(o)
+    )
     (o,) = got
     assert o.timed_out and o.hang and o.exit_status is not None
     assert any("sleep" in (p.get("cmd") or "") for p in o.hang)
@@ -74,10 +75,12 @@ def test_pool_cancel_escalates_and_starts_nothing_more(tmp_path: Path) -> None:
     def done(i: int, o: Outcome) -> None:
         got[i] = o
 
-    pool: Pool[int] = Pool(1, cancel=cancel, stop_signals=(signal.SIGINT, signal.SIGTERM), grace_s=0.5,
-                           tick_s=0.1)
-    cancelled = pool.run([0, 1], lambda i, _l: _spec(tmp_path, str(i), stubborn), done,
-                         started=lambda _i: cancel.set())
+    pool: Pool[int] = Pool(
+        1, cancel=cancel, stop_signals=(signal.SIGINT, signal.SIGTERM), grace_s=0.5, tick_s=0.1
+    )
+    cancelled = pool.run(
+        [0, 1], lambda i, _l: _spec(tmp_path, str(i), stubborn), done, started=lambda _i: cancel.set()
+    )
     assert cancelled is True
     assert list(got) == [0]  # job 1 never started, so it gets no callback
     assert got[0].cancelled and got[0].exit_status == 128 + signal.SIGTERM
@@ -107,8 +110,10 @@ def test_guardian_entry_runs_krex_run_without_the_cli(krex_env: dict[str, str], 
     """The runner's guardian: exit status passed on, the report written, the command under KREX;
     KREX's own failures are 125 / 127 with `krex_error` in the report, as `krex run`."""
     report = tmp_path / "r.json"
-    code = ("import os, sys; parent = open(f'/proc/{os.getppid()}/cmdline').read().split(chr(0)); "
-            "print(os.environ['KREX_SLOT'], ' '.join(parent)); sys.exit(3)")
+    code = (
+        "import os, sys; parent = open(f'/proc/{os.getppid()}/cmdline').read().split(chr(0)); "
+        "print(os.environ['KREX_SLOT'], ' '.join(parent)); sys.exit(3)"
+    )
     argv = guardian_argv([sys.executable, "-c", code], report, device="sim")
     assert argv[1:3] == ["-m", "krex.proc.launcher"]
     p = subprocess.run(argv, env=krex_env, capture_output=True, text=True, timeout=120)
@@ -119,8 +124,13 @@ def test_guardian_entry_runs_krex_run_without_the_cli(krex_env: dict[str, str], 
     # The command's parent is the guardian, a library process: not the CLI.
     assert "-m krex.proc.launcher" in parent and "krex.cli" not in parent, parent
 
-    p = subprocess.run(guardian_argv([str(tmp_path / "missing")], report, device="sim"), env=krex_env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        guardian_argv([str(tmp_path / "missing")], report, device="sim"),
+        env=krex_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 127 and "krex: error: command not found" in p.stderr and "fix:" in p.stderr
     rep = json.loads(report.read_text())
     assert rep["exit_status"] == 127 and rep["krex_error"]["kind"] == "CommandNotFound"

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -369,8 +370,20 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     try:
         ready = _hold_region(kx, "b")
         own = {kx.progress("b")[2]} if (kx.out / "b.progress").exists() else set()
-        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[outsider.pid, ready["pid"], *own],
-                                                  sm_clock=1410, throttle=0x4)]}))
+        nvml.write_text(
+            json.dumps(
+                {
+                    "gpus": [
+                        dict(
+                            base["gpus"][0],
+                            procs=[outsider.pid, ready["pid"], *own],
+                            sm_clock=1410,
+                            throttle=0x4,
+                        )
+                    ]
+                }
+            )
+        )
         rec = _end_hold(kx, "b", ready["pid"])
     finally:
         outsider.kill()
@@ -424,9 +437,28 @@ def test_a_sibling_that_fails_open_during_a_region_flags_it(kx: Krex) -> None:
     ready = _hold_region(kx, "own")
     # A command gated through the segment but not frozen by krexd (claimed with --no-daemon).
     sib = subprocess.Popen(
-        [*KREX, "run", "--device", "sim", "--no-daemon", "--", sys.executable, str(WORKER), "hammer",
-         str(kx.out), "--name", "sib", "--us", "50", "--seconds", "20"],
-        env=kx.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            *KREX,
+            "run",
+            "--device",
+            "sim",
+            "--no-daemon",
+            "--",
+            sys.executable,
+            str(WORKER),
+            "hammer",
+            str(kx.out),
+            "--name",
+            "sib",
+            "--us",
+            "50",
+            "--seconds",
+            "20",
+        ],
+        env=kx.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     kx.popens.append(sib)
     kx.wait(lambda: (kx.out / "sib.progress").exists(), 30, "the sibling to start")
@@ -475,3 +507,48 @@ def test_a_daemon_started_from_inside_a_command_does_not_live_in_its_slot_group(
     assert pid != d.pid
     cg = Path(f"/proc/{pid}/cgroup").read_text()
     assert "/slot-" not in cg, f"the on-demand daemon lives in a slot group: {cg}"
+
+
+def _spawn_with_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None:
+    """An unrelated process that gets `pid` (root: /proc/sys/kernel/ns_last_pid)."""
+    for _ in range(tries):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        p = subprocess.Popen(["sleep", "60"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_foreign(kx: Krex) -> None:
+    """Pids KREX knew at the region's start are not foreign, but only as the processes they
+    were then: an outsider that gets the pid of a sibling that ended inside the region
+    and uses the GPU is flagged."""
+    nvml = kx.out / "nvml.json"
+    base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
+    nvml.write_text(json.dumps(base))
+    kx_env = kx.env
+    kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
+        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
+    )
+    kx.start_daemon(slots=2)
+    kx.run("sib", "hammer", "--us", "0", "--seconds", "60")
+    sib = kx.wait_running("sib")
+    ready = _hold_region(kx, "a")
+    assert ready["grant"]["frozen_slots"] == [], ready["grant"]
+    time.sleep(0.3)  # krexd has taken its entry sample (and its known pids)
+    kx.touch("sib")
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    outsider = _spawn_with_pid(sib)
+    if outsider is None:
+        pytest.skip(f"could not get pid {sib} for an outsider")
+    try:
+        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
+        rec = _end_hold(kx, "a", ready["pid"])
+    finally:
+        outsider.kill()
+        outsider.wait()
+    assert "foreign-process" in rec["flags"], rec
+    assert [f["pid"] for f in rec["attest"]["foreign"]] == [sib], rec["attest"]

@@ -490,7 +490,7 @@ class Sandbox:
         assert self.log.count("exit") == 1, self.log
         i, j = self.log.index("enter"), self.log.index("exit")
         assert i < j
-        return self.log[:i], self.log[i + 1:j], self.log[j + 1:]
+        return self.log[:i], self.log[i + 1 : j], self.log[j + 1 :]
 
 
 @pytest.fixture
@@ -555,19 +555,22 @@ def test_off_values_install_nothing(value: str) -> None:
     assert autoregion.status() == []
 
 
-@pytest.mark.parametrize("value, words", [
-    ("module:", "names no function"),
-    (":func", "names no module"),
-    ("a:b:c", "more than one"),
-    ("do_bnch", "did you mean 'do_bench'"),
-    ("do_bench,nope", "unknown built-in 'nope'"),
-    ("mybench.run", "unknown built-in"),
-    ("my-bench:run", "not a module name"),
-    ("mybench:run()", "not a function"),
-    ("mybench:Runner.", "not a function"),
-    ("__main__:bench", "__main__"),
-    ("true", "unknown built-in"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("module:", "names no function"),
+        (":func", "names no module"),
+        ("a:b:c", "more than one"),
+        ("do_bnch", "did you mean 'do_bench'"),
+        ("do_bench,nope", "unknown built-in 'nope'"),
+        ("mybench.run", "unknown built-in"),
+        ("my-bench:run", "not a module name"),
+        ("mybench:run()", "not a function"),
+        ("mybench:Runner.", "not a function"),
+        ("__main__:bench", "__main__"),
+        ("true", "unknown built-in"),
+    ],
+)
 def test_malformed_values_raise_usage_error(value: str, words: str) -> None:
     with pytest.raises(UsageError) as ei:
         autoregion.parse(value)
@@ -618,13 +621,16 @@ def test_do_bench_region_covers_exactly_the_timed_loop(sandbox: Sandbox) -> None
     assert ms == tt.do_bench.__wrapped__(sandbox.fn(), warmup=10, rep=20)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"quantiles": [0.5, 0.2, 0.8]},
-    {"quantiles": [0.5]},
-    {"return_mode": "all"},
-    {"return_mode": "min"},
-    {"return_mode": "median"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"quantiles": [0.5, 0.2, 0.8]},
+        {"quantiles": [0.5]},
+        {"return_mode": "all"},
+        {"return_mode": "min"},
+        {"return_mode": "median"},
+    ],
+)
 def test_do_bench_returns_what_the_original_returns(sandbox: Sandbox, kwargs: dict[str, Any]) -> None:
     autoregion.install("do_bench")
     import triton.testing as tt
@@ -705,8 +711,9 @@ def test_do_bench_unknown_layout_falls_back_to_the_whole_call(sandbox: Sandbox) 
     assert first == second
 
 
-def test_do_bench_without_triton3_driver_wraps_the_whole_call(sandbox: Sandbox,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_do_bench_without_triton3_driver_wraps_the_whole_call(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import legacybench
     import triton.testing as tt
 
@@ -720,7 +727,8 @@ def test_do_bench_without_triton3_driver_wraps_the_whole_call(sandbox: Sandbox,
 
 
 def test_do_bench_flushing_without_clear_cache_is_whole_from_the_first_call(
-        sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import legacy30
     import triton.testing as tt
 
@@ -838,15 +846,17 @@ def test_kernelbench_cuda_event_trials_inside(sandbox: Sandbox) -> None:
     from kernelbench import timing
 
     sandbox.reset()
-    times = timing.get_timing_function("cuda_event")(sandbox.fn("k"), [1, 2], num_warmup=4, num_trials=6,
-                                                      verbose=False)
+    times = timing.get_timing_function("cuda_event")(
+        sandbox.fn("k"), [1, 2], num_warmup=4, num_trials=6, verbose=False
+    )
     before, inside, after = sandbox.between()
     assert before.count("k") == 4 and before[-1] == "k"
     assert inside.count("k") == 7 and inside.count("l2") == 7  # 6 trials + 1 discarded, L2 flush each
     assert inside[-1] == "elapsed" and after == []
     sandbox.reset()
-    assert times == timing.time_execution_with_cuda_event.__wrapped__(sandbox.fn("k"), [1, 2], num_warmup=4,
-                                                                      num_trials=6, verbose=False)
+    assert times == timing.time_execution_with_cuda_event.__wrapped__(
+        sandbox.fn("k"), [1, 2], num_warmup=4, num_trials=6, verbose=False
+    )
 
 
 def test_kernelbench_do_bench_impl_counts_its_compile_call(sandbox: Sandbox) -> None:
@@ -900,10 +910,12 @@ def test_user_function_imported_after_install(sandbox: Sandbox) -> None:
 
     sandbox.reset()
     assert bench(21, scale=2) == 42 and sandbox.log == ["enter", "body", "exit"]
-    for call, want in [(lambda: userbench.Runner().run(1), ("run", 1)),
-                       (lambda: userbench.Runner.srun(2), ("srun", 2)),
-                       (lambda: userbench.Runner().srun(2), ("srun", 2)),
-                       (lambda: userbench.Runner.crun(3), ("Runner", 3))]:
+    for call, want in [
+        (lambda: userbench.Runner().run(1), ("run", 1)),
+        (lambda: userbench.Runner.srun(2), ("srun", 2)),
+        (lambda: userbench.Runner().srun(2), ("srun", 2)),
+        (lambda: userbench.Runner.crun(3), ("Runner", 3)),
+    ]:
         sandbox.reset()
         assert call() == want
         assert sandbox.log == ["enter", "body", "exit"]
@@ -941,8 +953,9 @@ def test_missing_and_unwrappable_targets_are_recorded_not_raised(sandbox: Sandbo
     assert (5).bit_length() == 3  # the original is left in place
 
 
-def test_outside_krex_wrappers_behave_like_originals(sandbox: Sandbox,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outside_krex_wrappers_behave_like_originals(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
     region_mod = sys.modules["krex.proc.region"]  # (`import krex.region` would give the patched attribute)
     monkeypatch.setattr(krex, "region", region_mod.region)  # the real one
     for var in ("KREX_SHM", "KREX_SOCKET", "KREX_STRICT"):
@@ -995,8 +1008,14 @@ def _env(*path: str | Path, **extra: str) -> dict[str, str]:
 
 
 def _py(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -1043,7 +1062,8 @@ def test_hook_unset_costs_nothing_and_still_chains(tmp_path: Path, other_site: P
 
 def test_hook_twice_on_the_path_runs_each_sitecustomize_once(tmp_path: Path, other_site: Path) -> None:
     (other_site / "sitecustomize.py").write_text(
-        "import builtins\nbuiltins.OTHER_SITECUSTOMIZE = getattr(builtins, 'OTHER_SITECUSTOMIZE', 0) + 1\n")
+        "import builtins\nbuiltins.OTHER_SITECUSTOMIZE = getattr(builtins, 'OTHER_SITECUSTOMIZE', 0) + 1\n"
+    )
     link = tmp_path / "hook-link"
     link.symlink_to(autoregion.hook_dir(), target_is_directory=True)
     for value in ("", "userbench:bench"):
@@ -1059,13 +1079,16 @@ def test_hook_alone_on_the_path_is_harmless(tmp_path: Path) -> None:
 
 
 def test_hook_set_installs_wraps_and_chains(tmp_path: Path, other_site: Path) -> None:
-    code = PROBE + """
+    code = (
+        PROBE
+        + """
     import userbench
     from krex.proc import autoregion
     assert getattr(userbench.bench, autoregion.MARK) == "userbench:bench"
     assert userbench.bench(3) == 6
     print([e["state"] for e in autoregion.status()])
     """
+    )
     env = _env(autoregion.hook_dir(), other_site, tmp_path / "fakes", KREX_AUTO_REGION="userbench:bench")
     r = _py(code, env, tmp_path)
     assert r.returncode == 0, r.stderr
@@ -1216,8 +1239,9 @@ REAL_TRITON = """
 def test_real_triton_and_torch_on_a_gpu(tmp_path: Path) -> None:
     script = tmp_path / "real_triton.py"  # @triton.jit needs its source in a file
     script.write_text(textwrap.dedent(REAL_TRITON))
-    r = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(script)], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr
     out = _probe(r.stdout)
     if "skip" in out:

@@ -35,15 +35,29 @@ def test_node_world_rejects_bad_input(tmp_path: Path) -> None:
 
 
 def test_command_env_drops_rays_worker_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for k, v in {"OMP_NUM_THREADS": "1", "RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "7",
-                 "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace", "CUDA_VISIBLE_DEVICES": "",
-                 "KREX_SHM": "/krex-host", "KREX_SOCKET": "/run/krex/krexd.sock", "KREX_SLOT": "3",
-                 "MY_VAR": "kept"}.items():
+    for k, v in {
+        "OMP_NUM_THREADS": "1",
+        "RAY_JOB_ID": "01000000",
+        "RAY_RAYLET_PID": "7",
+        "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace",
+        "CUDA_VISIBLE_DEVICES": "",
+        "KREX_SHM": "/krex-host",
+        "KREX_SOCKET": "/run/krex/krexd.sock",
+        "KREX_SLOT": "3",
+        "MY_VAR": "kept",
+    }.items():
         monkeypatch.setenv(k, v)
     world = node_world(N1, tmp_path)
     env = _worker_env(world, sim_gpus=2)
-    for k in ("OMP_NUM_THREADS", "RAY_JOB_ID", "RAY_RAYLET_PID", "PYTHONBREAKPOINT", "CUDA_VISIBLE_DEVICES",
-              "KREX_SOCKET", "KREX_SLOT"):
+    for k in (
+        "OMP_NUM_THREADS",
+        "RAY_JOB_ID",
+        "RAY_RAYLET_PID",
+        "PYTHONBREAKPOINT",
+        "CUDA_VISIBLE_DEVICES",
+        "KREX_SOCKET",
+        "KREX_SLOT",
+    ):
         assert k not in env, k
     assert env["KREX_SHM"] == world["KREX_SHM"] and env["KREX_SIM_GPUS"] == "2" and env["MY_VAR"] == "kept"
     host = _worker_env({}, sim_gpus=None)  # a node's own world: its KREX variables stay
@@ -53,35 +67,58 @@ def test_command_env_drops_rays_worker_settings(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_result_line() -> None:
-    assert _result_line("compiling\n{\"ms\": 1.25}\n\n") == ('{"ms": 1.25}', {"ms": 1.25})
+    assert _result_line('compiling\n{"ms": 1.25}\n\n') == ('{"ms": 1.25}', {"ms": 1.25})
     assert _result_line("a\nlast line  \n") == ("last line", None)
     assert _result_line("{not json\n") == ("{not json", None)
     assert _result_line("[1, 2]\n") == ("[1, 2]", None)
     assert _result_line("\n \n") == (None, None)
 
 
-def _res(index: int, status: int | None, wall: float, regions: list[dict[str, object]] | None = None,
-         gpu: int = 0) -> CommandResult:
-    report = None if status is None else {"slot": 0, "gpu": gpu, "admission_wait_s": 0.01,
-                                          "regions": regions or [], "gate_blocks": 1, "fail_opens": 0}
+def _res(
+    index: int, status: int | None, wall: float, regions: list[dict[str, object]] | None = None, gpu: int = 0
+) -> CommandResult:
+    report = (
+        None
+        if status is None
+        else {
+            "slot": 0,
+            "gpu": gpu,
+            "admission_wait_s": 0.01,
+            "regions": regions or [],
+            "gate_blocks": 1,
+            "fail_opens": 0,
+        }
+    )
     return CommandResult(BatchCommand(index, ["true"]), status, wall, 1.0, 1.0 + wall, "", "", report)
 
 
 def test_summary_counts_each_command_once_on_its_final_node() -> None:
     reg = {"region_s": 0.1, "queue_wait_s": 0.02, "contaminated": False}
     bad = {"region_s": 0.1, "queue_wait_s": 0.5, "contaminated": True, "reasons": ["drain timeout"]}
-    results = [_res(1, 0, 1.0, [reg, reg]), _res(2, 3, 2.0, [bad], gpu=1), _res(3, 0, 1.0, [reg]),
-               _res(4, None, 0.0)]
-    lost = [{"index": 3, "attempt": 1, "node_id": N3, "error": "NodeDiedError", "message": "gone"},
-            {"index": 3, "attempt": 2, "node_id": N3, "error": "GuardianKilled", "message": "x"}]
-    extra = {1: {"node_id": N1, "round_trip_s": 1.5, "lost_attempts": []},
-             2: {"node_id": N1, "round_trip_s": 2.25, "lost_attempts": []},
-             3: {"node_id": N2, "round_trip_s": 1.75, "lost_attempts": lost},
-             4: {"node_id": None, "lost_attempts": []}}
-    nodes = {N1: {"ip": "10.0.0.1", "slots": 4, "gpus": 2}, N2: {"ip": "10.0.0.2", "slots": 2, "gpus": 1},
-             N3: {"ip": "10.0.0.3", "slots": 2, "gpus": 1}}
-    s = fleet_summary(results, extra, nodes, {N1, N2}, lost, 10.0, FleetConfig(address="h:1", device="sim"),
-                      "/out")
+    results = [
+        _res(1, 0, 1.0, [reg, reg]),
+        _res(2, 3, 2.0, [bad], gpu=1),
+        _res(3, 0, 1.0, [reg]),
+        _res(4, None, 0.0),
+    ]
+    lost = [
+        {"index": 3, "attempt": 1, "node_id": N3, "error": "NodeDiedError", "message": "gone"},
+        {"index": 3, "attempt": 2, "node_id": N3, "error": "GuardianKilled", "message": "x"},
+    ]
+    extra = {
+        1: {"node_id": N1, "round_trip_s": 1.5, "lost_attempts": []},
+        2: {"node_id": N1, "round_trip_s": 2.25, "lost_attempts": []},
+        3: {"node_id": N2, "round_trip_s": 1.75, "lost_attempts": lost},
+        4: {"node_id": None, "lost_attempts": []},
+    }
+    nodes = {
+        N1: {"ip": "10.0.0.1", "slots": 4, "gpus": 2},
+        N2: {"ip": "10.0.0.2", "slots": 2, "gpus": 1},
+        N3: {"ip": "10.0.0.3", "slots": 2, "gpus": 1},
+    }
+    s = fleet_summary(
+        results, extra, nodes, {N1, N2}, lost, 10.0, FleetConfig(address="h:1", device="sim"), "/out"
+    )
     assert (s["commands"], s["ran"], s["succeeded"], s["failures"], s["not_run"]) == (4, 3, 2, 1, [4])
     assert s["regions"] == 4 and s["contaminated_regions"] == 1
     assert s["jobs"] == 6  # the live nodes' slots

@@ -72,8 +72,14 @@ def test_auto_without_a_driver_still_uses_the_simulator(
         ("0,GPU-nope,1", [0], ["0"]),  # like CUDA: stop at the first invalid entry
     ],
 )
-def test_cuda_visible_devices_forms(tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch,
-                                    spec: str | None, physical: list[int], tokens: list[str]) -> None:
+def test_cuda_visible_devices_forms(
+    tmp_path: Path,
+    node: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    spec: str | None,
+    physical: list[int],
+    tokens: list[str],
+) -> None:
     monkeypatch.setenv("KREX_NVML_FAKE", _fake(tmp_path, TWO))
     if spec is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", spec)
@@ -83,7 +89,8 @@ def test_cuda_visible_devices_forms(tmp_path: Path, node: Path, monkeypatch: pyt
 
 
 def test_a_visible_list_that_selects_nothing_is_an_error_not_the_simulator(
-        tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KREX_NVML_FAKE", _fake(tmp_path, TWO))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-doesnotexist")
     with pytest.raises(NotFound, match="CUDA_VISIBLE_DEVICES"):

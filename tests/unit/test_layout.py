@@ -54,21 +54,63 @@ def _offenders(files: list[Path], forbidden: re.Pattern[str]) -> list[str]:
 def test_packages_exist_with_their_parts() -> None:
     # The parts a newcomer looks for, where the layout says they are.
     for rel in [
-        "node/freezer.py", "node/procfs.py", "node/mounts.py", "node/cpus.py", "node/journal.py",
-        "node/watchdog.py", "node/freezepolicy.py", "node/segguard.py", "node/attest.py",
-        "node/config.py", "node/control.py", "node/daemon.py", "node/shm.py",
-        "proc/client.py", "proc/launcher.py", "proc/region.py", "proc/envvars.py", "proc/pytest_plugin.py",
+        "node/freezer.py",
+        "node/procfs.py",
+        "node/mounts.py",
+        "node/cpus.py",
+        "node/journal.py",
+        "node/watchdog.py",
+        "node/freezepolicy.py",
+        "node/segguard.py",
+        "node/attest.py",
+        "node/config.py",
+        "node/control.py",
+        "node/daemon.py",
+        "node/shm.py",
+        "proc/client.py",
+        "proc/launcher.py",
+        "proc/region.py",
+        "proc/envvars.py",
+        "proc/pytest_plugin.py",
         "proc/_hook/sitecustomize.py",
-        "proc/autoregion/hook.py", "proc/autoregion/core.py", "proc/autoregion/targets.py",
-        "doctor/checks.py", "doctor/coverage.py",
-        "device/gpus.py", "device/nvml.py", "device/elfcheck.py",
+        "proc/autoregion/hook.py",
+        "proc/autoregion/core.py",
+        "proc/autoregion/targets.py",
+        "doctor/checks.py",
+        "doctor/coverage.py",
+        "device/gpus.py",
+        "device/nvml.py",
+        "device/elfcheck.py",
     ]:
         assert (KREX / rel).is_file(), rel
-    for old in ["freezer.py", "cpus.py", "journal.py", "watchdog.py", "freezepolicy.py", "segguard.py",
-                "attest.py", "config.py", "control.py", "region.py", "envvars.py", "pytest_plugin.py",
-                "autoregion.py", "doctor.py", "coverage.py", "gpus.py", "nvml.py", "elfcheck.py", "_hook",
-                "daemon.py", "shm.py", "client.py", "launcher.py", "bench.py", "bench_metrics.py",
-                "bench_plots.py"]:
+    for old in [
+        "freezer.py",
+        "cpus.py",
+        "journal.py",
+        "watchdog.py",
+        "freezepolicy.py",
+        "segguard.py",
+        "attest.py",
+        "config.py",
+        "control.py",
+        "region.py",
+        "envvars.py",
+        "pytest_plugin.py",
+        "autoregion.py",
+        "doctor.py",
+        "coverage.py",
+        "gpus.py",
+        "nvml.py",
+        "elfcheck.py",
+        "_hook",
+        "daemon.py",
+        "shm.py",
+        "client.py",
+        "launcher.py",
+        "bench.py",
+        "bench_metrics.py",
+        "bench_plots.py",
+    ]:
         assert not (KREX / old).exists(), f"krex/{old} is left behind"
 
 
@@ -76,8 +118,14 @@ def test_one_module_per_harness() -> None:
     from krex.proc.autoregion import targets
 
     names = {h.__name__.rpartition(".")[2] for h in targets.HARNESSES}
-    assert names == {"do_bench", "do_bench_cudagraph", "torch_timer", "kernelbench", "inductor",
-                     "pytest_benchmark"}
+    assert names == {
+        "do_bench",
+        "do_bench_cudagraph",
+        "torch_timer",
+        "kernelbench",
+        "inductor",
+        "pytest_benchmark",
+    }
     for h in targets.HARNESSES:  # each built-in comes from exactly one harness module
         others = [o for o in targets.HARNESSES if o is not h]
         assert not set(h.TARGETS) & {k for o in others for k in o.TARGETS}
@@ -121,8 +169,10 @@ CODE = [p for p in PY] + sorted((ROOT / "cli").glob("*.py"))
 
 # Each timing constant: its #define, and the literal values that restated it before.
 CONSTANTS = {
-    "KREX_HEARTBEAT_TIMEOUT_NS": ("heartbeat", [r"HEARTBEAT\w*\s*=\s*[\d.]+\b",
-                                                r"heartbeat\w*_s\s*=\s*[\d.]"]),
+    "KREX_HEARTBEAT_TIMEOUT_NS": (
+        "heartbeat",
+        [r"HEARTBEAT\w*\s*=\s*[\d.]+\b", r"heartbeat\w*_s\s*=\s*[\d.]"],
+    ),
     "KREX_MAX_REGION_MS": ("max region", [r"max_region_s:\s*float\s*=\s*[\d.]", r"default:\s*60\b"]),
     "KREX_ON_DEMAND_IDLE_EXIT_MS": ("idle exit", [r"IDLE_EXIT_S\s*=\s*[\d.]", r"idle_exit_s=[\d.]+\)?$"]),
     "KREX_PAUSE_LEASE_MS": ("pause lease", [r"PAUSE_LEASE_S\s*=\s*[\d.]", r"default=600\.0"]),
@@ -181,7 +231,9 @@ def test_one_errno_mapper() -> None:
     # The three mappers there were (freezer, CPU pinning, segment) now ask error_kind;
     # an errno may still pick the words (EPERM: "not ours"), never the kind on its own.
     mappers = [
-        ("node/freezer.py", "_error"), ("node/cpus.py", "_affinity_error"), ("node/shm.py", "_oserror")
+        ("node/freezer.py", "_error"),
+        ("node/cpus.py", "_affinity_error"),
+        ("node/shm.py", "_oserror"),
     ]
     for rel, func in mappers:
         tree = ast.parse((KREX / rel).read_text())
@@ -192,8 +244,13 @@ def test_one_errno_mapper() -> None:
                 test = ast.unparse(stmt.test)
                 by_errno = re.search(r"errno\.(EPERM|EACCES|ENOENT|ESRCH)\b", test)
                 assert not by_errno or "kind is" in test, f"krex/{rel}:{func} maps by itself: {test}"
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in PY if p.name != "errors.py"
-            for i, line in enumerate(p.read_text().splitlines(), 1) if "errno.EACCES" in line]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in PY
+        if p.name != "errors.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "errno.EACCES" in line
+    ]
     assert not hits, hits
 
 
@@ -229,21 +286,38 @@ def test_one_way_to_start_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     from krex.proc.envvars import opt_in_env
 
     monkeypatch.setenv("KREX_STATE_DIR", str(tmp_path))
-    argv = config.daemon_argv("sim", tmp_path / "krexd.log", {"max_region_s": 5.0, "idle_exit_s": None},
-                              on_demand=True)
+    argv = config.daemon_argv(
+        "sim", tmp_path / "krexd.log", {"max_region_s": 5.0, "idle_exit_s": None}, on_demand=True
+    )
     assert argv[:3] == [sys.executable, "-m", "krex.node.daemon"]
-    assert argv[3:] == ["--device", "sim", "--log", str(tmp_path / "krexd.log"), "--max-region", "5.0",
-                        "--on-demand"]
+    assert argv[3:] == [
+        "--device",
+        "sim",
+        "--log",
+        str(tmp_path / "krexd.log"),
+        "--max-region",
+        "5.0",
+        "--on-demand",
+    ]
     # The shim's on-demand command is the same argv.
     cmd = opt_in_env("sim", "/krex-layout")["KREX_DAEMON_CMD"]
     import shlex
 
-    assert shlex.split(cmd) == ["exec", "env", "-u", "LD_PRELOAD",
-                                *config.daemon_argv("sim", tmp_path / "krexd.log", on_demand=True)]
+    assert shlex.split(cmd) == [
+        "exec",
+        "env",
+        "-u",
+        "LD_PRELOAD",
+        *config.daemon_argv("sim", tmp_path / "krexd.log", on_demand=True),
+    ]
     # Nobody else spells out `-m krex.node.daemon`.
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in CODE if p.name != "config.py"
-            for i, line in enumerate(p.read_text().splitlines(), 1)
-            if re.search(r"""["']-m["'],\s*["']krex\.daemon["']|-m krex\.daemon --""", line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in CODE
+        if p.name != "config.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"""["']-m["'],\s*["']krex\.daemon["']|-m krex\.daemon --""", line)
+    ]
     assert not hits, hits
 
 
@@ -258,8 +332,11 @@ def test_one_options_table_for_argparse_click_and_the_config(monkeypatch: pytest
     ap = argparse.ArgumentParser(add_help=False)
     config.add_arguments(ap)
     argparse_flags = {a.option_strings[0]: a.dest for a in ap._actions if a.option_strings}
-    click_flags = {p.opts[0]: p.name for p in daemon_start.params
-                   if isinstance(p, click.Option) and p.opts[0] not in ("--device", "--foreground")}
+    click_flags = {
+        p.opts[0]: p.name
+        for p in daemon_start.params
+        if isinstance(p, click.Option) and p.opts[0] not in ("--device", "--foreground")
+    }
     table = {k.flag: k.name for k in config.KEYS if k.flag}
     assert argparse_flags == click_flags == table
     fields = {f.name for f in dataclasses.fields(config.Config)}

@@ -85,8 +85,15 @@ def test_lean_leaves_a_report_path_click_refuses(tmp_path) -> None:  # type: ign
 
 @pytest.mark.parametrize(
     ("device", "daemon", "kind"),
-    [("sim", "nvidia", "sim"), ("sim", "sim", "sim"), ("auto", "sim", "sim"), ("auto", "nvidia", "gpu"),
-     ("auto", "amd", "gpu"), ("gpu", "nvidia", "gpu"), ("gpu", "amd", "gpu")],
+    [
+        ("sim", "nvidia", "sim"),
+        ("sim", "sim", "sim"),
+        ("auto", "sim", "sim"),
+        ("auto", "nvidia", "gpu"),
+        ("auto", "amd", "gpu"),
+        ("gpu", "nvidia", "gpu"),
+        ("gpu", "amd", "gpu"),
+    ],
 )
 def test_the_daemons_device_decides_without_discovery(device: str, daemon: str, kind: str) -> None:
     assert _run_kind(device, None, {"device": daemon}) == kind
@@ -106,7 +113,8 @@ def test_gpu_asked_of_a_simulated_daemon_still_needs_a_real_gpu(monkeypatch: pyt
 
 
 def test_private_tmpdir_is_fresh_private_and_falls_back(
-    tmp_path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
 ) -> None:
     import os
     import stat
