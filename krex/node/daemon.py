@@ -942,6 +942,7 @@ class Daemon:
         attest_entry: dict[str, Any] = {}
         attest: dict[str, Any] = {}
         fail_opens0 = 0
+        fz: _FreezePlan | None = None
         try:
             r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
             t["inflight_s"] = r.seconds
@@ -1088,6 +1089,10 @@ class Daemon:
                     cpus.restore_thread(req.tid, old_aff)
             cpus.restore_evicted(evicted)
             t3 = time.monotonic()
+            if fz is not None:
+                # A freeze still running (an error ended the entry early) would undo the thaw
+                # below and leave its sibling frozen: let every started freeze end first.
+                concurrent.futures.wait(list(fz.futs.values()), timeout=self.cfg.freeze_timeout_s + 1)
             with self.lock:  # slots admitted during the region started frozen: thaw them too
                 late = [
                     s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot and s not in frozen
