@@ -154,6 +154,7 @@ class Region:
     t_request: float
     label: str = ""  # who opened it, e.g. "auto:triton.testing:do_bench"
     word: int = 0  # the gate word while this region holds the gate
+    thawing: bool = False  # set (under krexd's lock) once its end has listed whom to thaw
     granted: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
@@ -733,8 +734,11 @@ class Daemon:
             group.thaw()
         s = Slot(n, gpu, kind, guardian_pid, group, generation=int(self.seg.raw.slots[n].generation))
         cur = self.current.get(gpu)
-        if cur is not None and cur.granted.is_set() and not cur.ended.is_set():
-            # Joining during a region: start frozen so I3 holds for newcomers too.
+        if cur is not None and cur.word and not cur.thawing:
+            # Joining once a region has closed the gate (entering or granted): start frozen
+            # so I3 holds for newcomers too. The region's end thaws every slot it did not
+            # freeze itself; `thawing` is set, under this lock, when it lists them, so a
+            # newcomer is either on that list or not frozen at all.
             with contextlib.suppress(KrexError):
                 group.freeze(self.cfg.freeze_timeout_s)
         self.slots[n] = s
@@ -1094,6 +1098,7 @@ class Daemon:
                 # below and leave its sibling frozen: let every started freeze end first.
                 concurrent.futures.wait(list(fz.futs.values()), timeout=self.cfg.freeze_timeout_s + 1)
             with self.lock:  # slots admitted during the region started frozen: thaw them too
+                req.thawing = True
                 late = [
                     s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot and s not in frozen
                 ]

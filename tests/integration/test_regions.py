@@ -1114,10 +1114,45 @@ def test_a_slot_number_handed_to_a_new_command_mid_drain_is_frozen_too(kx: Krex)
         assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
     reg = kx.result("own")["regions"][0]
     g = reg["grant"]
-    assert reg["t_grant"] > kx.result("new")["ticks"][0], ("the newcomer came too late", g)
-    if not g["contaminated"]:
-        iv = owner_intervals(kx.result("own"))
-        assert foreign_ticks(iv, new_pid, kx.result("new")["ticks"])[:2] == [], g
+    # Admitted before the drain ended: the region froze the short sibling, the slow one and
+    # the newcomer under the short one's number (a newcomer after the grant makes it 2).
+    assert len(g["frozen_slots"]) == 3, ("the newcomer came too late", g)
+    assert not g["contaminated"], g["reasons"]
+    iv = owner_intervals(kx.result("own"))
+    assert foreign_ticks(iv, new_pid, kx.result("new")["ticks"])[:2] == [], g
+    # It started frozen (the gate was closed): it did not run before the region ended either.
+    assert kx.result("new")["ticks"][0] > reg["t_end"], g
+    assert kx.frozen_groups() == []
+
+
+def test_a_command_admitted_while_a_region_enters_starts_frozen(kx: Krex) -> None:
+    """Once a region has closed the gate, a newly admitted command starts frozen, as it
+    does during a granted region: it never runs between its admission and the grant
+    (before, it ran until the entry's last freeze pass, and one admitted after that pass
+    ran through the whole region)."""
+    kx.start_daemon(slots=3)
+    go, trig = kx.out / "go", kx.out / "trig"
+    owner = kx.run("own", "regions", "-n", "1", "--kernels", "1", "--us", "100", "--go", str(go))
+    kx.result("own", "waiting", timeout=30)
+    kx.run("slow", "hammer", "--long-us", "3000000", "--trigger", str(trig))  # a 3 s drain
+    kx.wait_running("slow", ticks=0)
+    trig.write_text("")
+    kx.result("slow", "ready", timeout=10)
+    go.write_text("")
+    time.sleep(0.2)  # the region's request is on its way: its drain lasts 3 s
+    kx.run("new", "hammer", "--us", "0")  # admitted while the region drains
+    assert owner.wait(60) == 0, owner.output()
+    kx.wait(lambda: (kx.out / "new.progress").exists(), 30, "the newcomer to start")
+    for h in ("slow", "new"):
+        kx.touch(h)
+    for h in ("slow", "new"):
+        assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
+    reg = kx.result("own")["regions"][0]
+    g = reg["grant"]
+    assert not g["contaminated"], g["reasons"]
+    assert len(g["frozen_slots"]) == 2, ("the newcomer was not admitted before the drain ended", g)
+    early = [t for t in kx.result("new")["ticks"] if t < reg["t_end"]]
+    assert early == [], f"the newcomer ran {len(early)} ticks before the region ended"
     assert kx.frozen_groups() == []
 
 
