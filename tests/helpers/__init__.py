@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -129,6 +130,20 @@ def clean_env() -> dict[str, str]:
         if not k.startswith(("KREX_", "SIM_"))
         and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
     }
+
+
+def private_world(kind: str) -> dict[str, str]:
+    """clean_env() plus a KREX world of its own: a fresh state directory (short path: it
+    holds the socket), control segment and one simulated GPU, named after `kind`."""
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    env = clean_env()
+    env.update(
+        KREX_STATE_DIR=tempfile.mkdtemp(prefix=f"kx{kind}-"),
+        KREX_SHM=f"/krex-t{kind}-{tag}",
+        KREX_SIM_SHM=f"/krex-t{kind}sim-{tag}",
+        KREX_SIM_GPUS="1",
+    )
+    return env
 
 
 # ----------------------------------------------------------------------- trace

@@ -14,14 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import Iterator
 from glob import glob
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import private_world
 
 from krex.batch import BatchCommand, CommandResult, _dist, parse_commands, summarize
 from krex.bench.metrics import percentile
@@ -76,19 +75,7 @@ def _cgroup_mounts() -> list[str]:
 def krex_env() -> Iterator[dict[str, str]]:
     """A private daemon world: state dir (short path: it holds the socket), control
     segment and simulated device. Stops the daemon and removes what it left."""
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    state = tempfile.mkdtemp(prefix="kxbd-")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KREX_", "SIM_")) and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
-    }
-    env.update(
-        KREX_STATE_DIR=state,
-        KREX_SHM=f"/krex-tbd-{tag}",
-        KREX_SIM_SHM=f"/krex-tbdsim-{tag}",
-        KREX_SIM_GPUS="1",
-    )
+    env = private_world("bd")
     try:
         yield env
     finally:
@@ -100,7 +87,7 @@ def krex_env() -> Iterator[dict[str, str]]:
             for group in [*glob(os.path.join(root, "*/")), root]:
                 with contextlib.suppress(OSError):  # rmdir never touches a populated cgroup
                     os.rmdir(group)
-        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(env["KREX_STATE_DIR"], ignore_errors=True)
 
 
 def krex(

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import private_world
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -85,19 +83,7 @@ def _cgroup_mounts() -> list[str]:
 @pytest.fixture
 def krex_env() -> Iterator[dict[str, str]]:
     """A private daemon world; stops the daemon and removes what it left."""
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    state = tempfile.mkdtemp(prefix="kxbn-")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KREX_", "SIM_")) and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
-    }
-    env.update(
-        KREX_STATE_DIR=state,
-        KREX_SHM=f"/krex-tbn-{tag}",
-        KREX_SIM_SHM=f"/krex-tbnsim-{tag}",
-        KREX_SIM_GPUS="1",
-    )
+    env = private_world("bn")
     try:
         yield env
     finally:
@@ -111,7 +97,7 @@ def krex_env() -> Iterator[dict[str, str]]:
                     d.rmdir()
             with contextlib.suppress(OSError):
                 root.rmdir()
-        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(env["KREX_STATE_DIR"], ignore_errors=True)
 
 
 def krex(args: list[str], env: dict[str, str], timeout: float = 360) -> subprocess.CompletedProcess[str]:

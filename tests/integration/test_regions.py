@@ -375,6 +375,13 @@ class Krex:
     def touch(self, name: str, suffix: str = "stop") -> None:
         (self.out / f"{name}.{suffix}").write_text("")
 
+
+    def stop_all(self, *names: str) -> None:
+        """Ask these commands to stop, then wait for each to exit cleanly."""
+        for h in names:
+            self.touch(h)
+        for h in names:
+            assert self.cmds[h].wait(30) == 0, self.cmds[h].output()
     def progress(self, name: str) -> tuple[int, int, int]:
         """(counter, monotonic ns of the last bump, pid) of a hammer."""
         data = (self.out / f"{name}.progress").read_bytes()
@@ -635,10 +642,7 @@ def test_a_sibling_that_has_drained_is_frozen_while_another_still_drains(kx: Kre
     kx.result("slow", "ready", timeout=10)
     go.write_text("")
     assert owner.wait(60) == 0, owner.output()
-    for h in ("slow", "quick"):
-        kx.touch(h)
-    for h in ("slow", "quick"):
-        assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
+    kx.stop_all("slow", "quick")
 
     reg = kx.result("own")["regions"][0]
     g = reg["grant"]
@@ -1108,10 +1112,7 @@ def test_a_slot_number_handed_to_a_new_command_mid_drain_is_frozen_too(kx: Krex)
     assert kx.cmds["short"].wait(30) != 0
     new_pid = kx.wait_running("new", ticks=5)
     assert owner.wait(60) == 0, owner.output()
-    for h in ("slow", "new"):
-        kx.touch(h)
-    for h in ("slow", "new"):
-        assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
+    kx.stop_all("slow", "new")
     reg = kx.result("own")["regions"][0]
     g = reg["grant"]
     # Admitted before the drain ended: the region froze the short sibling, the slow one and
@@ -1143,10 +1144,7 @@ def test_a_command_admitted_while_a_region_enters_starts_frozen(kx: Krex) -> Non
     kx.run("new", "hammer", "--us", "0")  # admitted while the region drains
     assert owner.wait(60) == 0, owner.output()
     kx.wait(lambda: (kx.out / "new.progress").exists(), 30, "the newcomer to start")
-    for h in ("slow", "new"):
-        kx.touch(h)
-    for h in ("slow", "new"):
-        assert kx.cmds[h].wait(30) == 0, kx.cmds[h].output()
+    kx.stop_all("slow", "new")
     reg = kx.result("own")["regions"][0]
     g = reg["grant"]
     assert not g["contaminated"], g["reasons"]

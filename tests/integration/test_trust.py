@@ -394,10 +394,9 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     assert rec["attest"]["throttle"][1] == ["sw_power_cap"]
 
 
-def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex) -> None:
-    """Under the gpu policy a sibling is not frozen and may end inside a region while NVML
-    still lists its pid: it was under KREX when the region began, so nothing is flagged.
-    A process outside KREX in the same sample still is."""
+def _fake_nvml_gpu_policy(kx: Krex) -> tuple[Path, dict[str, Any]]:
+    """A daemon (2 slots) under the `gpu` freeze policy whose NVML is a file the test
+    writes: (that file, its idle content)."""
     nvml = kx.out / "nvml.json"
     base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
     nvml.write_text(json.dumps(base))
@@ -406,6 +405,14 @@ def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex)
         KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
     )
     kx.start_daemon(slots=2)
+    return nvml, base
+
+
+def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex) -> None:
+    """Under the gpu policy a sibling is not frozen and may end inside a region while NVML
+    still lists its pid: it was under KREX when the region began, so nothing is flagged.
+    A process outside KREX in the same sample still is."""
+    nvml, base = _fake_nvml_gpu_policy(kx)
     kx.run("sib", "hammer", "--us", "0", "--seconds", "60")  # CPU only: never held at the gate
     sib = kx.wait_running("sib")
     nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
@@ -526,14 +533,7 @@ def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_fo
     """Pids KREX knew at the region's start are not foreign, but only as the processes they
     were then: an outsider that gets the pid of a sibling that ended inside the region
     and uses the GPU is flagged."""
-    nvml = kx.out / "nvml.json"
-    base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
-    nvml.write_text(json.dumps(base))
-    kx_env = kx.env
-    kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
-        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
-    )
-    kx.start_daemon(slots=2)
+    nvml, base = _fake_nvml_gpu_policy(kx)
     kx.run("sib", "hammer", "--us", "0", "--seconds", "60")
     sib = kx.wait_running("sib")
     ready = _hold_region(kx, "a")
