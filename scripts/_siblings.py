@@ -32,6 +32,49 @@ def _library_metrics() -> Any:
     return sys.modules[name]
 
 
+# The start of a sibling command on the simulated GPU: its runtime through ctypes, kernel(us)
+# and sync(). The scripts append their own operations.
+SIM_RUNTIME = r"""
+import ctypes, os
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+rt = ctypes.CDLL("libcudart.so.13")  # the simulated runtime: krex run --device sim puts it on the path
+vp = ctypes.c_void_p
+rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+rt.cudaMalloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t]
+FN = ctypes.cast(rt.cudaDeviceSynchronize, vp)
+def kernel(us):
+    assert rt.cudaLaunchKernel(FN, Dim3(us, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+def sync():
+    rt.cudaDeviceSynchronize()
+"""
+
+
+def measure_code(warm: str, pause_s: float) -> str:
+    """The measuring command's loop (after a prelude defining short_op and sync): argv[1]
+    regions around short_op, each row the client's entry time and the grant's steps, as one
+    JSON list on stdout. `warm` runs once first; `pause_s` lets the siblings run between."""
+    return MEASURE.replace("WARM", warm).replace("PAUSE", repr(pause_s))
+
+
+MEASURE = r"""
+import json, sys, time, krex
+n = int(sys.argv[1])
+WARM
+rows = []
+for _ in range(n):
+    t0 = time.perf_counter()
+    with krex.region() as r:
+        t1 = time.perf_counter()
+        short_op(); sync()
+    g = r.grant or {}
+    rows.append({"client_s": t1 - t0, **{k: v for k, v in g.items() if k.endswith("_s") or k.startswith("wait_")
+                                          or k in ("contaminated", "drained", "flags")}})
+    time.sleep(PAUSE)
+print(json.dumps(rows))
+"""
+
+
 def percentile(xs: Iterable[float], q: float) -> float:
     """krex.bench.metrics.percentile: q in 0..100, linear interpolation, NaN when empty."""
     return float(_library_metrics().percentile(xs, q))

@@ -34,24 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _siblings import World, fresh, percentile, stop_all, wait_ready
+from _siblings import SIM_RUNTIME, World, fresh, measure_code, percentile, stop_all, wait_ready
 
 # ------------------------------------------------------------------ the commands
 # Each runs under `krex run`, with the build's own interpreter. argv: SECONDS READY_FILE [BURN]
 
-_SIM_PRELUDE = r"""
-import ctypes, os
-class Dim3(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
-rt = ctypes.CDLL("libcudart.so.13")  # the simulated runtime: krex run --device sim puts it on the path
-vp = ctypes.c_void_p
-rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
-rt.cudaMalloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t]
-FN = ctypes.cast(rt.cudaDeviceSynchronize, vp)
-def kernel(us):
-    assert rt.cudaLaunchKernel(FN, Dim3(us, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
-def sync():
-    rt.cudaDeviceSynchronize()
+_SIM_PRELUDE = SIM_RUNTIME + r"""
 def warm():
     p = vp(); rt.cudaMalloc(ctypes.byref(p), 16); kernel(10); sync()
 """
@@ -100,22 +88,7 @@ while time.time() < stop:
         time.sleep(0.5)
 """
 
-_MEASURE = r"""
-import json, sys, time, krex
-n = int(sys.argv[1])
-warm()
-rows = []
-for _ in range(n):
-    t0 = time.perf_counter()
-    with krex.region() as r:
-        t1 = time.perf_counter()
-        short_op(); sync()
-    g = r.grant or {}
-    rows.append({"client_s": t1 - t0, **{k: v for k, v in g.items() if k.endswith("_s") or k.startswith("wait_")
-                                          or k in ("contaminated", "drained", "flags")}})
-    time.sleep(0.002)  # let the siblings run between regions, as a benchmark's untimed work would
-print(json.dumps(rows))
-"""
+_MEASURE = measure_code("warm()", 0.002)  # let the siblings run between regions, as a benchmark's untimed work would
 
 STEPS = ("queue_wait_s", "block_s", "inflight_s", "drain_s", "freeze_s", "pin_s", "entry_s")
 
