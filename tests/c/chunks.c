@@ -51,19 +51,15 @@ static unsigned long long now_ns(void) {
 /* Only rows with a chunk spec get a caller (the others' samples need not fit). */
 #define CK_DEF(kind, spec, name, params, args, sample) CK_DEF_##kind(spec, name, params, args, sample)
 #define CK_DEF_NONE(spec, name, params, args, sample)
-#define CK_DEF_COPY(spec, name, params, args, sample) \
-    extern int name params;                           \
-    static int with_##name params {                   \
-        CK_SET_COPY spec                              \
-        return ((int(*) params)g_fp) args;            \
-    }                                                 \
-    static int call_##name(void) { return with_##name sample; }
-#define CK_DEF_SET(spec, name, params, args, sample) \
-    extern int name params;                          \
-    static int with_##name params {                  \
-        CK_SET_SET spec                              \
-        return ((int(*) params)g_fp) args;           \
-    }                                                \
+#define CK_DEF_COPY(spec, name, params, args, sample) CK_DEF_WITH(CK_SET_COPY, spec, name, params, args, sample)
+#define CK_DEF_SET(spec, name, params, args, sample) CK_DEF_WITH(CK_SET_SET, spec, name, params, args, sample)
+/* A caller that records the row's chunk parameters (`set`), then calls the hook. */
+#define CK_DEF_WITH(set, spec, name, params, args, sample) \
+    extern int name params;                                \
+    static int with_##name params {                        \
+        set spec                                           \
+        return ((int(*) params)g_fp) args;                 \
+    }                                                      \
     static int call_##name(void) { return with_##name sample; }
 #define CK_PTR(kind, spec, p) CK_PTR_##kind(p)
 #define CK_PTR_NONE(p) NULL
