@@ -200,6 +200,7 @@ static void drain_hip(void) {
 }
 
 int g_helper_started;
+static uint32_t g_helper_settled; /* atomic: its start-up (thread set-up, dlsym) is over */
 static uint32_t g_helper_stop;  /* atomic: set at exit */
 static uint32_t g_helper_busy;  /* atomic: inside a drain */
 static pthread_t g_helper_thread;
@@ -216,6 +217,8 @@ static void *krex_helper(void *arg) {
         CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
         xmode(&m);
     }
+    __atomic_store_n(&g_helper_settled, 1, __ATOMIC_SEQ_CST);
+    krex_futex_wake(&g_helper_settled);
     struct krex_gpu *g = &g_shm->gpus[g_gpu];
     struct krex_proc *p = g_proc;
     uint32_t seen = __atomic_load_n(&p->drain_ack, __ATOMIC_SEQ_CST);
@@ -285,6 +288,7 @@ void start_helper(void) {
     pthread_attr_init(&a);
     pthread_attr_setstacksize(&a, 256 * 1024);
     __atomic_store_n(&g_helper_stop, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&g_helper_settled, 0, __ATOMIC_SEQ_CST);
     if (pthread_create(&g_helper_thread, &a, krex_helper, NULL) == 0) {
         g_helper_pid = getpid();
         __atomic_store_n(&g_helper_started, 1, RELEASE);
@@ -298,6 +302,21 @@ void start_helper(void) {
     }
     pthread_attr_destroy(&a);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* fork right after registration: let the helper finish starting first. Its
+ * start-up allocates and calls dlsym; a child forked meanwhile would inherit
+ * those locks held by a thread it does not have, and hang on its first use
+ * (seen with ASan's allocator, whose gcc-12 runtime has no fork handler).
+ * Bounded: a helper that never settles costs one wait, never a hang. */
+void krex_drain_before_fork(void) {
+    if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
+    uint64_t t0 = krex_now_ns();
+    while (!__atomic_load_n(&g_helper_settled, __ATOMIC_SEQ_CST)) {
+        uint64_t spent = krex_now_ns() - t0;
+        if (spent >= KREX_HELPER_SETTLE_NS) break;
+        krex_futex_wait(&g_helper_settled, 0, KREX_HELPER_SETTLE_NS - spent);
+    }
 }
 
 /* fork: the child is a new process with no helper, no captures, no contexts yet. */

@@ -192,7 +192,10 @@ out:
 /* fork: the prepare handler takes the registration lock, so the child never
  * inherits it held by a thread that does not exist there; parent and child
  * release it. The lock is only ever held briefly (see g_reg_lock). */
-static void atfork_prepare(void) { pthread_mutex_lock(&g_reg_lock); }
+static void atfork_prepare(void) {
+    krex_drain_before_fork();
+    pthread_mutex_lock(&g_reg_lock);
+}
 
 static void atfork_parent(void) { pthread_mutex_unlock(&g_reg_lock); }
 

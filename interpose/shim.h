@@ -74,6 +74,7 @@ void krex_ctx_del(void *ctx);
 void krex_capture_begin(void *stream);
 void krex_capture_end(int api, void *stream);
 void start_helper(void);
+void krex_drain_before_fork(void);
 void krex_drain_after_fork(void);
 
 /* client.c: krexd connections (self-registration, C/C++ regions). */

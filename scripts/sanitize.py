@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -123,15 +124,41 @@ class World:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+def _stacks(pid: int) -> str:
+    """What a hung program and its children wait in (gdb when there is one, else wchan)."""
+    r = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    out = []
+    for p in [pid, *map(int, r.stdout.split())]:
+        gdb = shutil.which("gdb")
+        if gdb:
+            try:
+                bt = subprocess.run([gdb, "-p", str(p), "-batch", "-ex", "thread apply all bt"],
+                                    capture_output=True, text=True, timeout=60).stdout
+            except subprocess.TimeoutExpired:
+                bt = "(gdb timed out)"
+
+            out.append(f"-- pid {p}\n" + "\n".join(ln for ln in bt.splitlines() if ln.startswith(("#", "Thread"))))
+        else:
+            wchan = Path(f"/proc/{p}/wchan")
+            out.append(f"-- pid {p}: wchan {wchan.read_text() if wchan.exists() else '?'}")
+    return "\n".join(out)
+
+
 def check(name: str, procs: list[tuple[str, subprocess.Popen[str]]], timeout: float) -> list[str]:
     failures = []
     for label, p in procs:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            failures.append(f"{name}/{label}: did not finish within {timeout:g} s")
+            # The whole group: a forked child that hangs keeps the pipes open, and a
+            # plain communicate() would then wait for it forever.
+            stacks = _stacks(p.pid)
+            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                out, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                out, err = "", "(its pipes stayed open after SIGKILL to its process group)"
+            failures.append(f"{name}/{label}: did not finish within {timeout:g} s; stacks:\n{stacks}")
         marks = [m for m in REPORT_MARKS if m in err]
         if p.returncode != 0 or marks:
             failures.append(f"{name}/{label}: exit {p.returncode}, {marks or 'no report'}\n{err[-6000:]}")
@@ -156,7 +183,8 @@ def run_one(san: str, shim_src: Path) -> list[str]:
 
         def spawn(prog: str, *args: str) -> subprocess.Popen[str]:
             return subprocess.Popen([str(bins[prog]), *args], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
 
         t0 = time.monotonic()
         # Two at once: each one's regions close the gate on, drain and freeze the other.
