@@ -565,6 +565,8 @@ class Daemon:
             wd.terminate()
             with contextlib.suppress(Exception):
                 wd.wait(5)
+        with contextlib.suppress(KrexError, OSError):
+            self.freezer.remove_root()  # only when no slot group was kept (live processes)
         self.guard.close()
         if self._server:
             self._server.close()

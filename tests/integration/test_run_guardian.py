@@ -56,6 +56,21 @@ def test_daemon_start_status_stop_and_already_running(env: dict[str, str]) -> No
     assert krex(env, "daemon", "status").returncode == 3
 
 
+def test_a_stopped_daemon_leaves_no_cgroup_behind(env: dict[str, str]) -> None:
+    """krexd's freezer root (one per control segment) goes with it: stopping many
+    daemons (CI, tests, a fleet's nodes) must not pile up empty cgroups."""
+    from krex.node import freezer
+
+    assert krex(env, "daemon", "start", "--device", "sim").returncode == 0
+    assert krex(env, "run", "--device", "sim", "--", "true").returncode == 0
+    st = json.loads(krex(env, "daemon", "status", "--json").stdout)["daemon"]
+    backend = st["freezer"].removeprefix("auto (").removesuffix(")")  # "auto (cgroup2)" or the one set
+    fz = freezer.detect(backend, root_name=env["KREX_SHM"].strip("/"))
+    assert os.path.isdir(fz.root), f"krexd made no freezer root at {fz.root}: the test proves nothing"
+    assert krex(env, "daemon", "stop").returncode == 0
+    assert not os.path.exists(fz.root), f"krexd left {fz.root} behind"
+
+
 def test_on_demand_daemon_exits_when_idle(env: dict[str, str]) -> None:
     p = krex(env, "daemon", "start", "--device", "sim", "--idle-exit", "1")
     assert p.returncode == 0
