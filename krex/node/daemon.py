@@ -30,7 +30,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,22 @@ def _peer_groups(pid: int, gid: int) -> set[int]:
     return {gid, *st.get("Gid", []), *st.get("Groups", [])}
 
 
+def _roots(pids: Iterable[int]) -> dict[int, int]:
+    """pid -> start time of those still alive (one gone already cannot be told from a reuse)."""
+    out = {}
+    for p in pids:
+        start = int(lib.krex_pid_start_ticks(p))
+        if start:
+            out[p] = start
+    return out
+
+
+def _is_root(s: Slot, pid: int) -> bool:
+    """`pid` is one of the slot's root processes (the same process, not a reuse of its pid)."""
+    start = s.root_pids.get(pid)
+    return start is not None and lib.krex_pid_alive(pid, start) == 1
+
+
 def _check_own_tree(child: int, peer: int, uid: int) -> None:
     """`child` must be the peer's own process or a descendant of it, with the peer's
     (real) user id; anything else could be someone else's process."""
@@ -133,7 +149,9 @@ class Slot:
     kind: str  # "run" (a krex run guardian) or "auto" (a self-registered process)
     guardian_pid: int
     group: freezer.Group
-    root_pids: set[int] = field(default_factory=set)
+    # pid -> its start time (clock ticks): a root that died and whose pid was reused by
+    # an unrelated process must not make that process a member of the slot.
+    root_pids: dict[int, int] = field(default_factory=dict)
     guardian_connected: bool = True
     created: float = field(default_factory=time.time)
     freeze: str | None = None  # the command's own freeze policy (krex run --freeze), else the daemon's
@@ -328,7 +346,7 @@ class Daemon:
                 "run",
                 int(sp.owner_pid),
                 group,
-                set(self.seg.slot_pids(n)),
+                _roots(self.seg.slot_pids(n)),
                 guardian_connected=False,
                 generation=int(sp.generation),
             )
@@ -685,7 +703,7 @@ class Daemon:
             pids = set(s.group.pids())
         except KrexError:
             pids = set()
-        pids |= s.root_pids
+        pids |= {p for p, t in s.root_pids.items() if lib.krex_pid_alive(p, t)}
         pids |= set(self.seg.slot_pids(s.slot))
         if deep:
             pids |= _env_tagged(self.shm_name, s.slot, s.generation)
@@ -781,7 +799,7 @@ class Daemon:
         p = pid
         for _ in range(64):
             for s in self.slots.values():
-                if p in s.root_pids or (s.kind == "auto" and p == s.guardian_pid):
+                if _is_root(s, p) or (s.kind == "auto" and p == s.guardian_pid):
                     return s
             st = procfs.pid_stat(p)
             if st is None:
@@ -1336,7 +1354,7 @@ class Daemon:
             s = self.slots.get(owned["guardian"])
             if s is None:
                 raise UsageError("`started` before `admit`", "send admit first")
-            s.root_pids.add(child)
+            s.root_pids.update(_roots([child]))
             if self.freezer.name == "signal" or msg.get("join"):
                 # join: the guardian could not enter the slot's cgroup itself (a group
                 # member); its child waits before exec until the daemon has moved it.
@@ -1424,7 +1442,7 @@ class Daemon:
             if not 0 <= want < self.info.count:
                 raise NotFound(f"unknown GPU {want}", f"this node has {self.info.count} GPU(s)")
             s = self._new_slot(want, "auto", pid)
-            s.root_pids.add(pid)
+            s.root_pids.update(_roots([pid]))
             with contextlib.suppress(KrexError):
                 s.group.add(pid)
             owned["slot"] = s.slot
@@ -1511,7 +1529,7 @@ class Daemon:
                 "run",
                 pid,
                 self.freezer.group(f"slot-{n}"),
-                pids,
+                _roots(pids),
                 generation=int(sp.generation),
             )
             self.slots[n] = s
