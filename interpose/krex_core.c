@@ -555,8 +555,17 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
 static int proc_free(struct krex_proc *p, int64_t pid) {
     uint32_t c = __atomic_exchange_n(&p->check, 0, SEQ);
     if (__atomic_compare_exchange_n(&p->pid, &pid, 0, 0, SEQ, SEQ)) return 1;
-    __atomic_store_n(&p->check, c, SEQ);
+    krex_proc_check_restore(p, c);
     return 0;
+}
+
+/* Undo the check cleared by a claim or a free that then lost the pid race. Put it back
+ * only where it still seals what the record holds: if another claimer won the record,
+ * it seals the record itself, and the old check stored over its own (it may have
+ * sealed already) would make its record read as damaged for good. */
+void krex_proc_check_restore(struct krex_proc *p, uint32_t c) {
+    uint32_t zero = 0;
+    if (c != 0 && c == krex_proc_check(p)) __atomic_compare_exchange_n(&p->check, &zero, c, 0, SEQ, SEQ);
 }
 
 /* Returns the record index for `pid`, claiming a free or dead one. An exec'd
@@ -588,7 +597,7 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
                 proc_init(p, slot, gpu, pid);
                 return i;
             }
-            __atomic_store_n(&p->check, c, SEQ);
+            krex_proc_check_restore(p, c);
         }
     }
     __atomic_or_fetch(&shm->hdr.flags, KREX_HF_PROCS_FULL, SEQ);

@@ -16,7 +16,7 @@ import pytest
 from helpers import Child, Harness, wait_until
 
 from krex.native import lib
-from krex.node.shm import StepResult
+from krex.node import procfs
 
 NEVER = 120.0  # a re-check interval far past the work (3 s at most): only a wake ends the wait sooner
 COPY_NS = 3_000_000_000  # a 3 s synchronous copy (1 ns per byte): inside a gated call that long
@@ -72,11 +72,27 @@ def test_drain_wait_is_woken_by_the_ack(harness: Harness) -> None:
     assert rec is not None and rec.drain_ack == int(h.seg.raw.gpus[0].drain_seq)
 
 
-def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, StepResult]]:
-    out: dict[str, StepResult] = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        out["tid"] = threading.get_native_id()
+        out["r"] = fn()
+
+    t = threading.Thread(target=body, daemon=True)
     t.start()
     return t, out
+
+
+def _asleep_in_futex(tid: int) -> bool:
+    """The waiter thread sleeps on the wake word (its scan is over), not merely entered:
+    `waiters` rises before the first scan, so a kill right then races the scan."""
+    try:
+        wchan = procfs.read(f"/proc/self/task/{tid}/wchan")
+        state = procfs.read(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state == "S" and "futex" in wchan
 
 
 @pytest.mark.parametrize("step", ["inflight", "drain"])
@@ -96,7 +112,8 @@ def test_a_waiter_never_hangs_when_the_waker_dies(harness: Harness, step: str) -
         assert h.seg.wait_inflight(0, owner, timeout=30).ok
         t, out = _in_thread(lambda: h.seg.drain(0, owner, timeout=NEVER, recheck=0.05))
         wait_until(lambda: int(h.seg.raw.gpus[0].waiters) == 1, 30, "krexd's drain wait to sleep")
-    wait_until(lambda: int(h.seg.raw.gpus[0].waiters) == 1, 30, "the waiter to sleep")
+    wait_until(lambda: int(h.seg.raw.gpus[0].waiters) == 1, 30, "the waiter to enter")
+    wait_until(lambda: "tid" in out and _asleep_in_futex(out["tid"]), 30, "the waiter to sleep on its word")
     assert t.is_alive(), "the wait ended while its waker still lived"
     os.kill(child.pid, signal.SIGKILL)
     child.popen.wait(timeout=30)

@@ -1,0 +1,65 @@
+"""Process records under a claim storm (tests/c/claims.c): children of several forkers
+claim records at once while a reaper frees dead ones. A claimer that loses the race
+for a record must leave it as the winner sealed it; before the fix it put back the
+record's OLD check over the winner's, so the record read as damaged for good and krexd
+raised a false trust alarm ("damaged process record") in fork-heavy commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+from krex.node.shm import Segment
+
+
+def test_lost_claim_races_leave_no_record_that_reads_as_damaged(bins: dict[str, Path]) -> None:
+    name = f"/krex-tclaims-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    seg = Segment.create(name, n_gpus=1)
+    try:
+        for _ in range(3):
+            cmd = [str(bins["claims"]), name, "4", "400"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            assert out["failed"] == 0, out
+            assert out["damaged"] == 0, f"records read as damaged after a claim storm: {out}"
+    finally:
+        seg.close()
+        Segment.unlink(name)
+
+
+def test_a_claim_that_lost_the_race_leaves_the_winners_seal() -> None:
+    """The interleaving itself, step by step: B clears the check of a record (taking the
+    old seal), A wins the record and seals it, B's pid CAS fails and B undoes its clear."""
+    from krex.native import ffi, lib
+
+    name = f"/krex-tclaims1-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    seg = Segment.create(name, n_gpus=1)
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        idx = lib.krex_proc_register(seg.raw, 0, 0, sleepers[0].pid)
+        rec = seg.raw.procs[idx]
+        old_seal = int(rec.check)  # what B took when it cleared the check
+        rec.check = 0
+        rec.pid = 0  # (B lost the record: it went to A)
+        assert lib.krex_proc_register(seg.raw, 1, 0, sleepers[1].pid) == idx
+        winner_seal = int(rec.check)
+        assert winner_seal and winner_seal != old_seal
+
+        lib.krex_proc_check_restore(ffi.addressof(seg.raw.procs, idx), old_seal)
+        assert int(rec.check) == winner_seal, "the loser's undo overwrote the winner's seal"
+        assert lib.krex_proc_audit(seg.raw, 1, ffi.NULL, 0) == 0
+
+        # B cleared a record A had sealed already, then lost: the undo puts A's seal back.
+        rec.check = 0
+        lib.krex_proc_check_restore(ffi.addressof(seg.raw.procs, idx), winner_seal)
+        assert int(rec.check) == winner_seal, "a cleared seal was not put back"
+    finally:
+        for s in sleepers:
+            s.kill()
+            s.wait()
+        seg.close()
+        Segment.unlink(name)
