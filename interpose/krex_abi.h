@@ -260,7 +260,7 @@ struct krex_slot {
     int64_t owner_pid;              /* the guardian (krex run) that claimed it */
     uint64_t generation;            /* bumped on each claim, so stale handles notice */
     uint32_t inflight;              /* used only by processes that found no krex_proc record */
-    uint32_t pad0;
+    uint32_t unrecorded;            /* processes that found no record (no helper drains them) */
     uint64_t reserved[4];
 };
 

@@ -509,6 +509,7 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
             sl->gpu = gpu;
             sl->owner_pid = owner_pid;
             sl->inflight = 0;
+            sl->unrecorded = 0;
             __atomic_add_fetch(&sl->generation, 1, SEQ);
             return s;
         }

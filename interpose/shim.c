@@ -170,7 +170,9 @@ int krex_register(void) {
         __atomic_store_n(&p->drain_ack, __atomic_load_n(&g_shm->gpus[g_gpu].drain_seq, __ATOMIC_SEQ_CST),
                          __ATOMIC_SEQ_CST);
     } else {
-        /* No record left: still gated, through the slot's shared counter. */
+        /* No record left: still gated, through the slot's shared counter; but no drain
+         * helper of ours is known to krexd, so it flags every region meanwhile. */
+        __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
         g_fast.inflight = &g_shm->slots[g_slot].inflight;
         g_fast.submits = g_local_submits;
     }

@@ -1,5 +1,5 @@
 /* The submission fast path, inlined into every gated wrapper (hooks.c): a TLS
- * depth check, one seq_cst increment, one seq_cst load. No locks, no syscalls,
+ * depth check, one seq_cst increment, one seq_cst load, the depth increment. No locks, no syscalls,
  * no allocation; everything slow is behind krex_register / krex_wait_gate. */
 #ifndef KREX_SHIM_FASTPATH_H
 #define KREX_SHIM_FASTPATH_H
@@ -19,11 +19,21 @@ extern struct krex_fast g_fast;
 extern __thread int t_depth __attribute__((tls_model("initial-exec")));
 #pragma GCC visibility pop
 
+/* t_depth counts this thread's calls that are past the gate (krex_leave undoes it on
+ * every path). A call made inside one (a library calling itself) is nested: it passes
+ * uncounted, covered by the outer call's in-flight count. A thread parked at the gate
+ * is NOT inside a call yet, so a signal handler's call on it is gated like any other. */
 static inline int krex_enter(int cls) {
-    if (UNLIKELY(t_depth++ != 0)) return 0; /* nested (a library calling itself) */
+    if (UNLIKELY(t_depth != 0)) { /* nested */
+        t_depth++;
+        return 0;
+    }
     uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     if (UNLIKELY(gate == NULL)) {
-        if (!mode_on() || !krex_register()) return 0;
+        t_depth++; /* registration's own calls, if any, pass as nested */
+        int ok = mode_on() && krex_register();
+        if (!ok) return 0;
+        t_depth--;
         gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     }
     uint32_t *inflight = g_fast.inflight;
@@ -37,6 +47,7 @@ static inline int krex_enter(int cls) {
             break;
         }
     }
+    t_depth++;
     __atomic_fetch_add(&g_fast.submits[cls], 1, __ATOMIC_RELAXED);
     return 1;
 }

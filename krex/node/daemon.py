@@ -694,6 +694,16 @@ class Daemon:
                 self.stop_reason = f"idle for {self.cfg.idle_exit_s:g} s"
                 self.stop.set()
 
+    def _unrecorded(self, gpu: int) -> dict[int, int]:
+        """Slots of `gpu` with processes that registered without a record (the table was
+        full): gated through the slot's counter, but drained by nobody (the shim counts them)."""
+        out = {}
+        for n in range(lib.KREX_MAX_SLOTS):
+            sp = self.seg.raw.slots[n]
+            if int(sp.state) == lib.KREX_SLOT_ACTIVE and int(sp.gpu) == gpu and int(sp.unrecorded):
+                out[n] = int(sp.unrecorded)
+        return out
+
     def _group_pids(self, s: Slot, deep: bool = False) -> list[int]:
         """Live processes of a slot's tree: its freezer group, its root pids, the processes
         registered under it in the segment and, with `deep`, every process whose
@@ -996,6 +1006,15 @@ class Daemon:
                     (
                         "drain-partial",
                         f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained",
+                    )
+                )
+            unrec = self._unrecorded(gpu)
+            if unrec:
+                reasons.append(
+                    (
+                        "drain-unknown",
+                        f"{sum(unrec.values())} process(es) of slot(s) {sorted(unrec)} found no free process "
+                        f"record (all {lib.KREX_MAX_PROCS} taken): no helper drained their queued GPU work",
                     )
                 )
             t1 = time.monotonic()

@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_regions import KREX, WORKER, Cmd, Krex, foreign_ops, inside, intervals_disjoint, kx, owner_intervals
+from test_regions import KREX, WORKER, Krex, foreign_ops, inside, intervals_disjoint, kx, owner_intervals
 
 __all__ = ["kx"]  # the fixture, used by name
 
@@ -44,19 +44,7 @@ TICKER = textwrap.dedent(
 
 
 def _popen(kx: Krex, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-    log = kx.out / f"{name}.log"
-    with open(log, "wb") as f:
-        p = subprocess.Popen(
-            [*KREX, "run", "--device", "sim", "--", *argv],
-            env=kx.env(),
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    kx.popens.append(p)
-    kx.cmds[name] = Cmd(name, p, log, kx)
-    return p
+    return kx.run_argv(name, argv)
 
 
 @pytest.mark.parametrize("policy", ["all", "gpu"])
@@ -261,3 +249,39 @@ def test_region_core_is_the_measuring_threads_alone(kx: Krex, monkeypatch: pytes
             assert reserved <= set(aff), (ts, aff)
     assert inside_n > 0 and outside_n > 0
     assert all(r["grant"]["evicted_threads"] >= 1 for r in res["regions"])
+
+
+def test_a_signal_handler_on_a_thread_parked_at_the_gate_is_held_too(kx: Krex, bins: dict[str, Path]) -> None:
+    """Under `gpu` a sibling is not frozen, only held at the gate by its shim. A signal
+    handler that runs on a thread parked there, and submits, must wait at the gate as
+    well: the thread is not inside a GPU call, so the call is not a nested one (before
+    the fix it passed the closed gate uncounted, inside a region reported clean)."""
+    import signal
+    import time
+
+    from helpers import wait_until
+
+    kx.start_daemon(slots=4)
+    _popen(kx, "sig", [str(bins["sigsub"]), "90", "1000"])  # each handler run: a 1 ms kernel
+    log = kx.out / "sig.log"
+    wait_until(lambda: log.exists() and '"pid"' in log.read_text(), 30, "the signalled sibling to start")
+    pid = next(json.loads(x)["pid"] for x in log.read_text().splitlines() if x.startswith('{"pid"'))
+    owner = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--freeze", "gpu", "--", sys.executable, str(WORKER), "regions",
+         str(kx.out), "--name", "own", "-n", "12", "--kernels", "5", "--us", "5000", "--sleep-ms", "10"],
+        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    kx.popens.append(owner)
+    while owner.poll() is None:
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.013)
+    assert owner.wait(120) == 0, owner.stdout.read().decode()[-3000:] if owner.stdout else ""
+
+    res = kx.result("own")
+    assert res["errors"] == [] and len(res["regions"]) == 12
+    iv = owner_intervals(res)
+    handled = [json.loads(x)["handler_ns"] for x in log.read_text().splitlines() if "handler_ns" in x]
+    assert [t for t in handled if inside(iv, -1, t)], "no handler ran in a region: the test proves nothing"
+    assert foreign_ops(iv, kx.ops(gpu=0)) == []
+    assert kx.frozen_groups() == [] and kx.gate_open()

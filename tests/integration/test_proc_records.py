@@ -12,7 +12,13 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from helpers import wait_until
+from test_regions import Krex, kx
+
+from krex.native import lib
 from krex.node.shm import Segment
+
+__all__ = ["kx"]  # the fixture, used by name
 
 
 def test_lost_claim_races_leave_no_record_that_reads_as_damaged(bins: dict[str, Path]) -> None:
@@ -63,3 +69,28 @@ def test_a_claim_that_lost_the_race_leaves_the_winners_seal() -> None:
             s.wait()
         seg.close()
         Segment.unlink(name)
+
+
+def test_a_region_is_flagged_while_a_sibling_has_no_process_record(kx: Krex, bins: dict[str, Path]) -> None:
+    """All records taken (a command with more than KREX_MAX_PROCS GPU processes): a
+    sibling that registers then has no record, so no drain helper krexd knows of, and its
+    queued GPU work runs into the region. The region must say so (`drain-unknown`), never
+    read clean. Before the fix the 1 ms kernel below measured ~1.9 s and END said clean."""
+    kx.start_daemon(slots=4)
+    go = kx.out / "go"
+    kx.run_argv("owner", [str(bins["filler"]), str(lib.KREX_MAX_PROCS + 6), str(go)])
+    log = kx.out / "owner.log"
+    wait_until(lambda: '"filled"' in log.read_text(), 120, "the owner's children to take every record")
+    kx.run_argv("sib", [str(bins["actor"]), "k:3000000", "sleep:20000"])  # queues a 3 s kernel
+    sib_log = kx.out / "sib.log"
+    wait_until(lambda: '"act":"k"' in sib_log.read_text(), 60, "the sibling's kernel launch")
+    go.write_text("")
+    wait_until(lambda: '"end"' in log.read_text(), 120, "the owner's region")
+    out = json.loads(next(x for x in log.read_text().splitlines() if x.startswith('{"begin"')))
+    assert out["begin"] == 0, out
+    assert out["timed_ms"] > 500, f"the sibling kernel did not run in the region: this proves nothing {out}"
+    assert out["end"] == 1, f"END said clean while a sibling's undrained kernel ran in the region: {out}"
+    wait_until(lambda: len(kx.journal()) == 1, 30, "the region's journal record")
+    (rec,) = kx.journal()  # the only region of this test
+    assert rec["contaminated"] and "drain-unknown" in rec["flags"], rec
+    assert any("found no free process record" in r for r in rec["reasons"]), rec

@@ -344,6 +344,22 @@ class Krex:
         self.cmds[name] = c
         return c
 
+    def run_argv(self, name: str, argv: list[str], *opts: str) -> subprocess.Popen[bytes]:
+        """`krex run --device sim [OPTS] -- ARGV`, its output in NAME.log."""
+        log = self.out / f"{name}.log"
+        with open(log, "wb") as f:
+            p = subprocess.Popen(
+                [*KREX, "run", "--device", "sim", *opts, "--", *argv],
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.popens.append(p)
+        self.cmds[name] = Cmd(name, p, log, self)
+        return p
+
     def result(self, name: str, suffix: str = "json", timeout: float = 0.0, pid: int = 0) -> Any:
         """The JSON a victim wrote. With `timeout`, wait for it until the command's `krex run` exits,
         or, when `pid` names the victim itself, until that process is gone (its `krex run` may have

@@ -1,0 +1,68 @@
+/* Fills krexd's process-record table, for tests/integration/test_proc_records.py.
+ *
+ *   filler N GOFILE
+ *
+ * Launches a 1-us simulated kernel (registers), forks N children that each launch one
+ * too (each takes a record of its own, until the table is full) and then sleep. Prints
+ * {"filled":N}; once GOFILE exists the parent takes a region, times a 1 ms kernel
+ * (launch + synchronise), ends the region and prints {"begin","end","timed_ms"} (END's
+ * value: 0 clean, 1 contaminated). Kills its children before it exits. */
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "include/krex.h"
+#include "krex_cuda_types.h"
+
+extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
+                                    size_t sharedMem, cudaStream_t stream);
+extern cudaError_t cudaDeviceSynchronize(void);
+
+static unsigned long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+static void launch(unsigned us) {
+    dim3 grid = {us, 1, 1}, block = {1, 1, 1};
+    cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: filler N GOFILE\n");
+        return 2;
+    }
+    int n = atoi(argv[1]);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    launch(1);
+    cudaDeviceSynchronize();
+    pid_t *kids = calloc((size_t)n, sizeof *kids);
+    for (int i = 0; i < n; i++) {
+        pid_t p = fork();
+        if (p == 0) {
+            launch(1);
+            cudaDeviceSynchronize();
+            for (;;) pause();
+        }
+        kids[i] = p;
+    }
+    printf("{\"filled\":%d}\n", n);
+    while (access(argv[2], F_OK) != 0) usleep(20000);
+    long b = KREX_REGION_BEGIN();
+    unsigned long long t1 = now_ns();
+    launch(1000);
+    cudaDeviceSynchronize();
+    unsigned long long t2 = now_ns();
+    long e = KREX_REGION_END();
+    printf("{\"begin\":%ld,\"end\":%ld,\"timed_ms\":%.3f}\n", b, e, (double)(t2 - t1) / 1e6);
+    for (int i = 0; i < n; i++) kill(kids[i], SIGKILL);
+    while (wait(NULL) > 0) {
+    }
+    return 0;
+}
