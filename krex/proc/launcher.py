@@ -409,7 +409,11 @@ def run_guarded(
         env["KREX_SLOT_GEN"] = str(adm["generation"])
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
-    joined = _DaemonJoin(client) if backend != "signal" and not _can_join(group_path) else None
+    # The child waits before exec until krexd has it when the guardian cannot put it in its
+    # slot itself: a group member (no write access to the cgroup), and SIGSTOP freezing,
+    # where krexd must know the pid to stop it (else it would run from exec until
+    # `started`, inside a region that began meanwhile).
+    joined = _DaemonJoin(client) if backend == "signal" or not _can_join(group_path) else None
     affinity = _set_affinity(list(adm.get("shared_cpus") or []))
     # cgroup v2: the command is forked straight into its slot (Launch.cgroup).
     born_in = group_path if backend == "cgroup2" and joined is None and _can_join(group_path) else None

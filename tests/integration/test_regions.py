@@ -1142,12 +1142,15 @@ def test_a_slot_number_handed_to_a_new_command_mid_drain_is_frozen_too(kx: Krex)
     assert kx.frozen_groups() == []
 
 
-def test_a_command_admitted_while_a_region_enters_starts_frozen(kx: Krex) -> None:
+@pytest.mark.parametrize("backend", ["cgroup2", "signal"])
+def test_a_command_admitted_while_a_region_enters_starts_frozen(kx: Krex, backend: str) -> None:
     """Once a region has closed the gate, a newly admitted command starts frozen, as it
     does during a granted region: it never runs between its admission and the grant
     (before, it ran until the entry's last freeze pass, and one admitted after that pass
-    ran through the whole region)."""
-    kx.start_daemon(slots=3)
+    ran through the whole region). With SIGSTOP freezing the command waits before exec
+    until krexd has it (before, it ran from exec until krexd handled `started`)."""
+    _backend_or_skip(kx, backend)
+    kx.start_daemon(slots=3, freezer_name=backend)
     go, trig = kx.out / "go", kx.out / "trig"
     owner = kx.run("own", "regions", "-n", "1", "--kernels", "1", "--us", "100", "--go", str(go))
     kx.result("own", "waiting", timeout=30)
