@@ -513,6 +513,9 @@ class Daemon:
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
                 env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+                # Not in krexd's process group: a signal to the group (Ctrl-C on a daemon
+                # run in a terminal, kill -9 -PGID) must not take the watchdog along.
+                start_new_session=True,
             )
         except OSError as e:
             self._watchdog = None
@@ -594,10 +597,18 @@ class Daemon:
         log.info("krexd stopped (pid %d, %d region(s) served)", self.pid, self.regions_done)
 
     # ------------------------------------------------------------- background
+    def _check_watchdog(self) -> None:
+        """Start a new watchdog if ours died (self-registered processes have no guardian)."""
+        wd = getattr(self, "_watchdog", None)
+        if wd is not None and wd.poll() is not None and not self.stop.is_set():
+            log.warning("the watchdog (pid %d) exited with %s: starting a new one", wd.pid, wd.returncode)
+            self._start_watchdog()
+
     def _heartbeat_loop(self) -> None:
         last = time.monotonic()
         while not self.stop.is_set():
             self.seg.heartbeat()
+            self._check_watchdog()
             try:
                 self._guard_tick()
             except Exception as e:  # noqa: BLE001 - the watch must never stop the heartbeat

@@ -27,6 +27,7 @@ from helpers import wait_until
 from test_regions import KREX, WORKER, Cmd, Krex, _hold_with_siblings, frozen_reason
 
 from krex.native import LIB_DIR, ffi, lib, shim_path
+from krex.node import procfs
 from krex.node.shm import Segment
 from krex.protocol import FrameReader, encode
 
@@ -205,10 +206,17 @@ def test_hung_daemon_neither_freezes_siblings_nor_hangs_clients(kx: Krex) -> Non
     kx.wait(lambda: kx.frozen_groups() == [], 10, "no frozen group")
 
 
-@pytest.mark.parametrize("how", ["sigstop", "sigkill"])
+def _watchdogs(daemon_pid: int) -> list[int]:
+    kids = procfs.descendants([daemon_pid], procfs.proc_table())
+    return [p for p in kids if "krex.node.watchdog" in (procfs.cmdline(p, 200) or "")]
+
+
+@pytest.mark.parametrize("how", ["sigstop", "sigkill", "killpg", "watchdog-killed-first"])
 def test_watchdog_thaws_a_sibling_that_has_no_guardian(kx: Krex, how: str) -> None:
     """A self-registered process (`krex env`, no `krex run`) has no guardian: krexd's
-    watchdog, a process of its own, thaws it when krexd hangs or dies."""
+    watchdog, a process of its own, thaws it when krexd hangs or dies. It is in a session
+    of its own, so SIGKILL to krexd's process group spares it (`killpg`), and krexd starts
+    a new one when it dies (`watchdog-killed-first`)."""
     d = kx.start_daemon(slots=3)
     env = kx.env(LD_PRELOAD=str(shim_path()), KREX_SOCKET=str(kx.sock), LD_LIBRARY_PATH=str(LIB_DIR))
     log = kx.out / "auto.log"
@@ -230,7 +238,13 @@ def test_watchdog_thaws_a_sibling_that_has_no_guardian(kx: Krex, how: str) -> No
     assert kx.stands_still("auto") and frozen_reason(auto) is not None
     if how == "sigstop":
         os.kill(d.pid, signal.SIGSTOP)
+    elif how == "killpg":
+        os.killpg(d.pid, signal.SIGKILL)  # (the test daemon leads a session of its own)
     else:
+        if how == "watchdog-killed-first":
+            (first,) = _watchdogs(d.pid)
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: [w for w in _watchdogs(d.pid) if w != first], 10, "krexd to start a watchdog")
         d.kill()
     try:
         wait_until(lambda: frozen_reason(auto) is None, 30, "the watchdog to thaw the sibling")
