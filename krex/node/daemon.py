@@ -142,6 +142,10 @@ def _check_own_tree(child: int, peer: int, uid: int) -> None:
     )
 
 
+# krexd starts a new watchdog at most this often (seconds).
+WATCHDOG_RESTART_S = 2.0
+
+
 @dataclass(eq=False)  # identity semantics: slots are dict keys and set members
 class Slot:
     slot: int
@@ -444,6 +448,7 @@ class Daemon:
         rec = self._recover()
         self._server = self._listen()
         self._share_files()
+        self._watchdog_started = time.monotonic()
         self._start_watchdog()
         self._log_start(rec)
         for target in (self._heartbeat_loop, self._reaper_loop):
@@ -600,9 +605,14 @@ class Daemon:
     def _check_watchdog(self) -> None:
         """Start a new watchdog if ours died (self-registered processes have no guardian)."""
         wd = getattr(self, "_watchdog", None)
-        if wd is not None and wd.poll() is not None and not self.stop.is_set():
-            log.warning("the watchdog (pid %d) exited with %s: starting a new one", wd.pid, wd.returncode)
-            self._start_watchdog()
+        if wd is None or wd.poll() is None or self.stop.is_set():
+            return
+        now = time.monotonic()
+        if now - self._watchdog_started < WATCHDOG_RESTART_S:
+            return  # one that dies at once (a broken install) is not restarted in a loop
+        log.warning("the watchdog (pid %d) exited with %s: starting a new one", wd.pid, wd.returncode)
+        self._watchdog_started = now
+        self._start_watchdog()
 
     def _heartbeat_loop(self) -> None:
         last = time.monotonic()
