@@ -495,6 +495,10 @@ int krex_slot_live_procs(struct krex_shm *shm, int slot) {
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
         if (pid != 0 && p->slot == slot && krex_pid_alive(pid, p->start_ticks)) n++;
     }
+    for (int i = 0; i < 4; i++) { /* and those registered without a record */
+        int64_t pid = __atomic_load_n(&shm->slots[slot].unrecorded_pids[i], SEQ);
+        if (pid != 0 && krex_pid_alive(pid, 0)) n++;
+    }
     return n;
 }
 
@@ -510,6 +514,7 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
             sl->owner_pid = owner_pid;
             sl->inflight = 0;
             sl->unrecorded = 0;
+            memset(sl->unrecorded_pids, 0, sizeof sl->unrecorded_pids);
             __atomic_add_fetch(&sl->generation, 1, SEQ);
             return s;
         }
@@ -518,6 +523,18 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
 }
 
 static int proc_free(struct krex_proc *p, int64_t pid);
+
+/* A process of this slot found no free record: list it where a dead one's entry or a
+ * free one is left (krexd flags regions while a listed pid lives), else count it for
+ * good (krexd then flags every region of the slot's GPU until the slot is claimed again). */
+void krex_slot_note_unrecorded(struct krex_slot *sl, int64_t pid) {
+    for (int i = 0; i < 4; i++) {
+        int64_t cur = __atomic_load_n(&sl->unrecorded_pids[i], SEQ);
+        if (cur != 0 && krex_pid_alive(cur, 0)) continue;
+        if (__atomic_compare_exchange_n(&sl->unrecorded_pids[i], &cur, pid, 0, SEQ, SEQ)) return;
+    }
+    __atomic_add_fetch(&sl->unrecorded, 1, SEQ);
+}
 
 void krex_slot_release(struct krex_shm *shm, int slot) {
     if (slot < 0 || slot >= KREX_MAX_SLOTS) return;
@@ -590,7 +607,9 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
             struct krex_proc *p = &shm->procs[i];
             int64_t cur = __atomic_load_n(&p->pid, SEQ);
             if (pass == 0 && cur != 0) continue;
-            if (pass == 1 && (cur == 0 || krex_pid_alive(cur, p->start_ticks))) continue;
+            /* Pass 1 takes a dead process's record, or a free one: the reaper may have
+             * freed records behind pass 0's scan. */
+            if (pass == 1 && cur != 0 && krex_pid_alive(cur, p->start_ticks)) continue;
             /* Claim first, then fill: the pid CAS is the ownership token. The check is
              * cleared before, so the half-filled record never reads as damaged. */
             uint32_t c = __atomic_exchange_n(&p->check, 0, SEQ);

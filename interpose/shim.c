@@ -171,8 +171,8 @@ int krex_register(void) {
                          __ATOMIC_SEQ_CST);
     } else {
         /* No record left: still gated, through the slot's shared counter; but no drain
-         * helper of ours is known to krexd, so it flags every region meanwhile. */
-        __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
+         * helper of ours is known to krexd, so it flags every region while we live. */
+        krex_slot_note_unrecorded(&g_shm->slots[g_slot], (int64_t)getpid());
         g_fast.inflight = &g_shm->slots[g_slot].inflight;
         g_fast.submits = g_local_submits;
     }

@@ -61,12 +61,17 @@ void krex_left_closed(void) __attribute__((cold, visibility("hidden")));
  * the gate closed and wake it (krex_abi.h). With the gate open: one extra load, no syscall.
  * always_inline: gcc stops inlining it once it grows, which doubles the fast path's cost. */
 __attribute__((always_inline)) static inline void krex_leave(int counted) {
+    /* The depth first: a signal handler that runs on this thread after it must not be
+     * taken for a nested call, which passes uncounted, while this thread no longer holds
+     * its count (it would then slip past a gate closed meanwhile). In the gap the thread
+     * still holds its count, so such a handler is gated (and at worst delays a region
+     * entry to its bounded in-flight wait, which is flagged). */
+    t_depth--;
     if (counted) {
         __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
         uint32_t w = __atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST);
         if (UNLIKELY(w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) != g_fast.owner_byte)) krex_left_closed();
     }
-    t_depth--;
 }
 
 #endif

@@ -94,3 +94,27 @@ def test_a_region_is_flagged_while_a_sibling_has_no_process_record(kx: Krex, bin
     (rec,) = kx.journal()  # the only region of this test
     assert rec["contaminated"] and "drain-unknown" in rec["flags"], rec
     assert any("found no free process record" in r for r in rec["reasons"]), rec
+
+
+def test_the_flag_ends_with_the_processes_that_had_no_record(kx: Krex, bins: dict[str, Path]) -> None:
+    """A long-lived command whose GPU process found no record and then exited: once that
+    process is gone, regions are clean again (before, the slot's count never went down and
+    every region on the GPU was flagged for as long as the command lived)."""
+    kx.start_daemon(slots=4)
+    go = kx.out / "go"
+    filler = kx.run_argv("filler", [str(bins["filler"]), str(lib.KREX_MAX_PROCS + 6), str(go)])
+    log = kx.out / "filler.log"
+    wait_until(lambda: '"filled"' in log.read_text(), 120, "the filler's children to take every record")
+    # Registers without a record (the table is full), exits; its command lives on.
+    kx.run_argv("long", ["sh", "-c", f"{bins['actor']} k:1 sync && echo done && exec sleep 600"])
+    wait_until(lambda: "done" in (kx.out / "long.log").read_text(), 60, "the long command's GPU process")
+    go.write_text("")
+    assert filler.wait(120) == 0  # its region, then it kills its children: the records free up
+    filled = json.loads(next(x for x in log.read_text().splitlines() if x.startswith('{"begin"')))
+    assert filled["end"] == 1, filled  # flagged while they lived
+
+    own = kx.run_argv("own", [str(bins["actor"]), "k:1", "begin", "k:10", "sync", "end"])
+    assert own.wait(60) == 0
+    acts = [json.loads(x) for x in (kx.out / "own.log").read_text().splitlines() if x.startswith('{"act"')]
+    (end,) = [a for a in acts if a["act"] == "end"]
+    assert end["rc"] == 0, f"a region flagged for a process that no longer lives: {kx.journal()[-1]}"
