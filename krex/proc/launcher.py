@@ -728,6 +728,10 @@ class _DaemonJoin:
         self.thread: threading.Thread | None = None
 
     def preexec(self) -> None:  # in the child, between fork and exec
+        # Only the guardian may hold the go pipe's write end: if it dies meanwhile, the
+        # read below then ends (EOF) instead of waiting forever on our own copy.
+        os.close(self.go_w)
+        os.close(self.pid_r)
         os.write(self.pid_w, str(os.getpid()).encode())
         if os.read(self.go_r, 1) != b"1":
             raise OSError("krexd could not move the command into its slot")

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from helpers import wait_until
-from test_regions import KREX, WORKER, Cmd, Krex, _hold_with_siblings, frozen_reason
+from test_regions import KREX, WORKER, Cmd, Krex, _backend_or_skip, _hold_with_siblings, frozen_reason
 
 from krex.native import LIB_DIR, ffi, lib, shim_path
 from krex.node import procfs
@@ -654,3 +654,28 @@ def test_command_statuses_pass_through_unchanged(krex_env: dict[str, str], tmp_p
         assert r["exit_status"] == code and "krex_error" not in r
     assert krex(krex_env, "run", "--device", "sim", "--", "/nonexistent/x").returncode == 127
     assert math.isfinite(HB_TIMEOUT_S)
+
+
+def test_a_guardian_killed_while_its_command_waits_before_exec_leaves_no_process(kx: Krex) -> None:
+    """Under SIGSTOP freezing the command waits before exec until krexd has its pid. If
+    the guardian dies in that wait (here: SIGKILL while a slow krexd has not answered), the
+    waiting child must end too, not stay forever as a pre-exec copy of the guardian."""
+    _backend_or_skip(kx, "signal")
+    kx.start_daemon(slots=3, freezer_name="signal")
+    slow = (
+        "import sys, time, krex.proc.launcher as L; serve = L._DaemonJoin._serve;"
+        "L._DaemonJoin._serve = lambda self: (time.sleep(3), serve(self));"
+        "from krex.cli.lean import main; sys.argv[0] = 'krex'; sys.exit(main())"
+    )
+    g = subprocess.Popen(
+        [sys.executable, "-c", slow, "run", "--device", "sim", "--", "sleep", "30"],
+        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    kx.popens.append(g)
+    wait_until(lambda: procfs.descendants([g.pid], procfs.proc_table()) - {g.pid}, 30, "the command's fork")
+    (child,) = procfs.descendants([g.pid], procfs.proc_table()) - {g.pid}
+    assert (procfs.cmdline(child, 200) or "").startswith(sys.executable), "it exec'd: this proves nothing"
+    os.kill(g.pid, signal.SIGKILL)
+    g.wait(10)
+    wait_until(lambda: procfs.pid_stat(child) is None, 10, "the waiting child to end with its guardian")
