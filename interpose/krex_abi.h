@@ -261,7 +261,7 @@ struct krex_slot {
     uint64_t generation;            /* bumped on each claim, so stale handles notice */
     uint32_t inflight;              /* used only by processes that found no krex_proc record */
     uint32_t unrecorded;            /* such processes beyond the list below (never decremented) */
-    int64_t unrecorded_pids[4];     /* such processes: krexd flags regions while one lives */
+    int64_t unrecorded_pids[4];     /* such processes (pid | start ticks << 32): flagged while alive */
 };
 
 struct krex_proc {

@@ -495,10 +495,8 @@ int krex_slot_live_procs(struct krex_shm *shm, int slot) {
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
         if (pid != 0 && p->slot == slot && krex_pid_alive(pid, p->start_ticks)) n++;
     }
-    for (int i = 0; i < 4; i++) { /* and those registered without a record */
-        int64_t pid = __atomic_load_n(&shm->slots[slot].unrecorded_pids[i], SEQ);
-        if (pid != 0 && krex_pid_alive(pid, 0)) n++;
-    }
+    for (int i = 0; i < 4; i++) /* and those registered without a record */
+        n += krex_unrecorded_alive(__atomic_load_n(&shm->slots[slot].unrecorded_pids[i], SEQ));
     return n;
 }
 
@@ -528,12 +526,21 @@ static int proc_free(struct krex_proc *p, int64_t pid);
  * free one is left (krexd flags regions while a listed pid lives), else count it for
  * good (krexd then flags every region of the slot's GPU until the slot is claimed again). */
 void krex_slot_note_unrecorded(struct krex_slot *sl, int64_t pid) {
+    /* An entry is the pid (low 32 bits) and its start time (high 32 bits, truncated),
+     * so an unrelated process that reuses the pid does not keep it listed. */
+    int64_t entry = (int64_t)(((uint64_t)(uint32_t)krex_pid_start_ticks(pid) << 32) | (uint32_t)pid);
     for (int i = 0; i < 4; i++) {
         int64_t cur = __atomic_load_n(&sl->unrecorded_pids[i], SEQ);
-        if (cur != 0 && krex_pid_alive(cur, 0)) continue;
-        if (__atomic_compare_exchange_n(&sl->unrecorded_pids[i], &cur, pid, 0, SEQ, SEQ)) return;
+        if (krex_unrecorded_alive(cur)) continue;
+        if (__atomic_compare_exchange_n(&sl->unrecorded_pids[i], &cur, entry, 0, SEQ, SEQ)) return;
     }
     __atomic_add_fetch(&sl->unrecorded, 1, SEQ);
+}
+
+int krex_unrecorded_alive(int64_t entry) {
+    int64_t pid = (int64_t)(uint32_t)entry;
+    if (pid == 0 || !krex_pid_alive(pid, 0)) return 0;
+    return (uint32_t)krex_pid_start_ticks(pid) == (uint32_t)((uint64_t)entry >> 32);
 }
 
 void krex_slot_release(struct krex_shm *shm, int slot) {

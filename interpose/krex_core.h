@@ -70,6 +70,7 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);
 void krex_proc_check_restore(struct krex_proc *p, uint32_t c);
 void krex_slot_note_unrecorded(struct krex_slot *sl, int64_t pid);
+int krex_unrecorded_alive(int64_t entry);
 int krex_pid_alive(int64_t pid, uint64_t start_ticks);
 uint64_t krex_pid_start_ticks(int64_t pid);
 

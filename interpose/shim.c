@@ -10,6 +10,8 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,7 +125,22 @@ struct krex_shm *attach_shm(void) {
     return shm;
 }
 
+static int register_now(void);
+
+/* Registration runs with every signal blocked: a handler's GPU call on this thread would
+ * otherwise pass as nested (ungated, while krexd does not know us yet), or re-enter the
+ * registration it interrupted and wait for itself (g_reg_lock, the self-registration
+ * wait). The slow path only: once per process. */
 int krex_register(void) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int r = register_now();
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return r;
+}
+
+static int register_now(void) {
     /* Self-registration first (it may have to start krexd, which creates the
      * segment), with no lock held: it may wait for krexd. */
     if (krex_self_register() != 0) {

@@ -718,15 +718,18 @@ class Daemon:
     def _unrecorded(self, gpu: int) -> dict[int, int]:
         """Slots of `gpu` with live processes that registered without a record (the table
         was full): gated through the slot's counter, but drained by nobody. The shim lists
-        up to 4 per slot by pid (counted while alive); more are counted for good."""
+        up to 4 per slot by pid (counted while alive); more are counted for good.
+        A slot released meanwhile (its GPU no longer known) counts on every GPU."""
         out = {}
         for n in range(lib.KREX_MAX_SLOTS):
             sp = self.seg.raw.slots[n]
-            if int(sp.state) != lib.KREX_SLOT_ACTIVE or int(sp.gpu) != gpu:
+            active = int(sp.state) == lib.KREX_SLOT_ACTIVE
+            if active and int(sp.gpu) != gpu:
                 continue
-            live = sum(1 for p in sp.unrecorded_pids if p and lib.krex_pid_alive(p, 0))
-            if live + int(sp.unrecorded):
-                out[n] = live + int(sp.unrecorded)
+            live = sum(lib.krex_unrecorded_alive(e) for e in sp.unrecorded_pids)
+            count = live + (int(sp.unrecorded) if active else 0)
+            if count:
+                out[n] = count
         return out
 
     def _group_pids(self, s: Slot, deep: bool = False) -> list[int]:

@@ -63,6 +63,8 @@ def _compile(src: Path, out: Path) -> None:
     srcs = [str(src)]
     if "krex_now_ns" in text:
         srcs.append(str(INTERPOSE / "krex_core.c"))
+    # A victim that stands in for libc functions the shim calls must export them.
+    extra = ["-rdynamic"] if "KREX_TEST_RDYNAMIC" in text else []
     # -no-pie: static sample buffers sit at the same address in every run, so
     # argument hashes (which include pointer values) compare across processes.
     cmd = [
@@ -71,6 +73,7 @@ def _compile(src: Path, out: Path) -> None:
         "-g",
         "-Wall",
         "-no-pie",
+        *extra,
         f"-I{INTERPOSE}",
         "-o",
         str(out),

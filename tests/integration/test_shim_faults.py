@@ -137,6 +137,42 @@ def test_c_region_end_gives_up_on_a_hung_daemon(kx: Krex, bins: dict[str, Path])
         os.kill(d.pid, signal.SIGCONT)
 
 
+@pytest.mark.parametrize(
+    ("mode", "arm", "under"),
+    [("begin", "connect", "env"), ("begin", "shm", "env"), ("enter", "shm", "env"), ("begin", "shm", "run")],
+)
+def test_a_signal_during_registration_neither_hangs_nor_slips_through(
+    kx: Krex, bins: dict[str, Path], mode: str, arm: str, under: str
+) -> None:
+    """A handler that makes a GPU call while its thread is inside the shim's registration
+    (the round trip to krexd, or the segment attach under the registration lock). Before,
+    its call either re-entered the registration it had interrupted and waited for itself
+    forever, or passed as a nested call, ungated. Registration now runs with signals
+    blocked: the handler runs right after it, as a gated call."""
+    kx.start_daemon(slots=3)
+    argv = [str(bins["selfsig"]), mode, arm]
+    if under == "run":  # a slot from `krex run`: only the attach is left to interrupt
+        argv = [*KREX, "run", "--device", "sim", "--", *argv]
+        env = kx.env()
+    else:  # `krex env`: the shim registers with krexd itself
+        env = kx.env(LD_PRELOAD=str(shim_path()), KREX_SOCKET=str(kx.sock), LD_LIBRARY_PATH=str(LIB_DIR),
+                     CUDA_VISIBLE_DEVICES="0")
+    p = subprocess.Popen(
+        argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    kx.popens.append(p)  # type: ignore[arg-type]
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the process hangs in its registration ({mode}, signal at {arm})")
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    reg = next(x for x in lines if "registered" in x)
+    assert reg["fired"] == 1, f"the signal never fired inside the registration: this proves nothing {lines}"
+    assert reg["registered"] == 0 and p.returncode == 0, (lines, err[-2000:])
+    assert {"done": 1, "handled": 1} in lines, lines
+
+
 # ----------------------------------------------------------------- krexd spawned by the shim
 
 
