@@ -135,7 +135,11 @@ int krex_register(void) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
+    /* Its own calls, if any, pass as nested. Lowered before the mask is restored: a
+     * signal that came meanwhile is delivered then, and its handler's call is gated. */
+    t_depth++;
     int r = register_now();
+    t_depth--;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return r;
 }
@@ -218,10 +222,18 @@ static void atfork_prepare(void) {
 
 static void atfork_parent(void) { pthread_mutex_unlock(&g_reg_lock); }
 
+static uint32_t g_child_inflight; /* a fork child's count until it registers */
+
 static void atfork_child(void) {
     pthread_mutex_unlock(&g_reg_lock);
     /* The child is a new process: re-register (own record, own helper) lazily.
-     * The parent's connections stay the parent's. */
+     * The parent's connections stay the parent's. A fork inside a gated call (from a
+     * signal handler) leaves that call in the child too: its count goes to a private
+     * counter, never the parent's record, and its depth is not inherited (a depth left
+     * behind by a siglongjmp out of a call would otherwise make every later call of
+     * the child pass as nested, ungated). */
+    g_fast.inflight = &g_child_inflight;
+    t_depth = 0;
     __atomic_store_n(&g_fast.gate, NULL, RELAXED);
     __atomic_store_n(&g_proc, NULL, RELAXED);
     g_failed_gate = 0;
@@ -292,5 +304,7 @@ __attribute__((constructor)) static void krex_init(void) {
 KREX_EXPORT int krex_shim_active(void) { return mode_on(); }
 KREX_EXPORT int krex_shim_registered(void) { return __atomic_load_n(&g_fast.gate, ACQUIRE) != NULL; }
 KREX_EXPORT int krex_shim_helper_running(void) { return __atomic_load_n(&g_helper_started, ACQUIRE); }
+/* For tests: this thread's depth of gated calls (0 outside every call: its next call is gated). */
+KREX_EXPORT int krex_shim_depth(void) { return t_depth; }
 /* For tests: graph captures this process is in (per stream). */
 KREX_EXPORT int krex_shim_captures(void) { return (int)__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST); }

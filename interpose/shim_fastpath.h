@@ -30,10 +30,11 @@ static inline int krex_enter(int cls) {
     }
     uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     if (UNLIKELY(gate == NULL)) {
-        t_depth++; /* registration's own calls, if any, pass as nested */
-        int ok = mode_on() && krex_register();
-        if (!ok) return 0;
-        t_depth--;
+        /* (krex_register blocks signals and marks its own calls as nested) */
+        if (!mode_on() || !krex_register()) {
+            t_depth++;
+            return 0;
+        }
         gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     }
     uint32_t *inflight = g_fast.inflight;
@@ -66,10 +67,11 @@ __attribute__((always_inline)) static inline void krex_leave(int counted) {
      * its count (it would then slip past a gate closed meanwhile). In the gap the thread
      * still holds its count, so such a handler is gated (and at worst delays a region
      * entry to its bounded in-flight wait, which is flagged). */
-    t_depth--;
+    if (LIKELY(t_depth > 0)) t_depth--; /* (0: a fork child that left a call its parent entered) */
     if (counted) {
         __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
-        uint32_t w = __atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST);
+        uint32_t *gate = g_fast.gate; /* NULL in a fork child until it registers */
+        uint32_t w = gate ? __atomic_load_n(gate, __ATOMIC_SEQ_CST) : KREX_GATE_OPEN;
         if (UNLIKELY(w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) != g_fast.owner_byte)) krex_left_closed();
     }
 }

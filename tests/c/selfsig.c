@@ -7,7 +7,8 @@
  * shm_open() (exported: built with -rdynamic, see KREX_TEST_RDYNAMIC), which raise
  * SIGUSR1 once from inside the shim's registration: the self-registration round trip to
  * krexd (connect) or the segment attach under the registration lock (shm). Prints
- * {"registered"} and {"done"} lines. */
+ * {"registered"} and {"done"} lines; "handler_depth" is the shim's depth of gated calls
+ * when the handler ran (0: its launch was gated, not taken for a nested call). */
 /* KREX_TEST_RDYNAMIC */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -33,8 +34,12 @@ static void launch(unsigned us) {
     cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
 }
 
+static volatile int g_handler_depth = -1;
+
 static void on_usr1(int sig) {
     (void)sig;
+    int (*depth)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "krex_shim_depth");
+    g_handler_depth = depth ? depth() : -2; /* 0: the launch below is gated, not nested */
     launch(1000);
     g_handled++;
 }
@@ -81,6 +86,6 @@ int main(int argc, char **argv) {
     }
     printf("{\"registered\":%ld,\"fired\":%d}\n", rc, g_fired);
     cudaDeviceSynchronize();
-    printf("{\"done\":1,\"handled\":%d}\n", g_handled);
+    printf("{\"done\":1,\"handled\":%d,\"handler_depth\":%d}\n", g_handled, g_handler_depth);
     return 0;
 }

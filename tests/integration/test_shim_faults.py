@@ -139,7 +139,14 @@ def test_c_region_end_gives_up_on_a_hung_daemon(kx: Krex, bins: dict[str, Path])
 
 @pytest.mark.parametrize(
     ("mode", "arm", "under"),
-    [("begin", "connect", "env"), ("begin", "shm", "env"), ("enter", "shm", "env"), ("begin", "shm", "run")],
+    [
+        ("begin", "connect", "env"),
+        ("begin", "shm", "env"),
+        ("enter", "connect", "env"),
+        ("enter", "shm", "env"),
+        ("begin", "shm", "run"),
+        ("enter", "shm", "run"),
+    ],
 )
 def test_a_signal_during_registration_neither_hangs_nor_slips_through(
     kx: Krex, bins: dict[str, Path], mode: str, arm: str, under: str
@@ -170,7 +177,35 @@ def test_a_signal_during_registration_neither_hangs_nor_slips_through(
     reg = next(x for x in lines if "registered" in x)
     assert reg["fired"] == 1, f"the signal never fired inside the registration: this proves nothing {lines}"
     assert reg["registered"] == 0 and p.returncode == 0, (lines, err[-2000:])
-    assert {"done": 1, "handled": 1} in lines, lines
+    done = next(x for x in lines if "done" in x)
+    assert done["handled"] == 1, lines
+    assert done["handler_depth"] == 0, f"the handler's call was taken for a nested one (ungated): {lines}"
+
+
+@pytest.mark.parametrize("mode", ["in-call", "ljmp"])
+def test_a_fork_that_leaves_a_gated_call_behind_gives_a_sound_child(
+    kx: Krex, bins: dict[str, Path], mode: str
+) -> None:
+    """in-call: a signal handler forks inside a gated copy; the child returns into the copy
+    and leaves it. Before, its leave decremented the PARENT's shared in-flight count and
+    then read a gate it had just forgotten (NULL): SIGSEGV. ljmp: a handler siglongjmps
+    out of a gated copy, then the process forks. Before, the child inherited the depth
+    of the abandoned call: every call it made passed as nested, and it never registered
+    (never gated, never drained)."""
+    kx.start_daemon(slots=2)
+    p = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", str(bins["forkcall"]), mode],
+        env=kx.env(KREX_COPY_CHUNK_BYTES="0"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    kx.popens.append(p)  # type: ignore[arg-type]
+    out, err = p.communicate(timeout=60)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    status = next(x["child_status"] for x in lines if "child_status" in x)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child died: {status} {err[-1500:]}"
+    child = next(x for x in lines if "child" in x)
+    assert child["rc"] == 0 and child["depth"] == 0, child
+    assert child["registered"] == 1, f"the child never registered: its calls passed as nested {child}"
 
 
 # ----------------------------------------------------------------- krexd spawned by the shim

@@ -1,0 +1,85 @@
+/* Forks that leave a gated call behind, for tests/integration/test_shim_faults.py.
+ *
+ *   forkcall in-call    a SIGALRM handler fork()s while the thread is inside a gated
+ *                       200 ms cudaMemcpy; the child returns into that call, leaves it,
+ *                       launches a kernel and exits 0
+ *   forkcall ljmp       a SIGALRM handler siglongjmp()s out of a gated cudaMemcpy (the
+ *                       call is never left); the process then forks a child that
+ *                       launches a kernel
+ *
+ * The child prints {"child","rc","depth","registered"}: the shim's depth of gated calls
+ * after its launch (0), and whether its shim registered it (1: its calls are gated, not
+ * taken for nested calls of a call its parent entered). The parent prints
+ * {"child_status"} (the raw wait status). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "krex_cuda_types.h"
+
+extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
+                                    size_t sharedMem, cudaStream_t stream);
+extern cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind);
+extern cudaError_t cudaDeviceSynchronize(void);
+
+static sigjmp_buf g_jump;
+static volatile pid_t g_child = -1;
+static int g_mode_ljmp;
+
+static int launch(unsigned us) {
+    dim3 grid = {us, 1, 1}, block = {1, 1, 1};
+    return (int)cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
+}
+
+static int shim_int(const char *name) {
+    int (*f)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, name);
+    return f ? f() : -1;
+}
+
+static void on_alrm(int sig) {
+    (void)sig;
+    if (g_mode_ljmp) siglongjmp(g_jump, 1);
+    g_child = fork();
+}
+
+static void child_work(void) {
+    int rc = launch(100);
+    cudaDeviceSynchronize();
+    printf("{\"child\":%d,\"rc\":%d,\"depth\":%d,\"registered\":%d}\n", (int)getpid(), rc,
+           shim_int("krex_shim_depth"), shim_int("krex_shim_registered"));
+    fflush(stdout);
+    _exit(0);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2 || (strcmp(argv[1], "in-call") && strcmp(argv[1], "ljmp"))) {
+        fprintf(stderr, "usage: forkcall in-call|ljmp\n");
+        return 2;
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    g_mode_ljmp = !strcmp(argv[1], "ljmp");
+    launch(1); /* registers */
+    cudaDeviceSynchronize();
+    signal(SIGALRM, on_alrm);
+    static char buf[16]; /* the simulator moves no bytes: 1 ns per byte of a copy */
+    struct itimerval it = {{0, 0}, {0, 20000}};
+    if (!sigsetjmp(g_jump, 1)) {
+        setitimer(ITIMER_REAL, &it, NULL);
+        cudaMemcpy(buf, buf + 8, 200000000, cudaMemcpyHostToHost);
+    }
+    if (g_child == 0) child_work(); /* in-call: the child left the copy it was forked in */
+    if (g_mode_ljmp) {
+        g_child = fork();
+        if (g_child == 0) child_work();
+    }
+    int st = 0;
+    waitpid(g_child, &st, 0);
+    printf("{\"child_status\":%d}\n", st);
+    return 0;
+}
