@@ -204,8 +204,13 @@ class _FreezePlan:
     on the first call, right after the drain request; `final=True` after the drain adds
     the siblings that arrived meanwhile and starts every freeze not yet started."""
 
-    def __init__(self, d: Daemon, gpu: int, owner_slot: int, frozen: list[Slot]) -> None:
+    def __init__(
+        self, d: Daemon, gpu: int, owner_slot: int, frozen: list[Slot], stuck: Iterable[int] = ()
+    ) -> None:
         self.d, self.gpu, self.owner_slot = d, gpu, owner_slot
+        # Pids still inside a GPU call when the in-flight wait gave up: past the gate, so
+        # the gate cannot hold them; their slots are frozen whatever the policy.
+        self.stuck = set(stuck)
         self.frozen = frozen  # the region's list, filled as each freeze starts: thawed whatever happens
         self.planned = False
         self.owner: Slot | None = None
@@ -218,6 +223,11 @@ class _FreezePlan:
 
     def _plan(self, siblings: list[Slot]) -> None:
         policy, chosen, why = self.d._freeze_choice(self.owner, siblings)
+        chosen, why = list(chosen), list(why)
+        for s in siblings:
+            if s not in chosen and self.stuck & set(self.d._group_pids(s)):
+                chosen.append(s)
+                why.append(f"slot {s.slot}: a process is still inside a GPU call, past the gate")
         self.policy = self.policy or policy
         self.why.extend(why)
         self.siblings.extend(siblings)
@@ -1011,13 +1021,17 @@ class Daemon:
             waits = {"wait_inflight": r.stats}
             if not r.ok:
                 reasons.append(
-                    ("inflight-timeout", f"in-flight submissions of pids {r.stragglers} did not finish")
+                    (
+                        "inflight-timeout",
+                        f"in-flight submissions of pids {r.stragglers} did not finish (a call still "
+                        "running, or a thread that left a GPU call abnormally: its calls are not gated)",
+                    )
                 )
             # Each sibling is frozen as soon as it has drained, while the others still
             # drain: entry pays the slowest drain plus one freeze, not every drain then
             # every freeze. The plan is made right after the drain request (its checks
             # run while the GPU finishes the siblings' queued work).
-            fz = _FreezePlan(self, gpu, req.slot, frozen)
+            fz = _FreezePlan(self, gpu, req.slot, frozen, stuck=() if r.ok else r.stragglers)
             r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s, on_progress=fz.progress)
             t["drain_s"] = r.seconds
             waits["wait_drain"] = r.stats

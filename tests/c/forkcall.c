@@ -6,6 +6,9 @@
  *   forkcall ljmp       a SIGALRM handler siglongjmp()s out of a gated cudaMemcpy (the
  *                       call is never left); the process then forks a child that
  *                       launches a kernel
+ *   forkcall ljmp-loop  the same siglongjmp, then no fork: it prints {"loop"} and
+ *                       launches a 20 ms kernel every 30 ms for 10 s (its calls now pass
+ *                       as nested, ungated: only freezing can stop them)
  *
  * The child prints {"child","rc","depth","registered"}: the shim's depth of gated calls
  * after its launch (0), and whether its shim registered it (1: its calls are gated, not
@@ -58,12 +61,12 @@ static void child_work(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2 || (strcmp(argv[1], "in-call") && strcmp(argv[1], "ljmp"))) {
-        fprintf(stderr, "usage: forkcall in-call|ljmp\n");
+    if (argc != 2 || (strcmp(argv[1], "in-call") && strncmp(argv[1], "ljmp", 4))) {
+        fprintf(stderr, "usage: forkcall in-call|ljmp|ljmp-loop\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    g_mode_ljmp = !strcmp(argv[1], "ljmp");
+    g_mode_ljmp = !strncmp(argv[1], "ljmp", 4);
     launch(1); /* registers */
     cudaDeviceSynchronize();
     signal(SIGALRM, on_alrm);
@@ -74,6 +77,14 @@ int main(int argc, char **argv) {
         cudaMemcpy(buf, buf + 8, 200000000, cudaMemcpyHostToHost);
     }
     if (g_child == 0) child_work(); /* in-call: the child left the copy it was forked in */
+    if (!strcmp(argv[1], "ljmp-loop")) {
+        printf("{\"loop\":%d}\n", (int)getpid());
+        for (int i = 0; i < 333; i++) {
+            launch(20000);
+            usleep(30000);
+        }
+        return 0;
+    }
     if (g_mode_ljmp) {
         g_child = fork();
         if (g_child == 0) child_work();

@@ -208,6 +208,30 @@ def test_a_fork_that_leaves_a_gated_call_behind_gives_a_sound_child(
     assert child["registered"] == 1, f"the child never registered: its calls passed as nested {child}"
 
 
+def test_a_sibling_stuck_past_the_gate_is_frozen_under_any_policy(kx: Krex, bins: dict[str, Path]) -> None:
+    """A sibling that siglongjmp'd out of a gated call keeps its in-flight count, and its
+    thread's later calls pass as nested: the gate cannot hold it. Under `--freeze gpu`
+    (which freezes only what the gate cannot hold) its slot must still be frozen, and the
+    region flagged with a reason that says so. Before, 33 of its kernels ran inside a
+    region whose only reason was a bare in-flight timeout, with nothing frozen."""
+    kx.start_daemon(slots=3)
+    sib = kx.run_argv("sib", [str(bins["forkcall"]), "ljmp-loop"], "--freeze", "gpu")
+    wait_until(lambda: '"loop"' in (kx.out / "sib.log").read_text(), 30, "the sibling's loop")
+    spid = next(json.loads(x)["loop"] for x in (kx.out / "sib.log").read_text().splitlines() if '"loop"' in x)
+    region = ["k:1", "sync", "begin", "k:1000", "sync", "sleep:300", "end"]
+    own = kx.run_argv("own", [str(bins["actor"]), *region], "--freeze", "gpu")
+    assert own.wait(60) == 0
+    acts = [json.loads(x) for x in (kx.out / "own.log").read_text().splitlines() if x.startswith('{"act"')]
+    begin = next(a for a in acts if a["act"] == "begin")
+    end = next(a for a in acts if a["act"] == "end")
+    assert begin["rc"] == 0 and end["rc"] == 1, acts  # granted, and flagged
+    (rec,) = [r for r in kx.journal() if "inflight-timeout" in r.get("flags", [])]
+    assert any("past the gate" in w for w in rec["freeze_why"]), rec
+    inside = [o for o in kx.ops(gpu=0) if o["pid"] == spid and begin["t1"] <= o["start"] <= end["t0"]]
+    assert inside == [], f"{len(inside)} kernels of the stuck sibling ran inside the region"
+    sib.kill()
+
+
 # ----------------------------------------------------------------- krexd spawned by the shim
 
 
