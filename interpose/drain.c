@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <sys/prctl.h>
 #include <time.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "shim.h"
@@ -209,6 +210,8 @@ static pid_t g_helper_pid;      /* the process that started it (a fork child has
 static void *krex_helper(void *arg) {
     (void)arg;
     prctl(PR_SET_NAME, "krex-drain", 0, 0, 0);
+    /* krexd tells an exec'd process (its helper gone, its pid alive) by this thread. */
+    __atomic_store_n(&g_proc->helper_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_SEQ_CST);
     /* Relaxed capture mode on this thread: a context synchronise here must not
      * invalidate a graph another thread is capturing (DESIGN.md consequence 7). */
     typedef CUresult (*fn_xmode)(CUstreamCaptureMode *);

@@ -281,7 +281,7 @@ struct krex_proc {
     uint32_t drain_partial;         /* last drain_seq acked WITHOUT a full sync (graph capture running) */
     uint32_t captures;              /* graph captures in progress in this process */
     uint32_t check;                 /* krex_proc_check() of pid, slot, gpu, start_ticks */
-    uint32_t pad1;
+    uint32_t helper_tid;            /* its drain helper's thread: gone while the pid lives = exec'd */
 };
 
 struct krex_shm {

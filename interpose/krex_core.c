@@ -344,6 +344,18 @@ void krex_gate_open(struct krex_shm *shm, int gpu) {
     krex_futex_wake(&g->gate);
 }
 
+/* A live process whose drain helper thread is gone: it exec'd (exec ends every other
+ * thread), and its old image's calls and contexts went with it. It owes no drain, and an
+ * in-flight count it left (exec from inside a gated call) is no call. Until the helper
+ * has started (tid 0) this cannot be told, and the process counts as it is. */
+static int image_gone(struct krex_proc *p, int64_t pid) {
+    uint32_t tid = __atomic_load_n(&p->helper_tid, SEQ);
+    if (tid == 0) return 0;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%lld/task/%u", (long long)pid, tid);
+    return access(path, F_OK) != 0 && errno == ENOENT;
+}
+
 /* Threads of non-owner slots on this GPU that are inside a gated call. Dead
  * processes are skipped: a SIGKILLed submitter must not stall every region. */
 int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max_pids) {
@@ -353,8 +365,8 @@ int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *p
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
         if (pid == 0 || p->gpu != gpu || p->slot == owner_slot) continue;
         uint32_t n = __atomic_load_n(&p->inflight, SEQ);
-        if (n == 0 || !krex_pid_alive(pid, p->start_ticks)) continue;
-        total += (int)n;
+        if (n == 0 || !krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
+        total += n > 65536 ? 1 : (int)n; /* (a count out of range is damage: still in flight) */
         if (pids && np < max_pids) pids[np++] = pid;
     }
     for (int s = 0; s < KREX_MAX_SLOTS; s++) {
@@ -386,7 +398,7 @@ static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t se
         if (q == DRAIN_PENDING) {
             /* Sequence numbers wrap: compare by signed distance. */
             if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
-            if (!krex_pid_alive(pid, p->start_ticks)) continue;
+            if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
         } else if (__atomic_load_n(&p->drain_partial, SEQ) != seq) {
             continue;
         }
@@ -572,6 +584,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->blocked = p->blocked_ns = p->fail_opens = p->drains = 0;
     p->drain_partial = 0;
     p->captures = 0;
+    p->helper_tid = 0;
     __atomic_store_n(&p->check, krex_proc_check(p), SEQ); /* last: the record is whole now */
 }
 
@@ -601,10 +614,12 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
         if (__atomic_load_n(&p->pid, SEQ) == pid) {
             uint64_t st = krex_pid_start_ticks(pid);
             if (!p->start_ticks || p->start_ticks == st) {
+                /* The same process registering again is a new image (exec: it registers
+                 * once per image): nothing of the old image's calls, contexts or helper
+                 * is left, so its record starts afresh (an exec from inside a gated
+                 * call would otherwise leave an in-flight count of 1 for good). */
                 __atomic_store_n(&p->check, 0, SEQ);
-                p->slot = slot;
-                p->gpu = gpu;
-                __atomic_store_n(&p->check, krex_proc_check(p), SEQ);
+                proc_init(p, slot, gpu, pid);
                 return i;
             }
         }

@@ -222,17 +222,17 @@ static void atfork_prepare(void) {
 
 static void atfork_parent(void) { pthread_mutex_unlock(&g_reg_lock); }
 
-static uint32_t g_child_inflight; /* a fork child's count until it registers */
+int g_fork_gen;
 
 static void atfork_child(void) {
     pthread_mutex_unlock(&g_reg_lock);
     /* The child is a new process: re-register (own record, own helper) lazily.
      * The parent's connections stay the parent's. A fork inside a gated call (from a
-     * signal handler) leaves that call in the child too: its count goes to a private
-     * counter, never the parent's record, and its depth is not inherited (a depth left
-     * behind by a siglongjmp out of a call would otherwise make every later call of
-     * the child pass as nested, ungated). */
-    g_fast.inflight = &g_child_inflight;
+     * signal handler) leaves that call in the child too: its token is of the old fork
+     * generation, so its leave touches no count (the count is the parent's). The depth
+     * is not inherited (a depth left behind by a siglongjmp out of a call would
+     * otherwise make every later call of the child pass as nested, ungated). */
+    g_fork_gen++;
     t_depth = 0;
     __atomic_store_n(&g_fast.gate, NULL, RELAXED);
     __atomic_store_n(&g_proc, NULL, RELAXED);

@@ -16,6 +16,7 @@ struct krex_fast {
     uint32_t owner_byte;
 };
 extern struct krex_fast g_fast;
+extern int g_fork_gen; /* bumped in each fork child: a counted call's token is g_fork_gen + 1 */
 extern __thread int t_depth __attribute__((tls_model("initial-exec")));
 #pragma GCC visibility pop
 
@@ -23,6 +24,7 @@ extern __thread int t_depth __attribute__((tls_model("initial-exec")));
  * every path). A call made inside one (a library calling itself) is nested: it passes
  * uncounted, covered by the outer call's in-flight count. A thread parked at the gate
  * is NOT inside a call yet, so a signal handler's call on it is gated like any other. */
+/* Returns 0 for an uncounted call, else the token krex_leave needs (g_fork_gen + 1). */
 static inline int krex_enter(int cls) {
     if (UNLIKELY(t_depth != 0)) { /* nested */
         t_depth++;
@@ -50,7 +52,7 @@ static inline int krex_enter(int cls) {
     }
     t_depth++;
     __atomic_fetch_add(&g_fast.submits[cls], 1, __ATOMIC_RELAXED);
-    return 1;
+    return g_fork_gen + 1;
 }
 
 /* Slow path of a leave (shim.c): someone else closed the gate while this call ran,
@@ -68,7 +70,10 @@ __attribute__((always_inline)) static inline void krex_leave(int counted) {
      * still holds its count, so such a handler is gated (and at worst delays a region
      * entry to its bounded in-flight wait, which is flagged). */
     if (LIKELY(t_depth > 0)) t_depth--; /* (0: a fork child that left a call its parent entered) */
-    if (counted) {
+    /* A token of another fork generation: a fork child leaving a call its parent entered
+     * (a fork from a signal handler inside it). That count is the parent's, in the
+     * parent's record: the child must not touch it, nor its own record if it registered. */
+    if (counted && LIKELY(counted == g_fork_gen + 1)) {
         __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
         uint32_t *gate = g_fast.gate; /* NULL in a fork child until it registers */
         uint32_t w = gate ? __atomic_load_n(gate, __ATOMIC_SEQ_CST) : KREX_GATE_OPEN;

@@ -21,18 +21,11 @@
 
 #include "include/krex.h"
 #include "krex_cuda_types.h"
+#include "victim.h"
 
-extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
-                                    size_t sharedMem, cudaStream_t stream);
-extern cudaError_t cudaDeviceSynchronize(void);
 
 static volatile int g_armed, g_fired, g_handled;
 static int g_arm_shm;
-
-static void launch(unsigned us) {
-    dim3 grid = {us, 1, 1}, block = {1, 1, 1};
-    cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
-}
 
 static volatile int g_handler_depth = -1;
 

@@ -16,22 +16,10 @@
 #include <unistd.h>
 
 #include "krex_cuda_types.h"
+#include "victim.h"
 
-extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
-                                    size_t sharedMem, cudaStream_t stream);
 
 static unsigned g_handler_us;
-
-static unsigned long long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
-}
-
-static void launch(unsigned us) {
-    dim3 grid = {us, 1, 1}, block = {1, 1, 1};
-    cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
-}
 
 static void on_usr1(int sig) {
     (void)sig;

@@ -121,6 +121,21 @@ def driver_list() -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+def spawn_with_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None:
+    """An unrelated process (`sleep 60`) that gets `pid`: a real pid reuse, made by setting
+    the next pid through /proc/sys/kernel/ns_last_pid (root). None if another process
+    kept taking it first."""
+    for _ in range(tries):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        p = subprocess.Popen(["sleep", "60"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
 # ------------------------------------------------------------------------- env
 
 

@@ -344,13 +344,15 @@ class Krex:
         self.cmds[name] = c
         return c
 
-    def run_argv(self, name: str, argv: list[str], *opts: str) -> subprocess.Popen[bytes]:
+    def run_argv(
+        self, name: str, argv: list[str], *opts: str, env_extra: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """`krex run --device sim [OPTS] -- ARGV`, its output in NAME.log."""
         log = self.out / f"{name}.log"
         with open(log, "wb") as f:
             p = subprocess.Popen(
                 [*KREX, "run", "--device", "sim", *opts, "--", *argv],
-                env=self.env(),
+                env=self.env(**(env_extra or {})),
                 stdin=subprocess.DEVNULL,
                 stdout=f,
                 stderr=subprocess.STDOUT,

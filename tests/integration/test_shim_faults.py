@@ -232,6 +232,52 @@ def test_a_sibling_stuck_past_the_gate_is_frozen_under_any_policy(kx: Krex, bins
     sib.kill()
 
 
+def test_a_fork_child_that_registers_inside_its_parents_call_keeps_a_sound_record(
+    kx: Krex, bins: dict[str, Path]
+) -> None:
+    """The child of a fork from a signal handler inside a gated call registers (a kernel,
+    still inside the handler) and only then returns into the call and leaves it. That
+    leave must not be taken from the child's own new record (before: its in-flight count
+    went to 0xffffffff and the audit dropped the record as damaged)."""
+    kx.start_daemon(slots=2)
+    kx.run_argv("fc", [str(bins["forkcall"]), "in-call-reg"], env_extra={"KREX_COPY_CHUNK_BYTES": "0"})
+    log = kx.out / "fc.log"
+    wait_until(lambda: '"child"' in log.read_text(), 30, "the child's line")
+    child = next(json.loads(x) for x in log.read_text().splitlines() if x.startswith('{"child"'))
+    assert child["registered"] == 1 and child["depth"] == 0, child
+    with Segment.attach(kx.env()["KREX_SHM"]) as seg:
+        (rec,) = [p for p in seg.snapshot().procs if p.pid == child["child"]]
+    assert rec.inflight == 0, f"the child's record counts {rec.inflight} calls in flight"
+
+
+@pytest.mark.parametrize(
+    ("mode", "image"), [("exec-in-call", "sleep"), ("exec-in-call", "actor"), ("exec-after", "sleep")]
+)
+def test_an_exec_leaves_no_call_or_drain_owed_behind(
+    kx: Krex, bins: dict[str, Path], mode: str, image: str
+) -> None:
+    """A registered process exec()s, from inside a gated call or outside any, into a
+    program that uses no GPU (sleep) or one that registers again (actor). Its old image's
+    count and contexts are gone: other commands' regions must neither wait for them nor
+    be flagged (before: each region waited 5 s and was contaminated, with an in-flight
+    timeout or a drain that no helper would ever ack, for as long as the new image ran)."""
+    kx.start_daemon(slots=3)
+    prog = ["/bin/sleep", "8"] if image == "sleep" else [str(bins["actor"]), "k:1", "sleep:8000"]
+    kx.run_argv("ex", [str(bins["forkcall"]), mode, *prog], env_extra={"KREX_COPY_CHUNK_BYTES": "0"})
+    log = kx.out / "ex.log"
+    wait_until(lambda: '"exec"' in log.read_text(), 30, "the process to register")
+    if image == "actor":
+        wait_until(lambda: '"act":"k"' in log.read_text(), 30, "the new image's first kernel")
+    else:
+        time.sleep(0.5)  # the exec: at once (exec-after) or 20 ms into the copy (exec-in-call)
+    own = kx.run_argv("own", [str(bins["actor"]), "k:1", "sync", "begin", "k:10", "sync", "end"])
+    assert own.wait(60) == 0
+    acts = [json.loads(x) for x in (kx.out / "own.log").read_text().splitlines() if x.startswith('{"act"')]
+    begin, end = (next(a for a in acts if a["act"] == k) for k in ("begin", "end"))
+    assert end["rc"] == 0, f"the region was flagged: {kx.journal()[-1]}"
+    assert (begin["t1"] - begin["t0"]) / 1e9 < 2.0, "the region waited for the old image"
+
+
 # ----------------------------------------------------------------- krexd spawned by the shim
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import spawn_with_pid
 from test_regions import KREX, WORKER, Krex
 
 pytestmark = [
@@ -516,19 +517,6 @@ def test_a_daemon_started_from_inside_a_command_does_not_live_in_its_slot_group(
     assert "/slot-" not in cg, f"the on-demand daemon lives in a slot group: {cg}"
 
 
-def _spawn_with_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None:
-    """An unrelated process that gets `pid` (root: /proc/sys/kernel/ns_last_pid)."""
-    for _ in range(tries):
-        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-            f.write(str(pid - 1))
-        p = subprocess.Popen(["sleep", "60"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    return None
-
-
 def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_foreign(kx: Krex) -> None:
     """Pids KREX knew at the region's start are not foreign, but only as the processes they
     were then: an outsider that gets the pid of a sibling that ended inside the region
@@ -541,7 +529,7 @@ def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_fo
     time.sleep(0.3)  # krexd has taken its entry sample (and its known pids)
     kx.touch("sib")
     assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
-    outsider = _spawn_with_pid(sib)
+    outsider = spawn_with_pid(sib)
     if outsider is None:
         pytest.skip(f"could not get pid {sib} for an outsider")
     try:

@@ -11,23 +11,11 @@ import time
 from typing import Any
 
 import pytest
+from helpers import spawn_with_pid
 
 from krex.node import daemon
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
-
-
-def _spawn_with_pid(pid: int) -> subprocess.Popen[bytes] | None:
-    """A new process that gets `pid` (a few tries: another process may take it first)."""
-    for _ in range(20):
-        with open(NS_LAST_PID, "w") as f:
-            f.write(str(pid - 1))
-        p = subprocess.Popen(["sleep", "60"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    return None
 
 
 @pytest.mark.skipif(not os.access(NS_LAST_PID, os.W_OK), reason="needs root to choose the next pid")
@@ -42,7 +30,7 @@ def test_a_process_that_reuses_a_dead_roots_pid_is_not_a_root() -> None:
     # Start times are in clock ticks (10 ms): a real reuse comes after the pid space wrapped.
     time.sleep(0.05)
     assert not daemon._is_root(slot, first.pid), "a dead root still counts"
-    second = _spawn_with_pid(first.pid)
+    second = spawn_with_pid(first.pid)
     assert second is not None, f"could not get pid {first.pid} again"
     try:
         assert not daemon._is_root(slot, second.pid), "an unrelated process with the root's old pid is a root"
