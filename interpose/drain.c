@@ -270,6 +270,11 @@ static void *krex_helper(void *arg) {
  * runs before them. */
 static void stop_helper(void) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
+    /* Unnamed first: a helper that is gone while the process lives must not read as an
+     * exec (other threads may still submit while the process exits): krexd then waits
+     * for an ack that never comes, and flags the region, as for any helper that is gone. */
+    struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
+    if (rec) __atomic_store_n(&rec->helper_tid, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
     struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
     if (shm && g_gpu >= 0) krex_futex_wake(&shm->gpus[g_gpu].drain_seq); /* others just re-check */
