@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -207,11 +208,22 @@ static uint32_t g_helper_busy;  /* atomic: inside a drain */
 static pthread_t g_helper_thread;
 static pid_t g_helper_pid;      /* the process that started it (a fork child has none) */
 
+/* Our pid and tid mean the same processes to krexd only in krexd's pid namespace (a
+ * container or `unshare -p` gives other numbers): compare the namespaces' inodes, which
+ * krexd publishes in the header. Unknown either side: not the same. */
+static int in_krexds_pid_ns(void) {
+    struct stat st;
+    uint64_t theirs = __atomic_load_n(&g_shm->hdr.pidns, __ATOMIC_SEQ_CST);
+    return theirs != 0 && stat("/proc/self/ns/pid", &st) == 0 && (uint64_t)st.st_ino == theirs;
+}
+
 static void *krex_helper(void *arg) {
     (void)arg;
     prctl(PR_SET_NAME, "krex-drain", 0, 0, 0);
-    /* krexd tells an exec'd process (its helper gone, its pid alive) by this thread. */
-    __atomic_store_n(&g_proc->helper_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_SEQ_CST);
+    /* krexd tells an exec'd process (its helper gone, its pid alive) by this thread; only
+     * where our tid means the same thread to krexd (else it stays 0: no such inference). */
+    if (in_krexds_pid_ns())
+        __atomic_store_n(&g_proc->helper_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_SEQ_CST);
     /* Relaxed capture mode on this thread: a context synchronise here must not
      * invalidate a graph another thread is capturing (DESIGN.md consequence 7). */
     typedef CUresult (*fn_xmode)(CUstreamCaptureMode *);

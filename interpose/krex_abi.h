@@ -232,7 +232,8 @@ struct krex_header {
     uint64_t proc_overflows;        /* processes that found no free record */
     uint64_t instance;              /* random at creation: which segment this is (its generation) */
     uint64_t check;                 /* krex_hdr_check() of the fields that never change */
-    uint64_t reserved[6];
+    uint64_t pidns;                 /* krexd's pid namespace (inode of /proc/self/ns/pid); 0 unknown */
+    uint64_t reserved[5];
 };
 
 struct krex_gpu {

@@ -467,6 +467,12 @@ class Segment:
 
     def set_daemon(self, pid: int, heartbeat_timeout_s: float | None = None) -> None:
         self.raw.hdr.daemon_pid = pid
+        # Shims compare theirs: a pid or tid from another pid namespace means another
+        # process in krexd's /proc (the drain helper's tid is published only if they match).
+        try:
+            self.raw.hdr.pidns = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            self.raw.hdr.pidns = 0
         if heartbeat_timeout_s:
             self.raw.hdr.heartbeat_timeout_ns = int(heartbeat_timeout_s * 1e9)
         self.heartbeat()
