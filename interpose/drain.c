@@ -211,7 +211,7 @@ static pid_t g_helper_pid;      /* the process that started it (a fork child has
 /* Our pid and tid mean the same processes to krexd only in krexd's pid namespace (a
  * container or `unshare -p` gives other numbers): compare the namespaces' inodes, which
  * krexd publishes in the header. Unknown either side: not the same. */
-static int in_krexds_pid_ns(void) {
+int krex_in_krexds_pid_ns(void) {
     struct stat st;
     uint64_t theirs = __atomic_load_n(&g_shm->hdr.pidns, __ATOMIC_SEQ_CST);
     return theirs != 0 && stat("/proc/self/ns/pid", &st) == 0 && (uint64_t)st.st_ino == theirs;
@@ -222,7 +222,7 @@ static void *krex_helper(void *arg) {
     prctl(PR_SET_NAME, "krex-drain", 0, 0, 0);
     /* krexd tells an exec'd process (its helper gone, its pid alive) by this thread; only
      * where our tid means the same thread to krexd (else it stays 0: no such inference). */
-    if (in_krexds_pid_ns())
+    if (krex_in_krexds_pid_ns())
         __atomic_store_n(&g_proc->helper_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_SEQ_CST);
     /* Relaxed capture mode on this thread: a context synchronise here must not
      * invalidate a graph another thread is capturing (DESIGN.md consequence 7). */
@@ -324,12 +324,13 @@ void start_helper(void) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
-/* fork right after registration: let the helper finish starting first. Its
- * start-up allocates and calls dlsym; a child forked meanwhile would inherit
- * those locks held by a thread it does not have, and hang on its first use
- * (seen with ASan's allocator, whose gcc-12 runtime has no fork handler).
- * Bounded: a helper that never settles costs one wait, never a hang. */
-void krex_drain_before_fork(void) {
+/* Wait for a just-started helper to finish starting (registration, and fork). Its
+ * start-up allocates and calls dlsym; a child forked meanwhile would inherit those
+ * locks held by a thread it does not have, and hang on its first use (seen with ASan's
+ * allocator, whose gcc-12 runtime has no fork handler); and its thread must be named
+ * (helper_tid) before the process can exec. Bounded: a helper that never settles
+ * costs one wait, never a hang. */
+void krex_wait_helper_settled(void) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
     uint64_t t0 = krex_now_ns();
     while (!__atomic_load_n(&g_helper_settled, __ATOMIC_SEQ_CST)) {

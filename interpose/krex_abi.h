@@ -261,7 +261,8 @@ struct krex_slot {
     int64_t owner_pid;              /* the guardian (krex run) that claimed it */
     uint64_t generation;            /* bumped on each claim, so stale handles notice */
     uint32_t inflight;              /* used only by processes that found no krex_proc record */
-    uint32_t unrecorded;            /* such processes beyond the list below (never decremented) */
+    uint32_t unrecorded;            /* such processes beyond the list below, and processes in
+                                       another pid namespace (never decremented) */
     int64_t unrecorded_pids[4];     /* such processes (pid | start ticks << 32): flagged while alive */
 };
 

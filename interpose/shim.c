@@ -190,6 +190,10 @@ static int register_now(void) {
          * waits for the helper's ack, as for any process registered before the request. */
         __atomic_store_n(&p->drain_ack, __atomic_load_n(&g_shm->gpus[g_gpu].drain_seq, __ATOMIC_SEQ_CST),
                          __ATOMIC_SEQ_CST);
+        /* In another pid namespace our pid means another process to krexd: it cannot
+         * tell whether we live, so it may skip our drain. Counted as a process it cannot
+         * account for: its regions are flagged while our command lives. */
+        if (!stale && !krex_in_krexds_pid_ns()) __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
     } else {
         /* No record left: still gated, through the slot's shared counter; but no drain
          * helper of ours is known to krexd, so it flags every region while we live. */
@@ -205,7 +209,12 @@ static int register_now(void) {
              g_slot, (long long)g_shm->slots[g_slot].generation, g_slot_gen);
     }
     __atomic_store_n(&g_fast.gate, &g_shm->gpus[g_gpu].gate, RELEASE);
-    if (g_proc && !g_helper_started) start_helper();
+    if (g_proc && !g_helper_started) {
+        start_helper();
+        /* Its start-up over (bounded) before our first call returns: a fork or an exec
+         * right after it then finds the helper whole, and its thread named (helper_tid). */
+        krex_wait_helper_settled();
+    }
     klog("registered: slot %d gpu %d record %d", g_slot, g_gpu, idx);
 out:
     pthread_mutex_unlock(&g_reg_lock);
@@ -216,7 +225,7 @@ out:
  * inherits it held by a thread that does not exist there; parent and child
  * release it. The lock is only ever held briefly (see g_reg_lock). */
 static void atfork_prepare(void) {
-    krex_drain_before_fork();
+    krex_wait_helper_settled();
     pthread_mutex_lock(&g_reg_lock);
 }
 

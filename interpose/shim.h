@@ -74,7 +74,8 @@ void krex_ctx_del(void *ctx);
 void krex_capture_begin(void *stream);
 void krex_capture_end(int api, void *stream);
 void start_helper(void);
-void krex_drain_before_fork(void);
+int krex_in_krexds_pid_ns(void);
+void krex_wait_helper_settled(void);
 void krex_drain_after_fork(void);
 
 /* client.c: krexd connections (self-registration, C/C++ regions). */

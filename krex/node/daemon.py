@@ -728,7 +728,8 @@ class Daemon:
     def _unrecorded(self, gpu: int) -> dict[int, int]:
         """Slots of `gpu` with live processes that registered without a record (the table
         was full): gated through the slot's counter, but drained by nobody. The shim lists
-        up to 4 per slot by pid (counted while alive); more are counted for good.
+        up to 4 per slot by pid (counted while alive); more, and processes in a pid
+        namespace other than krexd's, are counted for good.
         A slot released meanwhile (its GPU no longer known) counts on every GPU."""
         out = {}
         for n in range(lib.KREX_MAX_SLOTS):
@@ -1055,8 +1056,9 @@ class Daemon:
                 reasons.append(
                     (
                         "drain-unknown",
-                        f"{sum(unrec.values())} process(es) of slot(s) {sorted(unrec)} found no free process "
-                        f"record (all {lib.KREX_MAX_PROCS} taken): no helper drained their queued GPU work",
+                        f"{sum(unrec.values())} process(es) of slot(s) {sorted(unrec)} that krexd cannot "
+                        f"account for (no free process record, all {lib.KREX_MAX_PROCS} taken, or a pid "
+                        "namespace of their own): their queued GPU work may not have been drained",
                     )
                 )
             t1 = time.monotonic()
