@@ -120,7 +120,8 @@
 #define KREX_WAIT_SLICE_NS 200000000
 /* The drain helper re-checks its GPU's drain_seq (and whether to stop) this often. */
 #define KREX_HELPER_RECHECK_NS 1000000000
-/* fork() waits at most this long for a just-started drain helper to finish starting. */
+/* Registration and fork() wait at most this long for a just-started drain helper to
+ * finish starting. */
 #define KREX_HELPER_SETTLE_NS 500000000
 /* A client that starts krexd on demand waits this long for it to answer. */
 #define KREX_DAEMON_START_WAIT_MS 15000
