@@ -202,6 +202,7 @@ static void drain_hip(void) {
 }
 
 int g_helper_started;
+static uint32_t g_helper_named;   /* atomic: its thread is named in the record (helper_tid) */
 static uint32_t g_helper_settled; /* atomic: its start-up (thread set-up, dlsym) is over */
 static uint32_t g_helper_stop;  /* atomic: set at exit */
 static uint32_t g_helper_busy;  /* atomic: inside a drain */
@@ -224,6 +225,10 @@ static void *krex_helper(void *arg) {
      * where our tid means the same thread to krexd (else it stays 0: no such inference). */
     if (krex_in_krexds_pid_ns())
         __atomic_store_n(&g_proc->helper_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_SEQ_CST);
+    /* Before any loader call: registration waits for this, and may hold the loader lock
+     * (a first GPU call inside a library constructor, under dlopen). */
+    __atomic_store_n(&g_helper_named, 1, __ATOMIC_SEQ_CST);
+    krex_futex_wake(&g_helper_named);
     /* Relaxed capture mode on this thread: a context synchronise here must not
      * invalidate a graph another thread is capturing (DESIGN.md consequence 7). */
     typedef CUresult (*fn_xmode)(CUstreamCaptureMode *);
@@ -308,6 +313,7 @@ void start_helper(void) {
     pthread_attr_init(&a);
     pthread_attr_setstacksize(&a, 256 * 1024);
     __atomic_store_n(&g_helper_stop, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&g_helper_named, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_helper_settled, 0, __ATOMIC_SEQ_CST);
     if (pthread_create(&g_helper_thread, &a, krex_helper, NULL) == 0) {
         g_helper_pid = getpid();
@@ -324,21 +330,25 @@ void start_helper(void) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
-/* Wait for a just-started helper to finish starting (registration, and fork). Its
- * start-up allocates and calls dlsym; a child forked meanwhile would inherit those
- * locks held by a thread it does not have, and hang on its first use (seen with ASan's
- * allocator, whose gcc-12 runtime has no fork handler); and its thread must be named
- * (helper_tid) before the process can exec. Bounded: a helper that never settles
- * costs one wait, never a hang. */
-void krex_wait_helper_settled(void) {
+/* Wait (bounded: a helper that never gets there costs one wait, never a hang) for a
+ * just-started helper to reach `*flag`. Registration waits until it is named (its first
+ * step, no lock needed), so a process that execs right after its first call has it
+ * named. fork waits until its start-up is over: that start-up allocates and calls
+ * dlsym, and a child forked meanwhile would inherit those locks held by a thread it
+ * does not have, and hang on its first use (seen with ASan's allocator, whose gcc-12
+ * runtime has no fork handler). */
+static void wait_helper(uint32_t *flag) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
     uint64_t t0 = krex_now_ns();
-    while (!__atomic_load_n(&g_helper_settled, __ATOMIC_SEQ_CST)) {
+    while (!__atomic_load_n(flag, __ATOMIC_SEQ_CST)) {
         uint64_t spent = krex_now_ns() - t0;
         if (spent >= KREX_HELPER_SETTLE_NS) break;
-        krex_futex_wait(&g_helper_settled, 0, KREX_HELPER_SETTLE_NS - spent);
+        krex_futex_wait(flag, 0, KREX_HELPER_SETTLE_NS - spent);
     }
 }
+
+void krex_wait_helper_named(void) { wait_helper(&g_helper_named); }
+void krex_wait_helper_settled(void) { wait_helper(&g_helper_settled); }
 
 /* fork: the child is a new process with no helper, no captures, no contexts yet. */
 void krex_drain_after_fork(void) {

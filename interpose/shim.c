@@ -193,7 +193,7 @@ static int register_now(void) {
         /* In another pid namespace our pid means another process to krexd: it cannot
          * tell whether we live, so it may skip our drain. Counted as a process it cannot
          * account for: its regions are flagged while our command lives. */
-        if (!stale && !krex_in_krexds_pid_ns()) __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
+        if (!krex_in_krexds_pid_ns()) __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
     } else {
         /* No record left: still gated, through the slot's shared counter; but no drain
          * helper of ours is known to krexd, so it flags every region while we live. */
@@ -211,9 +211,9 @@ static int register_now(void) {
     __atomic_store_n(&g_fast.gate, &g_shm->gpus[g_gpu].gate, RELEASE);
     if (g_proc && !g_helper_started) {
         start_helper();
-        /* Its start-up over (bounded) before our first call returns: a fork or an exec
-         * right after it then finds the helper whole, and its thread named (helper_tid). */
-        krex_wait_helper_settled();
+        /* Its thread named (bounded) before our first call returns: an exec right after
+         * it then leaves a record krexd can tell is exec'd. */
+        krex_wait_helper_named();
     }
     klog("registered: slot %d gpu %d record %d", g_slot, g_gpu, idx);
 out:

@@ -75,6 +75,7 @@ void krex_capture_begin(void *stream);
 void krex_capture_end(int api, void *stream);
 void start_helper(void);
 int krex_in_krexds_pid_ns(void);
+void krex_wait_helper_named(void);
 void krex_wait_helper_settled(void);
 void krex_drain_after_fork(void);
 

@@ -1051,7 +1051,7 @@ class Daemon:
                         f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained",
                     )
                 )
-            unrec = self._unrecorded(gpu)
+            unrec = {n: c for n, c in self._unrecorded(gpu).items() if n != req.slot}  # its own are its own
             if unrec:
                 reasons.append(
                     (

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from krex.native import ffi, lib
-from krex.node.shm import Segment, gate_owner
+from krex.node.shm import Segment, gate_owner, pid_namespace
 
 SHM_DIR = "/dev/shm"
 _WHY = {1: "check", 2: "gpu", 4: "drain ack ahead", 8: "slot", 16: "counters"}
@@ -100,6 +100,7 @@ class SegmentGuard:
         self.instance = int(h.instance)
         self.created_ns = int(h.created_ns)
         self.heartbeat_timeout_ns = heartbeat_timeout_ns
+        self.pidns = pid_namespace()  # what set_daemon publishes (the same process)
         self.path = shm_path(self.name)
         st = os.stat(self.path)
         self.ino = (st.st_dev, st.st_ino)
@@ -144,10 +145,13 @@ class SegmentGuard:
             out.append(f"segment {self.name} is {ns}")
         raw = self.seg.raw
         bad = int(lib.krex_shm_verify(raw, self.n_gpus))
-        if bad or int(raw.hdr.instance) != self.instance:
+        pidns_bad = int(raw.hdr.pidns) != self.pidns
+        if bad or int(raw.hdr.instance) != self.instance or pidns_bad:
             what = [n for b, n in BAD_NAMES.items() if bad & b]
             if int(raw.hdr.instance) != self.instance:
                 what.append("instance")
+            if pidns_bad:
+                what.append("pid namespace")
             out.append(f"segment header damaged ({', '.join(what)})")
         for g, ok in expected.gates.items():
             w = int(raw.gpus[g].gate)
@@ -200,6 +204,9 @@ class SegmentGuard:
         if int(lib.krex_shm_verify(raw, self.n_gpus)) or int(raw.hdr.instance) != self.instance:
             lib.krex_hdr_restore(raw, self.n_gpus, self.instance, self.created_ns, self.heartbeat_timeout_ns)
             actions.append("header rewritten from krexd's copy")
+        if int(raw.hdr.pidns) != self.pidns:
+            raw.hdr.pidns = self.pidns
+            actions.append("pid namespace rewritten from krexd's copy")
         for g, ok in expected.gates.items():
             w = int(raw.gpus[g].gate)
             if self._gate_ok(w, ok, expected.owner.get(g, -1)):

@@ -35,6 +35,14 @@ PROC_FLAG_NAMES = {
 }
 
 
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def default_name() -> str:
     """The segment name: $KREX_SHM, else one per user."""
     name = os.environ.get("KREX_SHM") or f"/krex-{os.getuid()}"
@@ -469,10 +477,7 @@ class Segment:
         self.raw.hdr.daemon_pid = pid
         # Shims compare theirs: a pid or tid from another pid namespace means another
         # process in krexd's /proc (the drain helper's tid is published only if they match).
-        try:
-            self.raw.hdr.pidns = os.stat("/proc/self/ns/pid").st_ino
-        except OSError:
-            self.raw.hdr.pidns = 0
+        self.raw.hdr.pidns = pid_namespace()
         if heartbeat_timeout_s:
             self.raw.hdr.heartbeat_timeout_ns = int(heartbeat_timeout_s * 1e9)
         self.heartbeat()

@@ -278,6 +278,55 @@ def test_an_exec_leaves_no_call_or_drain_owed_behind(
     assert (begin["t1"] - begin["t0"]) / 1e9 < 2.0, "the region waited for the old image"
 
 
+def test_a_first_gpu_call_in_a_library_constructor_is_not_slowed(kx: Krex, tmp_path: Path) -> None:
+    """A library whose constructor makes the process's first GPU call, loaded with
+    dlopen (which holds the loader lock while constructors run). Registration waits for
+    the drain helper to name itself; the helper must do that before any loader call,
+    or the wait runs to its bound (before: dlopen took 500 ms instead of 0.2)."""
+    (tmp_path / "libctor.c").write_text(
+        '#include "victim.h"\n__attribute__((constructor)) static void ctor(void) { launch(10); }\n'
+    )
+    (tmp_path / "dlctor.c").write_text(
+        r"""#include <dlfcn.h>
+#include <stdio.h>
+#include "victim.h"
+int main(int argc, char **argv) {
+    unsigned long long t0 = now_ns();
+    void *h = dlopen(argv[1], RTLD_NOW);
+    printf("{\"dlopen_ms\":%.3f,\"ok\":%d}\n", (now_ns() - t0) / 1e6, h != NULL);
+    return 0;
+}
+"""
+    )
+    root = Path(__file__).resolve().parents[2]
+    flags = [f"-I{root / 'tests' / 'c'}", f"-I{root / 'interpose'}"]
+    link = [f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-ldl"]
+    so, exe, lib_c = tmp_path / "libctor.so", tmp_path / "dlctor", tmp_path / "libctor.c"
+    subprocess.run([CC, "-shared", "-fPIC", *flags, "-o", str(so), str(lib_c), *link], check=True)
+    subprocess.run([CC, *flags, "-o", str(exe), f"{tmp_path}/dlctor.c", *link], check=True)
+    kx.start_daemon(slots=2)
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", str(tmp_path / "dlctor"), str(tmp_path / "libctor.so")],
+        env=kx.env(), capture_output=True, text=True, timeout=60,
+    )
+    out = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("{")))
+    assert out["ok"] == 1, (p.stdout, p.stderr[-1500:])
+    assert out["dlopen_ms"] < 100, f"the first GPU call in a constructor waited for the helper: {out}"
+
+
+def test_krexd_restores_the_pid_namespace_in_the_header(kx: Krex) -> None:
+    """Shims publish their drain helper's tid only if their pid namespace is the one in
+    the header. A header repair must put krexd's back (before: it stayed 0, and every
+    region was flagged until krexd restarted), and a forged one is a segment incident."""
+    kx.start_daemon(slots=2)
+    want = os.stat("/proc/self/ns/pid").st_ino
+    with Segment.attach(kx.env()["KREX_SHM"]) as seg:
+        assert int(seg.raw.hdr.pidns) == want
+        seg.raw.hdr.pidns = 12345
+        wait_until(lambda: int(seg.raw.hdr.pidns) == want, 10, "krexd to restore its pid namespace")
+    assert "pid namespace" in kx.daemon_log(), kx.daemon_log()[-1500:]
+
+
 # ----------------------------------------------------------------- krexd spawned by the shim
 
 
