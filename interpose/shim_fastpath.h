@@ -1,6 +1,6 @@
-/* The submission fast path, inlined into every gated wrapper (hooks.c): a TLS
- * depth check, one seq_cst increment, one seq_cst load, the depth increment. No locks, no syscalls,
- * no allocation; everything slow is behind krex_register / krex_wait_gate. */
+/* The submission fast path, inlined into every gated wrapper (hooks.c): a TLS depth
+ * check, one seq_cst increment, one seq_cst load, the depth increment. No locks, no
+ * syscalls, no allocation; everything slow is behind krex_register / krex_wait_gate. */
 #ifndef KREX_SHIM_FASTPATH_H
 #define KREX_SHIM_FASTPATH_H
 #include "shim.h"
@@ -23,8 +23,8 @@ extern __thread int t_depth __attribute__((tls_model("initial-exec")));
 /* t_depth counts this thread's calls that are past the gate (krex_leave undoes it on
  * every path). A call made inside one (a library calling itself) is nested: it passes
  * uncounted, covered by the outer call's in-flight count. A thread parked at the gate
- * is NOT inside a call yet, so a signal handler's call on it is gated like any other. */
-/* Returns 0 for an uncounted call, else the token krex_leave needs (g_fork_gen + 1). */
+ * is NOT inside a call yet, so a signal handler's call on it is gated like any other.
+ * Returns 0 for an uncounted call, else the token krex_leave needs (g_fork_gen + 1). */
 static inline int krex_enter(int cls) {
     if (UNLIKELY(t_depth != 0)) { /* nested */
         t_depth++;
