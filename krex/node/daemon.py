@@ -1130,6 +1130,8 @@ class Daemon:
                 else {}
             )
             attest_entry = self.attestor.sample(gpu)
+            sib_procs = self._sibling_gpu_procs(gpu, req.slot)
+            own_at_entry = self._own_pids(req)
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
                 cut = True
@@ -1154,13 +1156,14 @@ class Daemon:
                     )
                 )
             reasons.extend(self._trust_checks(gpu, req, t_grant_ns))
+            attest_exit = self.attestor.sample(gpu)
             attest, more = self.attestor.judge(
-                gpu,
-                attest_entry,
-                self.attestor.sample(gpu),
-                lambda: _same_processes(known_at_entry) | self._known_pids(),
+                gpu, attest_entry, attest_exit, lambda: _same_processes(known_at_entry) | self._known_pids()
             )
             reasons.extend(more)
+            nvml_changed = set(attest_entry.get("procs") or []) ^ set(attest_exit.get("procs") or [])
+            nvml_changed -= own_at_entry | {f["pid"] for f in attest.get("foreign") or []}  # flagged already
+            reasons.extend(self._context_changes(gpu, req.slot, sib_procs, nvml_changed))
             stalled = self._stalled_during(t0, time.monotonic())
             if stalled:
                 reasons.append(
@@ -1268,6 +1271,60 @@ class Daemon:
             s = self.slots.get(req.slot)
         own = set(self._group_pids(s)) if s is not None else {req.pid}
         return [("segment", text) for text in self.guard.flag(since_ns, own)]
+
+    def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> dict[int, int]:
+        """pid -> start time of the other commands' processes on `gpu` that made GPU calls
+        (registered), and of released slots' leftovers (their GPU is not known)."""
+        with self.lock:
+            slots = [n for n, s in self.slots.items() if s.gpu == gpu and n != owner_slot]
+        out: dict[int, int] = {}
+        for n in [*slots, int(lib.KREX_PROC_STALE)]:
+            for p in self.seg.slot_pids(n):
+                out[p] = int(lib.krex_pid_start_ticks(p))
+        return out
+
+    def _own_pids(self, req: Region) -> set[int]:
+        with self.lock:
+            s = self.slots.get(req.slot)
+        return {req.pid, *(self._group_pids(s) if s is not None else [])}
+
+    def _context_changes(
+        self, gpu: int, owner_slot: int, before: dict[int, int], nvml_changed: set[int]
+    ) -> list[tuple[str, str]]:
+        """A sibling process that started using the GPU or ended during the region. Setting
+        up or tearing down a GPU context (allocations, page tables, scrubbing the memory
+        freed at exit) runs on the GPU outside any gated call: under a policy that leaves
+        siblings running it slowed kernels over 10 ms by up to 16% in regions that read
+        clean (H200, docs/results/h200/goal-run). Frozen siblings cannot do it; one killed
+        while frozen can, and is flagged too. `nvml_changed`: pids NVML listed at only one
+        end of the region (a process with a context that never made a gated call), less
+        the owner's own."""
+        now = self._sibling_gpu_procs(gpu, owner_slot)
+        ended = sorted(p for p, st in before.items() if int(lib.krex_pid_start_ticks(p)) != st)
+        started = sorted(set(now) - set(before))
+        nvml_changed -= self._own_pids_now(owner_slot)
+        gone = set(ended) | set(started)
+        ended += sorted(p for p in nvml_changed - gone if int(lib.krex_pid_start_ticks(p)) == 0)
+        started += sorted(p for p in nvml_changed - gone if int(lib.krex_pid_start_ticks(p)) != 0)
+        if not ended and not started:
+            return []
+        what = "; ".join(
+            f"{k} pid {', '.join(map(str, ps[:5]))}{' ...' if len(ps) > 5 else ''}"
+            for k, ps in (("started", started), ("ended", ended))
+            if ps
+        )
+        return [
+            (
+                "sibling-context",
+                f"sibling processes on GPU {gpu} started or ended their GPU work during the region ({what}): "
+                "a GPU context's set-up and teardown run on the GPU outside the gate",
+            )
+        ]
+
+    def _own_pids_now(self, slot: int) -> set[int]:
+        with self.lock:
+            s = self.slots.get(slot)
+        return set(self._group_pids(s)) if s is not None else set()
 
     def _known_pids(self) -> set[int]:
         """Every process KREX knows on this node: slot trees, registered processes, itself."""

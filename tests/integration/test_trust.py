@@ -437,6 +437,72 @@ def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex)
     assert [f["pid"] for f in rec["attest"]["foreign"]] == [outsider.pid], rec["attest"]
 
 
+def test_a_sibling_whose_gpu_process_ends_during_a_gpu_policy_region_flags_it(kx: Krex) -> None:
+    """Under the gpu policy a sibling keeps running. One that used the GPU and ends inside
+    the region tears its GPU context down meanwhile, on the GPU, outside the gate: on the
+    H200 such regions read clean while kernels over 10 ms ran up to 16% slower. Flagged."""
+    _fake_nvml_gpu_policy(kx)
+    kx.run("sib", "hammer", "--us", "0", "--long-us", "1")  # one GPU call (it registers), then CPU only
+    kx.wait(lambda: (kx.out / "sib.ready").exists(), 30, "the sibling's GPU call")
+    sib = json.loads((kx.out / "sib.ready").read_text())
+    ready = _hold_region(kx, "a")
+    assert ready["grant"]["frozen_slots"] == [] and not ready["grant"]["contaminated"], ready["grant"]
+    kx.touch("sib")  # it ends inside the region
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "sibling-context" in rec["flags"] and rec["contaminated"], rec["reasons"]
+    assert f"ended pid {sib['pid']}" in " ".join(rec["reasons"]), rec["reasons"]
+
+
+def test_a_sibling_context_nvml_saw_end_during_a_region_flags_it(kx: Krex) -> None:
+    """A sibling with a GPU context but no gated call (so no process record) that ends
+    inside the region: only NVML sees it, listed at the grant and gone at the end."""
+    nvml, base = _fake_nvml_gpu_policy(kx)
+    kx.run("sib", "hammer", "--us", "0", "--seconds", "60")  # CPU only: never registers
+    sib = kx.wait_running("sib")
+    nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
+    ready = _hold_region(kx, "a")
+    kx.touch("sib")
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    nvml.write_text(json.dumps(base))
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "sibling-context" in rec["flags"] and "foreign-process" not in rec["flags"], rec["reasons"]
+    assert f"ended pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
+
+
+@pytest.mark.parametrize("policy", ["gpu", "all"])
+def test_a_sibling_that_starts_its_gpu_work_during_a_region_flags_it_unless_frozen(
+    kx: Krex, policy: str
+) -> None:
+    """A running sibling's first GPU call inside the region (its context was just set up) is
+    flagged under gpu; under all the sibling is frozen, cannot start, and the region is clean."""
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=2)
+    trigger = kx.out / "trigger"
+    kx.run("sib", "hammer", "--us", "0", "--long-us", "1", "--trigger", str(trigger), "--seconds", "30")
+    kx.wait(lambda: (kx.out / "sib.progress").exists(), 30, "the sibling to start")
+    sib = kx.progress("sib")[2]
+    ready = _hold_region(kx, "a")
+    trigger.touch()
+    if policy == "gpu":  # its first call registers it, then it waits at the closed gate
+        kx.wait(lambda: any(p.pid == sib for p in kx.snapshot().procs), 15, "the sibling to register")
+    else:
+        import time
+
+        time.sleep(1.0)  # frozen: it cannot see the trigger before the region ends
+        assert not any(p.pid == sib for p in kx.snapshot().procs)
+    rec = _end_hold(kx, "a", ready["pid"])
+    if policy == "gpu":
+        assert "sibling-context" in rec["flags"], rec["reasons"]
+        assert f"started pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
+    else:
+        assert rec["siblings_frozen"] == 1 and not rec["contaminated"], rec
+    kx.wait(lambda: (kx.out / "sib.ready").exists(), 30, "the sibling's call after the region")
+    kx.touch("sib")
+
+
 def test_a_sibling_that_fails_open_during_a_region_flags_it(kx: Krex) -> None:
     import signal
     import time
