@@ -594,8 +594,9 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         # run on the first GPU.
         gpus = list(cfg.gpus or [])
         width = cell.c * max(1, len(gpus)) if cell.mode in CONCURRENT else 1
-        pool: Pool[Job] = Pool(width, stop_signals=(signal.SIGTERM, signal.SIGKILL), grace_s=GRACE_S,
-                               tree=True, tick_s=TICK_S)
+        pool: Pool[Job] = Pool(
+            width, stop_signals=(signal.SIGTERM, signal.SIGKILL), grace_s=GRACE_S, tree=True, tick_s=TICK_S
+        )
         gpu_of: dict[int, int | None] = {}
         c_start = last_start = _now()
         cell_failed = 0

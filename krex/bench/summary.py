@@ -124,6 +124,7 @@ def compute_summary(
 
     # Inflation vs native-serial.
     infl: dict[str, dict[str, Any]] = {}
+    split: dict[str, dict[str, Any]] = {}
     for k in keys:
         if k in ("native-serial", "reference"):
             continue
@@ -134,6 +135,15 @@ def compute_summary(
         ]
         bands = bm.inflation_by_band(pairs)
         infl[k] = {b: {**bm.dist(v).to_json(), "values": v} for b, v in bands.items()}
+        split[k] = {b: bm.dist(v).to_json() for b, v in bm.inflation_by_split_band(pairs).items()}
+    # The native noise floor when no native-repeat cell ran but native-serial made several
+    # passes: each native run against its command's native median.
+    ns_runs = [r for r in by_cell.get("native-serial", []) if r["name"] in ref_ms and _ms(r) is not None]
+    if "native-repeat" not in split and len({r.get("rep", 0) for r in ns_runs}) > 1:
+        pairs = [(ref_ms[r["name"]], float(_ms(r) or 0.0)) for r in ns_runs]
+        split["native-serial passes"] = {
+            b: bm.dist(v).to_json() for b, v in bm.inflation_by_split_band(pairs).items()
+        }
 
     # Fidelity per GPU, when the concurrent cells were spread over several (--gpus).
     per_gpu: dict[str, dict[str, dict[str, Any]]] = {}
@@ -319,6 +329,7 @@ def compute_summary(
         "native_cpm": ns_cpm,
         "reference": {"ms": ref_ms, "wall_s": ref_wall, "expect_ms": {n: w.expect_ms for n, w in wl.items()}},
         "inflation": infl,
+        "inflation_split": split,
         "inflation_per_gpu": per_gpu,
         "truth": truth,
         "ranking": ranking,
@@ -626,6 +637,23 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
                 ]
             )
     L += _table(["cell", "band", "n", "p50", "p95", "max", "paper p95 (krex)"], rows) + [""]
+    if s.get("inflation_split"):
+        L += [
+            "### Disjoint bands",
+            "",
+            "The same inflation over disjoint duration bands, so that short kernels are not hidden among "
+            "long ones. `native-serial passes` (when native-serial made several passes and no native-repeat "
+            "cell ran): each native run against its command's native median, the noise floor.",
+            "",
+        ]
+        rows = []
+        for k, bands in s["inflation_split"].items():
+            for band, _lo, _hi in bm.SPLIT_BANDS:
+                d = bands.get(band) or {}
+                if d.get("n"):
+                    p = [_pct(d.get(q)) for q in ("p50", "p95", "max")]
+                    rows.append([k, band, str(d["n"]), *p])
+        L += _table(["cell", "band", "n", "p50", "p95", "max"], rows) + [""]
     if s.get("inflation_per_gpu"):
         L += ["### Per GPU (C commands on each GPU at once)", ""]
         rows = []
