@@ -357,3 +357,17 @@ def test_compute_summary_by_hand(tmp_path: Path) -> None:
     ):
         assert heading in md
     assert "| krex-4 | 4 | 5 | 0 |" in md
+
+
+def test_split_bands_are_disjoint_and_cover_every_duration() -> None:
+    pairs = [(0.05, 0.1), (0.1, 0.11), (0.5, 0.5), (1.0, 2.0), (5.0, 5.0), (20.0, 22.0)]
+    got = bm.inflation_by_split_band(pairs)
+    # (lo, hi]: a 0.1 ms kernel is in the first band, as the nested ">0.1ms" leaves it out
+    assert got == {
+        "<0.1ms": [1.0, pytest.approx(0.1)],
+        "0.1-1ms": [0.0, 1.0],
+        "1-10ms": [0.0],
+        ">10ms": [pytest.approx(0.1)],
+    }
+    # nested bands put the 20 ms kernel in all three; the split ones only once
+    assert sum(len(v) for v in got.values()) == 6
