@@ -120,3 +120,7 @@ def _exit(code: int) -> None:
         sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+if __name__ == "__main__":  # the native `krex` (interpose/guardian.c) hands command lines here
+    sys.exit(main())
