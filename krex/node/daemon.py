@@ -1466,7 +1466,9 @@ class Daemon:
                 if st.st_mode & 0o022:
                     raise PermissionDenied("writable by others", "")
                 regs = s.records or []
-                report["auto_region"] = optin.auto_region_report("", Path(auto_dir), regs, remove=False, uid=uid)
+                report["auto_region"] = optin.auto_region_report(
+                    "", Path(auto_dir), regs, remove=False, uid=uid
+                )
             except (OSError, KrexError) as e:
                 why = e.strerror if isinstance(e, OSError) else str(e)
                 return [*optin.release_notes(out, report),

@@ -43,7 +43,8 @@ def opt_in_parts(
         "KREX_SOCKET": sock,
         # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
         # krexd opens its log itself (checked directory, no symlink followed).
-        "KREX_DAEMON_CMD": "exec env -u LD_PRELOAD " + shlex.join(daemon_argv(device, log_path, on_demand=True)),
+        "KREX_DAEMON_CMD": "exec env -u LD_PRELOAD "
+        + shlex.join(daemon_argv(device, log_path, on_demand=True)),
     }
     pre = {"LD_PRELOAD": str(shim_path()), "PYTHONPATH": str(hook_dir())}
     if device == "sim":
@@ -234,7 +235,8 @@ def auto_region_warning(value: str, auto: object) -> str:
 def auto_notes(report: Mapping[str, Any]) -> list[str]:
     """The auto-region warning, when KREX_AUTO_REGION was set and no region was made."""
     auto_rep = report.get("auto_region")
-    if isinstance(auto_rep, dict) and auto_rep.get("value") not in ("", "0") and not report.get("region_count"):
+    made = report.get("region_count")
+    if isinstance(auto_rep, dict) and auto_rep.get("value") not in ("", "0") and not made:
         return [auto_region_warning(str(auto_rep.get("value")), auto_rep)]
     return []
 

@@ -367,7 +367,8 @@ def run_guarded(
             waited.append(True)
 
     try:
-        adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze, "device": device}, on_event=on_event)
+        req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device}
+        adm = client.request(req, on_event=on_event)
         kind = _run_kind(device, found, adm)
         mark("admitted")
     except BaseException:
@@ -377,7 +378,6 @@ def run_guarded(
         raise
     device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
-    sim = adm.get("physical") is not None and device == "sim"
     simulated = adm.get("device") == "sim" or device == "sim"
     for line in start_notes(simulated):
         notify(line)

@@ -33,7 +33,9 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups"),
 ]
 GUARDIANS = {"native": {"KREX_NATIVE_MARK": "1"}, "python": {"KREX_NATIVE_MARK": "1", "KREX_NATIVE_OFF": "1"}}
-OPT_IN = re.compile(r"^(LD_PRELOAD|PYTHONPATH|LD_LIBRARY_PATH|CUDA_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|KREX_\w+)=")
+OPT_IN = re.compile(
+    r"^(LD_PRELOAD|PYTHONPATH|LD_LIBRARY_PATH|CUDA_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|KREX_\w+)="
+)
 
 
 @pytest.fixture
@@ -101,7 +103,8 @@ def test_sigint_to_the_guardian_reaches_the_command(kx: Krex) -> None:
     ready = kx.out / "ready"
     script = f"trap 'echo got-int; exit 7' INT; touch {ready}; while :; do sleep 0.05; done"
     p = subprocess.Popen([*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", script],
-                         env=kx.env(KREX_NATIVE_MARK="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=kx.env(KREX_NATIVE_MARK="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
     kx.popens.append(p)  # type: ignore[arg-type]
     kx.wait(ready.exists, 30, "the command to start")
     p.send_signal(signal.SIGINT)
@@ -167,7 +170,8 @@ def test_everything_else_goes_to_the_python_cli_unchanged(kx: Krex, tmp_path: Pa
     # No daemon: the Python path starts one on demand, and the next run is native.
     p = run(kx, "run", "--device", "sim", "--", "true")
     assert p.returncode == 0, p.stderr
-    p = run(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", "echo $KREX_NATIVE_MARK", extra={"KREX_NATIVE_MARK": "1"})
+    p = run(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", "echo $KREX_NATIVE_MARK",
+            extra={"KREX_NATIVE_MARK": "1"})
     assert p.stdout == "native\n", p.stderr
     # --report is the Python guardian's.
     rep = tmp_path / "r.json"
@@ -210,9 +214,10 @@ def _serve(path: Path, reply: bytes | None, uid: int | None = None) -> subproces
     if reply is None:
         js = b'{"slot": 0}'
         h = ffi.new("struct krex_msg_hdr *")
-        h.magic, h.op, h.status, h.body_len, h.json_len = lib.KREX_WIRE_MAGIC, lib.KREX_OP_ADMIT, 0, 0, len(js)
+        h.magic, h.op, h.body_len, h.json_len = lib.KREX_WIRE_MAGIC, lib.KREX_OP_ADMIT, 0, len(js)
         reply = bytes(ffi.buffer(h)) + js
-    p = subprocess.Popen([sys.executable, "-c", code, str(path), reply.hex(), "" if uid is None else str(uid)])
+    who = "" if uid is None else str(uid)
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), reply.hex(), who])
     deadline = time.monotonic() + 10
     while not path.exists():
         assert time.monotonic() < deadline and p.poll() is None, "the listener did not start"
@@ -229,7 +234,7 @@ def test_a_forged_socket_is_refused_and_the_command_never_runs(kx: Krex, tmp_pat
     srv = _serve(sock, reply, uid=65534 if case == "other-uid" else None)
     ran = tmp_path / "ran"
     try:
-        p = run(kx, "run", "--device", "sim", "--", "touch", str(ran), extra={"KREX_SOCKET": str(sock)}, timeout=60)
+        p = run(kx, "run", "--device", "sim", "--", "touch", str(ran), extra={"KREX_SOCKET": str(sock)})
     finally:
         srv.kill()
         srv.wait()
