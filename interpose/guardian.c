@@ -56,6 +56,7 @@ extern char **environ;
 
 static char **g_argv;       /* our own argv, for the fallback */
 static int g_quiet;         /* -q: no notices */
+static sigset_t g_oldmask;  /* the signal mask we started with (the child and any exec get it back) */
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -896,7 +897,6 @@ struct launch {
     const char *group; /* the slot's cgroup directory */
     cpu_set_t cpus;
     int has_cpus;
-    sigset_t oldmask;
     int join; /* write our pid into group/cgroup.procs before exec (not cloned into it) */
     int errw; /* the pipe that carries an errno back when exec fails */
 };
@@ -908,7 +908,7 @@ static void child(const struct launch *l) {
     setpgid(0, 0);
     signal(SIGPIPE, SIG_DFL); /* subprocess's restore_signals */
     signal(SIGXFSZ, SIG_DFL);
-    sigprocmask(SIG_SETMASK, &l->oldmask, NULL);
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
     if (l->join) {
         char path[PATH_MAX], pid[24];
         int n = snprintf(pid, sizeof pid, "%d", (int)getpid());
@@ -975,9 +975,10 @@ static pid_t spawn(struct launch *l, const char *freezer, int *err) {
         pid = fork();
         if (pid == 0) child(l);
     }
+    int fork_err = errno;
     close(p[1]);
     if (pid < 0) {
-        *err = errno;
+        *err = fork_err;
         close(p[0]);
         return -1;
     }
@@ -1082,6 +1083,7 @@ static void finish_in_python(const struct admission *a, pid_t pid, int status, c
     snprintf(v[8], 64, "%s", lo->why);
     char *args[] = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], (char *)(auto_dir ? auto_dir : ""), NULL};
     fflush(NULL);
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
     exec_python("krex.proc.finish", args);
 }
 
@@ -1143,12 +1145,12 @@ static int run(struct opts *o) {
     sigemptyset(&fwd);
     int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
     for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
-    sigprocmask(SIG_BLOCK, &fwd, &l.oldmask);
+    sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
     int sfd = signalfd(-1, &fwd, SFD_CLOEXEC | SFD_NONBLOCK);
+    int err = sfd < 0 ? errno : 0;
 
     struct timespec t0;
     clock_gettime(CLOCK_REALTIME, &t0);
-    int err = 0;
     pid_t pid = sfd < 0 ? -1 : spawn(&l, a.freezer, &err);
     int status;
     struct lost lo = {0};
@@ -1181,7 +1183,7 @@ static int run(struct opts *o) {
     struct jv *r = NULL;
     int k = send_request(&c, KREX_OP_RELEASE, &rel) ? -1
             : recv_reply(&c, KREX_OP_RELEASE, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
-    if (k == -1 && pid >= 0) { /* krexd went away at the end: as a loss, the journal has the rest */
+    if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
         lo.happened = 1;
         lo.why = "krexd did not answer the release";
         lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
@@ -1195,7 +1197,6 @@ static int run(struct opts *o) {
         return status;
     }
     if (k == 0) print_notes(jget(r, "notes"));
-    else if (k == 1 && !g_quiet) say("krex: warning: krexd refused the release: %s", jstr(r, "error") ? jstr(r, "error") : "?");
     return status;
 }
 

@@ -370,6 +370,12 @@ def run_guarded(
         req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device}
         adm = client.request(req, on_event=on_event)
         kind = _run_kind(device, found, adm)
+        # krexd's admit reply carries the command's variables (optin.opt_in_parts and the
+        # slot's), the same ones the native guardian applies.
+        put, pre = adm.get("env_set"), adm.get("env_prepend")
+        if not isinstance(put, dict) or not isinstance(pre, dict):
+            raise KrexError("krexd's admit reply has no environment for the command (an older krexd?)",
+                            "restart krexd (`krex daemon stop`; it starts on demand)")
         mark("admitted")
     except BaseException:
         with contextlib.suppress(KrexError, OSError):
@@ -382,12 +388,6 @@ def run_guarded(
     for line in start_notes(simulated):
         notify(line)
     env = dict(os.environ)
-    # krexd's admit reply carries the command's variables (optin.opt_in_parts and the slot's),
-    # the same ones the native guardian applies.
-    put, pre = adm.get("env_set"), adm.get("env_prepend")
-    if not isinstance(put, dict) or not isinstance(pre, dict):
-        raise KrexError("krexd's admit reply has no environment for the command (an older krexd?)",
-                        "restart krexd (`krex daemon stop`; it starts on demand)")
     apply_env(env, put, pre)
 
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
