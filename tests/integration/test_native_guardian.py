@@ -245,3 +245,15 @@ def test_a_forged_socket_is_refused_and_the_command_never_runs(kx: Krex, tmp_pat
         assert "refusing to talk to it" in p.stderr
     if case == "malformed-admit":
         assert "malformed" in p.stderr
+
+
+def test_an_exec_error_after_admission_has_the_python_guardians_words(kx: Krex, tmp_path: Path) -> None:
+    kx.start_daemon()
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\x01\x02 not a program")
+    bad.chmod(0o755)
+    res = both(kx, "-q", "run", "--device", "sim", "--", str(bad))
+    assert res["native"].returncode == res["python"].returncode == 126
+    assert res["native"].stderr == res["python"].stderr, res
+    assert "Exec format error" in res["native"].stderr
+    assert kx.status()["slots"] == []  # both released their slot
