@@ -10,8 +10,9 @@
  * it does not trust, a command it cannot resolve, KREX_RUN_TRACE or KREX_AUTO_REGION
  * set, an admit that krexd refuses (krexd refuses `"guardian": "native"` where only
  * the Python guardian can go on: the signal freezer, a group member's guardian, a
- * simulated daemon under --device gpu). All of these are decided before the command
- * holds a slot.
+ * simulated daemon under --device gpu), a file naming __cudaRegisterFatBinary (Python's
+ * ELF check warns about static cudart), KREX_NATIVE_OFF set. All of these are decided
+ * before the command holds a slot.
  *
  * What to give the command and what to print come from krexd (one Python function
  * each, krex/node/optin.py): the admit reply's env_set/env_prepend/notes, the
@@ -24,7 +25,9 @@
  * Single-threaded: one poll() on a signalfd (SIGCHLD and the forwarded signals) and
  * the admission connection (POLLRDHUP: krexd died), with a timeout to check krexd's
  * heartbeat in the segment (I5: a command is never left frozen by KREX's failure).
- * Every descriptor is O_CLOEXEC; the child closes the ones it inherited. */
+ * Every descriptor is O_CLOEXEC; the child closes the ones it inherited.
+ * Still Python's: SIGINT while admission waits kills this process (the slot is freed
+ * when the connection closes) instead of printing "krex: aborted" and exiting 130. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -1204,6 +1207,7 @@ int main(int argc, char **argv) {
     (void)argc;
     g_argv = argv;
     struct opts o;
+    /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
     if (getenv("KREX_NATIVE_OFF") || !parse(argv, &o) || env_needs_python()) fallback();
     /* For tests: proof that this guardian, not the Python one, ran the command. */
     if (getenv("KREX_NATIVE_MARK")) setenv("KREX_NATIVE_MARK", "native", 1);
