@@ -325,7 +325,22 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
             p.unlink()
         p.symlink_to(target)
     shutil.copy2(INTERPOSE / "include" / "krex.h", out / "krex.h")
+    try:
+        build_guardian(out / "krex")
+    except (subprocess.CalledProcessError, OSError) as e:  # the Python `krex` still works
+        print(f"krex_build: the native krex command was not built ({e}); `krex` stays the Python one",
+              file=sys.stderr)
     return sorted(out.iterdir())
+
+
+def build_guardian(out: str | os.PathLike[str]) -> Path:
+    """The native `krex` command (interpose/guardian.c: `krex run` without Python, and a
+    hand-over to the Python CLI for everything else): one C file, libc only."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = [f for f in CFLAGS if f not in ("-fPIC", "-fvisibility=hidden")]
+    _cc([*flags, "-std=gnu11", f"-I{INTERPOSE}", "-o", str(path), str(INTERPOSE / "guardian.c")])
+    return path
 
 
 def build_cffi_inplace() -> Path:

@@ -9,6 +9,11 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
+try:  # setuptools provides distutils (its own copy) once imported
+    from distutils.command.build_scripts import build_scripts
+except ImportError:  # pragma: no cover
+    from setuptools._distutils.command.build_scripts import build_scripts  # type: ignore[no-redef]
+
 try:
     from setuptools.command.bdist_wheel import bdist_wheel
 except ImportError:  # setuptools < 70.1
@@ -39,6 +44,30 @@ class BuildExt(build_ext):
         krex_build.build_native(target)
 
 
+# The `krex` command when the native one cannot be built: the Python front door.
+PY_KREX = """#!{python}
+import sys
+from krex.cli.lean import main
+sys.exit(main())
+"""
+
+
+class BuildScripts(build_scripts):
+    """bin/krex is the native guardian (interpose/guardian.c, issue 11: `krex run` without
+    a Python start), built here; where it cannot be built, the Python front door. (Not a
+    console_scripts entry: that would overwrite it.)"""
+
+    def run(self) -> None:
+        self.mkpath(self.build_dir)
+        out = Path(self.build_dir) / "krex"
+        try:
+            krex_build.build_guardian(out)
+        except Exception as e:  # noqa: BLE001 - any failure: the Python one
+            print(f"setup.py: native krex not built ({e}); installing the Python krex", file=sys.stderr)
+            out.write_text(PY_KREX.format(python=self.executable))
+        out.chmod(0o755)
+
+
 class BdistWheel(bdist_wheel):
     def finalize_options(self) -> None:
         super().finalize_options()
@@ -55,5 +84,7 @@ class BdistWheel(bdist_wheel):
 
 setup(
     cffi_modules=["krex_build.py:ffibuilder"],
-    cmdclass={"build_ext": BuildExt, "bdist_wheel": BdistWheel},
+    # Only so that setuptools runs build_scripts/install_scripts: BuildScripts makes bin/krex.
+    scripts=["interpose/guardian.c"],
+    cmdclass={"build_ext": BuildExt, "build_scripts": BuildScripts, "bdist_wheel": BdistWheel},
 )

@@ -109,6 +109,9 @@
 #define KREX_CLIENT_POLL_NS 200000000
 /* Clients give up connecting to (or sending to) krexd after this many ms. */
 #define KREX_CONNECT_TIMEOUT_MS 5000
+/* Clients give up waiting for a reply krexd gives at once (started, release, status) after
+ * this many ms (admission and regions wait as long as krexd beats). */
+#define KREX_REPLY_TIMEOUT_MS 30000
 /* The guardian (`krex run`) checks krexd's heartbeat this often. */
 #define KREX_GUARDIAN_POLL_NS 100000000
 /* krexd, waiting on a GPU's `wake` word for in-flight calls to leave or drain helpers to

@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -39,7 +40,7 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import config, cpus, freezepolicy, freezer, journal, procfs
+from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
@@ -165,6 +166,8 @@ class Slot:
     # Its regions' journal records, for the guardian's report (the `release` reply), so the
     # guardian never reads the whole journal; None once there are too many to send.
     records: list[dict[str, Any]] | None = field(default_factory=list)
+    # optin.region_tally of all its regions (kept past `records`' limit): the release's notes.
+    tally: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -1222,6 +1225,8 @@ class Daemon:
         }
         rec.pop("ok", None)
         req.record = rec
+        if owner_slot is not None:
+            optin.region_tally([rec], owner_slot.tally)
         if owner_slot is not None and owner_slot.records is not None:
             if len(owner_slot.records) < RELEASE_MAX_RECORDS:
                 owner_slot.records.append(rec)
@@ -1501,7 +1506,31 @@ class Daemon:
             owned["guardian"] = None
             if slot is not None:
                 out.update(self._slot_regions(slot))
+                out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"])
         return {"ok": True, **out}
+
+    def _release_notes(self, s: Slot, out: dict[str, Any], auto_dir: object, uid: int) -> list[str]:
+        """The notes `krex run` prints after its command (optin.release_notes), for a guardian
+        that does not render them itself (interpose/guardian.c). `auto_dir`: the command's
+        KREX_AUTO_STATUS_DIR when processes left status files there; read only if it is a
+        directory of the peer's own that nobody else may write (never through a link)."""
+        report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
+        if isinstance(auto_dir, str) and auto_dir:
+            try:
+                st = os.lstat(auto_dir)
+                if not (os.path.isabs(auto_dir) and stat.S_ISDIR(st.st_mode)) or st.st_uid != uid:
+                    raise PermissionDenied("not a directory of yours", "")
+                if st.st_mode & 0o022:
+                    raise PermissionDenied("writable by others", "")
+                regs = s.records or []
+                report["auto_region"] = optin.auto_region_report(
+                    "", Path(auto_dir), regs, remove=False, uid=uid
+                )
+            except (OSError, KrexError) as e:
+                why = e.strerror if isinstance(e, OSError) else str(e)
+                return [*optin.release_notes(out, report),
+                        f"krex: warning: krexd could not read the auto-region status in {auto_dir} ({why})"]
+        return optin.release_notes(out, report)
 
     @handles("register")
     def _op_register(
@@ -1573,9 +1602,14 @@ class Daemon:
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
     ) -> dict[str, Any]:
         want = int_field(msg, "gpu")
+        asked = msg.get("device") or "auto"  # the client's --device: the environment's kind
+        if asked not in ("auto", "gpu", "sim"):
+            raise UsageError(f"unknown device {asked!r}", "use one of: auto, gpu, sim")
         freeze = msg.get("freeze")
         if freeze is not None:
             freezepolicy.check(str(freeze))
+        if msg.get("guardian") == "native":
+            self._check_native(asked, owned)
         if want is not None and not 0 <= want < self.info.count:
             raise NotFound(
                 f"unknown GPU {want}: this node has {self.info.count} GPU(s)",
@@ -1592,7 +1626,9 @@ class Daemon:
                     s.freeze = None if freeze is None else str(freeze)
                     break
                 if not told:
-                    conn.sendall(encode_reply("event", {"event": "queued", "slots_busy": len(self.slots)}))
+                    busy = len(self.slots)
+                    ev = {"event": "queued", "slots_busy": busy, "note": optin.queue_note(busy)}
+                    conn.sendall(encode_reply("event", ev))
                     told = True
                 self.changed.wait(0.5)
                 if self.stop.is_set():
@@ -1601,8 +1637,12 @@ class Daemon:
         log.info("slot %d on gpu %d admitted for guardian pid %d", s.slot, gpu, pid)
         if owned.get("role") == "member":
             self._delegate_thaw(s, owned["uid"])
+        env_set, env_prepend = self._command_env(s, gpu, asked)
         return {
             "ok": True,
+            "notes": optin.start_notes(self.info.kind == "sim" or asked == "sim"),
+            "env_set": env_set,
+            "env_prepend": env_prepend,
             "slot": s.slot,
             "gpu": gpu,
             "physical": self.info.physical[gpu],
@@ -1616,6 +1656,39 @@ class Daemon:
             "shared_cpus": self.partition.command_cpus(gpu, self.cfg.lend_cores),
             "admission_wait_s": round(time.monotonic() - t0, 6),
         }
+
+    def _check_native(self, asked: str, owned: dict[str, Any]) -> None:
+        """Refuse, before any slot is taken, what only the Python guardian handles, so the
+        native one (interpose/guardian.c) hands the command line to it: the signal freezer
+        and a group member's guardian (the child must wait before exec until krexd moves
+        it: launcher._DaemonJoin), and --device gpu on a simulated daemon (discovery)."""
+        why = None
+        if self.freezer.name not in ("cgroup2", "cgroup1"):
+            why = f"the {self.freezer.name} freezer"
+        elif owned.get("role") == "member":
+            why = "a member of the daemon's group"
+        elif asked == "gpu" and self.info.kind == "sim":
+            why = "--device gpu on a simulated daemon"
+        if why:
+            raise UsageError(f"the native guardian does not handle {why}", "run it with the Python guardian")
+
+    def _command_env(self, s: Slot, gpu: int, asked: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """The variables a guardian gives its command (optin.opt_in_parts plus the slot's):
+        both guardians apply exactly these. A simulated daemon under `--device gpu` opts in
+        as "gpu" (that guardian first checks that a real GPU exists)."""
+        kind = "sim" if asked == "sim" or (asked == "auto" and self.info.kind == "sim") else "gpu"
+        put, pre = optin.opt_in_parts(kind, self.shm_name, str(self.sock_path), str(paths.log_path()))
+        put.update(
+            KREX_SLOT=str(s.slot),
+            KREX_GPU=str(gpu),
+            CUDA_VISIBLE_DEVICES=str(self.info.visible_token(gpu)),
+            # The shim compares it with the slot's generation: a process of this command that
+            # outlives it never passes the gate of the next command that gets this slot.
+            KREX_SLOT_GEN=str(s.generation),
+        )
+        if self.info.kind == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
+            put["HIP_VISIBLE_DEVICES"] = str(self.info.physical[gpu])
+        return put, pre
 
     def _delegate_thaw(self, s: Slot, uid: int) -> None:
         """A member's guardian must be able to thaw its own command if krexd dies or

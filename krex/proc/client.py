@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = lib.KREX_CONNECT_TIMEOUT_MS / 1e3
 POLL_S = lib.KREX_CLIENT_POLL_NS / 1e9
 START_WAIT_S = lib.KREX_DAEMON_START_WAIT_MS / 1e3
-REPLY_TIMEOUT_S = 30.0  # requests the daemon answers at once (status, release, ...)
+REPLY_TIMEOUT_S = lib.KREX_REPLY_TIMEOUT_MS / 1e3  # requests krexd answers at once (status, release, ...)
 LONG_OPS = ("admit", "begin")  # these wait for a slot or a region: no hard cap
 
 

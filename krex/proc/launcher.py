@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
+from krex.node.optin import auto_region_report, auto_region_warning, region_tally, release_notes, trust_notes
+
+__all__ = ["auto_region_report", "auto_region_warning", "trust_notes", "run_command", "run_guarded"]
 
 if TYPE_CHECKING:
     import subprocess
@@ -345,9 +348,8 @@ def run_guarded(
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
     with a daemon running, no GPU discovery happens here (connect_daemon)."""
-    from krex import paths
+    from krex.node.optin import apply_env, queue_note, start_notes
     from krex.node.shm import Segment
-    from krex.proc.envvars import opt_in_env
 
     mark("imported")
     exe = resolve_command(cmd)
@@ -361,12 +363,19 @@ def run_guarded(
 
     def on_event(ev: dict[str, object]) -> None:
         if not waited:
-            notify(f"krex: waiting for a free slot ({ev.get('slots_busy')} commands are running)...")
+            notify(queue_note(ev.get("slots_busy")))
             waited.append(True)
 
     try:
-        adm = client.request({"op": "admit", "gpu": gpu, "freeze": freeze}, on_event=on_event)
+        req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device}
+        adm = client.request(req, on_event=on_event)
         kind = _run_kind(device, found, adm)
+        # krexd's admit reply carries the command's variables (optin.opt_in_parts and the
+        # slot's), the same ones the native guardian applies.
+        put, pre = adm.get("env_set"), adm.get("env_prepend")
+        if not isinstance(put, dict) or not isinstance(pre, dict):
+            raise KrexError("krexd's admit reply has no environment for the command (an older krexd?)",
+                            "restart krexd (`krex daemon stop`; it starts on demand)")
         mark("admitted")
     except BaseException:
         with contextlib.suppress(KrexError, OSError):
@@ -375,25 +384,11 @@ def run_guarded(
         raise
     device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
-    sim = adm.get("physical") is not None and device == "sim"
     simulated = adm.get("device") == "sim" or device == "sim"
-    if simulated:
-        notify(
-            "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
-            "performance; nothing ran on a real GPU"
-        )
+    for line in start_notes(simulated):
+        notify(line)
     env = dict(os.environ)
-    env.update(opt_in_env("sim" if sim or device == "sim" else "gpu", str(adm["shm"])))
-    env.update(
-        {
-            "KREX_SLOT": str(slot),
-            "KREX_GPU": str(g),
-            "CUDA_VISIBLE_DEVICES": str(adm.get("visible", adm["physical"])),
-            "KREX_SOCKET": str(paths.socket_path()),
-        }
-    )
-    if adm.get("vendor") == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
-        env["HIP_VISIBLE_DEVICES"] = str(adm["physical"])
+    apply_env(env, put, pre)
 
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
     # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
@@ -403,10 +398,6 @@ def run_guarded(
     with contextlib.suppress(OSError):
         auto_dir = _private_tmpdir(f"krex-auto-{slot}-")
         env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
-    if adm.get("generation") is not None:
-        # The shim compares it with the slot's generation: a process of this command that
-        # outlives it never passes the gate of the next command that gets this slot.
-        env["KREX_SLOT_GEN"] = str(adm["generation"])
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
     # The child waits before exec until krexd has it when the guardian cannot put it in its
@@ -488,19 +479,8 @@ def run_guarded(
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
         mark("released")
-        left = rel.get("leftovers") or []
-        report["leftovers"] = left
+        report["leftovers"] = rel.get("leftovers") or []
         report["leftovers_action"] = rel.get("action", "unknown")
-        if isinstance(left, list) and left:
-            what = ", ".join(f"pid {x.get('pid')} ({x.get('cmd')})" for x in left[:5] if isinstance(x, dict))
-            if rel.get("action") == "kept":
-                notify(
-                    f"krex: {len(left)} process(es) outlived the command and keep running as a sibling "
-                    f"(frozen during other commands' regions): {what}"
-                )
-            else:
-                act = rel.get("action")
-                notify(f"krex: {len(left)} process(es) outlived the command and were {act}: {what}")
         regs: list[dict[str, Any]] = []
         if isinstance(rel.get("regions"), list):
             # The daemon's own records of this slot's regions (what it journaled): no need
@@ -508,32 +488,20 @@ def run_guarded(
             regs = [r for r in rel["regions"] if isinstance(r, dict)]
             if rel.get("journal_error"):
                 report["journal_error"] = str(rel["journal_error"])
-                notify(f"krex: warning: {rel['journal_error']}")
         else:  # no reply (the daemon is gone: the guardian may have journaled), or too many
             regs = _journal_regions(slot, t_start, report, notify)
         if guardian.events:
             report["daemon_events"] = guardian.events
         report["regions"] = regs
-        report["region_count"] = len(regs)
-        report["contaminated_regions"] = sum(1 for r in regs if r.get("contaminated"))
-        report["cut_regions"] = sum(1 for r in regs if r.get("cut"))
-        flags: dict[str, int] = {}
-        for r in regs:
-            fl = r.get("flags")
-            for f in fl if isinstance(fl, list) else []:
-                flags[str(f)] = flags.get(str(f), 0) + 1
-        report["region_flags"] = flags
-        report["region_wait_s"] = round(sum(float(str(r.get("queue_wait_s", 0))) for r in regs), 6)
+        report.update(region_tally(regs))
         if auto_dir is not None:
             auto = auto_region_report(auto_value, auto_dir, regs)
             if auto["processes"] or (auto_value and auto_value != "0"):
                 report["auto_region"] = auto
-    for line in trust_notes(report):
+    # The same notes krexd renders for the native guardian (optin.release_notes).
+    for line in release_notes(rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None},
+                              report):
         notify(line)
-    auto_rep = report.get("auto_region")
-    no_region = not report.get("region_count")
-    if isinstance(auto_rep, dict) and auto_rep.get("value") not in ("", "0") and no_region:
-        notify(auto_region_warning(str(auto_rep.get("value")), auto_rep))
     report["exit_status"] = status
     return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
 
@@ -597,97 +565,6 @@ class _Stop:
         for fd in (self.r, self.w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-_STATE_RANK = {
-    "wrapped": 6,
-    "whole": 5,
-    "pending": 4,
-    "unsupported": 3,
-    "failed": 3,
-    "missing": 2,
-    "absent": 1,
-}
-
-
-def auto_region_report(value: str, d: Path, regs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Which KREX_AUTO_REGION targets were wrapped (whole-call fallbacks included) and how
-    many regions each made, merged over every process of the command."""
-    import json
-
-    targets: dict[str, dict[str, Any]] = {}
-    procs = 0
-    try:
-        names = sorted(os.listdir(d))  # not Path.glob: no pattern compiled on every run
-    except OSError:
-        names = []
-    for n in names:
-        if not n.endswith(".json"):
-            continue
-        try:
-            data = json.loads(Path(d, n).read_text())
-        except (OSError, ValueError):
-            continue
-        procs += 1
-        value = value or str(data.get("value") or "")
-        for t in data.get("targets") or []:
-            name = str(t.get("target"))
-            cur = targets.get(name)
-            rank = _STATE_RANK.get(str(t.get("state")), 0)
-            if cur is None or rank > _STATE_RANK.get(str(cur["state"]), 0):
-                targets[name] = {k: t.get(k) for k in ("target", "builtin", "state", "detail")}
-    try:
-        os.rmdir(d)  # empty, the common case: no shutil
-    except OSError:
-        import shutil
-
-        shutil.rmtree(d, ignore_errors=True)
-    per: dict[str, int] = {}
-    for r in regs:
-        label = str(r.get("label") or "")
-        if label.startswith("auto:"):
-            name = label[5:].removesuffix(":whole")
-            per[name] = per.get(name, 0) + 1
-    for name, t in targets.items():
-        t["regions"] = per.get(name, 0)
-    return {
-        "value": value,
-        "processes": procs,
-        "targets": sorted(targets.values(), key=lambda t: str(t["target"])),
-        "wrapped": sorted(n for n, t in targets.items() if t["state"] in ("wrapped", "whole")),
-        "auto_regions": sum(per.values()),
-        "whole_call_regions": sum(1 for r in regs if str(r.get("label") or "").endswith(":whole")),
-    }
-
-
-def auto_region_warning(value: str, auto: object) -> str:
-    states = ""
-    if isinstance(auto, dict):
-        ts = auto.get("targets") or []
-        states = "; ".join(f"{t['target']}: {t['state']} ({t['detail']})" for t in ts)
-        if not auto.get("processes"):
-            states = "no process of the command loaded krex's hook (was the command Python?)"
-    return (
-        f"krex: warning: KREX_AUTO_REGION={value!r} was set but the command made no region, so nothing "
-        f"was timed exclusively. Targets: {states or 'none'}"
-    )
-
-
-def trust_notes(report: dict[str, object]) -> list[str]:
-    """What `krex run` says on stderr about regions it cannot vouch for."""
-    out = []
-    cut = int(str(report.get("cut_regions") or 0))
-    bad = int(str(report.get("contaminated_regions") or 0))
-    if cut:
-        out.append(
-            f"krex: warning: {cut} region(s) were cut by --max-region before their end: what ran after "
-            "the cut was not exclusive"
-        )
-    if bad:
-        flags = report.get("region_flags") or {}
-        what = ", ".join(f"{k} x{v}" for k, v in flags.items()) if isinstance(flags, dict) else ""
-        out.append(f"krex: warning: {bad} region(s) are not clean ({what}); see `krex journal` or the report")
-    return out
 
 
 def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None:
@@ -831,9 +708,7 @@ class _Guardian:
                 seg.close()
 
     def _lost(self, seg: Segment | None, why: str) -> None:
-        from krex import paths
         from krex.native import lib
-        from krex.node import journal
 
         with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
         ev: dict[str, object] = {"event": "daemon-lost", "ts": time.time(), "why": why, "region_cut": False}
@@ -844,23 +719,32 @@ class _Guardian:
                 # Our command's region lost its daemon: nobody else will journal it.
                 ev["region_cut"] = True
                 age = (int(lib.krex_now_ns()) - int(gp.closed_ns)) / 1e9
-                rec = {
-                    "ts": time.time(),
-                    "gpu": self.gpu,
-                    "owner_slot": self.slot,
-                    "owner_pid": self.child_pid[0] if self.child_pid else 0,
-                    "end": "daemon-lost",
-                    "contaminated": True,
-                    "reasons": [
-                        f"{why} during the region after {age:.3f} s: from then on it was not exclusive"
-                    ],
-                    "region_s": round(age, 6),
-                    "recorded_by": "guardian",
-                }
-                with contextlib.suppress(OSError, KrexError):
-                    journal.append(paths.journal_path(), rec)
+                journal_cut_region(self.gpu, self.slot, self.child_pid[0] if self.child_pid else 0, why, age,
+                                   time.time())
         self.events.append(ev)
         self.notify("krex: the daemon went away; your command was thawed and keeps running")
+
+
+def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float, ts: float) -> None:
+    """Journal a region of our command that lost its daemon (`age` seconds after it began,
+    at `ts`): nobody else will. The Python guardian at the loss; the native one's
+    finisher (krex.proc.finish) after its command."""
+    from krex import paths
+    from krex.node import journal
+
+    rec = {
+        "ts": ts,
+        "gpu": gpu,
+        "owner_slot": slot,
+        "owner_pid": owner_pid,
+        "end": "daemon-lost",
+        "contaminated": True,
+        "reasons": [f"{why} during the region after {age:.3f} s: from then on it was not exclusive"],
+        "region_s": round(age, 6),
+        "recorded_by": "guardian",
+    }
+    with contextlib.suppress(OSError, KrexError):
+        journal.append(paths.journal_path(), rec)
 
 
 # ------------------------------------------------------------------- `krex run` as a function

@@ -1,0 +1,1215 @@
+/* guardian.c: the native `krex` command (issue 11: a Python guardian costs every
+ * benchmarked command ~125 ms of interpreter start and imports).
+ *
+ * It runs the common case itself:
+ *     krex [-q] run [--device D] [--gpu N] [--freeze P] [--keep-leftovers] [--] CMD...
+ * and hands EVERY other command line, unchanged, to the Python CLI
+ * (`python -m krex.cli.lean ARGV`, the door the Python console script used), which keeps
+ * all messages and exit statuses: help, other commands, -v, --report, --no-daemon, an
+ * option or value it does not know, no daemon answering (Python starts one), a socket
+ * it does not trust, a command it cannot resolve, KREX_RUN_TRACE or KREX_AUTO_REGION
+ * set, an admit that krexd refuses (krexd refuses `"guardian": "native"` where only
+ * the Python guardian can go on: the signal freezer, a group member's guardian, a
+ * simulated daemon under --device gpu), a file naming __cudaRegisterFatBinary (Python's
+ * ELF check warns about static cudart), KREX_NATIVE_OFF set. All of these are decided
+ * before the command holds a slot.
+ *
+ * What to give the command and what to print come from krexd (one Python function
+ * each, krex/node/optin.py): the admit reply's env_set/env_prepend/notes, the
+ * release reply's notes. This file applies and prints them; it never restates them.
+ * The one case that goes back to Python after admission: krexd went away while the
+ * command ran (no release reply, so no notes): once the command has ended, this
+ * process execs `python -m krex.proc.finish`, which journals a region the loss cut
+ * and prints the notes from the journal, as the Python guardian does.
+ *
+ * Single-threaded: one poll() on a signalfd (SIGCHLD and the forwarded signals) and
+ * the admission connection (POLLRDHUP: krexd died), with a timeout to check krexd's
+ * heartbeat in the segment (I5: a command is never left frozen by KREX's failure).
+ * Every descriptor is O_CLOEXEC; the child closes the ones it inherited.
+ * Still Python's: SIGINT while admission waits kills this process (the slot is freed
+ * when the connection closes) instead of printing "krex: aborted" and exiting 130. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "krex_abi.h"
+
+extern char **environ;
+
+#define EXIT_KREX 125 /* `krex run`: KREX itself failed (krex/errors.py RUN_FAILURE) */
+
+static char **g_argv;       /* our own argv, for the fallback */
+static int g_quiet;         /* -q: no notices */
+static sigset_t g_oldmask;  /* the signal mask we started with (the child and any exec get it back) */
+
+/* ------------------------------------------------------------------ small helpers */
+
+static uint64_t now_ns(void) { /* the segment's clock (krex_core.c krex_now_ns) */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void say(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+}
+
+static void note(const char *text) {
+    if (!g_quiet) say("%s", text);
+}
+
+/* A growable string (JSON requests, environment entries). */
+struct buf {
+    char *p;
+    size_t n, cap;
+};
+
+static void buf_add(struct buf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = (b->n + n + 1) * 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            say("krex: error: out of memory");
+            _exit(EXIT_KREX);
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static void buf_str(struct buf *b, const char *s) { buf_add(b, s, strlen(s)); }
+
+/* A JSON string literal (what a user typed goes into requests). */
+static void buf_json_str(struct buf *b, const char *s) {
+    buf_str(b, "\"");
+    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+        char esc[8];
+        if (*c == '"' || *c == '\\') {
+            esc[0] = '\\', esc[1] = (char)*c, esc[2] = 0;
+            buf_str(b, esc);
+        } else if (*c < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", *c);
+            buf_str(b, esc);
+        } else {
+            buf_add(b, (const char *)c, 1);
+        }
+    }
+    buf_str(b, "\"");
+}
+
+/* ------------------------------------------------------------------ the fallback */
+
+/* Exec `python -m MODULE ARGS...` with the Python that has krex: KREX_PYTHON, else
+ * python3/python beside this executable (a venv's bin/), else python3 on PATH. */
+static void exec_python(const char *module, char *const *args) {
+    int n = 0;
+    while (args[n]) n++;
+    char **av = calloc((size_t)n + 4, sizeof *av);
+    if (!av) _exit(EXIT_KREX);
+    av[1] = "-m";
+    av[2] = (char *)module;
+    memcpy(av + 3, args, (size_t)n * sizeof *av);
+    const char *py = getenv("KREX_PYTHON");
+    if (py && *py) {
+        av[0] = (char *)py;
+        execv(py, av);
+        say("krex: error: cannot run KREX_PYTHON=%s: %s\n  fix: point KREX_PYTHON at the Python that has krex installed",
+            py, strerror(errno));
+        _exit(EXIT_KREX);
+    }
+    static char self[PATH_MAX], cand[PATH_MAX + 16];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (len > 0) {
+        self[len] = 0;
+        char *slash = strrchr(self, '/');
+        if (slash) *slash = 0;
+        const char *names[] = {"python3", "python"};
+        for (int i = 0; i < 2; i++) {
+            snprintf(cand, sizeof cand, "%s/%s", self, names[i]);
+            if (access(cand, X_OK) == 0) {
+                av[0] = cand;
+                execv(cand, av);
+            }
+        }
+    }
+    av[0] = "python3";
+    execvp("python3", av);
+    say("krex: error: cannot find the Python that has krex installed (%s)\n"
+        "  fix: set KREX_PYTHON to it, or put it on PATH as python3", strerror(errno));
+    _exit(EXIT_KREX);
+}
+
+/* Hand the whole command line to the Python CLI (the door the console script used). */
+static void fallback(void) { exec_python("krex.cli.lean", g_argv + 1); }
+
+/* ------------------------------------------------------------------ the command line */
+
+struct opts {
+    const char *device; /* NULL: "auto" */
+    const char *gpu;    /* digits, or NULL */
+    const char *freeze; /* NULL: the daemon's policy */
+    int keep_leftovers;
+    char **cmd;
+};
+
+/* The value of `--flag V` or `--flag=V` at argv[*i], or NULL when argv[*i] is not that flag. */
+static const char *opt_value(char **argv, int *i, const char *flag) {
+    size_t n = strlen(flag);
+    if (strncmp(argv[*i], flag, n) != 0) return NULL;
+    if (argv[*i][n] == '=') return argv[*i] + n + 1;
+    if (argv[*i][n] != 0 || !argv[*i + 1]) return NULL;
+    return argv[++*i];
+}
+
+/* `krex [-q] run [OPTIONS] [--] CMD...` as the lean door reads it (krex/proc/runopts.py
+ * RUN, click-like: the first word that is not an option starts CMD). 0 when Python must
+ * handle the line. tests/unit/test_native_guardian.py checks these flags against RUN. */
+static int parse(char **argv, struct opts *o) {
+    int i = 1;
+    memset(o, 0, sizeof *o);
+    for (; argv[i] && strcmp(argv[i], "run") != 0; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--quiet") && !(a[0] == '-' && a[1] == 'q' && strspn(a + 1, "q") == strlen(a + 1))) return 0;
+        g_quiet = 1;
+    }
+    if (!argv[i]) return 0;
+    for (i++; argv[i]; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "--")) {
+            i++;
+            break;
+        }
+        if (a[0] != '-' || !strcmp(a, "-")) break;
+        if ((v = opt_value(argv, &i, "--device"))) o->device = v;
+        else if ((v = opt_value(argv, &i, "--gpu"))) o->gpu = v;
+        else if ((v = opt_value(argv, &i, "--freeze"))) o->freeze = v;
+        else if (!strcmp(a, "--keep-leftovers")) o->keep_leftovers = 1;
+        else return 0; /* --report, --no-daemon, -h, an unknown option: Python */
+    }
+    if (!argv[i] || !argv[i][0]) return 0;
+    if (o->gpu) { /* click takes only an integer; a huge one is krexd's "unknown GPU" */
+        size_t n = strlen(o->gpu);
+        if (n == 0 || n > 9 || strspn(o->gpu, "0123456789") != n) return 0;
+    }
+    o->cmd = argv + i;
+    return 1;
+}
+
+/* The environment that makes Python handle a run (its output or its report needs Python). */
+static int env_needs_python(void) {
+    const char *t = getenv("KREX_RUN_TRACE"), *a = getenv("KREX_AUTO_REGION");
+    if (t && *t) return 1; /* the step stamps (launcher.TRACE) */
+    if (a && a[strspn(a, " \t\r\n\f\v")]) return 1; /* its report and warning read what the hook wrote */
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the command */
+
+/* The executable as execvp would find it (launcher.resolve_command); NULL when Python
+ * must say why not (not found, not executable). */
+static char *resolve(const char *name) {
+    struct stat st;
+    if (strchr(name, '/')) {
+        if (stat(name, &st) || S_ISDIR(st.st_mode) || access(name, X_OK)) return NULL;
+        return strdup(name);
+    }
+    const char *path = getenv("PATH");
+    if (!path) path = "/bin:/usr/bin"; /* os.defpath, as os.get_exec_path */
+    for (const char *p = path;; p++) {
+        const char *end = strchrnul(p, ':');
+        struct buf b = {0};
+        buf_add(&b, p, (size_t)(end - p));
+        if (end > p) buf_str(&b, "/");
+        buf_str(&b, name);
+        if (access(b.p, X_OK) == 0 && !(stat(b.p, &st) == 0 && S_ISDIR(st.st_mode))) return b.p;
+        free(b.p);
+        if (!*end) return NULL;
+        p = end;
+    }
+}
+
+/* Does the file name __cudaRegisterFatBinary? Then Python's ELF check (static cudart
+ * warning, krex/device/elfcheck.py) decides what to say: a cheap filter, not the check. */
+static int mentions_cudart(const char *exe) {
+    static const char sym[] = "__cudaRegisterFatBinary";
+    int fd = open(exe, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    struct stat st;
+    if (fd < 0) return 0;
+    int hit = 0;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+        void *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (m != MAP_FAILED) {
+            hit = memmem(m, (size_t)st.st_size, sym, sizeof sym - 1) != NULL;
+            munmap(m, (size_t)st.st_size);
+        }
+    }
+    close(fd);
+    return hit;
+}
+
+/* ------------------------------------------------------------------ JSON (replies only)
+ * krexd's replies are one JSON object (krex/protocol.py). A strict reader: a tree of
+ * values; anything malformed is an error. Strings are decoded (escapes, \u to UTF-8);
+ * a NUL inside one is refused (it could not reach an environment). */
+
+enum jtype { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ };
+struct jv {
+    enum jtype t;
+    int b;
+    double num;
+    char *s;         /* J_STR: decoded, NUL-terminated */
+    char *key;       /* the member's name inside an object */
+    struct jv *kid;  /* J_ARR / J_OBJ: the first element */
+    struct jv *next; /* the next element of the parent */
+};
+
+struct jparse {
+    const char *p, *end;
+    int depth;
+};
+
+static void jfree(struct jv *v) {
+    while (v) {
+        struct jv *n = v->next;
+        jfree(v->kid);
+        free(v->s);
+        free(v->key);
+        free(v);
+        v = n;
+    }
+}
+
+static void jws(struct jparse *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+}
+
+static int hex4(const char *p, unsigned *out) {
+    *out = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return -1;
+        *out = *out << 4 | (unsigned)d;
+    }
+    return 0;
+}
+
+static void put_utf8(struct buf *b, unsigned cp) {
+    char u[4];
+    size_t n;
+    if (cp < 0x80) u[0] = (char)cp, n = 1;
+    else if (cp < 0x800) u[0] = (char)(0xC0 | cp >> 6), u[1] = (char)(0x80 | (cp & 63)), n = 2;
+    else if (cp < 0x10000)
+        u[0] = (char)(0xE0 | cp >> 12), u[1] = (char)(0x80 | (cp >> 6 & 63)), u[2] = (char)(0x80 | (cp & 63)), n = 3;
+    else
+        u[0] = (char)(0xF0 | cp >> 18), u[1] = (char)(0x80 | (cp >> 12 & 63)), u[2] = (char)(0x80 | (cp >> 6 & 63)),
+        u[3] = (char)(0x80 | (cp & 63)), n = 4;
+    buf_add(b, u, n);
+}
+
+static char *jstring(struct jparse *j) { /* at the opening quote */
+    struct buf b = {0};
+    buf_str(&b, "");
+    for (j->p++; j->p < j->end; j->p++) {
+        unsigned char c = (unsigned char)*j->p;
+        if (c == '"') {
+            j->p++;
+            return b.p;
+        }
+        if (c < 0x20) break;
+        if (c != '\\') {
+            buf_add(&b, j->p, 1);
+            continue;
+        }
+        if (++j->p >= j->end) break;
+        const char *simple = strchr("\"\\/bfnrt", *j->p);
+        if (simple && *j->p) {
+            static const char to[] = "\"\\/\b\f\n\r\t";
+            buf_add(&b, &to[simple - "\"\\/bfnrt"], 1);
+            continue;
+        }
+        unsigned cp, lo;
+        if (*j->p != 'u' || j->end - j->p < 5 || hex4(j->p + 1, &cp)) break;
+        j->p += 4;
+        if (cp >= 0xD800 && cp < 0xDC00) { /* a surrogate pair */
+            if (j->end - j->p < 7 || j->p[1] != '\\' || j->p[2] != 'u' || hex4(j->p + 3, &lo) || lo < 0xDC00 || lo > 0xDFFF)
+                break;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            j->p += 6;
+        } else if ((cp >= 0xDC00 && cp < 0xE000) || cp == 0) {
+            break;
+        }
+        put_utf8(&b, cp);
+    }
+    free(b.p);
+    return NULL;
+}
+
+static struct jv *jvalue(struct jparse *j);
+
+static struct jv *jcontainer(struct jparse *j, struct jv *v, char close) {
+    struct jv **tail = &v->kid;
+    j->p++;
+    jws(j);
+    if (j->p < j->end && *j->p == close) {
+        j->p++;
+        return v;
+    }
+    for (;;) {
+        char *key = NULL;
+        jws(j);
+        if (close == '}') {
+            if (j->p >= j->end || *j->p != '"' || !(key = jstring(j))) return NULL;
+            jws(j);
+            if (j->p >= j->end || *j->p++ != ':') {
+                free(key);
+                return NULL;
+            }
+        }
+        struct jv *k = jvalue(j);
+        if (!k) {
+            free(key);
+            return NULL;
+        }
+        k->key = key;
+        *tail = k;
+        tail = &k->next;
+        jws(j);
+        if (j->p < j->end && *j->p == ',') {
+            j->p++;
+            continue;
+        }
+        if (j->p < j->end && *j->p == close) {
+            j->p++;
+            return v;
+        }
+        return NULL;
+    }
+}
+
+static int jnumber(struct jparse *j, struct jv *v) {
+    const char *s = j->p;
+    if (j->p < j->end && *j->p == '-') j->p++;
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return -1;
+    if (*j->p == '0') j->p++;
+    else
+        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    if (j->p < j->end && *j->p == '.') {
+        if (++j->p >= j->end || *j->p < '0' || *j->p > '9') return -1;
+        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    }
+    if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
+        j->p++;
+        if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
+        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return -1;
+        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
+    }
+    char tmp[64];
+    size_t n = (size_t)(j->p - s);
+    if (n >= sizeof tmp) n = sizeof tmp - 1; /* precision beyond this is never needed */
+    memcpy(tmp, s, n);
+    tmp[n] = 0;
+    v->num = strtod(tmp, NULL);
+    return 0;
+}
+
+static struct jv *jvalue(struct jparse *j) {
+    struct jv *v = calloc(1, sizeof *v);
+    if (!v) return NULL;
+    jws(j);
+    struct jv *ok = v;
+    if (++j->depth > 32 || j->p >= j->end) {
+        ok = NULL;
+    } else if (*j->p == '{') {
+        v->t = J_OBJ;
+        ok = jcontainer(j, v, '}');
+    } else if (*j->p == '[') {
+        v->t = J_ARR;
+        ok = jcontainer(j, v, ']');
+    } else if (*j->p == '"') {
+        v->t = J_STR;
+        ok = (v->s = jstring(j)) ? v : NULL;
+    } else if (j->end - j->p >= 4 && !memcmp(j->p, "true", 4)) {
+        v->t = J_BOOL, v->b = 1, j->p += 4;
+    } else if (j->end - j->p >= 5 && !memcmp(j->p, "false", 5)) {
+        v->t = J_BOOL, j->p += 5;
+    } else if (j->end - j->p >= 4 && !memcmp(j->p, "null", 4)) {
+        v->t = J_NULL, j->p += 4;
+    } else {
+        v->t = J_NUM;
+        ok = jnumber(j, v) ? NULL : v;
+    }
+    j->depth--;
+    if (!ok) jfree(v);
+    return ok;
+}
+
+/* The whole text as one JSON object, or NULL. */
+static struct jv *jparse_object(const char *s, size_t n) {
+    struct jparse j = {s, s + n, 0};
+    jws(&j);
+    if (j.p >= j.end || *j.p != '{') return NULL;
+    struct jv *v = jvalue(&j);
+    jws(&j);
+    if (v && j.p != j.end) {
+        jfree(v);
+        return NULL;
+    }
+    return v;
+}
+
+static struct jv *jget(const struct jv *obj, const char *key) {
+    if (!obj || obj->t != J_OBJ) return NULL;
+    for (struct jv *k = obj->kid; k; k = k->next)
+        if (!strcmp(k->key, key)) return k; /* the last one would win in Python; krexd never repeats */
+    return NULL;
+}
+
+static const char *jstr(const struct jv *obj, const char *key) {
+    struct jv *v = jget(obj, key);
+    return v && v->t == J_STR ? v->s : NULL;
+}
+
+/* An integer member in [lo, hi], or -1 (the callers' values are never negative). */
+static long long jint(const struct jv *obj, const char *key, long long lo, long long hi) {
+    struct jv *v = jget(obj, key);
+    if (!v || v->t != J_NUM || v->num != (double)(long long)v->num || v->num < lo || v->num > hi) return -1;
+    return (long long)v->num;
+}
+
+/* ------------------------------------------------------------------ the daemon's socket */
+
+struct conn {
+    int fd;
+    pid_t daemon_pid;
+    const struct krex_shm *seg; /* for its heartbeat; NULL if it cannot be mapped */
+    char seg_name[128];
+    uint64_t stopped_since;     /* when krexd was first seen stopped (state T), 0: not */
+};
+
+/* Same rules as krex/paths.py socket_path(). Empty string when Python must say why. */
+static void socket_path(char *out, size_t n, int *explicit_) {
+    const char *s = getenv("KREX_SOCKET"), *d = getenv("KREX_STATE_DIR"), *x = getenv("XDG_RUNTIME_DIR");
+    *explicit_ = (s && *s) || (d && *d);
+    out[0] = 0;
+    if (s && *s) {
+        if (strlen(s) <= 100) snprintf(out, n, "%s", s);
+    } else if (d && *d) {
+        snprintf(out, n, "%s/krexd.sock", d);
+    } else if (geteuid() == 0) {
+        snprintf(out, n, "/run/krex/krexd.sock");
+    } else if (x && *x) {
+        snprintf(out, n, "%s/krex/krexd.sock", x);
+    } else {
+        snprintf(out, n, "/tmp/krex-%u/krexd.sock", (unsigned)getuid());
+    }
+}
+
+/* paths.check_for_client(): the socket's directory is a real directory of ours or root's
+ * (any owner if the user named it) that others may not write. Fails closed: Python then
+ * gives the precise refusal. */
+static int dir_trusted(const char *sock, int explicit_, uid_t *dir_uid) {
+    char d[PATH_MAX];
+    snprintf(d, sizeof d, "%s", sock);
+    char *slash = strrchr(d, '/');
+    if (!slash) snprintf(d, sizeof d, ".");
+    else if (slash == d) d[1] = 0;
+    else *slash = 0;
+    struct stat st;
+    if (lstat(d, &st) || !S_ISDIR(st.st_mode)) return 0;
+    *dir_uid = st.st_uid;
+    if (!explicit_ && st.st_uid != geteuid() && st.st_uid != 0) return 0;
+    return !(st.st_mode & (explicit_ ? S_IWOTH : S_IWOTH | S_IWGRP));
+}
+
+/* The segment read-only, for krexd's heartbeat and gates (krex_abi.h's layout). */
+static const struct krex_shm *seg_map(const char *name) {
+    char path[256];
+    if (!name || name[0] != '/' || strchr(name + 1, '/')) return NULL;
+    snprintf(path, sizeof path, "/dev/shm%s", name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return NULL;
+    struct stat st;
+    void *m = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct krex_shm))
+        m = mmap(NULL, sizeof(struct krex_shm), PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return NULL;
+    const struct krex_shm *s = m;
+    if (s->hdr.magic != KREX_MAGIC || s->hdr.abi_version != KREX_ABI_VERSION) {
+        munmap(m, sizeof(struct krex_shm));
+        return NULL;
+    }
+    return s;
+}
+
+/* Seconds since krexd's last beat, or -1 when unknown (Segment.heartbeat_age). */
+static double heartbeat_age(const struct conn *c) {
+    if (!c->seg || __atomic_load_n(&c->seg->hdr.daemon_pid, __ATOMIC_ACQUIRE) != c->daemon_pid) return -1;
+    uint64_t hb = __atomic_load_n(&c->seg->hdr.heartbeat_ns, __ATOMIC_ACQUIRE);
+    return hb ? (double)(int64_t)(now_ns() - hb) / 1e9 : -1;
+}
+
+static char proc_state(pid_t pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *r = strrchr(buf, ')');
+    return r && r[1] == ' ' ? r[2] : 0;
+}
+
+/* Why krexd will not answer (gone, hung, stopped past the heartbeat timeout), or NULL
+ * (client.py Client._stuck). */
+static const char *daemon_stuck(struct conn *c, char *why, size_t n) {
+    char st = proc_state(c->daemon_pid);
+    if (!st || st == 'Z' || st == 'X') {
+        snprintf(why, n, "the KREX daemon (pid %d) is gone", (int)c->daemon_pid);
+        return why;
+    }
+    double age = heartbeat_age(c);
+    if (st == 'T' || st == 't') {
+        if (!c->stopped_since) c->stopped_since = now_ns();
+    } else {
+        c->stopped_since = 0;
+    }
+    if (age > KREX_HEARTBEAT_TIMEOUT_NS / 1e9) {
+        snprintf(why, n, "the KREX daemon (pid %d) is not responding: no heartbeat for %.1f s", (int)c->daemon_pid, age);
+        return why;
+    }
+    if (c->stopped_since && now_ns() - c->stopped_since > (uint64_t)KREX_HEARTBEAT_TIMEOUT_NS) {
+        snprintf(why, n, "the KREX daemon (pid %d) is stopped (state %c)", (int)c->daemon_pid, st);
+        return why;
+    }
+    return NULL;
+}
+
+/* Connect and check who serves the socket (client.py _connect, _check_daemon_identity).
+ * -1 when Python must handle it (nobody listens, not trusted, timeouts). */
+static int daemon_connect(struct conn *c) {
+    char path[PATH_MAX];
+    int explicit_;
+    uid_t dir_uid = (uid_t)-1;
+    socket_path(path, sizeof path, &explicit_);
+    if (!path[0] || strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) return -1;
+    if (!dir_trusted(path, explicit_, &dir_uid)) return -1;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct timeval tv = {KREX_CONNECT_TIMEOUT_MS / 1000, (KREX_CONNECT_TIMEOUT_MS % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, path, strlen(path) + 1);
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len)) {
+        close(fd);
+        return -1;
+    }
+    if (cr.uid != geteuid() && cr.uid != 0 && !(explicit_ && cr.uid == dir_uid)) {
+        close(fd); /* a socket planted by someone else: Python refuses it with the reason */
+        return -1;
+    }
+    c->fd = fd;
+    c->daemon_pid = cr.pid;
+    const char *shm = getenv("KREX_SHM"); /* shm.default_name(), as the Python client */
+    if (shm && *shm) snprintf(c->seg_name, sizeof c->seg_name, "%s", shm);
+    else snprintf(c->seg_name, sizeof c->seg_name, "/krex-%u", (unsigned)getuid());
+    c->seg = seg_map(c->seg_name);
+    return 0;
+}
+
+static int send_all(int fd, const void *p, size_t n) {
+    const char *s = p;
+    while (n) {
+        ssize_t w = send(fd, s, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        s += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* One request: header (op, no fixed body) and its JSON object (krex/protocol.py). */
+static int send_request(struct conn *c, enum krex_op op, const struct buf *json) {
+    struct krex_msg_hdr h;
+    memset(&h, 0, sizeof h);
+    h.magic = KREX_WIRE_MAGIC;
+    h.op = (uint16_t)op;
+    h.json_len = (uint32_t)json->n;
+    return send_all(c->fd, &h, sizeof h) || send_all(c->fd, json->p, json->n) ? -1 : 0;
+}
+
+/* Read n bytes; waits while krexd beats. `cap_ns`: give up after this long (0: never).
+ * 0, or -1 with `why` set. */
+static int recv_full(struct conn *c, void *buf, size_t n, uint64_t cap_ns, char *why, size_t why_n) {
+    uint64_t t0 = now_ns();
+    size_t got = 0;
+    while (got < n) {
+        struct pollfd pf = {c->fd, POLLIN, 0};
+        int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
+        if (r < 0 && errno == EINTR) {
+            snprintf(why, why_n, "interrupted");
+            return -1;
+        }
+        if (r == 0) {
+            if (daemon_stuck(c, why, why_n)) return -1;
+            if (cap_ns && now_ns() - t0 > cap_ns) {
+                snprintf(why, why_n, "the KREX daemon (pid %d) did not answer within %d s", (int)c->daemon_pid,
+                         KREX_REPLY_TIMEOUT_MS / 1000);
+                return -1;
+            }
+            continue;
+        }
+        ssize_t k = recv(c->fd, (char *)buf + got, n - got, 0);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (k <= 0) {
+            snprintf(why, why_n, "the KREX daemon (pid %d) closed the connection", (int)c->daemon_pid);
+            return -1;
+        }
+        got += (size_t)k;
+    }
+    return 0;
+}
+
+/* The reply to `op`: its JSON object (events go to on_event). Returns 0 (ok reply), 1 (an
+ * error reply: `err` holds its object) or -1 (no usable reply: `why`). */
+static int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out, char *why, size_t why_n,
+                      void (*on_event)(const struct jv *)) {
+    for (;;) {
+        struct krex_msg_hdr h;
+        if (recv_full(c, &h, sizeof h, cap_ns, why, why_n)) return -1;
+        if (h.magic != KREX_WIRE_MAGIC || h.body_len != 0 || h.json_len > KREX_WIRE_MAX ||
+            (h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) ||
+            (h.op != op && h.op != KREX_OP_EVENT && h.op != KREX_OP_NONE)) {
+            snprintf(why, why_n, "krexd's reply is not a frame of this KREX version (op %u, status %u, %u+%u bytes)",
+                     h.op, h.status, h.body_len, h.json_len);
+            return -1;
+        }
+        char *js = malloc((size_t)h.json_len + 1);
+        if (!js || recv_full(c, js, h.json_len, cap_ns, why, why_n)) {
+            free(js);
+            return -1;
+        }
+        struct jv *v = h.json_len ? jparse_object(js, h.json_len) : calloc(1, sizeof *v);
+        free(js);
+        if (!v) {
+            snprintf(why, why_n, "krexd's reply is not a JSON object");
+            return -1;
+        }
+        if (!h.json_len) v->t = J_OBJ;
+        if (h.op == KREX_OP_EVENT) {
+            if (on_event) on_event(v);
+            jfree(v);
+            continue;
+        }
+        *out = v;
+        return h.status == KREX_ST_OK && h.op == op ? 0 : 1;
+    }
+}
+
+/* ------------------------------------------------------------------ admission */
+
+static void on_queue_event(const struct jv *ev) {
+    static int told;
+    const char *text = jstr(ev, "note"); /* optin.queue_note, rendered by krexd */
+    if (!told && text) note(text);
+    told = 1;
+}
+
+/* The admit reply this guardian needs; -1 when it is malformed. */
+struct admission {
+    int slot, gpu;
+    const char *shm, *group, *freezer;
+    const struct jv *env_set, *env_prepend, *cpus, *notes;
+};
+
+static int read_admission(const struct jv *r, struct admission *a) {
+    a->slot = (int)jint(r, "slot", 0, KREX_MAX_SLOTS - 1);
+    a->gpu = (int)jint(r, "gpu", 0, KREX_MAX_GPUS - 1);
+    a->shm = jstr(r, "shm");
+    a->group = jstr(r, "group");
+    a->freezer = jstr(r, "freezer");
+    a->env_set = jget(r, "env_set");
+    a->env_prepend = jget(r, "env_prepend");
+    a->cpus = jget(r, "shared_cpus");
+    a->notes = jget(r, "notes");
+    if (a->slot < 0 || a->gpu < 0 || !a->shm || !a->group || !a->freezer) return -1;
+    if (!a->env_set || a->env_set->t != J_OBJ || !a->env_prepend || a->env_prepend->t != J_OBJ) return -1;
+    for (struct jv *k = a->env_set->kid; k; k = k->next)
+        if (k->t != J_STR || !k->key[0] || strchr(k->key, '=')) return -1;
+    for (struct jv *k = a->env_prepend->kid; k; k = k->next) {
+        struct jv *v = k->kid; /* [value, separators] */
+        if (k->t != J_ARR || !k->key[0] || strchr(k->key, '=') || !v || v->t != J_STR || !v->next ||
+            v->next->t != J_STR || v->next->next)
+            return -1;
+    }
+    if (a->cpus && a->cpus->t != J_NULL) {
+        if (a->cpus->t != J_ARR) return -1;
+        for (struct jv *k = a->cpus->kid; k; k = k->next)
+            if (k->t != J_NUM || k->num < 0 || k->num >= CPU_SETSIZE || k->num != (int)k->num) return -1;
+    }
+    if (a->notes && a->notes->t != J_ARR) return -1;
+    return 0;
+}
+
+static void print_notes(const struct jv *notes) {
+    for (const struct jv *k = notes ? notes->kid : NULL; k; k = k->next)
+        if (k->t == J_STR) note(k->s);
+}
+
+/* ------------------------------------------------------------------ the environment */
+
+/* `value` first in the list `old` split at any of `seps`, empty entries and other copies
+ * of `value` dropped, joined with ':' (krex/node/optin.py prepend, the one rule). */
+static char *prepend(const char *old, const char *value, const char *seps) {
+    struct buf b = {0};
+    buf_str(&b, value);
+    const char *p = old ? old : "";
+    while (*p) {
+        size_t n = strcspn(p, seps);
+        if (n && !(n == strlen(value) && !strncmp(p, value, n))) {
+            buf_str(&b, ":");
+            buf_add(&b, p, n);
+        }
+        p += n;
+        if (*p) p++;
+    }
+    return b.p;
+}
+
+/* Set NAME=value in an envp array we own (malloc'd, NULL-terminated). */
+static void env_put(char ***envp, size_t *n, const char *name, const char *value) {
+    size_t len = strlen(name);
+    struct buf e = {0};
+    buf_str(&e, name);
+    buf_str(&e, "=");
+    buf_str(&e, value);
+    for (size_t i = 0; i < *n; i++)
+        if (!strncmp((*envp)[i], name, len) && (*envp)[i][len] == '=') {
+            (*envp)[i] = e.p;
+            return;
+        }
+    char **grown = realloc(*envp, (*n + 2) * sizeof **envp);
+    if (!grown) _exit(EXIT_KREX);
+    *envp = grown;
+    (*envp)[(*n)++] = e.p;
+    (*envp)[*n] = NULL;
+}
+
+static const char *env_get(char **envp, size_t n, const char *name) {
+    size_t len = strlen(name);
+    for (size_t i = 0; i < n; i++)
+        if (!strncmp(envp[i], name, len) && envp[i][len] == '=') return envp[i] + len + 1;
+    return NULL;
+}
+
+/* Our environment plus krexd's env_prepend and env_set (launcher: apply_env). */
+static char **command_env(const struct admission *a, const char *auto_dir) {
+    size_t n = 0;
+    while (environ[n]) n++;
+    char **envp = calloc(n + 1, sizeof *envp);
+    if (!envp) _exit(EXIT_KREX);
+    memcpy(envp, environ, n * sizeof *envp);
+    for (struct jv *k = a->env_prepend->kid; k; k = k->next)
+        env_put(&envp, &n, k->key, prepend(env_get(envp, n, k->key), k->kid->s, k->kid->next->s));
+    for (struct jv *k = a->env_set->kid; k; k = k->next) env_put(&envp, &n, k->key, k->s);
+    /* Processes that set KREX_AUTO_REGION themselves leave their status here (launcher.py). */
+    if (auto_dir) env_put(&envp, &n, "KREX_AUTO_STATUS_DIR", auto_dir);
+    return envp;
+}
+
+/* A fresh private directory (mkdtemp, mode 0700) where launcher._private_tmpdir makes one. */
+static char *private_tmpdir(int slot) {
+    const char *bases[] = {getenv("TMPDIR"), getenv("TEMP"), getenv("TMP"), "/tmp", "/var/tmp", "."};
+    for (size_t i = 0; i < sizeof bases / sizeof *bases; i++) {
+        if (!bases[i] || !*bases[i]) continue;
+        char t[PATH_MAX];
+        snprintf(t, sizeof t, "%s/krex-auto-%d-XXXXXX", bases[i], slot);
+        if (mkdtemp(t)) {
+            if (t[0] == '/') return strdup(t);
+            char *abs = realpath(t, NULL); /* "." : krexd needs an absolute path */
+            if (abs) return abs;
+            rmdir(t);
+        }
+    }
+    return NULL;
+}
+
+/* Is the directory empty? Then remove it; else leave it for the release (krexd reads it). */
+static int dir_has_entries(const char *d) {
+    DIR *dir = opendir(d);
+    int any = 0;
+    if (!dir) return 0;
+    for (struct dirent *e; !any && (e = readdir(dir));) any = strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(dir);
+    return any;
+}
+
+static void remove_dir(const char *d) {
+    int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    DIR *dir = fd >= 0 ? fdopendir(fd) : NULL;
+    if (dir) {
+        for (struct dirent *e; (e = readdir(dir));)
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) unlinkat(fd, e->d_name, 0);
+        closedir(dir);
+    } else if (fd >= 0) {
+        close(fd);
+    }
+    rmdir(d);
+}
+
+/* ------------------------------------------------------------------ the child */
+
+struct launch {
+    char *exe;
+    char **argv, **envp;
+    const char *group; /* the slot's cgroup directory */
+    cpu_set_t cpus;
+    int has_cpus;
+    int join; /* write our pid into group/cgroup.procs before exec (not cloned into it) */
+    int errw; /* the pipe that carries an errno back when exec fails */
+};
+
+/* In the child, before exec: as spawn_and_wait's preexec (own process group, the slot's
+ * cgroup, the CPU slice), then exec. Only async-signal-safe calls. */
+static void child(const struct launch *l) {
+    int err;
+    setpgid(0, 0);
+    signal(SIGPIPE, SIG_DFL); /* subprocess's restore_signals */
+    signal(SIGXFSZ, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
+    if (l->join) {
+        char path[PATH_MAX], pid[24];
+        int n = snprintf(pid, sizeof pid, "%d", (int)getpid());
+        strcpy(path, l->group);
+        strcat(path, "/cgroup.procs");
+        int fd = open(path, O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, pid, (size_t)n) != n) goto fail;
+        close(fd);
+    }
+    if (l->has_cpus && sched_setaffinity(0, sizeof l->cpus, &l->cpus)) goto fail;
+    /* Nothing of the caller's beyond stdio (close_fds, as subprocess); errw is O_CLOEXEC. */
+    if (syscall(SYS_close_range, 3, l->errw - 1, 0) == 0) {
+        syscall(SYS_close_range, l->errw + 1, ~0U, 0);
+    } else {
+        for (int fd = 3; fd < 65536; fd++)
+            if (fd != l->errw) close(fd);
+    }
+    execve(l->exe, l->argv, l->envp);
+fail:
+    err = errno;
+    if (write(l->errw, &err, sizeof err) < 0) _exit(127);
+    _exit(127);
+}
+
+struct clone_args_ { /* linux/sched.h struct clone_args (Linux 5.7: with cgroup) */
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size,
+        cgroup;
+};
+#define CLONE_INTO_CGROUP_ 0x200000000ULL
+#ifndef SYS_clone3
+#define SYS_clone3 435 /* the same on x86_64 and aarch64 (asm-generic) */
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+
+/* Start the command in its slot: cgroup v2 forks straight into it (clone3
+ * CLONE_INTO_CGROUP: no cgroup.procs write, which queues 16 starting guardians on a
+ * global lock); else fork and the child joins. Returns the pid, or -1 with *err the
+ * errno of the failed exec (or join) . */
+static pid_t spawn(struct launch *l, const char *freezer, int *err) {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC)) {
+        *err = errno;
+        return -1;
+    }
+    l->errw = p[1];
+    pid_t pid = -1;
+    if (!strcmp(freezer, "cgroup2")) {
+        int cg = open(l->group, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (cg >= 0) {
+            struct clone_args_ ca;
+            memset(&ca, 0, sizeof ca);
+            ca.flags = CLONE_INTO_CGROUP_;
+            ca.exit_signal = SIGCHLD;
+            ca.cgroup = (uint64_t)cg;
+            pid = (pid_t)syscall(SYS_clone3, &ca, sizeof ca);
+            if (pid == 0) child(l);
+            close(cg);
+        }
+    }
+    if (pid < 0) { /* ENOSYS, EINVAL, EBUSY, cgroup v1: fork and join */
+        l->join = 1;
+        pid = fork();
+        if (pid == 0) child(l);
+    }
+    int fork_err = errno;
+    close(p[1]);
+    if (pid < 0) {
+        *err = fork_err;
+        close(p[0]);
+        return -1;
+    }
+    setpgid(pid, pid); /* also here: a signal forwarded at once finds the group */
+    ssize_t n;
+    while ((n = read(p[0], err, sizeof *err)) < 0 && errno == EINTR) {
+    }
+    close(p[0]);
+    if (n == (ssize_t)sizeof *err) {
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    return pid;
+}
+
+/* ------------------------------------------------------------------ watching */
+
+struct lost { /* what the Python finisher needs to journal a region the loss cut */
+    int happened, region_cut;
+    double region_s, ts;
+    const char *why;
+};
+
+/* Thaw our own command without krexd (I5; launcher.with_contextlib_thaw for the cgroup
+ * freezers, the only ones this guardian runs under). */
+static void thaw(const struct admission *a, pid_t pid) {
+    char path[PATH_MAX];
+    int v2 = !strcmp(a->freezer, "cgroup2");
+    snprintf(path, sizeof path, "%s/%s", a->group, v2 ? "cgroup.freeze" : "freezer.state");
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        const char *w = v2 ? "0" : "THAWED";
+        if (write(fd, w, strlen(w)) < 0) { /* nothing more to do: SIGCONT below */
+        }
+        close(fd);
+    }
+    kill(-pid, SIGCONT);
+}
+
+/* krexd's end closed: thaw, and note whether it held our region (_Guardian._lost). */
+static void daemon_lost(const struct admission *a, const struct conn *c, pid_t pid, struct lost *lo) {
+    thaw(a, pid);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    lo->happened = 1;
+    lo->why = "krexd exited";
+    lo->ts = (double)ts.tv_sec + ts.tv_nsec / 1e9;
+    if (c->seg) {
+        const struct krex_gpu *g = &c->seg->gpus[a->gpu];
+        uint32_t gate = __atomic_load_n(&g->gate, __ATOMIC_ACQUIRE);
+        if (gate != KREX_GATE_OPEN && g->holder == KREX_HOLDER_REGION && g->owner_slot == a->slot) {
+            lo->region_cut = 1;
+            lo->region_s = (double)(now_ns() - g->closed_ns) / 1e9;
+        }
+    }
+    note("krex: the daemon went away; your command was thawed and keeps running");
+}
+
+/* Wait for the command: forward signals to its group, watch krexd. Its wait status. */
+static int wait_command(const struct admission *a, struct conn *c, pid_t pid, int sfd, struct lost *lo) {
+    int stale = 0, status = 0;
+    for (;;) {
+        struct pollfd pf[2] = {{sfd, POLLIN, 0}, {lo->happened ? -1 : c->fd, POLLRDHUP, 0}};
+        int r = poll(pf, 2, (int)(KREX_GUARDIAN_POLL_NS / 1000000));
+        if (r < 0 && errno != EINTR) return -1;
+        if (r > 0 && (pf[0].revents & POLLIN)) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
+                if (si.ssi_signo != SIGCHLD) kill(-pid, (int)si.ssi_signo);
+        }
+        if (waitpid(pid, &status, WNOHANG) == pid) return status;
+        if (r > 0 && pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) daemon_lost(a, c, pid, lo);
+        if (lo->happened) continue;
+        double age = heartbeat_age(c);
+        if (age > KREX_HEARTBEAT_TIMEOUT_NS / 1e9 && !stale) {
+            stale = 1;
+            thaw(a, pid);
+            if (!g_quiet)
+                say("krex: krexd (pid %d) stopped beating (%.1f s); your command was thawed and keeps running",
+                    (int)c->daemon_pid, age);
+        } else if (age >= 0 && age <= KREX_HEARTBEAT_TIMEOUT_NS / 1e9) {
+            stale = 0;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ the run */
+
+/* krexd went away: the notes come from the journal. `python -m krex.proc.finish` journals
+ * a region the loss cut, prints the notes and exits with the command's status. */
+static void finish_in_python(const struct admission *a, pid_t pid, int status, const struct lost *lo,
+                             double t_start, const char *auto_dir) {
+    static char v[9][64];
+    snprintf(v[0], 64, "%d", a->slot);
+    snprintf(v[1], 64, "%d", a->gpu);
+    snprintf(v[2], 64, "%.6f", t_start);
+    snprintf(v[3], 64, "%d", status);
+    snprintf(v[4], 64, "%d", (int)pid);
+    snprintf(v[5], 64, "%.6f", lo->region_cut ? lo->region_s : -1.0);
+    snprintf(v[6], 64, "%.6f", lo->ts);
+    snprintf(v[7], 64, "%d", g_quiet);
+    snprintf(v[8], 64, "%s", lo->why);
+    char *args[] = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], (char *)(auto_dir ? auto_dir : ""), NULL};
+    fflush(NULL);
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
+    exec_python("krex.proc.finish", args);
+}
+
+static int run(struct opts *o) {
+    char *exe = resolve(o->cmd[0]);
+    if (!exe || mentions_cudart(exe)) fallback();
+    struct conn c;
+    memset(&c, 0, sizeof c);
+    if (daemon_connect(&c)) fallback();
+
+    struct buf req = {0};
+    buf_str(&req, "{\"guardian\":\"native\",\"gpu\":");
+    buf_str(&req, o->gpu ? o->gpu : "null");
+    buf_str(&req, ",\"freeze\":");
+    if (o->freeze) buf_json_str(&req, o->freeze);
+    else buf_str(&req, "null");
+    buf_str(&req, ",\"device\":");
+    buf_json_str(&req, o->device ? o->device : "auto");
+    buf_str(&req, "}");
+    char why[512];
+    struct jv *adm = NULL;
+    if (send_request(&c, KREX_OP_ADMIT, &req)) fallback();
+    int rc = recv_reply(&c, KREX_OP_ADMIT, 0, &adm, why, sizeof why, on_queue_event);
+    if (rc) { /* refused (nothing claimed) or no answer: Python redoes it and says why */
+        close(c.fd);
+        fallback();
+    }
+    /* Admitted: from here on every way out releases the slot. */
+    struct admission a;
+    struct buf rel = {0};
+    buf_str(&rel, o->keep_leftovers ? "{\"leftovers\":\"keep\"" : "{\"leftovers\":\"kill\"");
+    if (read_admission(adm, &a)) {
+        send_request(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3});
+        say("krex: error: krexd's admit reply is malformed (a krexd of another version?)\n"
+            "  fix: restart krexd (`krex daemon stop`; it starts on demand)");
+        return EXIT_KREX;
+    }
+    print_notes(a.notes);
+    if (strcmp(a.shm, c.seg_name)) { /* the admitted segment, as _Guardian watches */
+        const struct krex_shm *s = seg_map(a.shm);
+        if (s) c.seg = s;
+    }
+
+    struct launch l;
+    memset(&l, 0, sizeof l);
+    l.exe = exe;
+    l.argv = o->cmd;
+    l.group = a.group;
+    CPU_ZERO(&l.cpus);
+    for (struct jv *k = a.cpus && a.cpus->t == J_ARR ? a.cpus->kid : NULL; k; k = k->next) {
+        CPU_SET((int)k->num, &l.cpus);
+        l.has_cpus = 1;
+    }
+    char *auto_dir = private_tmpdir(a.slot);
+    l.envp = command_env(&a, auto_dir);
+
+    /* Signals for the command go through the signalfd from now on. */
+    sigset_t fwd;
+    sigemptyset(&fwd);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
+    sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
+    int sfd = signalfd(-1, &fwd, SFD_CLOEXEC | SFD_NONBLOCK);
+    int err = sfd < 0 ? errno : 0;
+
+    struct timespec t0;
+    clock_gettime(CLOCK_REALTIME, &t0);
+    pid_t pid = sfd < 0 ? -1 : spawn(&l, a.freezer, &err);
+    int status;
+    struct lost lo = {0};
+    if (pid < 0) {
+        status = err == ENOENT ? 127 : 126;
+    } else {
+        struct buf st = {0};
+        char num[32];
+        snprintf(num, sizeof num, "%d", (int)pid);
+        buf_str(&st, "{\"pid\":");
+        buf_str(&st, num);
+        buf_str(&st, "}");
+        struct jv *r = NULL;
+        int k = send_request(&c, KREX_OP_STARTED, &st) ? -1
+                : recv_reply(&c, KREX_OP_STARTED, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
+        if (k == 1) snprintf(why, sizeof why, "%s", jstr(r, "error") ? jstr(r, "error") : "refused");
+        if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
+        jfree(r);
+        int ws = wait_command(&a, &c, pid, sfd, &lo);
+        status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
+    }
+
+    int auto_full = auto_dir && dir_has_entries(auto_dir);
+    if (lo.happened) finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL);
+    if (auto_full) {
+        buf_str(&rel, ",\"auto_dir\":");
+        buf_json_str(&rel, auto_dir);
+    }
+    buf_str(&rel, "}");
+    struct jv *r = NULL;
+    int k = send_request(&c, KREX_OP_RELEASE, &rel) ? -1
+            : recv_reply(&c, KREX_OP_RELEASE, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
+    if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
+        lo.happened = 1;
+        lo.why = "krexd did not answer the release";
+        lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
+        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL);
+    }
+    if (auto_dir) remove_dir(auto_dir);
+    if (pid < 0) { /* the exec failed: launcher's CommandNotFound / NotExecutable */
+        if (err == ENOENT) say("krex: error: command not found: %s\n  fix: check the path", exe);
+        else say("krex: error: cannot execute %s: %s\n  fix: run it through its interpreter, or chmod +x it", exe,
+                 strerror(err));
+        return status;
+    }
+    if (k == 0) print_notes(jget(r, "notes"));
+    return status;
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    g_argv = argv;
+    struct opts o;
+    /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
+    if (getenv("KREX_NATIVE_OFF") || !parse(argv, &o) || env_needs_python()) fallback();
+    /* For tests: proof that this guardian, not the Python one, ran the command. */
+    if (getenv("KREX_NATIVE_MARK")) setenv("KREX_NATIVE_MARK", "native", 1);
+    return run(&o);
+}

@@ -1,0 +1,251 @@
+"""What a guardian needs from krexd to start a command, computed ONCE, here: the
+opt-in environment (`opt_in_parts`) and the notes `krex run` prints at the end
+(`release_notes` and its parts). Both guardians use these functions: the Python one
+(krex/proc/launcher.py) calls them, the native one (interpose/guardian.c) gets
+their results in krexd's `admit` and `release` replies and only applies or prints
+them. Nothing here reads the caller's environment: the caller passes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import krex
+from krex.native import shim_path, sim_dir
+
+# An env_prepend entry's separators: ld.so splits LD_PRELOAD at spaces too.
+_SEPS = {"LD_PRELOAD": ": "}
+
+
+def hook_dir() -> Path:
+    """The directory to put on PYTHONPATH: its sitecustomize.py installs automatic
+    regions when KREX_AUTO_REGION is set, and costs one `import os` otherwise."""
+    return Path(krex.__file__).resolve().parent / "proc" / "_hook"
+
+
+def opt_in_parts(
+    device: str, shm_name: str, sock: str, log: str | None
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The variables that put a process under KREX: (set, prepend). `set`: {name: value};
+    `prepend`: {name: [value, separators]}: put value first in the variable's list,
+    dropping empty entries and other copies of it (`prepend` below applies it).
+    `device`: "sim" or "gpu"; `log`: the log of a krexd the shim starts on demand."""
+    from krex.node.config import daemon_argv
+
+    log_path = Path(log) if log else None
+    put = {
+        "KREX_SHM": shm_name,
+        "KREX_SOCKET": sock,
+        # How a self-registering shim starts krexd when none answers (on-demand, exits when idle).
+        # krexd opens its log itself (checked directory, no symlink followed).
+        "KREX_DAEMON_CMD": "exec env -u LD_PRELOAD "
+        + shlex.join(daemon_argv(device, log_path, on_demand=True)),
+    }
+    pre = {"LD_PRELOAD": str(shim_path()), "PYTHONPATH": str(hook_dir())}
+    if device == "sim":
+        pre["LD_LIBRARY_PATH"] = str(sim_dir())
+        put["KREX_DEVICE"] = "sim"
+    return put, {k: [v, _SEPS.get(k, ":")] for k, v in pre.items()}
+
+
+def prepend(old: str, value: str, seps: str) -> str:
+    """`value` first in the list `old` (split at any of `seps`), empty entries and other
+    copies of `value` dropped, joined with ':'. guardian.c's env_prepend is the same rule."""
+    parts = [old]
+    for s in seps:
+        parts = [q for p in parts for q in p.split(s)]
+    return ":".join([value, *(p for p in parts if p and p != value)])
+
+
+def apply_env(env: dict[str, str], put: Mapping[str, str], pre: Mapping[str, list[str]]) -> None:
+    """Apply opt_in_parts' result (or an admit reply's env_set/env_prepend) to `env`."""
+    for k, (v, seps) in pre.items():
+        env[k] = prepend(env.get(k, ""), v, seps)
+    env.update(put)
+
+
+# ----------------------------------------------------------------------- the notes
+
+
+def queue_note(slots_busy: object) -> str:
+    """What `krex run` says once when its admission has to wait for a slot."""
+    return f"krex: waiting for a free slot ({slots_busy} commands are running)..."
+
+
+def start_notes(simulated: bool) -> list[str]:
+    """What `krex run` says once admitted, before its command starts."""
+    if not simulated:
+        return []
+    return [
+        "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
+        "performance; nothing ran on a real GPU"
+    ]
+
+
+_STATE_RANK = {
+    "wrapped": 6,
+    "whole": 5,
+    "pending": 4,
+    "unsupported": 3,
+    "failed": 3,
+    "missing": 2,
+    "absent": 1,
+}
+
+
+def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report's region counts (region_count, contaminated_regions, cut_regions,
+    region_flags, region_wait_s) over `regs`, added to `into` (krexd keeps one per slot)."""
+    t = into if into is not None else {}
+    t.setdefault("region_count", 0)
+    t.setdefault("contaminated_regions", 0)
+    t.setdefault("cut_regions", 0)
+    t.setdefault("region_flags", {})
+    t.setdefault("region_wait_s", 0.0)
+    for r in regs:
+        t["region_count"] += 1
+        t["contaminated_regions"] += 1 if r.get("contaminated") else 0
+        t["cut_regions"] += 1 if r.get("cut") else 0
+        fl = r.get("flags")
+        for f in fl if isinstance(fl, list) else []:
+            t["region_flags"][str(f)] = t["region_flags"].get(str(f), 0) + 1
+        t["region_wait_s"] = round(t["region_wait_s"] + float(str(r.get("queue_wait_s", 0))), 6)
+    return t
+
+
+def leftover_notes(rel: Mapping[str, Any]) -> list[str]:
+    """What `krex run` says about processes that outlived the command (a release reply)."""
+    left = rel.get("leftovers") or []
+    if not isinstance(left, list) or not left:
+        return []
+    what = ", ".join(f"pid {x.get('pid')} ({x.get('cmd')})" for x in left[:5] if isinstance(x, dict))
+    if rel.get("action") == "kept":
+        return [
+            f"krex: {len(left)} process(es) outlived the command and keep running as a sibling "
+            f"(frozen during other commands' regions): {what}"
+        ]
+    return [f"krex: {len(left)} process(es) outlived the command and were {rel.get('action')}: {what}"]
+
+
+def trust_notes(report: Mapping[str, object]) -> list[str]:
+    """What `krex run` says on stderr about regions it cannot vouch for."""
+    out = []
+    cut = int(str(report.get("cut_regions") or 0))
+    bad = int(str(report.get("contaminated_regions") or 0))
+    if cut:
+        out.append(
+            f"krex: warning: {cut} region(s) were cut by --max-region before their end: what ran after "
+            "the cut was not exclusive"
+        )
+    if bad:
+        flags = report.get("region_flags") or {}
+        what = ", ".join(f"{k} x{v}" for k, v in flags.items()) if isinstance(flags, dict) else ""
+        out.append(f"krex: warning: {bad} region(s) are not clean ({what}); see `krex journal` or the report")
+    return out
+
+
+def _read_status(d: Path, name: str, uid: int | None) -> Any:
+    """One process's KREX_AUTO_STATUS_DIR file. `uid`: krexd reads a directory a client
+    named, so only a regular file of that user, never through a symlink."""
+    if uid is None:
+        return json.loads(Path(d, name).read_text())
+    fd = os.open(Path(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size > 1 << 20:
+            raise ValueError("not a status file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return json.loads(f.read())
+    finally:
+        os.close(fd)
+
+
+def auto_region_report(
+    value: str, d: Path, regs: list[dict[str, Any]], remove: bool = True, uid: int | None = None
+) -> dict[str, Any]:
+    """Which KREX_AUTO_REGION targets were wrapped (whole-call fallbacks included) and how
+    many regions each made, merged over every process of the command. `remove`: delete
+    the directory afterwards (its creator does; krexd, reading a client's, never does)."""
+    targets: dict[str, dict[str, Any]] = {}
+    procs = 0
+    try:
+        names = sorted(os.listdir(d))  # not Path.glob: no pattern compiled on every run
+    except OSError:
+        names = []
+    for n in names:
+        if not n.endswith(".json"):
+            continue
+        try:
+            data = _read_status(d, n, uid)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        procs += 1
+        value = value or str(data.get("value") or "")
+        for t in data.get("targets") or []:
+            name = str(t.get("target"))
+            cur = targets.get(name)
+            rank = _STATE_RANK.get(str(t.get("state")), 0)
+            if cur is None or rank > _STATE_RANK.get(str(cur["state"]), 0):
+                targets[name] = {k: t.get(k) for k in ("target", "builtin", "state", "detail")}
+    if remove:
+        try:
+            os.rmdir(d)  # empty, the common case: no shutil
+        except OSError:
+            import shutil
+
+            shutil.rmtree(d, ignore_errors=True)
+    per: dict[str, int] = {}
+    for r in regs:
+        label = str(r.get("label") or "")
+        if label.startswith("auto:"):
+            name = label[5:].removesuffix(":whole")
+            per[name] = per.get(name, 0) + 1
+    for name, t in targets.items():
+        t["regions"] = per.get(name, 0)
+    return {
+        "value": value,
+        "processes": procs,
+        "targets": sorted(targets.values(), key=lambda t: str(t["target"])),
+        "wrapped": sorted(n for n, t in targets.items() if t["state"] in ("wrapped", "whole")),
+        "auto_regions": sum(per.values()),
+        "whole_call_regions": sum(1 for r in regs if str(r.get("label") or "").endswith(":whole")),
+    }
+
+
+def auto_region_warning(value: str, auto: object) -> str:
+    states = ""
+    if isinstance(auto, dict):
+        ts = auto.get("targets") or []
+        states = "; ".join(f"{t['target']}: {t['state']} ({t['detail']})" for t in ts)
+        if not auto.get("processes"):
+            states = "no process of the command loaded krex's hook (was the command Python?)"
+    return (
+        f"krex: warning: KREX_AUTO_REGION={value!r} was set but the command made no region, so nothing "
+        f"was timed exclusively. Targets: {states or 'none'}"
+    )
+
+
+def auto_notes(report: Mapping[str, Any]) -> list[str]:
+    """The auto-region warning, when KREX_AUTO_REGION was set and no region was made."""
+    auto_rep = report.get("auto_region")
+    made = report.get("region_count")
+    if isinstance(auto_rep, dict) and auto_rep.get("value") not in ("", "0") and not made:
+        return [auto_region_warning(str(auto_rep.get("value")), auto_rep)]
+    return []
+
+
+def release_notes(rel: Mapping[str, Any], report: Mapping[str, Any]) -> list[str]:
+    """Every note `krex run` prints after its command, in order: leftovers, a journal
+    error, untrusted regions, an auto-region warning. `rel`: the release reply;
+    `report`: region_tally's counts and, if any, `auto_region`."""
+    out = leftover_notes(rel)
+    if rel.get("journal_error"):
+        out.append(f"krex: warning: {rel['journal_error']}")
+    return out + trust_notes(report) + auto_notes(report)

@@ -1,0 +1,259 @@
+"""The native `krex` (interpose/guardian.c, issue 11): `krex run` without a Python
+start, with the Python guardian's behaviour.
+
+Each test runs the installed `krex` (the native one) against a private daemon, and
+where the behaviour must match, the same command under the Python guardian
+(`KREX_NATIVE_OFF=1` makes the native front door hand over at once). That the native
+path ran is seen through KREX_NATIVE_MARK, which only guardian.c rewrites ("native")."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import REPO
+from test_regions import KREX, Krex, _hold_with_siblings, frozen_reason
+
+from krex.native import ffi, lib
+from krex.proc import runopts
+
+NATIVE = Path(KREX[0])
+pytestmark = [
+    pytest.mark.skipif(NATIVE.suffix == ".py" or not NATIVE.exists() or NATIVE.read_bytes()[:4] != b"\x7fELF",
+                       reason="the installed krex is not the native one"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups"),
+]
+GUARDIANS = {"native": {"KREX_NATIVE_MARK": "1"}, "python": {"KREX_NATIVE_MARK": "1", "KREX_NATIVE_OFF": "1"}}
+OPT_IN = re.compile(
+    r"^(LD_PRELOAD|PYTHONPATH|LD_LIBRARY_PATH|CUDA_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|KREX_\w+)="
+)
+
+
+@pytest.fixture
+def kx() -> Iterator[Krex]:
+    k = Krex()
+    try:
+        yield k
+    finally:
+        k.cleanup()
+
+
+def run(kx: Krex, *argv: str, extra: dict[str, str] | None = None, timeout: float = 60,
+        **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KREX, *argv], env=kx.env(**(extra or {})), capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+
+
+def both(kx: Krex, *argv: str, **extra: str) -> dict[str, subprocess.CompletedProcess[str]]:
+    return {g: run(kx, *argv, extra={**e, **extra}) for g, e in GUARDIANS.items()}
+
+
+# ----------------------------------------------------------------------- the common path
+
+
+def test_the_native_path_runs_and_statuses_match_the_python_guardian(kx: Krex) -> None:
+    kx.start_daemon()
+    for g, p in both(kx, "run", "--device", "sim", "--", "sh", "-c", "echo $KREX_NATIVE_MARK").items():
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == ("native\n" if g == "native" else "1\n"), (g, p.stdout)
+        assert "SIMULATED GPU" in p.stderr  # krexd's start note, printed by both
+    for script, code in (("exit 0", 0), ("exit 3", 3), ("kill -TERM $$", 128 + signal.SIGTERM),
+                         ("kill -KILL $$", 128 + signal.SIGKILL)):
+        res = both(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", script)
+        assert {g: p.returncode for g, p in res.items()} == {"native": code, "python": code}, res
+        assert res["native"].stderr == res["python"].stderr == ""
+
+
+def test_the_command_gets_the_same_environment_slot_cgroup_and_cpus(kx: Krex) -> None:
+    kx.start_daemon()
+    show = "env; echo CG=$(grep '^0::' /proc/self/cgroup); grep Cpus_allowed_list /proc/self/status"
+    # Lists the guardians prepend to: both put KREX's entry first and drop its other copies.
+    res = both(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", show,
+               LD_PRELOAD="/nonexistent-a.so /nonexistent-b.so", PYTHONPATH="/pa:/pa::/pb")
+    seen = {}
+    for g, p in res.items():
+        assert p.returncode == 0, p.stderr
+        lines = p.stdout.splitlines()
+        env = {ln for ln in lines if OPT_IN.match(ln)}
+        skip = ("KREX_AUTO_STATUS_DIR=", "KREX_SLOT_GEN=", "KREX_NATIVE_")
+        seen[g] = ({ln for ln in env if not ln.startswith(skip)},
+                   [ln for ln in lines if ln.startswith(("CG=", "Cpus_allowed_list"))])
+        assert any(ln.startswith("KREX_AUTO_STATUS_DIR=/") for ln in env), env
+        assert any(ln.startswith("KREX_SLOT_GEN=") for ln in env), env
+        cg = seen[g][1][0]
+        if cg != "CG=":  # cgroup v2: in its slot's group, under this test's freezer root
+            assert re.search(rf"/{kx.root}/slot-\d+$", cg), cg
+    assert seen["native"] == seen["python"], (seen["native"], seen["python"])
+    env = dict(ln.split("=", 1) for ln in seen["native"][0])
+    assert env["LD_PRELOAD"].split(":")[1:] == ["/nonexistent-a.so", "/nonexistent-b.so"]
+    assert env["PYTHONPATH"].split(":")[1:] == ["/pa", "/pa", "/pb"]
+
+
+def test_sigint_to_the_guardian_reaches_the_command(kx: Krex) -> None:
+    kx.start_daemon()
+    ready = kx.out / "ready"
+    script = f"trap 'echo got-int; exit 7' INT; touch {ready}; while :; do sleep 0.05; done"
+    p = subprocess.Popen([*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", script],
+                         env=kx.env(KREX_NATIVE_MARK="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    kx.popens.append(p)  # type: ignore[arg-type]
+    kx.wait(ready.exists, 30, "the command to start")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 7 and out == "got-int\n", (p.returncode, out, err)
+
+
+def test_leftovers_are_killed_or_kept_with_the_python_guardians_words(kx: Krex) -> None:
+    kx.start_daemon()
+    for keep in ([], ["--keep-leftovers"]):
+        res = both(kx, "run", "--device", "sim", *keep, "--", "sh", "-c", "sleep 1 & exit 0")
+        words = {g: re.sub(r"pid \d+ \(.*\)", "pid N (CMD)", p.stderr) for g, p in res.items()}
+        assert res["native"].returncode == res["python"].returncode == 0
+        assert words["native"] == words["python"], words
+        assert ("keep running as a sibling" if keep else "were killed") in words["native"], words
+
+
+def test_a_cut_region_is_noted(kx: Krex) -> None:
+    kx.start_daemon(max_region=0.5)
+    code = "import time, krex\nwith krex.region():\n    time.sleep(1.5)\n"
+    res = both(kx, "run", "--device", "sim", "--", sys.executable, "-c", code)
+    for g, p in res.items():
+        assert p.returncode == 0, (g, p.stderr)
+        assert "region(s) were cut by --max-region" in p.stderr, (g, p.stderr)
+
+
+# ----------------------------------------------------------------------- losing krexd
+
+
+@pytest.mark.parametrize("guardian", list(GUARDIANS))
+def test_a_sibling_frozen_when_krexd_is_killed_is_thawed_by_its_guardian(kx: Krex, guardian: str) -> None:
+    kx.start_daemon(slots=3)
+    env = kx.env(**GUARDIANS[guardian])
+    kx.run("h1", "hammer", "--us", "50", env=env)
+    d = kx.daemon
+    assert d is not None
+    ready = _hold_with_siblings(kx, "h1")  # h1 is frozen inside own's region
+    d.kill()
+    d.wait(10)
+    assert kx.advances("h1", timeout=30), "h1 stayed frozen after krexd died"
+    assert frozen_reason(kx.progress("h1")[2]) is None
+    kx.stop_all("h1")
+    assert "the daemon went away; your command was thawed" in kx.cmds["h1"].output()
+    kx.touch("own")
+    assert kx.cmds["own"].wait(60) == 0, kx.cmds["own"].output()
+    # own's region lost its daemon: its guardian journals it (the native one via krex.proc.finish).
+    recs = [r for r in kx.journal() if r.get("owner_pid") == ready["pid"]]
+    assert [r["end"] for r in recs] == ["daemon-lost"] and recs[0]["recorded_by"] == "guardian", recs
+    assert "region(s) are not clean" in kx.cmds["own"].output()
+
+
+# ----------------------------------------------------------------------- handing over to Python
+
+
+def test_everything_else_goes_to_the_python_cli_unchanged(kx: Krex, tmp_path: Path) -> None:
+    py = [sys.executable, "-m", "krex.cli.main"]
+    for argv in (["--help"], ["--version"], ["run", "--help"], ["run", "--bogus", "--", "true"],
+                 ["run", "--device", "cuda", "--", "true"], ["run", "--", "no-such-command-krex"],
+                 ["nosuchcommand"]):
+        nat = run(kx, *argv)
+        ref = subprocess.run([*py, *argv], env=kx.env(), capture_output=True, text=True, timeout=60)
+        assert (nat.returncode, nat.stdout, nat.stderr) == (ref.returncode, ref.stdout, ref.stderr), argv
+    # No daemon: the Python path starts one on demand, and the next run is native.
+    p = run(kx, "run", "--device", "sim", "--", "true")
+    assert p.returncode == 0, p.stderr
+    p = run(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", "echo $KREX_NATIVE_MARK",
+            extra={"KREX_NATIVE_MARK": "1"})
+    assert p.stdout == "native\n", p.stderr
+    # --report is the Python guardian's.
+    rep = tmp_path / "r.json"
+    p = run(kx, "run", "--device", "sim", "--report", str(rep), "--", "sh", "-c", "exit 4")
+    assert p.returncode == 4 and json.loads(rep.read_text())["exit_status"] == 4
+    # krexd refuses an unknown GPU before any slot is taken: the Python guardian says why.
+    p = run(kx, "run", "--device", "sim", "--gpu", "7", "--", "true")
+    assert p.returncode == 125 and "unknown GPU 7" in p.stderr, p.stderr
+    kx.krex("daemon", "stop")
+
+
+def test_the_native_flags_are_krex_runs(kx: Krex) -> None:
+    """guardian.c parses these flags itself; each must be one of runopts.RUN's."""
+    src = (REPO / "interpose" / "guardian.c").read_text()
+    flags = set(re.findall(r'opt_value\(argv, &i, "(--[\w-]+)"\)', src))
+    flags |= set(re.findall(r'strcmp\(a, "(--[\w-]+)"\)', src)) - {"--quiet"}
+    assert flags and flags <= {o.flag for o in runopts.RUN}, flags
+
+
+# ----------------------------------------------------------------------- a socket it must not trust
+
+
+def _serve(path: Path, reply: bytes | None, uid: int | None = None) -> subprocess.Popen[bytes]:
+    """A listener on `path` that answers every connection with `reply` (raw bytes; None:
+    a valid ADMIT frame whose JSON lacks what a guardian needs), as `uid`."""
+    code = (
+        "import os, socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o777)\n"
+        "if sys.argv[3]: os.setuid(int(sys.argv[3]))  # SO_PEERCRED: who called listen()\n"
+        "s.listen(8)\n"
+        "data = bytes.fromhex(sys.argv[2])\n"
+        "while True:\n"
+        "    c, _ = s.accept()\n"
+        "    try:\n"
+        "        c.recv(65536); c.sendall(data); time.sleep(0.2)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    c.close()\n"
+    )
+    if reply is None:
+        js = b'{"slot": 0}'
+        h = ffi.new("struct krex_msg_hdr *")
+        h.magic, h.op, h.body_len, h.json_len = lib.KREX_WIRE_MAGIC, lib.KREX_OP_ADMIT, 0, len(js)
+        reply = bytes(ffi.buffer(h)) + js
+    who = "" if uid is None else str(uid)
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), reply.hex(), who])
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline and p.poll() is None, "the listener did not start"
+        time.sleep(0.02)
+    return p
+
+
+@pytest.mark.parametrize("case", ["other-uid", "garbage", "malformed-admit"])
+def test_a_forged_socket_is_refused_and_the_command_never_runs(kx: Krex, tmp_path: Path, case: str) -> None:
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o755)
+    sock = d / "krexd.sock"
+    reply = {"other-uid": b"x", "garbage": b"\x00garbage-not-a-frame" * 4, "malformed-admit": None}[case]
+    srv = _serve(sock, reply, uid=65534 if case == "other-uid" else None)
+    ran = tmp_path / "ran"
+    try:
+        p = run(kx, "run", "--device", "sim", "--", "touch", str(ran), extra={"KREX_SOCKET": str(sock)})
+    finally:
+        srv.kill()
+        srv.wait()
+    assert p.returncode == 125, (p.returncode, p.stderr)
+    assert "krex: error:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not ran.exists(), "the command ran without a guardian it could trust"
+    if case == "other-uid":
+        assert "refusing to talk to it" in p.stderr
+    if case == "malformed-admit":
+        assert "malformed" in p.stderr
+
+
+def test_an_exec_error_after_admission_has_the_python_guardians_words(kx: Krex, tmp_path: Path) -> None:
+    kx.start_daemon()
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\x01\x02 not a program")
+    bad.chmod(0o755)
+    res = both(kx, "-q", "run", "--device", "sim", "--", str(bad))
+    assert res["native"].returncode == res["python"].returncode == 126
+    assert res["native"].stderr == res["python"].stderr, res
+    assert "Exec format error" in res["native"].stderr
+    assert kx.status()["slots"] == []  # both released their slot

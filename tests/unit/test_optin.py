@@ -1,0 +1,41 @@
+"""krex/node/optin.py: the ONE source of the command's environment and of `krex run`'s
+notes, shared by both guardians (the native one gets them through krexd's replies)."""
+
+from __future__ import annotations
+
+from krex.node import optin
+from krex.proc.envvars import opt_in_env
+
+
+def test_prepend_puts_krex_first_and_drops_only_its_other_copies() -> None:
+    assert optin.prepend("", "/k.so", ": ") == "/k.so"
+    assert optin.prepend("/a.so /k.so:/b.so::", "/k.so", ": ") == "/k.so:/a.so:/b.so"
+    # PYTHONPATH keeps paths with spaces and the user's own duplicates.
+    assert optin.prepend("/p q:/p q:/hook", "/hook", ":") == "/hook:/p q:/p q"
+
+
+def test_opt_in_env_applies_the_parts() -> None:
+    base = {"LD_PRELOAD": "/x.so", "PYTHONPATH": "/a"}
+    env = opt_in_env("sim", "/krex-t", base=base)
+    put, pre = optin.opt_in_parts("sim", "/krex-t", env["KREX_SOCKET"], None)
+    assert env["LD_PRELOAD"] == pre["LD_PRELOAD"][0] + ":/x.so"
+    assert env["PYTHONPATH"] == pre["PYTHONPATH"][0] + ":/a"
+    assert env["LD_LIBRARY_PATH"] == pre["LD_LIBRARY_PATH"][0]
+    assert {k: env[k] for k in ("KREX_SHM", "KREX_DEVICE")} == {"KREX_SHM": "/krex-t", "KREX_DEVICE": "sim"}
+    assert "LD_LIBRARY_PATH" not in opt_in_env("gpu", "/krex-t", base=base)
+
+
+def test_release_notes_in_the_python_guardians_order() -> None:
+    regs = [{"contaminated": True, "flags": ["drain-timeout"]}, {"cut": True}, {}]
+    tally = optin.region_tally(regs)
+    assert tally["region_count"] == 3 and tally["cut_regions"] == 1 and tally["contaminated_regions"] == 1
+    again = optin.region_tally(regs[2:], optin.region_tally(regs[:2]))  # krexd's running tally
+    assert again == tally
+    rel = {"leftovers": [{"pid": 5, "cmd": "sleep 9"}], "action": "killed", "journal_error": "disk full"}
+    notes = optin.release_notes(rel, tally)
+    assert notes[0] == "krex: 1 process(es) outlived the command and were killed: pid 5 (sleep 9)"
+    assert notes[1] == "krex: warning: disk full"
+    assert "cut by --max-region" in notes[2] and "drain-timeout x1" in notes[3]
+    auto = {"region_count": 0, "auto_region": {"value": "x:y", "processes": 0, "targets": []}}
+    assert "KREX_AUTO_REGION='x:y'" in optin.release_notes({}, auto)[0]
+    assert optin.start_notes(False) == [] and "SIMULATED" in optin.start_notes(True)[0]
