@@ -239,7 +239,9 @@ int krex_futex_wake(uint32_t *addr) {
 
 uint32_t krex_load32(uint32_t *addr) { return __atomic_load_n(addr, SEQ); }
 
-uint64_t krex_pid_start_ticks(int64_t pid) {
+/* One read of /proc/<pid>/stat: its start time (field 22) and state letter. 0 when
+ * the process is not there (or the file cannot be read). */
+static uint64_t pid_stat(int64_t pid, char *state) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -250,36 +252,30 @@ uint64_t krex_pid_start_ticks(int64_t pid) {
     buf[n] = 0;
     /* comm may hold spaces and parens: fields restart after the last ')'. */
     char *p = strrchr(buf, ')');
-    if (!p) return 0;
+    if (!p || !p[1] || !p[2]) return 0;
     unsigned long long v = 0;
     /* After ") " come fields 3..; start time is field 22. */
-    if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
-               &v) != 1)
+    if (sscanf(p + 2, "%c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu", state,
+               &v) != 2)
         return 0;
     return v;
 }
 
+uint64_t krex_pid_start_ticks(int64_t pid) {
+    char state;
+    return pid_stat(pid, &state);
+}
+
+/* Alive: the process `start_ticks` names (0: any) runs, and is no zombie (a zombie
+ * submits nothing and holds no context any more). One /proc read. */
 int krex_pid_alive(int64_t pid, uint64_t start_ticks) {
     if (pid <= 0) return 0;
     if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
-    if (start_ticks) {
-        uint64_t now = krex_pid_start_ticks(pid);
-        if (now && now != start_ticks) return 0; /* pid was reused */
-    }
-    /* A zombie submits nothing and holds no context any more. */
-    char path[64], buf[256];
-    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        ssize_t n = read(fd, buf, sizeof buf - 1);
-        close(fd);
-        if (n > 0) {
-            buf[n] = 0;
-            char *p = strrchr(buf, ')');
-            if (p && (p[2] == 'Z' || p[2] == 'X')) return 0;
-        }
-    }
-    return 1;
+    char state = 0;
+    uint64_t now = pid_stat(pid, &state);
+    if (now == 0) return 1; /* not readable here (another pid namespace's /proc): as before, alive */
+    if (start_ticks && now != start_ticks) return 0; /* pid was reused */
+    return state != 'Z' && state != 'X';
 }
 
 /* Gate ownership is the gate word itself: (epoch24 << 8) | owner byte. Taking the
@@ -354,6 +350,32 @@ static int image_gone(struct krex_proc *p, int64_t pid) {
     char path[64];
     snprintf(path, sizeof path, "/proc/%lld/task/%u", (long long)pid, tid);
     return access(path, F_OK) != 0 && errno == ENOENT;
+}
+
+/* The live GPU-using processes (records) of the other commands on `gpu`, and of
+ * released slots' leftovers (their GPU is not known). krexd takes this at a region's
+ * entry and end: a process in only one of them started or ended its GPU work meanwhile
+ * (context set-up and teardown run on the GPU outside any gated call). An exec changes
+ * the helper thread (a GPU image) or leaves none (image gone: not live). Returns the
+ * count, which may exceed `max`. */
+int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, int max) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->slot == owner_slot) continue;
+        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        uint64_t st = p->start_ticks;
+        if (!krex_pid_alive(pid, st) || image_gone(p, pid)) continue;
+        if (out && n < max) {
+            out[n].pid = pid;
+            out[n].start_ticks = st;
+            out[n].helper_tid = __atomic_load_n(&p->helper_tid, SEQ);
+            out[n].pad0 = 0;
+        }
+        n++;
+    }
+    return n;
 }
 
 /* Threads of non-owner slots on this GPU that are inside a gated call. Dead

@@ -65,6 +65,14 @@ void krex_wake_controller(struct krex_shm *shm, int gpu);
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid);
 int krex_slot_live_procs(struct krex_shm *shm, int slot);
 int krex_slot_procs(struct krex_shm *shm, int slot, int64_t *pids, int max);
+/* A live GPU-using process of another command: its identity across a region (sibling-context). */
+struct krex_proc_id {
+    int64_t pid;
+    uint64_t start_ticks;
+    uint32_t helper_tid;
+    uint32_t pad0;
+};
+int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);

@@ -1019,7 +1019,11 @@ class Daemon:
         attest: dict[str, Any] = {}
         fail_opens0 = 0
         fz: _FreezePlan | None = None
+        sib_procs: set[tuple[int, int, int]] = set()
         try:
+            # Taken as the gate closes: a sibling that starts or ends its GPU work from here
+            # on can overlap the region (sibling-context), entry included.
+            sib_procs = self._sibling_gpu_procs(gpu, req.slot)
             r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
             t["inflight_s"] = r.seconds
             waits = {"wait_inflight": r.stats}
@@ -1133,7 +1137,6 @@ class Daemon:
                 else {}
             )
             attest_entry = self.attestor.sample(gpu)
-            sib_procs = self._sibling_gpu_procs(gpu, req.slot)
             own_at_entry = self._own_pids(req)
             if not req.ended.wait(self.cfg.max_region_s):
                 req.end_reason = f"max-region ({self.cfg.max_region_s:g}s)"
@@ -1147,6 +1150,7 @@ class Daemon:
                 )
             t_end_ns = time.monotonic_ns()
             region_s = time.monotonic() - t_grant
+            sib_procs_end = self._sibling_gpu_procs(gpu, req.slot)  # first: the timing is over
             if adaptive and owner is not None and region_s > 0:
                 owner.last_rate = (self.seg.slot_submits(req.slot) - sub0) / region_s
             # What could have disturbed the region while it ran.
@@ -1164,9 +1168,10 @@ class Daemon:
                 gpu, attest_entry, attest_exit, lambda: _same_processes(known_at_entry) | self._known_pids()
             )
             reasons.extend(more)
-            nvml_changed = set(attest_entry.get("procs") or []) ^ set(attest_exit.get("procs") or [])
-            nvml_changed -= own_at_entry | {f["pid"] for f in attest.get("foreign") or []}  # flagged already
-            reasons.extend(self._context_changes(gpu, req.slot, sib_procs, nvml_changed))
+            skip = own_at_entry | self._own_pids(req) | {f["pid"] for f in attest.get("foreign") or []}
+            reasons.extend(
+                self._context_changes(gpu, sib_procs, sib_procs_end, attest_entry, attest_exit, skip)
+            )
             stalled = self._stalled_during(t0, time.monotonic())
             if stalled:
                 reasons.append(
@@ -1277,16 +1282,14 @@ class Daemon:
         own = set(self._group_pids(s)) if s is not None else {req.pid}
         return [("segment", text) for text in self.guard.flag(since_ns, own)]
 
-    def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> dict[int, int]:
-        """pid -> start time of the other commands' processes on `gpu` that made GPU calls
-        (registered), and of released slots' leftovers (their GPU is not known)."""
-        with self.lock:
-            slots = [n for n, s in self.slots.items() if s.gpu == gpu and n != owner_slot]
-        out: dict[int, int] = {}
-        for n in [*slots, int(lib.KREX_PROC_STALE)]:
-            for p in self.seg.slot_pids(n):
-                out[p] = int(lib.krex_pid_start_ticks(p))
-        return out
+    def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:
+        """(pid, start time, drain-helper thread) of the other commands' live processes on
+        `gpu` that made GPU calls, and of released slots' leftovers: one C pass over the
+        records (krex_sibling_procs)."""
+        n = lib.KREX_MAX_PROCS
+        buf = ffi.new("struct krex_proc_id[]", n)
+        got = min(int(lib.krex_sibling_procs(self.seg.raw, gpu, owner_slot, buf, n)), n)
+        return {(int(buf[i].pid), int(buf[i].start_ticks), int(buf[i].helper_tid)) for i in range(got)}
 
     def _own_pids(self, req: Region) -> set[int]:
         with self.lock:
@@ -1294,30 +1297,36 @@ class Daemon:
         return {req.pid, *(self._group_pids(s) if s is not None else [])}
 
     def _context_changes(
-        self, gpu: int, owner_slot: int, before: dict[int, int], nvml_changed: set[int]
+        self,
+        gpu: int,
+        before: set[tuple[int, int, int]],
+        after: set[tuple[int, int, int]],
+        nvml_entry: dict[str, Any],
+        nvml_exit: dict[str, Any],
+        skip: set[int],
     ) -> list[tuple[str, str]]:
-        """A sibling process that started using the GPU or ended during the region. Setting
-        up or tearing down a GPU context (allocations, page tables, scrubbing the memory
-        freed at exit) runs on the GPU outside any gated call: under a policy that leaves
-        siblings running it slowed kernels over 10 ms by up to 16% in regions that read
-        clean (H200, docs/results/h200/goal-run). Frozen siblings cannot do it; one killed
-        while frozen can, and is flagged too. `nvml_changed`: pids NVML listed at only one
-        end of the region (a process with a context that never made a gated call), less
-        the owner's own."""
-        now = self._sibling_gpu_procs(gpu, owner_slot)
-        ended = sorted(p for p, st in before.items() if int(lib.krex_pid_start_ticks(p)) != st)
-        started = sorted(set(now) - set(before))
-        nvml_changed -= self._own_pids_now(owner_slot)
-        gone = set(ended) | set(started)
-        ended += sorted(p for p in nvml_changed - gone if int(lib.krex_pid_start_ticks(p)) == 0)
-        started += sorted(p for p in nvml_changed - gone if int(lib.krex_pid_start_ticks(p)) != 0)
+        """A sibling process that started or ended its GPU work (or exec'd) between the
+        gate's closing and the region's end. Setting up or tearing down a GPU context
+        (allocations, page tables, scrubbing the memory freed at exit) runs on the GPU
+        outside any gated call: under a policy that leaves siblings running it slowed
+        kernels over 10 ms by up to 16% in regions that read clean (H200,
+        docs/results/h200/goal-run). Frozen siblings cannot; one killed while frozen is
+        flagged too. NVML adds processes with a context but no gated call that it listed
+        at only one end (`skip`: the owner's own and those already flagged foreign). Not
+        seen: such a process that comes and goes between the two NVML samples."""
+        started = {p for p, _s, _t in after - before}
+        ended = {p for p, _s, _t in before - after}
+        ent, ext = set(nvml_entry.get("procs") or []), set(nvml_exit.get("procs") or [])
+        started |= (ext - ent) - skip
+        ended |= (ent - ext) - skip
         if not ended and not started:
             return []
-        what = "; ".join(
-            f"{k} pid {', '.join(map(str, ps[:5]))}{' ...' if len(ps) > 5 else ''}"
-            for k, ps in (("started", started), ("ended", ended))
-            if ps
-        )
+
+        def some(ps: set[int]) -> str:
+            xs = sorted(ps)
+            return ", ".join(map(str, xs[:5])) + (" ..." if len(xs) > 5 else "")
+
+        what = "; ".join(f"{k} pid {some(ps)}" for k, ps in (("started", started), ("ended", ended)) if ps)
         return [
             (
                 "sibling-context",
@@ -1325,11 +1334,6 @@ class Daemon:
                 "a GPU context's set-up and teardown run on the GPU outside the gate",
             )
         ]
-
-    def _own_pids_now(self, slot: int) -> set[int]:
-        with self.lock:
-            s = self.slots.get(slot)
-        return set(self._group_pids(s)) if s is not None else set()
 
     def _known_pids(self) -> set[int]:
         """Every process KREX knows on this node: slot trees, registered processes, itself."""
@@ -1528,8 +1532,10 @@ class Daemon:
                 )
             except (OSError, KrexError) as e:
                 why = e.strerror if isinstance(e, OSError) else str(e)
-                return [*optin.release_notes(out, report),
-                        f"krex: warning: krexd could not read the auto-region status in {auto_dir} ({why})"]
+                return [
+                    *optin.release_notes(out, report),
+                    f"krex: warning: krexd could not read the auto-region status in {auto_dir} ({why})",
+                ]
         return optin.release_notes(out, report)
 
     @handles("register")

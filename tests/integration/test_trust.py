@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -452,6 +453,70 @@ def test_a_sibling_whose_gpu_process_ends_during_a_gpu_policy_region_flags_it(kx
     rec = _end_hold(kx, "a", ready["pid"])
     assert "sibling-context" in rec["flags"] and rec["contaminated"], rec["reasons"]
     assert f"ended pid {sib['pid']}" in " ".join(rec["reasons"]), rec["reasons"]
+
+
+EXECER = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from cp_worker import Gpu
+    out, trigger = sys.argv[2], sys.argv[3]
+    g = Gpu(); g.kernel(1); g.synchronize()  # a GPU image: it registers
+    if len(sys.argv) > 4:  # the second image: that one call, then done
+        open(out + ".2", "w").close()
+        sys.exit(0)
+    open(out, "w").write(str(os.getpid()))
+    while not os.path.exists(trigger):
+        time.sleep(0.005)
+    os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:], "again"])
+    """
+)
+
+
+def _helper_tid(kx: Krex, pid: int) -> int:
+    from krex.node.shm import Segment
+
+    with Segment.attach(kx.env()["KREX_SHM"]) as seg:
+        return max((int(r.helper_tid) for r in seg.raw.procs if int(r.pid) == pid), default=0)
+
+
+def test_a_sibling_that_execs_into_a_new_gpu_image_during_a_gpu_policy_region_flags_it(kx: Krex) -> None:
+    """exec keeps the pid and its start time, but ends one GPU image (teardown) and starts
+    another (set-up): the record's drain-helper thread tells the two images apart."""
+    _fake_nvml_gpu_policy(kx)
+    script, out, trigger = kx.out / "execer.py", kx.out / "execer", kx.out / "exec-now"
+    script.write_text(EXECER)
+    kx.run_argv("sib", [sys.executable, str(script), str(WORKER.parent), str(out), str(trigger)])
+    kx.wait(out.exists, 30, "the sibling's first image")
+    pid = int(out.read_text())
+    first = kx.wait(lambda: _helper_tid(kx, pid), 15, "its drain helper")
+    ready = _hold_region(kx, "a")
+    trigger.touch()  # it execs inside the region; the new image's first call waits at the gate
+    kx.wait(lambda: _helper_tid(kx, pid) not in (0, first), 15, "the new image to register")
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "sibling-context" in rec["flags"], rec["reasons"]
+    text = " ".join(rec["reasons"])
+    assert f"started pid {pid}" in text and f"ended pid {pid}" in text, rec["reasons"]
+    kx.wait(lambda: Path(str(out) + ".2").exists(), 15, "the new image's call after the region")
+
+
+def test_a_sibling_process_killed_while_frozen_and_left_a_zombie_flags_the_region(kx: Krex) -> None:
+    """Under the default policy a sibling is frozen; one of its processes killed meanwhile
+    tears its context down all the same. Its frozen parent cannot reap it: a zombie, whose
+    pid and start time are unchanged, still counts as ended."""
+    kx.start_daemon(slots=2)
+    worker = f"{sys.executable} {WORKER} hammer {kx.out} --name sib --us 0 --long-us 1 --seconds 60"
+    kx.run_argv("sib", ["sh", "-c", f"{worker} & wait"])
+    kx.wait(lambda: (kx.out / "sib.ready").exists(), 30, "the sibling's GPU call")
+    child = json.loads((kx.out / "sib.ready").read_text())["pid"]
+    ready = _hold_region(kx, "a")
+    assert ready["grant"]["frozen_slots"], ready["grant"]
+    os.kill(child, signal.SIGKILL)
+    stat = Path(f"/proc/{child}/stat")
+    kx.wait(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", 10, "a zombie")
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "sibling-context" in rec["flags"], rec["reasons"]
+    assert f"ended pid {child}" in " ".join(rec["reasons"]), rec["reasons"]
 
 
 def test_a_sibling_context_nvml_saw_end_during_a_region_flags_it(kx: Krex) -> None:
