@@ -98,9 +98,11 @@ def krexd_cpu_s() -> float:
         if not p.isdigit():
             continue
         try:
-            cmd = open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ")
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ")
             if b"krex" in cmd and b"daemon" in cmd and b" run" not in cmd:
-                f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{p}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
                 tot += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:
             pass
@@ -125,7 +127,7 @@ def variant(label: str, n_sib: int, gb: float, mode: str, policy: str, unpin: bo
     tag = f"/tmp/sk-{label}"
     sibs = []
     env = {**ENV, "SK_UNPIN": "1" if unpin else "0"}
-    log = open(os.path.join(OUT, f"short-{label}.log"), "w")
+    log = open(os.path.join(OUT, f"short-{label}.log"), "w")  # noqa: SIM115 - closed in finally
     owner = None
     try:
         for i in range(n_sib):
@@ -160,6 +162,7 @@ def variant(label: str, n_sib: int, gb: float, mode: str, policy: str, unpin: bo
                 s.kill()
         if not native:
             daemon(False)
+        log.close()
     ms, cu = res["ms"], res["cpu_us"]
     return {"label": label, "siblings": n_sib, "gb": gb, "mode": mode, "policy": policy, "unpin": unpin,
             "native": native, "min": min(ms), "p10": pct(ms, 0.1), "median": statistics.median(ms),
