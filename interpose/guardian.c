@@ -60,6 +60,8 @@ extern char **environ;
 static char **g_argv;       /* our own argv, for the fallback */
 static int g_quiet;         /* -q: no notices */
 static sigset_t g_oldmask;  /* the signal mask we started with (the child and any exec get it back) */
+static int g_chld_ign;      /* SIGCHLD was ignored by our caller: the command gets that back */
+static int g_tty = -1;      /* stdin, when it is a terminal whose foreground group is ours */
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -214,6 +216,7 @@ static int parse(char **argv, struct opts *o) {
         else return 0; /* --report, --no-daemon, -h, an unknown option: Python */
     }
     if (!argv[i] || !argv[i][0]) return 0;
+    if (o->device && !*o->device) return 0; /* click refuses an empty choice: its message */
     if (o->gpu) { /* click takes only an integer; a huge one is krexd's "unknown GPU" */
         size_t n = strlen(o->gpu);
         if (n == 0 || n > 9 || strspn(o->gpu, "0123456789") != n) return 0;
@@ -709,9 +712,13 @@ static int recv_full(struct conn *c, void *buf, size_t n, uint64_t cap_ns, char 
  * error reply: `err` holds its object) or -1 (no usable reply: `why`). */
 static int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out, char *why, size_t why_n,
                       void (*on_event)(const struct jv *)) {
+    /* cap_ns bounds the whole exchange: events must not restart it (a krexd that sends
+     * events forever would hold us for ever). 0: no bound (admission may queue). */
+    uint64_t end = cap_ns ? now_ns() + cap_ns : 0;
+#define KREX_LEFT() (end ? (end > now_ns() ? end - now_ns() : 1) : 0)
     for (;;) {
         struct krex_msg_hdr h;
-        if (recv_full(c, &h, sizeof h, cap_ns, why, why_n)) return -1;
+        if (recv_full(c, &h, sizeof h, KREX_LEFT(), why, why_n)) return -1;
         if (h.magic != KREX_WIRE_MAGIC || h.body_len != 0 || h.json_len > KREX_WIRE_MAX ||
             (h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) ||
             (h.op != op && h.op != KREX_OP_EVENT && h.op != KREX_OP_NONE)) {
@@ -720,7 +727,7 @@ static int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct j
             return -1;
         }
         char *js = malloc((size_t)h.json_len + 1);
-        if (!js || recv_full(c, js, h.json_len, cap_ns, why, why_n)) {
+        if (!js || recv_full(c, js, h.json_len, KREX_LEFT(), why, why_n)) {
             free(js);
             return -1;
         }
@@ -739,6 +746,7 @@ static int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct j
         *out = v;
         return h.status == KREX_ST_OK && h.op == op ? 0 : 1;
     }
+#undef KREX_LEFT
 }
 
 /* ------------------------------------------------------------------ admission */
@@ -811,18 +819,20 @@ static char *prepend(const char *old, const char *value, const char *seps) {
     return b.p;
 }
 
-/* Set NAME=value in an envp array we own (malloc'd, NULL-terminated). */
+/* Set NAME=value in an envp array we own (malloc'd, NULL-terminated). Every earlier
+ * copy of NAME goes: an environment can hold one twice, and ld.so reads the last
+ * LD_PRELOAD, so a stale second copy would start the command without the shim. */
 static void env_put(char ***envp, size_t *n, const char *name, const char *value) {
     size_t len = strlen(name);
     struct buf e = {0};
     buf_str(&e, name);
     buf_str(&e, "=");
     buf_str(&e, value);
+    size_t k = 0;
     for (size_t i = 0; i < *n; i++)
-        if (!strncmp((*envp)[i], name, len) && (*envp)[i][len] == '=') {
-            (*envp)[i] = e.p;
-            return;
-        }
+        if (strncmp((*envp)[i], name, len) || (*envp)[i][len] != '=') (*envp)[k++] = (*envp)[i];
+    *n = k;
+    (*envp)[k] = NULL;
     char **grown = realloc(*envp, (*n + 2) * sizeof **envp);
     if (!grown) _exit(EXIT_KREX);
     *envp = grown;
@@ -830,11 +840,12 @@ static void env_put(char ***envp, size_t *n, const char *name, const char *value
     (*envp)[*n] = NULL;
 }
 
-static const char *env_get(char **envp, size_t n, const char *name) {
+static const char *env_get(char **envp, size_t n, const char *name) { /* the last copy, as ld.so */
     size_t len = strlen(name);
+    const char *v = NULL;
     for (size_t i = 0; i < n; i++)
-        if (!strncmp(envp[i], name, len) && envp[i][len] == '=') return envp[i] + len + 1;
-    return NULL;
+        if (!strncmp(envp[i], name, len) && envp[i][len] == '=') v = envp[i] + len + 1;
+    return v;
 }
 
 /* Our environment plus krexd's env_prepend and env_set (launcher: apply_env). */
@@ -879,17 +890,38 @@ static int dir_has_entries(const char *d) {
     return any;
 }
 
-static void remove_dir(const char *d) {
-    int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
-    DIR *dir = fd >= 0 ? fdopendir(fd) : NULL;
-    if (dir) {
-        for (struct dirent *e; (e = readdir(dir));)
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) unlinkat(fd, e->d_name, 0);
-        closedir(dir);
-    } else if (fd >= 0) {
-        close(fd);
+/* Empty `dirfd` (closed here) recursively without following links (shutil.rmtree's
+ * job in the Python guardian); depth-bounded: a command may nest directories in it. */
+static void empty_dir(int dirfd, int depth) {
+    DIR *dir = dirfd >= 0 ? fdopendir(dirfd) : NULL;
+    if (!dir) {
+        if (dirfd >= 0) close(dirfd);
+        return;
     }
+    for (struct dirent *e; (e = readdir(dir));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        if (unlinkat(dirfd, e->d_name, 0) == 0 || errno != EISDIR || depth > 32) continue;
+        empty_dir(openat(dirfd, e->d_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW), depth + 1);
+        unlinkat(dirfd, e->d_name, AT_REMOVEDIR);
+    }
+    closedir(dir);
+}
+
+static void remove_dir(const char *d) {
+    empty_dir(open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW), 0);
     rmdir(d);
+}
+
+/* The terminal to `pgrp` (a job-control shell's tcsetpgrp): the command reads and stops
+ * like a foreground job. SIGTTOU blocked: the guardian may be in the background by now. */
+static void tty_give(pid_t pgrp) {
+    if (g_tty < 0) return;
+    sigset_t s, old;
+    sigemptyset(&s);
+    sigaddset(&s, SIGTTOU);
+    sigprocmask(SIG_BLOCK, &s, &old);
+    tcsetpgrp(g_tty, pgrp);
+    sigprocmask(SIG_SETMASK, &old, NULL);
 }
 
 /* ------------------------------------------------------------------ the child */
@@ -909,6 +941,8 @@ struct launch {
 static void child(const struct launch *l) {
     int err;
     setpgid(0, 0);
+    tty_give(getpid()); /* here too: the command may read the terminal before the parent gets to it */
+    if (g_chld_ign) signal(SIGCHLD, SIG_IGN);
     signal(SIGPIPE, SIG_DFL); /* subprocess's restore_signals */
     signal(SIGXFSZ, SIG_DFL);
     sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
@@ -986,6 +1020,7 @@ static pid_t spawn(struct launch *l, const char *freezer, int *err) {
         return -1;
     }
     setpgid(pid, pid); /* also here: a signal forwarded at once finds the group */
+    tty_give(pid);
     ssize_t n;
     while ((n = read(p[0], err, sizeof *err)) < 0 && errno == EINTR) {
     }
@@ -1052,7 +1087,16 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
             while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
                 if (si.ssi_signo != SIGCHLD) kill(-pid, (int)si.ssi_signo);
         }
-        if (waitpid(pid, &status, WNOHANG) == pid) return status;
+        pid_t w = waitpid(pid, &status, WNOHANG | (g_tty >= 0 ? WUNTRACED : 0));
+        if (w < 0 && errno == ECHILD) return -1; /* reaped by someone else: its status is lost */
+        if (w == pid && WIFSTOPPED(status)) { /* Ctrl-Z, or a read in the background: stop the job */
+            tty_give(getpgrp());
+            raise(SIGSTOP);
+            tty_give(pid); /* continued (fg): the command goes on in the foreground */
+            kill(-pid, SIGCONT);
+            continue;
+        }
+        if (w == pid) return status;
         if (r > 0 && pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) daemon_lost(a, c, pid, lo);
         if (lo->happened) continue;
         double age = heartbeat_age(c);
@@ -1106,7 +1150,7 @@ static int run(struct opts *o) {
     buf_str(&req, ",\"device\":");
     buf_json_str(&req, o->device ? o->device : "auto");
     buf_str(&req, "}");
-    char why[512];
+    char why[512] = "";
     struct jv *adm = NULL;
     if (send_request(&c, KREX_OP_ADMIT, &req)) fallback();
     int rc = recv_reply(&c, KREX_OP_ADMIT, 0, &adm, why, sizeof why, on_queue_event);
@@ -1170,14 +1214,24 @@ static int run(struct opts *o) {
         int k = send_request(&c, KREX_OP_STARTED, &st) ? -1
                 : recv_reply(&c, KREX_OP_STARTED, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
         if (k == 1) snprintf(why, sizeof why, "%s", jstr(r, "error") ? jstr(r, "error") : "refused");
+        if (k == -1 && !why[0]) snprintf(why, sizeof why, "the connection to krexd failed (%s)", strerror(errno));
         if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
         jfree(r);
         int ws = wait_command(&a, &c, pid, sfd, &lo);
-        status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
+        if (ws == -1) {
+            say("krex: error: the command's exit status was lost (another process reaped it)");
+            status = EXIT_KREX;
+        } else {
+            status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
+        }
     }
+    tty_give(getpgrp());
 
     int auto_full = auto_dir && dir_has_entries(auto_dir);
-    if (lo.happened) finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL);
+    if (lo.happened) { /* the finisher removes a full one after reading it */
+        if (auto_dir && !auto_full) remove_dir(auto_dir);
+        finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL);
+    }
     if (auto_full) {
         buf_str(&rel, ",\"auto_dir\":");
         buf_json_str(&rel, auto_dir);
@@ -1187,6 +1241,7 @@ static int run(struct opts *o) {
     int k = send_request(&c, KREX_OP_RELEASE, &rel) ? -1
             : recv_reply(&c, KREX_OP_RELEASE, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
     if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
+        if (auto_dir && !auto_full) remove_dir(auto_dir);
         lo.happened = 1;
         lo.why = "krexd did not answer the release";
         lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
@@ -1206,6 +1261,15 @@ static int run(struct opts *o) {
 int main(int argc, char **argv) {
     (void)argc;
     g_argv = argv;
+    /* A closed 0-2 would be taken by the daemon socket, and notes written into it. */
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF && open("/dev/null", O_RDWR) != fd) return EXIT_KREX;
+    /* An ignored SIGCHLD (inherited over exec) makes the kernel reap the command: we would
+     * never see it end. Ours is the default; the command gets the caller's back. */
+    struct sigaction sa;
+    g_chld_ign = sigaction(SIGCHLD, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN;
+    signal(SIGCHLD, SIG_DFL);
+    if (isatty(0) && tcgetpgrp(0) == getpgrp()) g_tty = 0;
     struct opts o;
     /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
     if (getenv("KREX_NATIVE_OFF") || !parse(argv, &o) || env_needs_python()) fallback();

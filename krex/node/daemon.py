@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -1520,22 +1519,30 @@ class Daemon:
         directory of the peer's own that nobody else may write (never through a link)."""
         report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
         if isinstance(auto_dir, str) and auto_dir:
+            fd = -1
             try:
-                st = os.lstat(auto_dir)
-                if not (os.path.isabs(auto_dir) and stat.S_ISDIR(st.st_mode)) or st.st_uid != uid:
+                if not os.path.isabs(auto_dir):
+                    raise PermissionDenied("not an absolute path", "")
+                # Opened once, never through a link, and read through that descriptor: the
+                # path cannot be swapped for another directory between the checks and the reads.
+                fd = os.open(auto_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                st = os.fstat(fd)
+                if st.st_uid != uid:
                     raise PermissionDenied("not a directory of yours", "")
                 if st.st_mode & 0o022:
                     raise PermissionDenied("writable by others", "")
-                regs = s.records or []
                 report["auto_region"] = optin.auto_region_report(
-                    "", Path(auto_dir), regs, remove=False, uid=uid
+                    "", Path(f"/proc/self/fd/{fd}"), s.records or [], remove=False, uid=uid
                 )
-            except (OSError, KrexError) as e:
-                why = e.strerror if isinstance(e, OSError) else str(e)
+            except Exception as e:  # noqa: BLE001 - a client's files must never fail its release
+                why = e.strerror if isinstance(e, OSError) else str(e) or type(e).__name__
                 return [
                     *optin.release_notes(out, report),
                     f"krex: warning: krexd could not read the auto-region status in {auto_dir} ({why})",
                 ]
+            finally:
+                if fd >= 0:
+                    os.close(fd)
         return optin.release_notes(out, report)
 
     @handles("register")

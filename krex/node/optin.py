@@ -150,17 +150,16 @@ def trust_notes(report: Mapping[str, object]) -> list[str]:
 
 
 def _read_status(d: Path, name: str, uid: int | None) -> Any:
-    """One process's KREX_AUTO_STATUS_DIR file. `uid`: krexd reads a directory a client
-    named, so only a regular file of that user, never through a symlink."""
-    if uid is None:
-        return json.loads(Path(d, name).read_text())
+    """One process's KREX_AUTO_STATUS_DIR file: a regular file of at most 1 MiB, never
+    through a symlink, never blocking (a FIFO is refused). `uid`: krexd reads a directory
+    a client named, so only a file of that user."""
     fd = os.open(Path(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size > 1 << 20:
+        if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid) or st.st_size > 1 << 20:
             raise ValueError("not a status file")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return json.loads(f.read())
+            return json.loads(f.read((1 << 20) + 1))
     finally:
         os.close(fd)
 
@@ -180,15 +179,16 @@ def auto_region_report(
     for n in names:
         if not n.endswith(".json"):
             continue
-        try:
+        try:  # written by the command's processes: anything may be in it
             data = _read_status(d, n, uid)
-        except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict):
+            if not isinstance(data, dict) or not isinstance(data.get("targets") or [], list):
+                continue
+            ts = [t for t in data.get("targets") or [] if isinstance(t, dict)]
+        except (OSError, ValueError, RecursionError):
             continue
         procs += 1
         value = value or str(data.get("value") or "")
-        for t in data.get("targets") or []:
+        for t in ts:
             name = str(t.get("target"))
             cur = targets.get(name)
             rank = _STATE_RANK.get(str(t.get("state")), 0)

@@ -27,17 +27,23 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
 
-    if float(region_s) >= 0:
-        journal_cut_region(int(gpu), int(slot), int(pid), why, float(region_s), float(lost_ts))
-    report: dict[str, Any] = {}
-    regs = _journal_regions(int(slot), float(t_start), report, notify)
-    report.update(region_tally(regs))
-    if auto_dir:
-        auto = auto_region_report("", Path(auto_dir), regs)
-        if auto["processes"]:
-            report["auto_region"] = auto
-    for line in release_notes({}, report):
-        notify(line)
+    try:
+        if float(region_s) >= 0:
+            journal_cut_region(int(gpu), int(slot), int(pid), why, float(region_s), float(lost_ts))
+        report: dict[str, Any] = {}
+        regs = _journal_regions(int(slot), float(t_start), report, notify)
+        report.update(region_tally(regs))
+        if auto_dir:
+            auto = auto_region_report("", Path(auto_dir), regs)
+            if auto["processes"]:
+                report["auto_region"] = auto
+        for line in release_notes({}, report):
+            notify(line)
+    except Exception as e:  # noqa: BLE001 - the command's own status must survive any of it
+        sys.stderr.write(
+            f"krex: warning: krexd went away and the regions' notes could not be made "
+            f"({type(e).__name__}: {e}); its regions are not known to be clean\n"
+        )
     return int(status)
 
 

@@ -85,11 +85,87 @@ class Launch:
     cgroup: str | None = None
 
 
+def _tty_fd() -> int | None:
+    """stdin, when it is a terminal whose foreground process group is ours."""
+    try:
+        return 0 if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp() else None
+    except OSError:
+        return None
+
+
+def _tty_give(fd: int | None, pgrp: int) -> None:
+    """The terminal to `pgrp` (a job-control shell's tcsetpgrp), so that the command, in
+    a process group of its own, reads and stops like a foreground job. SIGTTOU blocked:
+    the caller may be in the background by now."""
+    if fd is None:
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(fd, pgrp)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+_JOB_STOPS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)  # never SIGSTOP: the signal freezer's
+
+
+def _wait(pid: int, tty: int | None) -> int:
+    """The command's shell-style exit status (128+N for a signal). With a terminal, a
+    job-control stop of the command (Ctrl-Z, a read in the background) stops this
+    guardian too, so the shell sees its job stopped; `fg` continues both."""
+    while True:
+        try:
+            _, st = os.waitpid(pid, os.WUNTRACED if tty is not None else 0)
+        except ChildProcessError:
+            raise KrexError(
+                "the command's exit status was lost (another process reaped it)",
+                "do not start krex run with SIGCHLD ignored",
+            ) from None
+        if os.WIFSTOPPED(st):
+            if os.WSTOPSIG(st) in _JOB_STOPS:
+                _tty_give(tty, os.getpgrp())
+                os.kill(os.getpid(), signal.SIGSTOP)
+                _tty_give(tty, pid)  # continued (fg): the command goes on in the foreground
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGCONT)
+            continue
+        rc = os.waitstatus_to_exitcode(st)
+        return rc if rc >= 0 else 128 - rc
+
+
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
-    """Run the command in its own process group; forward signals; return a
-    shell-style exit status (128+N for a signal)."""
+    """Run the command in its own process group (given the terminal, if we have it);
+    forward signals; return a shell-style exit status (128+N for a signal)."""
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
+    tty = _tty_fd()
+    if tty is not None:  # in the child, before exec: it may read the terminal at once
+        launch = Launch(
+            launch.cmd,
+            launch.env,
+            launch.slot,
+            launch.gpu,
+            [lambda: _tty_give(tty, os.getpid()), *launch.preexec],
+            cgroup=launch.cgroup,
+        )
+    # An ignored SIGCHLD (inherited over exec) makes the kernel reap the command: its
+    # status would be lost. The command gets the default as with any Popen.
+    old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        return _spawn_and_wait(launch, on_start, child, born, tty)
+    finally:
+        _tty_give(tty, os.getpgrp())
+        signal.signal(signal.SIGCHLD, old_chld)
+
+
+def _spawn_and_wait(
+    launch: Launch,
+    on_start: Callable[[int], None] | None,
+    child: subprocess.Popen[bytes] | None,
+    born: list[int],
+    tty: int | None,
+) -> int:
 
     def forward(signum: int, _frame: object) -> None:
         pid = child.pid if child is not None else (born[0] if born else None)
@@ -104,15 +180,15 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
             if pid is not None:
                 if on_start:
                     on_start(pid)
-                rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-                return rc if rc >= 0 else 128 - rc
+                return _wait(pid, tty)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
         from krex.node.freezer import preexec_join
 
-        launch = Launch(launch.cmd, launch.env, launch.slot, launch.gpu,
-                        [preexec_join(launch.cgroup), *launch.preexec])
+        launch = Launch(
+            launch.cmd, launch.env, launch.slot, launch.gpu, [preexec_join(launch.cgroup), *launch.preexec]
+        )
 
     import subprocess  # only here: the clone above needs none of it
 
@@ -134,11 +210,12 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
             ) from None
         if on_start:
             on_start(child.pid)
-        rc = child.wait()
+        rc = _wait(child.pid, tty)
+        child.returncode = rc  # reaped here: Popen must not wait for it again
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return rc if rc >= 0 else 128 - rc
+    return rc
 
 
 _CLONE_INTO_CGROUP = 0x200000000  # linux/sched.h, Linux 5.7
@@ -167,9 +244,22 @@ def _clone_into_cgroup(launch: Launch, born: list[int]) -> int | None:
         return None
 
     class CloneArgs(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_uint64) for n in (
-            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls",
-            "set_tid", "set_tid_size", "cgroup")]
+        _fields_ = [
+            (n, ctypes.c_uint64)
+            for n in (
+                "flags",
+                "pidfd",
+                "child_tid",
+                "parent_tid",
+                "exit_signal",
+                "stack",
+                "stack_size",
+                "tls",
+                "set_tid",
+                "set_tid_size",
+                "cgroup",
+            )
+        ]
 
     args = CloneArgs(flags=_CLONE_INTO_CGROUP, exit_signal=int(signal.SIGCHLD), cgroup=cg)
     libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call
@@ -374,8 +464,10 @@ def run_guarded(
         # slot's), the same ones the native guardian applies.
         put, pre = adm.get("env_set"), adm.get("env_prepend")
         if not isinstance(put, dict) or not isinstance(pre, dict):
-            raise KrexError("krexd's admit reply has no environment for the command (an older krexd?)",
-                            "restart krexd (`krex daemon stop`; it starts on demand)")
+            raise KrexError(
+                "krexd's admit reply has no environment for the command (an older krexd?)",
+                "restart krexd (`krex daemon stop`; it starts on demand)",
+            )
         mark("admitted")
     except BaseException:
         with contextlib.suppress(KrexError, OSError):
@@ -418,7 +510,14 @@ def run_guarded(
 
     stop = _Stop()
     guardian = _Guardian(
-        client.daemon_pid, client.sock.fileno(), str(adm["shm"]), slot, g, backend, group_path, child_pid,
+        client.daemon_pid,
+        client.sock.fileno(),
+        str(adm["shm"]),
+        slot,
+        g,
+        backend,
+        group_path,
+        child_pid,
         notify,
     )
     watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
@@ -499,8 +598,9 @@ def run_guarded(
             if auto["processes"] or (auto_value and auto_value != "0"):
                 report["auto_region"] = auto
     # The same notes krexd renders for the native guardian (optin.release_notes).
-    for line in release_notes(rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None},
-                              report):
+    for line in release_notes(
+        rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None}, report
+    ):
         notify(line)
     report["exit_status"] = status
     return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
@@ -719,8 +819,9 @@ class _Guardian:
                 # Our command's region lost its daemon: nobody else will journal it.
                 ev["region_cut"] = True
                 age = (int(lib.krex_now_ns()) - int(gp.closed_ns)) / 1e9
-                journal_cut_region(self.gpu, self.slot, self.child_pid[0] if self.child_pid else 0, why, age,
-                                   time.time())
+                journal_cut_region(
+                    self.gpu, self.slot, self.child_pid[0] if self.child_pid else 0, why, age, time.time()
+                )
         self.events.append(ev)
         self.notify("krex: the daemon went away; your command was thawed and keeps running")
 
@@ -841,6 +942,7 @@ def _run_command(
 
 # ------------------------------------------------------------- `python -m krex.proc.launcher`
 
+
 def _parse_entry(argv: list[str], opts: dict[str, Any]) -> None:
     """Fill ``opts`` with the options the library's runner (krex.runner) passes (the CLI's
     `krex run` is the user-facing spelling of the same; both from krex.proc.runopts); as far
@@ -903,8 +1005,12 @@ def main(argv: list[str] | None = None) -> None:
         if o["slots"] is not None or o["idle_exit"] is not None:
             extra["daemon_started"] = _ensure_daemon(o["device"], o["slots"], o["idle_exit"])
         ran = True
-        status = run_command(o["cmd"], notify=say, report_extra=extra,
-                             **{opt.dest: o[opt.dest] for opt in runopts.ENTRY if opt.run})
+        status = run_command(
+            o["cmd"],
+            notify=say,
+            report_extra=extra,
+            **{opt.dest: o[opt.dest] for opt in runopts.ENTRY if opt.run},
+        )
     except KrexError as e:
         code = run_exit_code(e)
         if o.get("report") and not ran:

@@ -21,15 +21,17 @@ from typing import Any
 
 import pytest
 from helpers import REPO
-from test_regions import KREX, Krex, _hold_with_siblings, frozen_reason
+from test_regions import KREX, Krex, frozen_reason
 
 from krex.native import ffi, lib
 from krex.proc import runopts
 
 NATIVE = Path(KREX[0])
 pytestmark = [
-    pytest.mark.skipif(NATIVE.suffix == ".py" or not NATIVE.exists() or NATIVE.read_bytes()[:4] != b"\x7fELF",
-                       reason="the installed krex is not the native one"),
+    pytest.mark.skipif(
+        NATIVE.suffix == ".py" or not NATIVE.exists() or NATIVE.read_bytes()[:4] != b"\x7fELF",
+        reason="the installed krex is not the native one",
+    ),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups"),
 ]
 GUARDIANS = {"native": {"KREX_NATIVE_MARK": "1"}, "python": {"KREX_NATIVE_MARK": "1", "KREX_NATIVE_OFF": "1"}}
@@ -47,10 +49,18 @@ def kx() -> Iterator[Krex]:
         k.cleanup()
 
 
-def run(kx: Krex, *argv: str, extra: dict[str, str] | None = None, timeout: float = 60,
-        **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KREX, *argv], env=kx.env(**(extra or {})), capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+def run(
+    kx: Krex, *argv: str, extra: dict[str, str] | None = None, timeout: float = 60, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*KREX, *argv],
+        env=kx.env(**(extra or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        **kw,
+    )
 
 
 def both(kx: Krex, *argv: str, **extra: str) -> dict[str, subprocess.CompletedProcess[str]]:
@@ -66,8 +76,12 @@ def test_the_native_path_runs_and_statuses_match_the_python_guardian(kx: Krex) -
         assert p.returncode == 0, p.stderr
         assert p.stdout == ("native\n" if g == "native" else "1\n"), (g, p.stdout)
         assert "SIMULATED GPU" in p.stderr  # krexd's start note, printed by both
-    for script, code in (("exit 0", 0), ("exit 3", 3), ("kill -TERM $$", 128 + signal.SIGTERM),
-                         ("kill -KILL $$", 128 + signal.SIGKILL)):
+    for script, code in (
+        ("exit 0", 0),
+        ("exit 3", 3),
+        ("kill -TERM $$", 128 + signal.SIGTERM),
+        ("kill -KILL $$", 128 + signal.SIGKILL),
+    ):
         res = both(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", script)
         assert {g: p.returncode for g, p in res.items()} == {"native": code, "python": code}, res
         assert res["native"].stderr == res["python"].stderr == ""
@@ -77,16 +91,29 @@ def test_the_command_gets_the_same_environment_slot_cgroup_and_cpus(kx: Krex) ->
     kx.start_daemon()
     show = "env; echo CG=$(grep '^0::' /proc/self/cgroup); grep Cpus_allowed_list /proc/self/status"
     # Lists the guardians prepend to: both put KREX's entry first and drop its other copies.
-    res = both(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", show,
-               LD_PRELOAD="/nonexistent-a.so /nonexistent-b.so", PYTHONPATH="/pa:/pa::/pb")
+    res = both(
+        kx,
+        "-q",
+        "run",
+        "--device",
+        "sim",
+        "--",
+        "sh",
+        "-c",
+        show,
+        LD_PRELOAD="/nonexistent-a.so /nonexistent-b.so",
+        PYTHONPATH="/pa:/pa::/pb",
+    )
     seen = {}
     for g, p in res.items():
         assert p.returncode == 0, p.stderr
         lines = p.stdout.splitlines()
         env = {ln for ln in lines if OPT_IN.match(ln)}
         skip = ("KREX_AUTO_STATUS_DIR=", "KREX_SLOT_GEN=", "KREX_NATIVE_")
-        seen[g] = ({ln for ln in env if not ln.startswith(skip)},
-                   [ln for ln in lines if ln.startswith(("CG=", "Cpus_allowed_list"))])
+        seen[g] = (
+            {ln for ln in env if not ln.startswith(skip)},
+            [ln for ln in lines if ln.startswith(("CG=", "Cpus_allowed_list"))],
+        )
         assert any(ln.startswith("KREX_AUTO_STATUS_DIR=/") for ln in env), env
         assert any(ln.startswith("KREX_SLOT_GEN=") for ln in env), env
         cg = seen[g][1][0]
@@ -102,9 +129,13 @@ def test_sigint_to_the_guardian_reaches_the_command(kx: Krex) -> None:
     kx.start_daemon()
     ready = kx.out / "ready"
     script = f"trap 'echo got-int; exit 7' INT; touch {ready}; while :; do sleep 0.05; done"
-    p = subprocess.Popen([*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", script],
-                         env=kx.env(KREX_NATIVE_MARK="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        [*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", script],
+        env=kx.env(KREX_NATIVE_MARK="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     kx.popens.append(p)  # type: ignore[arg-type]
     kx.wait(ready.exists, 30, "the command to start")
     p.send_signal(signal.SIGINT)
@@ -138,10 +169,13 @@ def test_a_cut_region_is_noted(kx: Krex) -> None:
 def test_a_sibling_frozen_when_krexd_is_killed_is_thawed_by_its_guardian(kx: Krex, guardian: str) -> None:
     kx.start_daemon(slots=3)
     env = kx.env(**GUARDIANS[guardian])
-    kx.run("h1", "hammer", "--us", "50", env=env)
+    kx.run("h1", "hammer", "--us", "50", env=env)  # under the guardian being tested
+    kx.wait_running("h1")
     d = kx.daemon
     assert d is not None
-    ready = _hold_with_siblings(kx, "h1")  # h1 is frozen inside own's region
+    kx.run("own", "hold")
+    ready: dict[str, Any] = kx.result("own", "ready", timeout=30)
+    assert not ready["grant"]["contaminated"] and kx.stands_still("h1"), ready["grant"]  # h1 is frozen
     d.kill()
     d.wait(10)
     assert kx.advances("h1", timeout=30), "h1 stayed frozen after krexd died"
@@ -161,17 +195,33 @@ def test_a_sibling_frozen_when_krexd_is_killed_is_thawed_by_its_guardian(kx: Kre
 
 def test_everything_else_goes_to_the_python_cli_unchanged(kx: Krex, tmp_path: Path) -> None:
     py = [sys.executable, "-m", "krex.cli.main"]
-    for argv in (["--help"], ["--version"], ["run", "--help"], ["run", "--bogus", "--", "true"],
-                 ["run", "--device", "cuda", "--", "true"], ["run", "--", "no-such-command-krex"],
-                 ["nosuchcommand"]):
+    for argv in (
+        ["--help"],
+        ["--version"],
+        ["run", "--help"],
+        ["run", "--bogus", "--", "true"],
+        ["run", "--device", "cuda", "--", "true"],
+        ["run", "--", "no-such-command-krex"],
+        ["nosuchcommand"],
+    ):
         nat = run(kx, *argv)
         ref = subprocess.run([*py, *argv], env=kx.env(), capture_output=True, text=True, timeout=60)
         assert (nat.returncode, nat.stdout, nat.stderr) == (ref.returncode, ref.stdout, ref.stderr), argv
     # No daemon: the Python path starts one on demand, and the next run is native.
     p = run(kx, "run", "--device", "sim", "--", "true")
     assert p.returncode == 0, p.stderr
-    p = run(kx, "-q", "run", "--device", "sim", "--", "sh", "-c", "echo $KREX_NATIVE_MARK",
-            extra={"KREX_NATIVE_MARK": "1"})
+    p = run(
+        kx,
+        "-q",
+        "run",
+        "--device",
+        "sim",
+        "--",
+        "sh",
+        "-c",
+        "echo $KREX_NATIVE_MARK",
+        extra={"KREX_NATIVE_MARK": "1"},
+    )
     assert p.stdout == "native\n", p.stderr
     # --report is the Python guardian's.
     rep = tmp_path / "r.json"
@@ -257,3 +307,151 @@ def test_an_exec_error_after_admission_has_the_python_guardians_words(kx: Krex, 
     assert res["native"].stderr == res["python"].stderr, res
     assert "Exec format error" in res["native"].stderr
     assert kx.status()["slots"] == []  # both released their slot
+
+
+# ------------------------------------------------------------ found by the adversary round
+
+
+@pytest.mark.parametrize("guardian", GUARDIANS)
+def test_a_caller_that_ignores_sigchld_still_gets_the_commands_status(kx: Krex, guardian: str) -> None:
+    """An ignored SIGCHLD survives exec, and the kernel then reaps the command itself: the
+    native guardian polled forever holding its slot, the Python one died with a traceback."""
+    kx.start_daemon()
+    code = (
+        "import os, signal, sys\n"
+        "signal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+        "os.execvp(sys.argv[1], sys.argv[1:])"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, *KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", "exit 3"],
+        env=kx.env(**GUARDIANS[guardian]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 3, (p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("guardian", GUARDIANS)
+def test_a_command_that_reads_the_terminal_gets_it(kx: Krex, guardian: str) -> None:
+    """On a terminal, the command (in a process group of its own) is given the foreground:
+    before, its first read stopped it with SIGTTIN and `krex run` hung for good."""
+    import pty
+
+    kx.start_daemon()
+    argv = [*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", "read x; echo got:$x"]
+    env = kx.env(**GUARDIANS[guardian])
+    pid, fd = pty.fork()
+    if pid == 0:  # a session leader whose controlling terminal is the pty (as a login shell)
+        os.execve(argv[0], argv, env)
+    out = b""
+    try:
+        os.write(fd, b"hello\n")
+        deadline = time.monotonic() + 30
+        while b"got:hello" not in out and time.monotonic() < deadline:
+            try:
+                out += os.read(fd, 1024)
+            except OSError:
+                break
+        _, st = os.waitpid(pid, 0) if b"got:hello" in out else (0, -1)
+    finally:
+        if b"got:hello" not in out:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert b"got:hello" in out, out
+    assert os.waitstatus_to_exitcode(st) == 0, (st, out)
+
+
+@pytest.mark.parametrize("guardian", GUARDIANS)
+def test_a_duplicate_ld_preload_in_the_callers_environment_does_not_drop_the_shim(
+    kx: Krex, guardian: str
+) -> None:
+    """An environment can hold a name twice; ld.so reads the last LD_PRELOAD. The native
+    guardian replaced only the first copy, so the command ran without the shim."""
+    kx.start_daemon()
+    env = kx.env(**GUARDIANS[guardian])
+    env.pop("LD_PRELOAD", None)
+    envp = [f"{k}={v}" for k, v in env.items()] + ["LD_PRELOAD=/nonexistent-x.so", "LD_PRELOAD="]
+    code = (
+        "import ctypes, sys\n"
+        "args = sys.argv[1:]\n"
+        "env = sys.stdin.read().split('\\0')\n"
+        "A = (ctypes.c_char_p * (len(args) + 1))(*[a.encode() for a in args], None)\n"
+        "E = (ctypes.c_char_p * (len(env) + 1))(*[e.encode() for e in env], None)\n"
+        "ctypes.CDLL(None).execve(args[0].encode(), A, E)\n"
+    )
+    cmd = [*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", "env | grep ^LD_PRELOAD="]
+    p = subprocess.run(
+        [sys.executable, "-c", code, *cmd], input="\0".join(envp), capture_output=True, text=True, timeout=30
+    )
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and len(lines) == 1, (p.returncode, p.stdout, p.stderr)
+    assert "libkrex_interpose" in lines[0], lines
+
+
+def test_closed_standard_descriptors_never_put_notes_into_the_daemon_socket(kx: Krex) -> None:
+    """With stderr closed, the daemon connection took fd 2: the notes went into it, krexd
+    dropped the connection and the guardian died of SIGPIPE while its command ran on."""
+    kx.start_daemon()
+    out = kx.out / "done"
+    p = subprocess.run(
+        [
+            "sh",
+            "-c",
+            'exec 2>&-; exec "$@"',
+            "sh",
+            *KREX,
+            "run",
+            "--device",
+            "sim",
+            "--",
+            "sh",
+            "-c",
+            f"echo ok > {out}; exit 4",
+        ],
+        env=kx.env(**GUARDIANS["native"]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 4 and out.read_text() == "ok\n", (p.returncode, p.stdout)
+
+
+@pytest.mark.parametrize("guardian", GUARDIANS)
+@pytest.mark.parametrize("bad", ["json", "fifo"])
+def test_a_bad_auto_region_status_file_neither_hides_the_status_nor_hangs(
+    kx: Krex, guardian: str, bad: str
+) -> None:
+    """The command's processes write KREX_AUTO_STATUS_DIR: a file of the wrong shape made
+    krexd's release fail (TypeError) and the finisher exit 1; a FIFO hung both guardians."""
+    kx.start_daemon()
+    make = (
+        'printf \'{"targets": 5}\' > "$KREX_AUTO_STATUS_DIR/p.json"'
+        if bad == "json"
+        else 'mkfifo "$KREX_AUTO_STATUS_DIR/f.json"'
+    )
+    p = run(
+        kx,
+        "run",
+        "--device",
+        "sim",
+        "--",
+        "sh",
+        "-c",
+        f"{make}; exit 3",
+        extra=GUARDIANS[guardian],
+        timeout=30,
+    )
+    assert p.returncode == 3, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    assert "ERROR" not in kx.daemon_log(), kx.daemon_log()[-2000:]
+
+
+def test_an_empty_device_is_refused_as_by_the_python_cli(kx: Krex) -> None:
+    kx.start_daemon()
+    res = both(kx, "run", "--device=", "--", "true")
+    assert res["native"].returncode == res["python"].returncode != 0, res
+    assert res["native"].stderr == res["python"].stderr, res
