@@ -18,6 +18,8 @@ install: ## Create .venv, install KREX editable with dev extras, build shim + si
 native: ## Rebuild only the C artifacts into krex/_lib (after editing interpose/)
 	$(PY) krex_build.py krex/_lib
 	$(PY) krex_build.py --cffi
+	@# the installed `krex` is a copy of the native guardian (setup.py's build_scripts)
+	@if [ -x krex/_lib/krex ] && [ -d $(VENV)/bin ]; then install -m 755 krex/_lib/krex $(VENV)/bin/krex; fi
 
 test: ## Run the whole test suite (unit + integration; gpu tests skip without a GPU)
 	$(PY) -m pytest -q tests
