@@ -5,11 +5,20 @@ GPU in krex/_lib; see tests/helpers."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# A shell without job control starts a background job (`make test &`, nohup) with SIGINT and
+# SIGQUIT ignored, and an ignored disposition survives exec: every command and guardian the
+# tests start would ignore the Ctrl-C they send. A handler here is reset to the default in
+# each child at exec, so the suite behaves the same however it is launched.
+for _sig in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT else signal.SIG_DFL)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

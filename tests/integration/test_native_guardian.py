@@ -15,13 +15,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import REPO
-from test_regions import KREX, Krex, frozen_reason
+from test_regions import KREX, Krex, frozen_reason, kx
+
+__all__ = ["kx"]  # the fixture, used by name
 
 from krex.native import ffi, lib
 from krex.proc import runopts
@@ -38,15 +39,6 @@ GUARDIANS = {"native": {"KREX_NATIVE_MARK": "1"}, "python": {"KREX_NATIVE_MARK":
 OPT_IN = re.compile(
     r"^(LD_PRELOAD|PYTHONPATH|LD_LIBRARY_PATH|CUDA_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|KREX_\w+)="
 )
-
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
 
 
 def run(
