@@ -1272,7 +1272,8 @@ int main(int argc, char **argv) {
     if (isatty(0) && tcgetpgrp(0) == getpgrp()) g_tty = 0;
     struct opts o;
     /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
-    if (getenv("KREX_NATIVE_OFF") || !parse(argv, &o) || env_needs_python()) fallback();
+    const char *off = getenv("KREX_NATIVE_OFF");
+    if ((off && *off && strcmp(off, "0")) || !parse(argv, &o) || env_needs_python()) fallback();
     /* For tests: proof that this guardian, not the Python one, ran the command. */
     if (getenv("KREX_NATIVE_MARK")) setenv("KREX_NATIVE_MARK", "native", 1);
     return run(&o);

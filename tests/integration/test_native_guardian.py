@@ -447,3 +447,23 @@ def test_an_empty_device_is_refused_as_by_the_python_cli(kx: Krex) -> None:
     res = both(kx, "run", "--device=", "--", "true")
     assert res["native"].returncode == res["python"].returncode != 0, res
     assert res["native"].stderr == res["python"].stderr, res
+
+
+def test_krex_native_off_0_keeps_the_native_guardian(kx: Krex) -> None:
+    """Set to 0 or empty, the switch is off: a script that writes KREX_NATIVE_OFF=$off measured
+    the Python guardian twice (scripts/run_overhead.py)."""
+    kx.start_daemon()
+    for off, want in (("0", "native"), ("", "native"), ("1", "1")):
+        p = run(
+            kx,
+            "-q",
+            "run",
+            "--device",
+            "sim",
+            "--",
+            "sh",
+            "-c",
+            "echo $KREX_NATIVE_MARK",
+            extra={"KREX_NATIVE_MARK": "1", "KREX_NATIVE_OFF": off},
+        )
+        assert p.returncode == 0 and p.stdout.strip() == want, (off, p.stdout, p.stderr)
