@@ -55,6 +55,12 @@ def run(
     )
 
 
+def which_guardian(kx: Krex, **extra: str) -> subprocess.CompletedProcess[str]:
+    """A run whose output is "native" when guardian.c ran it (it rewrites KREX_NATIVE_MARK)."""
+    argv = ["-q", "run", "--device", "sim", "--", "sh", "-c", "echo $KREX_NATIVE_MARK"]
+    return run(kx, *argv, extra={"KREX_NATIVE_MARK": "1", **extra})
+
+
 def both(kx: Krex, *argv: str, **extra: str) -> dict[str, subprocess.CompletedProcess[str]]:
     return {g: run(kx, *argv, extra={**e, **extra}) for g, e in GUARDIANS.items()}
 
@@ -202,18 +208,7 @@ def test_everything_else_goes_to_the_python_cli_unchanged(kx: Krex, tmp_path: Pa
     # No daemon: the Python path starts one on demand, and the next run is native.
     p = run(kx, "run", "--device", "sim", "--", "true")
     assert p.returncode == 0, p.stderr
-    p = run(
-        kx,
-        "-q",
-        "run",
-        "--device",
-        "sim",
-        "--",
-        "sh",
-        "-c",
-        "echo $KREX_NATIVE_MARK",
-        extra={"KREX_NATIVE_MARK": "1"},
-    )
+    p = which_guardian(kx)
     assert p.stdout == "native\n", p.stderr
     # --report is the Python guardian's.
     rep = tmp_path / "r.json"
@@ -454,16 +449,5 @@ def test_krex_native_off_0_keeps_the_native_guardian(kx: Krex) -> None:
     the Python guardian twice (scripts/run_overhead.py)."""
     kx.start_daemon()
     for off, want in (("0", "native"), ("", "native"), ("1", "1")):
-        p = run(
-            kx,
-            "-q",
-            "run",
-            "--device",
-            "sim",
-            "--",
-            "sh",
-            "-c",
-            "echo $KREX_NATIVE_MARK",
-            extra={"KREX_NATIVE_MARK": "1", "KREX_NATIVE_OFF": off},
-        )
+        p = which_guardian(kx, KREX_NATIVE_OFF=off)
         assert p.returncode == 0 and p.stdout.strip() == want, (off, p.stdout, p.stderr)
