@@ -3,7 +3,8 @@
 # commands starting at once, the native guardian against the Python one (KREX_NATIVE_OFF=1,
 # the same install), then one krex-8@gpu cell of the quick corpus to see `sibling-context`
 # flag the regions that the goal run (docs/results/h200/goal-run) measured slow but clean.
-# Everything comes back in $OUT.
+# Everything comes back in $OUT. Build the wheel of this tree first, here:
+#   rm -rf .whl-new && python3 -m pip wheel -q --no-deps -w .whl-new .
 set -uo pipefail
 REPO=$PWD; O=${OUT:-/tmp/krex-out}; mkdir -p "$O"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
