@@ -61,7 +61,11 @@ static char **g_argv;       /* our own argv, for the fallback */
 static int g_quiet;         /* -q: no notices */
 static sigset_t g_oldmask;  /* the signal mask we started with (the child and any exec get it back) */
 static int g_chld_ign;      /* SIGCHLD was ignored by our caller: the command gets that back */
-static int g_tty = -1;      /* stdin, when it is a terminal whose foreground group is ours */
+/* On a terminal (stdin a tty whose foreground group is ours) the command stays in our process
+ * group, as the bare command would be in its caller's: the terminal's Ctrl-C and Ctrl-Z reach
+ * it directly and stop or interrupt the whole job, and its reads are a foreground job's.
+ * Elsewhere it gets a group of its own, and signals go to that whole group. */
+static int g_shared_group;
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -912,17 +916,8 @@ static void remove_dir(const char *d) {
     rmdir(d);
 }
 
-/* The terminal to `pgrp` (a job-control shell's tcsetpgrp): the command reads and stops
- * like a foreground job. SIGTTOU blocked: the guardian may be in the background by now. */
-static void tty_give(pid_t pgrp) {
-    if (g_tty < 0) return;
-    sigset_t s, old;
-    sigemptyset(&s);
-    sigaddset(&s, SIGTTOU);
-    sigprocmask(SIG_BLOCK, &s, &old);
-    tcsetpgrp(g_tty, pgrp);
-    sigprocmask(SIG_SETMASK, &old, NULL);
-}
+/* Send `sig` to the command: its whole process group, or, sharing ours, the command alone. */
+static void signal_command(pid_t pid, int sig) { kill(g_shared_group ? pid : -pid, sig); }
 
 /* ------------------------------------------------------------------ the child */
 
@@ -940,8 +935,7 @@ struct launch {
  * cgroup, the CPU slice), then exec. Only async-signal-safe calls. */
 static void child(const struct launch *l) {
     int err;
-    setpgid(0, 0);
-    tty_give(getpid()); /* here too: the command may read the terminal before the parent gets to it */
+    if (!g_shared_group) setpgid(0, 0);
     if (g_chld_ign) signal(SIGCHLD, SIG_IGN);
     signal(SIGPIPE, SIG_DFL); /* subprocess's restore_signals */
     signal(SIGXFSZ, SIG_DFL);
@@ -1019,8 +1013,7 @@ static pid_t spawn(struct launch *l, const char *freezer, int *err) {
         close(p[0]);
         return -1;
     }
-    setpgid(pid, pid); /* also here: a signal forwarded at once finds the group */
-    tty_give(pid);
+    if (!g_shared_group) setpgid(pid, pid); /* also here: a signal forwarded at once finds the group */
     ssize_t n;
     while ((n = read(p[0], err, sizeof *err)) < 0 && errno == EINTR) {
     }
@@ -1053,7 +1046,7 @@ static void thaw(const struct admission *a, pid_t pid) {
         }
         close(fd);
     }
-    kill(-pid, SIGCONT);
+    signal_command(pid, SIGCONT);
 }
 
 /* krexd's end closed: thaw, and note whether it held our region (_Guardian._lost). */
@@ -1085,17 +1078,12 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
         if (r > 0 && (pf[0].revents & POLLIN)) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
-                if (si.ssi_signo != SIGCHLD) kill(-pid, (int)si.ssi_signo);
+                /* A terminal's signal (SI_KERNEL) went to our whole group, the command included. */
+                if (si.ssi_signo != SIGCHLD && !(g_shared_group && si.ssi_code == SI_KERNEL))
+                    signal_command(pid, (int)si.ssi_signo);
         }
-        pid_t w = waitpid(pid, &status, WNOHANG | (g_tty >= 0 ? WUNTRACED : 0));
+        pid_t w = waitpid(pid, &status, WNOHANG);
         if (w < 0 && errno == ECHILD) return -1; /* reaped by someone else: its status is lost */
-        if (w == pid && WIFSTOPPED(status)) { /* Ctrl-Z, or a read in the background: stop the job */
-            tty_give(getpgrp());
-            raise(SIGSTOP);
-            tty_give(pid); /* continued (fg): the command goes on in the foreground */
-            kill(-pid, SIGCONT);
-            continue;
-        }
         if (w == pid) return status;
         if (r > 0 && pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) daemon_lost(a, c, pid, lo);
         if (lo->happened) continue;
@@ -1225,7 +1213,6 @@ static int run(struct opts *o) {
             status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         }
     }
-    tty_give(getpgrp());
 
     int auto_full = auto_dir && dir_has_entries(auto_dir);
     if (lo.happened) { /* the finisher removes a full one after reading it */
@@ -1269,7 +1256,7 @@ int main(int argc, char **argv) {
     struct sigaction sa;
     g_chld_ign = sigaction(SIGCHLD, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN;
     signal(SIGCHLD, SIG_DFL);
-    if (isatty(0) && tcgetpgrp(0) == getpgrp()) g_tty = 0;
+    g_shared_group = isatty(0) && tcgetpgrp(0) == getpgrp();
     struct opts o;
     /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
     const char *off = getenv("KREX_NATIVE_OFF");

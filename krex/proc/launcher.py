@@ -85,77 +85,41 @@ class Launch:
     cgroup: str | None = None
 
 
-def _tty_fd() -> int | None:
-    """stdin, when it is a terminal whose foreground process group is ours."""
+def _on_terminal() -> bool:
+    """stdin is a terminal whose foreground process group is ours. The command then stays
+    in our group, as the bare command would be in its caller's: the terminal's Ctrl-C and
+    Ctrl-Z reach it directly and stop or interrupt the whole job, and its reads are a
+    foreground job's (in a group of its own, its first read stopped it for good)."""
     try:
-        return 0 if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp() else None
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
     except OSError:
-        return None
+        return False
 
 
-def _tty_give(fd: int | None, pgrp: int) -> None:
-    """The terminal to `pgrp` (a job-control shell's tcsetpgrp), so that the command, in
-    a process group of its own, reads and stops like a foreground job. SIGTTOU blocked:
-    the caller may be in the background by now."""
-    if fd is None:
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+def _wait(pid: int) -> int:
+    """The command's shell-style exit status (128+N for a signal)."""
     try:
-        with contextlib.suppress(OSError):
-            os.tcsetpgrp(fd, pgrp)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-_JOB_STOPS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)  # never SIGSTOP: the signal freezer's
-
-
-def _wait(pid: int, tty: int | None) -> int:
-    """The command's shell-style exit status (128+N for a signal). With a terminal, a
-    job-control stop of the command (Ctrl-Z, a read in the background) stops this
-    guardian too, so the shell sees its job stopped; `fg` continues both."""
-    while True:
-        try:
-            _, st = os.waitpid(pid, os.WUNTRACED if tty is not None else 0)
-        except ChildProcessError:
-            raise KrexError(
-                "the command's exit status was lost (another process reaped it)",
-                "do not start krex run with SIGCHLD ignored",
-            ) from None
-        if os.WIFSTOPPED(st):
-            if os.WSTOPSIG(st) in _JOB_STOPS:
-                _tty_give(tty, os.getpgrp())
-                os.kill(os.getpid(), signal.SIGSTOP)
-                _tty_give(tty, pid)  # continued (fg): the command goes on in the foreground
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGCONT)
-            continue
-        rc = os.waitstatus_to_exitcode(st)
-        return rc if rc >= 0 else 128 - rc
+        _, st = os.waitpid(pid, 0)
+    except ChildProcessError:
+        raise KrexError(
+            "the command's exit status was lost (another process reaped it)",
+            "do not start krex run with SIGCHLD ignored",
+        ) from None
+    rc = os.waitstatus_to_exitcode(st)
+    return rc if rc >= 0 else 128 - rc
 
 
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
-    """Run the command in its own process group (given the terminal, if we have it);
+    """Run the command in its own process group (in ours on a terminal, _on_terminal);
     forward signals; return a shell-style exit status (128+N for a signal)."""
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
-    tty = _tty_fd()
-    if tty is not None:  # in the child, before exec: it may read the terminal at once
-        launch = Launch(
-            launch.cmd,
-            launch.env,
-            launch.slot,
-            launch.gpu,
-            [lambda: _tty_give(tty, os.getpid()), *launch.preexec],
-            cgroup=launch.cgroup,
-        )
     # An ignored SIGCHLD (inherited over exec) makes the kernel reap the command: its
     # status would be lost. The command gets the default as with any Popen.
     old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
-        return _spawn_and_wait(launch, on_start, child, born, tty)
+        return _spawn_and_wait(launch, on_start, child, born, _on_terminal())
     finally:
-        _tty_give(tty, os.getpgrp())
         signal.signal(signal.SIGCHLD, old_chld)
 
 
@@ -164,23 +128,24 @@ def _spawn_and_wait(
     on_start: Callable[[int], None] | None,
     child: subprocess.Popen[bytes] | None,
     born: list[int],
-    tty: int | None,
+    shared: bool,
 ) -> int:
 
     def forward(signum: int, _frame: object) -> None:
         pid = child.pid if child is not None else (born[0] if born else None)
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signum)
+        if pid is None or (shared and signum in (signal.SIGINT, signal.SIGQUIT)):
+            return  # sharing our group, the command got the terminal's Ctrl-C and Ctrl-\ too
+        with contextlib.suppress(ProcessLookupError):
+            (os.kill if shared else os.killpg)(pid, signum)
 
     if launch.cgroup is not None:
         old = {s: signal.signal(s, forward) for s in FORWARDED}
         try:
-            pid = _clone_into_cgroup(launch, born)
+            pid = _clone_into_cgroup(launch, born, shared)
             if pid is not None:
                 if on_start:
                     on_start(pid)
-                return _wait(pid, tty)
+                return _wait(pid)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -193,7 +158,8 @@ def _spawn_and_wait(
     import subprocess  # only here: the clone above needs none of it
 
     def preexec() -> None:
-        os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
+        if not shared:
+            os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
         for fn in launch.preexec:
             fn()
 
@@ -210,7 +176,7 @@ def _spawn_and_wait(
             ) from None
         if on_start:
             on_start(child.pid)
-        rc = _wait(child.pid, tty)
+        rc = _wait(child.pid)
         child.returncode = rc  # reaped here: Popen must not wait for it again
     finally:
         for s, h in old.items():
@@ -223,7 +189,7 @@ _SYS_CLONE3 = 435  # the same on x86_64 and aarch64 (asm-generic)
 _RESET_SIGNALS = ("SIGPIPE", "SIGXFZ", "SIGXFSZ")  # as subprocess's restore_signals
 
 
-def _clone_into_cgroup(launch: Launch, born: list[int]) -> int | None:
+def _clone_into_cgroup(launch: Launch, born: list[int], shared: bool = False) -> int | None:
     """Fork the command directly into its slot's cgroup v2 and exec it; its pid, or None
     when the kernel cannot (then nothing was started). Moving a started process in
     (a write to cgroup.procs, as a preexec_fn does) waits for an RCU grace period under a
@@ -275,7 +241,8 @@ def _clone_into_cgroup(launch: Launch, born: list[int]) -> int | None:
         pid = int(syscall(_SYS_CLONE3, ctypes.byref(args), ctypes.sizeof(args)))
         if pid == 0:  # the child: no exception may leave this block
             try:
-                os.setpgid(0, 0)
+                if not shared:
+                    os.setpgid(0, 0)
                 for sig in resets:
                     signal.signal(sig, signal.SIG_DFL)
                 for fn in launch.preexec:
@@ -681,6 +648,8 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
     for pid in pids:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGCONT)
+        with contextlib.suppress(OSError):  # on a terminal it shares our group (_on_terminal)
+            os.kill(pid, signal.SIGCONT)
         for d in procfs.descendants([pid], procfs.proc_table()) - {pid}:
             with contextlib.suppress(OSError):
                 os.kill(d, signal.SIGCONT)

@@ -352,6 +352,50 @@ def test_a_command_that_reads_the_terminal_gets_it(kx: Krex, guardian: str) -> N
 
 
 @pytest.mark.parametrize("guardian", GUARDIANS)
+def test_ctrl_c_at_the_terminal_reaches_the_command_once(kx: Krex, guardian: str) -> None:
+    """On a terminal the command shares the guardian's process group: the terminal's SIGINT
+    reaches it directly and it sees one interrupt. (The guardians do not forward a terminal's
+    signal again; a copy sent within microseconds would merge with the pending one, so this
+    test could not tell.)"""
+    import pty
+
+    kx.start_daemon()
+    code = (
+        "import signal, time\n"
+        "n = [0]\n"
+        "signal.signal(signal.SIGINT, lambda *a: n.__setitem__(0, n[0] + 1))\n"
+        "print('ready', flush=True)\n"
+        "t = time.time()\n"
+        "while n[0] == 0 and time.time() - t < 10:\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"
+        "print(f'ints:{n[0]}', flush=True)\n"
+    )
+    argv = [*KREX, "-q", "run", "--device", "sim", "--", sys.executable, "-c", code]
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(argv[0], argv, kx.env(**GUARDIANS[guardian]))
+    out = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"ready" not in out and time.monotonic() < deadline:
+            out += os.read(fd, 1024)
+        os.write(fd, b"\x03")
+        while b"ints:" not in out and time.monotonic() < deadline:
+            try:
+                out += os.read(fd, 1024)
+            except OSError:
+                break
+        while b"\n" not in out.split(b"ints:")[-1] and time.monotonic() < deadline:
+            out += os.read(fd, 1024)
+    finally:
+        os.kill(pid, signal.SIGKILL) if b"ints:" not in out else None
+        _, st = os.waitpid(pid, 0)
+        os.close(fd)
+    assert b"ints:1" in out, out
+
+
+@pytest.mark.parametrize("guardian", GUARDIANS)
 def test_a_duplicate_ld_preload_in_the_callers_environment_does_not_drop_the_shim(
     kx: Krex, guardian: str
 ) -> None:
