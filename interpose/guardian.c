@@ -1104,6 +1104,17 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
 
 /* krexd went away: the notes come from the journal. `python -m krex.proc.finish` journals
  * a region the loss cut, prints the notes and exits with the command's status. */
+/* A request answered within the reply timeout: 0 ok, 1 refused (*r says why), -1 no answer. */
+static int ask(struct conn *c, enum krex_op op, const struct buf *json, struct jv **r, char *why, size_t n) {
+    if (send_request(c, op, json)) return -1;
+    return recv_reply(c, op, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, r, why, n, NULL);
+}
+
+/* Before handing over to the finisher: an empty auto dir goes now (a full one it reads). */
+static void drop_empty(const char *auto_dir, int full) {
+    if (auto_dir && !full) remove_dir(auto_dir);
+}
+
 static void finish_in_python(const struct admission *a, pid_t pid, int status, const struct lost *lo,
                              double t_start, const char *auto_dir) {
     static char v[9][64];
@@ -1199,8 +1210,7 @@ static int run(struct opts *o) {
         buf_str(&st, num);
         buf_str(&st, "}");
         struct jv *r = NULL;
-        int k = send_request(&c, KREX_OP_STARTED, &st) ? -1
-                : recv_reply(&c, KREX_OP_STARTED, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
+        int k = ask(&c, KREX_OP_STARTED, &st, &r, why, sizeof why);
         if (k == 1) snprintf(why, sizeof why, "%s", jstr(r, "error") ? jstr(r, "error") : "refused");
         if (k == -1 && !why[0]) snprintf(why, sizeof why, "the connection to krexd failed (%s)", strerror(errno));
         if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
@@ -1216,7 +1226,7 @@ static int run(struct opts *o) {
 
     int auto_full = auto_dir && dir_has_entries(auto_dir);
     if (lo.happened) { /* the finisher removes a full one after reading it */
-        if (auto_dir && !auto_full) remove_dir(auto_dir);
+        drop_empty(auto_dir, auto_full);
         finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL);
     }
     if (auto_full) {
@@ -1225,10 +1235,9 @@ static int run(struct opts *o) {
     }
     buf_str(&rel, "}");
     struct jv *r = NULL;
-    int k = send_request(&c, KREX_OP_RELEASE, &rel) ? -1
-            : recv_reply(&c, KREX_OP_RELEASE, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, &r, why, sizeof why, NULL);
+    int k = ask(&c, KREX_OP_RELEASE, &rel, &r, why, sizeof why);
     if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
-        if (auto_dir && !auto_full) remove_dir(auto_dir);
+        drop_empty(auto_dir, auto_full);
         lo.happened = 1;
         lo.why = "krexd did not answer the release";
         lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;

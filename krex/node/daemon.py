@@ -1276,10 +1276,7 @@ class Daemon:
         """Run before the grant and again at the region's end: the segment is krexd's own and
         intact, and nothing that lived through an incident could have disturbed the region."""
         self._guard_tick()
-        with self.lock:
-            s = self.slots.get(req.slot)
-        own = set(self._group_pids(s)) if s is not None else {req.pid}
-        return [("segment", text) for text in self.guard.flag(since_ns, own)]
+        return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
 
     def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:
         """(pid, start time, drain-helper thread) of the other commands' live processes on
@@ -1291,6 +1288,7 @@ class Daemon:
         return {(int(buf[i].pid), int(buf[i].start_ticks), int(buf[i].helper_tid)) for i in range(got)}
 
     def _own_pids(self, req: Region) -> set[int]:
+        """The owner and its command's whole process tree (slot group)."""
         with self.lock:
             s = self.slots.get(req.slot)
         return {req.pid, *(self._group_pids(s) if s is not None else [])}

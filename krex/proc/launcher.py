@@ -112,13 +112,11 @@ def _wait(pid: int) -> int:
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
     """Run the command in its own process group (in ours on a terminal, _on_terminal);
     forward signals; return a shell-style exit status (128+N for a signal)."""
-    child: subprocess.Popen[bytes] | None = None
-    born: list[int] = []  # a pid from _clone_into_cgroup
     # An ignored SIGCHLD (inherited over exec) makes the kernel reap the command: its
     # status would be lost. The command gets the default as with any Popen.
     old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
-        return _spawn_and_wait(launch, on_start, child, born, _on_terminal())
+        return _spawn_and_wait(launch, on_start, _on_terminal())
     finally:
         signal.signal(signal.SIGCHLD, old_chld)
 
@@ -126,10 +124,10 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
 def _spawn_and_wait(
     launch: Launch,
     on_start: Callable[[int], None] | None,
-    child: subprocess.Popen[bytes] | None,
-    born: list[int],
     shared: bool,
 ) -> int:
+    child: subprocess.Popen[bytes] | None = None
+    born: list[int] = []  # a pid from _clone_into_cgroup
 
     def forward(signum: int, _frame: object) -> None:
         pid = child.pid if child is not None else (born[0] if born else None)
