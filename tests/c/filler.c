@@ -4,7 +4,7 @@
  *
  * Launches a 1-us simulated kernel (registers), forks N children that each launch one
  * too (each takes a record of its own, until the table is full) and then sleep. Prints
- * {"filled":N}; once GOFILE exists the parent takes a region, times a 1 ms kernel
+ * {"filled":N} once all have; once GOFILE exists the parent takes a region, times a 1 ms kernel
  * (launch + synchronise), ends the region and prints {"begin","end","timed_ms"} (END's
  * value: 0 clean, 1 contaminated). Kills its children before it exits. */
 #define _GNU_SOURCE
@@ -30,15 +30,23 @@ int main(int argc, char **argv) {
     launch(1);
     cudaDeviceSynchronize();
     pid_t *kids = calloc((size_t)n, sizeof *kids);
+    int ready[2];
+    if (pipe(ready)) return 1;
     for (int i = 0; i < n; i++) {
         pid_t p = fork();
         if (p == 0) {
             launch(1);
             cudaDeviceSynchronize();
+            if (write(ready[1], "r", 1) != 1) _exit(1); /* registered (or listed): say so */
             for (;;) pause();
         }
         kids[i] = p;
     }
+    /* "filled" only once every child has registered: a test that counts on a full table
+     * must not race the children's first call. */
+    char c;
+    for (int i = 0; i < n; i++)
+        if (read(ready[0], &c, 1) != 1) return 1;
     printf("{\"filled\":%d}\n", n);
     while (access(argv[2], F_OK) != 0) usleep(20000);
     long b = KREX_REGION_BEGIN();
