@@ -22,7 +22,7 @@
         KREX_GET_FN(name, k)                          \
         int krex_counted = krex_enter(cls);           \
         KREX_RET krex_rc = fn args;                   \
-        krex_leave(krex_counted);                     \
+        krex_leave(krex_counted, cls);                \
         return krex_rc;                               \
     }
 #define KREX_BODY_KERNEL(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_KERNEL, p, a)
@@ -30,6 +30,21 @@
 #define KREX_BODY_MEMSET(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_MEMSET, p, a)
 #define KREX_BODY_GRAPH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_GRAPH, p, a)
 #define KREX_BODY_PREFETCH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_PREFETCH, p, a)
+/* Contexts, modules and device memory: gated, and a success arms the exit hold (shim.c). */
+#define KREX_LIFE_CALL(fname, name, k, params, args, before, after) \
+    KREX_RET fname params {                                        \
+        KREX_GET_FN(name, k)                                       \
+        int krex_counted = krex_enter(KREX_CLS_LIFE);              \
+        before;                                                    \
+        KREX_RET krex_rc = fn args;                                \
+        krex_leave(krex_counted, KREX_CLS_LIFE);                   \
+        if (krex_rc == 0) {                                        \
+            krex_life_done();                                      \
+            after;                                                 \
+        }                                                          \
+        return krex_rc;                                            \
+    }
+#define KREX_BODY_LIFE(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, (void)0)
 
 /* Large 1-D copies and memsets (the `chunk` column): above g_chunk_bytes the call is
  * issued as a sequence of calls of at most that many bytes, in order, on the same
@@ -54,7 +69,7 @@ static inline int krex_may_chunk(void) {
                 cnt = (__typeof__(cnt))krex_n;                                       \
                 int krex_counted = krex_enter(cls);                                  \
                 krex_rc = fn args;                                                   \
-                krex_leave(krex_counted);                                            \
+                krex_leave(krex_counted, cls);                                       \
                 uint64_t krex_bytes = krex_n * (esz);                                \
                 KREX_FOR_EACH(KREX_ADV1, __VA_ARGS__)                                \
                 krex_left -= krex_n;                                                 \
@@ -63,7 +78,7 @@ static inline int krex_may_chunk(void) {
         }                                                                            \
         int krex_counted = krex_enter(cls);                                          \
         KREX_RET krex_rc = fn args;                                                  \
-        krex_leave(krex_counted);                                                    \
+        krex_leave(krex_counted, cls);                                               \
         return krex_rc;                                                              \
     }
 /* One wrapper: by class, or chunked when the row's chunk column says so. */
@@ -84,20 +99,9 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
             *pfn = krex_redirect(KREX_ID_##name, symbol, *pfn, (uint64_t)flags); \
         return krex_rc;                                                         \
     }
-/* Contexts are tracked so the drain helper can synchronise non-primary ones. */
-#define KREX_BODY_CTXNEW(fname, name, k, params, args)                \
-    KREX_RET fname params {                                           \
-        KREX_GET_FN(name, k)                                          \
-        KREX_RET krex_rc = fn args;                                   \
-        if (krex_rc == 0 && pctx) krex_ctx_add((void *)*pctx);        \
-        return krex_rc;                                               \
-    }
-#define KREX_BODY_CTXDEL(fname, name, k, params, args) \
-    KREX_RET fname params {                            \
-        KREX_GET_FN(name, k)                           \
-        krex_ctx_del((void *)ctx);                     \
-        return fn args;                                \
-    }
+/* Contexts: LIFE calls, also tracked so the drain helper can synchronise non-primary ones. */
+#define KREX_BODY_CTXNEW(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, if (pctx) krex_ctx_add((void *)*pctx))
+#define KREX_BODY_CTXDEL(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, krex_ctx_del((void *)ctx), (void)0)
 
 #define KREX_FIRST_(a, ...) a
 #define KREX_FIRST(args) KREX_FIRST_ args /* every capture row's first argument is the stream */

@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 1
+#define KREX_ABI_VERSION 2
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -52,15 +52,21 @@
  * region counts it as a sibling. */
 #define KREX_PROC_STALE -2
 
-/* API classes: which counter a submission bumps. Only the first KREX_NGATED are gated. */
+/* API classes: which counter a call bumps. Only the first KREX_NGATED are gated. LIFE
+ * calls (contexts, modules, device memory) run no kernel but still work the GPU (an H200
+ * measured a 42% slower GEMM while siblings loaded modules, docs/results/h200/lifecycle):
+ * they park at a closed gate like a submission, and are counted in `life_inflight`, not
+ * `inflight`, because krexd freezes a process inside one rather than waiting it out (a
+ * context takes 100+ ms to make, a PTX module seconds to JIT). */
 #define KREX_CLS_KERNEL 0
 #define KREX_CLS_COPY 1
 #define KREX_CLS_MEMSET 2
 #define KREX_CLS_GRAPH 3
 #define KREX_CLS_PREFETCH 4
-#define KREX_NGATED 5
-#define KREX_CLS_LOOKUP 5
-#define KREX_CLS_CTX 6
+#define KREX_CLS_LIFE 5
+#define KREX_NGATED 6
+#define KREX_CLS_LOOKUP 6
+#define KREX_CLS_CTX 7
 
 /* Per-process flags (krex_proc.flags): things a doctor should hear about. */
 #define KREX_PF_NO_REAL 1
@@ -279,7 +285,7 @@ struct krex_proc {
     uint32_t flags;                 /* KREX_PF_* */
     int32_t gpu;
     uint64_t start_ticks;           /* /proc/pid/stat field 22: tells pid reuse apart */
-    uint64_t submits[5];            /* per gated class; KREX_NGATED entries */
+    uint64_t submits[6];            /* per gated class; KREX_NGATED entries */
     uint64_t blocked;               /* times a call waited at a closed gate */
     uint64_t blocked_ns;
     uint64_t fail_opens;
@@ -288,6 +294,9 @@ struct krex_proc {
     uint32_t captures;              /* graph captures in progress in this process */
     uint32_t check;                 /* krex_proc_check() of pid, slot, gpu, start_ticks */
     uint32_t helper_tid;            /* its drain helper's thread: gone while the pid lives = exec'd */
+    uint32_t life_inflight;         /* threads inside a LIFE call right now (1 for good once it exits:
+                                     * the context's teardown is the kernel's, past every call) */
+    uint32_t pad1;
 };
 
 struct krex_shm {

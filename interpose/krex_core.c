@@ -104,7 +104,7 @@ int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus) {
     if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - __atomic_load_n(&shm->gpus[p->gpu].drain_seq, SEQ)) > 0)
         return 4;
     if (p->slot != KREX_PROC_STALE && (p->slot < 0 || p->slot >= KREX_MAX_SLOTS)) return 8;
-    if (p->has_ctx > 1 || p->inflight > 65536) return 16;
+    if (p->has_ctx > 1 || p->inflight > 65536 || p->life_inflight > 65536) return 16;
     return 0;
 }
 
@@ -378,6 +378,26 @@ int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct kre
     return n;
 }
 
+/* Live sibling processes of `gpu` (not in `owner_slot`) inside a LIFE call (or exiting
+ * after one): krexd freezes their slots, since the gate cannot stop such a call midway.
+ * Fills their pids and slots (KREX_PROC_STALE for a process of a slot handed on). */
+int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, int max) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->slot == owner_slot || __atomic_load_n(&p->life_inflight, SEQ) == 0) continue;
+        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
+        if (n < max) {
+            pids[n] = pid;
+            slots[n] = p->slot;
+        }
+        n++;
+    }
+    return n;
+}
+
 /* Threads of non-owner slots on this GPU that are inside a gated call. Dead
  * processes are skipped: a SIGKILLed submitter must not stall every region. */
 int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max_pids) {
@@ -600,6 +620,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->start_ticks = krex_pid_start_ticks(pid);
     p->has_ctx = 0;
     p->inflight = 0;
+    p->life_inflight = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);

@@ -73,6 +73,7 @@ struct krex_proc_id {
     uint32_t pad0;
 };
 int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, int max);
+int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);

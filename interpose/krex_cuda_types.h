@@ -37,6 +37,13 @@ typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;
 typedef struct CUmemLocation_st { int type; int id; } CUmemLocation;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
+typedef int CUjit_option;                 /* enum CUjit_option_enum */
+typedef int CUlibraryOption;              /* enum CUlibraryOption_enum */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUmemAllocationProp_st CUmemAllocationProp;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ;
     unsigned int blockDimX, blockDimY, blockDimZ;
@@ -73,6 +80,7 @@ enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0 };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1,
     cudaStreamCaptureModeRelaxed = 2 };
 typedef struct CUgraph_st *cudaGraph_t;
+typedef struct CUmemPoolHandle_st *cudaMemPool_t;
 typedef struct CUgraphNode_st *cudaGraphNode_t;
 typedef struct cudaGraphEdgeData_st cudaGraphEdgeData;
 struct cudaPitchedPtr { void *ptr; size_t pitch; size_t xsize; size_t ysize; };
@@ -104,6 +112,10 @@ typedef struct hipGraphExec *hipGraphExec_t;
 typedef struct hipArray *hipArray_t;
 typedef const struct hipArray *hipArray_const_t;
 typedef void *hipDeviceptr_t;
+typedef struct ihipModule_t *hipModule_t;
+typedef struct ihipCtx_t *hipCtx_t;
+typedef int hipDevice_t;
+typedef int hipJitOption;                 /* enum hipJitOption */
 typedef enum hipMemcpyKind { hipMemcpyHostToHost = 0, hipMemcpyHostToDevice = 1,
     hipMemcpyDeviceToHost = 2, hipMemcpyDeviceToDevice = 3, hipMemcpyDefault = 4 } hipMemcpyKind;
 typedef int hipDriverProcAddressQueryResult;

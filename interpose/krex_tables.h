@@ -10,10 +10,10 @@
 #define KREX_STR(x) #x
 
 /* Classes that only the C side knows about (not gated, not counted). */
-#define KREX_CLS_CTXNEW 7
-#define KREX_CLS_CTXDEL 8
-#define KREX_CLS_CAPBEGIN 9
-#define KREX_CLS_CAPEND 10
+#define KREX_CLS_CTXNEW 8
+#define KREX_CLS_CTXDEL 9
+#define KREX_CLS_CAPBEGIN 10
+#define KREX_CLS_CAPEND 11
 
 enum krex_variant { KREX_VAR_DEF = 0, KREX_VAR_PT = 1, KREX_VAR_V1 = 2 };
 enum krex_api { KREX_API_CUDART = 0, KREX_API_DRIVER = 1, KREX_API_HIP = 2, KREX_N_APIS = 3 };

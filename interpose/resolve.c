@@ -139,6 +139,9 @@ KREX_NO_SANITIZE static void *real_dlsym(void *h, const char *name) {
     return fn(h, name);
 }
 
+/* The next definition of `name` after the shim (libc's, for the symbols it wraps). */
+void *krex_next_sym(const char *name) { return real_dlsym(RTLD_NEXT, name); }
+
 /* For tests: the real dlsym as each method finds it (0 by version, 1 from the ELF). */
 KREX_EXPORT void *krex_shim_dlsym_probe(int method) { return method ? dlsym_from_elf() : dlsym_by_version(); }
 

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "shim_fastpath.h"
@@ -102,6 +103,46 @@ int krex_wait_gate(uint32_t w) {
     return failed;
 }
 
+/* ------------------------------------------------------------ the exit hold */
+
+/* A process's contexts are torn down at exit, by the vendor runtime's exit handlers or by
+ * the kernel after the last one, through no call a gate can stop: a sibling left running
+ * by `--freeze gpu` would do that during a region. So once it has made a LIFE call, an
+ * exit handler enters the gate as a LIFE call and never leaves: the exit waits at a closed
+ * gate, and while it runs, krexd sees a LIFE call in flight and freezes the process
+ * before a region starts. Registered after that first LIFE call, i.e. after the vendor
+ * runtime registered its own handlers (inside the call), so it runs before them. */
+static int g_life_gen = -1; /* the fork generation that made a LIFE call */
+static pid_t g_life_pid;     /* ... and its pid: a vfork child shares our memory, not our pid */
+
+static void exit_hold(void) {
+    if (g_life_gen != g_fork_gen || t_depth != 0 || !__atomic_load_n(&g_fast.gate, ACQUIRE)) return;
+    (void)krex_enter(KREX_CLS_LIFE); /* never left: the rest of this thread's exit is nested */
+}
+
+void krex_life_done(void) {
+    if (!mode_on() || __atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
+    static int registered; /* atexit handlers survive fork: once per image */
+    if (!__atomic_exchange_n(&registered, 1, __ATOMIC_ACQ_REL)) atexit(exit_hold);
+    g_life_pid = getpid();
+    __atomic_store_n(&g_life_gen, g_fork_gen, RELAXED);
+}
+
+/* os._exit and C's _exit/_Exit skip atexit, yet the kernel tears the contexts down all
+ * the same: the same hold first (multiprocessing's children leave this way). Only in the
+ * process that armed it: a vfork child (subprocess's failed exec) shares our memory and
+ * this thread's depth, and must touch neither. */
+typedef void (*exit_fn)(int);
+static exit_fn g_real_exit[2]; /* libc's _exit, _Exit: looked up at load, never in a vfork child */
+static __attribute__((noreturn)) void exit_via(int which, int status) {
+    if (__atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen && g_life_pid == getpid()) exit_hold();
+    if (g_real_exit[which]) g_real_exit[which](status);
+    syscall(SYS_exit_group, status); /* what libc's _exit does */
+    __builtin_unreachable();
+}
+KREX_EXPORT void _exit(int status) { exit_via(0, status); }
+KREX_EXPORT void _Exit(int status) { exit_via(1, status); }
+
 /* ------------------------------------------------------------ registration */
 
 /* The segment, attached once (for the fast path, and for clients to read krexd's
@@ -177,6 +218,7 @@ static int register_now(void) {
         __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
         __atomic_store_n(&g_proc, p, RELEASE);
         g_fast.inflight = &p->inflight;
+        g_fast.life_inflight = &p->life_inflight;
         g_fast.submits = p->submits;
         __atomic_store_n(&p->has_ctx, 1, __ATOMIC_SEQ_CST);
         /* It registers at its first gated call, so it has no GPU work yet: it owes no ack
@@ -199,6 +241,7 @@ static int register_now(void) {
          * helper of ours is known to krexd, so it flags every region while we live. */
         krex_slot_note_unrecorded(&g_shm->slots[g_slot], (int64_t)getpid());
         g_fast.inflight = &g_shm->slots[g_slot].inflight;
+        g_fast.life_inflight = g_fast.inflight; /* no record to freeze by: waited for instead */
         g_fast.submits = g_local_submits;
     }
     /* 0 never matches a closed gate's owner byte (slot+1 or 255). */
@@ -262,6 +305,8 @@ static int parse_int(const char *s, int *out) {
 
 __attribute__((constructor)) static void krex_init(void) {
     krex_hooks_init();
+    g_real_exit[0] = (exit_fn)krex_next_sym("_exit");
+    g_real_exit[1] = (exit_fn)krex_next_sym("_Exit");
     const char *lg = getenv("KREX_LOG");
     g_log = lg && *lg && strcmp(lg, "0") != 0;
     const char *name = getenv("KREX_SHM");

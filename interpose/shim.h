@@ -57,6 +57,7 @@ static inline void set_flag(uint32_t f) {
 /* resolve.c: the real entry points behind our wrappers, and dlsym. */
 extern void *krex_real[KREX_N_IDS][KREX_NSLOT];
 void *vendor_sym(int api, const char *name);
+void *krex_next_sym(const char *name);
 void *krex_resolve(int id, int k);
 
 /* hooks.c: the wrappers generated from the api_*.def tables. */
@@ -69,6 +70,7 @@ KREX_NO_SANITIZE int krex_find(const char *name);
 /* drain.c: context and capture tracking, and the drain helper thread. */
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
+void krex_life_done(void); /* a LIFE call succeeded: this process has GPU state to tear down */
 void krex_ctx_add(void *ctx);
 void krex_ctx_del(void *ctx);
 void krex_capture_begin(void *stream);

@@ -12,6 +12,7 @@
 struct krex_fast {
     uint32_t *gate;     /* NULL until this process registered */
     uint32_t *inflight;
+    uint32_t *life_inflight; /* LIFE calls (krex_abi.h): krexd freezes, never waits for, them */
     uint64_t *submits;
     uint32_t owner_byte;
 };
@@ -39,7 +40,7 @@ static inline int krex_enter(int cls) {
         }
         gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
     }
-    uint32_t *inflight = g_fast.inflight;
+    uint32_t *inflight = cls == KREX_CLS_LIFE ? g_fast.life_inflight : g_fast.inflight; /* folded */
     for (;;) {
         __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
         uint32_t w = __atomic_load_n(gate, __ATOMIC_SEQ_CST);
@@ -63,7 +64,7 @@ void krex_left_closed(void) __attribute__((cold, visibility("hidden")));
  * its wake word and scans the counters, so either its scan sees the decrement or we see
  * the gate closed and wake it (krex_abi.h). With the gate open: one extra load, no syscall.
  * always_inline: gcc stops inlining it once it grows, which doubles the fast path's cost. */
-__attribute__((always_inline)) static inline void krex_leave(int counted) {
+__attribute__((always_inline)) static inline void krex_leave(int counted, int cls) {
     /* The depth first: a signal handler that runs on this thread after it must not be
      * taken for a nested call, which passes uncounted, while this thread no longer holds
      * its count (it would then slip past a gate closed meanwhile). In the gap the thread
@@ -74,7 +75,11 @@ __attribute__((always_inline)) static inline void krex_leave(int counted) {
      * (a fork from a signal handler inside it). That count is the parent's, in the
      * parent's record: the child must not touch it, nor its own record if it registered. */
     if (counted && LIKELY(counted == g_fork_gen + 1)) {
-        __atomic_fetch_sub(g_fast.inflight, 1, __ATOMIC_SEQ_CST);
+        uint32_t *inflight = cls == KREX_CLS_LIFE ? g_fast.life_inflight : g_fast.inflight;
+        __atomic_fetch_sub(inflight, 1, __ATOMIC_SEQ_CST);
+        /* krexd never waits for a LIFE count (it freezes its process): nobody to wake,
+         * unless it went to the slot's shared counter (no record), which it waits for. */
+        if (cls == KREX_CLS_LIFE && inflight != g_fast.inflight) return;
         uint32_t *gate = g_fast.gate; /* NULL in a fork child until it registers */
         uint32_t w = gate ? __atomic_load_n(gate, __ATOMIC_SEQ_CST) : KREX_GATE_OPEN;
         if (UNLIKELY(w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) != g_fast.owner_byte)) krex_left_closed();

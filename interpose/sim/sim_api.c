@@ -48,23 +48,39 @@ static inline void sim_fill(void *dst, uint32_t v, int esz, size_t n) {
 #define SIM_BODY_MEMSET(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_MEMSET, p, a, s, c, ck)
 #define SIM_BODY_GRAPH(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_GRAPH, p, a, s, c, ck)
 #define SIM_BODY_PREFETCH(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_PREFETCH, p, a, s, c, ck)
+/* A LIFE call occupies the GPU (SIM_LIFE_NS, like a context or module load on a real one),
+ * and returns once that is done, as the real ones do (but the stream-ordered allocators),
+ * then does what the call does: sim_life_<name>, written out below for every LIFE row (a
+ * row without one does not link). */
+#define SIM_BODY_LIFE(n, p, a, s, c, ck)                                                           \
+    static SIM_RET sim_life_##n p;                                                                 \
+    EXPORT SIM_RET n p {                                                                           \
+        int sim_rc = simgpu_gated_rc();                                                            \
+        uint64_t sim_ns = (uint64_t)(c);                                                           \
+        simgpu_submit(#n, KREX_CLS_LIFE, (const void *)(s), sim_ns, KREX_HASH_ARGS a,              \
+                      sim_ns && !strstr(#n, "Async"));                                             \
+        if (strstr(#n, "ModuleLoad")) simgpu_life_host_time(); /* a JIT's host time */          \
+        return sim_rc ? (SIM_RET)sim_rc : sim_life_##n a;                                       \
+    }
 #define SIM_BODY_LOOKUP(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)sim_lookup(symbol, pfn, (uint64_t)flags); }
-#define SIM_BODY_CTXNEW(n, p, a, s, c, ck)                   \
-    EXPORT SIM_RET n p {                                 \
-        static char fake_ctx[KREX_MAX_GPUS];             \
-        if (pctx) *pctx = (CUcontext)(void *)&fake_ctx[0]; \
-        simgpu_ctx_activate(0);                          \
-        return (SIM_RET)simgpu_rc();                     \
+#define SIM_BODY_CTXNEW(n, p, a, s, c, ck)                                 \
+    EXPORT SIM_RET n p {                                               \
+        static char fake_ctx[KREX_MAX_GPUS];                           \
+        simgpu_submit(#n, KREX_CLS_LIFE, NULL, SIM_LIFE_NS, 0, 0);     \
+        if (pctx) *pctx = (CUcontext)(void *)&fake_ctx[0];             \
+        simgpu_ctx_activate(0);                                        \
+        return (SIM_RET)simgpu_rc();                                   \
     }
 #define SIM_BODY_CAPBEGIN(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
 #define SIM_BODY_CAPEND(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
-#define SIM_BODY_CTXDEL(n, p, a, s, c, ck) \
-    EXPORT SIM_RET n p {               \
-        (void)ctx;                     \
-        return (SIM_RET)simgpu_rc();   \
+#define SIM_BODY_CTXDEL(n, p, a, s, c, ck)                             \
+    EXPORT SIM_RET n p {                                           \
+        (void)ctx;                                                 \
+        simgpu_submit(#n, KREX_CLS_LIFE, NULL, SIM_LIFE_NS, 0, 0); \
+        return (SIM_RET)simgpu_rc();                               \
     }
 
 #if SIM_API == 0
@@ -135,14 +151,37 @@ static int sim_lookup(const char *symbol, void **pfn, uint64_t flags) {
 
 struct sim_event { uint64_t t; };
 EXPORT cudaError_t cudaGetDeviceCount(int *n) { *n = simgpu_device_count(); return 0; }
-EXPORT cudaError_t cudaSetDevice(int d) { return simgpu_set_device(d); }
 EXPORT cudaError_t cudaGetDevice(int *d) { *d = simgpu_get_device(); return 0; }
-EXPORT cudaError_t cudaFree(void *p) { free(p); return 0; }
-EXPORT cudaError_t cudaMalloc(void **p, size_t n) {
+/* The LIFE rows' effects ("device" memory is host memory here). */
+static cudaError_t sim_alloc(void **p, size_t n) {
     simgpu_ctx_activate(simgpu_get_device());
+    if (!p) return 1;
     *p = malloc(n ? n : 1);
     return *p ? 0 : 2;
 }
+static cudaError_t sim_life_cudaSetDevice(int d) { return simgpu_set_device(d); }
+static cudaError_t sim_life_cudaInitDevice(int d, unsigned int df, unsigned int f) {
+    int rc = simgpu_set_device(d);
+    if (!rc) simgpu_ctx_activate(d);
+    return rc;
+}
+static cudaError_t sim_life_cudaMalloc(void **p, size_t n) { return sim_alloc(p, n); }
+static cudaError_t sim_life_cudaMallocManaged(void **p, size_t n, unsigned int f) { return sim_alloc(p, n); }
+static cudaError_t sim_life_cudaMallocPitch(void **p, size_t *pitch, size_t w, size_t h) {
+    if (pitch) *pitch = w;
+    return sim_alloc(p, w * h);
+}
+static cudaError_t sim_life_cudaFree(void *p) { free(p); return 0; }
+static cudaError_t sim_life_cudaMallocAsync(void **p, size_t n, cudaStream_t s) { return sim_alloc(p, n); }
+static cudaError_t sim_life_cudaMallocAsync_ptsz(void **p, size_t n, cudaStream_t s) { return sim_alloc(p, n); }
+static cudaError_t sim_life_cudaMallocFromPoolAsync(void **p, size_t n, cudaMemPool_t m, cudaStream_t s) {
+    return sim_alloc(p, n);
+}
+static cudaError_t sim_life_cudaMallocFromPoolAsync_ptsz(void **p, size_t n, cudaMemPool_t m, cudaStream_t s) {
+    return sim_alloc(p, n);
+}
+static cudaError_t sim_life_cudaFreeAsync(void *p, cudaStream_t s) { free(p); return 0; }
+static cudaError_t sim_life_cudaFreeAsync_ptsz(void *p, cudaStream_t s) { free(p); return 0; }
 EXPORT cudaError_t cudaDeviceSynchronize(void) { simgpu_sync_all("cudaDeviceSynchronize"); return 0; }
 EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) { simgpu_sync_stream(s); return 0; }
 EXPORT cudaError_t cudaStreamCreate(cudaStream_t *s) {
@@ -229,12 +268,79 @@ EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int 
     *active = simgpu_ctx_active(d);
     return 0;
 }
-EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d) {
+/* The LIFE rows' effects ("device" memory is host memory here). */
+static CUresult sim_life_cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d) {
+    if (d < 0 || d >= simgpu_device_count() || !pctx) return 101;
     simgpu_ctx_activate(d); /* retaining creates the context, as on a real GPU */
     *pctx = (CUcontext)(void *)&g_primary[d];
     return 0;
 }
-EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return 0; }
+static CUresult sim_life_cuDevicePrimaryCtxRelease_v2(CUdevice d) { return 0; }
+static CUresult sim_life_cuDevicePrimaryCtxRelease(CUdevice d) { return 0; }
+static CUresult sim_life_cuDevicePrimaryCtxReset_v2(CUdevice d) { return 0; }
+static CUresult sim_life_cuDevicePrimaryCtxReset(CUdevice d) { return 0; }
+static char g_module;
+#define SIM_HANDLE(T, out) ((out) ? (*(out) = (T)(void *)&g_module, 0) : 1)
+static CUresult sim_life_cuModuleLoad(CUmodule *m, const char *f) { return SIM_HANDLE(CUmodule, m); }
+static CUresult sim_life_cuModuleLoadData(CUmodule *m, const void *i) { return SIM_HANDLE(CUmodule, m); }
+static CUresult sim_life_cuModuleLoadDataEx(CUmodule *m, const void *i, unsigned int n, CUjit_option *o, void **v) {
+    return SIM_HANDLE(CUmodule, m);
+}
+static CUresult sim_life_cuModuleLoadFatBinary(CUmodule *m, const void *i) { return SIM_HANDLE(CUmodule, m); }
+static CUresult sim_life_cuModuleUnload(CUmodule m) { return 0; }
+static CUresult sim_life_cuLibraryLoadData(CUlibrary *l, const void *c, CUjit_option *jo, void **jv, unsigned int nj,
+                                           CUlibraryOption *lo, void **lv, unsigned int nl) {
+    return SIM_HANDLE(CUlibrary, l);
+}
+static CUresult sim_life_cuLibraryLoadFromFile(CUlibrary *l, const char *f, CUjit_option *jo, void **jv,
+                                               unsigned int nj, CUlibraryOption *lo, void **lv, unsigned int nl) {
+    return SIM_HANDLE(CUlibrary, l);
+}
+static CUresult sim_life_cuLibraryUnload(CUlibrary l) { return 0; }
+static CUresult sim_alloc(CUdeviceptr *p, size_t n) {
+    simgpu_ctx_activate(simgpu_get_device());
+    if (!p) return 1;
+    *p = (CUdeviceptr)(uintptr_t)malloc(n ? n : 1);
+    return *p ? 0 : 2;
+}
+static CUresult sim_life_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return sim_alloc(p, n); }
+static CUresult sim_life_cuMemAlloc(CUdeviceptr_v1 *p, unsigned int n) { /* a legacy 32-bit pointer: made up */
+    if (!p) return 1;
+    *p = 0x1000;
+    return 0;
+}
+static CUresult sim_life_cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned int e) {
+    if (pitch) *pitch = w;
+    return sim_alloc(p, w * h);
+}
+static CUresult sim_life_cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned int f) { return sim_alloc(p, n); }
+static CUresult sim_life_cuMemFree_v2(CUdeviceptr p) {
+    free((void *)(uintptr_t)p);
+    return 0;
+}
+static CUresult sim_life_cuMemFree(CUdeviceptr_v1 p) { return 0; }
+static CUresult sim_life_cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *pr,
+                                     unsigned long long f) {
+    if (!h) return 1;
+    *h = 1;
+    return 0;
+}
+static CUresult sim_life_cuMemRelease(CUmemGenericAllocationHandle h) { return 0; }
+static CUresult sim_life_cuMemMap(CUdeviceptr p, size_t n, size_t o, CUmemGenericAllocationHandle h,
+                                  unsigned long long f) {
+    return 0;
+}
+static CUresult sim_life_cuMemUnmap(CUdeviceptr p, size_t n) { return 0; }
+static CUresult sim_life_cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { return sim_alloc(p, n); }
+static CUresult sim_life_cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return sim_alloc(p, n); }
+static CUresult sim_life_cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s) {
+    return sim_alloc(p, n);
+}
+static CUresult sim_life_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s) {
+    return sim_alloc(p, n);
+}
+static CUresult sim_life_cuMemFreeAsync(CUdeviceptr p, CUstream s) { return sim_life_cuMemFree_v2(p); }
+static CUresult sim_life_cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return sim_life_cuMemFree_v2(p); }
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext c) {
     if (t_ctx_depth >= 8) return 1;
     t_ctx_stack[t_ctx_depth++] = c;
@@ -254,12 +360,6 @@ EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *m) {
     *m = old;
     return 0;
 }
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
-    simgpu_ctx_activate(simgpu_get_device());
-    *p = (CUdeviceptr)(uintptr_t)malloc(n ? n : 1);
-    return *p ? 0 : 2;
-}
-EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { free((void *)(uintptr_t)p); return 0; }
 #endif
 
 /* -------------------------------------------------------------------- HIP */
@@ -270,19 +370,40 @@ static int sim_lookup(const char *symbol, void **pfn, uint64_t flags) {
 }
 struct sim_event { uint64_t t; };
 EXPORT hipError_t hipGetDeviceCount(int *n) { *n = simgpu_device_count(); return 0; }
-EXPORT hipError_t hipSetDevice(int d) { return simgpu_set_device(d); }
 EXPORT hipError_t hipGetDevice(int *d) { *d = simgpu_get_device(); return 0; }
 EXPORT hipError_t hipDevicePrimaryCtxGetState(int d, unsigned int *flags, int *active) {
     *flags = 0;
     *active = simgpu_ctx_active(d);
     return 0;
 }
-EXPORT hipError_t hipMalloc(void **p, size_t n) {
+/* The LIFE rows' effects ("device" memory is host memory here). */
+static hipError_t sim_alloc(void **p, size_t n) {
     simgpu_ctx_activate(simgpu_get_device());
+    if (!p) return 1;
     *p = malloc(n ? n : 1);
     return *p ? 0 : 2;
 }
-EXPORT hipError_t hipFree(void *p) { free(p); return 0; }
+static char g_primary[KREX_MAX_GPUS], g_module;
+static hipError_t sim_life_hipSetDevice(int d) { return simgpu_set_device(d); }
+static hipError_t sim_life_hipMalloc(void **p, size_t n) { return sim_alloc(p, n); }
+static hipError_t sim_life_hipMallocManaged(void **p, size_t n, unsigned int f) { return sim_alloc(p, n); }
+static hipError_t sim_life_hipFree(void *p) { free(p); return 0; }
+static hipError_t sim_life_hipDevicePrimaryCtxRetain(hipCtx_t *pctx, hipDevice_t d) {
+    if (d < 0 || d >= simgpu_device_count() || !pctx) return 101;
+    simgpu_ctx_activate(d);
+    *pctx = (hipCtx_t)(void *)&g_primary[d];
+    return 0;
+}
+static hipError_t sim_life_hipDevicePrimaryCtxRelease(hipDevice_t d) { return 0; }
+static hipError_t sim_life_hipDevicePrimaryCtxReset(hipDevice_t d) { return 0; }
+#define SIM_MODULE(m) ((m) ? (*(m) = (hipModule_t)(void *)&g_module, 0) : 1)
+static hipError_t sim_life_hipModuleLoad(hipModule_t *m, const char *f) { return SIM_MODULE(m); }
+static hipError_t sim_life_hipModuleLoadData(hipModule_t *m, const void *i) { return SIM_MODULE(m); }
+static hipError_t sim_life_hipModuleLoadDataEx(hipModule_t *m, const void *i, unsigned int n, hipJitOption *o,
+                                               void **v) {
+    return SIM_MODULE(m);
+}
+static hipError_t sim_life_hipModuleUnload(hipModule_t m) { return 0; }
 EXPORT hipError_t hipDeviceSynchronize(void) { simgpu_sync_all("hipDeviceSynchronize"); return 0; }
 EXPORT hipError_t hipStreamSynchronize(hipStream_t s) { simgpu_sync_stream(s); return 0; }
 EXPORT hipError_t hipEventCreate(void **e) { *e = calloc(1, sizeof(struct sim_event)); return 0; }

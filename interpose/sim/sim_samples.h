@@ -15,6 +15,9 @@
 #define SIM_US_NS(us) ((uint64_t)(us) * 1000ull)
 #define SIM_FIXED_NS 10000ull
 #define SIM_NULL_STREAM ((const void *)0)
+/* LIFE calls (contexts, modules, device memory) occupy the simulated GPU this long: on an
+ * H200 a sibling loading modules made a GEMM 42% slower (docs/results/h200/lifecycle). */
+#define SIM_LIFE_NS 500000ull
 
 static inline const void *sim_cfg_stream_cu(const CUlaunchConfig *c) { return c ? (const void *)c->hStream : 0; }
 static inline const void *sim_cfg_stream_rt(const cudaLaunchConfig_t *c) { return c ? (const void *)c->stream : 0; }
@@ -37,6 +40,7 @@ static inline uint64_t sim_sum(const size_t *sizes, size_t n) {
 static unsigned int sim_us = 100;
 static size_t sim_bytes = 100000;
 static char sim_hbuf_store[4096];
+static uint64_t sim_out_store[8]; /* where a LIFE sample's out-parameter lands */
 static size_t sim_sizes[4];
 static void *sim_ptrs[4];
 static CUlaunchConfig sim_cfg_CUlaunchConfig;
@@ -67,6 +71,7 @@ static void sim_samples_init(void) {
 #define SIM_BLOCK ((dim3){1, 1, 1})
 #define SIM_STREAM sim_stream
 #define SIM_HBUF ((void *)sim_hbuf_store)
+#define SIM_OUT(T) ((T *)(void *)sim_out_store)
 #define SIM_DPTR ((CUdeviceptr)(uintptr_t)sim_hbuf_store)
 #define SIM_DPTR32 ((CUdeviceptr_v1)0x1000)
 #define SIM_FUNC ((void *)0x1234)

@@ -3,7 +3,9 @@
  * the middle of a call cannot wedge the device for everyone else. */
 #define _GNU_SOURCE
 #include "simgpu.h"
+#include "../krex_abi.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -29,6 +31,7 @@ static int g_rc;
 static long g_rc_after;  /* KREX_SIM_RC_AFTER: gated calls that succeed before g_rc applies */
 static long g_gated_calls;
 static int g_move_bytes;
+static int g_life_ms;
 static int g_visible[SIMGPU_MAX];
 static int g_nvisible = -1;
 static __thread int t_device;
@@ -171,10 +174,15 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
     int phys = g_nvisible > 0 ? g_visible[dev] : 0;
     simgpu_ctx_activate(dev);
     uint64_t submit = simgpu_now();
+    uint64_t start = submit, end = submit;
+    /* A LIFE call of no cost (a reference count: a drain helper's retain of a live context)
+     * is only recorded: on the timeline it would make the caller's next sync wait for
+     * every other process's queued work. */
+    if (cls == KREX_CLS_LIFE && cost_ns == 0) goto trace;
     pthread_mutex_lock(&g_lock);
     uint64_t *tail = stream_slot(dev, stream);
     uint64_t after = *tail > submit ? *tail : submit;
-    uint64_t start, end, old = __atomic_load_n(&d->busy_until[phys], __ATOMIC_SEQ_CST);
+    uint64_t old = __atomic_load_n(&d->busy_until[phys], __ATOMIC_SEQ_CST);
     do { /* time-slicing: the device runs one operation at a time, node-wide */
         start = old > after ? old : after;
         end = start + cost_ns;
@@ -183,6 +191,7 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
     *tail = end;
     if (end > g_proc_tail) g_proc_tail = end;
     pthread_mutex_unlock(&g_lock);
+trace:;
     char f[600];
     const char *slot = getenv("KREX_SLOT");
     char slotbuf[16] = "-1";
@@ -241,6 +250,7 @@ __attribute__((constructor)) static void sim_init(void) {
     g_rc = env_int("KREX_SIM_RC", 0);
     g_rc_after = env_int("KREX_SIM_RC_AFTER", 0);
     g_move_bytes = env_int("KREX_SIM_MOVE_BYTES", 0);
+    g_life_ms = env_int("KREX_SIM_LIFE_MS", 0);
 }
 
 /* A gated call's return code: KREX_SIM_RC, after the first KREX_SIM_RC_AFTER calls
@@ -250,3 +260,12 @@ EXPORT int simgpu_gated_rc(void) {
     return n > g_rc_after ? g_rc : 0;
 }
 EXPORT int simgpu_moves_bytes(void) { return g_move_bytes; }
+/* KREX_SIM_LIFE_MS: a module load spends that long on the host inside the call (a PTX
+ * JIT), so a test can catch a process in the middle of one. */
+EXPORT void simgpu_life_host_time(void) {
+    if (g_life_ms > 0) {
+        struct timespec ts = {g_life_ms / 1000, (long)(g_life_ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+}

@@ -25,6 +25,7 @@ int simgpu_rc(void);                             /* what every simulated call re
 void simgpu_set_return(int rc);
 int simgpu_gated_rc(void);                       /* a gated call's: KREX_SIM_RC[_AFTER] */
 int simgpu_moves_bytes(void);                    /* KREX_SIM_MOVE_BYTES: copies move bytes */
+void simgpu_life_host_time(void);               /* KREX_SIM_LIFE_MS: a module load's host time */
 uint64_t simgpu_now(void);
 void simgpu_sleep_until(uint64_t t);
 void simgpu_trace(const char *json_fields);      /* append {"pid":..,<fields>} */

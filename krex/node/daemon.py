@@ -222,14 +222,31 @@ class _FreezePlan:
         self.to_freeze: list[Slot] = []
         self.futs: dict[Slot, concurrent.futures.Future[float]] = {}
         self.early = 0  # freezes started while other siblings still drained
+        self.life_unfrozen: list[int] = []  # inside a LIFE call, of no slot krexd can freeze
 
     def _plan(self, siblings: list[Slot]) -> None:
         policy, chosen, why = self.d._freeze_choice(self.owner, siblings)
         chosen, why = list(chosen), list(why)
+        # Read after the gate closed: a LIFE call (context, module, device memory) begun
+        # since parks at the gate, so one read finds every one the gate cannot stop.
+        life: dict[int, list[int]] = {}
+        if len(chosen) < len(siblings):
+            for pid, slot in self.d.seg.life_busy(self.gpu, self.owner_slot).items():
+                life.setdefault(slot, []).append(pid)
         for s in siblings:
-            if s not in chosen and self.stuck & set(self.d._group_pids(s)):
+            if s in chosen:
+                continue
+            if self.stuck & set(self.d._group_pids(s)):
                 chosen.append(s)
                 why.append(f"slot {s.slot}: a process is still inside a GPU call, past the gate")
+            elif s.slot in life:
+                chosen.append(s)
+                why.append(
+                    f"slot {s.slot}: pids {sorted(life[s.slot])} inside a context, module or device "
+                    "memory call (or exiting after one), which the gate cannot stop midway"
+                )
+        known = {s.slot for s in siblings} | {s.slot for s in self.siblings}
+        self.life_unfrozen.extend(p for slot, ps in life.items() if slot not in known for p in ps)
         self.policy = self.policy or policy
         self.why.extend(why)
         self.siblings.extend(siblings)
@@ -1071,6 +1088,14 @@ class Daemon:
             # Siblings that came (or a plan never made) since the first progress call.
             fz.progress(set(), final=True)
             owner, policy, why, running_all = fz.owner, fz.policy, fz.why, fz.siblings
+            if fz.life_unfrozen:
+                reasons.append(
+                    (
+                        "life-running",
+                        f"pids {sorted(set(fz.life_unfrozen))} were inside a context, module or device "
+                        "memory call and belong to no command krexd can freeze",
+                    )
+                )
             for s, f in fz.futs.items():
                 try:
                     f.result()

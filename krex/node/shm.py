@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 from krex.errors import Busy, KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
 from krex.native import ffi, lib
 
-CLASS_NAMES = ("kernel", "copy", "memset", "graph", "prefetch")
+CLASS_NAMES = ("kernel", "copy", "memset", "graph", "prefetch", "life")
 HOLDER_NAMES = {
     lib.KREX_HOLDER_NONE: "none",
     lib.KREX_HOLDER_REGION: "region",
@@ -105,6 +105,7 @@ class ProcInfo:
     alive: bool
     has_ctx: bool
     inflight: int
+    life_inflight: int
     drain_ack: int
     submits: dict[str, int]
     blocked: int
@@ -310,6 +311,7 @@ class Segment:
                     alive=bool(lib.krex_pid_alive(r.pid, r.start_ticks)),
                     has_ctx=bool(r.has_ctx),
                     inflight=int(r.inflight),
+                    life_inflight=int(r.life_inflight),
                     drain_ack=int(r.drain_ack),
                     submits={n: int(r.submits[k]) for k, n in enumerate(CLASS_NAMES)},
                     blocked=int(r.blocked),
@@ -509,13 +511,21 @@ class Segment:
         return n
 
     def slot_submits(self, slot: int) -> int:
-        """Gated submissions of every process record of one slot, all classes."""
+        """Gated submissions of every process record of one slot (LIFE calls are no
+        submissions: they say nothing of how launch-bound a region is)."""
         n = 0
         for i in range(lib.KREX_MAX_PROCS):
             r = self.raw.procs[i]
             if r.pid and r.slot == slot:
-                n += sum(int(r.submits[k]) for k in range(lib.KREX_NGATED))
+                n += sum(int(r.submits[k]) for k in range(lib.KREX_CLS_LIFE))
         return n
+
+    def life_busy(self, gpu: int, owner_slot: int) -> dict[int, int]:
+        """Live sibling processes inside a LIFE call (context, module, device memory), or
+        exiting after one: {pid: slot} (KREX_PROC_STALE for a slot handed on)."""
+        pids, slots = ffi.new("int64_t[64]"), ffi.new("int32_t[64]")
+        n = min(int(lib.krex_life_busy(self.raw, gpu, owner_slot, pids, slots, 64)), 64)
+        return {int(pids[i]): int(slots[i]) for i in range(n)}
 
     def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
         if alive_only:  # the common case, on krexd's region entry path: one C scan

@@ -389,8 +389,14 @@ class Harness:
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.trace_path)
 
-    def ops(self, pid: int | None = None) -> list[dict[str, Any]]:
-        return [e for e in self.events() if e.get("ev") == "op" and (pid is None or e["pid"] == pid)]
+    def ops(self, pid: int | None = None, life: bool = True) -> list[dict[str, Any]]:
+        """The simulated GPU's ops; life=False leaves out LIFE calls (contexts, modules,
+        memory: a drain helper's own context retain and release among them)."""
+        return [
+            e
+            for e in self.events()
+            if e.get("ev") == "op" and (pid is None or e["pid"] == pid) and (life or e["cls"] != lib.KREX_CLS_LIFE)
+        ]
 
     def proc(self, pid: int) -> ProcInfo | None:
         for p in self.seg.snapshot().procs:

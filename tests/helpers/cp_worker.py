@@ -31,6 +31,12 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
   forker   until NAME.stop appears (or --seconds): fork a child every --fork-ms that makes
            one GPU call (--us) and exits, at most --max-children alive at once; the parent
            itself never touches the GPU. Output: NAME.json {"pid", "children"}
+  life     LIFE calls only, never a kernel: load and unload a module, allocate and free
+           device memory, through the simulated driver, in a loop until NAME.stop appears
+           (or --calls loops), bumping NAME.progress like `hammer`. Then NAME.ready
+           {"pid", "loops"}; with --exit-on FILE it then waits for FILE and exits
+           (NAME.json {"pid", "loops", "t_exit"}: the moment it called exit; --hard-exit:
+           os._exit).
   end      send {"op": "end"} on a fresh connection (krex.proc.client.Client) without
            ever beginning a region. Output: NAME.json {"pid", "error"|"reply"}; on an
            error it also prints it on stderr and exits 1.
@@ -185,6 +191,43 @@ def mode_hammer(a: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def mode_life(a: argparse.Namespace, out: Path) -> int:
+    from krex.native import sim_dir
+
+    cu = ctypes.CDLL(str(sim_dir() / "libcuda.so.1"))
+    ctx, mod, ptr = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+
+    def ck(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} returned {rc}")
+
+    ck(cu.cuInit(0), "cuInit")
+    ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "cuDevicePrimaryCtxRetain")
+    prog = out / f"{a.name}.progress"
+    tmp = prog.with_name(prog.name + ".tmp")
+    tmp.write_bytes(struct.pack("qqq", 0, time.monotonic_ns(), os.getpid()))
+    os.replace(tmp, prog)
+    with open(prog, "r+b") as f:
+        mem = mmap.mmap(f.fileno(), 24)
+    stop = out / f"{a.name}.stop"
+    n = 0
+    while not stop.exists() and (a.calls == 0 or n < a.calls):
+        ck(cu.cuModuleLoadData(ctypes.byref(mod), b"sim"), "cuModuleLoadData")
+        ck(cu.cuModuleUnload(mod), "cuModuleUnload")
+        ck(cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4096)), "cuMemAlloc_v2")
+        ck(cu.cuMemFree_v2(ctypes.c_uint64(ptr.value)), "cuMemFree_v2")
+        n += 1
+        struct.pack_into("qq", mem, 0, n, time.monotonic_ns())
+    write_json(out / f"{a.name}.ready", {"pid": os.getpid(), "loops": n})
+    if a.exit_on:
+        while not Path(a.exit_on).exists():
+            time.sleep(0.001)
+    write_json(out / f"{a.name}.json", {"pid": os.getpid(), "loops": n, "t_exit": time.monotonic_ns()})
+    if a.hard_exit:
+        os._exit(0)  # no atexit handler runs (multiprocessing's children)
+    return 0
+
+
 def mode_hold(a: argparse.Namespace, out: Path) -> int:
     import krex
     from krex.errors import KrexError
@@ -318,7 +361,7 @@ def mode_end(a: argparse.Namespace, out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cp_worker")
-    p.add_argument("mode", choices=["regions", "hammer", "hold", "end", "chaos", "forker"])
+    p.add_argument("mode", choices=["regions", "hammer", "hold", "end", "chaos", "forker", "life"])
     p.add_argument("out")
     p.add_argument("--name", default="worker")
     p.add_argument("-n", type=int, default=20, help="regions")
@@ -339,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cut-s", type=float, default=0.5, help="chaos: how long such a region sleeps inside")
     p.add_argument("--fork-ms", type=float, default=2.0, help="forker: time between forks")
     p.add_argument("--max-children", type=int, default=32, help="forker: children alive at most")
+    p.add_argument("--calls", type=int, default=0, help="life: loops to make (0: until NAME.stop)")
+    p.add_argument("--exit-on", default="", help="life: then exit once this file exists")
+    p.add_argument("--hard-exit", action="store_true", help="life: leave with os._exit")
     a = p.parse_args(argv)
     out = Path(a.out)
     modes = {
@@ -348,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "end": mode_end,
         "chaos": mode_chaos,
         "forker": mode_forker,
+        "life": mode_life,
     }
     return modes[a.mode](a, out)
 

@@ -62,12 +62,13 @@ def test_drain_waits_for_sibling_work(harness: Harness) -> None:
 
 
 def test_drain_skips_idle_and_owner_processes(harness: Harness) -> None:
-    """A sibling that never submitted, and the owner's own busy process, are not
-    waited for: both are SIGSTOPped, so waiting on either would time out."""
+    """A sibling that never made a GPU call (a cudaMalloc is one: a LIFE call, it
+    registers), and the owner's own busy process, are not waited for: both are
+    SIGSTOPped, so waiting on either would time out."""
     h = harness
     owner, sib = h.claim(), h.claim()
-    idle = h.spawn("actor", ["malloc", "line"], h.env(sib))
-    idle.expect(lambda d: d["act"] == "malloc", 30, "cudaMalloc")
+    idle = h.spawn("actor", ["line"], h.env(sib))
+    idle.expect(lambda d: d["act"] == "start", 30, "its start")
     mine = h.spawn("actor", [f"k:{LONG_US}", "line"], h.env(owner))
     _submitted(mine)
     try:

@@ -432,9 +432,15 @@ class Krex:
         time.sleep(seconds)
         return self.progress(name)[0] == c0
 
-    def ops(self, gpu: int | None = None) -> list[dict[str, Any]]:
+    def ops(self, gpu: int | None = None, life: bool = True) -> list[dict[str, Any]]:
+        """The simulated GPU's ops; life=False leaves out LIFE calls (contexts, modules,
+        memory: a drain helper's own context retain and release among them)."""
         return [
-            e for e in read_jsonl(self.trace) if e.get("ev") == "op" and (gpu is None or e.get("gpu") == gpu)
+            e
+            for e in read_jsonl(self.trace)
+            if e.get("ev") == "op"
+            and (gpu is None or e.get("gpu") == gpu)
+            and (life or e.get("cls") != lib.KREX_CLS_LIFE)
         ]
 
     # ------------------------------------------------------------ leftovers
@@ -627,7 +633,7 @@ def test_grant_waits_for_earlier_sibling_work(kx: Krex) -> None:
 
     reg = kx.result("own")["regions"][0]
     hpids = {kx.result(h, "ready")["pid"] for h in ("h1", "h2")}
-    sib = [o for o in kx.ops(gpu=0) if o["pid"] in hpids and o["submit"] < reg["t_grant"]]
+    sib = [o for o in kx.ops(gpu=0, life=False) if o["pid"] in hpids and o["submit"] < reg["t_grant"]]
     assert len(sib) == 2
     # Not vacuous: sibling work was still queued or running when the owner asked for its region.
     assert max(o["end"] for o in sib) > reg["t_request"]
@@ -667,7 +673,7 @@ def test_a_sibling_that_has_drained_is_frozen_while_another_still_drains(kx: Kre
     assert not g["contaminated"], g["reasons"]
     assert g["drained"] == 2 and len(g["frozen_slots"]) == 2, g
     slow_pid = kx.result("slow", "ready")["pid"]
-    (long_op,) = [o for o in kx.ops(gpu=0) if o["pid"] == slow_pid]
+    (long_op,) = [o for o in kx.ops(gpu=0, life=False) if o["pid"] == slow_pid]
     assert long_op["end"] > reg["t_request"] + 200e6, "the slow sibling's work ended too early to tell"
     quick_ticks = [t for t in kx.result("quick")["ticks"] if t < reg["t_grant"]]
     slow_ticks = [t for t in kx.result("slow")["ticks"] if t < reg["t_grant"]]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from helpers import spawn_with_pid
-from test_regions import KREX, WORKER, Krex
+from test_regions import KREX, WORKER, Krex, alive, foreign_ops, owner_intervals
 
 pytestmark = [
     pytest.mark.cgroup,
@@ -671,3 +671,87 @@ def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_fo
         outsider.wait()
     assert "foreign-process" in rec["flags"], rec
     assert [f["pid"] for f in rec["attest"]["foreign"]] == [sib], rec["attest"]
+
+
+# ------------------------------------------------- LIFE calls: contexts, modules, memory
+# On an H200 a sibling that only loads modules made a 5.7 ms GEMM 42% slower, and one that
+# allocates and frees 4 GB a bandwidth-bound kernel 13% slower (docs/results/h200/lifecycle),
+# through no submission: under `--freeze gpu` such calls park at the gate like submissions;
+# one already under way when the gate closes gets its process frozen; an exit after one
+# (the teardown of its contexts) waits for the region to end.
+
+
+def test_gpu_policy_siblings_make_no_life_call_inside_a_region(kx: Krex) -> None:
+    """A sibling that loads modules and allocates device memory in a loop, never a kernel:
+    none of its calls reaches the (simulated) driver inside the owner's regions."""
+    _fake_nvml_gpu_policy(kx)
+    kx.run("sib", "life")
+    kx.wait(lambda: (kx.out / "sib.progress").exists() and kx.progress("sib")[0] > 20, 30, "its LIFE calls")
+    kx.run("own", "regions", "-n", "15", "--kernels", "3", "--us", "2000")
+    res = kx.result("own", timeout=90)
+    assert kx.cmds["own"].wait(30) == 0 and res["errors"] == [], res["errors"]
+    n_between = kx.progress("sib")[0]
+    kx.touch("sib")
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    sib = kx.progress("sib")[2]
+    iv = owner_intervals(res)
+    ops = [o for o in kx.ops(gpu=0) if o["pid"] == sib]
+    assert sum(o["api"] == "cuModuleLoadData" for o in ops) > 20, "the sibling's calls were not recorded"
+    assert foreign_ops(iv, ops) == []
+    assert n_between > 20
+    recs = [r for r in kx.journal() if r["owner_pid"] == res["pid"]]
+    assert len(recs) == 15 and not [r["reasons"] for r in recs if r["contaminated"]]
+    # It kept running between regions (not frozen for them), and waited at the gate inside them.
+    assert any(not r["frozen_slots"] for r in recs), [r["freeze_why"] for r in recs]
+    held = [p for p in kx.snapshot().procs if p.pid == sib] or [None]
+    assert held[0] is None or held[0].blocked > 0
+
+
+def test_a_gpu_policy_sibling_inside_a_slow_life_call_is_frozen_not_waited_for(kx: Krex) -> None:
+    """A call the gate cannot stop midway (a module's PTX JIT: 3 s here): krexd freezes its
+    process instead of waiting for it, and says why."""
+    _fake_nvml_gpu_policy(kx)
+    kx.run("sib", "life", env=kx.env(KREX_SIM_LIFE_MS="3000"))
+    kx.wait(lambda: (kx.out / "sib.progress").exists(), 30, "the sibling's first call")
+    sib = kx.progress("sib")[2]
+    time.sleep(0.5)  # now inside its 3 s cuModuleLoadData
+    ready = _hold_region(kx, "a")
+    g = ready["grant"]
+    assert len(g["frozen_slots"]) == 1 and not g["contaminated"], g
+    assert "context, module or device memory call" in " ".join(g["freeze_why"]), g["freeze_why"]
+    assert g["entry_s"] < 2.0, g  # frozen at once, not waited for
+    from test_regions import proc_state
+
+    assert kx.wait(lambda: proc_state(sib) in ("S", "D") and _frozen(sib), 5, "the frozen sibling")
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert not rec["contaminated"] and rec["siblings_frozen"] == 1, rec["reasons"]
+    kx.touch("sib")
+    assert kx.cmds["sib"].wait(60) == 0, kx.cmds["sib"].output()
+
+
+def _frozen(pid: int) -> bool:
+    from test_regions import frozen_reason
+
+    return frozen_reason(pid) is not None
+
+
+@pytest.mark.parametrize("how", ["exit", "_exit"])
+def test_a_gpu_policy_sibling_exiting_inside_a_region_waits_for_its_end(kx: Krex, how: str) -> None:
+    """Its contexts are torn down at exit through no call the gate sees: the shim's exit
+    hold (an atexit handler; a wrapper of _exit for os._exit) parks it at the closed gate,
+    so the region stays clean and the teardown comes after it."""
+    _fake_nvml_gpu_policy(kx)
+    go = kx.out / "exit-now"
+    hard = ["--hard-exit"] if how == "_exit" else []
+    kx.run("sib", "life", "--calls", "3", "--exit-on", str(go), *hard)
+    sib = kx.result("sib", "ready", timeout=30)["pid"]
+    ready = _hold_region(kx, "a")
+    assert ready["grant"]["frozen_slots"] == [] and not ready["grant"]["contaminated"], ready["grant"]
+    go.touch()
+    kx.result("sib", timeout=30)  # it called exit
+    time.sleep(0.5)
+    assert alive(sib), "the sibling finished its exit inside the region"
+    assert kx.cmds["sib"].popen.poll() is None
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    assert not rec["contaminated"], rec["reasons"]

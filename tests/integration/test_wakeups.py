@@ -178,8 +178,10 @@ def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(harness: Harn
 
     first = syncs()
     assert first and not any(a.startswith("hip") for a in first), first
+    h.seg.open_gate(0)  # hipMalloc is a LIFE call: it would wait at the closed gate
     child.send()
     child.expect(lambda d: d.get("step") == "hip", 60, "the HIP runtime loaded")
+    _close(h, owner)
     res = h.seg.drain(0, owner, timeout=30)
     assert res.ok, res
     later = syncs()[len(first) :]

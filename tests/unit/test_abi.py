@@ -202,4 +202,6 @@ def test_python_name_tables_cover_constants() -> None:
         lib.KREX_CLS_MEMSET,
         lib.KREX_CLS_GRAPH,
         lib.KREX_CLS_PREFETCH,
+        lib.KREX_CLS_LIFE,
     ]
+    assert len(CLASS_NAMES) == lib.KREX_NGATED and CLASS_NAMES[lib.KREX_CLS_LIFE] == "life"
