@@ -395,7 +395,9 @@ class Harness:
         return [
             e
             for e in self.events()
-            if e.get("ev") == "op" and (pid is None or e["pid"] == pid) and (life or e["cls"] != lib.KREX_CLS_LIFE)
+            if e.get("ev") == "op"
+            and (pid is None or e["pid"] == pid)
+            and (life or e["cls"] != lib.KREX_CLS_LIFE)
         ]
 
     def proc(self, pid: int) -> ProcInfo | None:
