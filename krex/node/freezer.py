@@ -328,9 +328,22 @@ class _CgroupGroup(Group):
                 raise NotFound(f"no process {pid} to add to group {self.name}") from exc
             raise _error(exc, f"cannot move pid {pid} into {self.path}") from exc
 
+    def _tree(self) -> list[str]:
+        """This group's directory and every one below it, parents first. os.scandir, not
+        os.walk: a cgroup directory holds dozens of interface files, and os.walk made a
+        string of each (7% of krexd's time per command on a 16-core node)."""
+        out = [self.path]
+        for d in out:  # grows while it is walked: breadth first
+            try:
+                with os.scandir(d) as it:
+                    out.extend(e.path for e in it if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+        return out
+
     def pids(self) -> list[int]:
         found: set[int] = set()
-        for dirpath, _dirs, _files in os.walk(self.path):
+        for dirpath in self._tree():
             try:
                 text = procfs.read(os.path.join(dirpath, "cgroup.procs"))
             except OSError:
@@ -344,7 +357,7 @@ class _CgroupGroup(Group):
         self.thaw()
         # rmdir of a populated cgroup fails with EBUSY, which is what keeps this from ever
         # touching a live process: such a group is left in place, thawed, for recover() later.
-        for dirpath, _dirs, _files in os.walk(self.path, topdown=False):
+        for dirpath in reversed(self._tree()):  # children before their parents
             try:
                 os.rmdir(dirpath)
             except OSError as exc:

@@ -5,8 +5,12 @@ never raise for a process that has gone, they report it missing."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 PROC = "/proc"
 # Stopped ('T'), traced ('t'), zombie ('Z') and dead ('X') tasks cannot run user code.
@@ -66,6 +70,98 @@ def cmdline(pid: int, limit: int) -> str | None:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
     except OSError:
         return None
+
+
+def _read_all(path: str) -> bytes | None:
+    """A /proc file's whole content through bare descriptors (no io buffering: these
+    scans open every process's file); None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        parts = []
+        while chunk := os.read(fd, 1 << 16):
+            parts.append(chunk)
+        return b"".join(parts)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def environ_scan(entry: bytes, names: Iterable[bytes]) -> dict[int, dict[bytes, set[bytes]]]:
+    """Every process whose environment (/proc/PID/environ) holds the entry `entry`
+    (b"NAME=value"): pid -> each of `names` -> the values it has there (a name may
+    repeat). Processes that cannot be read (gone, or not ours to read) are left out.
+    One bytes.find pass per environment for the prefix the names share (b"KREX_"),
+    never a regex or a split: environments of 100 KB exist, and a regex over each
+    cost milliseconds per process."""
+    want = set(names)
+    prefix = os.path.commonprefix([entry, *want])
+    if not prefix:
+        raise ValueError("environ_scan: the entry and the names share no prefix")
+    out: dict[int, dict[bytes, set[bytes]]] = {}
+    for d in os.listdir(PROC):
+        if not d.isdigit():
+            continue
+        env = _read_all(f"{PROC}/{d}/environ")
+        if not env:
+            continue
+        has = False
+        found: dict[bytes, set[bytes]] = {n: set() for n in want}
+        pos = env.find(prefix)
+        while pos >= 0:
+            end = env.find(b"\0", pos)
+            end = len(env) if end < 0 else end
+            if pos == 0 or env[pos - 1] == 0:  # the start of an entry, not inside a value
+                item = env[pos:end]
+                if item == entry:
+                    has = True
+                else:
+                    name, eq, value = item.partition(b"=")
+                    if eq and name in want:
+                        found[name].add(value)
+            pos = env.find(prefix, end)
+        if has:
+            out[int(d)] = found
+    return out
+
+
+class FreshScan(Generic[T]):
+    """Shares an expensive scan between concurrent callers without handing anyone a stale
+    result: `get()` returns the result of a run of `scan` that began after `get` was
+    called. Callers that arrive while a run is going wait for it, then share the next run
+    (one of them runs it). N callers at once cost two runs at most, not N."""
+
+    def __init__(self, scan: Callable[[], T]) -> None:
+        self._scan = scan
+        self._cond = threading.Condition()
+        self._started = 0  # runs begun so far; run k is the k-th
+        self._done = 0  # the number of the run `_result` came from
+        self._running = False
+        self._result: T | None = None
+
+    def get(self) -> T:
+        with self._cond:
+            want = self._started + 1  # any run numbered from here on began after this call
+            while self._done < want:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                self._started += 1
+                run = self._started
+                self._cond.release()
+                try:
+                    result = self._scan()
+                finally:
+                    self._cond.acquire()
+                    self._running = False
+                    self._cond.notify_all()
+                self._result, self._done = result, run
+            assert self._result is not None
+            return self._result
 
 
 def proc_table() -> dict[int, Stat]:

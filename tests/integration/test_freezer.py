@@ -317,6 +317,35 @@ def test_remove_empty_group(env: Env) -> None:
     assert g.name not in env.freezer.leftovers()
 
 
+def test_nested_groups_are_listed_and_removed_children_first(env: Env) -> None:
+    """pids() and remove() cover groups below a slot's group (a command may make its own),
+    never anything beside it; remove() still keeps a populated one."""
+    if env.backend == "signal":
+        pytest.skip("cgroup backends only: the signal backend has no directories")
+    g = env.group("nested")
+    beside = env.group("beside")
+    inner = os.path.join(g.path, "a", "b")
+    os.makedirs(inner)
+    os.makedirs(os.path.join(g.path, "c"))
+    tree = env.tree()
+    beside.add(tree.root)
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        procfs.write(os.path.join(inner, "cgroup.procs"), str(p.pid))
+        assert g.pids() == [p.pid]
+        g.remove()  # populated below: kept, never killed
+        assert os.path.isdir(inner) and p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 10
+    while g.pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    g.remove()
+    assert not os.path.exists(g.path)
+    assert os.path.isdir(beside.path) and set(tree.pids()) <= set(beside.pids())
+
+
 def test_group_is_reused_and_own_groups_are_not_leftovers(env: Env) -> None:
     g = env.group("reuse")
     again = env.freezer.group(g.name)

@@ -169,6 +169,55 @@ def test_a_kept_leftover_is_a_frozen_sibling_and_keeps_its_slot(kx: Krex) -> Non
     kx.wait(lambda: kx.status()["slots"] == [], 30, "the lingering slot to be freed once the leftover ends")
 
 
+
+ESCAPE_PY = textwrap.dedent(
+    """
+    import os, sys, time
+    to, flag = sys.argv[1], sys.argv[2]
+    if os.fork() == 0:
+        null = os.open(os.devnull, os.O_RDWR)  # never hold krex run's pipes open
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        with open(to, "w") as f:  # leave the slot's cgroup, as a process may
+            f.write(str(os.getpid()))
+        line = [ln for ln in open("/proc/self/cgroup") if ln.startswith("0::")][0].strip()
+        with open(flag + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {line}")
+        os.rename(flag + ".tmp", flag)
+        time.sleep(60)
+        os._exit(0)
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    """
+)
+
+
+def test_a_leftover_that_left_the_slots_cgroup_is_found_by_its_environment(kx: Krex) -> None:
+    """Neither in the slot's group, nor a root, nor registered (no GPU call): only the
+    deep scan of every process's environment finds it. It must be killed and reported."""
+    from krex.node import mounts
+
+    own = [ln for ln in Path("/proc/self/cgroup").read_text().splitlines() if ln.startswith("0::")]
+    v2 = mounts.cgroup2_mounts(mounts.read_mounts())
+    if not own or not v2:
+        pytest.skip("needs the cgroup v2 hierarchy")
+    kx.start_daemon(slots=2)
+    if kx.status()["daemon"]["freezer"] != "cgroup2":
+        pytest.skip("the daemon did not pick the cgroup2 freezer")
+    to = os.path.join(v2[0], own[0][3:].lstrip("/"), "cgroup.procs")
+    flag, rep = kx.out / "escaped", kx.out / "rep.json"
+    p = _run(kx, "--report", str(rep), "--", sys.executable, "-c", ESCAPE_PY, to, str(flag))
+    assert p.returncode == 0, p.stderr
+    pid_s, line = flag.read_text().split(" ", 1)
+    pid = int(pid_s)
+    assert kx.root not in line, f"the child never left the slot's cgroup ({line}): the test proves nothing"
+    report = _report(rep)
+    assert [x["pid"] for x in report["leftovers"]] == [pid], report
+    assert report["leftovers_action"] == "killed"
+    from test_regions import alive
+
+    kx.wait(lambda: not alive(pid), 10, "the escaped leftover to die")
+
 # ====================================================================== case 3: the segment
 
 
