@@ -39,7 +39,7 @@
         KREX_RET krex_rc = fn args;                                \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
         if (krex_rc == 0) {                                        \
-            krex_life_done();                                      \
+            krex_life_done(KREX_ID_##name);                        \
             after;                                                 \
         }                                                          \
         return krex_rc;                                            \
@@ -192,9 +192,17 @@ static int cmp_ids(const void *a, const void *b) {
     return strcmp(krex_entries[*(const int *)a].name, krex_entries[*(const int *)b].name);
 }
 
+/* LIFE rows that free GPU memory (by name: frees, releases, unmaps, resets, destroys). */
+unsigned char krex_frees[KREX_N_IDS];
+
 void krex_hooks_init(void) {
-    for (int i = 0; i < KREX_N_IDS; i++)
-        if (krex_entries[i].name) g_sorted[g_nsorted++] = i;
+    static const char *const free_words[] = {"Free", "Release", "Unmap", "Reset", "Destroy"};
+    for (int i = 0; i < KREX_N_IDS; i++) {
+        if (!krex_entries[i].name) continue;
+        g_sorted[g_nsorted++] = i;
+        for (unsigned w = 0; w < sizeof free_words / sizeof *free_words; w++)
+            krex_frees[i] |= strstr(krex_entries[i].name, free_words[w]) != NULL;
+    }
     qsort(g_sorted, (size_t)g_nsorted, sizeof(int), cmp_ids);
 }
 

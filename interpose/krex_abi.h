@@ -136,6 +136,12 @@
 #define KREX_DAEMON_START_WAIT_MS 15000
 /* krexd's defaults, overridden by its settings (krex/node/config.py). The shim needs
  * none of them; they are here so that every timing constant has one home. */
+/* The driver clears freed GPU memory on the GPU after the freeing call has returned (an
+ * H200 kernel ran 13% slower while siblings freed 4 GB at a time, its regions gated and
+ * clean: docs/results/h200/lifecycle). Nothing says when that ends, so a region granted
+ * within this long of a sibling's free is flagged `recent-free`. Not measured: 4 GB
+ * cleared at the ~3 TB/s that slowdown implies takes ~1.3 ms; 100 ms covers ~300 GB. */
+#define KREX_FREE_SETTLE_NS 100000000
 /* A region still open after this long is ended by force (max_region, --max-region). */
 #define KREX_MAX_REGION_MS 60000
 /* A daemon started on demand exits after this long without work (idle_exit). */
@@ -297,6 +303,7 @@ struct krex_proc {
     uint32_t life_inflight;         /* threads inside a LIFE call right now (1 for good once it exits:
                                      * the context's teardown is the kernel's, past every call) */
     uint32_t pad1;
+    uint64_t last_free_ns;          /* CLOCK_MONOTONIC end of its last LIFE call that frees GPU memory */
 };
 
 struct krex_shm {

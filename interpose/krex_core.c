@@ -398,6 +398,27 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
     return n;
 }
 
+/* Live sibling processes of `gpu` (not in `owner_slot`) whose last GPU memory free
+ * ended at or after `since_ns` (CLOCK_MONOTONIC): their pids, and how long ago (ns). */
+int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int64_t *pids,
+                      uint64_t *ago_ns, int max) {
+    int n = 0;
+    uint64_t now = krex_now_ns();
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        uint64_t t = __atomic_load_n(&p->last_free_ns, SEQ);
+        if (pid == 0 || p->slot == owner_slot || t == 0 || t < since_ns) continue;
+        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        if (n < max) {
+            pids[n] = pid;
+            ago_ns[n] = now > t ? now - t : 0;
+        }
+        n++;
+    }
+    return n;
+}
+
 /* Threads of non-owner slots on this GPU that are inside a gated call. Dead
  * processes are skipped: a SIGKILLed submitter must not stall every region. */
 int krex_gate_inflight(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max_pids) {
@@ -621,6 +642,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->has_ctx = 0;
     p->inflight = 0;
     p->life_inflight = 0;
+    p->last_free_ns = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);

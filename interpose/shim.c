@@ -120,8 +120,11 @@ static void exit_hold(void) {
     (void)krex_enter(KREX_CLS_LIFE); /* never left: the rest of this thread's exit is nested */
 }
 
-void krex_life_done(void) {
-    if (!mode_on() || __atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
+void krex_life_done(int id) {
+    if (!mode_on()) return;
+    struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
+    if (krex_frees[id] && rec) __atomic_store_n(&rec->last_free_ns, krex_now_ns(), RELAXED);
+    if (__atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
     static int registered; /* atexit handlers survive fork: once per image */
     if (!__atomic_exchange_n(&registered, 1, __ATOMIC_ACQ_REL)) atexit(exit_hold);
     g_life_pid = getpid();

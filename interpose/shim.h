@@ -70,7 +70,8 @@ KREX_NO_SANITIZE int krex_find(const char *name);
 /* drain.c: context and capture tracking, and the drain helper thread. */
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
-void krex_life_done(void); /* a LIFE call succeeded: this process has GPU state to tear down */
+void krex_life_done(int id); /* LIFE call `id` succeeded: GPU state to tear down, maybe memory freed */
+extern unsigned char krex_frees[]; /* by entry id: a LIFE call that frees GPU memory */
 void krex_ctx_add(void *ctx);
 void krex_ctx_del(void *ctx);
 void krex_capture_begin(void *stream);

@@ -1175,6 +1175,7 @@ class Daemon:
                 evicted = cpus.evict([p for s in targets for p in self._group_pids(s)], reserved, req.tid)
             t["pin_s"] = time.monotonic() - t2
             reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
+            reasons.extend(self._recent_frees(gpu, req.slot))
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
                 "ok": True,
@@ -1356,6 +1357,23 @@ class Daemon:
         intact, and nothing that lived through an incident could have disturbed the region."""
         self._guard_tick()
         return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
+
+    def _recent_frees(self, gpu: int, owner_slot: int) -> list[tuple[str, str]]:
+        """Siblings that freed GPU memory within KREX_FREE_SETTLE_NS of the grant: the
+        driver clears it on the GPU after the call returned (krex_abi.h)."""
+        pids, ago = ffi.new("int64_t[16]"), ffi.new("uint64_t[16]")
+        since = time.monotonic_ns() - lib.KREX_FREE_SETTLE_NS  # CLOCK_MONOTONIC, as krex_now_ns
+        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, since, pids, ago, 16)), 16)
+        if n == 0:
+            return []
+        what = ", ".join(f"pid {int(pids[i])} {int(ago[i]) / 1e6:.0f} ms" for i in range(n))
+        return [
+            (
+                "recent-free",
+                f"siblings freed GPU memory just before the grant ({what} before it): the driver "
+                "clears freed memory on the GPU after the call returns, and nothing says when that ends",
+            )
+        ]
 
     def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:
         """(pid, start time, drain-helper thread) of the other commands' live processes on

@@ -749,7 +749,9 @@ def test_gpu_policy_siblings_make_no_life_call_inside_a_region(kx: Krex) -> None
     assert foreign_ops(iv, ops) == []
     assert n_between > 20
     recs = [r for r in kx.journal() if r["owner_pid"] == res["pid"]]
-    assert len(recs) == 15 and not [r["reasons"] for r in recs if r["contaminated"]]
+    # Its frees are gated too, but the driver clears freed memory after the call returned:
+    # a region right after one is flagged recent-free, and for nothing else.
+    assert len(recs) == 15 and not [r["reasons"] for r in recs if set(r["flags"]) - {"recent-free"}]
     # It kept running between regions (not frozen for them), and waited at the gate inside them.
     assert any(not r["frozen_slots"] for r in recs), [r["freeze_why"] for r in recs]
     held = [p for p in kx.snapshot().procs if p.pid == sib] or [None]
@@ -794,6 +796,7 @@ def test_a_gpu_policy_sibling_exiting_inside_a_region_waits_for_its_end(kx: Krex
     hard = ["--hard-exit"] if how == "_exit" else []
     kx.run("sib", "life", "--calls", "3", "--exit-on", str(go), *hard)
     sib = kx.result("sib", "ready", timeout=30)["pid"]
+    time.sleep(lib_settle_s())  # its last free (recent-free is another test)
     ready = _hold_region(kx, "a")
     assert ready["grant"]["frozen_slots"] == [] and not ready["grant"]["contaminated"], ready["grant"]
     go.touch()
@@ -804,3 +807,37 @@ def test_a_gpu_policy_sibling_exiting_inside_a_region_waits_for_its_end(kx: Krex
     rec = _end_hold(kx, "a", ready["pid"])
     assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
     assert not rec["contaminated"], rec["reasons"]
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_a_region_granted_right_after_a_siblings_memory_free_is_flagged(kx: Krex, policy: str) -> None:
+    """The driver clears freed GPU memory after the freeing call has returned, under every
+    policy (a frozen process's memory is still being cleared): a grant within
+    KREX_FREE_SETTLE_NS of a sibling's free is flagged `recent-free`; once the sibling has
+    stopped freeing for longer than that, regions are clean again."""
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=3)
+    go = kx.out / "exit-now"
+    kx.run("sib", "life", "--exit-on", str(go))  # frees in a loop until sib.stop
+    kx.wait(lambda: (kx.out / "sib.progress").exists() and kx.progress("sib")[0] > 20, 30, "its LIFE calls")
+    sib = kx.progress("sib")[2]
+    ready = _hold_region(kx, "a")
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "recent-free" in rec["flags"], rec["reasons"]
+    assert f"pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
+    kx.touch("sib")  # it stops calling, and idles until `go`
+    kx.result("sib", "ready", timeout=30)
+    time.sleep(lib_settle_s() + 0.2)
+    ready = _hold_region(kx, "b")
+    rec = _end_hold(kx, "b", ready["pid"])
+    assert "recent-free" not in rec["flags"] and not rec["contaminated"], rec["reasons"]
+    go.touch()
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+
+
+def lib_settle_s() -> float:
+    from krex.native import lib
+
+    return float(lib.KREX_FREE_SETTLE_NS) / 1e9
