@@ -116,8 +116,22 @@ static int g_life_gen = -1; /* the fork generation that made a LIFE call */
 static pid_t g_life_pid;     /* ... and its pid: a vfork child shares our memory, not our pid */
 
 static void exit_hold(void) {
-    if (g_life_gen != g_fork_gen || t_depth != 0 || !__atomic_load_n(&g_fast.gate, ACQUIRE)) return;
-    (void)krex_enter(KREX_CLS_LIFE); /* never left: the rest of this thread's exit is nested */
+    /* Only in the process that armed it: a child made without fork handlers (a raw
+     * clone, glibc's _Fork) keeps our generation, and must not hold our record. */
+    if (g_life_gen != g_fork_gen || g_life_pid != getpid() || t_depth != 0 ||
+        !__atomic_load_n(&g_fast.gate, ACQUIRE))
+        return;
+    int tok = krex_enter(KREX_CLS_LIFE); /* parks while another command's region runs */
+    if (g_fast.life_inflight == g_fast.inflight) {
+        /* No record: the count went to the slot's shared counter, which krexd waits for;
+         * held for good it would stall every region while the command lives. */
+        krex_leave(tok, KREX_CLS_LIFE);
+        return;
+    }
+    /* The count stays held (krexd freezes a process inside a LIFE call before a region),
+     * but not the depth: the GPU calls this exit still makes (vendor teardown, exit
+     * handlers registered before ours) must stay gated, not pass as nested. */
+    t_depth--;
 }
 
 void krex_life_done(int id) {

@@ -107,12 +107,16 @@ def test_the_flag_ends_with_the_processes_that_had_no_record(kx: Krex, bins: dic
     filler = kx.run_argv("filler", [str(bins["filler"]), str(lib.KREX_MAX_PROCS + 6), str(go)])
     log = kx.out / "filler.log"
     wait_until(lambda: '"filled"' in log.read_text(), 120, "the filler's children to take every record")
-    # Registers without a record (the table is full), exits; its command lives on.
-    kx.run_argv("long", ["sh", "-c", f"{bins['actor']} k:1 sync && echo done && exec sleep 600"])
+    # Registers without a record (the table is full), exits; its command lives on. Its
+    # cudaMalloc (a LIFE call) arms the exit hold, whose count goes to the slot's shared
+    # counter here: the hold must not keep it (every region would wait for it).
+    kx.run_argv("long", ["sh", "-c", f"{bins['actor']} k:1 sync malloc && echo done && exec sleep 600"])
     wait_until(lambda: "done" in (kx.out / "long.log").read_text(), 60, "the long command's GPU process")
     with Segment.attach(kx.env()["KREX_SHM"]) as seg:
         listed = [int(e) & 0xFFFFFFFF for sl in seg.raw.slots for e in sl.unrecorded_pids if int(e)]
+        held = {s: int(sl.inflight) for s, sl in enumerate(seg.raw.slots) if int(sl.inflight)}
     assert listed, "the long command's GPU process found a record: this proves nothing"
+    assert held == {}, f"a process that has exited still counts in its slot: {held}"
     go.write_text("")
     assert filler.wait(120) == 0  # its region, then it kills its children: the records free up
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import spawn_with_pid
+from helpers import spawn_with_pid, victims
 from test_regions import KREX, WORKER, Krex, alive, foreign_ops, owner_intervals
 
 pytestmark = [
@@ -841,3 +841,52 @@ def lib_settle_s() -> float:
     from krex.native import lib
 
     return float(lib.KREX_FREE_SETTLE_NS) / 1e9
+
+
+def _overlapping(ops: list[dict[str, Any]], pid: int, t0: int, t1: int) -> list[dict[str, Any]]:
+    return [o for o in ops if o["pid"] == pid and o["end"] > t0 and o["start"] < t1]
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_gpu_calls_of_exit_handlers_that_run_after_the_exit_hold_stay_gated(kx: Krex, policy: str) -> None:
+    """atexit runs last-registered first: a handler registered before the first LIFE call
+    runs after the exit hold. Its kernels (30 ms each, in a loop) must still wait at the
+    closed gate; before, the hold left the thread's depth raised and they passed as nested
+    calls, running inside regions reported clean (found by an adversarial review)."""
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=2)
+    kx.run_argv("sib", [str(victims()["exitwork"]), str(kx.out), "sib", "30000"])
+    sib = kx.result("sib", "ready", timeout=30)["pid"]
+    (kx.out / "sib.go").touch()
+    kx.wait(lambda: (kx.out / "sib.exiting").exists(), 10, "the sibling's exit handler")
+    time.sleep(0.3)
+    ready = _hold_region(kx, "a")
+    time.sleep(0.5)
+    rec = _end_hold(kx, "a", ready["pid"])
+    t1 = kx.result("a")["t_end"]
+    (kx.out / "sib.stop").touch()
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    assert kx.result("sib")["launches"] > 5, "the exit handler did not loop: this proves nothing"
+    inside = _overlapping(kx.ops(gpu=0), sib, ready["t_grant"], t1)
+    assert inside == [], f"{len(inside)} sibling ops ran inside the region: {inside[:2]}"
+    assert not rec["contaminated"], rec["reasons"]
+    assert ready["grant"]["frozen_slots"], ready["grant"]  # exiting after a LIFE call: frozen
+
+
+def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hold(kx: Krex) -> None:
+    """A raw fork (syscall(SYS_fork), glibc's _Fork, clone) runs no fork handler, so the
+    child keeps its parent's fork generation: its exit must not hold the parent's record
+    (the parent would read as inside a LIFE call for good, frozen in every gpu region)."""
+    _fake_nvml_gpu_policy(kx)
+    kx.run_argv("par", [str(victims()["rawfork"]), "30"])
+    log = kx.out / "par.log"
+    kx.wait(lambda: '"status"' in log.read_text(), 30, "the child's exit")
+    out = json.loads(next(x for x in log.read_text().splitlines() if x.startswith("{")))
+    assert out["status"] == 0, out
+    rec = [p for p in kx.snapshot().procs if p.pid == out["pid"]]
+    assert rec and rec[0].life_inflight == 0, rec
+    ready = _hold_region(kx, "a")
+    _end_hold(kx, "a", ready["pid"])
+    assert ready["grant"]["frozen_slots"] == [], ready["grant"]["freeze_why"]

@@ -1,0 +1,73 @@
+/* Victim: GPU work in an exit handler that was registered before the
+ * process's first LIFE call, so it runs AFTER the shim's exit hold (atexit is LIFO).
+ *
+ *   exitwork DIR NAME US
+ * launches one kernel (the drain helper starts: its stop handler is registered),
+ * registers cleanup(), makes one cuMemAlloc_v2 (LIFE: arms the exit hold), writes
+ * DIR/NAME.ready ({"pid"}), waits for DIR/NAME.go, then exit(0). cleanup() writes
+ * DIR/NAME.exiting, then launches a US-us kernel + cudaDeviceSynchronize in a loop
+ * until DIR/NAME.stop exists (a 4th argument: 100 cuMemFreeAsync calls instead of the
+ * kernel), and records how many loops it made. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "krex_cuda_types.h"
+#include "victim.h"
+
+extern CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
+extern CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s);
+static int g_free;
+static const char *g_dir, *g_name;
+static unsigned g_us;
+
+static void put(const char *suffix, const char *text) {
+    char p[512], tmp[520];
+    snprintf(p, sizeof p, "%s/%s.%s", g_dir, g_name, suffix);
+    snprintf(tmp, sizeof tmp, "%s.tmp", p);
+    FILE *f = fopen(tmp, "w");
+    fputs(text, f);
+    fclose(f);
+    rename(tmp, p);
+}
+static int has(const char *suffix) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s.%s", g_dir, g_name, suffix);
+    return access(p, F_OK) == 0;
+}
+
+static void cleanup(void) {
+    char b[128];
+    snprintf(b, sizeof b, "{\"pid\": %d, \"t\": %llu}", (int)getpid(), now_ns());
+    put("exiting", b);
+    unsigned long n = 0;
+    while (!has("stop")) {
+        if (g_free) { /* a teardown's stream-ordered frees (LIFE calls), 100 at a time */
+            for (int i = 0; i < 100; i++) cuMemFreeAsync(0, NULL);
+            cudaDeviceSynchronize();
+        } else {
+            launch(g_us);
+            cudaDeviceSynchronize();
+        }
+        n++;
+    }
+    snprintf(b, sizeof b, "{\"pid\": %d, \"launches\": %lu}", (int)getpid(), n);
+    put("json", b);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) return 2;
+    g_dir = argv[1], g_name = argv[2], g_us = (unsigned)atoi(argv[3]);
+    g_free = argc > 4;
+    launch(10);
+    cudaDeviceSynchronize();
+    atexit(cleanup);
+    CUdeviceptr p;
+    if (cuMemAlloc_v2(&p, 1 << 20) != 0) return 3;
+    char b[64];
+    snprintf(b, sizeof b, "{\"pid\": %d}", (int)getpid());
+    put("ready", b);
+    while (!has("go")) usleep(10000);
+    exit(0);
+}
