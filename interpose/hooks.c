@@ -39,7 +39,7 @@
         KREX_RET krex_rc = fn args;                                \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
         if (krex_rc == 0) {                                        \
-            krex_life_done(KREX_ID_##name);                        \
+            krex_life_done(KREX_ID_##name, (uintptr_t)KREX_FIRST(args)); \
             after;                                                 \
         }                                                          \
         return krex_rc;                                            \
@@ -104,7 +104,7 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
 #define KREX_BODY_CTXDEL(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, krex_ctx_del((void *)ctx), (void)0)
 
 #define KREX_FIRST_(a, ...) a
-#define KREX_FIRST(args) KREX_FIRST_ args /* every capture row's first argument is the stream */
+#define KREX_FIRST(args) KREX_FIRST_ args /* a capture row's first argument is the stream, a LIFE row's its pointer or handle */
 #define KREX_BODY_CAPBEGIN(fname, name, k, params, args)               \
     KREX_RET fname params {                                            \
         KREX_GET_FN(name, k)                                           \
@@ -192,16 +192,19 @@ static int cmp_ids(const void *a, const void *b) {
     return strcmp(krex_entries[*(const int *)a].name, krex_entries[*(const int *)b].name);
 }
 
-/* LIFE rows that free GPU memory (by name: frees, releases, unmaps, resets, destroys). */
+/* LIFE rows that free GPU memory, by name: 2 for a *Free* (its first argument is the
+ * pointer: NULL frees nothing, cudaFree(NULL) is the idiom that makes a context), 1 for a
+ * release, unmap, reset or destroy. */
 unsigned char krex_frees[KREX_N_IDS];
 
 void krex_hooks_init(void) {
-    static const char *const free_words[] = {"Free", "Release", "Unmap", "Reset", "Destroy"};
+    static const char *const free_words[] = {"Release", "Unmap", "Reset", "Destroy"};
     for (int i = 0; i < KREX_N_IDS; i++) {
         if (!krex_entries[i].name) continue;
         g_sorted[g_nsorted++] = i;
         for (unsigned w = 0; w < sizeof free_words / sizeof *free_words; w++)
-            krex_frees[i] |= strstr(krex_entries[i].name, free_words[w]) != NULL;
+            if (strstr(krex_entries[i].name, free_words[w])) krex_frees[i] = 1;
+        if (strstr(krex_entries[i].name, "Free")) krex_frees[i] = 2;
     }
     qsort(g_sorted, (size_t)g_nsorted, sizeof(int), cmp_ids);
 }

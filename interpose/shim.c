@@ -134,10 +134,12 @@ static void exit_hold(void) {
     t_depth--;
 }
 
-void krex_life_done(int id) {
+void krex_life_done(int id, uintptr_t arg0) {
     if (!mode_on()) return;
     struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
-    if (krex_frees[id] && rec) __atomic_store_n(&rec->last_free_ns, krex_now_ns(), RELAXED);
+    /* seq_cst: a grant that reads it after this free returned must see it */
+    if (rec && krex_frees[id] && (krex_frees[id] == 1 || arg0 != 0))
+        __atomic_store_n(&rec->last_free_ns, krex_now_ns(), __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
     static int registered; /* atexit handlers survive fork: once per image */
     if (!__atomic_exchange_n(&registered, 1, __ATOMIC_ACQ_REL)) atexit(exit_hold);

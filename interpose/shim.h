@@ -70,7 +70,7 @@ KREX_NO_SANITIZE int krex_find(const char *name);
 /* drain.c: context and capture tracking, and the drain helper thread. */
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
-void krex_life_done(int id); /* LIFE call `id` succeeded: GPU state to tear down, maybe memory freed */
+void krex_life_done(int id, uintptr_t arg0); /* LIFE call `id` (first argument arg0) succeeded */
 extern unsigned char krex_frees[]; /* by entry id: a LIFE call that frees GPU memory */
 void krex_ctx_add(void *ctx);
 void krex_ctx_del(void *ctx);

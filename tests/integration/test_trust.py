@@ -890,3 +890,33 @@ def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hol
     ready = _hold_region(kx, "a")
     _end_hold(kx, "a", ready["pid"])
     assert ready["grant"]["frozen_slots"] == [], ready["grant"]["freeze_why"]
+
+
+NULL_FREER = textwrap.dedent(
+    """
+    import ctypes, os, sys, time
+    from krex.native import sim_dir
+    rt = ctypes.CDLL(str(sim_dir() / "libcudart.so.13"))
+    stop, ready = sys.argv[1], sys.argv[2]
+    n = 0
+    while not os.path.exists(stop):
+        assert rt.cudaFree(None) == 0  # frees nothing: the idiom that makes a context
+        n += 1
+        if n == 20:
+            open(ready, "w").close()
+    """
+)
+
+
+def test_cudafree_of_null_is_no_recent_free(kx: Krex) -> None:
+    """cudaFree(NULL) frees nothing (PyTorch-like code calls it to make a context): a sibling
+    calling it in a loop does not flag regions `recent-free`."""
+    kx.start_daemon(slots=2)
+    stop, ready = kx.out / "nf.stop", kx.out / "nf.ready"
+    kx.run_argv("nf", [sys.executable, "-c", NULL_FREER, str(stop), str(ready)])
+    kx.wait(ready.exists, 30, "the sibling's cudaFree(NULL) calls")
+    hold = _hold_region(kx, "a")
+    rec = _end_hold(kx, "a", hold["pid"])
+    stop.touch()
+    assert kx.cmds["nf"].wait(30) == 0, kx.cmds["nf"].output()
+    assert "recent-free" not in rec["flags"], rec["reasons"]
