@@ -158,14 +158,19 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
     return 1 if errors else 0
 
 
-def mode_hammer(a: argparse.Namespace, out: Path) -> int:
-    gpu = Gpu()
-    prog = out / f"{a.name}.progress"
+def progress_map(out: Path, name: str) -> mmap.mmap:
+    """NAME.progress (counter, monotonic ns of the last bump, pid), mapped so a test reads it live."""
+    prog = out / f"{name}.progress"
     tmp = prog.with_name(prog.name + ".tmp")
     tmp.write_bytes(struct.pack("qqq", 0, time.monotonic_ns(), os.getpid()))
     os.replace(tmp, prog)
     with open(prog, "r+b") as f:
-        mem = mmap.mmap(f.fileno(), 24)
+        return mmap.mmap(f.fileno(), 24)
+
+
+def mode_hammer(a: argparse.Namespace, out: Path) -> int:
+    gpu = Gpu()
+    mem = progress_map(out, a.name)
     stop = out / f"{a.name}.stop"
     if a.long_us:
         if a.trigger:
@@ -203,12 +208,7 @@ def mode_life(a: argparse.Namespace, out: Path) -> int:
 
     ck(cu.cuInit(0), "cuInit")
     ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "cuDevicePrimaryCtxRetain")
-    prog = out / f"{a.name}.progress"
-    tmp = prog.with_name(prog.name + ".tmp")
-    tmp.write_bytes(struct.pack("qqq", 0, time.monotonic_ns(), os.getpid()))
-    os.replace(tmp, prog)
-    with open(prog, "r+b") as f:
-        mem = mmap.mmap(f.fileno(), 24)
+    mem = progress_map(out, a.name)
     stop = out / f"{a.name}.stop"
     n = 0
     while not stop.exists() and (a.calls == 0 or n < a.calls):

@@ -6,21 +6,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
-import pytest
-from test_regions import Krex
+from test_regions import Krex, kx
 
 from krex.proc.client import Client
 
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
+__all__ = ["kx"]  # the fixture, used by name
 
 
 def _tasks(pid: int) -> set[int]:

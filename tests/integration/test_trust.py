@@ -14,27 +14,19 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import spawn_with_pid, victims
-from test_regions import KREX, WORKER, Krex, alive, foreign_ops, owner_intervals
+from test_regions import KREX, WORKER, Krex, alive, foreign_ops, kx, owner_intervals
 
 pytestmark = [
     pytest.mark.cgroup,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
 ]
 
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
+__all__ = ["kx"]  # the fixture, used by name
 
 
 def _run(
