@@ -156,7 +156,7 @@ EXPORT cudaError_t cudaGetDevice(int *d) { *d = simgpu_get_device(); return 0; }
 static cudaError_t sim_alloc(void **p, size_t n) {
     simgpu_ctx_activate(simgpu_get_device());
     if (!p) return 1;
-    *p = malloc(n ? n : 1);
+    *p = simgpu_alloc(n ? n : 1);
     return *p ? 0 : 2;
 }
 static cudaError_t sim_life_cudaSetDevice(int d) { return simgpu_set_device(d); }
@@ -171,7 +171,7 @@ static cudaError_t sim_life_cudaMallocPitch(void **p, size_t *pitch, size_t w, s
     if (pitch) *pitch = w;
     return sim_alloc(p, w * h);
 }
-static cudaError_t sim_life_cudaFree(void *p) { free(p); return 0; }
+static cudaError_t sim_life_cudaFree(void *p) { simgpu_free(p); return 0; }
 static cudaError_t sim_life_cudaMallocAsync(void **p, size_t n, cudaStream_t s) { return sim_alloc(p, n); }
 static cudaError_t sim_life_cudaMallocAsync_ptsz(void **p, size_t n, cudaStream_t s) { return sim_alloc(p, n); }
 static cudaError_t sim_life_cudaMallocFromPoolAsync(void **p, size_t n, cudaMemPool_t m, cudaStream_t s) {
@@ -180,8 +180,8 @@ static cudaError_t sim_life_cudaMallocFromPoolAsync(void **p, size_t n, cudaMemP
 static cudaError_t sim_life_cudaMallocFromPoolAsync_ptsz(void **p, size_t n, cudaMemPool_t m, cudaStream_t s) {
     return sim_alloc(p, n);
 }
-static cudaError_t sim_life_cudaFreeAsync(void *p, cudaStream_t s) { free(p); return 0; }
-static cudaError_t sim_life_cudaFreeAsync_ptsz(void *p, cudaStream_t s) { free(p); return 0; }
+static cudaError_t sim_life_cudaFreeAsync(void *p, cudaStream_t s) { simgpu_free(p); return 0; }
+static cudaError_t sim_life_cudaFreeAsync_ptsz(void *p, cudaStream_t s) { simgpu_free(p); return 0; }
 EXPORT cudaError_t cudaDeviceSynchronize(void) { simgpu_sync_all("cudaDeviceSynchronize"); return 0; }
 EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) { simgpu_sync_stream(s); return 0; }
 EXPORT cudaError_t cudaStreamCreate(cudaStream_t *s) {
@@ -300,7 +300,7 @@ static CUresult sim_life_cuLibraryUnload(CUlibrary l) { return 0; }
 static CUresult sim_alloc(CUdeviceptr *p, size_t n) {
     simgpu_ctx_activate(simgpu_get_device());
     if (!p) return 1;
-    *p = (CUdeviceptr)(uintptr_t)malloc(n ? n : 1);
+    *p = (CUdeviceptr)(uintptr_t)simgpu_alloc(n ? n : 1);
     return *p ? 0 : 2;
 }
 static CUresult sim_life_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return sim_alloc(p, n); }
@@ -315,7 +315,7 @@ static CUresult sim_life_cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_
 }
 static CUresult sim_life_cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned int f) { return sim_alloc(p, n); }
 static CUresult sim_life_cuMemFree_v2(CUdeviceptr p) {
-    free((void *)(uintptr_t)p);
+    simgpu_free((void *)(uintptr_t)p);
     return 0;
 }
 static CUresult sim_life_cuMemFree(CUdeviceptr_v1 p) { return 0; }
@@ -380,14 +380,14 @@ EXPORT hipError_t hipDevicePrimaryCtxGetState(int d, unsigned int *flags, int *a
 static hipError_t sim_alloc(void **p, size_t n) {
     simgpu_ctx_activate(simgpu_get_device());
     if (!p) return 1;
-    *p = malloc(n ? n : 1);
+    *p = simgpu_alloc(n ? n : 1);
     return *p ? 0 : 2;
 }
 static char g_primary[KREX_MAX_GPUS], g_module;
 static hipError_t sim_life_hipSetDevice(int d) { return simgpu_set_device(d); }
 static hipError_t sim_life_hipMalloc(void **p, size_t n) { return sim_alloc(p, n); }
 static hipError_t sim_life_hipMallocManaged(void **p, size_t n, unsigned int f) { return sim_alloc(p, n); }
-static hipError_t sim_life_hipFree(void *p) { free(p); return 0; }
+static hipError_t sim_life_hipFree(void *p) { simgpu_free(p); return 0; }
 static hipError_t sim_life_hipDevicePrimaryCtxRetain(hipCtx_t *pctx, hipDevice_t d) {
     if (d < 0 || d >= simgpu_device_count() || !pctx) return 101;
     simgpu_ctx_activate(d);

@@ -260,6 +260,22 @@ EXPORT int simgpu_gated_rc(void) {
     return n > g_rc_after ? g_rc : 0;
 }
 EXPORT int simgpu_moves_bytes(void) { return g_move_bytes; }
+/* "Device" memory: host pages of their own (mmap), a size header in front. Not malloc: a
+ * program (or the tables' test driver) that never frees its device memory is no host
+ * leak, as on a real GPU, and a leak checker must not say so. */
+EXPORT void *simgpu_alloc(size_t n) {
+    size_t len = n + 64; /* the header keeps the pointer 64-byte aligned */
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    *(size_t *)m = len;
+    return (char *)m + 64;
+}
+EXPORT void simgpu_free(void *p) {
+    if (!p) return;
+    char *m = (char *)p - 64;
+    munmap(m, *(size_t *)m);
+}
+
 /* KREX_SIM_LIFE_MS: a module load spends that long on the host inside the call (a PTX
  * JIT), so a test can catch a process in the middle of one. */
 EXPORT void simgpu_life_host_time(void) {

@@ -5,6 +5,7 @@
  * It models time, not data: copies move no bytes (unless KREX_SIM_MOVE_BYTES=1). */
 #ifndef KREX_SIMGPU_H
 #define KREX_SIMGPU_H
+#include <stddef.h>
 #include <stdint.h>
 
 #define SIMGPU_MAX 16
@@ -25,6 +26,8 @@ int simgpu_rc(void);                             /* what every simulated call re
 void simgpu_set_return(int rc);
 int simgpu_gated_rc(void);                       /* a gated call's: KREX_SIM_RC[_AFTER] */
 int simgpu_moves_bytes(void);                    /* KREX_SIM_MOVE_BYTES: copies move bytes */
+void *simgpu_alloc(size_t n);                   /* "device" memory (mmap'd host pages) */
+void simgpu_free(void *p);                       /* ... and back (NULL: nothing) */
 void simgpu_life_host_time(void);               /* KREX_SIM_LIFE_MS: a module load's host time */
 uint64_t simgpu_now(void);
 void simgpu_sleep_until(uint64_t t);
