@@ -30,16 +30,20 @@
 #define KREX_BODY_MEMSET(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_MEMSET, p, a)
 #define KREX_BODY_GRAPH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_GRAPH, p, a)
 #define KREX_BODY_PREFETCH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_PREFETCH, p, a)
-/* Contexts, modules and device memory: gated, and a success arms the exit hold (shim.c). */
+/* Contexts, modules and device memory: gated; a free is stamped before and after the call
+ * (the driver may free as soon as it is called), and a success arms the exit hold (shim.c). */
 #define KREX_LIFE_CALL(fname, name, k, params, args, before, after) \
     KREX_RET fname params {                                        \
         KREX_GET_FN(name, k)                                       \
         int krex_counted = krex_enter(KREX_CLS_LIFE);              \
         before;                                                    \
+        uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
+        krex_life_free(KREX_ID_##name, krex_a0);                   \
         KREX_RET krex_rc = fn args;                                \
+        krex_life_free(KREX_ID_##name, krex_a0);                   \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
         if (krex_rc == 0) {                                        \
-            krex_life_done(KREX_ID_##name, (uintptr_t)KREX_FIRST(args)); \
+            krex_life_done();                                      \
             after;                                                 \
         }                                                          \
         return krex_rc;                                            \
@@ -194,11 +198,11 @@ static int cmp_ids(const void *a, const void *b) {
 
 /* LIFE rows that free GPU memory, by name: 2 for a *Free* (its first argument is the
  * pointer: NULL frees nothing, cudaFree(NULL) is the idiom that makes a context), 1 for a
- * release, unmap, reset or destroy. */
+ * release, unmap, unload, reset or destroy. */
 unsigned char krex_frees[KREX_N_IDS];
 
 void krex_hooks_init(void) {
-    static const char *const free_words[] = {"Release", "Unmap", "Reset", "Destroy"};
+    static const char *const free_words[] = {"Release", "Unmap", "Unload", "Reset", "Destroy"};
     for (int i = 0; i < KREX_N_IDS; i++) {
         if (!krex_entries[i].name) continue;
         g_sorted[g_nsorted++] = i;

@@ -138,9 +138,10 @@
  * none of them; they are here so that every timing constant has one home. */
 /* The driver clears freed GPU memory on the GPU after the freeing call has returned (an
  * H200 kernel ran 13% slower while siblings freed 4 GB at a time, its regions gated and
- * clean: docs/results/h200/lifecycle). Nothing says when that ends, so a region granted
- * within this long of a sibling's free is flagged `recent-free`. Not measured: 4 GB
- * cleared at the ~3 TB/s that slowdown implies takes ~1.3 ms; 100 ms covers ~300 GB. */
+ * clean: docs/results/h200/lifecycle), and the exit of a process with GPU state frees all
+ * of it. Nothing says when that clearing ends, so a region granted within this long of a
+ * sibling's free or exit is flagged `recent-free`. Not measured: 4 GB cleared at the
+ * ~3 TB/s that slowdown implies takes ~1.3 ms; 100 ms covers ~300 GB. */
 #define KREX_FREE_SETTLE_NS 100000000
 /* A region still open after this long is ended by force (max_region, --max-region). */
 #define KREX_MAX_REGION_MS 60000
@@ -268,6 +269,9 @@ struct krex_gpu {
                                      * the gate is closed, and when a drain helper acks */
     uint32_t waiters;               /* controller threads sleeping on `wake` (wakers skip the
                                      * syscall while 0) */
+    uint64_t slot_free_ns[64];      /* per slot (KREX_MAX_SLOTS): CLOCK_MONOTONIC of its processes'
+                                     * latest GPU memory free or exit (KREX_FREE_SETTLE_NS); kept
+                                     * when the slot's records and the slot itself are freed */
     uint64_t reserved[6];
 };
 
@@ -303,7 +307,6 @@ struct krex_proc {
     uint32_t life_inflight;         /* threads inside a LIFE call right now (1 for good once it exits:
                                      * the context's teardown is the kernel's, past every call) */
     uint32_t pad1;
-    uint64_t last_free_ns;          /* CLOCK_MONOTONIC end of its last LIFE call that frees GPU memory */
 };
 
 struct krex_shm {

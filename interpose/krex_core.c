@@ -398,25 +398,32 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
     return n;
 }
 
-/* Live sibling processes of `gpu` (not in `owner_slot`) whose last GPU memory free
- * ended at or after `since_ns` (CLOCK_MONOTONIC): their pids, and how long ago (ns). */
-int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int64_t *pids,
+/* Slots of `gpu` other than `owner_slot` whose processes freed GPU memory (or exited
+ * after a LIFE call) at or after `since_ns` (CLOCK_MONOTONIC): their numbers, and how long
+ * ago (ns). The stamps outlive the processes, their records and the slot's command. */
+int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int32_t *slots,
                       uint64_t *ago_ns, int max) {
     int n = 0;
     uint64_t now = krex_now_ns();
-    for (int i = 0; i < KREX_MAX_PROCS; i++) {
-        struct krex_proc *p = &shm->procs[i];
-        int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        uint64_t t = __atomic_load_n(&p->last_free_ns, SEQ);
-        if (pid == 0 || p->slot == owner_slot || t == 0 || t < since_ns) continue;
-        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+    for (int s = 0; s < KREX_MAX_SLOTS; s++) {
+        uint64_t t = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[s], SEQ);
+        if (s == owner_slot || t == 0 || t < since_ns) continue;
         if (n < max) {
-            pids[n] = pid;
+            slots[n] = s;
             ago_ns[n] = now > t ? now - t : 0;
         }
         n++;
     }
     return n;
+}
+
+/* A process of `slot` freed GPU memory, or is about to (its exit): raise the slot's stamp. */
+void krex_note_free(struct krex_shm *shm, int gpu, int slot) {
+    if (gpu < 0 || gpu >= KREX_MAX_GPUS || slot < 0 || slot >= KREX_MAX_SLOTS) return;
+    uint64_t now = krex_now_ns(), cur = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[slot], SEQ);
+    while (cur < now &&
+           !__atomic_compare_exchange_n(&shm->gpus[gpu].slot_free_ns[slot], &cur, now, 0, SEQ, SEQ)) {
+    }
 }
 
 /* Threads of non-owner slots on this GPU that are inside a gated call. Dead
@@ -642,7 +649,6 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->has_ctx = 0;
     p->inflight = 0;
     p->life_inflight = 0;
-    p->last_free_ns = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);

@@ -74,8 +74,9 @@ struct krex_proc_id {
 };
 int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, int max);
 int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, int max);
-int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int64_t *pids,
+int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int32_t *slots,
                       uint64_t *ago_ns, int max);
+void krex_note_free(struct krex_shm *shm, int gpu, int slot);
 void krex_slot_release(struct krex_shm *shm, int slot);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);

@@ -126,21 +126,23 @@ static void exit_hold(void) {
         /* No record: the count went to the slot's shared counter, which krexd waits for;
          * held for good it would stall every region while the command lives. */
         krex_leave(tok, KREX_CLS_LIFE);
+        krex_note_free(g_shm, g_gpu, g_slot);
         return;
     }
     /* The count stays held (krexd freezes a process inside a LIFE call before a region),
      * but not the depth: the GPU calls this exit still makes (vendor teardown, exit
      * handlers registered before ours) must stay gated, not pass as nested. */
     t_depth--;
+    krex_note_free(g_shm, g_gpu, g_slot); /* its teardown frees all its GPU memory */
 }
 
-void krex_life_done(int id, uintptr_t arg0) {
-    if (!mode_on()) return;
-    struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
-    /* seq_cst: a grant that reads it after this free returned must see it */
-    if (rec && krex_frees[id] && (krex_frees[id] == 1 || arg0 != 0))
-        __atomic_store_n(&rec->last_free_ns, krex_now_ns(), __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
+void krex_life_free(int id, uintptr_t arg0) {
+    if (krex_frees[id] && (krex_frees[id] == 1 || arg0 != 0) && __atomic_load_n(&g_fast.gate, ACQUIRE))
+        krex_note_free(g_shm, g_gpu, g_slot); /* seq_cst: a later grant's read sees it */
+}
+
+void krex_life_done(void) {
+    if (!mode_on() || __atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
     static int registered; /* atexit handlers survive fork: once per image */
     if (!__atomic_exchange_n(&registered, 1, __ATOMIC_ACQ_REL)) atexit(exit_hold);
     g_life_pid = getpid();

@@ -70,7 +70,8 @@ KREX_NO_SANITIZE int krex_find(const char *name);
 /* drain.c: context and capture tracking, and the drain helper thread. */
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
-void krex_life_done(int id, uintptr_t arg0); /* LIFE call `id` (first argument arg0) succeeded */
+void krex_life_done(void);                     /* a LIFE call succeeded: arm the exit hold */
+void krex_life_free(int id, uintptr_t arg0);   /* LIFE call `id` (first argument arg0): a free? stamp it */
 extern unsigned char krex_frees[]; /* by entry id: a LIFE call that frees GPU memory */
 void krex_ctx_add(void *ctx);
 void krex_ctx_del(void *ctx);

@@ -235,9 +235,8 @@ class _FreezePlan:
         # Read after the gate closed: a LIFE call (context, module, device memory) begun
         # since parks at the gate, so one read finds every one the gate cannot stop.
         life: dict[int, list[int]] = {}
-        if len(chosen) < len(siblings):
-            for pid, slot in self.d.seg.life_busy(self.gpu, self.owner_slot).items():
-                life.setdefault(slot, []).append(pid)
+        for pid, slot in self.d.seg.life_busy(self.gpu, self.owner_slot).items():
+            life.setdefault(slot, []).append(pid)
         for s in siblings:
             if s in chosen:
                 continue
@@ -1359,19 +1358,20 @@ class Daemon:
         return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
 
     def _recent_frees(self, gpu: int, owner_slot: int) -> list[tuple[str, str]]:
-        """Siblings that freed GPU memory within KREX_FREE_SETTLE_NS of the grant: the
-        driver clears it on the GPU after the call returned (krex_abi.h)."""
-        pids, ago = ffi.new("int64_t[16]"), ffi.new("uint64_t[16]")
+        """Other slots whose processes freed GPU memory, or exited after setting some up,
+        within KREX_FREE_SETTLE_NS of the grant: the driver clears it on the GPU after the
+        call returned (krex_abi.h). The stamps outlive those processes and commands."""
+        slots, ago = ffi.new("int32_t[64]"), ffi.new("uint64_t[64]")
         since = time.monotonic_ns() - lib.KREX_FREE_SETTLE_NS  # CLOCK_MONOTONIC, as krex_now_ns
-        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, since, pids, ago, 16)), 16)
+        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, since, slots, ago, 64)), 64)
         if n == 0:
             return []
-        what = ", ".join(f"pid {int(pids[i])} {int(ago[i]) / 1e6:.0f} ms" for i in range(n))
+        what = ", ".join(f"slot {int(slots[i])} {int(ago[i]) / 1e6:.0f} ms" for i in range(n))
         return [
             (
                 "recent-free",
-                f"siblings freed GPU memory just before the grant ({what} before it): the driver "
-                "clears freed memory on the GPU after the call returns, and nothing says when that ends",
+                f"other commands freed GPU memory or ended just before the grant ({what} before it): "
+                "the driver clears freed memory on the GPU after the fact, and nothing says when that ends",
             )
         ]
 

@@ -815,10 +815,11 @@ def test_a_region_granted_right_after_a_siblings_memory_free_is_flagged(kx: Krex
     kx.run("sib", "life", "--exit-on", str(go))  # frees in a loop until sib.stop
     kx.wait(lambda: (kx.out / "sib.progress").exists() and kx.progress("sib")[0] > 20, 30, "its LIFE calls")
     sib = kx.progress("sib")[2]
+    slot = next(p.slot for p in kx.snapshot().procs if p.pid == sib)
     ready = _hold_region(kx, "a")
     rec = _end_hold(kx, "a", ready["pid"])
     assert "recent-free" in rec["flags"], rec["reasons"]
-    assert f"pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
+    assert f"slot {slot} " in " ".join(rec["reasons"]), rec["reasons"]
     kx.touch("sib")  # it stops calling, and idles until `go`
     kx.result("sib", "ready", timeout=30)
     time.sleep(lib_settle_s() + 0.2)
@@ -912,3 +913,68 @@ def test_cudafree_of_null_is_no_recent_free(kx: Krex) -> None:
     stop.touch()
     assert kx.cmds["nf"].wait(30) == 0, kx.cmds["nf"].output()
     assert "recent-free" not in rec["flags"], rec["reasons"]
+
+
+@pytest.mark.parametrize("how", ["exit", "_exit"])
+def test_regions_right_after_a_sibling_command_ended_are_flagged_recent_free(kx: Krex, how: str) -> None:
+    """Its record and its slot are freed with it, and its teardown frees all its GPU memory:
+    the stamp lives per slot in the GPU's record, and the exit hold stamps it (found by an
+    adversarial review: regions granted a few ms after such an end read clean)."""
+    kx.start_daemon(slots=3)
+    until = kx.out / "own.until"
+    kx.run("own", "regions", "-n", "2000", "--kernels", "1", "--us", "200", "--until", str(until))
+    kx.wait(lambda: (kx.out / "own.log").exists(), 10, "the owner")
+    time.sleep(0.5)
+    go = kx.out / "exit-now"
+    hard = ["--hard-exit"] if how == "_exit" else []
+    kx.run("sib", "life", "--calls", "30", "--exit-on", str(go), *hard)
+    kx.result("sib", "ready", timeout=30)
+    time.sleep(lib_settle_s() + 0.1)  # its frees are old now: only the end counts
+    go.touch()
+    t_exit = kx.result("sib", timeout=30)["t_exit"]
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    time.sleep(0.3)
+    until.touch()
+    res = kx.result("own", timeout=60)
+    assert res["errors"] == [], res["errors"]
+    # Its frees were older than the window when it began to exit: only its end can flag.
+    # (A region granted before its exit hold ran is not flagged: its teardown waits for it.)
+    window = [r for r in res["regions"] if t_exit < r["t_grant"] < t_exit + 1.5 * lib_settle_s() * 1e9]
+    assert window, "no region was granted right after the sibling ended: this proves nothing"
+    assert any("recent-free" in r["grant"]["flags"] for r in window), [r["grant"]["flags"] for r in window]
+    later = [r for r in res["regions"] if r["t_grant"] > t_exit + 2 * lib_settle_s() * 1e9]
+    assert later, "no region after the window"
+    assert not any(r["grant"]["contaminated"] for r in later), [r["grant"]["reasons"] for r in later]
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_a_stale_process_inside_a_life_call_flags_the_region(kx: Krex, policy: str) -> None:
+    """A process of a slot handed on (KREX_PROC_STALE: an outlived command's, registered with
+    an old slot generation) is inside a 4 s module load as a region's gate closes: it belongs
+    to no command krexd can freeze, so the region is flagged `life-running`, under every
+    policy, with or without other siblings (found by an adversarial review: the scan ran only
+    under `gpu` with a running sibling)."""
+    from krex.native import LIB_DIR, shim_path
+
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=3)
+    env = kx.env(
+        LD_PRELOAD=str(shim_path()), LD_LIBRARY_PATH=str(LIB_DIR), KREX_SLOT="1", KREX_SLOT_GEN="0",
+        KREX_GPU="0", KREX_SIM_LIFE_MS="4000",
+    )  # fmt: skip
+    with open(kx.out / "st.log", "wb") as log:
+        st = subprocess.Popen(
+            [sys.executable, str(WORKER), "life", str(kx.out), "--name", "st", "--calls", "1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    kx.popens.append(st)
+    kx.wait(lambda: (kx.out / "st.progress").exists(), 30, "the stale process's first call")
+    time.sleep(0.5)  # now inside its 4 s cuModuleLoadData
+    rec = [p for p in kx.snapshot().procs if p.pid == st.pid]
+    assert rec and rec[0].slot == -2 and rec[0].life_inflight == 1, rec
+    ready = _hold_region(kx, "a")
+    _end_hold(kx, "a", ready["pid"])
+    assert "life-running" in ready["grant"]["flags"], ready["grant"]
+    assert st.wait(30) == 0
