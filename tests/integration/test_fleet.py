@@ -325,7 +325,12 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
     # The summary's counts.
     s = json.loads((out / "summary.json").read_text())
     assert (s["commands"], s["ran"], s["succeeded"], s["failures"]) == (n, n, n, 0)
-    assert s["regions"] == n * rounds and s["contaminated_regions"] == 0
+    # Clean, but for a sibling that ended during a region (`sibling-context`): a command
+    # that made no LIFE call has no exit hold, and a process already exiting in the kernel
+    # cannot be frozen. Flagged, never silently clean; anything else is a failure.
+    flagged = [reg for r in results for reg in r["report"]["regions"] if reg.get("contaminated")]
+    assert all(set(reg.get("flags") or ["?"]) == {"sibling-context"} for reg in flagged), flagged
+    assert s["regions"] == n * rounds and s["contaminated_regions"] == len(flagged) <= 2, flagged
     assert s["reruns"] == 0 and s["lost_nodes"] == [] and s["jobs"] == 4
     rows = {row["node_id"]: row for row in s["nodes"]}
     assert set(rows) == {a, b}

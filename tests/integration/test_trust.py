@@ -399,7 +399,7 @@ def _end_hold(kx: Krex, name: str, pid: int) -> dict[str, Any]:
 def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> None:
     nvml = kx.out / "nvml.json"
     base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
-    nvml.write_text(json.dumps(base))
+    _write_atomic(nvml, json.dumps(base))
     kx_env = kx.env
     kx.env = lambda **extra: kx_env(KREX_NVML_FAKE=str(nvml), **extra)  # type: ignore[method-assign]
     kx.start_daemon(slots=2)
@@ -413,7 +413,8 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     try:
         ready = _hold_region(kx, "b")
         own = {kx.progress("b")[2]} if (kx.out / "b.progress").exists() else set()
-        nvml.write_text(
+        _write_atomic(
+            nvml,
             json.dumps(
                 {
                     "gpus": [
@@ -437,12 +438,19 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     assert rec["attest"]["throttle"][1] == ["sw_power_cap"]
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """krexd's fake NVML re-reads the file on every call, maybe while the test rewrites it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _fake_nvml_gpu_policy(kx: Krex) -> tuple[Path, dict[str, Any]]:
     """A daemon (2 slots) under the `gpu` freeze policy whose NVML is a file the test
     writes: (that file, its idle content)."""
     nvml = kx.out / "nvml.json"
     base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
-    nvml.write_text(json.dumps(base))
+    _write_atomic(nvml, json.dumps(base))
     kx_env = kx.env
     kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
         KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
@@ -458,7 +466,7 @@ def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex)
     nvml, base = _fake_nvml_gpu_policy(kx)
     kx.run("sib", "hammer", "--us", "0", "--seconds", "60")  # CPU only: never held at the gate
     sib = kx.wait_running("sib")
-    nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
+    _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
     ready = _hold_region(kx, "a")
     assert ready["grant"]["freeze_policy"] == "gpu" and ready["grant"]["frozen_slots"] == [], ready["grant"]
     kx.touch("sib")  # it ends inside the region
@@ -468,11 +476,11 @@ def test_a_sibling_that_ends_during_a_gpu_policy_region_is_not_foreign(kx: Krex)
     assert "foreign-process" not in rec["flags"], rec["reasons"]
     assert rec["attest"]["foreign"] == [] and rec["attest"]["gpu_processes"] == 1
     # The same region shape with an outsider in the sample is flagged (the check still bites).
-    nvml.write_text(json.dumps(base))
+    _write_atomic(nvml, json.dumps(base))
     outsider = subprocess.Popen(["sleep", "60"])
     try:
         ready = _hold_region(kx, "b")
-        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[outsider.pid])]}))
+        _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=[outsider.pid])]}))
         rec = _end_hold(kx, "b", ready["pid"])
     finally:
         outsider.kill()
@@ -566,11 +574,11 @@ def test_a_sibling_context_nvml_saw_end_during_a_region_flags_it(kx: Krex) -> No
     nvml, base = _fake_nvml_gpu_policy(kx)
     kx.run("sib", "hammer", "--us", "0", "--seconds", "60")  # CPU only: never registers
     sib = kx.wait_running("sib")
-    nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
+    _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
     ready = _hold_region(kx, "a")
     kx.touch("sib")
     assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
-    nvml.write_text(json.dumps(base))
+    _write_atomic(nvml, json.dumps(base))
     rec = _end_hold(kx, "a", ready["pid"])
     assert "sibling-context" in rec["flags"] and "foreign-process" not in rec["flags"], rec["reasons"]
     assert f"ended pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
@@ -705,7 +713,7 @@ def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_fo
     if outsider is None:
         pytest.skip(f"could not get pid {sib} for an outsider")
     try:
-        nvml.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
+        _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
         rec = _end_hold(kx, "a", ready["pid"])
     finally:
         outsider.kill()
