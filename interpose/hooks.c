@@ -198,11 +198,11 @@ static int cmp_ids(const void *a, const void *b) {
 
 /* LIFE rows that free GPU memory, by name: 2 for a *Free* (its first argument is the
  * pointer: NULL frees nothing, cudaFree(NULL) is the idiom that makes a context), 1 for a
- * release, unmap, unload, reset or destroy. */
+ * release, unmap, unload, reset, destroy or pool trim. */
 unsigned char krex_frees[KREX_N_IDS];
 
 void krex_hooks_init(void) {
-    static const char *const free_words[] = {"Release", "Unmap", "Unload", "Reset", "Destroy"};
+    static const char *const free_words[] = {"Release", "Unmap", "Unload", "Reset", "Destroy", "Trim"};
     for (int i = 0; i < KREX_N_IDS; i++) {
         if (!krex_entries[i].name) continue;
         g_sorted[g_nsorted++] = i;

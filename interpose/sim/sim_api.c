@@ -180,6 +180,16 @@ static cudaError_t sim_life_cudaMallocFromPoolAsync(void **p, size_t n, cudaMemP
 static cudaError_t sim_life_cudaMallocFromPoolAsync_ptsz(void **p, size_t n, cudaMemPool_t m, cudaStream_t s) {
     return sim_alloc(p, n);
 }
+static cudaError_t sim_life_cudaMalloc3D(struct cudaPitchedPtr *p, struct cudaExtent e) {
+    if (!p) return 1;
+    size_t n = e.width * (e.height ? e.height : 1) * (e.depth ? e.depth : 1);
+    void *d = NULL;
+    cudaError_t rc = sim_alloc(&d, n);
+    *p = (struct cudaPitchedPtr){d, e.width, e.width, e.height};
+    return rc;
+}
+static cudaError_t sim_life_cudaFreeArray(cudaArray_t a) { return 0; } /* arrays are never made here */
+static cudaError_t sim_life_cudaMemPoolTrimTo(cudaMemPool_t m, size_t keep) { return 0; }
 static cudaError_t sim_life_cudaFreeAsync(void *p, cudaStream_t s) { simgpu_free(p); return 0; }
 static cudaError_t sim_life_cudaFreeAsync_ptsz(void *p, cudaStream_t s) { simgpu_free(p); return 0; }
 EXPORT cudaError_t cudaDeviceSynchronize(void) { simgpu_sync_all("cudaDeviceSynchronize"); return 0; }
@@ -331,6 +341,8 @@ static CUresult sim_life_cuMemMap(CUdeviceptr p, size_t n, size_t o, CUmemGeneri
     return 0;
 }
 static CUresult sim_life_cuMemUnmap(CUdeviceptr p, size_t n) { return 0; }
+static CUresult sim_life_cuArrayDestroy(CUarray a) { return 0; } /* arrays are never made here */
+static CUresult sim_life_cuMemPoolTrimTo(CUmemoryPool m, size_t keep) { return 0; }
 static CUresult sim_life_cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { return sim_alloc(p, n); }
 static CUresult sim_life_cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return sim_alloc(p, n); }
 static CUresult sim_life_cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool m, CUstream s) {
