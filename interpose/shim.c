@@ -108,10 +108,11 @@ int krex_wait_gate(uint32_t w) {
 /* A process's contexts are torn down at exit, by the vendor runtime's exit handlers or by
  * the kernel after the last one, through no call a gate can stop: a sibling left running
  * by `--freeze gpu` would do that during a region. So once it has made a LIFE call, an
- * exit handler enters the gate as a LIFE call and never leaves: the exit waits at a closed
- * gate, and while it runs, krexd sees a LIFE call in flight and freezes the process
- * before a region starts. Registered after that first LIFE call, i.e. after the vendor
- * runtime registered its own handlers (inside the call), so it runs before them. */
+ * exit handler enters the gate as a LIFE call and keeps the count: the exit waits at a
+ * closed gate, and while it runs, krexd sees a LIFE call in flight and freezes the process
+ * before a region starts; it also stamps the slot's last free (the teardown frees all).
+ * Registered after that first LIFE call, i.e. after the vendor runtime registered its own
+ * handlers (inside the call), so it runs before them. */
 static int g_life_gen = -1; /* the fork generation that made a LIFE call */
 static pid_t g_life_pid;     /* ... and its pid: a vfork child shares our memory, not our pid */
 

@@ -45,6 +45,8 @@ void klog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int krex_register(void);
 int krex_wait_gate(uint32_t word);
 struct krex_shm *attach_shm(void);
+void krex_life_done(void);                   /* a LIFE call succeeded: arm the exit hold */
+void krex_life_free(int id, uintptr_t arg0); /* LIFE call `id` (first argument arg0): a free? stamp it */
 
 KREX_NO_SANITIZE static inline int mode_on(void) { return __atomic_load_n(&g_mode, RELAXED) == MODE_ON; }
 
@@ -61,6 +63,7 @@ void *krex_next_sym(const char *name);
 void *krex_resolve(int id, int k);
 
 /* hooks.c: the wrappers generated from the api_*.def tables. */
+extern unsigned char krex_frees[]; /* by entry id: 2 a *Free* (NULL: none), 1 another freeing LIFE call */
 extern void *const krex_wrappers[KREX_N_IDS][KREX_NSLOT];
 void krex_hooks_init(void);
 int is_own_wrapper(void *p);
@@ -70,9 +73,6 @@ KREX_NO_SANITIZE int krex_find(const char *name);
 /* drain.c: context and capture tracking, and the drain helper thread. */
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
-void krex_life_done(void);                     /* a LIFE call succeeded: arm the exit hold */
-void krex_life_free(int id, uintptr_t arg0);   /* LIFE call `id` (first argument arg0): a free? stamp it */
-extern unsigned char krex_frees[]; /* by entry id: a LIFE call that frees GPU memory */
 void krex_ctx_add(void *ctx);
 void krex_ctx_del(void *ctx);
 void krex_capture_begin(void *stream);

@@ -300,6 +300,11 @@ def test_remove_never_kills(env: Env) -> None:
         assert set(tree.pids()) <= set(g.pids())
 
     tree.kill()
+    _remove_once_empty(g)
+
+
+def _remove_once_empty(g: freezer.Group) -> None:
+    """Wait (10 s at most) for the group's killed processes to leave it, then remove it."""
     deadline = time.monotonic() + 10
     while g.pids() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -338,11 +343,7 @@ def test_nested_groups_are_listed_and_removed_children_first(env: Env) -> None:
     finally:
         p.kill()
         p.wait()
-    deadline = time.monotonic() + 10
-    while g.pids() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    g.remove()
-    assert not os.path.exists(g.path)
+    _remove_once_empty(g)
     assert os.path.isdir(beside.path) and set(tree.pids()) <= set(beside.pids())
 
 
