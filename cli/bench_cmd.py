@@ -92,6 +92,23 @@ def _throughput_text(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _parse_prewarms(text: str) -> list[int]:
+    from krex.errors import UsageError
+
+    out: list[int] = []
+    for part in text.split(","):
+        p = part.strip()
+        if not p:
+            continue
+        if not p.isdigit() or not 0 <= int(p) <= 64:
+            raise UsageError(f"bad --prewarm {p!r}", "give a comma list of whole numbers in 0..64, e.g. 0,4")
+        if int(p) not in out:
+            out.append(int(p))
+    if not out:
+        raise UsageError("--prewarm lists no value", "give a comma list such as 0,4")
+    return out
+
+
 def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     from krex.errors import UsageError
 
@@ -203,6 +220,14 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     help="compare freeze policies: one krex cell per policy (krex-C@all, krex-C@gpu, krex-C@adaptive) "
     "[default: the daemon's policy]",
 )
+@click.option(
+    "--prewarm",
+    "prewarms",
+    default=None,
+    metavar="LIST",
+    help="compare pre-warmed starts: one krex cell per value N (krex-C+pwN runs C + N commands at "
+    "once, N of them waiting at their first GPU call for a slot; 0 is plain krex-C) [default: 0]",
+)
 @click.option("--no-plots", is_flag=True, help="skip the PNG plots")
 def bench(
     device: str,
@@ -223,6 +248,7 @@ def bench(
     no_plots: bool,
     gpus: str | None,
     freezes: str | None,
+    prewarms: str | None,
 ) -> None:
     """Measure throughput, timing inflation and ranking fidelity: native serial,
     native repeat, unprotected sharing and KREX, side by side.
@@ -251,6 +277,7 @@ def bench(
         slots_per_gpu=slots_per_gpu,
         gpus=_parse_gpus(gpus, device),
         freezes=[f.strip() for f in freezes.split(",") if f.strip()] if freezes else None,
+        prewarms=_parse_prewarms(prewarms) if prewarms else None,
         cold_cache=not warm_cache,
         plots=not no_plots,
         argv=["krex", "bench", *sys.argv[sys.argv.index("bench") + 1 :]]

@@ -201,6 +201,7 @@ def status(as_json: bool) -> None:
     for s in snap.slots:
         click.echo(
             f"  slot {s.slot}: gpu {s.gpu}, guardian pid {s.owner_pid}{'' if s.owner_alive else ' (dead)'}"
+            + (", pre-warmed: waits for a free slot at its first GPU call" if s.warm else "")
         )
     click.echo(f"PROCESSES ({len(snap.procs)})")
     if snap.procs:
@@ -434,7 +435,7 @@ def daemon_status(as_json: bool) -> None:
     click.echo(f"  device {d['device']} x{d['gpus']}, segment {d['shm']}, freezer {d['freezer']}")
     click.echo(
         f"  regions so far {d['regions_done']}, max region {d['max_region_s']} s, "
-        f"slots per GPU {st['slots_per_gpu']}"
+        f"slots per GPU {st['slots_per_gpu']}, pre-warmed starts per GPU {st.get('prewarm', 0)}"
     )
     if "idle_exit_s" in d:
         idle = "never" if d["idle_exit_s"] is None else f"{d['idle_exit_s']:g} s"

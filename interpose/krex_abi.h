@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 2
+#define KREX_ABI_VERSION 3
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -284,6 +284,10 @@ struct krex_slot {
     uint32_t unrecorded;            /* such processes beyond the list below, and processes in
                                        another pid namespace (never decremented) */
     int64_t unrecorded_pids[4];     /* such processes (pid | start ticks << 32): flagged while alive */
+    uint32_t warm;                  /* a futex: 1 while the command is pre-warmed (krexd's `prewarm`,
+                                     * admitted before a slot freed up), and its processes' first
+                                     * gated call waits; krexd clears it when a slot frees up */
+    uint32_t reserved;
 };
 
 struct krex_proc {

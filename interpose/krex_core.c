@@ -595,6 +595,7 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
             sl->inflight = 0;
             sl->unrecorded = 0;
             memset(sl->unrecorded_pids, 0, sizeof sl->unrecorded_pids);
+            __atomic_store_n(&sl->warm, 0, SEQ);
             __atomic_add_fetch(&sl->generation, 1, SEQ);
             return s;
         }
@@ -638,6 +639,13 @@ void krex_slot_release(struct krex_shm *shm, int slot) {
     sl->gpu = -1;
     sl->inflight = 0;
     __atomic_store_n(&sl->state, KREX_SLOT_FREE, SEQ);
+    krex_slot_set_warm(shm, slot, 0); /* its waiters wake, and register as stale */
+}
+
+void krex_slot_set_warm(struct krex_shm *shm, int slot, int warm) {
+    if (slot < 0 || slot >= KREX_MAX_SLOTS) return;
+    __atomic_store_n(&shm->slots[slot].warm, warm ? 1u : 0u, SEQ);
+    if (!warm) krex_futex_wake(&shm->slots[slot].warm);
 }
 
 static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {

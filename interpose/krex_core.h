@@ -78,6 +78,8 @@ int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t si
                       uint64_t *ago_ns, int max);
 void krex_note_free(struct krex_shm *shm, int gpu, int slot);
 void krex_slot_release(struct krex_shm *shm, int slot);
+/* Pre-warmed starts: set or clear a slot's `warm` (clearing wakes its waiting processes). */
+void krex_slot_set_warm(struct krex_shm *shm, int slot, int warm);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
 int krex_proc_reap(struct krex_shm *shm);
 void krex_proc_check_restore(struct krex_proc *p, uint32_t c);

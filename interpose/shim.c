@@ -190,11 +190,36 @@ struct krex_shm *attach_shm(void) {
 
 static int register_now(void);
 
+/* A pre-warmed command (krexd's `prewarm`) was started before a slot freed up, so its
+ * imports and CPU set-up overlap the running commands; its first gated call waits here
+ * until krexd gives it the slot. Before the signals are blocked: this may last as long as
+ * a command, and Ctrl-C must still work. Never waits on a krexd that stopped beating. */
+static void warm_wait(void) {
+    if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS || g_slot_gen < 0) return;
+    struct krex_shm *shm = attach_shm();
+    if (!shm) return;
+    struct krex_slot *sl = &shm->slots[g_slot];
+    if (!__atomic_load_n(&sl->warm, __ATOMIC_SEQ_CST)) return;
+    uint64_t t0 = krex_now_ns();
+    klog("slot %d is pre-warmed: its first GPU call waits for a free slot", g_slot);
+    while (__atomic_load_n(&sl->warm, __ATOMIC_SEQ_CST)) {
+        /* Handed to another command: ours has ended; registration then makes us stale. */
+        if ((long long)__atomic_load_n(&sl->generation, __ATOMIC_SEQ_CST) != g_slot_gen) break;
+        if (krex_heartbeat_stale(shm, krex_now_ns(), 0)) {
+            klog("krexd stopped beating while slot %d waited pre-warmed: going on", g_slot);
+            break;
+        }
+        krex_futex_wait(&sl->warm, 1, 200000000ull);
+    }
+    klog("slot %d waited %.1f ms for its turn", g_slot, (double)(krex_now_ns() - t0) / 1e6);
+}
+
 /* Registration runs with every signal blocked: a handler's GPU call on this thread would
  * otherwise pass as nested (ungated, while krexd does not know us yet), or re-enter the
  * registration it interrupted and wait for itself (g_reg_lock, the self-registration
  * wait). The slow path only: once per process. */
 int krex_register(void) {
+    warm_wait();
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);

@@ -53,14 +53,26 @@ class Cell:
     mode: str
     c: int = 1
     freeze: str = ""  # krex cells: the freeze policy their commands ask for ("" = the daemon's)
+    # krex cells: pre-warmed starts per GPU (krexd's `prewarm`): C + prewarm commands run at
+    # once, of which only C hold a slot; the others wait at their first GPU call.
+    prewarm: int = 0
 
     @property
     def key(self) -> str:
         base = f"{self.mode}-{self.c}" if self.mode in CONCURRENT else self.mode
-        return f"{base}@{self.freeze}" if self.freeze else base
+        base = f"{base}@{self.freeze}" if self.freeze else base
+        return f"{base}+pw{self.prewarm}" if self.prewarm else base
 
     @staticmethod
     def from_key(key: str) -> Cell:
+        if "+pw" in key:
+            base, _, n = key.rpartition("+pw")
+            c = Cell.from_key(base)
+            if c.mode != "krex" or not n.isdigit() or not 1 <= int(n) <= 64:
+                raise UsageError(
+                    f"unknown cell {key!r}", "krex-C[@POLICY]+pwN takes N pre-warmed starts, 1..64"
+                )
+            return Cell(c.mode, c.c, c.freeze, int(n))
         if "@" in key:
             base, _, freeze = key.partition("@")
             c = Cell.from_key(base)
@@ -116,7 +128,11 @@ def parse_concurrency(text: str | Sequence[int]) -> list[int]:
 
 
 def plan_cells(
-    modes: Sequence[str], concurrency: Sequence[int], seed: int, freezes: Sequence[str] = ("",)
+    modes: Sequence[str],
+    concurrency: Sequence[int],
+    seed: int,
+    freezes: Sequence[str] = ("",),
+    prewarms: Sequence[int] = (0,),
 ) -> list[Cell]:
     """The order in which cells run.
 
@@ -132,7 +148,13 @@ def plan_cells(
     rng.shuffle(cs)
     pairs: list[list[Cell]] = []
     for c in cs:
-        pair = [Cell(m, c, f) for m in CONCURRENT if m in modes for f in (freezes if m == "krex" else ("",))]
+        pair = [
+            Cell(m, c, f, w)
+            for m in CONCURRENT
+            if m in modes
+            for f in (freezes if m == "krex" else ("",))
+            for w in (prewarms if m == "krex" else (0,))
+        ]
         rng.shuffle(pair)
         if pair:
             pairs.append(pair)

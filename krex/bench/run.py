@@ -104,6 +104,9 @@ class BenchConfig:
     # Freeze policies to compare: one krex cell per policy (krex-C@gpu, ...); None: one
     # krex-C cell under the daemon's own policy.
     freezes: Sequence[str] | None = None
+    # Pre-warmed starts to compare (krexd's `prewarm`): one krex cell per value (krex-C+pwN;
+    # 0 is the plain krex-C cell); the bench starts its own daemon for each. None: (0,).
+    prewarms: Sequence[int] | None = None
     cold_cache: bool = True  # fresh Triton/Inductor/extension caches per run (a new candidate compiles)
     warmup: bool = True
     plots: bool = True
@@ -354,6 +357,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "slot": rep.get("slot"),
         "gpu": rep.get("gpu"),
         "admission_wait_s": rep.get("admission_wait_s"),
+        "prewarm_s": rep.get("prewarm_s"),
         "gate_blocks": rep.get("gate_blocks"),
         "gate_blocked_ms": rep.get("gate_blocked_ms"),
         "fail_opens": rep.get("fail_opens"),
@@ -386,10 +390,13 @@ def _daemon_status() -> dict[str, Any] | None:
         c.close()
 
 
-def _start_daemon(dev: str, slots: int) -> None:
+def _start_daemon(dev: str, slots: int, prewarm: int = 0) -> None:
     from krex.proc.client import start_background
 
-    start_background(device=dev, settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))})
+    start_background(
+        device=dev,
+        settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots)), "prewarm": prewarm},
+    )
 
 
 def _stop_daemon() -> None:
@@ -489,6 +496,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             raise UsageError(
                 f"unknown freeze policy {f!r}", f"use a comma list of: {', '.join(FREEZE_POLICIES)}"
             )
+    prewarms = list(cfg.prewarms) if cfg.prewarms else list(first.get("prewarms") or [0])
+    for w in prewarms:
+        if not 0 <= w <= 64:
+            raise UsageError(f"bad --prewarm {w}", "give a comma list of whole numbers in 0..64, e.g. 0,4")
     gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
     if gpus is not None:
         bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
@@ -512,6 +523,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         "modes": modes,
         "concurrency": conc,
         "freezes": freezes,
+        "prewarms": prewarms,
     }
     if not meta:
         meta = {
@@ -538,7 +550,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     # ---- plan
     measured = [w for w in workloads if w.truth == "measured"]
-    cells = plan_cells(modes, conc, seed, freezes)
+    cells = plan_cells(modes, conc, seed, freezes, prewarms)
     if not measured:
         cells = [c for c in cells if c.mode != "reference"]
     done_keys = {str(c.get("cell")) for c in done_cells}
@@ -593,7 +605,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         # C commands on each GPU at once: place (lane) i stays on one GPU; serial cells
         # run on the first GPU.
         gpus = list(cfg.gpus or [])
-        width = cell.c * max(1, len(gpus)) if cell.mode in CONCURRENT else 1
+        width = (cell.c + cell.prewarm) * max(1, len(gpus)) if cell.mode in CONCURRENT else 1
         pool: Pool[Job] = Pool(
             width, stop_signals=(signal.SIGTERM, signal.SIGKILL), grace_s=GRACE_S, tree=True, tick_s=TICK_S
         )
@@ -628,24 +640,47 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             raise KeyboardInterrupt  # the runs were stopped; the caller exits 130
         return c_start, last_start, cell_failed
 
+    # (slots per GPU, prewarm) of the daemon the bench started, None while it runs none.
+    ours: tuple[int, int] | None = None
+    need = max((c.c for c in todo if c.mode == "krex"), default=1)
+
+    def daemon_for(cell: Cell) -> None:
+        """A daemon that admits this krex cell as asked: C + prewarm commands at once, of which
+        only C hold a slot when it pre-warms (slots per GPU = C exactly), else max C."""
+        nonlocal ours, started_daemon
+        want = (cell.c, cell.prewarm) if cell.prewarm else (cfg.slots_per_gpu or need, 0)
+        if ours == want:
+            return
+        st = _daemon_status()
+        if st is not None and ours is None:  # somebody else's daemon
+            have = min(st.get("slots_per_gpu") or [need])
+            pid = st.get("daemon", {}).get("pid")
+            if cell.prewarm and (have, int(st.get("prewarm") or 0)) != want:
+                raise UsageError(
+                    f"{cell.key} needs a daemon with {cell.c} slots per GPU and prewarm {cell.prewarm}; "
+                    f"the running one (pid {pid}) has {have} and {st.get('prewarm') or 0}",
+                    "stop it (`krex daemon stop`) so the bench starts its own, or drop --prewarm",
+                )
+            note(f"using the running KREX daemon (pid {pid}, {have} slots per GPU)")
+            if have < need:
+                note(
+                    f"the running daemon admits {have} commands per GPU at a time, fewer than C={need}: "
+                    "krex cells above that queue at admission"
+                )
+            ours = (have, int(st.get("prewarm") or 0))
+            return
+        if started_daemon:
+            _stop_daemon()
+        _start_daemon(dev, want[0], want[1])
+        started_daemon = True
+        ours = want
+        note(
+            f"started a KREX daemon ({want[0]} slots per GPU, prewarm {want[1]}) for "
+            + ("the krex cells" if not want[1] else f"the +pw{want[1]} cells")
+            + "; stopped at the end"
+        )
+
     try:
-        if todo and any(c.mode == "krex" for c in todo):
-            need = max(c.c for c in todo if c.mode == "krex")
-            st = _daemon_status()
-            if st is None:
-                slots = cfg.slots_per_gpu or need
-                _start_daemon(dev, slots)
-                started_daemon = True
-                note(f"started a KREX daemon for the krex cells ({slots} slots per GPU); stopped at the end")
-            else:
-                have = min(st.get("slots_per_gpu") or [need])
-                pid = st.get("daemon", {}).get("pid")
-                note(f"using the running KREX daemon (pid {pid}, {have} slots per GPU)")
-                if have < need:
-                    note(
-                        f"the running daemon admits {have} commands per GPU at a time, fewer than C={need}: "
-                        "krex cells above that queue at admission"
-                    )
         if todo and cfg.warmup:
             w0 = min(workloads, key=lambda w: w.est_wall_s)
             note(f"warm-up: {w0.name} once, natively, not recorded (page cache, driver caches)")
@@ -664,6 +699,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             }
             carried = carried_runs(out_dir, cell)
             jobs = cell_jobs(cell, hint, carried)
+            if cell.mode == "krex":
+                daemon_for(cell)
             run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             event("cell-start", cell=cell.key, message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time")
             prior_span = serial_span_s(carried)

@@ -11,6 +11,8 @@ Precedence: command line > environment > config file > defaults. The config file
 
   key              environment            flag               meaning
   slots_per_gpu    KREX_SLOTS_PER_GPU     --slots-per-gpu    admission limit per GPU (from the CPU slice)
+  prewarm          KREX_PREWARM           --prewarm          commands per GPU started before a slot frees up:
+                                                             they wait at their first GPU call (default 0)
   max_region       KREX_MAX_REGION        --max-region       seconds before a region is ended by force
   idle_exit        KREX_IDLE_EXIT         --idle-exit        seconds idle before exiting, or "never"
                                                              (on demand: KREX_ON_DEMAND_IDLE_EXIT_MS)
@@ -115,6 +117,9 @@ class Config:
 
     device: str = "auto"
     slots_per_gpu: int | None = None  # None: from the GPU's CPU slice (krex.node.cpus)
+    # Pre-warmed starts: up to this many commands per GPU beyond slots_per_gpu are started at
+    # once, to import and set up on the CPU; their first GPU call waits for a slot (shim.c).
+    prewarm: int = 0
     max_region_s: float = lib.KREX_MAX_REGION_MS / 1e3
     drain_timeout_s: float = lib.KREX_DRAIN_TIMEOUT_MS / 1e3
     freeze_timeout_s: float = lib.KREX_FREEZE_TIMEOUT_MS / 1e3
@@ -173,6 +178,8 @@ class Key:
 KEYS = (
     Key("slots_per_gpu", "slots_per_gpu", "KREX_SLOTS_PER_GPU", _num(1, 64, True), "a whole number 1..64",
         "--slots-per-gpu", "admission limit per GPU"),
+    Key("prewarm", "prewarm", "KREX_PREWARM", _num(0, 64, True), "a whole number 0..64", "--prewarm",
+        "commands per GPU started before a slot frees up; they wait at their first GPU call"),
     Key("max_region_s", "max_region", "KREX_MAX_REGION", _num(0.001, 1e9), "seconds, e.g. 60",
         "--max-region", "seconds after which a region is ended by force"),
     Key("idle_exit_s", "idle_exit", "KREX_IDLE_EXIT", _idle, "seconds, e.g. 120, or never",

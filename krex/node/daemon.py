@@ -164,6 +164,10 @@ class Slot:
     guardian_connected: bool = True
     created: float = field(default_factory=time.time)
     freeze: str | None = None  # the command's own freeze policy (krex run --freeze), else the daemon's
+    # Admitted pre-warmed (Config.prewarm): started before a slot freed up; its processes wait at
+    # their first gated call (and its regions in _begin) until _promote gives it the GPU.
+    warm: bool = False
+    warm_s: float | None = None  # how long it waited pre-warmed, once given the GPU
     last_rate: float | None = None  # submissions per second of its last region (adaptive policy)
     generation: int = 0  # the segment's slot generation when this slot was claimed
     last_deep_scan: float = 0.0
@@ -516,6 +520,7 @@ class Daemon:
             "slots_per_gpu": c.slots_per_gpu
             if c.slots_per_gpu
             else [self.slots_per_gpu(g) for g in range(self.info.count)],
+            "prewarm": c.prewarm,
             "max_region_s": c.max_region_s,
             "idle_exit_s": c.idle_exit_s if c.idle_exit_s is not None else "never",
             "freezer": c.freezer or f"auto ({self.freezer.name})",
@@ -740,6 +745,7 @@ class Daemon:
             exp.gates[g] = {r.word} if r is not None and r.word else set()
             exp.owner[g] = r.slot + 1 if r is not None else -1
         exp.slots = {n: (s.gpu, s.generation) for n, s in self.slots.items()}
+        exp.warm = {n for n, s in self.slots.items() if s.warm}
         return exp
 
     def _guard_tick(self) -> list[str]:
@@ -862,7 +868,7 @@ class Daemon:
         return {"leftovers": info, "action": "kill-failed" if found else "killed", "alive": found}
 
     # ------------------------------------------------------------------ slots
-    def _new_slot(self, gpu: int, kind: str, guardian_pid: int) -> Slot:
+    def _new_slot(self, gpu: int, kind: str, guardian_pid: int, warm: bool = False) -> Slot:
         # The slot table lives in the segment, which any process of the user can write:
         # check (and repair) it before claiming from it, as before every grant. Waiting for
         # the next heartbeat instead, a claim right after damage read random slot records
@@ -873,7 +879,11 @@ class Daemon:
         group = self.freezer.group(f"slot-{n}")
         with contextlib.suppress(KrexError):
             group.thaw()
-        s = Slot(n, gpu, kind, guardian_pid, group, generation=int(self.seg.raw.slots[n].generation))
+        s = Slot(
+            n, gpu, kind, guardian_pid, group, generation=int(self.seg.raw.slots[n].generation), warm=warm
+        )
+        # Set before the admit reply: the command cannot have started yet.
+        lib.krex_slot_set_warm(self.seg.raw, n, int(warm))
         cur = self.current.get(gpu)
         if cur is not None and cur.word and not cur.thawing:
             # Joining once a region has closed the gate (entering or granted): start frozen
@@ -903,6 +913,7 @@ class Daemon:
             with contextlib.suppress(KrexError):
                 s.group.remove()
             self.seg.release_slot(n)
+            self._promote()
             self.changed.notify_all()
 
     def _slot_of_pid(self, pid: int) -> Slot | None:
@@ -930,12 +941,44 @@ class Daemon:
                 return None
         return None
 
-    def _pick_gpu(self, want: int | None) -> int | None:
-        load = {g: sum(1 for s in self.slots.values() if s.gpu == g) for g in range(self.info.count)}
-        if want is not None:
-            return want if load[want] < self.slots_per_gpu(want) else None
-        free = [g for g in load if load[g] < self.slots_per_gpu(g)]
-        return min(free, key=lambda g: load[g]) if free else None
+    def _load(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Slots per GPU that hold it (leftover processes included), and pre-warmed ones."""
+        active = dict.fromkeys(range(self.info.count), 0)
+        warm = dict.fromkeys(range(self.info.count), 0)
+        for s in self.slots.values():
+            (warm if s.warm else active)[s.gpu] += 1
+        return active, warm
+
+    def _pick_gpu(self, want: int | None) -> tuple[int, bool] | None:
+        """A GPU with a free slot, else one with room for a pre-warmed start: (gpu, warm).
+        Call with self.lock. Pre-warmed commands go first (FIFO): a GPU with any is full."""
+        self._promote()
+        active, warm = self._load()
+        gpus = [want] if want is not None else list(active)
+        free = [g for g in gpus if active[g] < self.slots_per_gpu(g) and not warm[g]]
+        if free:
+            return min(free, key=lambda g: active[g]), False
+        room = [g for g in gpus if warm[g] < self.cfg.prewarm]
+        return (min(room, key=lambda g: warm[g]), True) if room else None
+
+    def _promote(self) -> None:
+        """Give each GPU's free slots to its pre-warmed commands, oldest first (on every
+        release and admission). Call with self.lock."""
+        active, _ = self._load()
+        for s in sorted((s for s in self.slots.values() if s.warm), key=lambda s: s.created):
+            if active[s.gpu] >= self.slots_per_gpu(s.gpu):
+                continue
+            s.warm = False
+            s.warm_s = round(time.time() - s.created, 6)
+            active[s.gpu] += 1
+            lib.krex_slot_set_warm(self.seg.raw, s.slot, 0)
+            log.info(
+                "slot %d on gpu %d: pre-warmed command given the GPU after %.1f s",
+                s.slot,
+                s.gpu,
+                time.time() - s.created,
+            )
+            self.changed.notify_all()
 
     # ----------------------------------------------------------- the regions
     def _gpu_loop(self, gpu: int) -> None:
@@ -1603,6 +1646,9 @@ class Daemon:
                         self.slots[n].guardian_connected = False
             owned["guardian"] = None
             if slot is not None:
+                if slot.warm or slot.warm_s is not None:  # started pre-warmed: for the report
+                    out["prewarm_s"] = slot.warm_s if not slot.warm else round(time.time() - slot.created, 6)
+                    out["prewarm_given_gpu"] = not slot.warm
                 out.update(self._slot_regions(slot))
                 out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"])
         return {"ok": True, **out}
@@ -1728,9 +1774,10 @@ class Daemon:
         told = False
         with self.lock:
             while True:
-                gpu = self._pick_gpu(want)
-                if gpu is not None:
-                    s = self._new_slot(gpu, "run", pid)
+                picked = self._pick_gpu(want)
+                if picked is not None:
+                    gpu, warm = picked
+                    s = self._new_slot(gpu, "run", pid, warm=warm)
                     s.freeze = None if freeze is None else str(freeze)
                     break
                 if not told:
@@ -1748,7 +1795,8 @@ class Daemon:
         env_set, env_prepend = self._command_env(s, gpu, asked)
         return {
             "ok": True,
-            "notes": optin.start_notes(self.info.kind == "sim" or asked == "sim"),
+            "notes": optin.start_notes(self.info.kind == "sim" or asked == "sim", warm=s.warm),
+            "warm": s.warm,
             "env_set": env_set,
             "env_prepend": env_prepend,
             "slot": s.slot,
@@ -1851,7 +1899,11 @@ class Daemon:
         if not os.path.exists(f"/proc/{pid}/task/{tid}"):
             raise UsageError(f"thread {tid} is not a thread of pid {pid}", "send your own thread id")
         label = str(msg.get("label") or "")[:200]
-        req = Region(s.slot, s.gpu, pid, tid, time.monotonic(), label=label)
+        t_request = time.monotonic()
+        with self.lock:  # a pre-warmed command's region waits for its slot, as its GPU calls do
+            while s.warm and s.slot in self.slots and not self.stop.is_set():
+                self.changed.wait(0.5)
+        req = Region(s.slot, s.gpu, pid, tid, t_request, label=label)
         owned["region"] = req
         if not self._enter_inline(s.gpu, req):
             with self.lock:
@@ -1927,6 +1979,7 @@ class Daemon:
                         "gpu": s.gpu,
                         "kind": s.kind,
                         "guardian_pid": s.guardian_pid,
+                        "warm": s.warm,
                         "pids": self._group_pids(s),
                     }
                     for s in self.slots.values()
@@ -1947,6 +2000,7 @@ class Daemon:
                     str(g): [{"slot": r.slot, "pid": r.pid} for r in q] for g, q in self.queues.items()
                 },
                 "slots_per_gpu": [self.slots_per_gpu(g) for g in range(self.info.count)],
+                "prewarm": self.cfg.prewarm,
             }
 
 

@@ -77,14 +77,17 @@ def queue_note(slots_busy: object) -> str:
     return f"krex: waiting for a free slot ({slots_busy} commands are running)..."
 
 
-def start_notes(simulated: bool) -> list[str]:
+def start_notes(simulated: bool, warm: bool = False) -> list[str]:
     """What `krex run` says once admitted, before its command starts."""
-    if not simulated:
-        return []
-    return [
-        "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
-        "performance; nothing ran on a real GPU"
-    ]
+    out = []
+    if simulated:
+        out.append(
+            "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
+            "performance; nothing ran on a real GPU"
+        )
+    if warm:
+        out.append("krex: every slot is busy: starting pre-warmed; its first GPU call waits for a free slot")
+    return out
 
 
 _STATE_RANK = {

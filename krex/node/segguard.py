@@ -53,13 +53,15 @@ def shm_path(name: str) -> str:
     return SHM_DIR + name
 
 
-def _slot_damaged(sp: Any, gpu: int, gen: int) -> bool:
-    """A slot krexd handed out that no longer reads as it wrote it."""
+def _slot_damaged(sp: Any, gpu: int, gen: int, warm: bool) -> bool:
+    """A slot krexd handed out that no longer reads as it wrote it (a `warm` set by anyone
+    else would hold a command at its first GPU call for ever; cleared, it jumps the queue)."""
     return (
         int(sp.state) != lib.KREX_SLOT_ACTIVE
         or int(sp.gpu) != gpu
         or int(sp.generation) != gen
         or int(sp.inflight) > 65536
+        or bool(sp.warm) != warm
     )
 
 
@@ -88,6 +90,7 @@ class Expected:
     gates: dict[int, set[int]] = field(default_factory=dict)  # gpu -> the current region's word
     owner: dict[int, int] = field(default_factory=dict)  # gpu -> owner byte of the current region, or -1
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (gpu, generation)
+    warm: set[int] = field(default_factory=set)  # slots admitted pre-warmed, not yet given the GPU
 
 
 class SegmentGuard:
@@ -159,7 +162,7 @@ class SegmentGuard:
                 out.append(f"gate of GPU {g} holds 0x{w:x}, a word no holder set")
         for n, (gpu, gen) in expected.slots.items():
             sp = raw.slots[n]
-            if _slot_damaged(sp, gpu, gen):
+            if _slot_damaged(sp, gpu, gen, n in expected.warm):
                 out.append(f"slot {n} record damaged")
         odd = [n for n in range(lib.KREX_MAX_SLOTS) if n not in expected.slots and self._slot_bad(n)]
         if odd:
@@ -220,9 +223,10 @@ class SegmentGuard:
                 actions.append(f"gate of GPU {g} reopened")
         for n, (gpu, gen) in expected.slots.items():
             sp = raw.slots[n]
-            if _slot_damaged(sp, gpu, gen):
+            if _slot_damaged(sp, gpu, gen, n in expected.warm):
                 sp.gpu, sp.generation, sp.inflight = gpu, gen, 0
                 sp.state = lib.KREX_SLOT_ACTIVE
+                lib.krex_slot_set_warm(raw, n, int(n in expected.warm))
                 actions.append(f"slot {n} rewritten")
         odd = [n for n in range(lib.KREX_MAX_SLOTS) if n not in expected.slots and self._slot_bad(n)]
         for n in odd:

@@ -95,6 +95,7 @@ class SlotInfo:
     owner_pid: int
     owner_alive: bool
     generation: int
+    warm: bool = False  # started pre-warmed, waiting for the GPU (krexd's `prewarm`)
 
 
 @dataclass
@@ -295,7 +296,14 @@ class Segment:
             if sp.state == lib.KREX_SLOT_ACTIVE:
                 owner = int(sp.owner_pid)
                 slots.append(
-                    SlotInfo(s, int(sp.gpu), owner, bool(lib.krex_pid_alive(owner, 0)), int(sp.generation))
+                    SlotInfo(
+                        s,
+                        int(sp.gpu),
+                        owner,
+                        bool(lib.krex_pid_alive(owner, 0)),
+                        int(sp.generation),
+                        bool(sp.warm),
+                    )
                 )
         procs = []
         for i in range(lib.KREX_MAX_PROCS):

@@ -442,7 +442,7 @@ def run_guarded(
     device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
     simulated = adm.get("device") == "sim" or device == "sim"
-    for line in start_notes(simulated):
+    for line in start_notes(simulated, warm=bool(adm.get("warm"))):
         notify(line)
     env = dict(os.environ)
     apply_env(env, put, pre)
@@ -543,6 +543,9 @@ def run_guarded(
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
         mark("released")
+        if "prewarm_s" in rel:  # started pre-warmed: how long before it was given the GPU
+            report["prewarm_s"] = rel["prewarm_s"]
+            report["prewarm_given_gpu"] = rel.get("prewarm_given_gpu")
         report["leftovers"] = rel.get("leftovers") or []
         report["leftovers_action"] = rel.get("action", "unknown")
         regs: list[dict[str, Any]] = []

@@ -421,3 +421,35 @@ def test_bench_compares_freeze_policies_side_by_side(krex_env: dict[str, str], t
     assert "krex-2@gpu" in (out / "summary.md").read_text()
     p = krex([*args, "--freeze", "some", "--out", str(tmp_path / "bad")], krex_env, timeout=60)
     assert p.returncode == 2 and "freeze policy" in p.stderr, p.stderr
+
+
+def test_bench_compares_prewarmed_starts(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """--prewarm 0,1 at C=1: krex-1 never runs two commands at once; krex-1+pw1 runs a second
+    one meanwhile (its own daemon: 1 slot, prewarm 1), whose GPU phase still waits for the slot:
+    no two commands' regions overlap, and the pre-warmed ones report how long they waited."""
+    out = tmp_path / "results"
+    args = ["bench", "--device", "sim", "--quick", "--modes", "native-serial,krex", "--concurrency", "1"]
+    p = krex([*args, "--prewarm", "0,1", "--timeout", "60", "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert {c["cell"] for c in jsonl(out / "cells.jsonl")} == {"native-serial", "krex-1", "krex-1+pw1"}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["invocations"][0]["prewarms"] == [0, 1]
+    assert any("prewarm 1" in n for n in meta["notes"]), meta["notes"]
+    recs = jsonl(out / "raw.jsonl")
+
+    def overlaps(cell: str) -> int:
+        spans = sorted((r["started_at"], r["ended_at"]) for r in recs if r["cell"] == cell)
+        return sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1])
+
+    assert overlaps("krex-1") == 0
+    assert overlaps("krex-1+pw1") > 0, "no command started before the previous one ended"
+    pw = [r["krex"] for r in recs if r["cell"] == "krex-1+pw1" and r.get("krex")]
+    assert any((k.get("prewarm_s") or 0) > 0 for k in pw), pw
+    # The pre-warmed command ran beside regions (a sibling to freeze), which stayed clean.
+    regs = [g for k in pw for g in k.get("regions") or []]
+    assert regs and not any(g.get("contaminated") for g in regs), regs
+    assert any((g.get("siblings_frozen") or 0) > 0 for g in regs), regs
+    s = json.loads((out / "summary.json").read_text())
+    assert "krex-1+pw1" in {t["cell"] for t in s["throughput"]}
+    bad = krex([*args, "--prewarm", "x", "--out", str(tmp_path / "bad")], krex_env, timeout=60)
+    assert bad.returncode == 2 and "--prewarm" in bad.stderr and "fix:" in bad.stderr, bad.stderr

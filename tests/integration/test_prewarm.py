@@ -1,0 +1,237 @@
+"""Pre-warmed starts (krexd's `prewarm`, issue 11 item 5): with every slot busy, up to
+`prewarm` more commands per GPU start at once, run their CPU phase, and wait at their
+first GPU call (or region) until a slot frees up. Real krexd, real `krex run`, the
+simulated GPU; and the faults: the waiting command killed, krexd killed or stopped
+while it waits, a `warm` word forged in the segment."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+KREX = [sys.executable, "-m", "krex.cli.main"]
+VICTIM = str(Path(__file__).resolve().parents[1] / "helpers" / "warm_victim.py")
+
+
+def krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def status(env: dict[str, str]) -> dict[str, Any]:
+    return json.loads(krex(env, "status", "--json").stdout)
+
+
+def wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start(env: dict[str, str], out: Path, name: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, VICTIM, str(out), name, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(p: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str]:
+    """Its exit status and stderr, once it ends."""
+    _, err = p.communicate(timeout=timeout)
+    return p.returncode, err
+
+
+def read(out: Path, name: str) -> dict[str, Any]:
+    return dict(json.loads((out / name).read_text()))
+
+
+def daemon(env: dict[str, str], prewarm: int, *extra: str) -> None:
+    p = krex(
+        env, "daemon", "start", "--device", "sim", "--slots-per-gpu", "1", "--prewarm", str(prewarm), *extra
+    )
+    assert p.returncode == 0, p.stderr
+
+
+def warm_slots(env: dict[str, str]) -> list[dict[str, Any]]:
+    return [s for s in status(env)["daemon"]["slots"] if s["warm"]]
+
+
+def test_prewarmed_command_runs_its_cpu_phase_then_waits_for_the_slot(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command to hold the GPU")
+    b = start(env, tmp_path, "b", "--cpu-s", "0.3", "--gpu-s", "0.2")
+    # b starts at once (no admission wait) and finishes its CPU phase while a holds the slot.
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "the pre-warmed command's CPU phase")
+    time.sleep(0.5)
+    assert not (tmp_path / "b.gpu").exists(), "b's first GPU call passed while every slot was busy"
+    warm = warm_slots(env)
+    assert len(warm) == 1 and warm[0]["pids"], warm
+    assert "pre-warmed" in krex(env, "status").stdout
+    # A third command finds the pre-warmed place taken: it waits at admission, not started.
+    c = start(env, tmp_path, "c", "--gpu-s", "0.1")
+    time.sleep(1.0)
+    assert not (tmp_path / "c.start").exists(), "a command started beyond slots + prewarm"
+    t_release = time.monotonic()
+    stop_a.touch()
+    assert finish(a)[0] == 0
+    rc_b, err_b = finish(b)
+    rc_c, err_c = finish(c)
+    assert rc_b == 0 and rc_c == 0, err_b + err_c
+    ra, rb, rc = read(tmp_path, "a.json"), read(tmp_path, "b.json"), read(tmp_path, "c.json")
+    assert rb["t_start"] < ra["t_end"], "b did not start before a's slot freed up"
+    assert rb["t_cpu"] < ra["t_end"], "b's CPU phase did not overlap a"
+    assert rb["t_gpu"] >= ra["t_end"] and rb["t_gpu"] >= t_release, (
+        "b reached the GPU before a's slot freed up"
+    )
+    assert rc["t_start"] >= ra["t_end"], "c started before b was given the slot"
+    assert rc["t_gpu"] >= rb["t_end"], "c reached the GPU while b held the only slot"
+    assert "starting pre-warmed" in err_b, err_b
+    assert "waiting for a free slot" in err_c, err_c
+    assert warm_slots(env) == []
+
+
+def test_without_prewarm_the_second_command_does_not_start(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """The control: prewarm 0 (the default) queues at admission as before."""
+    env = krex_env
+    daemon(env, 0)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = start(env, tmp_path, "b", "--cpu-s", "0.1")
+    time.sleep(1.0)
+    assert not (tmp_path / "b.start").exists()
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0 and finish(b, 30)[0] == 0
+    assert read(tmp_path, "b.json")["t_start"] >= read(tmp_path, "a.json")["t_end"]
+
+
+def test_a_prewarmed_region_waits_for_the_slot_and_is_clean(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """krex.region() as the first GPU step: krexd holds the begin until the slot is given,
+    so the region never closes the gate while the command is not yet allowed on the GPU."""
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = start(env, tmp_path, "b", "--region")
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b's CPU phase")
+    time.sleep(0.5)
+    assert not (tmp_path / "b.gpu").exists(), "b's region was granted while every slot was busy"
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0 and finish(b, 30)[0] == 0
+    rb = read(tmp_path, "b.json")
+    assert rb["t_gpu"] >= read(tmp_path, "a.json")["t_end"]
+    assert rb["grant"] and not rb["grant"].get("contaminated"), rb["grant"]
+
+
+def test_a_killed_prewarmed_command_gives_its_place_back(krex_env: dict[str, str], tmp_path: Path) -> None:
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = start(env, tmp_path, "b")
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b waiting at its first GPU call")
+    os.kill(read(tmp_path, "b.start")["pid"], signal.SIGKILL)
+    assert finish(b, 30)[0] == 128 + signal.SIGKILL
+    wait_for(lambda: warm_slots(env) == [], 10, "b's pre-warmed slot to be released")
+    # The place is free again: the next command starts at once, pre-warmed.
+    c = start(env, tmp_path, "c")
+    wait_for(lambda: (tmp_path / "c.cpu").exists(), 10, "c to start pre-warmed")
+    assert len(warm_slots(env)) == 1
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0 and finish(c, 30)[0] == 0
+
+
+def _krexd_pid(env: dict[str, str]) -> int:
+    return int(status(env)["daemon"]["daemon"]["pid"])
+
+
+def test_a_prewarmed_command_never_hangs_on_a_killed_krexd(krex_env: dict[str, str], tmp_path: Path) -> None:
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = start(env, tmp_path, "b")
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b waiting at its first GPU call")
+    time.sleep(0.3)
+    assert not (tmp_path / "b.gpu").exists()
+    os.kill(_krexd_pid(env), signal.SIGKILL)
+    # b goes on once krexd's heartbeat is stale (KREX_HEARTBEAT_TIMEOUT_MS), never waits for ever.
+    wait_for(lambda: (tmp_path / "b.gpu").exists(), 30, "b to go on without krexd")
+    assert finish(b, 60)[0] == 0
+    stop_a.touch()
+    assert finish(a, 60)[0] == 0
+
+
+def test_a_prewarmed_command_never_hangs_on_a_stopped_krexd(krex_env: dict[str, str], tmp_path: Path) -> None:
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = start(env, tmp_path, "b")
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b waiting at its first GPU call")
+    time.sleep(0.3)
+    assert not (tmp_path / "b.gpu").exists()
+    pid = _krexd_pid(env)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: (tmp_path / "b.gpu").exists(), 30, "b to go on while krexd is stopped")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stop_a.touch()
+    assert finish(a, 60)[0] == 0 and finish(b, 60)[0] == 0
+
+
+def test_a_forged_warm_word_is_repaired(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """Any process of the user can write the segment: `warm` set on a running command's
+    slot would hold its next process at its first GPU call for ever. krexd puts it back."""
+    from krex.node.shm import Segment
+
+    env = krex_env
+    daemon(env, 0)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    slot = status(env)["daemon"]["slots"][0]["slot"]
+    old = os.environ.get("KREX_SHM")
+    os.environ["KREX_SHM"] = env["KREX_SHM"]
+    try:
+        with Segment.attach() as seg:
+            seg.raw.slots[slot].warm = 1
+            wait_for(lambda: seg.raw.slots[slot].warm == 0, 10, "krexd to repair the forged warm word")
+    finally:
+        if old is None:
+            os.environ.pop("KREX_SHM")
+        else:
+            os.environ["KREX_SHM"] = old
+    assert any("slot" in p for inc in status(env)["daemon"]["segment"]["incidents"] for p in inc["problems"])
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0
+
+
+def test_prewarm_setting_is_checked_and_shown(krex_env: dict[str, str]) -> None:
+    env = krex_env
+    bad = krex(env, "daemon", "start", "--device", "sim", "--prewarm", "65")
+    assert bad.returncode != 0 and "prewarm" in bad.stderr and "0..64" in bad.stderr, bad.stderr
+    daemon(env, 3)
+    st = krex(env, "daemon", "status")
+    assert "pre-warmed starts per GPU 3" in st.stdout, st.stdout
