@@ -1,0 +1,79 @@
+"""Per-cell table of a krex bench results directory, for issue 11's notes: throughput against
+the unprotected cell of the same C, region entry (all regions and one family), flagged
+regions and why, and how long pre-warmed commands waited for their slot.
+
+    python3 scripts/bench_cells.py RESULTS_DIR [--family cpu-heavy]
+
+Reads cells.jsonl and raw.jsonl only (the bench's own files); prints markdown tables.
+Entry is krexd's `entry_s` of each region (request to grant), quantiles by nearest rank."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def jsonl(p: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+
+
+def q(xs: list[float], p: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+
+
+def ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 1e3:.0f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--family", default="cpu-heavy")
+    a = ap.parse_args()
+    cells = {c["cell"]: c for c in jsonl(a.out / "cells.jsonl")}
+    runs: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in jsonl(a.out / "raw.jsonl"):
+        if r.get("cell") in cells and r.get("run") == cells[r["cell"]]["run"]:
+            runs[r["cell"]].append(r)
+    cpm = {k: c["n_runs"] / c["makespan_s"] * 60 for k, c in cells.items() if c["makespan_s"] > 0}
+    print("| cell | runs | failed | makespan s | cmds/min | vs unprotected-C |")
+    print("|---|---|---|---|---|---|")
+    for k, c in cells.items():
+        unp = f"unprotected-{c['c']}" if c["mode"] == "krex" else None
+        ratio = f"{cpm[k] / cpm[unp]:.2f}x" if unp in cpm and k in cpm else ""
+        print(f"| {k} | {c['n_runs']} | {c['failures']} | {c['makespan_s']:.1f} | {cpm.get(k, math.nan):.1f} | {ratio} |")
+    print()
+    print(f"| cell | regions | entry p50/p95/p99/max ms | {a.family}: n, p50/p99/max ms | flagged (why) | "
+          "pre-warmed: n, wait p50/max s |")
+    print("|---|---|---|---|---|---|")
+    for k, c in cells.items():
+        if c["mode"] != "krex":
+            continue
+        regs = [(r.get("family"), g) for r in runs[k] for g in ((r.get("krex") or {}).get("regions") or [])]
+        ent = [float(g["entry_s"]) for _, g in regs if g.get("entry_s") is not None]
+        fam = [float(g["entry_s"]) for f, g in regs if f == a.family and g.get("entry_s") is not None]
+        why: collections.Counter[str] = collections.Counter()
+        for _, g in regs:
+            if g.get("contaminated"):
+                for x in g.get("flags") or g.get("reasons") or ["?"]:
+                    why[str(x).split(":")[0].split(" ")[0]] += 1
+        flagged = sum(1 for _, g in regs if g.get("contaminated"))
+        pw = [float(r["krex"]["prewarm_s"]) for r in runs[k] if (r.get("krex") or {}).get("prewarm_s") is not None]
+        print(
+            f"| {k} | {len(regs)} | {ms(q(ent, .5))}/{ms(q(ent, .95))}/{ms(q(ent, .99))}/{ms(max(ent, default=math.nan))} "
+            f"| {len(fam)}, {ms(q(fam, .5))}/{ms(q(fam, .99))}/{ms(max(fam, default=math.nan))} "
+            f"| {flagged} ({', '.join(f'{w} {n}' for w, n in why.most_common()) or '-'}) "
+            f"| {len(pw)}, {q(pw, .5):.2f}/{max(pw, default=math.nan):.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
