@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11 on the H200, resumable across device calls (carry .whl and h200run/). STEPS, in the
-# order given: topo (CPU topology), short (the short-kernel experiment), bench (a krex bench that
+# order given: topo (CPU topology), short (the short-kernel experiment), settle (scripts/gpu_settle.py),
+# bench (a krex bench that
 # compares freeze policies side by side, BENCH_ARGS), entry (region entry while siblings copy
 # GB-scale inputs). The bench directory travels as h200run/bench.tgz; everything comes back in $OUT.
 #   env: STEPS (default "short bench"), DEADLINE, BENCH_ARGS, BENCH_TIMEOUT (s, default 400),
@@ -33,6 +34,8 @@ for step in $STEPS; do case $step in
   echo "== krex bench $R ${BENCH_ARGS:-}"
   timeout $(left ${BENCH_TIMEOUT:-400}) $K bench --device gpu --corpus "$REPO/examples/workloads/manifest.py" $R ${BENCH_ARGS:-} > "$L/bench-$(date +%s).log" 2>&1
   echo "bench exit $?"; tail -c 3000 $(ls -t "$L"/bench-*.log | head -1) | grep -v '^krex bench: \[' | tail -22 ;;
+  settle)  # how long the GPU stays slower after another process frees memory or exits
+  echo "== settle after a free or an exit (scripts/gpu_settle.py)"; timeout $(left ${SETTLE_TIMEOUT:-200}) python3 "$REPO/scripts/gpu_settle.py" ${SETTLE_ARGS:-} 2>"$L/settle.err" | tee "$L/settle.txt" || tail -5 "$L/settle.err" ;;
   entry)
   echo "== region entry while siblings copy GB-scale inputs"; timeout $(left ${ENTRY_TIMEOUT:-150}) python3 "$REPO/scripts/gpu_entry_copies.py" 2>"$L/entry.err" || tail -5 "$L/entry.err" ;;
   *) echo "unknown step $step"; exit 2 ;;
