@@ -100,7 +100,7 @@ def _parse_prewarms(text: str) -> list[int]:
         p = part.strip()
         if not p:
             continue
-        if not p.isdigit() or not 0 <= int(p) <= 64:
+        if not (p.isascii() and p.isdigit()) or not 0 <= int(p) <= 64:
             raise UsageError(f"bad --prewarm {p!r}", "give a comma list of whole numbers in 0..64, e.g. 0,4")
         if int(p) not in out:
             out.append(int(p))

@@ -284,12 +284,15 @@ static void *krex_helper(void *arg) {
 /* At exit: no drain may start while the vendor libraries tear down, and one in
  * progress is waited for (bounded). Registered with atexit when the helper
  * starts, i.e. after the vendor runtime registered its own exit handlers, so it
- * runs before them. */
+ * runs before them. Then one last drain here, while the libraries still stand, and
+ * the record says so (exit_drained): the teardown's own calls are LIFE calls, gated
+ * (they park at a closed gate), so krexd owes this process no ack unless it submits
+ * again. Without it, every region during a sibling's teardown (100+ ms on a GPU)
+ * waited the whole drain timeout for an ack from a helper that was gone. */
 static void stop_helper(void) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
     /* Unnamed first: a helper that is gone while the process lives must not read as an
-     * exec (other threads may still submit while the process exits): krexd then waits
-     * for an ack that never comes, and flags the region, as for any helper that is gone. */
+     * exec (other threads may still submit while the process exits). */
     struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
     if (rec) __atomic_store_n(&rec->helper_tid, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
@@ -298,10 +301,18 @@ static void stop_helper(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += KREX_HEARTBEAT_TIMEOUT_NS / 1000000000;
-    if (pthread_timedjoin_np(g_helper_thread, NULL, &ts) != 0)
+    if (pthread_timedjoin_np(g_helper_thread, NULL, &ts) != 0) {
         klog("drain helper still busy at exit; leaving it");
-    else
-        klog("drain helper stopped at exit");
+        return;
+    }
+    klog("drain helper stopped at exit");
+    if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
+    uint64_t before = krex_proc_submits(rec);
+    drain_fns();
+    drain_cuda();
+    drain_hip();
+    __atomic_store_n(&rec->exit_drained, 1 + before, __ATOMIC_SEQ_CST);
+    if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */
 }
 
 void start_helper(void) {

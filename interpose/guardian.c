@@ -1069,18 +1069,33 @@ static void daemon_lost(const struct admission *a, const struct conn *c, pid_t p
 }
 
 /* Wait for the command: forward signals to its group, watch krexd. Its wait status. */
+/* A pre-warmed command (krexd's prewarm) still waiting for its slot: its first GPU call is
+ * blocked in the shim, where a Python command cannot run its SIGINT handler. */
+static int still_warm(const struct admission *a, const struct conn *c) {
+    return c->seg && __atomic_load_n(&c->seg->slots[a->slot].warm, __ATOMIC_ACQUIRE) != 0;
+}
+
 static int wait_command(const struct admission *a, struct conn *c, pid_t pid, int sfd, struct lost *lo) {
     int stale = 0, status = 0;
+    uint64_t kill_at = 0; /* a stop signal came while the command waited pre-warmed: SIGKILL then */
     for (;;) {
         struct pollfd pf[2] = {{sfd, POLLIN, 0}, {lo->happened ? -1 : c->fd, POLLRDHUP, 0}};
         int r = poll(pf, 2, (int)(KREX_GUARDIAN_POLL_NS / 1000000));
         if (r < 0 && errno != EINTR) return -1;
         if (r > 0 && (pf[0].revents & POLLIN)) {
             struct signalfd_siginfo si;
-            while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
+            while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
                 /* A terminal's signal (SI_KERNEL) went to our whole group, the command included. */
                 if (si.ssi_signo != SIGCHLD && !(g_shared_group && si.ssi_code == SI_KERNEL))
                     signal_command(pid, (int)si.ssi_signo);
+                if (si.ssi_signo != SIGCHLD && !kill_at && still_warm(a, c))
+                    kill_at = now_ns() + KREX_WARM_KILL_NS;
+            }
+        }
+        /* Nothing of it reached the GPU yet: stopping it for good loses nothing. */
+        if (kill_at && now_ns() >= kill_at) {
+            if (still_warm(a, c)) signal_command(pid, SIGKILL);
+            kill_at = 0;
         }
         pid_t w = waitpid(pid, &status, WNOHANG);
         if (w < 0 && errno == ECHILD) return -1; /* reaped by someone else: its status is lost */

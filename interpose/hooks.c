@@ -38,9 +38,9 @@
         int krex_counted = krex_enter(KREX_CLS_LIFE);              \
         before;                                                    \
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
-        krex_life_free(KREX_ID_##name, krex_a0);                   \
+        krex_life_free(KREX_ID_##name, krex_a0, 0);                \
         KREX_RET krex_rc = fn args;                                \
-        krex_life_free(KREX_ID_##name, krex_a0);                   \
+        krex_life_free(KREX_ID_##name, krex_a0, 1);                \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
         if (krex_rc == 0) {                                        \
             krex_life_done();                                      \

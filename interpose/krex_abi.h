@@ -143,6 +143,10 @@
  * sibling's free or exit is flagged `recent-free`. Not measured: 4 GB cleared at the
  * ~3 TB/s that slowdown implies takes ~1.3 ms; 100 ms covers ~300 GB. */
 #define KREX_FREE_SETTLE_NS 100000000
+/* A guardian that gets a stop signal (SIGINT, SIGTERM, ...) while its command still waits
+ * pre-warmed (nothing of it on the GPU yet) SIGKILLs it this long after, if it still waits:
+ * a Python command blocked in the shim's wait cannot run its own handler. */
+#define KREX_WARM_KILL_NS 1000000000
 /* A region still open after this long is ended by force (max_region, --max-region). */
 #define KREX_MAX_REGION_MS 60000
 /* A daemon started on demand exits after this long without work (idle_exit). */
@@ -310,7 +314,12 @@ struct krex_proc {
     uint32_t helper_tid;            /* its drain helper's thread: gone while the pid lives = exec'd */
     uint32_t life_inflight;         /* threads inside a LIFE call right now (1 for good once it exits:
                                      * the context's teardown is the kernel's, past every call) */
-    uint32_t pad1;
+    uint32_t free_inflight;         /* threads inside a free (a LIFE call that hands memory back),
+                                     * from its first stamp to its second: one frozen right after
+                                     * the driver call has freed memory with no second stamp yet */
+    uint64_t exit_drained;          /* 0 while its drain helper runs; at exit, once the helper has
+                                     * stopped after a last drain: 1 + its gated submissions then.
+                                     * While they stay that many, krexd owes it no drain ack */
 };
 
 struct krex_shm {

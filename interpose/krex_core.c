@@ -104,7 +104,7 @@ int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus) {
     if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - __atomic_load_n(&shm->gpus[p->gpu].drain_seq, SEQ)) > 0)
         return 4;
     if (p->slot != KREX_PROC_STALE && (p->slot < 0 || p->slot >= KREX_MAX_SLOTS)) return 8;
-    if (p->has_ctx > 1 || p->inflight > 65536 || p->life_inflight > 65536) return 16;
+    if (p->has_ctx > 1 || p->inflight > 65536 || p->life_inflight > 65536 || p->free_inflight > 65536) return 16;
     return 0;
 }
 
@@ -241,7 +241,14 @@ uint32_t krex_load32(uint32_t *addr) { return __atomic_load_n(addr, SEQ); }
 
 /* One read of /proc/<pid>/stat: its start time (field 22) and state letter. 0 when
  * the process is not there (or the file cannot be read). */
+static uint64_t pid_stat_flags(int64_t pid, char *state, unsigned *flags);
 static uint64_t pid_stat(int64_t pid, char *state) {
+    unsigned flags;
+    return pid_stat_flags(pid, state, &flags);
+}
+
+/* The same, and the kernel's PF_* flags (field 9). */
+static uint64_t pid_stat_flags(int64_t pid, char *state, unsigned *flags) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -255,8 +262,8 @@ static uint64_t pid_stat(int64_t pid, char *state) {
     if (!p || !p[1] || !p[2]) return 0;
     unsigned long long v = 0;
     /* After ") " come fields 3..; start time is field 22. */
-    if (sscanf(p + 2, "%c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu", state,
-               &v) != 2)
+    if (sscanf(p + 2, "%c %*d %*d %*d %*d %*d %u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu", state,
+               flags, &v) != 3)
         return 0;
     return v;
 }
@@ -398,6 +405,43 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
     return n;
 }
 
+/* Processes of `gpu`'s other slots inside the kernel's exit (PF_EXITING, not yet a zombie)
+ * whose exit the freezer cannot stop: those whose helper thread is gone (exit_group killed
+ * it) or that hold a LIFE count (the exit hold). One /proc read for each such record only. */
+#define KREX_PF_EXITING 4u /* include/linux/sched.h */
+int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->slot == owner_slot) continue;
+        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        if (__atomic_load_n(&p->life_inflight, SEQ) == 0 && !image_gone(p, pid)) continue;
+        char state = 0;
+        unsigned flags = 0;
+        uint64_t st = pid_stat_flags(pid, &state, &flags);
+        if (st == 0 || (p->start_ticks && st != p->start_ticks) || state == 'Z' || state == 'X') continue;
+        if (!(flags & KREX_PF_EXITING)) continue;
+        if (n < max) pids[n] = pid;
+        n++;
+    }
+    return n;
+}
+
+/* Live processes of `gpu`'s other slots inside a free (krex_proc.free_inflight): a free they
+ * made may have just ended without its closing stamp (frozen right after the driver call). */
+int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->slot == owner_slot || __atomic_load_n(&p->free_inflight, SEQ) == 0) continue;
+        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        if (krex_pid_alive(pid, p->start_ticks)) n++;
+    }
+    return n;
+}
+
 /* Slots of `gpu` other than `owner_slot` whose processes freed GPU memory (or exited
  * after a LIFE call) at or after `since_ns` (CLOCK_MONOTONIC): their numbers, and how long
  * ago (ns). The stamps outlive the processes, their records and the slot's command. */
@@ -454,6 +498,13 @@ uint32_t krex_drain_request(struct krex_shm *shm, int gpu) {
     return seq;
 }
 
+/* A process's gated submissions (kernels, copies, memsets, graphs, prefetches: not LIFE calls). */
+uint64_t krex_proc_submits(struct krex_proc *p) {
+    uint64_t n = 0;
+    for (int k = 0; k < KREX_CLS_LIFE; k++) n += __atomic_load_n(&p->submits[k], SEQ);
+    return n;
+}
+
 enum drain_query { DRAIN_PENDING, DRAIN_PARTIAL };
 
 /* Sibling processes of `gpu` (not in `owner_slot`) that hold GPU work and match `q`:
@@ -468,6 +519,9 @@ static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t se
         if (q == DRAIN_PENDING) {
             /* Sequence numbers wrap: compare by signed distance. */
             if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
+            /* Exiting after a last drain, its helper gone: nothing queued since, nothing owed. */
+            uint64_t ex = __atomic_load_n(&p->exit_drained, SEQ);
+            if (ex && __atomic_load_n(&p->inflight, SEQ) == 0 && ex == 1 + krex_proc_submits(p)) continue;
             if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
         } else if (__atomic_load_n(&p->drain_partial, SEQ) != seq) {
             continue;
@@ -657,6 +711,8 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->has_ctx = 0;
     p->inflight = 0;
     p->life_inflight = 0;
+    p->free_inflight = 0;
+    p->exit_drained = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);

@@ -77,6 +77,9 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
 int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int32_t *slots,
                       uint64_t *ago_ns, int max);
 void krex_note_free(struct krex_shm *shm, int gpu, int slot);
+int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot);
+uint64_t krex_proc_submits(struct krex_proc *p);
+int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 /* Pre-warmed starts: set or clear a slot's `warm` (clearing wakes its waiting processes). */
 void krex_slot_set_warm(struct krex_shm *shm, int slot, int warm);

@@ -137,9 +137,13 @@ static void exit_hold(void) {
     krex_note_free(g_shm, g_gpu, g_slot); /* its teardown frees all its GPU memory */
 }
 
-void krex_life_free(int id, uintptr_t arg0) {
-    if (krex_frees[id] && (krex_frees[id] == 1 || arg0 != 0) && __atomic_load_n(&g_fast.gate, ACQUIRE))
-        krex_note_free(g_shm, g_gpu, g_slot); /* seq_cst: a later grant's read sees it */
+void krex_life_free(int id, uintptr_t arg0, int end) {
+    if (!krex_frees[id] || (krex_frees[id] != 1 && arg0 == 0) || !__atomic_load_n(&g_fast.gate, ACQUIRE)) return;
+    krex_note_free(g_shm, g_gpu, g_slot); /* seq_cst: a later grant's read sees it */
+    /* Counted from the first stamp to after the second: krexd, freezing us in between (right
+     * after the driver freed), knows a free ended with no stamp of its end yet. */
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p) __atomic_add_fetch(&p->free_inflight, end ? (uint32_t)-1 : 1u, __ATOMIC_SEQ_CST);
 }
 
 void krex_life_done(void) {
@@ -195,7 +199,7 @@ static int register_now(void);
  * until krexd gives it the slot. Before the signals are blocked: this may last as long as
  * a command, and Ctrl-C must still work. Never waits on a krexd that stopped beating. */
 static void warm_wait(void) {
-    if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS || g_slot_gen < 0) return;
+    if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS) return; /* no KREX_SLOT: krexd's register op waits */
     struct krex_shm *shm = attach_shm();
     if (!shm) return;
     struct krex_slot *sl = &shm->slots[g_slot];
@@ -204,7 +208,7 @@ static void warm_wait(void) {
     klog("slot %d is pre-warmed: its first GPU call waits for a free slot", g_slot);
     while (__atomic_load_n(&sl->warm, __ATOMIC_SEQ_CST)) {
         /* Handed to another command: ours has ended; registration then makes us stale. */
-        if ((long long)__atomic_load_n(&sl->generation, __ATOMIC_SEQ_CST) != g_slot_gen) break;
+        if (g_slot_gen >= 0 && (long long)__atomic_load_n(&sl->generation, __ATOMIC_SEQ_CST) != g_slot_gen) break;
         if (krex_heartbeat_stale(shm, krex_now_ns(), 0)) {
             klog("krexd stopped beating while slot %d waited pre-warmed: going on", g_slot);
             break;

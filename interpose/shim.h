@@ -46,7 +46,8 @@ int krex_register(void);
 int krex_wait_gate(uint32_t word);
 struct krex_shm *attach_shm(void);
 void krex_life_done(void);                   /* a LIFE call succeeded: arm the exit hold */
-void krex_life_free(int id, uintptr_t arg0); /* LIFE call `id` (first argument arg0): a free? stamp it */
+void krex_life_free(int id, uintptr_t arg0, int end); /* LIFE call `id` (first argument arg0): a free? stamp it
+                                                      * (end 0: before the driver call, 1: after it) */
 
 KREX_NO_SANITIZE static inline int mode_on(void) { return __atomic_load_n(&g_mode, RELAXED) == MODE_ON; }
 

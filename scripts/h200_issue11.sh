@@ -9,7 +9,7 @@
 #   keeps one build across device calls while the tree moves on)
 set -uo pipefail
 REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; L=/tmp/i11; B=/tmp/krexbench; mkdir -p "$L" "$FINAL"
-trap 'tar czf "$FINAL/logs.tgz" -C "$L" . ; [ -d $B ] && tar czf "$FINAL/bench.tgz" -C $B .' EXIT
+trap 'cp /tmp/krexstate/krexd.log "$L/" 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$L" . ; [ -d $B ] && tar czf "$FINAL/bench.tgz" -C $B .' EXIT
 if [ ! -d /tmp/krexpkg/krex ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   SRC=.; [ -n "${KREX_WHEELS:-}" ] && SRC=$(ls "$KREX_WHEELS"/krex-*.whl | head -1)

@@ -68,7 +68,7 @@ class Cell:
         if "+pw" in key:
             base, _, n = key.rpartition("+pw")
             c = Cell.from_key(base)
-            if c.mode != "krex" or not n.isdigit() or not 1 <= int(n) <= 64:
+            if c.mode != "krex" or not (n.isascii() and n.isdigit()) or not 1 <= int(n) <= 64:
                 raise UsageError(
                     f"unknown cell {key!r}", "krex-C[@POLICY]+pwN takes N pre-warmed starts, 1..64"
                 )
@@ -82,7 +82,7 @@ class Cell:
                 )
             return Cell(c.mode, c.c, freeze)
         for m in CONCURRENT:
-            if key.startswith(m + "-") and key[len(m) + 1 :].isdigit():
+            if key.startswith(m + "-") and key[len(m) + 1 :].isascii() and key[len(m) + 1 :].isdigit():
                 return Cell(m, int(key[len(m) + 1 :]))
         if key in MODES:
             return Cell(key, 1)
@@ -116,7 +116,7 @@ def parse_concurrency(text: str | Sequence[int]) -> list[int]:
         s = s.strip()
         if not s:
             continue
-        if not s.isdigit() or not 1 <= int(s) <= 64:
+        if not (s.isascii() and s.isdigit()) or not 1 <= int(s) <= 64:
             raise UsageError(
                 f"bad concurrency {s!r}", "give a comma list of integers in 1..64, e.g. 2,4,8,16"
             )

@@ -334,6 +334,8 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "inflight_s",
         "drain_s",
         "freeze_s",
+        "exit_wait_s",
+        "settle_s",
         "pin_s",
         "entry_s",
         "region_s",
@@ -390,13 +392,15 @@ def _daemon_status() -> dict[str, Any] | None:
         c.close()
 
 
-def _start_daemon(dev: str, slots: int, prewarm: int = 0) -> None:
+def _start_daemon(dev: str, slots: int, prewarm: int = 0) -> bool:
+    """Start a daemon with these settings; False when another one answered instead."""
     from krex.proc.client import start_background
 
-    start_background(
+    got = start_background(
         device=dev,
         settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots)), "prewarm": prewarm},
     )
+    return bool(getattr(got, "ours", True))
 
 
 def _stop_daemon() -> None:
@@ -671,7 +675,13 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             return
         if started_daemon:
             _stop_daemon()
-        _start_daemon(dev, want[0], want[1])
+            started_daemon = False
+        if not _start_daemon(dev, want[0], want[1]):
+            raise UsageError(
+                f"another KREX daemon started while the bench ran (it needed one with {want[0]} slots "
+                f"per GPU and prewarm {want[1]})",
+                "run the bench with no other daemon on the node",
+            )
         started_daemon = True
         ours = want
         note(
@@ -680,6 +690,13 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             + "; stopped at the end"
         )
 
+    if any(c.mode == "krex" and c.prewarm for c in todo) and _daemon_status() is not None:
+        pw = sorted({c.key for c in todo if c.mode == "krex" and c.prewarm})
+        raise UsageError(
+            f"{', '.join(pw)} need a daemon the bench starts itself (C slots per GPU, prewarm N), "
+            "and a KREX daemon already runs on this node",
+            "stop it (`krex daemon stop`), or drop --prewarm",
+        )
     try:
         if todo and cfg.warmup:
             w0 = min(workloads, key=lambda w: w.est_wall_s)

@@ -398,6 +398,7 @@ class Daemon:
                 _roots(self.seg.slot_pids(n)),
                 guardian_connected=False,
                 generation=int(sp.generation),
+                warm=bool(sp.warm),  # still pre-warmed: it waits on, in slot order
             )
             if lib.krex_pid_alive(sp.owner_pid, 0) or self._group_pids(slot):
                 self.slots[n] = slot
@@ -406,6 +407,8 @@ class Daemon:
                 with contextlib.suppress(KrexError, OSError):
                     group.remove()
                 self.seg.release_slot(n)
+        with self.lock:
+            self._promote()  # slots that freed up with the old daemon go to warm ones now
         return {"thawed": thawed, "reopened": reopened, "reaped": reaped, "adopted": adopted}
 
     def _open_segment(self) -> None:
@@ -958,6 +961,9 @@ class Daemon:
         free = [g for g in gpus if active[g] < self.slots_per_gpu(g) and not warm[g]]
         if free:
             return min(free, key=lambda g: active[g]), False
+        # A pre-warmed start takes a slot record too: never the last ones (then it queues).
+        if len(self.slots) >= lib.KREX_MAX_SLOTS:
+            return None
         room = [g for g in gpus if warm[g] < self.cfg.prewarm]
         return (min(room, key=lambda g: warm[g]), True) if room else None
 
@@ -1132,6 +1138,7 @@ class Daemon:
         fail_opens0 = 0
         fz: _FreezePlan | None = None
         sib_procs: set[tuple[int, int, int]] = set()
+        sib_at_grant: set[tuple[int, int, int]] = set()
         try:
             # Taken as the gate closes: a sibling that starts or ends its GPU work from here
             # on can overlap the region (sibling-context), entry included.
@@ -1157,10 +1164,16 @@ class Daemon:
             waits["wait_drain"] = r.stats
             drained = r.count
             if not r.ok:
+                # Where their threads are (a helper stuck in the driver or the loader): the log
+                # has all of it, the reason the first straggler's.
+                detail = [procfs.thread_report(p) for p in r.stragglers[:4]]
+                for line in detail:
+                    log.warning("drain straggler: %s", line)
                 reasons.append(
                     (
                         "drain-timeout",
-                        f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s",
+                        f"pids {r.stragglers} did not ack the drain within {self.cfg.drain_timeout_s:g}s "
+                        f"({detail[0][:600] if detail else '-'})",
                     )
                 )
             if r.partial:
@@ -1201,6 +1214,25 @@ class Daemon:
                     if not gone:
                         reasons.append(("freeze-failed", f"slot {s.slot} did not freeze: {e}"))
             t["freeze_s"] = time.monotonic() - t1  # what the freeze added after the drain
+            # A sibling already inside the kernel's exit cannot be frozen, and its contexts'
+            # teardown runs on the GPU: wait for it to be gone, so it ends before the grant.
+            t3 = time.monotonic()
+            exiting, waited_exit = self._await_exits(gpu, req.slot)
+            t["exit_wait_s"] = time.monotonic() - t3
+            if exiting:
+                reasons.append(
+                    (
+                        "sibling-context",
+                        f"sibling pids {sorted(exiting)} were still exiting {self.cfg.freeze_timeout_s:g}s "
+                        "after the gate closed: their contexts' teardown may run inside the region",
+                    )
+                )
+            # The processes that ended during entry ended before the grant; their teardown
+            # is over, the scrubbing of their memory is what _settle waits out.
+            sib_at_grant = self._sibling_gpu_procs(gpu, req.slot)
+            # So did a free of a sibling frozen right after its driver call (no closing stamp).
+            ended = waited_exit or sib_procs - sib_at_grant or self.seg.frees_inflight(gpu, req.slot)
+            ended_ns = time.monotonic_ns() if ended else 0
             t2 = time.monotonic()
             reserved = self.partition.slice_for(gpu).reserved
             try:
@@ -1217,7 +1249,7 @@ class Daemon:
                 evicted = cpus.evict([p for s in targets for p in self._group_pids(s)], reserved, req.tid)
             t["pin_s"] = time.monotonic() - t2
             reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
-            reasons.extend(self._recent_frees(gpu, req.slot))
+            reasons.extend(self._settle(gpu, req.slot, ended_ns, t))
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
                 "ok": True,
@@ -1291,7 +1323,9 @@ class Daemon:
             reasons.extend(more)
             skip = own_at_entry | self._own_pids(req) | {f["pid"] for f in attest.get("foreign") or []}
             reasons.extend(
-                self._context_changes(gpu, sib_procs, sib_procs_end, attest_entry, attest_exit, skip)
+                self._context_changes(
+                    gpu, sib_procs, sib_at_grant, sib_procs_end, attest_entry, attest_exit, skip
+                )
             )
             stalled = self._stalled_during(t0, time.monotonic())
             if stalled:
@@ -1400,23 +1434,52 @@ class Daemon:
         self._guard_tick()
         return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
 
-    def _recent_frees(self, gpu: int, owner_slot: int) -> list[tuple[str, str]]:
-        """Other slots whose processes freed GPU memory, or exited after setting some up,
-        within KREX_FREE_SETTLE_NS of the grant: the driver clears it on the GPU after the
-        call returned (krex_abi.h). The stamps outlive those processes and commands."""
+    def _frees_since(self, gpu: int, owner_slot: int, since_ns: int) -> list[tuple[int, int]]:
+        """(slot, ns ago) of other slots whose processes freed GPU memory, or exited after
+        setting some up, at or after `since_ns` (CLOCK_MONOTONIC, as krex_now_ns). The stamps
+        outlive those processes and commands."""
         slots, ago = ffi.new("int32_t[64]"), ffi.new("uint64_t[64]")
-        since = time.monotonic_ns() - lib.KREX_FREE_SETTLE_NS  # CLOCK_MONOTONIC, as krex_now_ns
-        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, since, slots, ago, 64)), 64)
-        if n == 0:
+        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, since_ns, slots, ago, 64)), 64)
+        return [(int(slots[i]), int(ago[i])) for i in range(n)]
+
+    def _settle(self, gpu: int, owner_slot: int, ended_ns: int, t: dict[str, float]) -> list[tuple[str, str]]:
+        """The driver clears freed memory on the GPU after the freeing call returned (or the
+        process ended): wait until KREX_FREE_SETTLE_NS has passed since the latest free of
+        another command (or `ended_ns`, a sibling seen gone during entry), at most one settle
+        time, then flag `recent-free` only for frees made meanwhile (no sibling can free
+        through a gated call now: a path the gate does not see)."""
+        settle = int(lib.KREX_FREE_SETTLE_NS)
+        t0 = time.monotonic_ns()
+        recent = self._frees_since(gpu, owner_slot, t0 - settle)
+        latest = max([ended_ns, *(t0 - ago for _s, ago in recent)])
+        if latest and latest + settle > t0:
+            time.sleep((latest + settle - t0) / 1e9)
+        t["settle_s"] = (time.monotonic_ns() - t0) / 1e9
+        new = self._frees_since(gpu, owner_slot, max(latest + 1, time.monotonic_ns() - settle))
+        if not new:
             return []
-        what = ", ".join(f"slot {int(slots[i])} {int(ago[i]) / 1e6:.0f} ms" for i in range(n))
+        what = ", ".join(f"slot {s} {ago / 1e6:.0f} ms" for s, ago in new)
         return [
             (
                 "recent-free",
-                f"other commands freed GPU memory or ended just before the grant ({what} before it): "
-                "the driver clears freed memory on the GPU after the fact, and nothing says when that ends",
+                f"other commands freed GPU memory or ended just before the grant ({what} before it), "
+                "after krexd had waited for the earlier frees to settle: the driver clears freed memory "
+                "on the GPU after the fact",
             )
         ]
+
+    def _await_exits(self, gpu: int, owner_slot: int) -> tuple[set[int], bool]:
+        """Wait (at most freeze_timeout_s) for sibling processes inside the kernel's exit
+        (PF_EXITING, not yet zombies): the freezer cannot stop them, and closing their GPU
+        files tears their contexts down on the GPU. Returns (those still exiting at the
+        deadline, whether it waited for any)."""
+        left = self.seg.exiting(gpu, owner_slot)
+        waited = bool(left)
+        deadline = time.monotonic() + self.cfg.freeze_timeout_s
+        while left and time.monotonic() < deadline and not self.stop.is_set():
+            time.sleep(0.002)
+            left = self.seg.exiting(gpu, owner_slot) & left
+        return left, waited
 
     def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:
         """(pid, start time, drain-helper thread) of the other commands' live processes on
@@ -1437,6 +1500,7 @@ class Daemon:
         self,
         gpu: int,
         before: set[tuple[int, int, int]],
+        at_grant: set[tuple[int, int, int]],
         after: set[tuple[int, int, int]],
         nvml_entry: dict[str, Any],
         nvml_exit: dict[str, Any],
@@ -1450,9 +1514,12 @@ class Daemon:
         docs/results/h200/goal-run). Frozen siblings cannot; one killed while frozen is
         flagged too. NVML adds processes with a context but no gated call that it listed
         at only one end (`skip`: the owner's own and those already flagged foreign). Not
-        seen: such a process that comes and goes between the two NVML samples."""
+        seen: such a process that comes and goes between the two NVML samples. `before` is
+        taken as the gate closed (a start from then on may have set up a context through a
+        path the gate does not see), `at_grant` at the grant: a process that ended before the
+        grant was torn down before it (its memory's scrubbing is _settle's)."""
         started = {p for p, _s, _t in after - before}
-        ended = {p for p, _s, _t in before - after}
+        ended = {p for p, _s, _t in at_grant - after}
         ent, ext = set(nvml_entry.get("procs") or []), set(nvml_exit.get("procs") or [])
         started |= (ext - ent) - skip
         ended |= (ent - ext) - skip
@@ -1691,6 +1758,7 @@ class Daemon:
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
     ) -> dict[str, Any]:
         s = self._slot_for(pid, msg, owned)
+        self._wait_warm(s, pid)  # a process that skipped the shim's own wait (no KREX_SLOT)
         return {"ok": True, "slot": s.slot, "gpu": s.gpu, "shm": self.shm_name}
 
     @handles("begin")
@@ -1885,10 +1953,31 @@ class Daemon:
                 self.freezer.group(f"slot-{n}"),
                 _roots(pids),
                 generation=int(sp.generation),
+                warm=bool(sp.warm),
             )
+            old = self.slots.get(n)
+            if old is not None:
+                s.created = old.created  # its place among pre-warmed ones
             self.slots[n] = s
             owned["guardian"] = n
         return {"ok": True, "slot": n}
+
+    def _wait_warm(self, s: Slot, pid: int) -> None:
+        """A pre-warmed command's region or registration waits for its slot, as its GPU calls
+        do in the shim: a region must never close the gate for a command whose own GPU calls
+        cannot pass yet. Never for a slot released meanwhile, nor for a process that died."""
+        with self.lock:
+            while s.warm and self.slots.get(s.slot) is s and not self.stop.is_set():
+                if not lib.krex_pid_alive(pid, 0):
+                    raise NotFound(f"pid {pid} ended while its command waited pre-warmed", "")
+                self.changed.wait(0.5)
+            if self.slots.get(s.slot) is not s:
+                raise NotFound(
+                    f"the slot of pid {pid} was released while its command waited pre-warmed",
+                    "start the command again",
+                )
+        if self.stop.is_set():
+            raise DaemonLost("the daemon is stopping", "run again; it starts on demand")
 
     def _begin(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> dict[str, Any]:
         if owned["region"] is not None and not owned["region"].released.is_set():
@@ -1900,9 +1989,9 @@ class Daemon:
             raise UsageError(f"thread {tid} is not a thread of pid {pid}", "send your own thread id")
         label = str(msg.get("label") or "")[:200]
         t_request = time.monotonic()
-        with self.lock:  # a pre-warmed command's region waits for its slot, as its GPU calls do
-            while s.warm and s.slot in self.slots and not self.stop.is_set():
-                self.changed.wait(0.5)
+        self._wait_warm(s, pid)
+        if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            raise NotFound(f"thread {tid} of pid {pid} ended while its command waited pre-warmed", "")
         req = Region(s.slot, s.gpu, pid, tid, t_request, label=label)
         owned["region"] = req
         if not self._enter_inline(s.gpu, req):

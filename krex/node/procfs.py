@@ -255,6 +255,35 @@ def task_states(pid: int) -> list[str]:
     return states
 
 
+def thread_report(pid: int, limit: int = 12) -> str:
+    """Where a process's threads are, for a reason text: `comm` and cmdline, then per thread
+    its name, state, kernel wait channel and the top of its kernel stack (root only)."""
+
+    def rd(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    try:
+        tids = sorted(os.listdir(f"{PROC}/{pid}/task"), key=int)
+    except OSError:
+        return f"pid {pid}: gone"
+    out = [f"pid {pid} ({rd(f'{PROC}/{pid}/comm')}: {(cmdline(pid, 80) or '?')})"]
+    for tid in tids[:limit]:
+        t = f"{PROC}/{pid}/task/{tid}"
+        st = parse_stat(rd(f"{t}/stat"), int(tid))
+        stack = [ln.split("] ", 1)[-1].split("+")[0] for ln in rd(f"{t}/stack").splitlines()[:3]]
+        out.append(
+            f"{tid} {rd(f'{t}/comm')} {st.state if st else '?'} wchan={rd(f'{t}/wchan') or '-'}"
+            + (f" stack={'<'.join(stack)}" if stack else "")
+        )
+    if len(tids) > limit:
+        out.append(f"... {len(tids) - limit} more threads")
+    return "; ".join(out)
+
+
 def stopped(pid: int) -> bool:
     return all(s in STOPPED_STATES for s in task_states(pid))
 

@@ -535,6 +535,16 @@ class Segment:
         n = min(int(lib.krex_life_busy(self.raw, gpu, owner_slot, pids, slots, 64)), 64)
         return {int(pids[i]): int(slots[i]) for i in range(n)}
 
+    def exiting(self, gpu: int, owner_slot: int) -> set[int]:
+        """Sibling processes inside the kernel's exit, past any freezer (krex_sibling_exiting)."""
+        pids = ffi.new("int64_t[64]")
+        n = min(int(lib.krex_sibling_exiting(self.raw, gpu, owner_slot, pids, 64)), 64)
+        return {int(pids[i]) for i in range(n)}
+
+    def frees_inflight(self, gpu: int, owner_slot: int) -> int:
+        """Live sibling processes between the two stamps of a free (krex_proc.free_inflight)."""
+        return int(lib.krex_frees_inflight(self.raw, gpu, owner_slot))
+
     def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
         if alive_only:  # the common case, on krexd's region entry path: one C scan
             buf = ffi.new("int64_t[]", lib.KREX_MAX_PROCS)

@@ -83,6 +83,10 @@ class Launch:
     # A cgroup v2 directory the command is forked straight into (clone3 CLONE_INTO_CGROUP);
     # `preexec` then holds no join. If the kernel refuses, it joins in preexec instead.
     cgroup: str | None = None
+    # Admitted pre-warmed: True while the command still waits for its slot (its first GPU call
+    # blocked in the shim, where a Python command cannot run its SIGINT handler).
+    still_warm: Callable[[], bool] | None = None
+    warm_kill_s: float = 1.0  # KREX_WARM_KILL_NS: after a stop signal, SIGKILL it if still warm
 
 
 def _on_terminal() -> bool:
@@ -128,9 +132,20 @@ def _spawn_and_wait(
 ) -> int:
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
+    doomed: list[threading.Timer] = []
+
+    def kill_if_warm(pid: int) -> None:
+        # Nothing of it reached the GPU yet: stopping it for good loses nothing.
+        if launch.still_warm is not None and launch.still_warm():
+            with contextlib.suppress(ProcessLookupError):
+                (os.kill if shared else os.killpg)(pid, signal.SIGKILL)
 
     def forward(signum: int, _frame: object) -> None:
         pid = child.pid if child is not None else (born[0] if born else None)
+        if pid is not None and not doomed and launch.still_warm is not None and launch.still_warm():
+            doomed.append(threading.Timer(launch.warm_kill_s, kill_if_warm, (pid,)))
+            doomed[0].daemon = True
+            doomed[0].start()
         if pid is None or (shared and signum in (signal.SIGINT, signal.SIGQUIT)):
             return  # sharing our group, the command got the terminal's Ctrl-C and Ctrl-\ too
         with contextlib.suppress(ProcessLookupError):
@@ -504,14 +519,22 @@ def run_guarded(
     try:
         if joined is not None:
             joined.start()
+        launch = Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in)
+        warm_seg = None
+        if adm.get("warm"):  # the segment, to tell whether it still waits for its slot
+            from krex.native import lib
+
+            with contextlib.suppress(KrexError):
+                warm_seg = Segment.attach(str(adm["shm"]))
+                launch.still_warm = lambda: bool(warm_seg.raw.slots[slot].warm)
+                launch.warm_kill_s = lib.KREX_WARM_KILL_NS / 1e9
         try:
-            status = spawn_and_wait(
-                Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in),
-                on_start=lambda pid: _started(pid),
-            )
+            status = spawn_and_wait(launch, on_start=lambda pid: _started(pid))
         finally:
             if joined is not None:
                 joined.close()
+            if warm_seg is not None:
+                warm_seg.close()
     finally:
         mark("exited")
         stop.set()

@@ -7,7 +7,9 @@
  * DIR/NAME.ready ({"pid"}), waits for DIR/NAME.go, then exit(0). cleanup() writes
  * DIR/NAME.exiting, then launches a US-us kernel + cudaDeviceSynchronize in a loop
  * until DIR/NAME.stop exists (a 4th argument: 100 cuMemFreeAsync calls instead of the
- * kernel), and records how many loops it made. */
+ * kernel), and records how many loops it made. A 5th argument registers cleanup() before
+ * the first GPU call instead (it then runs after the drain helper stopped, as a vendor
+ * runtime's teardown does). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,9 +62,13 @@ int main(int argc, char **argv) {
     if (argc < 4) return 2;
     g_dir = argv[1], g_name = argv[2], g_us = (unsigned)atoi(argv[3]);
     g_free = argc > 4;
+    /* "early": registered before the first GPU call, as a vendor runtime's own exit handler
+     * is (it runs after the drain helper's stop handler, i.e. with the helper gone). */
+    int early = argc > 5;
+    if (early) atexit(cleanup);
     launch(10);
     cudaDeviceSynchronize();
-    atexit(cleanup);
+    if (!early) atexit(cleanup);
     CUdeviceptr p;
     if (cuMemAlloc_v2(&p, 1 << 20) != 0) return 3;
     char b[64];

@@ -235,3 +235,105 @@ def test_prewarm_setting_is_checked_and_shown(krex_env: dict[str, str]) -> None:
     daemon(env, 3)
     st = krex(env, "daemon", "status")
     assert "pre-warmed starts per GPU 3" in st.stdout, st.stdout
+
+
+# ---------------------------------------------------------------- after the adversarial review
+
+
+def test_ctrl_c_stops_a_prewarmed_python_command(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """Blocked in the shim's wait, a Python command cannot run its SIGINT handler: the
+    guardian SIGKILLs it KREX_WARM_KILL_NS after a stop signal if it still waits (nothing of
+    it reached the GPU). Both guardians (the native one, and Python's with KREX_NATIVE_OFF)."""
+    env = krex_env
+    daemon(env, 2)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    for name, extra in (("b", {}), ("c", {"KREX_NATIVE_OFF": "1"})):
+        p = start(dict(env, **extra), tmp_path, name)
+        wait_for(lambda n=name: (tmp_path / f"{n}.cpu").exists(), 30, f"{name} waiting at its first GPU call")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        rc, err = finish(p, 20)
+        assert time.monotonic() - t0 < 5, f"{name} took {time.monotonic() - t0:.1f} s to stop"
+        assert rc in (128 + signal.SIGKILL, 128 + signal.SIGINT, 130), (rc, err)
+        assert not (tmp_path / f"{name}.gpu").exists()
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0
+    wait_for(lambda: warm_slots(env) == [], 10, "the pre-warmed slots to be released")
+
+
+def test_a_process_without_krex_slot_still_waits(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """A process of a pre-warmed command that lost KREX_SLOT (or KREX_SLOT_GEN) registers with
+    krexd by its cgroup: that registration waits for the slot too."""
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", "env", "-u", "KREX_SLOT", "-u", "KREX_SLOT_GEN",
+         sys.executable, VICTIM, str(tmp_path), "b"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b's CPU phase")
+    time.sleep(0.8)
+    assert not (tmp_path / "b.gpu").exists(), "a process without KREX_SLOT reached the GPU while warm"
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0
+    rc, err = finish(b, 60)
+    assert rc == 0, err
+    assert read(tmp_path, "b.json")["t_gpu"] >= read(tmp_path, "a.json")["t_end"]
+
+
+def test_a_region_of_a_killed_prewarmed_command_never_runs(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """krex.region() waiting for a pre-warmed slot, then the command is killed: krexd drops
+    the request; no region runs (and freezes nobody) for a command that is gone."""
+    env = krex_env
+    daemon(env, 1)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    b = start(env, tmp_path, "b", "--region")
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b's region request")
+    time.sleep(0.5)
+    os.kill(read(tmp_path, "b.start")["pid"], signal.SIGKILL)
+    finish(b, 30)
+    wait_for(lambda: warm_slots(env) == [], 10, "b's slot to be released")
+    time.sleep(0.5)
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0
+    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
+    recs = [json.loads(x) for x in journal.read_text().splitlines()] if journal.exists() else []
+    assert [r for r in recs if r.get("owner_pid") == read(tmp_path, "b.start")["pid"]] == [], recs
+
+
+def test_a_restarted_krexd_keeps_prewarmed_commands_waiting(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """krexd killed and started again while commands wait pre-warmed: the new one adopts their
+    slots still warm (no false segment incident), and gives them the GPU one at a time."""
+    env = krex_env
+    daemon(env, 2)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    stop_b = tmp_path / "stop-b"
+    b = start(env, tmp_path, "b", "--until", str(stop_b))
+    wait_for(lambda: len(warm_slots(env)) == 1, 30, "b admitted pre-warmed")  # b first, then c
+    c = start(env, tmp_path, "c", "--gpu-s", "0.1")
+    wait_for(lambda: (tmp_path / "b.cpu").exists() and (tmp_path / "c.cpu").exists(), 30, "b and c waiting")
+    os.kill(_krexd_pid(env), signal.SIGKILL)
+    time.sleep(0.5)
+    daemon(env, 2)
+    st = status(env)["daemon"]
+    assert [s["slot"] for s in st["slots"] if s["warm"]] and not st["segment"]["incidents"], st
+    time.sleep(1.0)
+    assert not (tmp_path / "b.gpu").exists() and not (tmp_path / "c.gpu").exists(), "warm ones let through"
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0
+    wait_for(lambda: (tmp_path / "b.gpu").exists(), 30, "b given the slot")
+    time.sleep(0.5)
+    assert not (tmp_path / "c.gpu").exists(), "c reached the GPU while b held the only slot"
+    stop_b.touch()
+    assert finish(b, 30)[0] == 0
+    assert finish(c, 60)[0] == 0

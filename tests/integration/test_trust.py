@@ -21,6 +21,8 @@ import pytest
 from helpers import spawn_with_pid, victims
 from test_regions import KREX, WORKER, Krex, alive, foreign_ops, kx, owner_intervals
 
+from krex.node.shm import Segment
+
 pytestmark = [
     pytest.mark.cgroup,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
@@ -749,9 +751,9 @@ def test_gpu_policy_siblings_make_no_life_call_inside_a_region(kx: Krex) -> None
     assert foreign_ops(iv, ops) == []
     assert n_between > 20
     recs = [r for r in kx.journal() if r["owner_pid"] == res["pid"]]
-    # Its frees are gated too, but the driver clears freed memory after the call returned:
-    # a region right after one is flagged recent-free, and for nothing else.
-    assert len(recs) == 15 and not [r["reasons"] for r in recs if set(r["flags"]) - {"recent-free"}]
+    # Its frees are gated too, and the driver clears freed memory after the call returned:
+    # a region right after one waits for that to settle, and is clean.
+    assert len(recs) == 15 and not [r["reasons"] for r in recs if r["contaminated"]]
     # It kept running between regions (not frozen for them), and waited at the gate inside them.
     assert any(not r["frozen_slots"] for r in recs), [r["freeze_why"] for r in recs]
     held = [p for p in kx.snapshot().procs if p.pid == sib] or [None]
@@ -810,11 +812,12 @@ def test_a_gpu_policy_sibling_exiting_inside_a_region_waits_for_its_end(kx: Krex
 
 
 @pytest.mark.parametrize("policy", ["all", "gpu"])
-def test_a_region_granted_right_after_a_siblings_memory_free_is_flagged(kx: Krex, policy: str) -> None:
+def test_a_region_right_after_a_siblings_memory_free_waits_for_it_to_settle(kx: Krex, policy: str) -> None:
     """The driver clears freed GPU memory after the freeing call has returned, under every
-    policy (a frozen process's memory is still being cleared): a grant within
-    KREX_FREE_SETTLE_NS of a sibling's free is flagged `recent-free`; once the sibling has
-    stopped freeing for longer than that, regions are clean again."""
+    policy (a frozen process's memory is still being cleared): a region asked for within
+    KREX_FREE_SETTLE_NS of a sibling's free waits out the rest of that time before its
+    grant (at most one settle time), and is clean; once the sibling has stopped freeing for
+    longer than that, a region does not wait at all."""
     if policy == "gpu":
         _fake_nvml_gpu_policy(kx)
     else:
@@ -822,19 +825,49 @@ def test_a_region_granted_right_after_a_siblings_memory_free_is_flagged(kx: Krex
     go = kx.out / "exit-now"
     kx.run("sib", "life", "--exit-on", str(go))  # frees in a loop until sib.stop
     kx.wait(lambda: (kx.out / "sib.progress").exists() and kx.progress("sib")[0] > 20, 30, "its LIFE calls")
-    sib = kx.progress("sib")[2]
-    slot = next(p.slot for p in kx.snapshot().procs if p.pid == sib)
     ready = _hold_region(kx, "a")
+    g = ready["grant"]
+    assert 0 < g["settle_s"] <= lib_settle_s() + 0.05 and not g["contaminated"], g
     rec = _end_hold(kx, "a", ready["pid"])
-    assert "recent-free" in rec["flags"], rec["reasons"]
-    assert f"slot {slot} " in " ".join(rec["reasons"]), rec["reasons"]
+    assert not rec["contaminated"], rec["reasons"]
     kx.touch("sib")  # it stops calling, and idles until `go`
     kx.result("sib", "ready", timeout=30)
     time.sleep(lib_settle_s() + 0.2)
     ready = _hold_region(kx, "b")
+    assert ready["grant"]["settle_s"] < 0.005, ready["grant"]
     rec = _end_hold(kx, "b", ready["pid"])
-    assert "recent-free" not in rec["flags"] and not rec["contaminated"], rec["reasons"]
+    assert not rec["contaminated"], rec["reasons"]
     go.touch()
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+
+
+def test_a_free_during_the_settle_wait_flags_the_region(kx: Krex) -> None:
+    """A free krexd could not have held (here: stamps written straight into the segment, as
+    a path the gate does not see would leave them) keeps coming while the region waits for
+    the earlier ones to settle: the region is flagged `recent-free`, never granted clean."""
+    import threading
+
+    kx.start_daemon(slots=3)
+    kx.run("sib", "life")
+    kx.wait(lambda: (kx.out / "sib.progress").exists() and kx.progress("sib")[0] > 20, 30, "its LIFE calls")
+    stop = threading.Event()
+    with Segment.attach(kx.shm) as seg:
+
+        def stamp() -> None:
+            while not stop.is_set():
+                seg.raw.gpus[0].slot_free_ns[40] = time.monotonic_ns()  # CLOCK_MONOTONIC
+                time.sleep(0.005)
+
+        th = threading.Thread(target=stamp)
+        th.start()
+        try:
+            ready = _hold_region(kx, "a")
+        finally:
+            stop.set()
+            th.join()
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert "recent-free" in rec["flags"] and "slot 40 " in " ".join(rec["reasons"]), rec["reasons"]
+    kx.touch("sib")
     assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
 
 
@@ -874,6 +907,32 @@ def test_gpu_calls_of_exit_handlers_that_run_after_the_exit_hold_stay_gated(kx: 
     assert inside == [], f"{len(inside)} sibling ops ran inside the region: {inside[:2]}"
     assert not rec["contaminated"], rec["reasons"]
     assert ready["grant"]["frozen_slots"], ready["grant"]  # exiting after a LIFE call: frozen
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_a_sibling_tearing_down_after_its_helper_stopped_owes_no_drain(kx: Krex, policy: str) -> None:
+    """At exit the drain helper stops before the vendor libraries tear down (their exit
+    handlers run after ours); the teardown's own calls are LIFE calls, gated. The helper
+    drains one last time and the record says so (exit_drained): a region during the
+    teardown waits for no ack. Before, every such region waited the whole drain timeout
+    (5 s) for a helper that was gone and was flagged drain-timeout (H200, quick corpus:
+    one region in five)."""
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=2)
+    kx.run_argv("sib", [str(victims()["exitwork"]), str(kx.out), "sib", "100", "free", "early"])
+    kx.result("sib", "ready", timeout=30)
+    (kx.out / "sib.go").touch()
+    kx.wait(lambda: (kx.out / "sib.exiting").exists(), 10, "the sibling's teardown")
+    time.sleep(0.3)
+    ready = _hold_region(kx, "a")
+    g = ready["grant"]
+    rec = _end_hold(kx, "a", ready["pid"])
+    (kx.out / "sib.stop").touch()
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    assert g["drain_s"] < 1.0 and "drain-timeout" not in g["flags"], g
+    assert not rec["contaminated"], rec["reasons"]
 
 
 def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hold(kx: Krex) -> None:
@@ -924,10 +983,11 @@ def test_cudafree_of_null_is_no_recent_free(kx: Krex) -> None:
 
 
 @pytest.mark.parametrize("how", ["exit", "_exit"])
-def test_regions_right_after_a_sibling_command_ended_are_flagged_recent_free(kx: Krex, how: str) -> None:
+def test_regions_right_after_a_sibling_command_ended_wait_for_its_memory(kx: Krex, how: str) -> None:
     """Its record and its slot are freed with it, and its teardown frees all its GPU memory:
     the stamp lives per slot in the GPU's record, and the exit hold stamps it (found by an
-    adversarial review: regions granted a few ms after such an end read clean)."""
+    adversarial review: regions granted a few ms after such an end read clean). A region
+    asked for right after waits for it to settle, and is clean."""
     kx.start_daemon(slots=3)
     until = kx.out / "own.until"
     kx.run("own", "regions", "-n", "2000", "--kernels", "1", "--us", "200", "--until", str(until))
@@ -949,10 +1009,10 @@ def test_regions_right_after_a_sibling_command_ended_are_flagged_recent_free(kx:
     # (A region granted before its exit hold ran is not flagged: its teardown waits for it.)
     window = [r for r in res["regions"] if t_exit < r["t_grant"] < t_exit + 1.5 * lib_settle_s() * 1e9]
     assert window, "no region was granted right after the sibling ended: this proves nothing"
-    assert any("recent-free" in r["grant"]["flags"] for r in window), [r["grant"]["flags"] for r in window]
-    later = [r for r in res["regions"] if r["t_grant"] > t_exit + 2 * lib_settle_s() * 1e9]
-    assert later, "no region after the window"
-    assert not any(r["grant"]["contaminated"] for r in later), [r["grant"]["reasons"] for r in later]
+    assert max(r["grant"]["settle_s"] for r in window) > 0.5 * lib_settle_s(), [r["grant"] for r in window]
+    assert not any(r["grant"]["contaminated"] for r in res["regions"]), [
+        r["grant"]["reasons"] for r in res["regions"] if r["grant"]["contaminated"]
+    ]
 
 
 @pytest.mark.parametrize("policy", ["all", "gpu"])
