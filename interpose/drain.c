@@ -307,10 +307,22 @@ static void stop_helper(void) {
     }
     klog("drain helper stopped at exit");
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
-    uint64_t before = krex_proc_submits(rec);
+    /* Only with nothing in flight: a submission is counted before the driver queues it, so
+     * one counted but not yet queued would escape this drain. The count is read first, then
+     * in-flight found 0: any call counted by then has returned (its work is queued). */
+    uint64_t t0 = krex_now_ns(), before;
+    for (;;) {
+        before = krex_proc_submits(rec);
+        if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) == 0) break;
+        if (krex_now_ns() - t0 >= KREX_HELPER_SETTLE_NS) return; /* krexd waits for an ack, and flags */
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
     drain_fns();
     drain_cuda();
     drain_hip();
+    /* Another thread submitted meanwhile: its work may be queued after the sync. */
+    if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) != 0 || krex_proc_submits(rec) != before) return;
     __atomic_store_n(&rec->exit_drained, 1 + before, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */
 }

@@ -276,6 +276,8 @@ struct krex_gpu {
     uint64_t slot_free_ns[64];      /* per slot (KREX_MAX_SLOTS): CLOCK_MONOTONIC of its processes'
                                      * latest GPU memory free or exit (KREX_FREE_SETTLE_NS); kept
                                      * when the slot's records and the slot itself are freed */
+    uint64_t slot_free_gen[64];     /* the slot generation (its command) that made each stamp: a
+                                     * command that gets the number next still waits for it */
     uint64_t reserved[6];
 };
 

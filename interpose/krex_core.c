@@ -8,6 +8,7 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -273,6 +274,21 @@ uint64_t krex_pid_start_ticks(int64_t pid) {
     return pid_stat(pid, &state);
 }
 
+/* Threads of a thread group (/proc/pid/status `Threads:`, which counts a zombie leader until
+ * the last thread ends); 0 when unknown. */
+static int group_threads(int64_t pid) {
+    char path[64], buf[2048];
+    snprintf(path, sizeof path, "/proc/%lld/status", (long long)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *t = strstr(buf, "\nThreads:");
+    return t ? (int)strtol(t + 9, NULL, 10) : 0;
+}
+
 /* Alive: the process `start_ticks` names (0: any) runs, and is no zombie (a zombie
  * submits nothing and holds no context any more). One /proc read. */
 int krex_pid_alive(int64_t pid, uint64_t start_ticks) {
@@ -282,7 +298,9 @@ int krex_pid_alive(int64_t pid, uint64_t start_ticks) {
     uint64_t now = pid_stat(pid, &state);
     if (now == 0) return 1; /* not readable here (another pid namespace's /proc): as before, alive */
     if (start_ticks && now != start_ticks) return 0; /* pid was reused */
-    return state != 'Z' && state != 'X';
+    if (state == 'X') return 0;
+    /* A zombie leader whose other threads run on (it called pthread_exit) is alive. */
+    return state != 'Z' || group_threads(pid) > 1;
 }
 
 /* Gate ownership is the gate word itself: (epoch24 << 8) | owner byte. Taking the
@@ -445,13 +463,16 @@ int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot) {
 /* Slots of `gpu` other than `owner_slot` whose processes freed GPU memory (or exited
  * after a LIFE call) at or after `since_ns` (CLOCK_MONOTONIC): their numbers, and how long
  * ago (ns). The stamps outlive the processes, their records and the slot's command. */
-int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t since_ns, int32_t *slots,
-                      uint64_t *ago_ns, int max) {
+int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t owner_gen, uint64_t since_ns,
+                      int32_t *slots, uint64_t *ago_ns, int max) {
     int n = 0;
     uint64_t now = krex_now_ns();
     for (int s = 0; s < KREX_MAX_SLOTS; s++) {
         uint64_t t = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[s], SEQ);
-        if (s == owner_slot || t == 0 || t < since_ns) continue;
+        if (t == 0 || t < since_ns) continue;
+        /* The owner's own command's frees are its own business; not those of the command
+         * that had its slot number before it (the next one in a queue usually gets it). */
+        if (s == owner_slot && __atomic_load_n(&shm->gpus[gpu].slot_free_gen[s], SEQ) == owner_gen) continue;
         if (n < max) {
             slots[n] = s;
             ago_ns[n] = now > t ? now - t : 0;
@@ -462,8 +483,9 @@ int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t si
 }
 
 /* A process of `slot` freed GPU memory, or is about to (its exit): raise the slot's stamp. */
-void krex_note_free(struct krex_shm *shm, int gpu, int slot) {
+void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen) {
     if (gpu < 0 || gpu >= KREX_MAX_GPUS || slot < 0 || slot >= KREX_MAX_SLOTS) return;
+    __atomic_store_n(&shm->gpus[gpu].slot_free_gen[slot], gen, SEQ); /* before the time: seen with it */
     uint64_t now = krex_now_ns(), cur = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[slot], SEQ);
     while (cur < now &&
            !__atomic_compare_exchange_n(&shm->gpus[gpu].slot_free_ns[slot], &cur, now, 0, SEQ, SEQ)) {

@@ -33,7 +33,8 @@ char g_shm_name[128];
 int g_slot = -1;
 int g_gpu = -1;
 struct krex_shm *g_shm;
-static long long g_slot_gen = -1;         /* KREX_SLOT_GEN: the slot's generation when our command claimed it */
+static long long g_slot_gen = -1;
+static uint64_t g_stamp_gen;              /* our command's slot generation, for free stamps (registration) */         /* KREX_SLOT_GEN: the slot's generation when our command claimed it */
 int g_attach_err;
 struct krex_proc *g_proc;
 static uint32_t g_failed_gate;            /* gate word we already failed open on */
@@ -127,19 +128,19 @@ static void exit_hold(void) {
         /* No record: the count went to the slot's shared counter, which krexd waits for;
          * held for good it would stall every region while the command lives. */
         krex_leave(tok, KREX_CLS_LIFE);
-        krex_note_free(g_shm, g_gpu, g_slot);
+        krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen);
         return;
     }
     /* The count stays held (krexd freezes a process inside a LIFE call before a region),
      * but not the depth: the GPU calls this exit still makes (vendor teardown, exit
      * handlers registered before ours) must stay gated, not pass as nested. */
     t_depth--;
-    krex_note_free(g_shm, g_gpu, g_slot); /* its teardown frees all its GPU memory */
+    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen); /* its teardown frees all its GPU memory */
 }
 
 void krex_life_free(int id, uintptr_t arg0, int end) {
     if (!krex_frees[id] || (krex_frees[id] != 1 && arg0 == 0) || !__atomic_load_n(&g_fast.gate, ACQUIRE)) return;
-    krex_note_free(g_shm, g_gpu, g_slot); /* seq_cst: a later grant's read sees it */
+    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen); /* seq_cst: a later grant's read sees it */
     /* Counted from the first stamp to after the second: krexd, freezing us in between (right
      * after the driver freed), knows a free ended with no stamp of its end yet. */
     struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
@@ -262,6 +263,8 @@ static int register_now(void) {
     int stale = g_slot_gen >= 0 &&
                 (__atomic_load_n(&g_shm->slots[g_slot].state, __ATOMIC_SEQ_CST) != KREX_SLOT_ACTIVE ||
                  (long long)__atomic_load_n(&g_shm->slots[g_slot].generation, __ATOMIC_SEQ_CST) != g_slot_gen);
+    g_stamp_gen = g_slot_gen >= 0 ? (uint64_t)g_slot_gen
+                                  : __atomic_load_n(&g_shm->slots[g_slot].generation, __ATOMIC_SEQ_CST);
     int idx = krex_proc_register(g_shm, stale ? KREX_PROC_STALE : g_slot, g_gpu, (int64_t)getpid());
     if (idx >= 0) {
         struct krex_proc *p = &g_shm->procs[idx];

@@ -1435,11 +1435,15 @@ class Daemon:
         return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
 
     def _frees_since(self, gpu: int, owner_slot: int, since_ns: int) -> list[tuple[int, int]]:
-        """(slot, ns ago) of other slots whose processes freed GPU memory, or exited after
-        setting some up, at or after `since_ns` (CLOCK_MONOTONIC, as krex_now_ns). The stamps
-        outlive those processes and commands."""
+        """(slot, ns ago) of other commands' slots whose processes freed GPU memory, or exited
+        after setting some up, at or after `since_ns` (CLOCK_MONOTONIC, as krex_now_ns). The
+        stamps outlive those processes and commands; the owner's slot counts when the stamp is
+        of another command that had its number before."""
+        with self.lock:
+            s = self.slots.get(owner_slot)
+        gen = s.generation if s is not None else int(self.seg.raw.slots[owner_slot].generation)
         slots, ago = ffi.new("int32_t[64]"), ffi.new("uint64_t[64]")
-        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, since_ns, slots, ago, 64)), 64)
+        n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, gen, since_ns, slots, ago, 64)), 64)
         return [(int(slots[i]), int(ago[i])) for i in range(n)]
 
     def _settle(self, gpu: int, owner_slot: int, ended_ns: int, t: dict[str, float]) -> list[tuple[str, str]]:

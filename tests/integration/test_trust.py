@@ -1046,3 +1046,88 @@ def test_a_stale_process_inside_a_life_call_flags_the_region(kx: Krex, policy: s
     _end_hold(kx, "a", ready["pid"])
     assert "life-running" in ready["grant"]["flags"], ready["grant"]
     assert st.wait(30) == 0
+
+
+# ---------------------------------------------- the exit drain and the settle, second review
+
+
+def _sibling_ops_inside(kx: Krex, pid: int, r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [o for o in kx.ops(gpu=0) if o["pid"] == pid and o["end"] > r["t_grant"] and o["start"] < r["t_end"]]
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+@pytest.mark.parametrize("life", ["life", "nolife"])
+def test_a_copy_counted_before_the_last_exit_drain_but_queued_after_it_is_never_clean(
+    kx: Krex, policy: str, life: str
+) -> None:
+    """A submission is counted before the driver queues it. A thread inside such a call
+    (a 512 MiB copy whose bytes move on the host first) while the main thread exits: the
+    last drain at exit must not mark the record drained while that call is in flight, or
+    the copy runs inside a region reported clean (found by an adversarial review)."""
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=2)
+    argv = [str(victims()["exitrace"]), str(kx.out), "sib", str(512 << 20)] + (["nolife"] if life == "nolife" else [])
+    kx.run_argv("sib", argv, env_extra={"KREX_SIM_MOVE_BYTES": "1", "KREX_COPY_CHUNK_BYTES": "0"})
+    sib = kx.result("sib", "ready", timeout=60)["pid"]
+    kx.run("own", "regions", "-n", "3", "--kernels", "2", "--us", "2000", "--go", str(kx.out / "sib.copy"))
+    kx.wait(lambda: (kx.out / "own.waiting").exists(), 30, "the owner")
+    (kx.out / "sib.go").touch()
+    res = kx.result("own", timeout=60)
+    (kx.out / "sib.stop").touch()
+    kx.cmds["sib"].wait(30)
+    js = [j for j in kx.journal() if j["owner_pid"] == res["pid"]]
+    copy = [o for o in kx.ops(gpu=0) if o["pid"] == sib and o["api"] == "cuMemcpyHtoDAsync_v2"]
+    # The owner asked once the copy call had returned; the copy still ran on the GPU then:
+    # a grant without waiting for it would overlap it.
+    assert copy and copy[-1]["end"] > kx.result("sib", "copy")["t_ret"], copy
+    inside = [r["i"] for r in res["regions"] if _sibling_ops_inside(kx, sib, r)]
+    bad = [i for i in inside if not res["regions"][i]["grant"].get("contaminated") and not js[i]["contaminated"]]
+    assert not bad, f"regions {bad}: the sibling's copy ran inside regions reported clean"
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_a_sibling_whose_main_thread_left_is_still_drained(kx: Krex, policy: str) -> None:
+    """pthread_exit in main leaves the thread-group leader a zombie while the other threads
+    use the GPU: such a process is alive (its queued kernel drained, its slot frozen), not
+    dead (found by an adversarial review)."""
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=2)
+    kx.run_argv("sib", [str(victims()["zleader"]), str(kx.out), "sib", "500000"])
+    sib = kx.result("sib", "ready", timeout=60)["pid"]
+    time.sleep(0.3)
+    kx.run("own", "regions", "-n", "3", "--kernels", "2", "--us", "2000", "--go", str(kx.out / "sib.launched"))
+    kx.wait(lambda: (kx.out / "own.waiting").exists(), 30, "the owner")
+    (kx.out / "sib.go").touch()
+    res = kx.result("own", timeout=60)
+    (kx.out / "sib.stop").touch()
+    kx.cmds["sib"].wait(30)
+    js = [j for j in kx.journal() if j["owner_pid"] == res["pid"]]
+    bad = [r["i"] for r in res["regions"] if _sibling_ops_inside(kx, sib, r) and not js[r["i"]]["contaminated"]]
+    assert not bad, f"regions {bad}: the sibling's kernel ran inside regions reported clean"
+
+
+@pytest.mark.parametrize("how", ["exit", "_exit"])
+def test_the_next_command_in_a_slot_number_waits_for_the_previous_ones_end(kx: Krex, how: str) -> None:
+    """krexd hands a freed slot number to the next command in its queue: the end stamp of
+    the command before it is another command's, and its region waits for it to settle
+    (the stamps carry their command's slot generation; found by an adversarial review)."""
+    kx.start_daemon(slots=1)
+    go = kx.out / "exit-now"
+    hard = ["--hard-exit"] if how == "_exit" else []
+    kx.run("sib", "life", "--calls", "30", "--exit-on", str(go), *hard)
+    kx.result("sib", "ready", timeout=30)
+    time.sleep(lib_settle_s() + 0.1)  # its frees are old now: only its end counts
+    kx.run_argv("y", [str(victims()["quickregion"])])  # queued: the only slot is taken
+    time.sleep(1.5)
+    go.touch()
+    t_exit = kx.result("sib", timeout=30)["t_exit"]
+    assert kx.cmds["sib"].wait(30) == 0
+    assert kx.cmds["y"].wait(30) == 0, kx.cmds["y"].output()
+    out = json.loads(next(x for x in kx.cmds["y"].output().splitlines() if x.startswith("{")))
+    rec = [r for r in kx.journal() if r["owner_pid"] == out["pid"]][-1]
+    assert out["t_begin"] - t_exit < 2 * lib_settle_s() * 1e9, "y's region came too late to prove anything"
+    assert rec["contaminated"] or rec["settle_s"] > 0.3 * lib_settle_s(), rec
