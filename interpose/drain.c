@@ -14,7 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "shim.h"
+#include "shim_fastpath.h"
 
 /* Graph captures are tracked per stream so the drain helper never synchronises a
  * context while one of this process's streams is capturing (that would invalidate
@@ -307,6 +307,11 @@ static void stop_helper(void) {
     }
     klog("drain helper stopped at exit");
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
+    /* Not while another command holds the gate (a region or a pause): then krexd waits for
+     * an ack as before, and flags the region if it ends first. */
+    uint32_t *gate = __atomic_load_n(&g_fast.gate, __ATOMIC_ACQUIRE);
+    uint32_t w = gate ? __atomic_load_n(gate, __ATOMIC_SEQ_CST) : KREX_GATE_OPEN;
+    if (w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) != g_fast.owner_byte) return;
     /* Only with nothing in flight: a submission is counted before the driver queues it, so
      * one counted but not yet queued would escape this drain. The count is read first, then
      * in-flight found 0: any call counted by then has returned (its work is queued). */
@@ -318,6 +323,8 @@ static void stop_helper(void) {
         struct timespec ms = {0, 1000000};
         nanosleep(&ms, NULL);
     }
+    /* Not gated: a sync and a reference count of a live context do no GPU work (the helper
+     * does the same at every drain), and an exit must not wait out an operator's pause. */
     drain_fns();
     drain_cuda();
     drain_hip();

@@ -426,7 +426,7 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
 /* Processes of `gpu`'s other slots inside the kernel's exit (PF_EXITING, not yet a zombie)
  * whose exit the freezer cannot stop: those whose helper thread is gone (exit_group killed
  * it) or that hold a LIFE count (the exit hold). One /proc read for each such record only. */
-#define KREX_PF_EXITING 4u /* include/linux/sched.h */
+#define LINUX_PF_EXITING 4u /* include/linux/sched.h */
 int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max) {
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
@@ -439,7 +439,7 @@ int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t 
         unsigned flags = 0;
         uint64_t st = pid_stat_flags(pid, &state, &flags);
         if (st == 0 || (p->start_ticks && st != p->start_ticks) || state == 'Z' || state == 'X') continue;
-        if (!(flags & KREX_PF_EXITING)) continue;
+        if (!(flags & LINUX_PF_EXITING)) continue;
         if (n < max) pids[n] = pid;
         n++;
     }

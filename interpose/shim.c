@@ -197,8 +197,9 @@ static int register_now(void);
 
 /* A pre-warmed command (krexd's `prewarm`) was started before a slot freed up, so its
  * imports and CPU set-up overlap the running commands; its first gated call waits here
- * until krexd gives it the slot. Before the signals are blocked: this may last as long as
- * a command, and Ctrl-C must still work. Never waits on a krexd that stopped beating. */
+ * until krexd gives it the slot. Inside the registration, signals blocked (a handler's GPU
+ * call must not re-enter it): a stop signal is the guardian's to act on, and it SIGKILLs a
+ * command still waiting (KREX_WARM_KILL_NS). Never waits on a krexd that stopped beating. */
 static void warm_wait(void) {
     if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS) return; /* no KREX_SLOT: krexd's register op waits */
     struct krex_shm *shm = attach_shm();
@@ -224,7 +225,6 @@ static void warm_wait(void) {
  * registration it interrupted and wait for itself (g_reg_lock, the self-registration
  * wait). The slow path only: once per process. */
 int krex_register(void) {
-    warm_wait();
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
@@ -250,6 +250,7 @@ static int register_now(void) {
         __atomic_store_n(&g_mode, MODE_OFF, RELAXED);
         return 0;
     }
+    warm_wait(); /* before the gate is published: no thread of ours passes meanwhile */
     pthread_mutex_lock(&g_reg_lock);
     if (g_fast.gate || !mode_on()) goto out;
     if (g_slot < 0 || g_slot >= KREX_MAX_SLOTS) {

@@ -48,7 +48,7 @@ def _check_failed_open(h: Harness, c: Child, not_before_ns: int) -> None:
     assert rec.blocked == 1, "after failing open on a gate word, later calls must not wait on it again"
     gate = h.seg.snapshot().gates[0]
     assert gate.fail_opens >= 1 and gate.closed, gate
-    ops = h.ops(c.pid)
+    ops = h.ops(c.pid, life=False)
     assert len(ops) == len(ks)
     assert min(o["submit"] for o in ops) >= not_before_ns, "failed open before the holder was gone"
 
@@ -72,7 +72,7 @@ def test_region_with_fresh_heartbeat_keeps_blocking(harness: Harness) -> None:
     with _beating(h):
         _blocked(h, c)
         time.sleep(3 * HB_TIMEOUT_S)
-        assert c.alive() and h.ops(c.pid) == [], "gave up on a gate whose holder is alive"
+        assert c.alive() and h.ops(c.pid, life=False) == [], "gave up on a gate whose holder is alive"
         rec = h.proc(c.pid)
         assert rec.fail_opens == 0 and "failed-open" not in rec.flags
     # The daemon "dies" (beats stop): now it fails open.
@@ -100,9 +100,9 @@ def test_pause_without_lease_ignores_heartbeat(harness: Harness) -> None:
     c = h.spawn("actor", ["k:5"], h.env(sib))
     _blocked(h, c)
     time.sleep(2 * HB_TIMEOUT_S)
-    assert c.alive() and h.ops(c.pid) == []
+    assert c.alive() and h.ops(c.pid, life=False) == []
     assert h.proc(c.pid).fail_opens == 0
     t_open = time.monotonic_ns()
     h.seg.open_gate(0)
     assert c.wait(10) == 0
-    assert [o["submit"] > t_open for o in h.ops(c.pid)] == [True]
+    assert [o["submit"] > t_open for o in h.ops(c.pid, life=False)] == [True]

@@ -68,6 +68,9 @@ def _collect(s: Scenario, h: Harness, lines: list[dict[str, Any]], by_tid: bool)
             i = bisect.bisect_right(starts, o["submit"]) - 1
             if i >= 0 and o["submit"] <= seq[i][1]["t1"]:
                 per_call[seq[i][0]].append(o)
+            elif seq and o["submit"] > seq[-1][1]["t1"] and o["cls"] == lib.KREX_CLS_LIFE:
+                # The shim's own last drain at exit (a retain, a device set): no call's.
+                s.info.setdefault("exit_drain_ops", []).append(o)
             else:
                 s.info.setdefault("stray_ops", []).append(o)
         for key in s.calls:

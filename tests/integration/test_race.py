@@ -68,7 +68,7 @@ def _toggle(h: Harness, owner: int, cycles: int) -> list[tuple[int, int]]:
 def _wait_for_ops_after(h: Harness, t: int, pids: set[int]) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if pids <= {o["pid"] for o in h.ops() if o["submit"] > t}:
+        if pids <= {o["pid"] for o in h.ops(life=False) if o["submit"] > t}:
             return
         time.sleep(0.05)
 
@@ -104,7 +104,7 @@ def _run(h: Harness, shim: bool, cycles: int) -> dict[str, Any]:
     intervals = _toggle(h, owner, cycles)
     _wait_for_ops_after(h, intervals[-1][1], pids)
     results = _stop(kids)
-    ops = [o for o in h.ops() if o["pid"] in pids]
+    ops = [o for o in h.ops(life=False) if o["pid"] in pids]
     return {
         "owner": owner,
         "kids": kids,
