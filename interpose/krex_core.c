@@ -248,16 +248,23 @@ static uint64_t pid_stat(int64_t pid, char *state) {
     return pid_stat_flags(pid, state, &flags);
 }
 
-/* The same, and the kernel's PF_* flags (field 9). */
-static uint64_t pid_stat_flags(int64_t pid, char *state, unsigned *flags) {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+/* /proc/PID/FILE into buf (NUL-terminated), one read; 0 when it cannot be read. */
+static int read_proc(int64_t pid, const char *file, char *buf, size_t size) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%lld/%s", (long long)pid, file);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    ssize_t n = read(fd, buf, size - 1);
     close(fd);
     if (n <= 0) return 0;
     buf[n] = 0;
+    return 1;
+}
+
+/* The same, and the kernel's PF_* flags (field 9). */
+static uint64_t pid_stat_flags(int64_t pid, char *state, unsigned *flags) {
+    char buf[1024];
+    if (!read_proc(pid, "stat", buf, sizeof buf)) return 0;
     /* comm may hold spaces and parens: fields restart after the last ')'. */
     char *p = strrchr(buf, ')');
     if (!p || !p[1] || !p[2]) return 0;
@@ -277,14 +284,8 @@ uint64_t krex_pid_start_ticks(int64_t pid) {
 /* Threads of a thread group (/proc/pid/status `Threads:`, which counts a zombie leader until
  * the last thread ends); 0 when unknown. */
 static int group_threads(int64_t pid) {
-    char path[64], buf[2048];
-    snprintf(path, sizeof path, "/proc/%lld/status", (long long)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = 0;
+    char buf[2048];
+    if (!read_proc(pid, "status", buf, sizeof buf)) return 0;
     const char *t = strstr(buf, "\nThreads:");
     return t ? (int)strtol(t + 9, NULL, 10) : 0;
 }

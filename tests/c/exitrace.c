@@ -28,20 +28,8 @@ static volatile int g_go;
 static CUdeviceptr g_dst;
 static void *g_src;
 
-static void put(const char *suffix, const char *text) {
-    char p[512], tmp[520];
-    snprintf(p, sizeof p, "%s/%s.%s", g_dir, g_name, suffix);
-    snprintf(tmp, sizeof tmp, "%s.tmp", p);
-    FILE *f = fopen(tmp, "w");
-    fputs(text, f);
-    fclose(f);
-    rename(tmp, p);
-}
-static int has(const char *suffix) {
-    char p[512];
-    snprintf(p, sizeof p, "%s/%s.%s", g_dir, g_name, suffix);
-    return access(p, F_OK) == 0;
-}
+#define put(suffix, text) victim_put(g_dir, g_name, suffix, text)
+#define has(suffix) victim_has(g_dir, g_name, suffix)
 static void linger(void) {
     char b[128];
     snprintf(b, sizeof b, "{\"pid\": %d, \"t\": %llu}", (int)getpid(), now_ns());

@@ -15,20 +15,8 @@
 
 static const char *g_dir, *g_name;
 static unsigned g_us;
-static void put(const char *suffix, const char *text) {
-    char p[512], tmp[520];
-    snprintf(p, sizeof p, "%s/%s.%s", g_dir, g_name, suffix);
-    snprintf(tmp, sizeof tmp, "%s.tmp", p);
-    FILE *f = fopen(tmp, "w");
-    fputs(text, f);
-    fclose(f);
-    rename(tmp, p);
-}
-static int has(const char *suffix) {
-    char p[512];
-    snprintf(p, sizeof p, "%s/%s.%s", g_dir, g_name, suffix);
-    return access(p, F_OK) == 0;
-}
+#define put(suffix, text) victim_put(g_dir, g_name, suffix, text)
+#define has(suffix) victim_has(g_dir, g_name, suffix)
 static void *worker(void *arg) {
     (void)arg;
     while (!has("go")) usleep(1000);

@@ -15,25 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from test_run_guardian import krex, status, wait_for
+
 KREX = [sys.executable, "-m", "krex.cli.main"]
 VICTIM = str(Path(__file__).resolve().parents[1] / "helpers" / "warm_victim.py")
 
 
-def krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def status(env: dict[str, str]) -> dict[str, Any]:
-    return json.loads(krex(env, "status", "--json").stdout)
-
-
-def wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    t = time.monotonic() + timeout
-    while time.monotonic() < t:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start(env: dict[str, str], out: Path, name: str, *args: str) -> subprocess.Popen[str]:
@@ -67,14 +54,21 @@ def warm_slots(env: dict[str, str]) -> list[dict[str, Any]]:
     return [s for s in status(env)["daemon"]["slots"] if s["warm"]]
 
 
+def holder(env: dict[str, str], tmp_path: Path, prewarm: int) -> tuple[subprocess.Popen[str], Path]:
+    """A daemon with one slot and `prewarm`, and command `a` holding that slot on the GPU
+    until the returned file exists."""
+    daemon(env, prewarm)
+    stop_a = tmp_path / "stop-a"
+    a = start(env, tmp_path, "a", "--until", str(stop_a))
+    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command to hold the GPU")
+    return a, stop_a
+
+
 def test_prewarmed_command_runs_its_cpu_phase_then_waits_for_the_slot(
     krex_env: dict[str, str], tmp_path: Path
 ) -> None:
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command to hold the GPU")
+    a, stop_a = holder(env, tmp_path, 1)
     b = start(env, tmp_path, "b", "--cpu-s", "0.3", "--gpu-s", "0.2")
     # b starts at once (no admission wait) and finishes its CPU phase while a holds the slot.
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "the pre-warmed command's CPU phase")
@@ -109,10 +103,7 @@ def test_prewarmed_command_runs_its_cpu_phase_then_waits_for_the_slot(
 def test_without_prewarm_the_second_command_does_not_start(krex_env: dict[str, str], tmp_path: Path) -> None:
     """The control: prewarm 0 (the default) queues at admission as before."""
     env = krex_env
-    daemon(env, 0)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 0)
     b = start(env, tmp_path, "b", "--cpu-s", "0.1")
     time.sleep(1.0)
     assert not (tmp_path / "b.start").exists()
@@ -125,10 +116,7 @@ def test_a_prewarmed_region_waits_for_the_slot_and_is_clean(krex_env: dict[str, 
     """krex.region() as the first GPU step: krexd holds the begin until the slot is given,
     so the region never closes the gate while the command is not yet allowed on the GPU."""
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 1)
     b = start(env, tmp_path, "b", "--region")
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b's CPU phase")
     time.sleep(0.5)
@@ -142,10 +130,7 @@ def test_a_prewarmed_region_waits_for_the_slot_and_is_clean(krex_env: dict[str, 
 
 def test_a_killed_prewarmed_command_gives_its_place_back(krex_env: dict[str, str], tmp_path: Path) -> None:
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 1)
     b = start(env, tmp_path, "b")
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b waiting at its first GPU call")
     os.kill(read(tmp_path, "b.start")["pid"], signal.SIGKILL)
@@ -165,10 +150,7 @@ def _krexd_pid(env: dict[str, str]) -> int:
 
 def test_a_prewarmed_command_never_hangs_on_a_killed_krexd(krex_env: dict[str, str], tmp_path: Path) -> None:
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 1)
     b = start(env, tmp_path, "b")
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b waiting at its first GPU call")
     time.sleep(0.3)
@@ -183,10 +165,7 @@ def test_a_prewarmed_command_never_hangs_on_a_killed_krexd(krex_env: dict[str, s
 
 def test_a_prewarmed_command_never_hangs_on_a_stopped_krexd(krex_env: dict[str, str], tmp_path: Path) -> None:
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 1)
     b = start(env, tmp_path, "b")
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b waiting at its first GPU call")
     time.sleep(0.3)
@@ -207,10 +186,7 @@ def test_a_forged_warm_word_is_repaired(krex_env: dict[str, str], tmp_path: Path
     from krex.node.shm import Segment
 
     env = krex_env
-    daemon(env, 0)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 0)
     slot = status(env)["daemon"]["slots"][0]["slot"]
     old = os.environ.get("KREX_SHM")
     os.environ["KREX_SHM"] = env["KREX_SHM"]
@@ -245,10 +221,7 @@ def test_ctrl_c_stops_a_prewarmed_python_command(krex_env: dict[str, str], tmp_p
     guardian SIGKILLs it KREX_WARM_KILL_NS after a stop signal if it still waits (nothing of
     it reached the GPU). Both guardians (the native one, and Python's with KREX_NATIVE_OFF)."""
     env = krex_env
-    daemon(env, 2)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 2)
     for name, extra in (("b", {}), ("c", {"KREX_NATIVE_OFF": "1"})):
         p = start(dict(env, **extra), tmp_path, name)
         wait_for(lambda n=name: (tmp_path / f"{n}.cpu").exists(), 30, f"{name} waiting at its first GPU call")
@@ -268,10 +241,7 @@ def test_a_process_without_krex_slot_still_waits(krex_env: dict[str, str], tmp_p
     """A process of a pre-warmed command that lost KREX_SLOT (or KREX_SLOT_GEN) registers with
     krexd by its cgroup: that registration waits for the slot too."""
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 1)
     b = subprocess.Popen(
         [*KREX, "run", "--device", "sim", "--", "env", "-u", "KREX_SLOT", "-u", "KREX_SLOT_GEN",
          sys.executable, VICTIM, str(tmp_path), "b"],
@@ -291,10 +261,7 @@ def test_a_region_of_a_killed_prewarmed_command_never_runs(krex_env: dict[str, s
     """krex.region() waiting for a pre-warmed slot, then the command is killed: krexd drops
     the request; no region runs (and freezes nobody) for a command that is gone."""
     env = krex_env
-    daemon(env, 1)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 1)
     b = start(env, tmp_path, "b", "--region")
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b's region request")
     time.sleep(0.5)
@@ -313,10 +280,7 @@ def test_a_restarted_krexd_keeps_prewarmed_commands_waiting(krex_env: dict[str, 
     """krexd killed and started again while commands wait pre-warmed: the new one adopts their
     slots still warm (no false segment incident), and gives them the GPU one at a time."""
     env = krex_env
-    daemon(env, 2)
-    stop_a = tmp_path / "stop-a"
-    a = start(env, tmp_path, "a", "--until", str(stop_a))
-    wait_for(lambda: (tmp_path / "a.gpu").exists(), 30, "the first command")
+    a, stop_a = holder(env, tmp_path, 2)
     stop_b = tmp_path / "stop-b"
     b = start(env, tmp_path, "b", "--until", str(stop_b))
     wait_for(lambda: len(warm_slots(env)) == 1, 30, "b admitted pre-warmed")  # b first, then c

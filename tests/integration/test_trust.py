@@ -1051,6 +1051,25 @@ def test_a_stale_process_inside_a_life_call_flags_the_region(kx: Krex, policy: s
 # ---------------------------------------------- the exit drain and the settle, second review
 
 
+def _owner_regions_after_sibling_acts(kx: Krex, start_file: str) -> tuple[dict[str, Any], list[Any]]:
+    """The sibling `sib` (already started) acts on sib.go; the owner takes 3 regions once
+    START_FILE exists. Returns the owner's result and its journal records."""
+    kx.run("own", "regions", "-n", "3", "--kernels", "2", "--us", "2000", "--go", str(kx.out / start_file))
+    kx.wait(lambda: (kx.out / "own.waiting").exists(), 30, "the owner")
+    (kx.out / "sib.go").touch()
+    res = kx.result("own", timeout=60)
+    (kx.out / "sib.stop").touch()
+    kx.cmds["sib"].wait(30)
+    return res, [j for j in kx.journal() if j["owner_pid"] == res["pid"]]
+
+
+def _policy(kx: Krex, policy: str) -> None:
+    if policy == "gpu":
+        _fake_nvml_gpu_policy(kx)
+    else:
+        kx.start_daemon(slots=2)
+
+
 def _sibling_ops_inside(kx: Krex, pid: int, r: dict[str, Any]) -> list[dict[str, Any]]:
     ops = kx.ops(gpu=0)
     return [o for o in ops if o["pid"] == pid and o["end"] > r["t_grant"] and o["start"] < r["t_end"]]
@@ -1065,21 +1084,12 @@ def test_a_copy_counted_before_the_last_exit_drain_but_queued_after_it_is_never_
     (a 512 MiB copy whose bytes move on the host first) while the main thread exits: the
     last drain at exit must not mark the record drained while that call is in flight, or
     the copy runs inside a region reported clean (found by an adversarial review)."""
-    if policy == "gpu":
-        _fake_nvml_gpu_policy(kx)
-    else:
-        kx.start_daemon(slots=2)
+    _policy(kx, policy)
     argv = [str(victims()["exitrace"]), str(kx.out), "sib", str(512 << 20)]
     argv += ["nolife"] if life == "nolife" else []
     kx.run_argv("sib", argv, env_extra={"KREX_SIM_MOVE_BYTES": "1", "KREX_COPY_CHUNK_BYTES": "0"})
     sib = kx.result("sib", "ready", timeout=60)["pid"]
-    kx.run("own", "regions", "-n", "3", "--kernels", "2", "--us", "2000", "--go", str(kx.out / "sib.copy"))
-    kx.wait(lambda: (kx.out / "own.waiting").exists(), 30, "the owner")
-    (kx.out / "sib.go").touch()
-    res = kx.result("own", timeout=60)
-    (kx.out / "sib.stop").touch()
-    kx.cmds["sib"].wait(30)
-    js = [j for j in kx.journal() if j["owner_pid"] == res["pid"]]
+    res, js = _owner_regions_after_sibling_acts(kx, "sib.copy")
     copy = [o for o in kx.ops(gpu=0) if o["pid"] == sib and o["api"] == "cuMemcpyHtoDAsync_v2"]
     # The owner asked once the copy call had returned; the copy still ran on the GPU then:
     # a grant without waiting for it would overlap it.
@@ -1094,21 +1104,11 @@ def test_a_sibling_whose_main_thread_left_is_still_drained(kx: Krex, policy: str
     """pthread_exit in main leaves the thread-group leader a zombie while the other threads
     use the GPU: such a process is alive (its queued kernel drained, its slot frozen), not
     dead (found by an adversarial review)."""
-    if policy == "gpu":
-        _fake_nvml_gpu_policy(kx)
-    else:
-        kx.start_daemon(slots=2)
+    _policy(kx, policy)
     kx.run_argv("sib", [str(victims()["zleader"]), str(kx.out), "sib", "500000"])
     sib = kx.result("sib", "ready", timeout=60)["pid"]
     time.sleep(0.3)
-    go = str(kx.out / "sib.launched")
-    kx.run("own", "regions", "-n", "3", "--kernels", "2", "--us", "2000", "--go", go)
-    kx.wait(lambda: (kx.out / "own.waiting").exists(), 30, "the owner")
-    (kx.out / "sib.go").touch()
-    res = kx.result("own", timeout=60)
-    (kx.out / "sib.stop").touch()
-    kx.cmds["sib"].wait(30)
-    js = [j for j in kx.journal() if j["owner_pid"] == res["pid"]]
+    res, js = _owner_regions_after_sibling_acts(kx, "sib.launched")
     inside = [r["i"] for r in res["regions"] if _sibling_ops_inside(kx, sib, r)]
     bad = [i for i in inside if not js[i]["contaminated"]]
     assert not bad, f"regions {bad}: the sibling's kernel ran inside regions reported clean"
