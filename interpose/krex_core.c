@@ -378,6 +378,14 @@ static int image_gone(struct krex_proc *p, int64_t pid) {
     return access(path, F_OK) != 0 && errno == ENOENT;
 }
 
+/* A record of another command's process on `gpu` (or of a slot handed on, whose GPU is
+ * not known): its pid, else 0. */
+static int64_t sibling_pid(struct krex_proc *p, int gpu, int owner_slot) {
+    int64_t pid = __atomic_load_n(&p->pid, SEQ);
+    if (pid == 0 || p->slot == owner_slot) return 0;
+    return p->slot == KREX_PROC_STALE || p->gpu == gpu ? pid : 0;
+}
+
 /* The live GPU-using processes (records) of the other commands on `gpu`, and of
  * released slots' leftovers (their GPU is not known). krexd takes this at a region's
  * entry and end: a process in only one of them started or ended its GPU work meanwhile
@@ -388,9 +396,8 @@ int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct kre
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
-        int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid == 0 || p->slot == owner_slot) continue;
-        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        int64_t pid = sibling_pid(p, gpu, owner_slot);
+        if (!pid) continue;
         uint64_t st = p->start_ticks;
         if (!krex_pid_alive(pid, st) || image_gone(p, pid)) continue;
         if (out && n < max) {
@@ -411,9 +418,8 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
-        int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid == 0 || p->slot == owner_slot || __atomic_load_n(&p->life_inflight, SEQ) == 0) continue;
-        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
+        int64_t pid = sibling_pid(p, gpu, owner_slot);
+        if (!pid || __atomic_load_n(&p->life_inflight, SEQ) == 0) continue;
         if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
         if (n < max) {
             pids[n] = pid;
@@ -432,10 +438,8 @@ int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t 
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
-        int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid == 0 || p->slot == owner_slot) continue;
-        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
-        if (__atomic_load_n(&p->life_inflight, SEQ) == 0 && !image_gone(p, pid)) continue;
+        int64_t pid = sibling_pid(p, gpu, owner_slot);
+        if (!pid || (__atomic_load_n(&p->life_inflight, SEQ) == 0 && !image_gone(p, pid))) continue;
         char state = 0;
         unsigned flags = 0;
         uint64_t st = pid_stat_flags(pid, &state, &flags);
@@ -453,10 +457,8 @@ int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot) {
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
-        int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid == 0 || p->slot == owner_slot || __atomic_load_n(&p->free_inflight, SEQ) == 0) continue;
-        if (p->slot != KREX_PROC_STALE && p->gpu != gpu) continue;
-        if (krex_pid_alive(pid, p->start_ticks)) n++;
+        int64_t pid = sibling_pid(p, gpu, owner_slot);
+        if (pid && __atomic_load_n(&p->free_inflight, SEQ) != 0 && krex_pid_alive(pid, p->start_ticks)) n++;
     }
     return n;
 }
