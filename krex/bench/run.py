@@ -646,32 +646,27 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     # (slots per GPU, prewarm) of the daemon the bench started, None while it runs none.
     ours: tuple[int, int] | None = None
+    foreign = False  # a daemon that was running already serves every (non-prewarm) krex cell
     need = max((c.c for c in todo if c.mode == "krex"), default=1)
 
     def daemon_for(cell: Cell) -> None:
         """A daemon that admits this krex cell as asked: C + prewarm commands at once, of which
         only C hold a slot when it pre-warms (slots per GPU = C exactly), else max C."""
-        nonlocal ours, started_daemon
+        nonlocal ours, started_daemon, foreign
         want = (cell.c, cell.prewarm) if cell.prewarm else (cfg.slots_per_gpu or need, 0)
-        if ours == want:
+        if foreign or ours == want:
             return
         st = _daemon_status()
         if st is not None and ours is None:  # somebody else's daemon
             have = min(st.get("slots_per_gpu") or [need])
             pid = st.get("daemon", {}).get("pid")
-            if cell.prewarm and (have, int(st.get("prewarm") or 0)) != want:
-                raise UsageError(
-                    f"{cell.key} needs a daemon with {cell.c} slots per GPU and prewarm {cell.prewarm}; "
-                    f"the running one (pid {pid}) has {have} and {st.get('prewarm') or 0}",
-                    "stop it (`krex daemon stop`) so the bench starts its own, or drop --prewarm",
-                )
             note(f"using the running KREX daemon (pid {pid}, {have} slots per GPU)")
             if have < need:
                 note(
                     f"the running daemon admits {have} commands per GPU at a time, fewer than C={need}: "
                     "krex cells above that queue at admission"
                 )
-            ours = (have, int(st.get("prewarm") or 0))
+            foreign = True
             return
         if started_daemon:
             _stop_daemon()

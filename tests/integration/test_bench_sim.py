@@ -453,3 +453,24 @@ def test_bench_compares_prewarmed_starts(krex_env: dict[str, str], tmp_path: Pat
     assert "krex-1+pw1" in {t["cell"] for t in s["throughput"]}
     bad = krex([*args, "--prewarm", "x", "--out", str(tmp_path / "bad")], krex_env, timeout=60)
     assert bad.returncode == 2 and "--prewarm" in bad.stderr and "fix:" in bad.stderr, bad.stderr
+
+
+def test_bench_uses_a_running_daemon_for_every_krex_cell(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """A daemon that runs already (started on demand by an earlier `krex run`, with fewer
+    slots than the largest C) serves every krex cell: the bench neither starts another nor
+    stops it, and says the cells above its slots queue; `--prewarm` is refused up front."""
+    started = krex(["daemon", "start", "--device", "sim", "--slots-per-gpu", "1"], krex_env, timeout=60)
+    assert started.returncode == 0, started.stderr
+    out = tmp_path / "results"
+    args = ["bench", "--device", "sim", "--quick", "--only", "sim-a-0", "--modes", "krex"]
+    args += ["--concurrency", "1,2"]
+    p = krex([*args, "--timeout", "60", "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert {c["cell"] for c in jsonl(out / "cells.jsonl")} == {"krex-1", "krex-2"}
+    notes = json.loads((out / "meta.json").read_text())["notes"]
+    assert any("using the running KREX daemon" in n for n in notes), notes
+    assert any("queue at admission" in n for n in notes), notes
+    st = krex(["daemon", "status"], krex_env, timeout=60)
+    assert st.returncode == 0, "the bench stopped the daemon it did not start"
+    bad = krex([*args, "--prewarm", "1", "--out", str(tmp_path / "pw")], krex_env, timeout=120)
+    assert bad.returncode == 2 and "stop it" in bad.stderr, bad.stderr[-2000:]
