@@ -33,8 +33,8 @@ char g_shm_name[128];
 int g_slot = -1;
 int g_gpu = -1;
 struct krex_shm *g_shm;
-static long long g_slot_gen = -1;
-static uint64_t g_stamp_gen;              /* our command's slot generation, for free stamps (registration) */         /* KREX_SLOT_GEN: the slot's generation when our command claimed it */
+static long long g_slot_gen = -1;         /* KREX_SLOT_GEN: the slot's generation when our command claimed it */
+static uint64_t g_stamp_gen;              /* our command's slot generation, for free stamps (registration) */
 int g_attach_err;
 struct krex_proc *g_proc;
 static uint32_t g_failed_gate;            /* gate word we already failed open on */

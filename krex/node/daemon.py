@@ -978,12 +978,7 @@ class Daemon:
             s.warm_s = round(time.time() - s.created, 6)
             active[s.gpu] += 1
             lib.krex_slot_set_warm(self.seg.raw, s.slot, 0)
-            log.info(
-                "slot %d on gpu %d: pre-warmed command given the GPU after %.1f s",
-                s.slot,
-                s.gpu,
-                time.time() - s.created,
-            )
+            log.info("slot %d on gpu %d: pre-warmed, given the GPU after %.1f s", s.slot, s.gpu, s.warm_s)
             self.changed.notify_all()
 
     # ----------------------------------------------------------- the regions
