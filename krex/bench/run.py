@@ -335,6 +335,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "drain_s",
         "freeze_s",
         "exit_wait_s",
+        "teardown_wait_s",
         "settle_s",
         "pin_s",
         "entry_s",

@@ -31,6 +31,7 @@ class Attestor:
         self.physical = physical
         self.nvml = nvml
         self.note = note
+        self.pids_local = False  # NVML's pids are krexd's: set once a sample lists one KREX knows
         if nvml is None and not note:
             try:
                 self.nvml = open_nvml()
@@ -46,6 +47,24 @@ class Attestor:
         if kind == "sim" and not fake_path():
             return cls(kind, physical, None, "unavailable: simulated GPU")
         return cls(kind, physical)
+
+    def listed_gone(self, gpu: int) -> set[int]:
+        """Pids NVML lists on `gpu` whose process has ended in krexd's pid namespace (gone,
+        or a zombie): the driver is still tearing their contexts down, on the GPU. Empty
+        until a sample listed a process KREX knows, which shows NVML's pids are ours (in a
+        container they may be the host's, and would all look gone)."""
+        if self.nvml is None or not self.pids_local:
+            return set()
+        try:
+            listed = self.nvml.processes(self.physical[gpu] if gpu < len(self.physical) else gpu)
+        except Exception:  # noqa: BLE001 - NVML errors must never fail a region
+            return set()
+        gone = set()
+        for p in listed:
+            st = procfs.pid_stat(p)
+            if st is None or st.state in "ZX":
+                gone.add(p)
+        return gone
 
     def sample(self, gpu: int) -> dict[str, Any]:
         if self.nvml is None:
@@ -90,6 +109,7 @@ class Attestor:
         foreign: list[dict[str, Any]] = []
         if seen:
             ours = known()
+            self.pids_local = self.pids_local or bool(ours.intersection(seen))
             foreign = [{"pid": p, "cmd": _cmd(p)} for p in seen if p not in ours]
         out["gpu_processes"] = len(seen)
         out["foreign"] = foreign

@@ -1214,6 +1214,11 @@ class Daemon:
             t3 = time.monotonic()
             exiting, waited_exit = self._await_exits(gpu, req.slot)
             t["exit_wait_s"] = time.monotonic() - t3
+            # A process that ended just before (reaped, so out of every record) may still be
+            # torn down by the driver: NVML lists it meanwhile. Waited out, not flagged.
+            t3 = time.monotonic()
+            waited_exit |= self._await_teardowns(gpu)
+            t["teardown_wait_s"] = time.monotonic() - t3
             if exiting:
                 reasons.append(
                     (
@@ -1480,6 +1485,19 @@ class Daemon:
             left = self.seg.exiting(gpu, owner_slot) & left
         return left, waited
 
+    def _await_teardowns(self, gpu: int) -> bool:
+        """Wait (at most freeze_timeout_s) while NVML lists a process that has ended: its
+        contexts' teardown still runs on the GPU (H200: a sibling reaped just before a grant
+        was still listed by NVML, and its region was flagged `foreign-process`). One still
+        listed at the deadline is flagged by the attestation. Whether it waited for any."""
+        left = self.attestor.listed_gone(gpu)
+        waited = bool(left)
+        deadline = time.monotonic() + self.cfg.freeze_timeout_s
+        while left and time.monotonic() < deadline and not self.stop.is_set():
+            time.sleep(0.005)
+            left = self.attestor.listed_gone(gpu) & left
+        return waited
+
     def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:
         """(pid, start time, drain-helper thread) of the other commands' live processes on
         `gpu` that made GPU calls, and of released slots' leftovers: one C pass over the
@@ -1517,9 +1535,17 @@ class Daemon:
         taken as the gate closed (a start from then on may have set up a context through a
         path the gate does not see), `at_grant` at the grant: a process that ended before the
         grant was torn down before it (its memory's scrubbing is _settle's)."""
-        started = {p for p, _s, _t in after - before}
-        ended = {p for p, _s, _t in at_grant - after}
         ent, ext = set(nvml_entry.get("procs") or []), set(nvml_exit.get("procs") or [])
+        known_before = {p for p, _s, _t in before}
+        # A newcomer registers at its first gated call, which then waits at the closed gate:
+        # it has run nothing on the GPU unless a context of its own came first through an
+        # ungated path, which completes before that call, so NVML lists it at the end. Not
+        # flagged when NVML answered and does not list it (on the H200 every `sibling-context`
+        # flag under `gpu` was such a start, docs/results/h200/final). An exec'd process (same
+        # pid, new image) still is.
+        nvml_ok = "procs" in nvml_exit
+        started = {p for p, _s, _t in after - before if p in known_before or not nvml_ok or p in ext}
+        ended = {p for p, _s, _t in at_grant - after}
         started |= (ext - ent) - skip
         ended |= (ent - ext) - skip
         if not ended and not started:

@@ -440,6 +440,45 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
     assert rec["attest"]["throttle"][1] == ["sw_power_cap"]
 
 
+def test_a_region_waits_while_nvml_lists_a_process_that_has_ended(kx: Krex) -> None:
+    """A process reaped just before a region may still be torn down by the driver, which
+    NVML shows by listing it: entry waits until it is no longer listed (clean), and flags
+    it `foreign-process` when it is still listed at the bound (freeze_timeout)."""
+    import threading
+
+    nvml = kx.out / "nvml.json"
+    base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
+    _write_atomic(nvml, json.dumps(base))
+    kx_env = kx.env
+    kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
+        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_TIMEOUT="1", **extra
+    )
+    kx.start_daemon(slots=2)
+
+    def listing(*pids: int) -> None:
+        _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=list(pids))]}))
+
+    # First region: NVML lists its owner, a process KREX knows, so NVML's pids are krexd's.
+    ready = _hold_region(kx, "a")
+    listing(ready["pid"])
+    assert not _end_hold(kx, "a", ready["pid"])["contaminated"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    listing(gone.pid)  # ended and reaped, still listed
+    threading.Timer(0.5, listing).start()  # the driver's teardown ends
+    ready = _hold_region(kx, "b")
+    assert ready["grant"]["teardown_wait_s"] >= 0.4 and not ready["grant"]["contaminated"], ready["grant"]
+    rec = _end_hold(kx, "b", ready["pid"])
+    assert not rec["contaminated"], rec["reasons"]
+    # Still listed at the bound: entry goes on, and the attestation flags it.
+    listing(gone.pid)
+    ready = _hold_region(kx, "c")
+    assert 0.9 <= ready["grant"]["teardown_wait_s"] < 3, ready["grant"]
+    rec = _end_hold(kx, "c", ready["pid"])
+    assert "foreign-process" in rec["flags"], rec["reasons"]
+    assert [f["pid"] for f in rec["attest"]["foreign"]] == [gone.pid]
+
+
 def _write_atomic(path: Path, text: str) -> None:
     """krexd's fake NVML re-reads the file on every call, maybe while the test rewrites it."""
     tmp = path.with_name(path.name + ".tmp")
@@ -586,14 +625,16 @@ def test_a_sibling_context_nvml_saw_end_during_a_region_flags_it(kx: Krex) -> No
     assert f"ended pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
 
 
-@pytest.mark.parametrize("policy", ["gpu", "all"])
-def test_a_sibling_that_starts_its_gpu_work_during_a_region_flags_it_unless_frozen(
-    kx: Krex, policy: str
-) -> None:
-    """A running sibling's first GPU call inside the region (its context was just set up) is
-    flagged under gpu; under all the sibling is frozen, cannot start, and the region is clean."""
-    if policy == "gpu":
-        _fake_nvml_gpu_policy(kx)
+@pytest.mark.parametrize("policy", ["gpu", "gpu-context", "all"])
+def test_a_sibling_that_starts_its_gpu_work_during_a_region_is_held_or_flagged(kx: Krex, policy: str) -> None:
+    """A running sibling's first GPU call inside the region registers it and waits at the
+    closed gate: under gpu it ran nothing on the GPU, and NVML, which does not list it at the
+    end, confirms it had no context, so the region is clean. If NVML lists it (a context set
+    up through an ungated path before that call), the start is flagged. Under all the sibling
+    is frozen and cannot start."""
+    nvml = None
+    if policy.startswith("gpu"):
+        nvml, base = _fake_nvml_gpu_policy(kx)
     else:
         kx.start_daemon(slots=2)
     trigger = kx.out / "trigger"
@@ -602,17 +643,21 @@ def test_a_sibling_that_starts_its_gpu_work_during_a_region_flags_it_unless_froz
     sib = kx.progress("sib")[2]
     ready = _hold_region(kx, "a")
     trigger.touch()
-    if policy == "gpu":  # its first call registers it, then it waits at the closed gate
+    if nvml is not None:  # its first call registers it, then it waits at the closed gate
         kx.wait(lambda: any(p.pid == sib for p in kx.snapshot().procs), 15, "the sibling to register")
+        if policy == "gpu-context":
+            _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
     else:
-        import time
-
         time.sleep(1.0)  # frozen: it cannot see the trigger before the region ends
         assert not any(p.pid == sib for p in kx.snapshot().procs)
+    time.sleep(0.3)
+    assert not (kx.out / "sib.ready").exists(), "the sibling's GPU call passed a closed gate"
     rec = _end_hold(kx, "a", ready["pid"])
-    if policy == "gpu":
+    if policy == "gpu-context":
         assert "sibling-context" in rec["flags"], rec["reasons"]
         assert f"started pid {sib}" in " ".join(rec["reasons"]), rec["reasons"]
+    elif policy == "gpu":
+        assert rec["siblings_frozen"] == 0 and not rec["contaminated"], rec
     else:
         assert rec["siblings_frozen"] == 1 and not rec["contaminated"], rec
     kx.wait(lambda: (kx.out / "sib.ready").exists(), 30, "the sibling's call after the region")
