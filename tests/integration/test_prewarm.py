@@ -293,3 +293,41 @@ def test_a_restarted_krexd_keeps_prewarmed_commands_waiting(krex_env: dict[str, 
     stop_b.touch()
     assert finish(b, 30)[0] == 0
     assert finish(c, 60)[0] == 0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_prewarmed_commands_leftover_child(krex_env: dict[str, str], tmp_path: Path, keep: bool) -> None:
+    """The command's main process exits at once, leaving a child that will make GPU calls
+    (the shell's `&`) while the command waits pre-warmed. By default the leftover is killed
+    and the pre-warmed place given back; with --keep-leftovers the slot lives on, still
+    waiting: the child's first GPU call passes only once root's command gives the GPU back."""
+    env = krex_env
+    a, stop_a = holder(env, tmp_path, 1)
+    child = f"{sys.executable} {VICTIM} {tmp_path} b --cpu-s 0.3"
+    b = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", *(["--keep-leftovers"] if keep else []), "--", "sh", "-c",
+         f"{child} >/dev/null 2>&1 & while [ ! -f {tmp_path}/b.cpu ]; do sleep 0.02; done; exit 0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "the child's CPU phase")
+    pid = read(tmp_path, "b.start")["pid"]
+    if not keep:
+        assert finish(b, 30)[0] == 0
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the leftover to be killed")
+        wait_for(lambda: warm_slots(env) == [], 10, "the pre-warmed place to be given back")
+        assert not (tmp_path / "b.gpu").exists()
+    else:
+        time.sleep(0.5)
+        assert not (tmp_path / "b.gpu").exists(), "the leftover's GPU call passed while every slot was busy"
+        assert len(warm_slots(env)) == 1
+        t_stop = time.monotonic()
+        stop_a.touch()
+        wait_for(lambda: (tmp_path / "b.gpu").exists(), 30, "the leftover's GPU call once the slot is free")
+        assert read(tmp_path, "b.gpu")["t"] >= t_stop
+        assert finish(b, 60)[0] == 0
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the leftover to finish")
+    stop_a.touch()
+    assert finish(a, 30)[0] == 0

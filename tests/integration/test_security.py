@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates u
 
 # The checkout whose krex is under test (what other users' processes must import).
 REPO = Path(krex.__file__).resolve().parents[1]
+WARM_VICTIM = REPO / "tests" / "helpers" / "warm_victim.py"
 
 
 @dataclass
@@ -412,8 +414,8 @@ class Shared:
         os.chmod(self.kx.out, 0o777)
         self.env = self.kx.env()
 
-    def start(self) -> None:
-        p = self.kx.krex("daemon", "start", "--device", "sim", "--group", self.users.group)
+    def start(self, *extra: str) -> None:
+        p = self.kx.krex("daemon", "start", "--device", "sim", "--group", self.users.group, *extra)
         assert p.returncode == 0, p.stderr
         wait_until(lambda: self.kx.sock.exists(), 20, "the shared daemon")
 
@@ -461,6 +463,51 @@ def test_group_members_may_run_commands_with_regions(shared: Shared, who: str) -
         assert "/slot-" in out["cgroup"], out["cgroup"]  # krexd moved it into its slot before exec
     report = json.loads(rep.read_text())
     assert len(report["regions"]) == 1 and report["exit_status"] == 0, report
+
+
+def test_a_group_member_admitted_prewarmed_waits_then_gets_a_clean_region(users: Users) -> None:
+    """A member's command admitted pre-warmed (every slot busy, `--prewarm 1`) runs its CPU
+    phase at once, waits at its first GPU call on the segment's `warm` word, which it
+    reads as a member, and gets a clean region once root's command gives the slot back."""
+    s = Shared(users)
+    try:
+        s.start("--slots-per-gpu", "1", "--prewarm", "1")
+        stop = s.kx.out / "stop-root"
+        holder = subprocess.Popen(
+            [*krex_argv("run", "--device", "sim", "--"), sys.executable, str(WARM_VICTIM), str(s.kx.out),
+             "root", "--until", str(stop)],
+            env=s.member_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(lambda: (s.kx.out / "root.gpu").exists(), 30, "root's command to hold the GPU")
+        rep = s.kx.out / "member.json"
+        member = subprocess.Popen(
+            krex_argv("run", "--device", "sim", "--report", str(rep), "--", user_python(), "-c", REGION_AND_CGROUP),
+            env=s.member_env(),
+            user=users.member.uid,
+            group=users.member.gid,
+            extra_groups=users.member.groups,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd="/",
+        )
+        wait_until(
+            lambda: any(x["warm"] for x in s.kx.status()["slots"]), 30, "the member's pre-warmed slot"
+        )
+        time.sleep(0.5)
+        assert member.poll() is None, member.communicate()
+        stop.touch()
+        out, err = member.communicate(timeout=60)
+        assert member.returncode == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["grant"]["ok"] and not got["grant"]["contaminated"], got
+        assert json.loads(rep.read_text())["prewarm_s"] > 0.3
+        assert holder.wait(30) == 0, holder.stderr.read() if holder.stderr else ""
+    finally:
+        s.kx.cleanup()
 
 
 def test_group_members_may_pause_but_not_stop(shared: Shared) -> None:
