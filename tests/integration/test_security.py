@@ -484,7 +484,9 @@ def test_a_group_member_admitted_prewarmed_waits_then_gets_a_clean_region(users:
         wait_until(lambda: (s.kx.out / "root.gpu").exists(), 30, "root's command to hold the GPU")
         rep = s.kx.out / "member.json"
         member = subprocess.Popen(
-            krex_argv("run", "--device", "sim", "--report", str(rep), "--", user_python(), "-c", REGION_AND_CGROUP),
+            krex_argv(
+                "run", "--device", "sim", "--report", str(rep), "--", user_python(), "-c", REGION_AND_CGROUP
+            ),
             env=s.member_env(),
             user=users.member.uid,
             group=users.member.gid,
