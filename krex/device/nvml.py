@@ -115,11 +115,17 @@ class RealNvml:
     def processes(self, i: int) -> list[int]:
         pids: set[int] = set()
         h = self._handle(i)
+        unsupported = getattr(self.m, "NVMLError_NotSupported", ())
         for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
             try:
                 pids.update(int(p.pid) for p in getattr(self.m, fn)(h))
-            except Exception:  # noqa: BLE001 - not supported on every GPU
-                continue
+            except unsupported:
+                continue  # no graphics (or compute) on this GPU
+            except Exception:
+                # An empty list would read as "no process" (a newcomer with no context, a
+                # teardown over); only a GPU without graphics may answer nothing.
+                if fn.endswith("ComputeRunningProcesses"):
+                    raise
         return sorted(pids)
 
     def sm_clock(self, i: int) -> int | None:

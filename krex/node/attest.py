@@ -32,6 +32,7 @@ class Attestor:
         self.nvml = nvml
         self.note = note
         self.pids_local = False  # NVML's pids are krexd's: set once a sample lists one KREX knows
+        self._listed_start: dict[int, int] = {}  # pid -> start time when NVML listed it first
         if nvml is None and not note:
             try:
                 self.nvml = open_nvml()
@@ -48,23 +49,39 @@ class Attestor:
             return cls(kind, physical, None, "unavailable: simulated GPU")
         return cls(kind, physical)
 
-    def listed_gone(self, gpu: int) -> set[int]:
+    def listed_gone(self, gpu: int) -> set[int] | None:
         """Pids NVML lists on `gpu` whose process has ended in krexd's pid namespace (gone,
-        or a zombie): the driver is still tearing their contexts down, on the GPU. Empty
-        until a sample listed a process KREX knows, which shows NVML's pids are ours (in a
-        container they may be the host's, and would all look gone)."""
+        a zombie with no live thread, or its pid reused since NVML first listed it): the
+        driver is still tearing their contexts down, on the GPU. Empty until a sample
+        listed a process KREX knows, which shows NVML's pids are ours (in a container they
+        may be the host's, and would all look gone). None when NVML did not answer."""
         if self.nvml is None or not self.pids_local:
             return set()
         try:
             listed = self.nvml.processes(self.physical[gpu] if gpu < len(self.physical) else gpu)
         except Exception:  # noqa: BLE001 - NVML errors must never fail a region
-            return set()
-        gone = set()
+            return None
+        return {p for p in listed if self._ended(p)}
+
+    def _ended(self, pid: int) -> bool:
+        st = procfs.pid_stat(pid)
+        # A zombie leader whose other threads run on is alive (krex_pid_alive's rule too).
+        if st is None or (st.state in "ZX" and st.threads <= 1):
+            return True
+        first = self._listed_start.setdefault(pid, st.start)
+        return first != st.start
+
+    def _remember(self, listed: list[int]) -> None:
+        """The start time of each listed process, as NVML first listed it: a pid reused
+        later is another process, and the one NVML listed has ended."""
+        for p in list(self._listed_start):
+            if p not in listed:
+                del self._listed_start[p]
         for p in listed:
-            st = procfs.pid_stat(p)
-            if st is None or st.state in "ZX":
-                gone.add(p)
-        return gone
+            if p not in self._listed_start:
+                st = procfs.pid_stat(p)
+                if st is not None:
+                    self._listed_start[p] = st.start
 
     def sample(self, gpu: int) -> dict[str, Any]:
         if self.nvml is None:
@@ -72,11 +89,13 @@ class Attestor:
         i = self.physical[gpu] if gpu < len(self.physical) else gpu
         try:
             thr = self.nvml.throttle(i)
+            procs = self.nvml.processes(i)
+            self._remember(procs)
             return {
                 "t_ns": time.monotonic_ns(),
                 "sm_clock_mhz": self.nvml.sm_clock(i),
                 "throttle_mask": thr,
-                "procs": self.nvml.processes(i),
+                "procs": procs,
             }
         except Exception as e:  # noqa: BLE001 - NVML errors must never fail a region
             return {"error": f"{type(e).__name__}: {e}"}

@@ -1490,12 +1490,14 @@ class Daemon:
         contexts' teardown still runs on the GPU (H200: a sibling reaped just before a grant
         was still listed by NVML, and its region was flagged `foreign-process`). One still
         listed at the deadline is flagged by the attestation. Whether it waited for any."""
-        left = self.attestor.listed_gone(gpu)
+        left = self.attestor.listed_gone(gpu) or set()
         waited = bool(left)
         deadline = time.monotonic() + self.cfg.freeze_timeout_s
         while left and time.monotonic() < deadline and not self.stop.is_set():
             time.sleep(0.005)
-            left = self.attestor.listed_gone(gpu) & left
+            now = self.attestor.listed_gone(gpu)
+            if now is not None:  # no answer is no news: keep waiting, to the bound
+                left &= now
         return waited
 
     def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:

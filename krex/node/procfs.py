@@ -44,6 +44,7 @@ class Stat:
     state: str
     ppid: int
     start: int  # clock ticks since boot; tells a reused pid apart
+    threads: int = 1
 
 
 def parse_stat(text: str, pid: int) -> Stat | None:
@@ -51,7 +52,7 @@ def parse_stat(text: str, pid: int) -> Stat | None:
     rest = text[text.rfind(")") + 2 :].split()
     if len(rest) < 20:
         return None
-    return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), start=int(rest[19]))
+    return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), start=int(rest[19]), threads=int(rest[17]))
 
 
 def pid_stat(pid: int) -> Stat | None:

@@ -7,15 +7,19 @@ a file the test rewrites; the processes are real."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from krex.device.nvml import FakeNvml
+import pytest
+
+from krex.device.nvml import FakeNvml, RealNvml
 from krex.node.attest import Attestor
 from krex.node.config import Config
 from krex.node.daemon import Daemon
@@ -139,3 +143,174 @@ def test_a_newcomer_is_a_start_when_nvml_could_not_tell() -> None:
 def test_an_execd_process_is_a_start_even_without_nvml_listing_it() -> None:
     (flag, text), = _changes({(10, 1, 12)}, {"procs": []})  # same pid, new drain helper
     assert "started pid 10" in text
+
+
+# An adversarial review's cases (each failed on the first version of these rules).
+
+
+def _learn_local(a: Attestor, known: set[int]) -> None:
+    s = a.sample(0)
+    a.judge(0, s, s, lambda: known)
+    assert a.pids_local
+
+
+# --- F1: "NVML could not be asked" reads as "NVML lists nothing" ------------------------
+
+
+def _fake_pynvml(compute_error: Exception) -> types.ModuleType:
+    m = types.ModuleType("pynvml")
+    m.NVML_CLOCK_SM = 1  # type: ignore[attr-defined]
+    m.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    m.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("h", i)  # type: ignore[attr-defined]
+    m.nvmlDeviceGetClockInfo = lambda h, c: 1980  # type: ignore[attr-defined]
+    m.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 1  # type: ignore[attr-defined]
+
+    def compute(h: Any) -> list[Any]:
+        raise compute_error
+
+    m.nvmlDeviceGetComputeRunningProcesses = compute  # type: ignore[attr-defined]
+    m.nvmlDeviceGetGraphicsRunningProcesses = lambda h: []  # type: ignore[attr-defined]  # compute-only GPU
+    return m
+
+
+def test_newcomer_is_flagged_when_nvml_failed_to_list_compute_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real NVML wrapper swallowed the compute-process query's error (e.g. NVMLError
+    'Function Not Found' for *_v3 with an old driver, 'Unknown Error', 'GPU is lost') and
+    returns []; the sample then has "procs": [] and no "error", so the newcomer rule treats
+    it as 'NVML answered and does not list it' and drops the start. Expected: a newcomer
+    is a start when NVML could not be asked (rule 2)."""
+
+    class NVMLError(Exception):
+        pass
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(NVMLError("Function Not Found")))
+    a = Attestor("gpu", [0], RealNvml())
+    entry, exit_ = a.sample(0), a.sample(0)
+    before = {(10, 1, 11)}
+    out = Daemon._context_changes(
+        None,  # type: ignore[arg-type]
+        0,
+        before,
+        before,
+        before | {(20, 1, 21)},  # a newcomer (maybe with an ungated context NVML would list)
+        entry,
+        exit_,
+        set(),
+    )
+    assert out and "started pid 20" in out[0][1], (exit_, out)
+
+
+# --- F2: a zombie leader whose other threads run on is not an ended process -------------
+
+_ZOMBIE_LEADER = r"""
+import ctypes, os, sys, threading, time
+threading.Thread(target=time.sleep, args=(60,)).start()
+sys.stdout.write("up\n"); sys.stdout.flush()
+ctypes.CDLL(None).syscall(60 if os.uname().machine == "x86_64" else 93, 0)  # SYS_exit: main thread only
+"""
+
+
+def test_a_zombie_leader_with_live_threads_is_not_waited_for(tmp_path: Path) -> None:
+    """A process whose main thread called pthread_exit shows state Z in /proc/PID/stat while
+    its other threads (and GPU context) live on; krex_pid_alive already counts it alive.
+    listed_gone counts it ended, so every region entry waits the whole freeze_timeout_s
+    (2 s by default) while such a process is on the GPU, in vain, and then runs _settle.
+    Expected: not 'gone', no wait."""
+    p = subprocess.Popen([sys.executable, "-c", _ZOMBIE_LEADER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "up\n"
+        time.sleep(0.3)
+        with open(f"/proc/{p.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # leader zombie ...
+        assert len(os.listdir(f"/proc/{p.pid}/task")) >= 1  # ... its thread runs on
+        path = tmp_path / "nvml.json"
+        _nvml(path, [1, p.pid])
+        a = Attestor("gpu", [0], FakeNvml(str(path)))
+        _learn_local(a, {1})
+        t0 = time.monotonic()
+        waited = Daemon._await_teardowns(_daemon(a, 1.0), 0)  # type: ignore[arg-type]
+        took = time.monotonic() - t0
+        assert p.pid not in a.listed_gone(0)
+        assert not waited and took < 0.5, took
+    finally:
+        p.kill()
+        p.wait()
+
+
+# --- F3: a transient NVML error ends the wait as if the teardown were over --------------
+
+
+def test_an_nvml_error_during_the_wait_does_not_end_it(tmp_path: Path) -> None:
+    """listed_gone returns set() on an NVML error, and _await_teardowns intersects with it:
+    one failed poll ends the wait while the driver still tears the process down (the
+    fake's file briefly unreadable stands for a timed-out NVML call). Expected: an error
+    is no answer; keep waiting (to the bound) until NVML stops listing the pid."""
+    path = tmp_path / "nvml.json"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _nvml(path, [1])
+    a = Attestor("gpu", [0], FakeNvml(str(path)))
+    _learn_local(a, {1})
+    _nvml(path, [1, dead.pid])
+
+    def glitch() -> None:
+        path.rename(path.with_name("away.json"))  # NVML call fails
+        time.sleep(0.05)
+        path.with_name("away.json").rename(path)  # answers again: still listed
+
+    threading.Timer(0.1, glitch).start()
+    threading.Timer(0.6, _nvml, (path, [1])).start()  # the teardown really ends here
+    t0 = time.monotonic()
+    assert Daemon._await_teardowns(_daemon(a, 2.0), 0) is True  # type: ignore[arg-type]
+    took = time.monotonic() - t0
+    assert took >= 0.55, f"the wait ended at the NVML error, {took:.3f}s in"
+
+
+# --- F4: pid reuse hides an ended process from the wait --------------------------------
+
+
+def _reuse_pid(pid: int) -> subprocess.Popen[bytes] | None:
+    for _ in range(50):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        p = subprocess.Popen(["sleep", "30"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_a_listed_pid_reused_by_a_new_process_is_still_waited_for(tmp_path: Path) -> None:
+    """NVML listed pid X for process S (krexd saw it in a sample); S ends and is reaped while
+    the driver tears it down, and X is reused by a new process N. listed_gone only asks
+    whether X exists, so it does not wait; if N is a process KREX knows (a sibling's new
+    process, or the next owner), the attestation does not call X foreign either, and with
+    X listed at both ends the region reads clean while S's teardown ran in it. Expected:
+    krexd tells N from S (start time versus when NVML listed X) and waits."""
+    path = tmp_path / "nvml.json"
+    s = subprocess.Popen(["sleep", "30"])
+    x = s.pid
+    _nvml(path, [1, x])
+    a = Attestor("gpu", [0], FakeNvml(str(path)))
+    _learn_local(a, {1})  # a region's samples listed X, then S's process
+    time.sleep(0.05)  # start times count clock ticks (10 ms): a reuse is always later than that
+    s.kill()
+    s.wait()  # reaped; NVML still lists X (teardown)
+    n = _reuse_pid(x)
+    if n is None:
+        pytest.skip("cannot force pid reuse here (needs write access to ns_last_pid)")
+    try:
+        threading.Timer(0.4, _nvml, (path, [1])).start()  # the teardown ends
+        t0 = time.monotonic()
+        waited = Daemon._await_teardowns(_daemon(a, 2.0), 0)  # type: ignore[arg-type]
+        assert waited and time.monotonic() - t0 >= 0.35
+    finally:
+        n.kill()
+        n.wait()
