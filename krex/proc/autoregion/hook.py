@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
@@ -45,10 +46,11 @@ def installed() -> bool:
     return _finder is not None and _finder in sys.meta_path
 
 
-def install(value: str | None = None) -> None:
+def install(value: str | None = None, report: bool = True) -> None:
     """Wrap the targets named by ``value`` (default: $KREX_AUTO_REGION). Does
     nothing for "" or "0". Raises UsageError for a malformed value; never for a
-    target that is missing or cannot be wrapped (see status())."""
+    target that is missing or cannot be wrapped (see status()). ``report=False``:
+    leave no status for `krex run` (the implicit `inductor` of sitecustomize.py)."""
     global _finder
     targets = parse(os.environ.get(ENV_VAR, "") if value is None else value)
     if not targets:
@@ -62,7 +64,7 @@ def install(value: str | None = None) -> None:
         if not installed():
             _finder = _Finder()
             sys.meta_path.insert(0, _finder)
-            if os.environ.get(STATUS_DIR_ENV):
+            if report and os.environ.get(STATUS_DIR_ENV):
                 import atexit
 
                 atexit.register(_dump_locked)
@@ -70,6 +72,15 @@ def install(value: str | None = None) -> None:
             mod = sys.modules.get(name)
             if mod is not None:
                 _patch_module(mod, [t for t in new if t.module == name])
+
+
+def find_spec(
+    fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+) -> ModuleSpec | None:
+    """The spec the installed import hook gives `fullname` (None without one)."""
+    f = _finder
+    spec = f.find_spec(fullname, path, target) if f is not None and installed() else None
+    return spec if isinstance(spec, ModuleSpec) else None
 
 
 def uninstall() -> None:

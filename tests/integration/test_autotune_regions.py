@@ -1,0 +1,151 @@
+"""Inductor's autotuning benchmarks get regions of their own under KREX without any
+setting (issue 11, item 4): on the H200, a torch.compile'd kernel whose autotuning ran
+outside regions was built 22% slower in 5 of 12 runs, in 0 of 12 with them
+(docs/results/h200/autotune). Real `krex run`, real krexd, the simulated GPU; torch is a
+fake package (the control flow of torch/_inductor/runtime/benchmarking.py, as in
+tests/unit/test_harnesses.py), its benchmark making one gated GPU call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+KREX = [sys.executable, "-m", "krex.cli.main"]
+
+BENCHMARKING = """
+import contextlib
+from functools import wraps
+
+_gpu_benchmark_lock_context = None
+
+def set_gpu_benchmark_lock_context(context_factory):
+    global _gpu_benchmark_lock_context
+    previous = _gpu_benchmark_lock_context
+    _gpu_benchmark_lock_context = context_factory
+    return previous
+
+@contextlib.contextmanager
+def maybe_gpu_benchmark_lock():
+    factory = _gpu_benchmark_lock_context
+    if factory is None:
+        yield
+        return
+    with factory():
+        yield
+
+def gpu_benchmark_lock(fn):
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        with maybe_gpu_benchmark_lock():
+            return fn(*args, **kwargs)
+    return wrapper
+
+class InductorBenchmarker:
+    @gpu_benchmark_lock
+    def benchmark_gpu(self, _callable, **kwargs):
+        _callable()
+        return 1.0
+
+benchmarker = InductorBenchmarker()
+"""
+
+# One autotuning benchmark per candidate config, each one launch on the simulated GPU.
+COMPILE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from cp_worker import Gpu
+from torch._inductor.runtime import benchmarking
+g = Gpu()
+for config in range(3):
+    benchmarking.benchmarker.benchmark_gpu(lambda: (g.kernel(10), g.synchronize()))
+print("done")
+"""
+
+
+@pytest.fixture
+def fake_torch(tmp_path: Path) -> Path:
+    root = tmp_path / "fakes"
+    for rel, text in {
+        "torch/__init__.py": "",
+        "torch/_inductor/__init__.py": "",
+        "torch/_inductor/runtime/__init__.py": "",
+        "torch/_inductor/runtime/benchmarking.py": BENCHMARKING,
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+def _run(
+    env: dict[str, str], fakes: Path, tmp_path: Path, auto: str | None
+) -> tuple[dict[str, object], str]:
+    e = dict(env, PYTHONPATH=str(fakes))
+    e.pop("KREX_AUTO_REGION", None)
+    if auto is not None:
+        e["KREX_AUTO_REGION"] = auto
+    rep = tmp_path / f"report-{auto}.json"
+    helpers = Path(__file__).resolve().parents[1] / "helpers"
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", COMPILE,
+         str(helpers)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0 and "done" in p.stdout, p.stderr
+    return json.loads(rep.read_text()), p.stderr
+
+
+def test_autotuning_benchmarks_get_regions_without_any_setting(
+    krex_env: dict[str, str], fake_torch: Path, tmp_path: Path
+) -> None:
+    report, err = _run(krex_env, fake_torch, tmp_path, None)
+    regions = report["regions"]
+    assert isinstance(regions, list) and len(regions) == 3, report
+    assert all(not r["contaminated"] for r in regions), regions
+    assert "KREX_AUTO_REGION" not in err, err  # the implicit target is no setting to warn about
+
+
+def test_krex_auto_region_0_turns_them_off(
+    krex_env: dict[str, str], fake_torch: Path, tmp_path: Path
+) -> None:
+    report, _err = _run(krex_env, fake_torch, tmp_path, "0")
+    assert report["regions"] == [], report
+
+
+def test_a_setting_of_its_own_replaces_the_implicit_target(
+    krex_env: dict[str, str], fake_torch: Path, tmp_path: Path
+) -> None:
+    """KREX_AUTO_REGION names what to wrap: `do_bench` alone leaves autotuning outside
+    regions (the docs say to add `inductor`); `do_bench,inductor` keeps both."""
+    report, _err = _run(krex_env, fake_torch, tmp_path, "do_bench")
+    assert report["regions"] == [], report
+    report, _err = _run(krex_env, fake_torch, tmp_path, "do_bench,inductor")
+    assert len(report["regions"]) == 3, report  # type: ignore[arg-type]
+
+
+def test_outside_krex_the_hook_does_nothing(fake_torch: Path) -> None:
+    """The hook directory on PYTHONPATH without KREX: no finder, the module is torch's own."""
+    from helpers import clean_env
+
+    from krex.node.optin import hook_dir
+
+    code = (
+        "import sys\nfrom torch._inductor.runtime import benchmarking as b\n"
+        "print(b._gpu_benchmark_lock_context is None,"
+        " any('Implicit' in type(f).__name__ for f in sys.meta_path))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(clean_env(), PYTHONPATH=f"{hook_dir()}:{fake_torch}"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0 and p.stdout.split() == ["True", "False"], (p.stdout, p.stderr)
