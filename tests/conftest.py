@@ -22,7 +22,7 @@ for _sig in (signal.SIGINT, signal.SIGQUIT):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import Harness, victims  # noqa: E402
+from helpers import TEST_POLICY, Harness, victims  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +63,7 @@ def krex_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         KREX_SIM_SHM=f"/krex-tsim-{tag}",
         KREX_SIM_TRACE=str(tmp_path / "trace.jsonl"),
         PYTHONUNBUFFERED="1",
+        **TEST_POLICY,
     )
     for k in ("KREX_SOCKET", "KREX_SLOT", "KREX_GPU", "LD_PRELOAD"):
         env.pop(k, None)

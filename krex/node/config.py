@@ -193,8 +193,8 @@ KEYS = (
         _choice(freezepolicy.POLICIES),
         "one of " + ", ".join(freezepolicy.POLICIES),
         "--freeze-policy",
-        "which siblings a region freezes: all, only those the gate cannot hold (gpu), "
-        "or by the region's launch rate (adaptive)",
+        "which siblings a region freezes: only those the gate cannot hold (gpu, the default), "
+        "all, or by the region's launch rate (adaptive)",
         freezepolicy.POLICIES,
     ),
     Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)"),

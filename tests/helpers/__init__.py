@@ -139,15 +139,23 @@ def spawn_with_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None
 # ------------------------------------------------------------------------- env
 
 
+# The freeze policy of every daemon a test starts, unless the test names another: the tests
+# of the freezing mechanics assume `all` (siblings frozen). The default policy (`gpu`) has
+# tests of its own (test_freeze_policy.py), which set no policy.
+TEST_POLICY = {"KREX_FREEZE_POLICY": "all"}
+
+
 def clean_env() -> dict[str, str]:
     """os.environ without anything that would put a child under KREX (or the
-    simulator) by accident."""
-    return {
+    simulator) by accident, plus TEST_POLICY."""
+    env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("KREX_", "SIM_"))
         and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
     }
+    env.update(TEST_POLICY)
+    return env
 
 
 def private_world(kind: str) -> dict[str, str]:

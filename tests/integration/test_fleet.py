@@ -318,9 +318,12 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
     assert {r["report"]["gpu"] for r in results if r["node_id"] == a} == {0, 1}  # both GPUs of node a
 
     check_node_worlds(fleet, results, [a, b])
-    # Not vacuous: on node b (two commands per GPU) regions had a sibling to keep out.
+    # Not vacuous: on node b (two commands per GPU) regions had a sibling to keep out, frozen
+    # (`all`) or held at the gate (`gpu`, the default: its slot in running_slots).
     on_b = [r for r in results if r["node_id"] == b]
-    assert any(reg.get("siblings_frozen") for r in on_b for reg in r["report"]["regions"])
+    assert any(
+        reg.get("siblings_frozen") or reg.get("running_slots") for r in on_b for reg in r["report"]["regions"]
+    )
 
     # The summary's counts.
     s = json.loads((out / "summary.json").read_text())

@@ -47,8 +47,16 @@ def _popen(kx: Krex, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
     return kx.run_argv(name, argv)
 
 
-@pytest.mark.parametrize("policy", ["all", "gpu"])
-def test_freeze_policy_freezes_what_the_gate_cannot_hold(kx: Krex, policy: str) -> None:
+@pytest.mark.parametrize("choice", ["all", "gpu", "default"])
+def test_freeze_policy_freezes_what_the_gate_cannot_hold(kx: Krex, choice: str) -> None:
+    """`default`: no policy set anywhere (the daemon's world without TEST_POLICY, no
+    --freeze): the regions are `gpu` regions."""
+    policy = "gpu" if choice == "default" else choice
+    if choice == "default":
+        kx_env = kx.env
+        kx.env = lambda **extra: {  # type: ignore[method-assign]
+            k: v for k, v in kx_env(**extra).items() if k != "KREX_FREEZE_POLICY"
+        }
     kx.start_daemon(slots=4)
     cpu = _popen(
         kx, "cpu", [sys.executable, "-c", TICKER, str(kx.out / "cpu.json"), str(kx.out / "cpu.stop")]
@@ -78,8 +86,7 @@ def test_freeze_policy_freezes_what_the_gate_cannot_hold(kx: Krex, policy: str) 
             "run",
             "--device",
             "sim",
-            "--freeze",
-            policy,
+            *([] if choice == "default" else ["--freeze", policy]),
             "--",
             sys.executable,
             str(WORKER),
@@ -137,7 +144,8 @@ def test_freeze_policy_freezes_what_the_gate_cannot_hold(kx: Krex, policy: str) 
         assert ticks_in == 0
     else:
         assert ticks_in > 0, "the CPU-only sibling was stopped inside the regions under the gpu policy"
-    assert status["daemon"]["freeze_policy"] == "all"  # the daemon's default; the command chose its own
+    # The daemon's own setting: TEST_POLICY's `all` (the command chose its own), or the default.
+    assert status["daemon"]["freeze_policy"] == ("gpu" if choice == "default" else "all")
     assert kx.frozen_groups() == [] and kx.gate_open()
 
 
