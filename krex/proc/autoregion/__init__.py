@@ -8,7 +8,8 @@ interpreter start when the variable is set. Unset under KREX, it installs ``indu
 alone, once Inductor's benchmarker is imported (docs/auto-regions.md).
 :func:`install` (hook.py) puts an import hook (a ``sys.meta_path`` finder) in
 front of the import system; right after a target module has been executed the hook
-replaces the target function or method with a wrapper. A target whose module is already imported is wrapped at once.
+replaces the target function or method with a wrapper. A target whose module is
+already imported is wrapped at once.
 
 Built-in targets and what their wrapper puts inside the region (one module each):
 
