@@ -13,6 +13,7 @@ the code inside runs on; the next region connects afresh."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import threading
@@ -86,8 +87,13 @@ class region:  # noqa: N801 - reads like a keyword at call sites
     `flags` and `reasons` say why a region is not clean. A region that is not clean
     also warns (RegionWarning)."""
 
-    def __init__(self, label: str | None = None) -> None:
+    def __init__(self, label: str | None = None, soft: bool = False) -> None:
         self.label = label
+        # soft: for targets KREX turns on by itself (the implicit `inductor`), which must never
+        # wait for their own command or break the program: no region when another thread of
+        # this process or another process of its command holds one (the GPU is the
+        # command's already), nor when krexd refuses one.
+        self.soft = soft
         self.grant: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.unprotected = False  # True: (part of) this region ran without exclusivity
@@ -130,7 +136,10 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 )
                 _warned = True
             return self
-        _proc_lock.acquire()
+        if not self.soft:
+            _proc_lock.acquire()
+        elif _command_holds_gate() or not _proc_lock.acquire(blocking=False):
+            return self
         try:
             msg: dict[str, Any] = {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
             if self.label:
@@ -140,6 +149,11 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         except _LOST as e:
             _proc_lock.release()
             self._lose(str(e), stacklevel=3)
+        except KrexError:
+            _proc_lock.release()
+            if not self.soft:
+                _local.depth = 0
+                raise
         except BaseException:
             _proc_lock.release()
             _local.depth = 0
@@ -193,6 +207,15 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 return fn(*a, **k)
 
         return wrapper  # type: ignore[return-value]
+
+
+def _command_holds_gate() -> bool:
+    """Is this GPU's gate closed by our own command? Asked of the shim (LD_PRELOAD); False
+    where it is not loaded."""
+    try:
+        return bool(ctypes.CDLL(None).krex_shim_gate_ours())
+    except (OSError, AttributeError):
+        return False
 
 
 def _visible_gpu() -> int:

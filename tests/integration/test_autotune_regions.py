@@ -149,3 +149,127 @@ def test_outside_krex_the_hook_does_nothing(fake_torch: Path) -> None:
         timeout=60,
     )
     assert p.returncode == 0 and p.stdout.split() == ["True", "False"], (p.stdout, p.stderr)
+
+
+# ---------------------------------------------------------------- an adversarial review's cases
+# Each failed on the first version of the implicit target (5e37bf1): it must never break a
+# program nor wait for a region of its own command.
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+
+# The user's command holds its own region and, inside it, runs a worker process of the
+# same command (Inductor's autotune_in_subproc / a compile worker / a user's subprocess)
+# whose code calls Inductor's benchmarker. Before 5e37bf1 the worker's benchmark just ran
+# (same slot: the gate is the command's own). Now it asks krexd for a region of its own,
+# which queues behind the parent's region; the parent waits for the worker: deadlock
+# until --max-region (60 s default) cuts the user's region.
+PARENT = """
+import subprocess, sys, time
+import krex
+CHILD = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+from cp_worker import Gpu
+from torch._inductor.runtime import benchmarking
+g = Gpu()
+benchmarking.benchmarker.benchmark_gpu(lambda: (g.kernel(10), g.synchronize()))
+print("child done")
+'''
+t0 = time.monotonic()
+with krex.region() as r:
+    try:
+        p = subprocess.run([sys.executable, "-c", CHILD, sys.argv[1]], timeout=float(sys.argv[2]))
+        print("child rc", p.returncode, "after", round(time.monotonic() - t0, 1))
+    except subprocess.TimeoutExpired:
+        print("HUNG: the worker's benchmark waited for the region its parent holds")
+print("clean", r.clean, "cut", r.cut)
+"""
+
+THREADED = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import krex
+from cp_worker import Gpu
+from torch._inductor.runtime import benchmarking
+g = Gpu()
+def tune():
+    benchmarking.benchmarker.benchmark_gpu(lambda: (g.kernel(10), g.synchronize()))
+with krex.region():
+    t = threading.Thread(target=tune, daemon=True)
+    t.start()
+    t.join(float(sys.argv[2]))
+    print("HUNG" if t.is_alive() else "thread done")
+"""
+
+
+def _krex_run(env: dict[str, str], fakes: Path, code: str, limit: float) -> subprocess.CompletedProcess[str]:
+    e = dict(env, PYTHONPATH=str(fakes))
+    e.pop("KREX_AUTO_REGION", None)
+    return subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", textwrap.dedent(code), str(HELPERS),
+         str(limit)],
+        env=e, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_a_worker_process_benchmarking_inside_its_parents_region_does_not_hang(
+    krex_env: dict[str, str], fake_torch: Path
+) -> None:
+    p = _krex_run(krex_env, fake_torch, PARENT, 10)
+    assert p.returncode == 0, p.stderr
+    assert "HUNG" not in p.stdout and "child done" in p.stdout, (p.stdout, p.stderr[-2000:])
+
+
+def test_a_thread_benchmarking_inside_the_processs_region_does_not_hang(
+    krex_env: dict[str, str], fake_torch: Path
+) -> None:
+    p = _krex_run(krex_env, fake_torch, THREADED, 10)
+    assert p.returncode == 0, p.stderr
+    assert "HUNG" not in p.stdout and "thread done" in p.stdout, (p.stdout, p.stderr[-2000:])
+
+
+def test_krex_auto_region_0_control(krex_env: dict[str, str], fake_torch: Path) -> None:
+    """Control: with KREX_AUTO_REGION=0 (the pre-5e37bf1 behaviour) the worker finishes."""
+    e = dict(krex_env, PYTHONPATH=str(fake_torch), KREX_AUTO_REGION="0")
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", textwrap.dedent(PARENT), str(HELPERS),
+         "10"],
+        env=e, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0 and "child done" in p.stdout and "HUNG" not in p.stdout, (p.stdout, p.stderr)
+
+
+TUNE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from cp_worker import Gpu
+from torch._inductor.runtime import benchmarking
+g = Gpu()
+for config in range(3):
+    benchmarking.benchmarker.benchmark_gpu(lambda: (g.kernel(10), g.synchronize()))
+print("done")
+"""
+
+
+def _in_pidns(env: dict[str, str], fakes: Path, auto: str | None) -> subprocess.CompletedProcess[str]:
+    e = dict(env, PYTHONPATH=str(fakes))
+    e.pop("KREX_AUTO_REGION", None)
+    if auto is not None:
+        e["KREX_AUTO_REGION"] = auto
+    return subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", "unshare", "-p", "-f", "--mount-proc", sys.executable, "-c",
+         textwrap.dedent(TUNE), str(HELPERS)],
+        env=e, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_autotuning_in_a_pid_namespace_of_its_own_is_not_broken(
+    krex_env: dict[str, str], fake_torch: Path
+) -> None:
+    """A command that runs its Python in a pid namespace of its own (a container runtime,
+    `unshare -p`): KREX_AUTO_REGION=0 (the behaviour before 5e37bf1) works; the implicit
+    target must not make the user's autotuning fail."""
+    off = _in_pidns(krex_env, fake_torch, "0")
+    assert off.returncode == 0 and "done" in off.stdout, off.stderr[-2000:]
+    on = _in_pidns(krex_env, fake_torch, None)
+    assert on.returncode == 0 and "done" in on.stdout, on.stderr[-3000:]

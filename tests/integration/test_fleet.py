@@ -341,7 +341,9 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
         mine = [r for r in results if r["node_id"] == nid]
         assert row["commands"] == len(mine) > 0
         assert row["regions"] == rounds * len(mine) == row["journal_regions"]
-        assert row["state"] == "alive" and row["failures"] == 0 and row["contaminated_regions"] == 0
+        flagged_here = sum(1 for r in mine for reg in r["report"]["regions"] if reg.get("contaminated"))
+        assert row["state"] == "alive" and row["failures"] == 0
+        assert row["contaminated_regions"] == flagged_here, (row, flagged_here)  # those allowed above
         assert row["region_waits"]["count"] == row["regions"]
         assert (row["gpus"], row["slots"]) == fleet.spec[nid]
     assert sum(row["commands"] for row in rows.values()) == n

@@ -89,7 +89,7 @@ class _ImplicitInductor:
             from krex.proc import autoregion
             from krex.proc.autoregion import hook
 
-            autoregion.install("inductor", report=False)
+            autoregion.install("inductor", implicit=True)
             return hook.find_spec(fullname, path, target)
         except Exception:  # noqa: BLE001 - never break the program's import: no regions then
             return None

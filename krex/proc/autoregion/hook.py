@@ -46,13 +46,16 @@ def installed() -> bool:
     return _finder is not None and _finder in sys.meta_path
 
 
-def install(value: str | None = None, report: bool = True) -> None:
+def install(value: str | None = None, implicit: bool = False) -> None:
     """Wrap the targets named by ``value`` (default: $KREX_AUTO_REGION). Does
     nothing for "" or "0". Raises UsageError for a malformed value; never for a
-    target that is missing or cannot be wrapped (see status()). ``report=False``:
-    leave no status for `krex run` (the implicit `inductor` of sitecustomize.py)."""
+    target that is missing or cannot be wrapped (see status()). ``implicit``: the
+    `inductor` that sitecustomize.py turns on by itself, which leaves no status for `krex
+    run` and takes soft regions (inductor.soft)."""
     global _finder
     targets = parse(os.environ.get(ENV_VAR, "") if value is None else value)
+    if implicit:
+        inductor.soft = True
     if not targets:
         return
     with _lock:
@@ -64,7 +67,7 @@ def install(value: str | None = None, report: bool = True) -> None:
         if not installed():
             _finder = _Finder()
             sys.meta_path.insert(0, _finder)
-            if report and os.environ.get(STATUS_DIR_ENV):
+            if not implicit and os.environ.get(STATUS_DIR_ENV):
                 import atexit
 
                 atexit.register(_dump_locked)
@@ -105,6 +108,7 @@ def uninstall() -> None:
         _undo.clear()
         _targets.clear()
         _by_module.clear()
+        inductor.soft = False
         _status.clear()
         _whole.clear()
         _regions.clear()

@@ -33,6 +33,11 @@ DETAIL = "region: each Inductor GPU benchmark call (torch's set_gpu_benchmark_lo
 DETAILS = {INDUCTOR: DETAIL}
 
 
+# Set by hook.install(implicit=True): the target KREX turned on by itself (sitecustomize.py)
+# takes soft regions (krex.region(soft=True)), which never wait for the command's own region.
+soft = False
+
+
 def _apply_inductor(t: Target, module: ModuleType) -> None:
     """Register a krex region as Inductor's GPU benchmark lock context; the factory
     registered before (a harness's own lock) is entered first and kept."""
@@ -62,7 +67,7 @@ def _apply_inductor(t: Target, module: ModuleType) -> None:
         with contextlib.ExitStack() as stack:
             if holder[0] is not None:
                 stack.enter_context(holder[0]())
-            stack.enter_context(krex.region())  # nested on one thread: a no-op
+            stack.enter_context(krex.region(soft=True) if soft else krex.region())  # nested: a no-op
             yield
 
     setattr(context, MARK, t.name)
