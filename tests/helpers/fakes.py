@@ -53,3 +53,36 @@ def write_fake_amd_node(d: Path) -> Path:
     (d / "cuda").mkdir(exist_ok=True)
     (d / "cuda" / "__init__.py").write_text("raise ImportError('no cuda-python on this fake node')\n")
     return d
+
+
+# torch/_inductor/runtime/benchmarking.py's hook, as upstream: set_gpu_benchmark_lock_context,
+# maybe_gpu_benchmark_lock and the gpu_benchmark_lock decorator of its benchmark methods.
+# Tests append their Benchmarker classes (tests/unit/test_harnesses.py,
+# tests/integration/test_autotune_regions.py).
+FAKE_INDUCTOR_HOOK = """import contextlib
+from functools import wraps
+
+_gpu_benchmark_lock_context = None
+
+def set_gpu_benchmark_lock_context(context_factory):
+    global _gpu_benchmark_lock_context
+    previous = _gpu_benchmark_lock_context
+    _gpu_benchmark_lock_context = context_factory
+    return previous
+
+@contextlib.contextmanager
+def maybe_gpu_benchmark_lock():
+    context_factory = _gpu_benchmark_lock_context
+    if context_factory is None:
+        yield
+        return
+    with context_factory():
+        yield
+
+def gpu_benchmark_lock(fn):
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        with maybe_gpu_benchmark_lock():
+            return fn(*args, **kwargs)
+    return wrapper
+"""

@@ -14,37 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.fakes import FAKE_INDUCTOR_HOOK
 
 KREX = [sys.executable, "-m", "krex.cli.main"]
 
-BENCHMARKING = """
-import contextlib
-from functools import wraps
-
-_gpu_benchmark_lock_context = None
-
-def set_gpu_benchmark_lock_context(context_factory):
-    global _gpu_benchmark_lock_context
-    previous = _gpu_benchmark_lock_context
-    _gpu_benchmark_lock_context = context_factory
-    return previous
-
-@contextlib.contextmanager
-def maybe_gpu_benchmark_lock():
-    factory = _gpu_benchmark_lock_context
-    if factory is None:
-        yield
-        return
-    with factory():
-        yield
-
-def gpu_benchmark_lock(fn):
-    @wraps(fn)
-    def wrapper(*args, **kwargs):
-        with maybe_gpu_benchmark_lock():
-            return fn(*args, **kwargs)
-    return wrapper
-
+BENCHMARKING = FAKE_INDUCTOR_HOOK + """
 class InductorBenchmarker:
     @gpu_benchmark_lock
     def benchmark_gpu(self, _callable, **kwargs):
@@ -212,20 +186,17 @@ def _krex_run(env: dict[str, str], fakes: Path, code: str, limit: float) -> subp
     )
 
 
-def test_a_worker_process_benchmarking_inside_its_parents_region_does_not_hang(
-    krex_env: dict[str, str], fake_torch: Path
+@pytest.mark.parametrize(
+    "code, done", [(PARENT, "child done"), (THREADED, "thread done")], ids=["process", "thread"]
+)
+def test_a_benchmark_inside_its_commands_own_region_does_not_hang(
+    krex_env: dict[str, str], fake_torch: Path, code: str, done: str
 ) -> None:
-    p = _krex_run(krex_env, fake_torch, PARENT, 10)
+    """A worker process of the command, or another thread of the process, benchmarks while
+    the user's region holds the GPU: no region of its own (it would wait for that one)."""
+    p = _krex_run(krex_env, fake_torch, code, 10)
     assert p.returncode == 0, p.stderr
-    assert "HUNG" not in p.stdout and "child done" in p.stdout, (p.stdout, p.stderr[-2000:])
-
-
-def test_a_thread_benchmarking_inside_the_processs_region_does_not_hang(
-    krex_env: dict[str, str], fake_torch: Path
-) -> None:
-    p = _krex_run(krex_env, fake_torch, THREADED, 10)
-    assert p.returncode == 0, p.stderr
-    assert "HUNG" not in p.stdout and "thread done" in p.stdout, (p.stdout, p.stderr[-2000:])
+    assert "HUNG" not in p.stdout and done in p.stdout, (p.stdout, p.stderr[-2000:])
 
 
 def test_krex_auto_region_0_control(krex_env: dict[str, str], fake_torch: Path) -> None:
@@ -239,18 +210,6 @@ def test_krex_auto_region_0_control(krex_env: dict[str, str], fake_torch: Path) 
     assert p.returncode == 0 and "child done" in p.stdout and "HUNG" not in p.stdout, (p.stdout, p.stderr)
 
 
-TUNE = """
-import sys
-sys.path.insert(0, sys.argv[1])
-from cp_worker import Gpu
-from torch._inductor.runtime import benchmarking
-g = Gpu()
-for config in range(3):
-    benchmarking.benchmarker.benchmark_gpu(lambda: (g.kernel(10), g.synchronize()))
-print("done")
-"""
-
-
 def _in_pidns(env: dict[str, str], fakes: Path, auto: str | None) -> subprocess.CompletedProcess[str]:
     e = dict(env, PYTHONPATH=str(fakes))
     e.pop("KREX_AUTO_REGION", None)
@@ -258,7 +217,7 @@ def _in_pidns(env: dict[str, str], fakes: Path, auto: str | None) -> subprocess.
         e["KREX_AUTO_REGION"] = auto
     return subprocess.run(
         [*KREX, "run", "--device", "sim", "--", "unshare", "-p", "-f", "--mount-proc", sys.executable, "-c",
-         textwrap.dedent(TUNE), str(HELPERS)],
+         COMPILE, str(HELPERS)],
         env=e, capture_output=True, text=True, timeout=120,
     )
 

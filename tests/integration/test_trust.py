@@ -446,14 +446,7 @@ def test_a_region_waits_while_nvml_lists_a_process_that_has_ended(kx: Krex) -> N
     it `foreign-process` when it is still listed at the bound (freeze_timeout)."""
     import threading
 
-    nvml = kx.out / "nvml.json"
-    base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
-    _write_atomic(nvml, json.dumps(base))
-    kx_env = kx.env
-    kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
-        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_TIMEOUT="2", **extra
-    )
-    kx.start_daemon(slots=2)
+    nvml, base = _fake_nvml_gpu_policy(kx, KREX_FREEZE_TIMEOUT="2")
 
     def listing(*pids: int) -> None:
         _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=list(pids))]}))
@@ -486,15 +479,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fake_nvml_gpu_policy(kx: Krex) -> tuple[Path, dict[str, Any]]:
-    """A daemon (2 slots) under the `gpu` freeze policy whose NVML is a file the test
-    writes: (that file, its idle content)."""
+def _fake_nvml_gpu_policy(kx: Krex, **settings: str) -> tuple[Path, dict[str, Any]]:
+    """A daemon (2 slots) under the `gpu` freeze policy (and `settings`) whose NVML is a
+    file the test writes: (that file, its idle content)."""
     nvml = kx.out / "nvml.json"
     base = {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
     _write_atomic(nvml, json.dumps(base))
     kx_env = kx.env
+    conf = {"KREX_FREEZE_POLICY": "gpu", **settings}
     kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
-        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
+        KREX_NVML_FAKE=str(nvml), **{**conf, **extra}
     )
     kx.start_daemon(slots=2)
     return nvml, base
@@ -954,6 +948,17 @@ def test_gpu_calls_of_exit_handlers_that_run_after_the_exit_hold_stay_gated(kx: 
     assert ready["grant"]["frozen_slots"], ready["grant"]  # exiting after a LIFE call: frozen
 
 
+def _region_during_the_siblings_teardown_owes_no_drain(kx: Krex) -> None:
+    """A region while sibling `sib` (exitwork) tears down: no drain wait, clean."""
+    ready = _hold_region(kx, "a")
+    g = ready["grant"]
+    rec = _end_hold(kx, "a", ready["pid"])
+    (kx.out / "sib.stop").touch()
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    assert g["drain_s"] < 1.0 and "drain-timeout" not in g["flags"], g
+    assert not rec["contaminated"], rec["reasons"]
+
+
 @pytest.mark.parametrize("policy", ["all", "gpu"])
 def test_a_sibling_tearing_down_after_its_helper_stopped_owes_no_drain(kx: Krex, policy: str) -> None:
     """At exit the drain helper stops before the vendor libraries tear down (their exit
@@ -971,13 +976,7 @@ def test_a_sibling_tearing_down_after_its_helper_stopped_owes_no_drain(kx: Krex,
     (kx.out / "sib.go").touch()
     kx.wait(lambda: (kx.out / "sib.exiting").exists(), 10, "the sibling's teardown")
     time.sleep(0.3)
-    ready = _hold_region(kx, "a")
-    g = ready["grant"]
-    rec = _end_hold(kx, "a", ready["pid"])
-    (kx.out / "sib.stop").touch()
-    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
-    assert g["drain_s"] < 1.0 and "drain-timeout" not in g["flags"], g
-    assert not rec["contaminated"], rec["reasons"]
+    _region_during_the_siblings_teardown_owes_no_drain(kx)
 
 
 def test_a_sibling_that_begins_its_exit_at_a_closed_gate_owes_no_drain(kx: Krex) -> None:
@@ -998,13 +997,7 @@ def test_a_sibling_that_begins_its_exit_at_a_closed_gate_owes_no_drain(kx: Krex)
     time.sleep(0.3)  # its teardown's calls wait at z's closed gate
     _end_hold(kx, "z", first["pid"])
     time.sleep(0.3)  # now its teardown runs
-    ready = _hold_region(kx, "a")
-    g = ready["grant"]
-    rec = _end_hold(kx, "a", ready["pid"])
-    (kx.out / "sib.stop").touch()
-    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
-    assert g["drain_s"] < 1.0 and "drain-timeout" not in g["flags"], g
-    assert not rec["contaminated"], rec["reasons"]
+    _region_during_the_siblings_teardown_owes_no_drain(kx)
 
 
 def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hold(kx: Krex) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.fakes import FAKE_INDUCTOR_HOOK
 
 import krex
 from krex.errors import UsageError
@@ -35,34 +36,9 @@ FAKES = {
     "torch/__init__.py": "",
     "torch/_inductor/__init__.py": "",
     "torch/_inductor/runtime/__init__.py": "",
-    "torch/_inductor/runtime/benchmarking.py": """
-        import contextlib
-        from functools import wraps
+    "torch/_inductor/runtime/benchmarking.py": FAKE_INDUCTOR_HOOK
+    + textwrap.dedent("""
         import hlog
-
-        _gpu_benchmark_lock_context = None
-
-        def set_gpu_benchmark_lock_context(context_factory):
-            global _gpu_benchmark_lock_context
-            previous = _gpu_benchmark_lock_context
-            _gpu_benchmark_lock_context = context_factory
-            return previous
-
-        @contextlib.contextmanager
-        def maybe_gpu_benchmark_lock():
-            context_factory = _gpu_benchmark_lock_context
-            if context_factory is None:
-                yield
-                return
-            with context_factory():
-                yield
-
-        def gpu_benchmark_lock(fn):
-            @wraps(fn)
-            def wrapper(*args, **kwargs):
-                with maybe_gpu_benchmark_lock():
-                    return fn(*args, **kwargs)
-            return wrapper
 
         class Benchmarker:
             @gpu_benchmark_lock
@@ -97,7 +73,7 @@ FAKES = {
                 return 2.0
 
         benchmarker = InductorBenchmarker()
-    """,
+    """),
     "kernelbench/__init__.py": "",
     "kernelbench/profile.py": """
         import hlog

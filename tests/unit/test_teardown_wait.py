@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import spawn_with_pid
 
 from krex.device.nvml import FakeNvml, RealNvml
 from krex.node.attest import Attestor
@@ -272,21 +273,6 @@ def test_an_nvml_error_during_the_wait_does_not_end_it(tmp_path: Path) -> None:
 # --- F4: pid reuse hides an ended process from the wait --------------------------------
 
 
-def _reuse_pid(pid: int) -> subprocess.Popen[bytes] | None:
-    for _ in range(50):
-        try:
-            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-                f.write(str(pid - 1))
-        except OSError:
-            return None
-        p = subprocess.Popen(["sleep", "30"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    return None
-
-
 def test_a_listed_pid_reused_by_a_new_process_is_still_waited_for(tmp_path: Path) -> None:
     """NVML listed pid X for process S (krexd saw it in a sample); S ends and is reaped while
     the driver tears it down, and X is reused by a new process N. listed_gone only asks
@@ -303,7 +289,7 @@ def test_a_listed_pid_reused_by_a_new_process_is_still_waited_for(tmp_path: Path
     time.sleep(0.05)  # start times count clock ticks (10 ms): a reuse is always later than that
     s.kill()
     s.wait()  # reaped; NVML still lists X (teardown)
-    n = _reuse_pid(x)
+    n = spawn_with_pid(x) if os.geteuid() == 0 else None
     if n is None:
         pytest.skip("cannot force pid reuse here (needs write access to ns_last_pid)")
     try:
