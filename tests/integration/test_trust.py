@@ -984,18 +984,24 @@ def test_a_sibling_that_begins_its_exit_at_a_closed_gate_owes_no_drain(kx: Krex)
     exit hold, if any, had passed just before): the drain helper stops there all the same,
     so it drains one last time then too. Before, it skipped that drain at a closed gate,
     and the next region during its teardown waited the whole drain timeout for an ack that
-    could not come, with the sibling frozen inside its exit (H200: 2 regions in 80). Staged
-    under `gpu`, which leaves the sibling running during a region; under `all` the window is
-    the one between a gate's closing and the sibling's freeze."""
+    could not come, with the sibling frozen inside its exit (H200: 2 regions in 80). That
+    last drain waits for a granted region to end (as the exit hold does), so nothing of it
+    runs inside; a drain asked of it meanwhile it answers at once. Staged under `gpu`, which
+    leaves the sibling running during a region; under `all` the window is the one between a
+    gate's closing and the sibling's freeze."""
     _fake_nvml_gpu_policy(kx)
     # No LIFE call before its exit (no exit hold): its helper's stop handler runs at once.
     kx.run_argv("sib", [str(victims()["exitwork"]), str(kx.out), "sib", "100", "free", "early", "nolife"])
-    kx.result("sib", "ready", timeout=30)
+    sib = kx.result("sib", "ready", timeout=30)["pid"]
     first = _hold_region(kx, "z")
     (kx.out / "sib.go").touch()
-    kx.wait(lambda: (kx.out / "sib.exiting").exists(), 10, "the sibling's teardown")
-    time.sleep(0.3)  # its teardown's calls wait at z's closed gate
+    time.sleep(0.5)  # its exit began: its last drain waits for z to end
+    assert not (kx.out / "sib.exiting").exists(), "its teardown ran inside z"
     _end_hold(kx, "z", first["pid"])
+    kx.wait(lambda: (kx.out / "sib.exiting").exists(), 10, "the sibling's teardown")
+    # Nothing of its exit (the last drain's reference count, its teardown) ran inside z.
+    inside = _overlapping(kx.ops(gpu=0), sib, first["t_grant"], kx.result("z")["t_end"])
+    assert inside == [], f"{len(inside)} sibling ops ran inside the region: {inside[:2]}"
     time.sleep(0.3)  # now its teardown runs
     _region_during_the_siblings_teardown_owes_no_drain(kx)
 
