@@ -281,28 +281,17 @@ static void *krex_helper(void *arg) {
     return NULL;
 }
 
-/* At exit: no drain may start while the vendor libraries tear down, and one in
- * progress is waited for (bounded). Registered with atexit when the helper
- * starts, i.e. after the vendor runtime registered its own exit handlers, so it
- * runs before them. Then one last drain here, while the libraries still stand, and
- * the record says so (exit_drained): the teardown's own calls are LIFE calls, gated
- * (they park at a closed gate), so krexd owes this process no ack unless it submits
- * again. Without it, every region during a sibling's teardown (100+ ms on a GPU)
- * waited the whole drain timeout for an ack from a helper that was gone. */
-/* At exit, with the helper gone, while another command's granted region holds the gate:
- * wait for it to end, as the exit hold waits, so that the last drain (a context reference
- * count and a sync) runs outside it. A drain that region, or the next one, asks of us
- * meanwhile is answered at once, before its grant. Neither a pause nor a krexd that
+/* At exit, before the helper stops, while another command's region holds the gate: wait
+ * for it to end, as the exit hold waits, so that neither the last drain (a context
+ * reference count and a sync) nor the helper's end (krexd would read a new image) falls
+ * inside it. The helper still answers drains meanwhile. Neither a pause nor a krexd that
  * stopped beating is waited for. */
-static void wait_out_region(struct krex_shm *shm, struct krex_proc *rec) {
+static void wait_out_region(struct krex_shm *shm) {
     uint32_t *gate = __atomic_load_n(&g_fast.gate, __ATOMIC_ACQUIRE);
     if (!shm || !gate || g_gpu < 0) return;
     for (;;) {
         uint32_t w = __atomic_load_n(gate, __ATOMIC_SEQ_CST), holder = 0;
         if (w == KREX_GATE_OPEN || (w & KREX_GATE_OWNER_MASK) == g_fast.owner_byte) return;
-        if (__atomic_load_n(&shm->gpus[g_gpu].drain_seq, __ATOMIC_SEQ_CST) !=
-            __atomic_load_n(&rec->drain_ack, __ATOMIC_SEQ_CST))
-            return; /* krexd waits for our ack */
         int64_t pid = 0;
         uint64_t deadline = 0;
         if (krex_gate_holder(shm, g_gpu, w, &holder, &pid, &deadline) && holder != KREX_HOLDER_REGION) return;
@@ -312,14 +301,23 @@ static void wait_out_region(struct krex_shm *shm, struct krex_proc *rec) {
     }
 }
 
+/* At exit: no drain may start while the vendor libraries tear down, and one in
+ * progress is waited for (bounded). Registered with atexit when the helper
+ * starts, i.e. after the vendor runtime registered its own exit handlers, so it
+ * runs before them. Then one last drain here, while the libraries still stand, and
+ * the record says so (exit_drained): the teardown's own calls are LIFE calls, gated
+ * (they park at a closed gate), so krexd owes this process no ack unless it submits
+ * again. Without it, every region during a sibling's teardown (100+ ms on a GPU)
+ * waited the whole drain timeout for an ack from a helper that was gone. */
 static void stop_helper(void) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    wait_out_region(shm);
     /* Unnamed first: a helper that is gone while the process lives must not read as an
      * exec (other threads may still submit while the process exits). */
     struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
     if (rec) __atomic_store_n(&rec->helper_tid, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
-    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
     if (shm && g_gpu >= 0) krex_futex_wake(&shm->gpus[g_gpu].drain_seq); /* others just re-check */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -330,10 +328,10 @@ static void stop_helper(void) {
     }
     klog("drain helper stopped at exit");
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
-    /* Also while another command holds the gate: no ack can come from here on. A region
-     * whose entry began between our exit hold and this point otherwise waited the whole
-     * drain timeout for us, frozen inside our exit (H200: 2 regions in 80). */
-    wait_out_region(shm, rec);
+    /* Also while another command holds the gate (a region that closed it since
+     * wait_out_region, a pause): no ack can come from here on. A region whose entry began
+     * meanwhile otherwise waited the whole drain timeout for us, frozen inside our exit
+     * (H200: 2 regions in 80). */
     /* Only with nothing in flight: a submission is counted before the driver queues it, so
      * one counted but not yet queued would escape this drain. The count is read first, then
      * in-flight found 0: any call counted by then has returned (its work is queued). */

@@ -65,6 +65,7 @@ def test_failed_end_of_capture_does_not_leave_every_drain_partial(harness: Harne
     h.seg.close_gate(0, owner_slot=owner, holder=lib.KREX_HOLDER_REGION)
     res = h.seg.drain(0, owner, timeout=10)
     assert res.ok and res.partial == [], res  # before: partial, so every grant was contaminated
+    h.seg.open_gate(0)  # the region ends: the actor's exit (its last drain) waits for that
     c.send("\n")
     assert c.wait(30) == 0
 
@@ -80,6 +81,7 @@ def test_a_capture_in_progress_still_makes_the_drain_partial(harness: Harness) -
     h.seg.close_gate(0, owner_slot=owner, holder=lib.KREX_HOLDER_REGION)
     res = h.seg.drain(0, owner, timeout=10)
     assert res.ok and res.partial == [c.pid], res
+    h.seg.open_gate(0)  # the region ends: the actor's exit waits for that
     c.send("\n")
     assert c.wait(30) == 0
 
