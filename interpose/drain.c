@@ -328,11 +328,10 @@ static void stop_helper(void) {
     }
     klog("drain helper stopped at exit");
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
-    /* Also while another command holds the gate (a region that closed it since
-     * wait_out_region, a pause): no ack can come from here on. A region whose entry began
-     * meanwhile otherwise waited the whole drain timeout for us, frozen inside our exit
-     * (H200: 2 regions in 80). */
-    /* Only with nothing in flight: a submission is counted before the driver queues it, so
+    /* Also at a closed gate (a region that closed it since wait_out_region, a pause): no ack
+     * can come from here on, and a region whose entry began meanwhile otherwise waited the
+     * whole drain timeout for us, frozen inside our exit (H200: 2 regions in 80).
+     * Only with nothing in flight: a submission is counted before the driver queues it, so
      * one counted but not yet queued would escape this drain. The count is read first, then
      * in-flight found 0: any call counted by then has returned (its work is queued). */
     uint64_t t0 = krex_now_ns(), before;

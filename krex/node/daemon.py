@@ -283,6 +283,23 @@ class _FreezePlan:
                 self.futs[s] = d.pool.submit(s.group.freeze, d.cfg.freeze_timeout_s)
 
 
+def _wait_out(
+    probe: Callable[[], set[int] | None], step_s: float, timeout_s: float, stop: threading.Event
+) -> tuple[set[int], bool]:
+    """Re-probe every `step_s`, at most `timeout_s`, until none of the first probe's pids is
+    left; a probe that could not answer (None) changes nothing. (Those still left at the
+    deadline, whether there were any to wait for.)"""
+    left = probe() or set()
+    waited = bool(left)
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline and not stop.is_set():
+        time.sleep(step_s)
+        now = probe()
+        if now is not None:
+            left &= now
+    return left, waited
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -1477,28 +1494,17 @@ class Daemon:
         (PF_EXITING, not yet zombies): the freezer cannot stop them, and closing their GPU
         files tears their contexts down on the GPU. Returns (those still exiting at the
         deadline, whether it waited for any)."""
-        left = self.seg.exiting(gpu, owner_slot)
-        waited = bool(left)
-        deadline = time.monotonic() + self.cfg.freeze_timeout_s
-        while left and time.monotonic() < deadline and not self.stop.is_set():
-            time.sleep(0.002)
-            left = self.seg.exiting(gpu, owner_slot) & left
-        return left, waited
+        probe = lambda: self.seg.exiting(gpu, owner_slot)  # noqa: E731
+        return _wait_out(probe, 0.002, self.cfg.freeze_timeout_s, self.stop)
+
 
     def _await_teardowns(self, gpu: int) -> bool:
         """Wait (at most freeze_timeout_s) while NVML lists a process that has ended: its
         contexts' teardown still runs on the GPU (H200: a sibling reaped just before a grant
         was still listed by NVML, and its region was flagged `foreign-process`). One still
         listed at the deadline is flagged by the attestation. Whether it waited for any."""
-        left = self.attestor.listed_gone(gpu) or set()
-        waited = bool(left)
-        deadline = time.monotonic() + self.cfg.freeze_timeout_s
-        while left and time.monotonic() < deadline and not self.stop.is_set():
-            time.sleep(0.005)
-            now = self.attestor.listed_gone(gpu)
-            if now is not None:  # no answer is no news: keep waiting, to the bound
-                left &= now
-        return waited
+        probe = lambda: self.attestor.listed_gone(gpu)  # noqa: E731
+        return _wait_out(probe, 0.005, self.cfg.freeze_timeout_s, self.stop)[1]
 
     def _sibling_gpu_procs(self, gpu: int, owner_slot: int) -> set[tuple[int, int, int]]:
         """(pid, start time, drain-helper thread) of the other commands' live processes on

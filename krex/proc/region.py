@@ -209,13 +209,20 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         return wrapper  # type: ignore[return-value]
 
 
-def _command_holds_gate() -> bool:
-    """Is this GPU's gate closed by our own command? Asked of the shim (LD_PRELOAD); False
-    where it is not loaded."""
+@functools.cache
+def _gate_ours() -> Callable[[], int] | None:
+    """The shim's krex_shim_gate_ours (LD_PRELOAD), looked up once; None where it is not loaded."""
     try:
-        return bool(ctypes.CDLL(None).krex_shim_gate_ours())
+        fn: Callable[[], int] = ctypes.CDLL(None).krex_shim_gate_ours
+        return fn
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _command_holds_gate() -> bool:
+    """Is this GPU's gate closed by our own command?"""
+    fn = _gate_ours()
+    return bool(fn()) if fn is not None else False
 
 
 def _visible_gpu() -> int:
