@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from types import TracebackType
@@ -31,6 +32,23 @@ _proc_lock = threading.Lock()  # one region per process: the daemon serialises p
 _client: Any = None
 _client_pid = 0
 _warned = False
+_granted_tid: int | None = None  # the thread whose region krexd granted, while it runs
+_fork_gen = 0  # bumped in a fork child: regions entered before the fork are the parent's
+_SOFT_WAIT_S = 60.0  # a soft region waits this long for another thread's region to be granted
+
+
+def _after_fork_in_child() -> None:
+    """A child forked inside a region is not its owner: its regions start afresh (depth 0, a
+    lock nobody holds), and the inherited one ends in the parent only."""
+    global _proc_lock, _granted_tid, _fork_gen, _client
+    _proc_lock = threading.Lock()
+    _granted_tid = None
+    _fork_gen += 1
+    _client = None  # the parent's connection: never ours to use or close
+    _local.depth = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def under_krex() -> bool:
@@ -103,6 +121,7 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         self.flags: list[str] = []
         self.reasons: list[str] = []
         self._active = False
+        self._gen = _fork_gen
 
     def _lose(self, why: str, stacklevel: int) -> None:
         self.unprotected = True
@@ -117,13 +136,13 @@ class region:  # noqa: N801 - reads like a keyword at call sites
 
     def __enter__(self) -> region:
         global _warned
+        self._gen = _fork_gen
         depth = getattr(_local, "depth", 0)
-        _local.depth = depth + 1
         if depth:
+            _local.depth = depth + 1
             return self  # nested: the outer region already holds the GPU
         if not under_krex():
             if _strict():
-                _local.depth = 0
                 raise NotFound(
                     "krex.region() used outside KREX (KREX_STRICT=1)",
                     'run under `krex run -- ...` or eval "$(krex env --export)"',
@@ -135,38 +154,88 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                     stacklevel=2,
                 )
                 _warned = True
+            _local.depth = 1
             return self
-        if not self.soft:
+        if self.soft:
+            if not self._soft_lock():
+                _local.depth = 1
+                return self
+        else:
             _proc_lock.acquire()
-        elif _command_holds_gate() or not _proc_lock.acquire(blocking=False):
-            return self
+        # From here the lock is ours: every way out of this block either keeps it with an
+        # active region or gives it back (an interrupt too), so no depth is left behind.
+        global _granted_tid
+        granted = False
         try:
             msg: dict[str, Any] = {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
             if self.label:
                 msg["label"] = self.label
             self.grant = _begin(msg)
             self._active = True
+            _granted_tid = threading.get_ident()
+            granted = True
         except _LOST as e:
-            _proc_lock.release()
             self._lose(str(e), stacklevel=3)
-        except KrexError:
-            _proc_lock.release()
+        except KrexError as e:
             if not self.soft:
-                _local.depth = 0
                 raise
+            self._flag_unprotected("refused", f"krexd refused the region: {e}")
         except BaseException:
-            _proc_lock.release()
-            _local.depth = 0
+            # An interrupt mid-request leaves the connection out of step; closing it also ends
+            # a region krexd granted meanwhile.
+            self._active = False
+            _granted_tid = None
+            _drop_client()
             raise
+        finally:
+            if not granted:
+                _proc_lock.release()
+        _local.depth = 1
         return self
+
+    def _soft_lock(self) -> bool:
+        """Take the process lock for a soft region, or say why there is no region: the GPU is
+        already this command's (another process of it, or another thread of this process, holds
+        a granted region), or another thread's region did not come within _SOFT_WAIT_S (then
+        `unprotected`, and a warning). Waits while another thread's region only awaits its
+        grant: skipping then would run this benchmark unprotected, unreported."""
+        deadline = time.monotonic() + _SOFT_WAIT_S
+        while True:
+            if _granted_tid is not None:
+                return False  # inside another thread's granted region
+            if not _proc_lock.locked() and _command_holds_gate():
+                return False  # another process of this command holds a region
+            if _proc_lock.acquire(timeout=0.005):
+                if _command_holds_gate():
+                    _proc_lock.release()
+                    return False
+                return True
+            if time.monotonic() >= deadline:
+                self._flag_unprotected(
+                    "soft-wait-timeout",
+                    f"another thread's region was not granted within {_SOFT_WAIT_S:.0f} s, "
+                    "so this one ran without one",
+                )
+                return False
+
+    def _flag_unprotected(self, flag: str, why: str) -> None:
+        self.unprotected = True
+        self.clean = False
+        self.flags = [flag]
+        self.reasons = [why]
+        warnings.warn(f"krex.region(): {why}; it is not exclusive", RegionWarning, stacklevel=4)
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._gen != _fork_gen:
+            return  # a fork child leaving its parent's region: the parent ends it, not the child
         _local.depth -= 1
         if not self._active:
             return
         self._active = False
+        global _granted_tid
+        _granted_tid = None
         try:
             self.summary = _get_client().request({"op": "end"})
         except _LOST as e:
@@ -174,6 +243,9 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         except KrexError:
             if et is None:
                 raise
+        except BaseException:
+            _drop_client()
+            raise
         finally:
             _proc_lock.release()
         self._verdict(self.summary)
@@ -203,7 +275,7 @@ class region:  # noqa: N801 - reads like a keyword at call sites
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*a: Any, **k: Any) -> Any:
-            with region(self.label):
+            with region(self.label, soft=self.soft):
                 return fn(*a, **k)
 
         return wrapper  # type: ignore[return-value]

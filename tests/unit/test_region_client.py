@@ -1,0 +1,251 @@
+"""krex.region()'s own bookkeeping (the process lock, nesting depth, soft regions, fork),
+against a fake krexd connection: real threads, real fork, real signals. Each of these once
+left a later region a silent no-op or ran a benchmark unprotected without a word."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import warnings
+from typing import Any
+
+import pytest
+
+from krex.errors import Busy
+from krex.proc import region as R
+
+
+class FakeKrexd:
+    """Answers begin/end; a begin may be held (`hold`) or refused (`refuse`)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.refuse = False
+        self.refuse_next = 0  # refuse this many begins, then go by `refuse`
+        self.interrupt_begin = False
+
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg["op"]
+        if op == "begin":
+            if self.interrupt_begin:
+                self.interrupt_begin = False
+                raise KeyboardInterrupt
+            self.hold.wait()
+            if self.refuse_next:
+                self.refuse_next -= 1
+                raise Busy("no region for you", "ask again")
+            if self.refuse:
+                raise Busy("no region for you", "ask again")
+        self.log.append((op, os.getpid()))
+        return {"ok": True, "clean": True, "region": {}} if op == "end" else {"ok": True}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def krexd(monkeypatch: pytest.MonkeyPatch) -> FakeKrexd:
+    fake = FakeKrexd()
+    monkeypatch.setenv("KREX_SHM", "/krex-fake")
+    monkeypatch.setattr(R, "_get_client", lambda: fake)
+    monkeypatch.setattr(R, "_command_holds_gate", lambda: False)
+    yield fake
+    assert not R._proc_lock.locked(), "a region left the process lock held"
+    assert getattr(R._local, "depth", 0) == 0, "a region left a nesting depth behind"
+
+
+def test_an_interrupt_while_a_region_is_requested_leaves_no_lock_or_depth(krexd: FakeKrexd) -> None:
+    krexd.interrupt_begin = True
+    with pytest.raises(KeyboardInterrupt):
+        with R.region():
+            pass
+    # The next region is a real one, not a nested no-op.
+    with R.region() as r:
+        assert r._active
+    assert krexd.log == [("begin", os.getpid()), ("end", os.getpid())]
+
+
+def test_a_signal_handler_raising_mid_begin_is_recovered_from(krexd: FakeKrexd) -> None:
+    """The interrupt as a real signal, delivered while begin waits for its grant."""
+    krexd.hold.clear()
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    threading.Timer(0.2, krexd.hold.set).start()
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with R.region():
+                pass
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    krexd.hold.set()
+    with R.region() as r:
+        assert r._active
+
+
+def test_an_interrupt_while_waiting_for_another_threads_region_leaves_no_depth(krexd: FakeKrexd) -> None:
+    """Ctrl-C while blocked behind another thread's region: the next region is real."""
+    a_in, a_out = threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            a_in.set()
+            a_out.wait(5)
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    a_in.wait(5)
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with R.region():
+                pass
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    a_out.set()
+    ta.join(5)
+    with R.region() as r:
+        assert r._active, "the region after the interrupt was a silent no-op"
+    assert [op for op, _ in krexd.log] == ["begin", "end", "begin", "end"]
+
+
+def test_a_child_forked_inside_a_region_is_not_its_owner(krexd: FakeKrexd) -> None:
+    rd, wr = os.pipe()
+    with R.region() as outer:
+        assert outer._active
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            ok = 0
+            try:
+                # The child starts afresh: a region of its own is real, not nested.
+                with R.region() as mine:
+                    ok = int(mine._active)
+                outer.__exit__(None, None, None)  # leaving the inherited region ends nothing
+                ends = sum(1 for op, p in krexd.log if op == "end" and p == os.getpid())
+                ok = ok and ends == 1 and not R._proc_lock.locked() and R._local.depth == 0
+            finally:
+                os.write(wr, b"1" if ok else b"0")
+                os._exit(0)
+        os.close(wr)
+        got = os.read(rd, 1)
+        os.waitpid(pid, 0)
+        assert got == b"1", "the forked child's regions were no-ops or it ended its parent's region"
+        assert R._proc_lock.locked()  # the parent still holds its region
+    assert [op for op, p in krexd.log if p == os.getpid()] == ["begin", "end"]
+
+
+def test_a_soft_region_waits_for_another_threads_region_still_awaiting_its_grant(krexd: FakeKrexd) -> None:
+    krexd.hold.clear()
+    granted_at: list[float] = []
+    a_in = threading.Event()
+    a_out = threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            granted_at.append(time.monotonic())
+            a_in.set()
+            a_out.wait(5)
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    time.sleep(0.1)  # A holds the process lock and waits for its grant
+    soft_done: list[tuple[float, R.region]] = []
+
+    def thread_b() -> None:
+        with R.region(soft=True) as r:
+            soft_done.append((time.monotonic(), r))
+
+    tb = threading.Thread(target=thread_b)
+    tb.start()
+    time.sleep(0.3)
+    assert not soft_done, "the soft region ran while another thread's region had no grant yet"
+    krexd.hold.set()
+    a_in.wait(5)
+    tb.join(5)
+    a_out.set()
+    ta.join(5)
+    (t_soft, r), = soft_done
+    assert t_soft >= granted_at[0]
+    assert r.grant is None and not r.unprotected  # it ran inside A's granted region
+    assert [op for op, _ in krexd.log] == ["begin", "end"]
+
+
+def test_a_soft_region_takes_its_own_when_the_other_threads_is_refused(krexd: FakeKrexd) -> None:
+    krexd.hold.clear()
+    krexd.refuse_next = 1  # A's begin, the first to reach krexd
+    errs: list[BaseException] = []
+
+    def thread_a() -> None:
+        try:
+            with R.region():
+                pass
+        except Busy as e:
+            errs.append(e)
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    time.sleep(0.1)
+    result: list[R.region] = []
+
+    def thread_b() -> None:
+        with R.region(soft=True) as r:
+            result.append(r)
+
+    tb = threading.Thread(target=thread_b)
+    tb.start()
+    time.sleep(0.1)
+    krexd.hold.set()
+    ta.join(5)
+    tb.join(5)
+    assert len(errs) == 1
+    (r,) = result
+    assert r.grant == {"ok": True} and not r.unprotected  # its own region
+    assert [op for op, _ in krexd.log] == ["begin", "end"]
+
+
+def test_a_soft_region_that_waits_too_long_says_it_is_unprotected(
+    krexd: FakeKrexd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(R, "_SOFT_WAIT_S", 0.3)
+    krexd.hold.clear()
+    ta = threading.Thread(target=lambda: R.region().__enter__().__exit__(None, None, None))
+    ta.start()
+    time.sleep(0.1)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        with R.region(soft=True) as r:
+            pass
+    assert 0.25 <= time.monotonic() - t0 < 3
+    assert r.unprotected and r.clean is False and r.flags == ["soft-wait-timeout"]
+    assert any("not exclusive" in str(x.message) for x in w)
+    krexd.hold.set()
+    ta.join(5)
+
+
+def test_a_refused_soft_region_says_it_is_unprotected(krexd: FakeKrexd) -> None:
+    krexd.refuse = True
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with R.region(soft=True) as r:
+            pass
+    assert r.unprotected and r.flags == ["refused"] and "no region for you" in r.reasons[0]
+    with pytest.raises(Busy):
+        with R.region():
+            pass
+
+
+def test_the_decorator_keeps_soft(krexd: FakeKrexd) -> None:
+    krexd.refuse = True
+
+    @R.region("bench", soft=True)
+    def bench() -> int:
+        return 7
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert bench() == 7  # a hard region would raise Busy here
