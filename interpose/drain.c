@@ -285,19 +285,34 @@ static void *krex_helper(void *arg) {
  * for it to end, as the exit hold waits, so that neither the last drain (a context
  * reference count and a sync) nor the helper's end (krexd would read a new image) falls
  * inside it. The helper still answers drains meanwhile. Neither a pause nor a krexd that
- * stopped beating is waited for. */
+ * stopped beating is waited for. Regions that follow at once (others' back-to-back regions,
+ * the gate never seen open) are waited for only KREX_EXIT_WAIT_NS more: then the exit goes
+ * on, and krexd flags the region it falls in (the helper's end reads as a new image) rather
+ * than the exit starving (an adversarial review held one 8 s). The gate word is a futex,
+ * woken at every opening, so a gap between two regions is seen when there is one. */
 static void wait_out_region(struct krex_shm *shm) {
     uint32_t *gate = __atomic_load_n(&g_fast.gate, __ATOMIC_ACQUIRE);
     if (!shm || !gate || g_gpu < 0) return;
+    uint32_t first = KREX_GATE_OPEN;
+    uint64_t t_next = 0; /* when a region after the first one was seen */
     for (;;) {
         uint32_t w = __atomic_load_n(gate, __ATOMIC_SEQ_CST), holder = 0;
         if (w == KREX_GATE_OPEN || (w & KREX_GATE_OWNER_MASK) == g_fast.owner_byte) return;
         int64_t pid = 0;
-        uint64_t deadline = 0;
+        uint64_t deadline = 0, now = krex_now_ns();
         if (krex_gate_holder(shm, g_gpu, w, &holder, &pid, &deadline) && holder != KREX_HOLDER_REGION) return;
-        if (krex_heartbeat_stale(shm, krex_now_ns(), 1)) return;
-        struct timespec ms = {0, 1000000};
-        nanosleep(&ms, NULL);
+        if (krex_heartbeat_stale(shm, now, 1)) return;
+        if (first == KREX_GATE_OPEN) first = w;
+        else if (w != first && !t_next) t_next = now;
+        uint64_t wait = KREX_GATE_RECHECK_NS; /* re-checks the heartbeat while it waits */
+        if (t_next) {
+            if (now - t_next >= KREX_EXIT_WAIT_NS) {
+                klog("exit: other commands' regions follow one another; going on inside one (krexd flags it)");
+                return;
+            }
+            if (KREX_EXIT_WAIT_NS - (now - t_next) < wait) wait = KREX_EXIT_WAIT_NS - (now - t_next);
+        }
+        krex_futex_wait(gate, w, wait);
     }
 }
 
@@ -307,8 +322,10 @@ static void wait_out_region(struct krex_shm *shm) {
  * runs before them. Then one last drain here, while the libraries still stand, and
  * the record says so (exit_drained): the teardown's own calls are LIFE calls, gated
  * (they park at a closed gate), so krexd owes this process no ack unless it submits
- * again. Without it, every region during a sibling's teardown (100+ ms on a GPU)
+ * again (a stream-ordered LIFE call drains again itself). Without it, every region during a sibling's teardown (100+ ms on a GPU)
  * waited the whole drain timeout for an ack from a helper that was gone. */
+static void last_drain(struct krex_shm *shm, struct krex_proc *rec);
+
 static void stop_helper(void) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
     struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
@@ -327,13 +344,19 @@ static void stop_helper(void) {
         return;
     }
     klog("drain helper stopped at exit");
+    last_drain(shm, rec);
+}
+
+/* The last drain of an exit, once its helper has stopped (and again after a stream-ordered
+ * LIFE call made since: krex_exit_redrain). Also at a closed gate (a region that closed it
+ * since wait_out_region, a pause): no ack can come from here on, and a region whose entry
+ * began meanwhile otherwise waited the whole drain timeout for us, frozen inside our exit
+ * (H200: 2 regions in 80). Only with nothing in flight: a submission is counted before the
+ * driver queues it, so one counted but not yet queued would escape this drain. The count is
+ * read first, then in-flight found 0: any call counted by then has returned (its work is
+ * queued). */
+static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
-    /* Also at a closed gate (a region that closed it since wait_out_region, a pause): no ack
-     * can come from here on, and a region whose entry began meanwhile otherwise waited the
-     * whole drain timeout for us, frozen inside our exit (H200: 2 regions in 80).
-     * Only with nothing in flight: a submission is counted before the driver queues it, so
-     * one counted but not yet queued would escape this drain. The count is read first, then
-     * in-flight found 0: any call counted by then has returned (its work is queued). */
     uint64_t t0 = krex_now_ns(), before;
     for (;;) {
         before = krex_proc_submits(rec);
@@ -351,6 +374,11 @@ static void stop_helper(void) {
     if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) != 0 || krex_proc_submits(rec) != before) return;
     __atomic_store_n(&rec->exit_drained, 1 + before, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */
+}
+
+void krex_exit_redrain(void) {
+    if (g_helper_pid != getpid() || !__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) return;
+    last_drain(__atomic_load_n(&g_shm, ACQUIRE), __atomic_load_n(&g_proc, ACQUIRE));
 }
 
 void start_helper(void) {

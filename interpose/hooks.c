@@ -39,9 +39,11 @@
         before;                                                    \
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
         krex_life_free(KREX_ID_##name, krex_a0, 0);                \
+        krex_life_ordered(KREX_ID_##name, 0);                      \
         KREX_RET krex_rc = fn args;                                \
         krex_life_free(KREX_ID_##name, krex_a0, 1);                \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
+        krex_life_ordered(KREX_ID_##name, 1);                      \
         if (krex_rc == 0) {                                        \
             krex_life_done();                                      \
             after;                                                 \
@@ -200,6 +202,9 @@ static int cmp_ids(const void *a, const void *b) {
  * pointer: NULL frees nothing, cudaFree(NULL) is the idiom that makes a context), 1 for a
  * release, unmap, unload, reset, destroy or pool trim. */
 unsigned char krex_frees[KREX_N_IDS];
+/* LIFE calls that are stream-ordered (cuMemAllocAsync, cudaFreeAsync, hipMallocFromPoolAsync:
+ * "Async" in the name): they queue work on a stream rather than finish inside the call. */
+unsigned char krex_ordered[KREX_N_IDS];
 
 void krex_hooks_init(void) {
     static const char *const free_words[] = {"Release", "Unmap", "Unload", "Reset", "Destroy", "Trim"};
@@ -209,6 +214,7 @@ void krex_hooks_init(void) {
         for (unsigned w = 0; w < sizeof free_words / sizeof *free_words; w++)
             if (strstr(krex_entries[i].name, free_words[w])) krex_frees[i] = 1;
         if (strstr(krex_entries[i].name, "Free")) krex_frees[i] = 2;
+        krex_ordered[i] = krex_entries[i].cls == KREX_CLS_LIFE && strstr(krex_entries[i].name, "Async") != NULL;
     }
     qsort(g_sorted, (size_t)g_nsorted, sizeof(int), cmp_ids);
 }

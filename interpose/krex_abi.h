@@ -129,6 +129,9 @@
 #define KREX_WAIT_SLICE_NS 200000000
 /* The drain helper re-checks its GPU's drain_seq (and whether to stop) this often. */
 #define KREX_HELPER_RECHECK_NS 1000000000
+/* An exit waits out the region that holds the gate, then at most this long for regions
+ * that follow it at once (drain.c, wait_out_region). */
+#define KREX_EXIT_WAIT_NS 250000000
 /* Registration and fork() wait at most this long for a just-started drain helper to
  * finish starting. */
 #define KREX_HELPER_SETTLE_NS 500000000
@@ -322,6 +325,9 @@ struct krex_proc {
     uint64_t exit_drained;          /* 0 while its drain helper runs; at exit, once the helper has
                                      * stopped after a last drain: 1 + its gated submissions then.
                                      * While they stay that many, krexd owes it no drain ack */
+    uint64_t ordered_life;          /* stream-ordered LIFE calls (async allocations and frees),
+                                     * bumped as each starts and ends: they queue work on a
+                                     * stream, so they count with the gated submissions */
 };
 
 struct krex_shm {

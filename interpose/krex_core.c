@@ -523,9 +523,11 @@ uint32_t krex_drain_request(struct krex_shm *shm, int gpu) {
     return seq;
 }
 
-/* A process's gated submissions (kernels, copies, memsets, graphs, prefetches: not LIFE calls). */
+/* A process's calls that queue GPU work: its gated submissions (kernels, copies, memsets,
+ * graphs, prefetches) and its stream-ordered LIFE calls (not the other LIFE calls, which
+ * are done when they return: a teardown makes many). */
 uint64_t krex_proc_submits(struct krex_proc *p) {
-    uint64_t n = 0;
+    uint64_t n = __atomic_load_n(&p->ordered_life, SEQ);
     for (int k = 0; k < KREX_CLS_LIFE; k++) n += __atomic_load_n(&p->submits[k], SEQ);
     return n;
 }
@@ -738,6 +740,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->life_inflight = 0;
     p->free_inflight = 0;
     p->exit_drained = 0;
+    p->ordered_life = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);

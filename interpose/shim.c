@@ -147,6 +147,18 @@ void krex_life_free(int id, uintptr_t arg0, int end) {
     if (p) __atomic_add_fetch(&p->free_inflight, end ? (uint32_t)-1 : 1u, __ATOMIC_SEQ_CST);
 }
 
+/* A stream-ordered LIFE call counts twice (as it starts and as it ends), so a last exit
+ * drain that either overlaps sees the count move. One made after that drain (a teardown's
+ * async frees) queued work that drain did not cover: drain again here, since no helper is
+ * left to answer krexd (it would wait its whole drain timeout, or miss the work). */
+void krex_life_ordered(int id, int end) {
+    if (!krex_ordered[id]) return;
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (!p) return;
+    __atomic_add_fetch(&p->ordered_life, 1, __ATOMIC_SEQ_CST);
+    if (end && __atomic_load_n(&p->exit_drained, __ATOMIC_SEQ_CST)) krex_exit_redrain();
+}
+
 void krex_life_done(void) {
     if (!mode_on() || __atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
     static int registered; /* atexit handlers survive fork: once per image */

@@ -45,6 +45,8 @@ void klog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int krex_register(void);
 int krex_wait_gate(uint32_t word);
 struct krex_shm *attach_shm(void);
+void krex_life_ordered(int id, int end);     /* LIFE call `id` starts/ended: a stream-ordered one counts */
+void krex_exit_redrain(void);                /* drain.c: after such a call past the last exit drain */
 void krex_life_done(void);                   /* a LIFE call succeeded: arm the exit hold */
 void krex_life_free(int id, uintptr_t arg0, int end); /* LIFE call `id` (first argument arg0): a free? stamp it
                                                       * (end 0: before the driver call, 1: after it) */
@@ -65,6 +67,7 @@ void *krex_resolve(int id, int k);
 
 /* hooks.c: the wrappers generated from the api_*.def tables. */
 extern unsigned char krex_frees[]; /* by entry id: 2 a *Free* (NULL: none), 1 another freeing LIFE call */
+extern unsigned char krex_ordered[]; /* by entry id: 1 a stream-ordered LIFE call */
 extern void *const krex_wrappers[KREX_N_IDS][KREX_NSLOT];
 void krex_hooks_init(void);
 int is_own_wrapper(void *p);

@@ -1017,6 +1017,51 @@ def test_a_sibling_that_begins_its_exit_at_a_closed_gate_owes_no_drain(kx: Krex)
     _region_during_the_siblings_teardown_owes_no_drain(kx)
 
 
+def test_an_exit_is_not_starved_by_other_commands_back_to_back_regions(kx: Krex) -> None:
+    """Two other commands take 30 ms regions one after another, so the gate may never be
+    seen open: a sibling's exit waits out the region it meets, then at most
+    KREX_EXIT_WAIT_NS (0.25 s) more, and goes on. Before, it waited for the regions to stop
+    (an adversarial review held an exit 8 s). A region that the exit's last steps fall in is
+    flagged, never clean."""
+    nvml = kx.out / "nvml.json"
+    _write_atomic(nvml, json.dumps({"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [],
+                                              "sm_clock": 1980, "throttle": 1}]}))
+    kx_env = kx.env
+    kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
+        KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
+    )
+    kx.start_daemon(slots=3)
+    kx.run_argv("sib", [str(victims()["exitwork"]), str(kx.out), "sib", "100", "free", "early", "nolife"])
+    sib = kx.result("sib", "ready", timeout=30)["pid"]
+    go, until = kx.out / "z.go", kx.out / "z.until"
+    for z in ("z1", "z2"):
+        kx.run(z, "regions", "-n", "100000", "--kernels", "1", "--sleep-ms", "30", "--go", str(go),
+               "--until", str(until))
+    kx.wait(lambda: all((kx.out / f"{z}.waiting").exists() for z in ("z1", "z2")), 30, "the region takers")
+    go.touch()
+    time.sleep(0.5)  # regions now follow one another
+    t0 = time.monotonic()
+    (kx.out / "sib.go").touch()
+    kx.wait(lambda: (kx.out / "sib.exiting").exists(), 10, "the sibling's exit")
+    waited = time.monotonic() - t0
+    (kx.out / "sib.stop").touch()
+    time.sleep(0.5)
+    until.touch()
+    for z in ("z1", "z2"):
+        assert kx.cmds[z].wait(60) == 0, kx.cmds[z].output()[-2000:]
+    assert kx.cmds["sib"].wait(30) == 0
+    assert waited < 1.5, f"the exit waited {waited:.2f} s behind back-to-back regions"
+    regions = [r for z in ("z1", "z2") for r in kx.result(z)["regions"]]
+    assert len(regions) >= 20
+    ops = kx.ops(gpu=0)
+    for r in regions:
+        rec = r["summary"]["region"]
+        inside = _overlapping(ops, sib, r["t_grant"], r["t_end"])
+        if not rec["contaminated"] and inside:
+            Path("/tmp/starve.json").write_text(json.dumps({"inside": inside, "r": r, "sib": sib}, default=str))
+        assert rec["contaminated"] or not inside, f"a clean region held the exiting sibling's ops: {inside[:2]}"
+
+
 def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hold(kx: Krex) -> None:
     """A raw fork (syscall(SYS_fork), glibc's _Fork, clone) runs no fork handler, so the
     child keeps its parent's fork generation: its exit must not hold the parent's record
