@@ -60,9 +60,8 @@ def krexd(monkeypatch: pytest.MonkeyPatch) -> FakeKrexd:
 
 def test_an_interrupt_while_a_region_is_requested_leaves_no_lock_or_depth(krexd: FakeKrexd) -> None:
     krexd.interrupt_begin = True
-    with pytest.raises(KeyboardInterrupt):
-        with R.region():
-            pass
+    with pytest.raises(KeyboardInterrupt), R.region():
+        pass
     # The next region is a real one, not a nested no-op.
     with R.region() as r:
         assert r._active
@@ -76,9 +75,8 @@ def test_a_signal_handler_raising_mid_begin_is_recovered_from(krexd: FakeKrexd) 
     threading.Timer(0.2, krexd.hold.set).start()
     signal.setitimer(signal.ITIMER_REAL, 0.05)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            with R.region():
-                pass
+        with pytest.raises(KeyboardInterrupt), R.region():
+            pass
     finally:
         signal.signal(signal.SIGALRM, old)
     krexd.hold.set()
@@ -101,9 +99,8 @@ def test_an_interrupt_while_waiting_for_another_threads_region_leaves_no_depth(k
     old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.setitimer(signal.ITIMER_REAL, 0.1)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            with R.region():
-                pass
+        with pytest.raises(KeyboardInterrupt), R.region():
+            pass
     finally:
         signal.signal(signal.SIGALRM, old)
     a_out.set()
@@ -234,9 +231,8 @@ def test_a_refused_soft_region_says_it_is_unprotected(krexd: FakeKrexd) -> None:
         with R.region(soft=True) as r:
             pass
     assert r.unprotected and r.flags == ["refused"] and "no region for you" in r.reasons[0]
-    with pytest.raises(Busy):
-        with R.region():
-            pass
+    with pytest.raises(Busy), R.region():
+        pass
 
 
 def test_the_decorator_keeps_soft(krexd: FakeKrexd) -> None:
