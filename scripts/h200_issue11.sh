@@ -8,8 +8,9 @@
 #   env: STEPS (default "short bench"), DEADLINE, BENCH_ARGS, BENCH_TIMEOUT (s, default 400),
 #   KREX_WHEELS (a folder with a built krex wheel to install instead of this tree: the bench
 #   keeps one build across device calls while the tree moves on)
+#   KREX_BENCH_DIR (default /tmp/krexbench: a second directory for a second corpus)
 set -uo pipefail
-REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; L=/tmp/i11; B=/tmp/krexbench; mkdir -p "$L" "$FINAL"
+REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; L=/tmp/i11; B=${KREX_BENCH_DIR:-/tmp/krexbench}; mkdir -p "$L" "$FINAL"
 trap 'cp /tmp/krexstate/krexd.log "$L/" 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$L" . ; [ -d $B ] && tar czf "$FINAL/bench.tgz" -C $B .' EXIT
 if [ ! -d /tmp/krexpkg/krex ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
