@@ -353,14 +353,15 @@ static void stop_helper(void) {
  * began meanwhile otherwise waited the whole drain timeout for us, frozen inside our exit
  * (H200: 2 regions in 80). Only with nothing in flight: a submission is counted before the
  * driver queues it, so one counted but not yet queued would escape this drain. The count is
- * read first, then in-flight found 0: any call counted by then has returned (its work is
- * queued). */
+ * read first, then in-flight found 0 (stream-ordered LIFE calls too: as many ended as
+ * started): any call counted by then has returned (its work is queued). */
 static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
     uint64_t t0 = krex_now_ns(), before;
     for (;;) {
         before = krex_proc_submits(rec);
-        if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) == 0) break;
+        uint64_t ord = __atomic_load_n(&rec->ordered_life, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) == 0 && (uint32_t)ord == (uint32_t)(ord >> 32)) break;
         if (krex_now_ns() - t0 >= KREX_HELPER_SETTLE_NS) return; /* krexd waits for an ack, and flags */
         struct timespec ms = {0, 1000000};
         nanosleep(&ms, NULL);

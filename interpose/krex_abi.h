@@ -129,6 +129,8 @@
 #define KREX_WAIT_SLICE_NS 200000000
 /* The drain helper re-checks its GPU's drain_seq (and whether to stop) this often. */
 #define KREX_HELPER_RECHECK_NS 1000000000
+/* krex_proc.ordered_life's count of ends (its high half). */
+#define KREX_ORDERED_END 4294967296
 /* An exit waits out the region that holds the gate, then at most this long for regions
  * that follow it at once (drain.c, wait_out_region). */
 #define KREX_EXIT_WAIT_NS 250000000
@@ -325,8 +327,9 @@ struct krex_proc {
     uint64_t exit_drained;          /* 0 while its drain helper runs; at exit, once the helper has
                                      * stopped after a last drain: 1 + its gated submissions then.
                                      * While they stay that many, krexd owes it no drain ack */
-    uint64_t ordered_life;          /* stream-ordered LIFE calls (async allocations and frees),
-                                     * bumped as each starts and ends: they queue work on a
+    uint64_t ordered_life;          /* stream-ordered LIFE calls (async allocations and frees):
+                                     * +1 as each starts, +KREX_ORDERED_END as it ends (low and
+                                     * high halves: starts and ends). They queue work on a
                                      * stream, so they count with the gated submissions */
 };
 

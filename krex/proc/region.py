@@ -28,20 +28,28 @@ from krex.errors import DaemonLost, KrexError, NotFound, Timeout
 F = TypeVar("F", bound=Callable[..., Any])
 
 _local = threading.local()
-_proc_lock = threading.Lock()  # one region per process: the daemon serialises per GPU anyway
+# One region per process (the daemon serialises per GPU anyway). Re-entrant only so that its
+# owner can be asked (_is_owned, recorded by the acquire itself): an interrupt that lands
+# right after the acquire returns must not leave it held.
+_proc_lock = threading.RLock()
 _client: Any = None
 _client_pid = 0
 _warned = False
 _granted_tid: int | None = None  # the thread whose region krexd granted, while it runs
+_grant_seq = 0  # bumped at each grant in this process: a soft region knows when "its" region ended
 _fork_gen = 0  # bumped in a fork child: regions entered before the fork are the parent's
+_forked_in_region = False  # this process was forked inside a region of its parent's
 _SOFT_WAIT_S = 60.0  # a soft region waits this long for another thread's region to be granted
 
 
 def _after_fork_in_child() -> None:
-    """A child forked inside a region is not its owner: its regions start afresh (depth 0, a
-    lock nobody holds), and the inherited one ends in the parent only."""
-    global _proc_lock, _granted_tid, _fork_gen, _client
-    _proc_lock = threading.Lock()
+    """A child forked inside a region is not its owner: the inherited region ends in the
+    parent only, and the child's own regions start afresh (depth 0, a free lock). While its
+    command still holds the gate, they run inside it as nested ones: a region of its own
+    would queue behind its parent's, which may be waiting for it."""
+    global _proc_lock, _granted_tid, _fork_gen, _client, _forked_in_region
+    _forked_in_region = _forked_in_region or getattr(_local, "depth", 0) > 0 or _granted_tid is not None
+    _proc_lock = threading.RLock()
     _granted_tid = None
     _fork_gen += 1
     _client = None  # the parent's connection: never ours to use or close
@@ -49,6 +57,11 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _release_if_ours() -> None:
+    if _proc_lock._is_owned():  # type: ignore[attr-defined]
+        _proc_lock.release()
 
 
 def under_krex() -> bool:
@@ -110,7 +123,8 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         # soft: for targets KREX turns on by itself (the implicit `inductor`), which must never
         # wait for their own command or break the program: no region when another thread of
         # this process or another process of its command holds one (the GPU is the
-        # command's already), nor when krexd refuses one.
+        # command's already; outliving that one is flagged), nor when krexd refuses one
+        # (flagged), and its warnings never raise.
         self.soft = soft
         self.grant: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
@@ -122,6 +136,14 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         self.reasons: list[str] = []
         self._active = False
         self._gen = _fork_gen
+        self._inside: tuple[str, int] | None = None  # the region this one runs inside, not its own
+
+    def _warn(self, message: str, category: type[Warning], stacklevel: int) -> None:
+        try:
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
+        except Warning:
+            if not self.soft:  # warnings as errors: a soft region must not break the program
+                raise
 
     def _lose(self, why: str, stacklevel: int) -> None:
         self.unprotected = True
@@ -129,10 +151,17 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         self.clean = False
         self.flags = ["daemon-lost"]
         _drop_client()
-        warnings.warn(
+        self._warn(
             f"krex.region(): lost the KREX daemon ({why}); this region is not exclusive", RuntimeWarning,
             stacklevel=stacklevel,
         )
+
+    def _flag_unprotected(self, flag: str, why: str) -> None:
+        self.unprotected = True
+        self.clean = False
+        self.flags = [flag]
+        self.reasons = [why]
+        self._warn(f"krex.region(): {why}; it is not exclusive", RegionWarning, stacklevel=4)
 
     def __enter__(self) -> region:
         global _warned
@@ -156,23 +185,29 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 _warned = True
             _local.depth = 1
             return self
-        if self.soft:
-            if not self._soft_lock():
-                _local.depth = 1
-                return self
-        else:
-            _proc_lock.acquire()
-        # From here the lock is ours: every way out of this block either keeps it with an
-        # active region or gives it back (an interrupt too), so no depth is left behind.
-        global _granted_tid
+        if _forked_in_region and _command_holds_gate():
+            self._inside = ("command", 0)  # the parent's region, which may be waiting for us
+            _local.depth = 1
+            return self
+        # Every way out of this block either keeps the lock with an active region or gives it
+        # back, an interrupt too (even one that lands as the acquire returns): no depth or
+        # lock is left behind for later regions to wait on.
+        global _granted_tid, _grant_seq
         granted = False
         try:
+            if self.soft:
+                if not self._soft_lock():
+                    _local.depth = 1
+                    return self
+            else:
+                _proc_lock.acquire()
             msg: dict[str, Any] = {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
             if self.label:
                 msg["label"] = self.label
             self.grant = _begin(msg)
             self._active = True
             _granted_tid = threading.get_ident()
+            _grant_seq += 1
             granted = True
         except _LOST as e:
             self._lose(str(e), stacklevel=3)
@@ -183,31 +218,33 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         except BaseException:
             # An interrupt mid-request leaves the connection out of step; closing it also ends
             # a region krexd granted meanwhile.
-            self._active = False
-            _granted_tid = None
-            _drop_client()
+            if self._active:
+                self._active = False
+                _granted_tid = None
+                _drop_client()
             raise
         finally:
             if not granted:
-                _proc_lock.release()
+                _release_if_ours()
         _local.depth = 1
         return self
 
     def _soft_lock(self) -> bool:
         """Take the process lock for a soft region, or say why there is no region: the GPU is
-        already this command's (another process of it, or another thread of this process, holds
-        a granted region), or another thread's region did not come within _SOFT_WAIT_S (then
-        `unprotected`, and a warning). Waits while another thread's region only awaits its
-        grant: skipping then would run this benchmark unprotected, unreported."""
+        already this command's (another thread of this process, or another process of it,
+        holds a granted region: `_inside` says which), or another thread's region did not
+        come within _SOFT_WAIT_S (then `unprotected`, and a warning). Waits while another
+        thread's region only awaits its grant: skipping then would run this benchmark
+        unprotected, unreported."""
         deadline = time.monotonic() + _SOFT_WAIT_S
         while True:
             if _granted_tid is not None:
-                return False  # inside another thread's granted region
-            if not _proc_lock.locked() and _command_holds_gate():
-                return False  # another process of this command holds a region
+                self._inside = ("thread", _grant_seq)
+                return False
             if _proc_lock.acquire(timeout=0.005):
                 if _command_holds_gate():
                     _proc_lock.release()
+                    self._inside = ("command", 0)
                     return False
                 return True
             if time.monotonic() >= deadline:
@@ -218,12 +255,14 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 )
                 return False
 
-    def _flag_unprotected(self, flag: str, why: str) -> None:
-        self.unprotected = True
-        self.clean = False
-        self.flags = [flag]
-        self.reasons = [why]
-        warnings.warn(f"krex.region(): {why}; it is not exclusive", RegionWarning, stacklevel=4)
+    def _outlived(self) -> bool:
+        """Did the region this one ran inside end before it?"""
+        if self._inside is None:
+            return False
+        kind, seq = self._inside
+        if kind == "thread":
+            return _granted_tid is None or _grant_seq != seq
+        return not _command_holds_gate()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
@@ -231,6 +270,10 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         if self._gen != _fork_gen:
             return  # a fork child leaving its parent's region: the parent ends it, not the child
         _local.depth -= 1
+        if self._outlived():
+            self._flag_unprotected(
+                "outlived", "the region it ran inside (another of its command's) ended before it did"
+            )
         if not self._active:
             return
         self._active = False
@@ -247,7 +290,7 @@ class region:  # noqa: N801 - reads like a keyword at call sites
             _drop_client()
             raise
         finally:
-            _proc_lock.release()
+            _release_if_ours()
         self._verdict(self.summary)
 
     def _verdict(self, reply: dict[str, Any] | None) -> None:
@@ -259,14 +302,14 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         self.flags = list(reply.get("flags") or rec.get("flags") or [])
         self.reasons = list(rec.get("reasons") or [])
         if self.cut:
-            warnings.warn(
+            self._warn(
                 f"krex.region(): the region was cut by krexd's --max-region ({reply.get('end')}); what ran "
                 "after the cut was not exclusive: do not trust this timing",
                 RegionWarning,
                 stacklevel=3,
             )
         elif not self.clean:
-            warnings.warn(
+            self._warn(
                 "krex.region(): the region was not clean: " + "; ".join(self.reasons or self.flags),
                 RegionWarning,
                 stacklevel=3,

@@ -1060,6 +1060,48 @@ def test_an_exit_is_not_starved_by_other_commands_back_to_back_regions(kx: Krex)
         assert rec["contaminated"] or not inside, f"a clean region held the sibling's exit ops: {inside[:2]}"
 
 
+FORK_IN_REGION = textwrap.dedent(
+    """
+    import json, os, sys, time, warnings
+    import krex
+    warnings.simplefilter("ignore")
+    with krex.region() as outer:
+        pid = os.fork()
+        if pid == 0:  # a forked worker running a function marked with krex.region()
+            with krex.region() as r:
+                nested = r.grant is None and not r.unprotected
+            os._exit(0 if nested else 3)
+        deadline, done = time.monotonic() + 10, (0, 0)
+        while time.monotonic() < deadline and not done[0]:
+            done = os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.02)
+        if not done[0]:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    # After the parent's region, a child's region is a real one of its own.
+    pid = os.fork()
+    if pid == 0:
+        with krex.region() as r:
+            own = r.grant is not None and r.clean is not False
+        os._exit(0 if own else 4)
+    late = os.waitpid(pid, 0)[1]
+    print(json.dumps({"child_done": bool(done[0]), "status": done[1], "late": late}))
+    """
+)
+
+
+def test_a_region_in_a_child_forked_inside_a_region_runs_inside_it(kx: Krex) -> None:
+    """A child forked inside a region, whose own region would queue behind its parent's
+    while the parent waits for it (a deadlock, found by adversarial review 4), runs its
+    region inside the parent's as a nested one while its command holds the gate; once the
+    parent's region is over, a child's region is its own."""
+    kx.start_daemon(slots=2)
+    p = _run(kx, "--", sys.executable, "-c", FORK_IN_REGION, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"child_done": True, "status": 0, "late": 0}, out
+
+
 def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hold(kx: Krex) -> None:
     """A raw fork (syscall(SYS_fork), glibc's _Fork, clone) runs no fork handler, so the
     child keeps its parent's fork generation: its exit must not hold the parent's record

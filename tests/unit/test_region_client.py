@@ -4,6 +4,7 @@ left a later region a silent no-op or ran a benchmark unprotected without a word
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import threading
@@ -47,6 +48,22 @@ class FakeKrexd:
         pass
 
 
+def lock_free() -> bool:
+    """Can another thread take the process lock now? (RLock has no locked() before 3.14.)"""
+    got: list[bool] = []
+
+    def probe() -> None:
+        ok = R._proc_lock.acquire(blocking=False)
+        if ok:
+            R._proc_lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join(5)
+    return got == [True]
+
+
 @pytest.fixture
 def krexd(monkeypatch: pytest.MonkeyPatch) -> FakeKrexd:
     fake = FakeKrexd()
@@ -54,7 +71,7 @@ def krexd(monkeypatch: pytest.MonkeyPatch) -> FakeKrexd:
     monkeypatch.setattr(R, "_get_client", lambda: fake)
     monkeypatch.setattr(R, "_command_holds_gate", lambda: False)
     yield fake
-    assert not R._proc_lock.locked(), "a region left the process lock held"
+    assert lock_free(), "a region left the process lock held"
     assert getattr(R._local, "depth", 0) == 0, "a region left a nesting depth behind"
 
 
@@ -123,7 +140,7 @@ def test_a_child_forked_inside_a_region_is_not_its_owner(krexd: FakeKrexd) -> No
                     ok = int(mine._active)
                 outer.__exit__(None, None, None)  # leaving the inherited region ends nothing
                 ends = sum(1 for op, p in krexd.log if op == "end" and p == os.getpid())
-                ok = ok and ends == 1 and not R._proc_lock.locked() and R._local.depth == 0
+                ok = ok and ends == 1 and lock_free() and R._local.depth == 0
             finally:
                 os.write(wr, b"1" if ok else b"0")
                 os._exit(0)
@@ -131,7 +148,7 @@ def test_a_child_forked_inside_a_region_is_not_its_owner(krexd: FakeKrexd) -> No
         got = os.read(rd, 1)
         os.waitpid(pid, 0)
         assert got == b"1", "the forked child's regions were no-ops or it ended its parent's region"
-        assert R._proc_lock.locked()  # the parent still holds its region
+        assert not lock_free()  # the parent still holds its region
     assert [op for op, p in krexd.log if p == os.getpid()] == ["begin", "end"]
 
 
@@ -245,3 +262,60 @@ def test_the_decorator_keeps_soft(krexd: FakeKrexd) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert bench() == 7  # a hard region would raise Busy here
+
+
+def test_an_interrupt_that_lands_as_the_lock_is_taken_leaves_no_lock(krexd: FakeKrexd) -> None:
+    """Ctrl-C handled on another thread does not interrupt the main thread's wait for the
+    lock: the main thread takes it when thread A's region ends, and the KeyboardInterrupt
+    is raised right after the acquire returns (adversarial review 4; _thread.interrupt_main
+    trips the same flag as a real signal)."""
+    a_in = threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            a_in.set()
+            time.sleep(0.3)  # the main thread now waits for the lock
+            _thread.interrupt_main()
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    a_in.wait(5)
+    with pytest.raises(KeyboardInterrupt), R.region():
+        pass
+    ta.join(5)
+    assert lock_free(), "the interrupt left the process lock held: every later region waits forever"
+
+
+def test_a_soft_region_that_outlives_the_region_it_ran_inside_says_so(krexd: FakeKrexd) -> None:
+    a_in, a_go = threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            a_in.set()
+            a_go.wait(5)
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    a_in.wait(5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with R.region(soft=True) as inside:
+            pass  # A's region still runs: fine
+        assert not inside.unprotected and not w
+        with R.region(soft=True) as r:
+            a_go.set()
+            ta.join(5)  # A's region is over: the rest of this benchmark has no region
+    assert r.unprotected and r.clean is False and r.flags == ["outlived"], (r.unprotected, r.flags)
+    assert any("not exclusive" in str(x.message) for x in w)
+
+
+def test_a_soft_region_never_raises_a_warning_into_the_program(krexd: FakeKrexd) -> None:
+    """Under -W error a refused soft region still runs its block, flagged; a hard one raises."""
+    krexd.refuse = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with R.region(soft=True) as r:
+            ran = True
+        assert ran and r.flags == ["refused"]
+        krexd.refuse = False
+        krexd.hold.set()
