@@ -93,15 +93,17 @@ def test_krex_auto_region_0_turns_them_off(
     assert report["regions"] == [], report
 
 
-def test_a_setting_of_its_own_replaces_the_implicit_target(
+def test_a_setting_of_its_own_keeps_the_implicit_target(
     krex_env: dict[str, str], fake_torch: Path, tmp_path: Path
 ) -> None:
-    """KREX_AUTO_REGION names what to wrap: `do_bench` alone leaves autotuning outside
-    regions (the docs say to add `inductor`); `do_bench,inductor` keeps both."""
-    report, _err = _run(krex_env, fake_torch, tmp_path, "do_bench")
-    assert report["regions"] == [], report
-    report, _err = _run(krex_env, fake_torch, tmp_path, "do_bench,inductor")
-    assert len(report["regions"]) == 3, report  # type: ignore[arg-type]
+    """A harness's own target (`do_bench`, `kernelbench`) does not cover autotuning, so the
+    implicit `inductor` comes with it: on the H200 the CPU-heavy family, run with
+    KREX_AUTO_REGION=do_bench, built a 16.6% slower kernel in 2 of 12 krex runs without it.
+    `do_bench,inductor` names it outright; `0` turns everything off."""
+    for value in ("do_bench", "do_bench,inductor", "kernelbench"):
+        report, _err = _run(krex_env, fake_torch, tmp_path, value)
+        regions = report["regions"]
+        assert isinstance(regions, list) and len(regions) == 3, (value, report)
 
 
 def test_outside_krex_the_hook_does_nothing(fake_torch: Path) -> None:

@@ -4,8 +4,9 @@
     KREX_AUTO_REGION=do_bench python bench.py
 
 ``krex/proc/_hook/sitecustomize.py`` (on PYTHONPATH) calls :func:`install` at
-interpreter start when the variable is set. Unset under KREX, it installs ``inductor``
-alone, once Inductor's benchmarker is imported (docs/auto-regions.md).
+interpreter start when the variable is set. Under KREX, unless the variable is "0" or
+names it, it also installs ``inductor``, once Inductor's benchmarker is imported
+(docs/auto-regions.md).
 :func:`install` (hook.py) puts an import hook (a ``sys.meta_path`` finder) in
 front of the import system; right after a target module has been executed the hook
 replaces the target function or method with a wrapper. A target whose module is
