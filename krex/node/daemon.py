@@ -547,6 +547,7 @@ class Daemon:
             "freeze_policy": c.freeze_policy,
             "freeze_timeout_s": c.freeze_timeout_s,
             "drain_timeout_s": c.drain_timeout_s,
+            "lend_cores": c.lend_cores,
             "log_level": c.log_level,
         }
         log.info(
