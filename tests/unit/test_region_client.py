@@ -64,6 +64,32 @@ def lock_free() -> bool:
     return got == [True]
 
 
+def region_in_thread() -> tuple[threading.Thread, threading.Event]:
+    """Another thread that takes a region and holds it until the returned event is set."""
+    a_in, a_out = threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            a_in.set()
+            a_out.wait(5)
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    a_in.wait(5)
+    return ta, a_out
+
+
+def interrupted_region(after_s: float) -> None:
+    """Enter a region with SIGALRM raising KeyboardInterrupt `after_s` in; it must raise."""
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.setitimer(signal.ITIMER_REAL, after_s)
+    try:
+        with pytest.raises(KeyboardInterrupt), R.region():
+            pass
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
 @pytest.fixture
 def krexd(monkeypatch: pytest.MonkeyPatch) -> FakeKrexd:
     fake = FakeKrexd()
@@ -88,14 +114,8 @@ def test_an_interrupt_while_a_region_is_requested_leaves_no_lock_or_depth(krexd:
 def test_a_signal_handler_raising_mid_begin_is_recovered_from(krexd: FakeKrexd) -> None:
     """The interrupt as a real signal, delivered while begin waits for its grant."""
     krexd.hold.clear()
-    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     threading.Timer(0.2, krexd.hold.set).start()
-    signal.setitimer(signal.ITIMER_REAL, 0.05)
-    try:
-        with pytest.raises(KeyboardInterrupt), R.region():
-            pass
-    finally:
-        signal.signal(signal.SIGALRM, old)
+    interrupted_region(0.05)
     krexd.hold.set()
     with R.region() as r:
         assert r._active
@@ -103,23 +123,8 @@ def test_a_signal_handler_raising_mid_begin_is_recovered_from(krexd: FakeKrexd) 
 
 def test_an_interrupt_while_waiting_for_another_threads_region_leaves_no_depth(krexd: FakeKrexd) -> None:
     """Ctrl-C while blocked behind another thread's region: the next region is real."""
-    a_in, a_out = threading.Event(), threading.Event()
-
-    def thread_a() -> None:
-        with R.region():
-            a_in.set()
-            a_out.wait(5)
-
-    ta = threading.Thread(target=thread_a)
-    ta.start()
-    a_in.wait(5)
-    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    signal.setitimer(signal.ITIMER_REAL, 0.1)
-    try:
-        with pytest.raises(KeyboardInterrupt), R.region():
-            pass
-    finally:
-        signal.signal(signal.SIGALRM, old)
+    ta, a_out = region_in_thread()
+    interrupted_region(0.1)
     a_out.set()
     ta.join(5)
     with R.region() as r:
@@ -287,16 +292,7 @@ def test_an_interrupt_that_lands_as_the_lock_is_taken_leaves_no_lock(krexd: Fake
 
 
 def test_a_soft_region_that_outlives_the_region_it_ran_inside_says_so(krexd: FakeKrexd) -> None:
-    a_in, a_go = threading.Event(), threading.Event()
-
-    def thread_a() -> None:
-        with R.region():
-            a_in.set()
-            a_go.wait(5)
-
-    ta = threading.Thread(target=thread_a)
-    ta.start()
-    a_in.wait(5)
+    ta, a_go = region_in_thread()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         with R.region(soft=True) as inside:
