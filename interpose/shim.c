@@ -425,15 +425,16 @@ __attribute__((constructor)) static void krex_init(void) {
 KREX_EXPORT int krex_shim_active(void) { return mode_on(); }
 KREX_EXPORT int krex_shim_registered(void) { return __atomic_load_n(&g_fast.gate, ACQUIRE) != NULL; }
 KREX_EXPORT int krex_shim_helper_running(void) { return __atomic_load_n(&g_helper_started, ACQUIRE); }
-/* Is our GPU's gate closed by our own command (a region of another of its processes or
- * threads)? Then a region of ours would wait for it: krex.region(soft=True) skips it. */
-KREX_EXPORT int krex_shim_gate_ours(void) {
+/* Our GPU's gate word when our own command closed it (a region of another of its processes
+ * or threads), else 0. Then a region of ours would wait for it: krex.region(soft=True) runs
+ * inside it instead, and the word (its epoch) tells that region from the next one. */
+KREX_EXPORT uint32_t krex_shim_gate_word(void) {
     struct krex_shm *shm = mode_on() ? attach_shm() : NULL;
     if (!shm || g_slot < 0 || g_slot >= KREX_MAX_SLOTS) return 0;
     int gpu = g_gpu >= 0 ? g_gpu : shm->slots[g_slot].gpu;
     if (gpu < 0 || gpu >= KREX_MAX_GPUS) return 0;
     uint32_t w = __atomic_load_n(&shm->gpus[gpu].gate, __ATOMIC_SEQ_CST);
-    return w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) == (uint32_t)g_slot + 1;
+    return w != KREX_GATE_OPEN && (w & KREX_GATE_OWNER_MASK) == (uint32_t)g_slot + 1 ? w : 0;
 }
 /* For tests: this thread's depth of gated calls (0 outside every call: its next call is gated). */
 KREX_EXPORT int krex_shim_depth(void) { return t_depth; }

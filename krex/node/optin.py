@@ -236,12 +236,21 @@ def auto_region_warning(value: str, auto: object) -> str:
 
 
 def auto_notes(report: Mapping[str, Any]) -> list[str]:
-    """The auto-region warning, when KREX_AUTO_REGION was set and no region was made."""
+    """The auto-region warning, when KREX_AUTO_REGION was set and no region was made. The
+    `inductor` regions KREX adds by itself do not count unless the value names it: a
+    harness whose own target never engaged ran its timings unprotected all the same."""
     auto_rep = report.get("auto_region")
-    made = report.get("region_count")
-    if isinstance(auto_rep, dict) and auto_rep.get("value") not in ("", "0") and not made:
-        return [auto_region_warning(str(auto_rep.get("value")), auto_rep)]
-    return []
+    if not isinstance(auto_rep, dict) or auto_rep.get("value") in ("", "0", None):
+        return []
+    value = str(auto_rep.get("value"))
+    made = int(report.get("region_count") or 0)
+    if "inductor" not in {v.strip() for v in value.split(",")}:
+        made -= sum(
+            int(t.get("regions") or 0)
+            for t in auto_rep.get("targets") or []
+            if isinstance(t, dict) and t.get("builtin") == "inductor"
+        )
+    return [auto_region_warning(value, auto_rep)] if made <= 0 else []
 
 
 def release_notes(rel: Mapping[str, Any], report: Mapping[str, Any]) -> list[str]:

@@ -38,17 +38,19 @@ _warned = False
 _granted_tid: int | None = None  # the thread whose region krexd granted, while it runs
 _grant_seq = 0  # bumped at each grant in this process: a soft region knows when "its" region ended
 _fork_gen = 0  # bumped in a fork child: regions entered before the fork are the parent's
-_forked_in_region = False  # this process was forked inside a region of its parent's
+_fork_word = 0  # forked inside its parent's region: that region's gate word (0: none, or over)
 _SOFT_WAIT_S = 60.0  # a soft region waits this long for another thread's region to be granted
 
 
 def _after_fork_in_child() -> None:
     """A child forked inside a region is not its owner: the inherited region ends in the
-    parent only, and the child's own regions start afresh (depth 0, a free lock). While its
-    command still holds the gate, they run inside it as nested ones: a region of its own
-    would queue behind its parent's, which may be waiting for it."""
-    global _proc_lock, _granted_tid, _fork_gen, _client, _forked_in_region
-    _forked_in_region = _forked_in_region or getattr(_local, "depth", 0) > 0 or _granted_tid is not None
+    parent only, and the child's own regions start afresh (depth 0, a free lock). While that
+    region of its parent's still holds the gate (the same gate word, epoch included), they
+    run inside it as nested ones: a region of its own would queue behind its parent's, which
+    may be waiting for it. After it, they are regions of their own."""
+    global _proc_lock, _granted_tid, _fork_gen, _client, _fork_word
+    if getattr(_local, "depth", 0) > 0 or _granted_tid is not None:
+        _fork_word = _our_gate_word()
     _proc_lock = threading.RLock()
     _granted_tid = None
     _fork_gen += 1
@@ -185,10 +187,13 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 _warned = True
             _local.depth = 1
             return self
-        if _forked_in_region and _command_holds_gate():
-            self._inside = ("command", 0)  # the parent's region, which may be waiting for us
-            _local.depth = 1
-            return self
+        global _fork_word
+        if _fork_word:
+            if _our_gate_word() == _fork_word:
+                self._inside = ("gate", _fork_word)  # the parent's region, which may be waiting for us
+                _local.depth = 1
+                return self
+            _fork_word = 0  # that region is over: this child is on its own from now on
         # Every way out of this block either keeps the lock with an active region or gives it
         # back, an interrupt too (even one that lands as the acquire returns): no depth or
         # lock is left behind for later regions to wait on.
@@ -242,9 +247,10 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 self._inside = ("thread", _grant_seq)
                 return False
             if _proc_lock.acquire(timeout=0.005):
-                if _command_holds_gate():
+                word = _our_gate_word()
+                if word:  # another process of this command holds a region
                     _proc_lock.release()
-                    self._inside = ("command", 0)
+                    self._inside = ("gate", word)
                     return False
                 return True
             if time.monotonic() >= deadline:
@@ -262,7 +268,7 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         kind, seq = self._inside
         if kind == "thread":
             return _granted_tid is None or _grant_seq != seq
-        return not _command_holds_gate()
+        return _our_gate_word() != seq  # over, or another region since (the epoch differs)
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
@@ -325,19 +331,21 @@ class region:  # noqa: N801 - reads like a keyword at call sites
 
 
 @functools.cache
-def _gate_ours() -> Callable[[], int] | None:
-    """The shim's krex_shim_gate_ours (LD_PRELOAD), looked up once; None where it is not loaded."""
+def _gate_word_fn() -> Callable[[], int] | None:
+    """The shim's krex_shim_gate_word (LD_PRELOAD), looked up once; None where it is not loaded."""
     try:
-        fn: Callable[[], int] = ctypes.CDLL(None).krex_shim_gate_ours
-        return fn
+        fn = ctypes.CDLL(None).krex_shim_gate_word
     except (OSError, AttributeError):
         return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = []
+    return fn
 
 
-def _command_holds_gate() -> bool:
-    """Is this GPU's gate closed by our own command?"""
-    fn = _gate_ours()
-    return bool(fn()) if fn is not None else False
+def _our_gate_word() -> int:
+    """This GPU's gate word while our own command holds it closed, else 0."""
+    fn = _gate_word_fn()
+    return int(fn()) if fn is not None else 0
 
 
 def _visible_gpu() -> int:

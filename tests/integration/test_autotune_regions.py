@@ -234,3 +234,27 @@ def test_autotuning_in_a_pid_namespace_of_its_own_is_not_broken(
     assert off.returncode == 0 and "done" in off.stdout, off.stderr[-2000:]
     on = _in_pidns(krex_env, fake_torch, None)
     assert on.returncode == 0 and "done" in on.stdout, on.stderr[-3000:]
+
+
+def test_a_target_that_never_engaged_is_still_warned_about(
+    krex_env: dict[str, str], fake_torch: Path, tmp_path: Path
+) -> None:
+    """KREX_AUTO_REGION=do_bench, but the harness never calls triton.testing.do_bench (its own
+    copy, a fork): its timings had no region, and `krex run` says so even though Inductor's
+    implicit autotuning regions were made (adversarial review 5)."""
+    e = dict(krex_env, PYTHONPATH=str(fake_torch), KREX_AUTO_REGION="do_bench")
+    rep = tmp_path / "report.json"
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", COMPILE,
+         str(Path(__file__).resolve().parents[1] / "helpers")],
+        env=e, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0 and "done" in p.stdout, p.stderr
+    report = json.loads(rep.read_text())
+    auto = report.get("auto_region") or {}
+    do_bench = [t for t in auto.get("targets", []) if t.get("builtin") == "do_bench"]
+    assert do_bench and all(t["regions"] == 0 for t in do_bench), auto
+    assert "KREX_AUTO_REGION='do_bench' was set but" in p.stderr, (
+        f"do_bench never made a region, yet no warning; regions={len(report['regions'])}, "
+        f"stderr={p.stderr[-600:]!r}"
+    )

@@ -23,6 +23,8 @@ from test_regions import KREX, WORKER, Krex, alive, foreign_ops, kx, owner_inter
 
 from krex.node.shm import Segment
 
+HELPERS = str(Path(__file__).resolve().parents[1] / "helpers")
+
 pytestmark = [
     pytest.mark.cgroup,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
@@ -1100,6 +1102,142 @@ def test_a_region_in_a_child_forked_inside_a_region_runs_inside_it(kx: Krex) -> 
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"child_done": True, "status": 0, "late": 0}, out
+
+
+# A pool of fork workers created (lazily, on first use) inside a region; the parent's
+# region ends; later each worker benchmarks in a region of its own. Worker a first, worker
+# b 0.3 s later while a's region runs. krexd serialises regions per GPU (FIFO), so b's
+# region must start after a's ends, or one of them must be flagged.
+POOL = textwrap.dedent(
+    """
+    import json, os, sys, time, warnings
+    sys.path.insert(0, sys.argv[1])
+    out = sys.argv[2]
+    import krex
+    from cp_worker import Gpu
+    warnings.simplefilter("ignore")
+
+    def worker(name, delay, hold):
+        g = Gpu()
+        g.kernel(10); g.synchronize()
+        time.sleep(delay)
+        with krex.region() as r:
+            t0 = time.monotonic()
+            for _ in range(20):
+                g.kernel(100)
+            time.sleep(hold)
+            g.synchronize()
+            t1 = time.monotonic()
+        with open(os.path.join(out, name + ".json"), "w") as f:
+            json.dump({"t0": t0, "t1": t1, "granted": r.grant is not None, "clean": r.clean,
+                       "unprotected": r.unprotected, "flags": r.flags}, f)
+
+    pids = []
+    with (krex.region() if sys.argv[3] == "inside" else open(os.devnull)):
+        for name, delay, hold in (("a", 0.5, 1.0), ("b", 0.8, 0.3)):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    worker(name, delay, hold)
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    print("done")
+    """
+)
+
+
+@pytest.mark.parametrize("made", ["outside", "inside"])
+def test_fork_workers_made_inside_a_region_later_take_regions_of_their_own(
+    kx: Krex, tmp_path: Path, made: str
+) -> None:
+    """Workers forked inside a region run their regions inside it only while it lasts; once
+    it is over, their regions are their own and queue behind each other (adversarial review
+    5: a worker's region ran inside another worker's, neither flagged)."""
+    kx.start_daemon(slots=2)
+    p = _run(kx, "--", sys.executable, "-c", POOL, HELPERS, str(tmp_path), made, timeout=60)
+    assert p.returncode == 0 and "done" in p.stdout, p.stderr[-2000:]
+    a = json.loads((tmp_path / "a.json").read_text())
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert a["granted"] and b["granted"], (a, b)
+    overlap = b["t0"] < a["t1"] and a["t0"] < b["t1"]
+    assert not overlap, f"worker b's timed region ran inside worker a's: a={a} b={b}"
+
+
+# Command 1: the parent holds R1 [0, 1.0] and R2 [1.8, 3.0]; its child (forked before any
+# region: a pytest-xdist worker, an autotune subprocess) runs a soft region (Inductor's
+# autotuning benchmark) over [0.3, 2.5], entered inside R1. Command 2 takes a region at 1.1,
+# granted once R1 ends, before R2. The soft region ran across command 2's region.
+CMD1 = textwrap.dedent(
+    """
+    import json, os, sys, time, warnings
+    import krex
+    warnings.simplefilter("ignore")
+    T0, out = float(sys.argv[1]), sys.argv[2]
+    def at(t):
+        time.sleep(max(0.0, T0 + t - time.monotonic()))
+    pid = os.fork()
+    if pid == 0:
+        at(0.3)
+        with krex.region(soft=True) as r:
+            t0 = time.monotonic()
+            at(2.5)
+            t1 = time.monotonic()
+        with open(os.path.join(out, "soft.json"), "w") as f:
+            json.dump({"t0": t0, "t1": t1, "grant": r.grant, "flags": r.flags,
+                       "unprotected": r.unprotected}, f)
+        os._exit(0)
+    at(0.0)
+    with krex.region():
+        at(1.0)
+    at(1.8)
+    with krex.region():
+        at(3.0)
+    os.waitpid(pid, 0)
+    print("done")
+    """
+)
+CMD2 = textwrap.dedent(
+    """
+    import json, os, sys, time, warnings
+    import krex
+    warnings.simplefilter("ignore")
+    T0, out = float(sys.argv[1]), sys.argv[2]
+    time.sleep(max(0.0, T0 + 1.1 - time.monotonic()))
+    with krex.region():
+        t0 = time.monotonic()
+        time.sleep(0.4)
+        t1 = time.monotonic()
+    with open(os.path.join(out, "other.json"), "w") as f:
+        json.dump({"t0": t0, "t1": t1}, f)
+    print("done")
+    """
+)
+
+
+def test_a_soft_region_across_another_commands_region_is_flagged(kx: Krex, tmp_path: Path) -> None:
+    """A soft region that ran inside its command's region R1, across another command's
+    region and into its command's next region R2, is flagged `outlived` (adversarial review
+    5: the gate was its command's at both ends, so it read as fine)."""
+    kx.start_daemon(slots=3)
+    t0 = str(time.monotonic() + 4.0)
+    procs = [
+        subprocess.Popen(
+            [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", code, t0, str(tmp_path)],
+            env=kx.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for code in (CMD1, CMD2)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    soft = json.loads((tmp_path / "soft.json").read_text())
+    other = json.loads((tmp_path / "other.json").read_text())
+    assert soft["grant"] is None  # it ran inside its command's region R1
+    assert soft["t0"] < other["t0"] and other["t1"] < soft["t1"], (soft, other)  # the staging held
+    assert soft["unprotected"] and soft["flags"] == ["outlived"], (soft, other)
 
 
 def test_a_child_forked_without_fork_handlers_does_not_take_its_parents_exit_hold(kx: Krex) -> None:

@@ -204,6 +204,9 @@ def log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     class Recorder:
         depth = 0
 
+        def __init__(self, label: str | None = None, soft: bool = False) -> None:
+            self.label = label
+
         def __enter__(self) -> Recorder:
             # the real krex.region is a no-op when nested on one thread: record only the outermost
             Recorder.depth += 1

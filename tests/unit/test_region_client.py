@@ -95,7 +95,7 @@ def krexd(monkeypatch: pytest.MonkeyPatch) -> FakeKrexd:
     fake = FakeKrexd()
     monkeypatch.setenv("KREX_SHM", "/krex-fake")
     monkeypatch.setattr(R, "_get_client", lambda: fake)
-    monkeypatch.setattr(R, "_command_holds_gate", lambda: False)
+    monkeypatch.setattr(R, "_our_gate_word", lambda: 0)
     yield fake
     assert lock_free(), "a region left the process lock held"
     assert getattr(R._local, "depth", 0) == 0, "a region left a nesting depth behind"
@@ -315,3 +315,23 @@ def test_a_soft_region_never_raises_a_warning_into_the_program(krexd: FakeKrexd)
         assert ran and r.flags == ["refused"]
         krexd.refuse = False
         krexd.hold.set()
+
+
+def test_a_soft_region_inside_another_processs_region_is_flagged_when_a_new_one_follows(
+    krexd: FakeKrexd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside region R1 of another process of its command; R1 ends, another command's region
+    runs, R2 of its command begins: at the end the gate is its command's again, but under
+    another word (epoch), so it is flagged (adversarial review 5)."""
+    gate = {"word": (7 << 8) | 3}
+    monkeypatch.setattr(R, "_our_gate_word", lambda: gate["word"])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with R.region(soft=True) as same:
+            pass
+        assert same.grant is None and not same.unprotected  # R1 lasted the whole benchmark
+        with R.region(soft=True) as r:
+            assert r.grant is None  # inside R1
+            gate["word"] = 0  # R1 ends; another command's region runs
+            gate["word"] = (9 << 8) | 3  # R2 of the same command
+    assert r.unprotected and r.flags == ["outlived"], (r.unprotected, r.flags)

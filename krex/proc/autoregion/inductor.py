@@ -67,7 +67,8 @@ def _apply_inductor(t: Target, module: ModuleType) -> None:
         with contextlib.ExitStack() as stack:
             if holder[0] is not None:
                 stack.enter_context(holder[0]())
-            stack.enter_context(krex.region(soft=True) if soft else krex.region())  # nested: a no-op
+            # Labelled as every target's regions (the journal, krex run's per-target counts).
+            stack.enter_context(krex.region(f"auto:{t.name}", soft=soft))  # nested: a no-op
             yield
 
     setattr(context, MARK, t.name)
