@@ -65,13 +65,16 @@ def lock_free() -> bool:
 
 
 def region_in_thread() -> tuple[threading.Thread, threading.Event]:
-    """Another thread that takes a region and holds it until the returned event is set."""
+    """Another thread that takes a region and holds it until the returned event is set. It
+    polls (not parked in a threading wait, which would let other threads' regions in)."""
     a_in, a_out = threading.Event(), threading.Event()
 
     def thread_a() -> None:
         with R.region():
             a_in.set()
-            a_out.wait(5)
+            t_end = time.monotonic() + 5
+            while not a_out.is_set() and time.monotonic() < t_end:
+                time.sleep(0.005)
 
     ta = threading.Thread(target=thread_a)
     ta.start()
@@ -335,3 +338,45 @@ def test_a_soft_region_inside_another_processs_region_is_flagged_when_a_new_one_
             gate["word"] = 0  # R1 ends; another command's region runs
             gate["word"] = (9 << 8) | 3  # R2 of the same command
     assert r.unprotected and r.flags == ["outlived"], (r.unprotected, r.flags)
+
+
+def test_a_region_in_a_worker_thread_that_its_regions_owner_waits_for_runs_inside_it(
+    krexd: FakeKrexd,
+) -> None:
+    """`with krex.region(): pool.submit(timed).result()` with a hard region in `timed`: the
+    owner thread is parked waiting for the worker, so the worker's region runs inside the
+    owner's granted region instead of waiting for it forever (adversarial review 5)."""
+    import concurrent.futures as cf
+
+    def item() -> tuple[bool, bool]:
+        with R.region() as r:
+            return r.grant is None, r.unprotected
+
+    with R.region() as outer, cf.ThreadPoolExecutor(1) as ex:
+        assert outer.grant is not None
+        nested, unprotected = ex.submit(item).result(timeout=5)
+    assert nested and not unprotected
+    assert [op for op, _ in krexd.log] == ["begin", "end"]
+
+
+def test_a_region_in_another_thread_still_waits_for_a_busy_owner(krexd: FakeKrexd) -> None:
+    """An owner thread that is not parked (it runs its benchmark) keeps its region to itself:
+    the other thread's region waits its turn, as before."""
+    order: list[str] = []
+    a_in = threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            a_in.set()
+            t_end = time.monotonic() + 0.5
+            while time.monotonic() < t_end:  # busy, not waiting on anything
+                pass
+            order.append("a-end")
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    a_in.wait(5)
+    with R.region() as r:
+        order.append("b-in")
+    ta.join(5)
+    assert order == ["a-end", "b-in"] and r.grant is not None
