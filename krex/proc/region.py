@@ -4,9 +4,8 @@
         ms = triton.testing.do_bench(fn)
 
 Also a decorator (``@krex.region()``). Thread-safe: one region per process at a
-time, other threads wait their turn (or run inside it when its thread is parked
-waiting, likely for them); a nested region on the same thread is a no-op.
-Outside KREX it does nothing and warns once; with KREX_STRICT=1 it raises.
+time, other threads wait their turn; a nested region on the same thread is a
+no-op. Outside KREX it does nothing and warns once; with KREX_STRICT=1 it raises.
 
 A lost daemon (killed, stopped, hung, or stopped by `krex daemon stop`) never
 kills the benchmark: the region warns, sets `unprotected` (and `lost`, why) and
@@ -17,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import sys
 import threading
 import time
 import warnings
@@ -202,16 +200,19 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         global _granted_tid, _grant_seq
         granted = False
         try:
-            if not (self._soft_lock() if self.soft else self._hard_lock()):
-                _local.depth = 1
-                return self
+            if self.soft:
+                if not self._soft_lock():
+                    _local.depth = 1
+                    return self
+            else:
+                _proc_lock.acquire()
             msg: dict[str, Any] = {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
             if self.label:
                 msg["label"] = self.label
             self.grant = _begin(msg)
             self._active = True
+            _grant_seq += 1  # first: whoever sees _granted_tid set sees this region's number
             _granted_tid = threading.get_ident()
-            _grant_seq += 1
             granted = True
         except _LOST as e:
             self._lose(str(e), stacklevel=3)
@@ -232,19 +233,6 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 _release_if_ours()
         _local.depth = 1
         return self
-
-    def _hard_lock(self) -> bool:
-        """Take the process lock, waiting for another thread's region to end; or run inside
-        that region (False, `_inside` set) when its thread is parked waiting (a lock, an
-        event, a future, a join): then it waits for us, likely for this very region
-        (`with krex.region(): pool.submit(timed).result()`), and runs no GPU work of its own.
-        A busy owner keeps its region to itself: we wait our turn."""
-        while not _proc_lock.acquire(timeout=0.05):
-            tid, seq = _granted_tid, _grant_seq
-            if tid is not None and _parked(tid):
-                self._inside = ("thread", seq)
-                return False
-        return True
 
     def _soft_lock(self) -> bool:
         """Take the process lock for a soft region, or say why there is no region: the GPU is
@@ -340,17 +328,6 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 return fn(*a, **k)
 
         return wrapper  # type: ignore[return-value]
-
-
-def _parked(ident: int) -> bool:
-    """Is thread `ident` blocked in one of threading's waits (Condition.wait, which Event,
-    Future.result and queue.get use; Thread.join)?"""
-    frame = sys._current_frames().get(ident)
-    return (
-        frame is not None
-        and frame.f_code.co_filename == threading.__file__
-        and frame.f_code.co_name in ("wait", "_wait_for_tstate_lock", "join")
-    )
 
 
 @functools.cache
