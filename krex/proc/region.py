@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import threading
 import time
 import warnings
@@ -40,6 +41,7 @@ _grant_seq = 0  # bumped at each grant in this process: a soft region knows when
 _fork_gen = 0  # bumped in a fork child: regions entered before the fork are the parent's
 _fork_word = 0  # forked inside its parent's region: that region's gate word (0: none, or over)
 _SOFT_WAIT_S = 60.0  # a soft region waits this long for another thread's region to be granted
+_HANG_WARN_S = 10.0  # a hard region waiting this long for a parked thread's region warns
 
 
 def _after_fork_in_child() -> None:
@@ -205,7 +207,7 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                     _local.depth = 1
                     return self
             else:
-                _proc_lock.acquire()
+                self._hard_lock()
             msg: dict[str, Any] = {"op": "begin", "tid": threading.get_native_id(), "gpu": _visible_gpu()}
             if self.label:
                 msg["label"] = self.label
@@ -233,6 +235,27 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 _release_if_ours()
         _local.depth = 1
         return self
+
+    def _hard_lock(self) -> None:
+        """Take the process lock, waiting for another thread's region to end. If that region's
+        thread sits in one of threading's waits for _HANG_WARN_S meanwhile, it may be waiting
+        for this very thread (`with krex.region(): pool.submit(timed).result()`), which never
+        ends: say so once, with the way out. (Running inside its region instead was tried and
+        was silently wrong: docs/architecture.md.)"""
+        t0 = time.monotonic()
+        warned = False
+        while not _proc_lock.acquire(timeout=0.05):
+            tid = _granted_tid
+            if warned or tid is None or time.monotonic() - t0 < _HANG_WARN_S or not _parked(tid):
+                continue
+            warned = True
+            self._warn(
+                f"krex.region(): this thread has waited {time.monotonic() - t0:.0f} s for the region of "
+                f"thread {tid}, which is itself waiting (for this thread? then neither ever goes on). "
+                "Time the work in that region, or mark the worker's region krex.region(soft=True)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _soft_lock(self) -> bool:
         """Take the process lock for a soft region, or say why there is no region: the GPU is
@@ -328,6 +351,17 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 return fn(*a, **k)
 
         return wrapper  # type: ignore[return-value]
+
+
+def _parked(ident: int) -> bool:
+    """Is thread `ident` blocked in one of threading's waits (Condition.wait, which Event,
+    Future.result and queue.Queue.get use; Thread.join)?"""
+    frame = sys._current_frames().get(ident)
+    return (
+        frame is not None
+        and frame.f_code.co_filename == threading.__file__
+        and frame.f_code.co_name in ("wait", "_wait_for_tstate_lock", "join")
+    )
 
 
 @functools.cache

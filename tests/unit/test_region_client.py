@@ -379,3 +379,56 @@ def test_a_soft_region_that_looks_right_after_the_grant_is_not_flagged_outlived(
     a_out.set()
     ta.join(5)
     assert rs.grant is None and rs.flags == [], rs.flags
+
+
+def test_a_region_waiting_for_a_parked_threads_region_says_it_may_never_end(
+    krexd: FakeKrexd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`with krex.region(): pool.submit(timed).result()` with a hard region in `timed` waits
+    for ever (the owner waits for the worker): the worker says so, once, with the way out,
+    and takes its region as soon as the owner's ends."""
+    import concurrent.futures as cf
+
+    monkeypatch.setattr(R, "_HANG_WARN_S", 0.2)
+    caught: list[str] = []
+
+    def item() -> bool:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with R.region() as r:
+                pass
+        caught.extend(str(x.message) for x in w)
+        return r.grant is not None
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        with R.region():
+            fut = ex.submit(item)
+            with pytest.raises(cf.TimeoutError):
+                fut.result(timeout=0.6)  # the owner parked: the worker waits, and warns
+        assert fut.result(timeout=5)  # the owner's region over, the worker's own came
+    assert len(caught) == 1 and "soft=True" in caught[0], caught
+
+
+def test_a_region_waiting_for_a_busy_threads_region_does_not_warn(
+    krexd: FakeKrexd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(R, "_HANG_WARN_S", 0.1)
+    a_in, a_out = threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        with R.region():
+            a_in.set()
+            t_end = time.monotonic() + 0.5
+            while time.monotonic() < t_end:  # busy, not waiting on anything
+                pass
+        a_out.set()
+
+    ta = threading.Thread(target=thread_a)
+    ta.start()
+    a_in.wait(5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with R.region() as r:
+            assert a_out.is_set()
+    ta.join(5)
+    assert r.grant is not None and not [x for x in w if "itself waiting" in str(x.message)]
