@@ -322,8 +322,9 @@ static void wait_out_region(struct krex_shm *shm) {
  * runs before them. Then one last drain here, while the libraries still stand, and
  * the record says so (exit_drained): the teardown's own calls are LIFE calls, gated
  * (they park at a closed gate), so krexd owes this process no ack unless it submits
- * again (a stream-ordered LIFE call drains again itself). Without it, every region during a sibling's teardown (100+ ms on a GPU)
- * waited the whole drain timeout for an ack from a helper that was gone. */
+ * again (a stream-ordered LIFE call drains again itself). Without it, every region during
+ * a sibling's teardown (100+ ms on a GPU) waited the whole drain timeout for an ack from a
+ * helper that was gone. */
 static void last_drain(struct krex_shm *shm, struct krex_proc *rec);
 
 static void stop_helper(void) {

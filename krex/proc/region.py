@@ -243,12 +243,12 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         ends: say so once, with the way out. (Running inside its region instead was tried and
         was silently wrong: docs/architecture.md.)"""
         t0 = time.monotonic()
-        warned = False
+        if _proc_lock.acquire(timeout=_HANG_WARN_S):  # the common case: one blocking wait
+            return
         while not _proc_lock.acquire(timeout=0.05):
             tid = _granted_tid
-            if warned or tid is None or time.monotonic() - t0 < _HANG_WARN_S or not _parked(tid):
+            if tid is None or not _parked(tid):
                 continue
-            warned = True
             self._warn(
                 f"krex.region(): this thread has waited {time.monotonic() - t0:.0f} s for the region of "
                 f"thread {tid}, which is itself waiting (for this thread? then neither ever goes on). "
@@ -256,6 +256,8 @@ class region:  # noqa: N801 - reads like a keyword at call sites
                 RuntimeWarning,
                 stacklevel=4,
             )
+            _proc_lock.acquire()  # said once; waiting on is all there is to do
+            return
 
     def _soft_lock(self) -> bool:
         """Take the process lock for a soft region, or say why there is no region: the GPU is
