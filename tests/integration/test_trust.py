@@ -1095,6 +1095,32 @@ FORK_IN_REGION = textwrap.dedent(
 )
 
 
+def test_an_exit_waiting_out_a_region_goes_on_when_krexd_hangs(kx: Krex) -> None:
+    """A sibling's exit waits for another command's region to end; krexd is SIGSTOPped
+    meanwhile (the region would never end): the exit goes on once krexd's heartbeat is
+    stale, and the command is not held."""
+    _fake_nvml_gpu_policy(kx)
+    d = kx.daemon
+    assert d is not None
+    kx.run_argv("sib", [str(victims()["exitwork"]), str(kx.out), "sib", "100", "free", "early", "nolife"])
+    kx.result("sib", "ready", timeout=30)
+    held = _hold_region(kx, "z")
+    (kx.out / "sib.go").touch()
+    time.sleep(0.5)
+    assert not (kx.out / "sib.exiting").exists(), "the exit did not wait for the region"
+    t0 = time.monotonic()
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        kx.wait(lambda: (kx.out / "sib.exiting").exists(), 15, "the exit to go on")
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    (kx.out / "sib.stop").touch()
+    _end_hold(kx, "z", held["pid"])  # its exit handler's kernels park at z's gate till then
+    assert kx.cmds["sib"].wait(30) == 0
+    assert waited < 2.0 + 3.0, f"the exit went on {waited:.1f} s after krexd stopped"
+
+
 def test_a_region_in_a_child_forked_inside_a_region_runs_inside_it(kx: Krex) -> None:
     """A child forked inside a region, whose own region would queue behind its parent's
     while the parent waits for it (a deadlock, found by adversarial review 4), runs its
