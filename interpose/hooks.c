@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "shim_fastpath.h"
+#include "sim/sim_samples.h" /* the names the tables' `stream` column uses (SIM_NULL_STREAM, ...) */
 
 #define KREX_GET_FN(name, k)                                                           \
     krex_fn_##name fn = (krex_fn_##name)__atomic_load_n(&krex_real[KREX_ID_##name][k], \
@@ -17,12 +18,17 @@
     if (UNLIKELY(!fn)) fn = (krex_fn_##name)krex_resolve(KREX_ID_##name, k);           \
     if (UNLIKELY(!fn)) return KREX_NOTFOUND;
 
+/* After a counted submission: one TLS increment; every KREX_PACE_EVERY-th, pace.c bounds
+ * the process's queued work (krex_st_NAME: the call's stream, from the table's column). */
+#define KREX_PACE_TICK(name, counted, args) \
+    if (UNLIKELY((counted) && ++t_pace >= KREX_PACE_EVERY)) krex_pace(KREX_ID_##name, krex_st_##name args)
 #define KREX_GATED(fname, name, k, cls, params, args) \
     KREX_RET fname params {                           \
         KREX_GET_FN(name, k)                          \
         int krex_counted = krex_enter(cls);           \
         KREX_RET krex_rc = fn args;                   \
         krex_leave(krex_counted, cls);                \
+        KREX_PACE_TICK(name, krex_counted, args);     \
         return krex_rc;                               \
     }
 #define KREX_BODY_KERNEL(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_KERNEL, p, a)
@@ -76,6 +82,7 @@ static inline int krex_may_chunk(void) {
                 int krex_counted = krex_enter(cls);                                  \
                 krex_rc = fn args;                                                   \
                 krex_leave(krex_counted, cls);                                       \
+                KREX_PACE_TICK(name, krex_counted, args);                            \
                 uint64_t krex_bytes = krex_n * (esz);                                \
                 KREX_FOR_EACH(KREX_ADV1, __VA_ARGS__)                                \
                 krex_left -= krex_n;                                                 \
@@ -85,6 +92,7 @@ static inline int krex_may_chunk(void) {
         int krex_counted = krex_enter(cls);                                          \
         KREX_RET krex_rc = fn args;                                                  \
         krex_leave(krex_counted, cls);                                               \
+        KREX_PACE_TICK(name, krex_counted, args);                                    \
         return krex_rc;                                                              \
     }
 /* One wrapper: by class, or chunked when the row's chunk column says so. */
@@ -128,6 +136,9 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
 
 #define X(name, lookup, variant, cls, params, args, stream, cost, sample, chunk)      \
     typedef KREX_RET(*krex_fn_##name) params;                                       \
+    static inline const void *krex_st_##name params {                               \
+        return (const void *)(uintptr_t)(stream);                                   \
+    }                                                                               \
     KREX_EXPORT KREX_WRAP(KREX_CK_##chunk, cls, name, name, 0, params, args)        \
     static KREX_WRAP(KREX_CK_##chunk, cls, krex_w1_##name, name, 1, params, args)   \
     static KREX_WRAP(KREX_CK_##chunk, cls, krex_w2_##name, name, 2, params, args)   \

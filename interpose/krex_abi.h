@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 3
+#define KREX_ABI_VERSION 4
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -79,6 +79,8 @@
 /* A C region (krex.h) lost krexd (dead, hung or stopped): it ran unprotected. */
 #define KREX_PF_DAEMON_LOST 512
 #define KREX_PF_STALE_SLOT 128
+/* Pacing (pace.c) waited KREX_PACE_GIVEUP_MS for its queued work: off in this process. */
+#define KREX_PF_PACE_OFF 1024
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
@@ -99,6 +101,18 @@
 #define KREX_COPY_CHUNK_BYTES 67108864
 /* The smallest chunk an override may ask for. */
 #define KREX_COPY_CHUNK_MIN_BYTES 4096
+
+/* Bounded queues (pace.c). A region's entry waits for the work siblings had queued when
+ * the gate closed (the drain): on the H200 up to 0.52 s. So while other commands share its
+ * GPU, a thread checks every KREX_PACE_EVERY counted submissions how old the oldest of its
+ * process's unfinished work is (an event recorded then), and waits while it is older than
+ * the GPU's `queue_cap_us`: queued work then drains in about that long. krexd publishes the
+ * cap (its `queue_cap_ms`, default KREX_QUEUE_CAP_MS; 0: no pacing). A wait that lasts
+ * KREX_PACE_GIVEUP_MS (queued work that waits for the host, e.g. a stream wait on a flag
+ * this thread sets later) turns pacing off in that process for good. */
+#define KREX_PACE_EVERY 8
+#define KREX_QUEUE_CAP_MS 15
+#define KREX_PACE_GIVEUP_MS 2000
 
 /* Timing constants: the ONE home of each. The shim (C) and krexd and its clients
  * (Python, through cffi) both read them from here; nothing restates a value.
@@ -283,7 +297,10 @@ struct krex_gpu {
                                      * when the slot's records and the slot itself are freed */
     uint64_t slot_free_gen[64];     /* the slot generation (its command) that made each stamp: a
                                      * command that gets the number next still waits for it */
-    uint64_t reserved[6];
+    uint32_t queue_cap_us;          /* pace.c: set by krexd while 2 or more commands share this GPU
+                                     * (0: no pacing) */
+    uint32_t pad1;
+    uint64_t reserved[5];
 };
 
 struct krex_slot {
@@ -331,6 +348,8 @@ struct krex_proc {
                                      * +1 as each starts, +KREX_ORDERED_END as it ends (low and
                                      * high halves: starts and ends). They queue work on a
                                      * stream, so they count with the gated submissions */
+    uint64_t paced;                 /* pace.c: times a thread waited for its queued work */
+    uint64_t paced_ns;
 };
 
 struct krex_shm {

@@ -745,6 +745,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);
     p->blocked = p->blocked_ns = p->fail_opens = p->drains = 0;
+    p->paced = p->paced_ns = 0;
     p->drain_partial = 0;
     p->captures = 0;
     p->helper_tid = 0;

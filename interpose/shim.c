@@ -353,6 +353,7 @@ static void atfork_child(void) {
      * otherwise make every later call of the child pass as nested, ungated). */
     g_fork_gen++;
     t_depth = 0;
+    krex_pace_after_fork();
     __atomic_store_n(&g_fast.gate, NULL, RELAXED);
     __atomic_store_n(&g_proc, NULL, RELAXED);
     g_failed_gate = 0;

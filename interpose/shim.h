@@ -1,5 +1,5 @@
 /* Private to libkrex_interpose.so: what its parts (shim.c, hooks.c, resolve.c,
- * drain.c, client.c) share. Everything declared here is hidden: nothing leaks
+ * drain.c, pace.c, client.c) share. Everything declared here is hidden: nothing leaks
  * into the application's symbol namespace, and hidden data is reached
  * PC-relative, so splitting the shim into files costs the fast path nothing. */
 #ifndef KREX_SHIM_H
@@ -86,6 +86,11 @@ int krex_in_krexds_pid_ns(void);
 void krex_wait_helper_named(void);
 void krex_wait_helper_settled(void);
 void krex_drain_after_fork(void);
+
+/* pace.c: bounded queues (every KREX_PACE_EVERY counted submissions of a thread). */
+extern __thread unsigned t_pace __attribute__((tls_model("initial-exec")));
+void krex_pace(int id, const void *stream) __attribute__((cold));
+void krex_pace_after_fork(void);
 
 /* client.c: krexd connections (self-registration, C/C++ regions). */
 extern char g_sock_path[108];

@@ -372,6 +372,35 @@ EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *m) {
     *m = old;
     return 0;
 }
+/* What the shim's pacing (pace.c) calls. The current context: the pushed one, else the
+ * current device's primary context once it exists. */
+EXPORT CUresult cuCtxGetCurrent(CUcontext *c) {
+    if (!c) return 1;
+    int d = simgpu_get_device();
+    *c = t_ctx_depth > 0 ? t_ctx_stack[t_ctx_depth - 1]
+         : simgpu_ctx_active(d) ? (CUcontext)(void *)&g_primary[d] : NULL;
+    return 0;
+}
+struct sim_cu_event { uint64_t t; };
+EXPORT CUresult cuEventCreate(void **e, unsigned int flags) {
+    (void)flags;
+    *e = calloc(1, sizeof(struct sim_cu_event));
+    return *e ? 0 : 2;
+}
+EXPORT CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
+EXPORT CUresult cuEventRecord(void *e, CUstream s) {
+    /* The legacy (1) and per-thread (2) handles: this simulator runs both as the NULL stream. */
+    const void *st = (uintptr_t)s <= 2 ? NULL : (const void *)s;
+    uint64_t now = simgpu_now(), tail = simgpu_stream_tail(st);
+    ((struct sim_cu_event *)e)->t = tail > now ? tail : now;
+    return 0;
+}
+EXPORT CUresult cuEventQuery(void *e) { return simgpu_now() >= ((struct sim_cu_event *)e)->t ? 0 : 600; }
+EXPORT CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    (void)s;
+    *status = 0; /* captures are tracked by the shim; the simulator runs none */
+    return 0;
+}
 #endif
 
 /* -------------------------------------------------------------------- HIP */

@@ -364,6 +364,8 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "gate_blocks": rep.get("gate_blocks"),
         "gate_blocked_ms": rep.get("gate_blocked_ms"),
         "fail_opens": rep.get("fail_opens"),
+        "paced": rep.get("paced"),
+        "paced_ms": rep.get("paced_ms"),
         "contaminated_regions": rep.get("contaminated_regions"),
         "region_wait_s": rep.get("region_wait_s"),
         "cut_regions": rep.get("cut_regions"),

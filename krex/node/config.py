@@ -21,6 +21,9 @@ Precedence: command line > environment > config file > defaults. The config file
   lend_cores       KREX_LEND_CORES                           off, region or all: commands may also run on
                                                              their GPU's region core (and the housekeeping
                                                              core) while no region needs it
+  queue_cap_ms     KREX_QUEUE_CAP_MS                         while commands share a GPU, how long (ms) the GPU
+                                                             work a command has queued may wait before its
+                                                             next submissions wait for it; 0: unbounded
   freeze_timeout   KREX_FREEZE_TIMEOUT                       seconds to wait for a group to report frozen
   drain_timeout    KREX_DRAIN_TIMEOUT                        seconds to wait for in-flight work and drain acks
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
@@ -131,6 +134,8 @@ class Config:
     # core ("all"), while no region needs them; a region moves every thread but the
     # measuring one off the region core (cpus.evict).
     lend_cores: str = "off"
+    # Bounded queues (interpose/pace.c): a region's entry drains what siblings queued.
+    queue_cap_ms: float = float(lib.KREX_QUEUE_CAP_MS)
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
@@ -198,6 +203,8 @@ KEYS = (
         freezepolicy.POLICIES,
     ),
     Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)"),
+    Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
+        "milliseconds, e.g. 20, or 0 for none"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),

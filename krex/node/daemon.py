@@ -419,6 +419,7 @@ class Daemon:
             )
             if lib.krex_pid_alive(sp.owner_pid, 0) or self._group_pids(slot):
                 self.slots[n] = slot
+                self._publish_queue_caps()
                 adopted += 1
             else:
                 with contextlib.suppress(KrexError, OSError):
@@ -548,6 +549,7 @@ class Daemon:
             "freeze_timeout_s": c.freeze_timeout_s,
             "drain_timeout_s": c.drain_timeout_s,
             "lend_cores": c.lend_cores,
+            "queue_cap_ms": c.queue_cap_ms,
             "log_level": c.log_level,
         }
         log.info(
@@ -914,6 +916,7 @@ class Daemon:
             with contextlib.suppress(KrexError):
                 group.freeze(self.cfg.freeze_timeout_s)
         self.slots[n] = s
+        self._publish_queue_caps()
         return s
 
     def _release(self, n: int, reason: str) -> None:
@@ -934,8 +937,18 @@ class Daemon:
             with contextlib.suppress(KrexError):
                 s.group.remove()
             self.seg.release_slot(n)
+            self._publish_queue_caps()
             self._promote()
             self.changed.notify_all()
+
+    def _publish_queue_caps(self) -> None:
+        """Pacing (interpose/pace.c) bounds each command's queued GPU work, which a region's
+        entry must drain, while two or more commands share a GPU; alone, nothing waits for it."""
+        cap_us = int(self.cfg.queue_cap_ms * 1000)
+        with self.lock:
+            per_gpu = collections.Counter(s.gpu for s in self.slots.values())
+        for g in range(self.seg.n_gpus):
+            self.seg.raw.gpus[g].queue_cap_us = cap_us if per_gpu[g] >= 2 else 0
 
     def _slot_of_pid(self, pid: int) -> Slot | None:
         """The slot a process belongs to: its cgroup, else its ancestry."""
@@ -1993,6 +2006,7 @@ class Daemon:
             if old is not None:
                 s.created = old.created  # its place among pre-warmed ones
             self.slots[n] = s
+            self._publish_queue_caps()
             owned["guardian"] = n
         return {"ok": True, "slot": n}
 
@@ -2086,6 +2100,7 @@ class Daemon:
                     "max_region_s": self.cfg.max_region_s,
                     "freeze_policy": self.cfg.freeze_policy,
                     "lend_cores": self.cfg.lend_cores,
+                    "queue_cap_ms": self.cfg.queue_cap_ms,
                     "idle_exit_s": self.cfg.idle_exit_s,
                     "log": str(paths.state_dir() / "krexd.log"),
                     "settings_from": self.cfg.sources,

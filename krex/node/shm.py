@@ -32,6 +32,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_DRAIN_PARTIAL: "drain-partial",
     lib.KREX_PF_DAEMON_LOST: "daemon-lost",
     lib.KREX_PF_STALE_SLOT: "stale-slot",
+    lib.KREX_PF_PACE_OFF: "pace-off",
 }
 
 
@@ -114,6 +115,8 @@ class ProcInfo:
     fail_opens: int
     drains: int
     flags: list[str] = field(default_factory=list)
+    paced: int = 0  # times a thread waited for its own queued work (pace.c)
+    paced_ms: float = 0.0
 
 
 @dataclass
@@ -327,6 +330,8 @@ class Segment:
                     fail_opens=int(r.fail_opens),
                     drains=int(r.drains),
                     flags=flags,
+                    paced=int(r.paced),
+                    paced_ms=int(r.paced_ns) / 1e6,
                 )
             )
         return Snapshot(

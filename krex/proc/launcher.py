@@ -555,6 +555,8 @@ def run_guarded(
                 report["gate_blocks"] = sum(p.blocked for p in procs)
                 report["gate_blocked_ms"] = round(sum(p.blocked_ms for p in procs), 3)
                 report["fail_opens"] = sum(p.fail_opens for p in procs)
+                report["paced"] = sum(p.paced for p in procs)
+                report["paced_ms"] = round(sum(p.paced_ms for p in procs), 3)
                 report["submits"] = (
                     {k: sum(p.submits[k] for p in procs) for k in procs[0].submits} if procs else {}
                 )

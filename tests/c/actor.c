@@ -5,6 +5,7 @@
  *
  *   k:US       launch a US-microsecond simulated kernel with cudaLaunchKernel
  *              (asynchronous: it returns at once, the kernel ends US later)
+ *   kn:N:US    N such launches back to back (one line, at the end)
  *   copy:N     a synchronous N-byte cudaMemcpy: inside a gated call for N ns
  *   malloc     cudaMalloc (not gated; creates a context in the simulator)
  *   sync       cudaDeviceSynchronize
@@ -91,6 +92,13 @@ int main(int argc, char **argv) {
             dim3 grid = {(unsigned)strtoul(a + 2, NULL, 10), 1, 1}, block = {1, 1, 1};
             rc = cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
             report("k", rc, t0, now_ns());
+        } else if (!strncmp(a, "kn:", 3)) {
+            char *us = NULL;
+            unsigned long n = strtoul(a + 3, &us, 10);
+            dim3 grid = {(unsigned)strtoul(us && *us == ':' ? us + 1 : "0", NULL, 10), 1, 1}, block = {1, 1, 1};
+            for (unsigned long j = 0; j < n && rc == 0; j++)
+                rc = cudaLaunchKernel((const void *)0x1234, grid, block, NULL, 0, NULL);
+            report("kn", rc, t0, now_ns());
         } else if (!strncmp(a, "copy:", 5)) {
             static char buf[16]; /* the simulator moves no bytes: any pointers do */
             rc = cudaMemcpy(buf, buf + 8, (size_t)strtoull(a + 5, NULL, 10), cudaMemcpyHostToHost);

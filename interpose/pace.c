@@ -1,0 +1,219 @@
+/* Bounded queues: while other commands share its GPU, a process keeps no more GPU work
+ * queued than the GPU gets through in about `queue_cap_us` (krex_abi.h).
+ *
+ * Why: a region's entry waits for the work siblings had queued when its gate closed (the
+ * drain); on the H200 a sibling's queue held up to 0.52 s of it. The gate cannot shorten
+ * work already queued, so the queue itself is kept short, outside regions only.
+ *
+ * How: every few counted submissions of a thread (a TLS counter in the wrapper: nothing
+ * else on the fast path), pace() records an event on that call's stream in a small ring,
+ * with the process's submission count. It waits, polling the oldest event, while
+ *   - the oldest unfinished event is older than the cap (work queued that long ago is not
+ *     done), or
+ *   - more events are pending than fit in the cap, at `s`, the wall time the GPU took per
+ *     submission between two completions it was seen reach while the queue stayed busy
+ *     (two, before any was seen: a burst of launches is bounded before the first result).
+ * The same `s` spaces the checks (KREX_PACE_EVERY submissions at most, 1 for kernels that
+ * each take a quarter of the cap). Nothing is reordered or dropped; a thread only submits
+ * later. Skipped when fewer than two commands share the GPU (cap 0), the gate is closed (by
+ * a region of ours, which must never be slowed, or of another command, whose drain empties
+ * the queue anyway), a graph capture runs in the process (an event would join the graph),
+ * the call was nested, or the call is HIP's (its event calls would set the error
+ * hipGetLastError reports).
+ *
+ * Every vendor call here is the driver's real one (never a wrapper), in relaxed capture
+ * mode, so another thread's capture is not invalidated, and none touches the CUDA
+ * runtime's last error. A wait that reaches KREX_PACE_GIVEUP_MS (work that waits for the
+ * host, a stream wait on a flag this thread sets later) turns pacing off in the process,
+ * flagged `pace-off`: slower once, never stuck. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <time.h>
+
+#include "shim_fastpath.h"
+
+typedef void *pace_event;  /* CUevent */
+typedef int (*fn_ctxcur)(CUcontext *);
+typedef int (*fn_evnew)(pace_event *, unsigned int);
+typedef int (*fn_evrec)(pace_event, CUstream);
+typedef int (*fn_ev)(pace_event);
+typedef int (*fn_capq)(CUstream, int *);
+typedef int (*fn_xmode)(CUstreamCaptureMode *);
+#define PACE_NOT_READY 600         /* CUDA_ERROR_NOT_READY */
+#define PACE_DISABLE_TIMING 2      /* CU_EVENT_DISABLE_TIMING: the cheapest event */
+#define PACE_PER_THREAD ((CUstream)(uintptr_t)2) /* CU_STREAM_PER_THREAD */
+#define PACE_RING 32
+#define PACE_COLD_PENDING 2        /* events pending before any completion was timed */
+#define PACE_POLL_NS 100000        /* how often a waiting thread looks again */
+
+__thread unsigned t_pace __attribute__((tls_model("initial-exec")));
+
+struct pace_ev {
+    pace_event ev;
+    CUcontext ctx;
+    uint64_t t;    /* when it was recorded */
+    uint64_t subs; /* the process's submissions then */
+};
+static pthread_mutex_t g_pace_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct pace_ev g_ring[PACE_RING]; /* recorded, oldest at g_head */
+static unsigned g_head, g_n;
+static struct pace_ev g_pool[PACE_RING]; /* created, not recorded: reused per context */
+static unsigned g_npool;
+static uint32_t g_pace_off;               /* atomic: gave up, or the driver lacks what pacing needs */
+static unsigned g_every = KREX_PACE_EVERY; /* submissions between two checks of a thread */
+static uint64_t g_s_ns;                   /* wall ns per submission to drain (0: not seen yet) */
+static uint64_t g_done_t, g_done_subs;    /* the last completion seen as it happened */
+static struct {
+    fn_ctxcur ctxcur;
+    fn_evnew evnew;
+    fn_evrec evrec;
+    fn_ev evquery, evdel;
+    fn_capq capq;
+    fn_xmode xmode;
+    int looked;
+} g_pfn;
+
+static void pace_fns(void) {
+    if (g_pfn.looked) return;
+    g_pfn.looked = 1;
+    g_pfn.ctxcur = (fn_ctxcur)vendor_sym(KREX_API_DRIVER, "cuCtxGetCurrent");
+    g_pfn.evnew = (fn_evnew)vendor_sym(KREX_API_DRIVER, "cuEventCreate");
+    g_pfn.evrec = (fn_evrec)vendor_sym(KREX_API_DRIVER, "cuEventRecord");
+    g_pfn.evquery = (fn_ev)vendor_sym(KREX_API_DRIVER, "cuEventQuery");
+    g_pfn.evdel = (fn_ev)vendor_sym(KREX_API_DRIVER, "cuEventDestroy_v2");
+    g_pfn.capq = (fn_capq)vendor_sym(KREX_API_DRIVER, "cuStreamIsCapturing");
+    g_pfn.xmode = (fn_xmode)vendor_sym(KREX_API_DRIVER, "cuThreadExchangeStreamCaptureMode");
+    if (!g_pfn.ctxcur || !g_pfn.evnew || !g_pfn.evrec || !g_pfn.evquery || !g_pfn.evdel || !g_pfn.capq) {
+        klog("pacing off: the driver lacks an event call");
+        __atomic_store_n(&g_pace_off, 1, RELAXED);
+    }
+}
+
+static uint64_t proc_submits(void) {
+    uint64_t n = 0;
+    for (int c = KREX_CLS_KERNEL; c <= KREX_CLS_PREFETCH; c++) n += __atomic_load_n(&g_fast.submits[c], RELAXED);
+    return n;
+}
+
+/* An event of context `ctx` to record: from the pool, else a new one (NULL: none). */
+static pace_event pool_take(CUcontext ctx) {
+    for (unsigned i = 0; i < g_npool; i++)
+        if (g_pool[i].ctx == ctx) {
+            pace_event ev = g_pool[i].ev;
+            g_pool[i] = g_pool[--g_npool];
+            return ev;
+        }
+    pace_event ev = NULL;
+    return g_pfn.evnew(&ev, PACE_DISABLE_TIMING) == CUDA_SUCCESS ? ev : NULL;
+}
+
+static void ring_pop(void) {
+    struct pace_ev e = g_ring[g_head];
+    if (g_npool < PACE_RING) g_pool[g_npool++] = e;
+    else g_pfn.evdel(e.ev);
+    g_head = (g_head + 1) % PACE_RING;
+    g_n--;
+}
+
+/* The oldest event: 1 finished (or failed: nothing to wait for), 0 still pending. */
+static int oldest_done(void) { return g_pfn.evquery(g_ring[g_head].ev) != PACE_NOT_READY; }
+
+/* The oldest event was seen to finish at `t` (a poll found it pending just before). With
+ * the last such completion, and the queue busy between them (this event was recorded
+ * before that one finished), that is the wall time of the submissions in between. */
+static void timed_completion(uint64_t t) {
+    const struct pace_ev *e = &g_ring[g_head];
+    if (g_done_t && e->t <= g_done_t && e->subs > g_done_subs && t > g_done_t) {
+        uint64_t s = (t - g_done_t) / (e->subs - g_done_subs);
+        g_s_ns = g_s_ns ? (g_s_ns + s) / 2 : s;
+    }
+    g_done_t = t;
+    g_done_subs = e->subs;
+}
+
+static unsigned clampu(uint64_t v, unsigned lo, unsigned hi) { return v < lo ? lo : v > hi ? hi : (unsigned)v; }
+
+static void pace_locked(int variant, CUstream stream, uint64_t cap_ns) {
+    pace_fns();
+    if (__atomic_load_n(&g_pace_off, RELAXED)) return;
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (g_pfn.xmode) g_pfn.xmode(&mode);
+    while (g_n && oldest_done()) ring_pop();
+    uint64_t t0 = krex_now_ns(), now = t0;
+    int waited = 0, polled = 0; /* polled: the oldest was pending at the last look */
+    for (;;) {
+        unsigned most = g_s_ns ? clampu(cap_ns / (g_s_ns * g_every), 1, PACE_RING - 1) : PACE_COLD_PENDING;
+        if (!g_n || (g_n < most && now - g_ring[g_head].t <= cap_ns)) break;
+        if (oldest_done()) {
+            if (polled) timed_completion(now);
+            ring_pop();
+            polled = 0;
+            continue;
+        }
+        if (now - t0 >= (uint64_t)KREX_PACE_GIVEUP_MS * 1000000ull) {
+            klog("pacing off: queued work did not finish in %d ms (it may wait for the host)", KREX_PACE_GIVEUP_MS);
+            __atomic_store_n(&g_pace_off, 1, RELAXED);
+            set_flag(KREX_PF_PACE_OFF);
+            break;
+        }
+        waited = polled = 1;
+        struct timespec ts = {0, PACE_POLL_NS};
+        nanosleep(&ts, NULL);
+        now = krex_now_ns();
+    }
+    if (waited) {
+        struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+        if (p) {
+            __atomic_fetch_add(&p->paced, 1, RELAXED);
+            __atomic_fetch_add(&p->paced_ns, now - t0, RELAXED);
+        }
+    }
+    /* Checks spaced so that what a thread queues between two stays under a quarter cap. */
+    unsigned every = g_s_ns ? clampu(cap_ns / (4 * g_s_ns), 1, KREX_PACE_EVERY) : KREX_PACE_EVERY;
+    __atomic_store_n(&g_every, every, RELAXED);
+    CUcontext ctx = NULL;
+    int capturing = 0;
+    if (!__atomic_load_n(&g_pace_off, RELAXED) && g_n < PACE_RING && g_pfn.ctxcur(&ctx) == CUDA_SUCCESS && ctx) {
+        if (stream == NULL && variant == KREX_VAR_PT) stream = PACE_PER_THREAD;
+        /* This stream capturing (begun by another thread just now): the event would join it. */
+        if (g_pfn.capq(stream, &capturing) == CUDA_SUCCESS && !capturing) {
+            pace_event ev = pool_take(ctx);
+            if (ev && g_pfn.evrec(ev, stream) == CUDA_SUCCESS) {
+                g_ring[(g_head + g_n) % PACE_RING] = (struct pace_ev){ev, ctx, krex_now_ns(), proc_submits()};
+                g_n++;
+            } else if (ev) {
+                g_pfn.evdel(ev); /* another context's stream, or a broken one: not ours to pace */
+            }
+        }
+    }
+    if (g_pfn.xmode) g_pfn.xmode(&mode); /* back to the thread's own mode */
+}
+
+void krex_pace(int id, const void *stream) {
+    /* The next check after g_every more submissions (the wrapper compares with a constant). */
+    t_pace = KREX_PACE_EVERY - __atomic_load_n(&g_every, RELAXED);
+    const struct krex_entry *e = &krex_entries[id];
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
+    if (e->api == KREX_API_HIP || !shm || !gate || g_gpu < 0 || g_gpu >= KREX_MAX_GPUS || t_depth != 0 ||
+        __atomic_load_n(&g_pace_off, RELAXED) || __atomic_load_n(&g_captures, RELAXED) != 0)
+        return;
+    uint64_t cap_ns = (uint64_t)__atomic_load_n(&shm->gpus[g_gpu].queue_cap_us, RELAXED) * 1000ull;
+    if (cap_ns == 0 || __atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN) return;
+    if (pthread_mutex_trylock(&g_pace_lock) != 0) return; /* another thread paces for us */
+    pace_locked(e->variant, (CUstream)(uintptr_t)stream, cap_ns);
+    pthread_mutex_unlock(&g_pace_lock);
+}
+
+/* A fork child: its parent's events and lock are not its own (CUDA is unusable in a fork
+ * child anyway until it execs). */
+void krex_pace_after_fork(void) {
+    pthread_mutex_init(&g_pace_lock, NULL);
+    g_head = g_n = g_npool = 0;
+    __atomic_store_n(&g_every, KREX_PACE_EVERY, RELAXED);
+    g_s_ns = g_done_t = g_done_subs = 0;
+    t_pace = 0;
+}
+
+/* For tests: pacing is on in this process (0: gave up, or the driver lacks event calls). */
+KREX_EXPORT int krex_shim_pacing(void) { return !__atomic_load_n(&g_pace_off, RELAXED); }
