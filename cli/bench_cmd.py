@@ -228,6 +228,14 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     help="compare pre-warmed starts: one krex cell per value N (krex-C+pwN runs C + N commands at "
     "once, N of them waiting at their first GPU call for a slot; 0 is plain krex-C) [default: 0]",
 )
+@click.option(
+    "--lend",
+    "lends",
+    default=None,
+    metavar="LIST",
+    help="compare krexd's lend_cores: one krex cell per value of off, region, all (krex-C+lend-X), each "
+    "under a daemon the bench starts [default: the daemon's setting]",
+)
 @click.option("--no-plots", is_flag=True, help="skip the PNG plots")
 def bench(
     device: str,
@@ -249,6 +257,7 @@ def bench(
     gpus: str | None,
     freezes: str | None,
     prewarms: str | None,
+    lends: str | None,
 ) -> None:
     """Measure throughput, timing inflation and ranking fidelity: native serial,
     native repeat, unprotected sharing and KREX, side by side.
@@ -278,6 +287,7 @@ def bench(
         gpus=_parse_gpus(gpus, device),
         freezes=[f.strip() for f in freezes.split(",") if f.strip()] if freezes else None,
         prewarms=_parse_prewarms(prewarms) if prewarms else None,
+        lends=[x.strip() for x in lends.split(",") if x.strip()] if lends else None,
         cold_cache=not warm_cache,
         plots=not no_plots,
         argv=["krex", "bench", *sys.argv[sys.argv.index("bench") + 1 :]]

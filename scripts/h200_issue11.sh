@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11 on the H200, resumable across device calls (carry .whl and h200run/). STEPS, in the
 # order given: topo (CPU topology), short (the short-kernel experiment), settle (scripts/gpu_settle.py),
+# pacing (scripts/gpu_pacing.py: bounded queues on and off),
 # autotune (scripts/gpu_autotune.py),
 # bench (a krex bench that
 # compares freeze policies side by side, BENCH_ARGS), entry (region entry while siblings copy
@@ -40,6 +41,8 @@ for step in $STEPS; do case $step in
   echo "== settle after a free or an exit (scripts/gpu_settle.py)"; timeout $(left ${SETTLE_TIMEOUT:-200}) python3 "$REPO/scripts/gpu_settle.py" ${SETTLE_ARGS:-} 2>"$L/settle.err" | tee "$L/settle.txt" || tail -5 "$L/settle.err" ;;
   autotune)  # does Inductor pick a slower kernel when its autotuning runs under KREX?
   echo "== autotuning under KREX (scripts/gpu_autotune.py)"; timeout $(left ${AUTOTUNE_TIMEOUT:-300}) python3 "$REPO/scripts/gpu_autotune.py" --out "$L" ${AUTOTUNE_ARGS:-} 2>"$L/autotune.err" | tee "$L/autotune.txt" || tail -5 "$L/autotune.err" ;;
+  pacing)  # region entry while siblings queue work: bounded queues on and off (scripts/gpu_pacing.py)
+  echo "== bounded queues (scripts/gpu_pacing.py)"; timeout $(left ${PACING_TIMEOUT:-200}) python3 "$REPO/scripts/gpu_pacing.py" --device gpu --out "$L/pacing" ${PACING_ARGS:-} 2>"$L/pacing.err" | tee "$L/pacing.txt" || tail -5 "$L/pacing.err" ;;
   entry)
   echo "== region entry while siblings copy GB-scale inputs"; timeout $(left ${ENTRY_TIMEOUT:-150}) python3 "$REPO/scripts/gpu_entry_copies.py" 2>"$L/entry.err" || tail -5 "$L/entry.err" ;;
   *) echo "unknown step $step"; exit 2 ;;

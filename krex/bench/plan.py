@@ -20,11 +20,13 @@ from typing import Any
 
 from krex.bench.corpus import Workload
 from krex.errors import NotFound, UsageError
+from krex.node.config import LEND as LEND_CHOICES
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 
 __all__ = [
     "CELLS",
     "CONCURRENT",
+    "LEND_CHOICES",
     "META",
     "MODES",
     "RAW",
@@ -56,11 +58,15 @@ class Cell:
     # krex cells: pre-warmed starts per GPU (krexd's `prewarm`): C + prewarm commands run at
     # once, of which only C hold a slot; the others wait at their first GPU call.
     prewarm: int = 0
+    # krex cells: krexd's `lend_cores` (off, region, all) for a daemon the bench starts for
+    # them ("" = the daemon's own setting).
+    lend: str = ""
 
     @property
     def key(self) -> str:
         base = f"{self.mode}-{self.c}" if self.mode in CONCURRENT else self.mode
         base = f"{base}@{self.freeze}" if self.freeze else base
+        base = f"{base}+lend-{self.lend}" if self.lend else base
         return f"{base}+pw{self.prewarm}" if self.prewarm else base
 
     @staticmethod
@@ -72,7 +78,15 @@ class Cell:
                 raise UsageError(
                     f"unknown cell {key!r}", "krex-C[@POLICY]+pwN takes N pre-warmed starts, 1..64"
                 )
-            return Cell(c.mode, c.c, c.freeze, int(n))
+            return Cell(c.mode, c.c, c.freeze, int(n), c.lend)
+        if "+lend-" in key:
+            base, _, lend = key.rpartition("+lend-")
+            c = Cell.from_key(base)
+            if c.mode != "krex" or lend not in LEND_CHOICES:
+                raise UsageError(
+                    f"unknown cell {key!r}", "krex-C[@POLICY]+lend-X takes off, region or all"
+                )
+            return Cell(c.mode, c.c, c.freeze, 0, lend)
         if "@" in key:
             base, _, freeze = key.partition("@")
             c = Cell.from_key(base)
@@ -133,6 +147,7 @@ def plan_cells(
     seed: int,
     freezes: Sequence[str] = ("",),
     prewarms: Sequence[int] = (0,),
+    lends: Sequence[str] = ("",),
 ) -> list[Cell]:
     """The order in which cells run.
 
@@ -149,11 +164,12 @@ def plan_cells(
     pairs: list[list[Cell]] = []
     for c in cs:
         pair = [
-            Cell(m, c, f, w)
+            Cell(m, c, f, w, ln)
             for m in CONCURRENT
             if m in modes
             for f in (freezes if m == "krex" else ("",))
             for w in (prewarms if m == "krex" else (0,))
+            for ln in (lends if m == "krex" else ("",))
         ]
         rng.shuffle(pair)
         if pair:

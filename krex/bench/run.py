@@ -48,6 +48,7 @@ from krex.bench.corpus import corpus_digest, default_corpus_path, load_corpus
 from krex.bench.plan import (
     CELLS,
     CONCURRENT,
+    LEND_CHOICES,
     META,
     MODES,
     RAW,
@@ -107,6 +108,9 @@ class BenchConfig:
     # Pre-warmed starts to compare (krexd's `prewarm`): one krex cell per value (krex-C+pwN;
     # 0 is the plain krex-C cell); the bench starts its own daemon for each. None: (0,).
     prewarms: Sequence[int] | None = None
+    # krexd's lend_cores to compare (off, region, all): one krex cell per value
+    # (krex-C+lend-X); the bench starts its own daemon for each. None: the daemon's own.
+    lends: Sequence[str] | None = None
     cold_cache: bool = True  # fresh Triton/Inductor/extension caches per run (a new candidate compiles)
     warmup: bool = True
     plots: bool = True
@@ -395,14 +399,15 @@ def _daemon_status() -> dict[str, Any] | None:
         c.close()
 
 
-def _start_daemon(dev: str, slots: int, prewarm: int = 0) -> bool:
+def _start_daemon(dev: str, slots: int, prewarm: int = 0, lend: str = "") -> bool:
     """Start a daemon with these settings; False when another one answered instead."""
     from krex.proc.client import start_background
 
-    got = start_background(
-        device=dev,
-        settings={"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots)), "prewarm": prewarm},
-    )
+    settings: dict[str, Any] = {"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))}
+    settings["prewarm"] = prewarm
+    if lend:
+        settings["lend_cores"] = lend
+    got = start_background(device=dev, settings=settings)
     return bool(getattr(got, "ours", True))
 
 
@@ -507,6 +512,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     for w in prewarms:
         if not 0 <= w <= 64:
             raise UsageError(f"bad --prewarm {w}", "give a comma list of whole numbers in 0..64, e.g. 0,4")
+    lends = list(cfg.lends) if cfg.lends else list(first.get("lends") or [""])
+    for ln in lends:
+        if ln and ln not in LEND_CHOICES:
+            raise UsageError(f"bad --lend {ln!r}", f"use a comma list of: {', '.join(LEND_CHOICES)}")
     gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
     if gpus is not None:
         bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
@@ -531,6 +540,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         "concurrency": conc,
         "freezes": freezes,
         "prewarms": prewarms,
+        "lends": lends,
     }
     if not meta:
         meta = {
@@ -557,7 +567,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     # ---- plan
     measured = [w for w in workloads if w.truth == "measured"]
-    cells = plan_cells(modes, conc, seed, freezes, prewarms)
+    cells = plan_cells(modes, conc, seed, freezes, prewarms, lends)
     if not measured:
         cells = [c for c in cells if c.mode != "reference"]
     done_keys = {str(c.get("cell")) for c in done_cells}
@@ -647,8 +657,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             raise KeyboardInterrupt  # the runs were stopped; the caller exits 130
         return c_start, last_start, cell_failed
 
-    # (slots per GPU, prewarm) of the daemon the bench started, None while it runs none.
-    ours: tuple[int, int] | None = None
+    # (slots per GPU, prewarm, lend) of the daemon the bench started, None while it runs none.
+    ours: tuple[int, int, str] | None = None
     foreign = False  # a daemon that was running already serves every (non-prewarm) krex cell
     need = max((c.c for c in todo if c.mode == "krex"), default=1)
 
@@ -656,7 +666,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         """A daemon that admits this krex cell as asked: C + prewarm commands at once, of which
         only C hold a slot when it pre-warms (slots per GPU = C exactly), else max C."""
         nonlocal ours, started_daemon, foreign
-        want = (cell.c, cell.prewarm) if cell.prewarm else (cfg.slots_per_gpu or need, 0)
+        slots = cell.c if cell.prewarm else cfg.slots_per_gpu or need
+        want = (slots, cell.prewarm, cell.lend)
         if foreign or ours == want:
             return
         st = _daemon_status()
@@ -674,26 +685,28 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         if started_daemon:
             _stop_daemon()
             started_daemon = False
-        if not _start_daemon(dev, want[0], want[1]):
+        if not _start_daemon(dev, want[0], want[1], want[2]):
             raise UsageError(
                 f"another KREX daemon started while the bench ran (it needed one with {want[0]} slots "
-                f"per GPU and prewarm {want[1]})",
+                f"per GPU, prewarm {want[1]} and lend_cores {want[2] or 'its default'})",
                 "run the bench with no other daemon on the node",
             )
         started_daemon = True
         ours = want
         note(
-            f"started a KREX daemon ({want[0]} slots per GPU, prewarm {want[1]}) for "
+            f"started a KREX daemon ({want[0]} slots per GPU, prewarm {want[1]}"
+            + (f", lend_cores {want[2]}" if want[2] else "")
+            + ") for "
             + ("the krex cells" if not want[1] else f"the +pw{want[1]} cells")
             + "; stopped at the end"
         )
 
-    if any(c.mode == "krex" and c.prewarm for c in todo) and _daemon_status() is not None:
-        pw = sorted({c.key for c in todo if c.mode == "krex" and c.prewarm})
+    if any(c.mode == "krex" and (c.prewarm or c.lend) for c in todo) and _daemon_status() is not None:
+        pw = sorted({c.key for c in todo if c.mode == "krex" and (c.prewarm or c.lend)})
         raise UsageError(
-            f"{', '.join(pw)} need a daemon the bench starts itself (C slots per GPU, prewarm N), "
-            "and a KREX daemon already runs on this node",
-            "stop it (`krex daemon stop`), or drop --prewarm",
+            f"{', '.join(pw)} need a daemon the bench starts itself (C slots per GPU, prewarm N, "
+            "lend_cores X), and a KREX daemon already runs on this node",
+            "stop it (`krex daemon stop`), or drop --prewarm and --lend",
         )
     try:
         if todo and cfg.warmup:

@@ -49,9 +49,9 @@ def _ms(r: dict[str, Any]) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
 
 
-def _cell_sort_key(key: str) -> tuple[int, int, str, int]:
+def _cell_sort_key(key: str) -> tuple[int, int, str, int, str]:
     c = Cell.from_key(key)
-    return MODES.index(c.mode), c.c, c.freeze, c.prewarm
+    return MODES.index(c.mode), c.c, c.freeze, c.prewarm, c.lend
 
 
 def compute_summary(

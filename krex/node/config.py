@@ -18,7 +18,7 @@ Precedence: command line > environment > config file > defaults. The config file
                                                              (on demand: KREX_ON_DEMAND_IDLE_EXIT_MS)
   freezer          KREX_FREEZER           --freezer          freeze backend: cgroup2, cgroup1, signal
   freeze_policy    KREX_FREEZE_POLICY     --freeze-policy    which siblings a region freezes
-  lend_cores       KREX_LEND_CORES                           off, region or all: commands may also run on
+  lend_cores       KREX_LEND_CORES        --lend-cores       off, region or all: commands may also run on
                                                              their GPU's region core (and the housekeeping
                                                              core) while no region needs it
   queue_cap_ms     KREX_QUEUE_CAP_MS                         while commands share a GPU, how long (ms) the GPU
@@ -202,7 +202,9 @@ KEYS = (
         "all, or by the region's launch rate (adaptive)",
         freezepolicy.POLICIES,
     ),
-    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)"),
+    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)",
+        "--lend-cores", "commands may also run on their GPU's region core (region) and the housekeeping "
+        "core (all) while no region needs them", ("off", "region", "all")),
     Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
         "milliseconds, e.g. 20, or 0 for none"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,7 @@ class ChaosResult:
     journal_false_clean: list[str] = field(default_factory=list)
     ops: int = 0
     daemon_tracebacks: int = 0
+    kept: str = ""  # where the evidence of a failed run was copied
 
     @property
     def ok(self) -> bool:
@@ -337,6 +339,12 @@ class Chaos:
             self.res.wall_s = round(time.monotonic() - t0, 1)
             self.res.daemon_tracebacks = self.kx.daemon_log().count("Traceback")
             self.check()
+            if self.res.false_clean or self.res.journal_false_clean:
+                # Keep the evidence (trace, journal, logs, commands' outputs) for a post-mortem.
+                keep = Path(f"/tmp/krex-chaos-kept-{os.getpid()}-{int(time.time())}")
+                with contextlib.suppress(OSError, shutil.Error):
+                    shutil.copytree(self.kx.base, keep, symlinks=True, ignore_dangling_symlinks=True)
+                    self.res.kept = str(keep)
         finally:
             self.kx.cleanup()
         return self.res
@@ -435,6 +443,7 @@ def summary_table(res: ChaosResult) -> str:
         ("operations in the trace", d["ops"]),
         ("daemon tracebacks", d["daemon_tracebacks"]),
         ("verdict", "PASS" if d["ok"] else "FAIL"),
+        *([("evidence kept in", d["kept"])] if d.get("kept") else []),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

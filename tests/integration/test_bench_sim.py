@@ -474,3 +474,23 @@ def test_bench_uses_a_running_daemon_for_every_krex_cell(krex_env: dict[str, str
     assert st.returncode == 0, "the bench stopped the daemon it did not start"
     bad = krex([*args, "--prewarm", "1", "--out", str(tmp_path / "pw")], krex_env, timeout=120)
     assert bad.returncode == 2 and "stop it" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_bench_compares_lent_cores_side_by_side(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """--lend off,all: one krex cell per lend_cores value, each under a daemon the bench starts
+    with that setting (the daemon's own log says so), in one results directory."""
+    out = tmp_path / "results"
+    args = ["bench", "--device", "sim", "--quick", "--modes", "native-serial,krex", "--concurrency", "2"]
+    p = krex([*args, "--lend", "off,all", "--timeout", "60", "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert {c["cell"] for c in jsonl(out / "cells.jsonl")} == {"native-serial", "krex-2+lend-off", "krex-2+lend-all"}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["invocations"][0]["lends"] == ["off", "all"]
+    assert any("lend_cores all" in n for n in meta["notes"]) and any("lend_cores off" in n for n in meta["notes"])
+    log = (Path(krex_env["KREX_STATE_DIR"]) / "krexd.log").read_text()
+    assert "lend_cores=all (command line)" in log and "lend_cores=off (command line)" in log, log[-2000:]
+    recs = jsonl(out / "raw.jsonl")
+    for cell in ("krex-2+lend-off", "krex-2+lend-all"):
+        assert [r for r in recs if r["cell"] == cell and r.get("ok")], cell
+    p = krex([*args, "--lend", "some", "--out", str(tmp_path / "bad")], krex_env, timeout=60)
+    assert p.returncode == 2 and "--lend" in p.stderr, p.stderr

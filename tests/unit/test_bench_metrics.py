@@ -371,3 +371,17 @@ def test_split_bands_are_disjoint_and_cover_every_duration() -> None:
     }
     # nested bands put the 20 ms kernel in all three; the split ones only once
     assert sum(len(v) for v in got.values()) == 6
+
+
+def test_lend_cells_have_keys_of_their_own() -> None:
+    """--lend gives one krex cell per lend_cores value, keyed krex-C[@POLICY]+lend-X[+pwN];
+    the key reads back into the same cell, and a value krexd does not know is refused."""
+    cells = bench.plan_cells(["unprotected", "krex"], [8], 0, lends=["off", "all"])
+    assert sorted(c.key for c in cells) == ["krex-8+lend-all", "krex-8+lend-off", "unprotected-8"]
+    for key in ("krex-8+lend-all", "krex-16@gpu+lend-region", "krex-4@all+lend-off+pw2"):
+        assert bench.Cell.from_key(key).key == key
+    c = bench.Cell.from_key("krex-16@gpu+lend-region+pw2")
+    assert (c.c, c.freeze, c.lend, c.prewarm) == (16, "gpu", "region", 2)
+    for bad in ("krex-8+lend-some", "unprotected-8+lend-all"):
+        with pytest.raises(UsageError):
+            bench.Cell.from_key(bad)

@@ -421,7 +421,7 @@ def test_a_region_waiting_for_a_busy_threads_region_does_not_warn(
             t_end = time.monotonic() + 0.5
             while time.monotonic() < t_end:  # busy, not waiting on anything
                 pass
-        a_out.set()
+            a_out.set()  # inside: B may run the moment A's region has ended, before A's next line
 
     ta = threading.Thread(target=thread_a)
     ta.start()
