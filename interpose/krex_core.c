@@ -472,6 +472,11 @@ int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t ow
     uint64_t now = krex_now_ns();
     for (int s = 0; s < KREX_MAX_SLOTS; s++) {
         uint64_t t = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[s], SEQ);
+        /* A stamp ahead of the clock is damage (the segment is writable by every process of
+         * the user): it would read as a free just now at every grant, for good. Count it as
+         * one now, once: it ages out after a settle. */
+        if (t > now + 1000000000ull && __atomic_compare_exchange_n(&shm->gpus[gpu].slot_free_ns[s], &t, now, 0, SEQ, SEQ))
+            t = now;
         if (t == 0 || t < since_ns) continue;
         /* The owner's own command's frees are its own business; not those of the command
          * that had its slot number before it (the next one in a queue usually gets it). */
@@ -682,6 +687,23 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
         }
     }
     return -1;
+}
+
+/* Claim slot `s` itself (krexd's recovery: a slot number whose group still holds processes of
+ * a command from before it restarted on a fresh segment). 1 if it was free and is now ours. */
+int krex_slot_claim_n(struct krex_shm *shm, int s, int gpu, int64_t owner_pid) {
+    if (s < 0 || s >= KREX_MAX_SLOTS) return 0;
+    struct krex_slot *sl = &shm->slots[s];
+    uint32_t expect = KREX_SLOT_FREE;
+    if (!__atomic_compare_exchange_n(&sl->state, &expect, KREX_SLOT_ACTIVE, 0, SEQ, SEQ)) return 0;
+    sl->gpu = gpu;
+    sl->owner_pid = owner_pid;
+    sl->inflight = 0;
+    sl->unrecorded = 0;
+    memset(sl->unrecorded_pids, 0, sizeof sl->unrecorded_pids);
+    __atomic_store_n(&sl->warm, 0, SEQ);
+    __atomic_add_fetch(&sl->generation, 1, SEQ);
+    return 1;
 }
 
 static int proc_free(struct krex_proc *p, int64_t pid);

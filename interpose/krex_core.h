@@ -63,6 +63,7 @@ void krex_wake_controller(struct krex_shm *shm, int gpu);
 
 /* Slots and process records. */
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid);
+int krex_slot_claim_n(struct krex_shm *shm, int s, int gpu, int64_t owner_pid);
 int krex_slot_live_procs(struct krex_shm *shm, int slot);
 int krex_slot_procs(struct krex_shm *shm, int slot, int64_t *pids, int max);
 /* A live GPU-using process of another command: its identity across a region (sibling-context). */

@@ -155,7 +155,9 @@ WATCHDOG_RESTART_S = 2.0
 class Slot:
     slot: int
     gpu: int
-    kind: str  # "run" (a krex run guardian) or "auto" (a self-registered process)
+    # "run" (a krex run guardian), "auto" (a self-registered process) or "orphan" (processes
+    # of a command from before krexd restarted on a fresh segment: see _adopt_orphans)
+    kind: str
     guardian_pid: int
     group: freezer.Group
     # pid -> its start time (clock ticks): a root that died and whose pid was reused by
@@ -425,9 +427,42 @@ class Daemon:
                 with contextlib.suppress(KrexError, OSError):
                     group.remove()
                 self.seg.release_slot(n)
+        # Groups of the previous daemon that still hold processes, with no slot adopted for
+        # them: their command registered in a segment this one replaced (the name unlinked,
+        # then krexd killed before it linked it again).
+        for name in self.freezer.leftovers():
+            n = int(name[5:]) if name.startswith("slot-") and name[5:].isdigit() else -1
+            if not 0 <= n < lib.KREX_MAX_SLOTS or n in self.slots:
+                continue
+            group = self.freezer.group(name)
+            with contextlib.suppress(KrexError):
+                if group.pids() and lib.krex_slot_claim_n(self.seg.raw, n, 0, 0):
+                    self._adopt_orphans(n, 0, group)
+                    adopted += 1
         with self.lock:
             self._promote()  # slots that freed up with the old daemon go to warm ones now
         return {"thawed": thawed, "reopened": reopened, "reaped": reaped, "adopted": adopted}
+
+    def _adopt_orphans(self, n: int, gpu: int, group: freezer.Group) -> None:
+        """Slot `n`'s group holds live processes no slot of this segment knows: a command from
+        before krexd restarted on a fresh segment. Their shims registered in the old one, whose
+        gate nobody closes, and they would pass a new owner of slot `n` as its own. So the
+        number stays theirs (claimed here), and they are frozen in every region under every
+        policy (_freeze_choice) until they are gone (the reaper then releases it)."""
+        pids = group.pids()
+        roots = {p: int(lib.krex_pid_start_ticks(p)) for p in pids}
+        gen = int(self.seg.raw.slots[n].generation)
+        s = Slot(n, gpu, "orphan", 0, group, roots, guardian_connected=False, generation=gen)
+        with self.lock:
+            self.slots[n] = s
+        log.warning(
+            "slot %d: %d process(es) of a command from before this krexd (pids %s) hold its group; "
+            "kept as a sibling frozen in every region until they end",
+            n,
+            len(pids),
+            pids[:8],
+        )
+        self._publish_queue_caps()
 
     def _open_segment(self) -> None:
         try:
@@ -900,6 +935,10 @@ class Daemon:
         self._check_not_lost()
         n = self.seg.claim_slot(gpu, guardian_pid, reap=False)
         group = self.freezer.group(f"slot-{n}")
+        while group.pids():  # a new command has no process yet: these are orphans
+            self._adopt_orphans(n, gpu, group)
+            n = self.seg.claim_slot(gpu, guardian_pid, reap=False)
+            group = self.freezer.group(f"slot-{n}")
         with contextlib.suppress(KrexError):
             group.thaw()
         s = Slot(
@@ -1127,6 +1166,10 @@ class Daemon:
         out: list[Slot] = []
         why: list[str] = []
         for s in siblings:
+            if s.kind == "orphan":  # registered in a segment krexd replaced: no gate holds them
+                out.append(s)
+                why.append(f"slot {s.slot}: processes of a command from before krexd restarted")
+                continue
             bad = freezepolicy.ungateable(self._group_pids(s), self.inspector)
             if bad:
                 out.append(s)

@@ -679,3 +679,40 @@ def test_a_guardian_killed_while_its_command_waits_before_exec_leaves_no_process
     os.kill(g.pid, signal.SIGKILL)
     g.wait(10)
     wait_until(lambda: procfs.pid_stat(child) is None, 10, "the waiting child to end with its guardian")
+
+
+@pytest.mark.parametrize("policy", ["all", "gpu"])
+def test_a_command_from_before_krexd_restarted_on_a_fresh_segment_is_frozen_and_keeps_its_slot(
+    kx: Krex, policy: str
+) -> None:
+    """Found by the chaos test: the segment's name unlinked and krexd killed before it linked
+    it again, the next krexd makes a fresh segment and adopts no slot. A command still running
+    from before is registered in the old segment, whose gate nobody closes: it must not pass
+    a new command's regions. Before, the new command got its slot number (and its group, so
+    the old processes counted as the new owner's own) and its regions read clean while the old
+    hammer ran in them. Now the group's processes keep the number and are frozen in every
+    region, under every policy."""
+    base_env = kx.env
+    kx.env = lambda **extra: base_env(KREX_FREEZE_POLICY=policy, **extra)  # type: ignore[method-assign]
+    d = kx.start_daemon(slots=3)
+    kx.run("old", "hammer", "--us", "50")
+    old = kx.wait_running("old")
+    old_slot = next(s["slot"] for s in kx.status()["slots"])
+    os.kill(d.pid, signal.SIGSTOP)  # so it cannot link the name again
+    Path("/dev/shm" + kx.shm).unlink()
+    d.kill()
+    os.kill(d.pid, signal.SIGCONT)
+    d.wait(timeout=30)
+    kx.start_daemon(slots=3)
+    assert kx.advances("old", timeout=30)  # outside regions it runs on
+    kx.run("own", "hold")
+    ready = kx.result("own", "ready", timeout=30)
+    slots = {s["slot"]: s for s in kx.status()["slots"]}
+    assert old_slot in slots and slots[old_slot]["kind"] == "orphan", slots
+    own_slot = ready["grant"]["slot"]
+    assert own_slot != old_slot, "the new command got the old command's slot number"
+    assert frozen_reason(old) is not None and kx.stands_still("old"), "the old hammer ran inside the region"
+    kx.touch("own")
+    assert kx.cmds["own"].wait(60) == 0, kx.cmds["own"].output()
+    kx.wait(lambda: frozen_reason(old) is None, 10, "the old hammer thawed after the region")
+    assert "of a command from before this krexd" in kx.daemon_log()

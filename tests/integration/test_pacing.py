@@ -154,3 +154,24 @@ def test_krexd_caps_queues_only_while_commands_share_a_gpu(kx: Krex) -> None:
     kx.wait(lambda: cap() == 0, 30, "the cap lifted once one command is left")
     a.send_signal(signal.SIGTERM)
     a.wait(timeout=30)
+
+
+def test_a_free_stamp_ahead_of_the_clock_counts_once_not_for_good(harness: Harness) -> None:
+    """The segment is writable by every process of the user: random bytes over the free stamps
+    (the chaos test's `overwrite`) left stamps in the future, which read as a free just now at
+    every grant (a wait and a `recent-free` flag on every region, for good: 7817 of 10044 chaos
+    regions). Such a stamp counts as one free now, once, then ages out."""
+    h = harness
+    from krex.native import ffi
+
+    raw = h.seg.raw
+    now = int(lib.krex_now_ns())
+    raw.gpus[0].slot_free_ns[5] = now + 10**12  # 1000 s ahead
+    raw.gpus[0].slot_free_gen[5] = 1
+    slots, ago = ffi.new("int32_t[64]"), ffi.new("uint64_t[64]")
+    n = lib.krex_recent_frees(raw, 0, 9, 0, now - 10**8, slots, ago, 64)
+    assert n == 1 and slots[0] == 5 and ago[0] < 10**8, (n, slots[0], ago[0])
+    assert int(raw.gpus[0].slot_free_ns[5]) <= int(lib.krex_now_ns())
+    time.sleep(0.15)
+    later = int(lib.krex_now_ns())
+    assert lib.krex_recent_frees(raw, 0, 9, 0, later - lib.KREX_FREE_SETTLE_NS, slots, ago, 64) == 0
