@@ -363,8 +363,8 @@ class Chaos:
             lo = bisect.bisect_left(starts, a - max_len)
             hi = bisect.bisect_right(starts, b)
             # (An op of no duration, a drain helper's context retain, occupies the GPU for no time.)
-            near = ops[lo:hi]
-            return [o for o in near if o["tag"] != tag and o["start"] < b and o["end"] > a and o["end"] > o["start"]]
+            busy = [o for o in ops[lo:hi] if o["end"] > o["start"]]
+            return [o for o in busy if o["tag"] != tag and o["start"] < b and o["end"] > a]
 
         for path in sorted(self.kx.out.glob("*.regions.jsonl")):
             tag = path.name.split(".")[0]
