@@ -668,6 +668,18 @@ int krex_slot_live_procs(struct krex_shm *shm, int slot) {
     return n;
 }
 
+/* A slot just taken (FREE -> ACTIVE by a CAS): set it up for its command, bumping its
+ * generation so stale handles notice. */
+static void slot_init(struct krex_slot *sl, int gpu, int64_t owner_pid) {
+    sl->gpu = gpu;
+    sl->owner_pid = owner_pid;
+    sl->inflight = 0;
+    sl->unrecorded = 0;
+    memset(sl->unrecorded_pids, 0, sizeof sl->unrecorded_pids);
+    __atomic_store_n(&sl->warm, 0, SEQ);
+    __atomic_add_fetch(&sl->generation, 1, SEQ);
+}
+
 /* A slot number is never handed out while a process registered under it lives: that
  * process's shim would pass the new owner's gate as if it were the new owner. */
 int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
@@ -676,13 +688,7 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
         if (__atomic_load_n(&sl->state, SEQ) != KREX_SLOT_FREE || krex_slot_live_procs(shm, s) > 0) continue;
         uint32_t expect = KREX_SLOT_FREE;
         if (__atomic_compare_exchange_n(&sl->state, &expect, KREX_SLOT_ACTIVE, 0, SEQ, SEQ)) {
-            sl->gpu = gpu;
-            sl->owner_pid = owner_pid;
-            sl->inflight = 0;
-            sl->unrecorded = 0;
-            memset(sl->unrecorded_pids, 0, sizeof sl->unrecorded_pids);
-            __atomic_store_n(&sl->warm, 0, SEQ);
-            __atomic_add_fetch(&sl->generation, 1, SEQ);
+            slot_init(sl, gpu, owner_pid);
             return s;
         }
     }
@@ -693,16 +699,9 @@ int krex_slot_claim(struct krex_shm *shm, int gpu, int64_t owner_pid) {
  * a command from before it restarted on a fresh segment). 1 if it was free and is now ours. */
 int krex_slot_claim_n(struct krex_shm *shm, int s, int gpu, int64_t owner_pid) {
     if (s < 0 || s >= KREX_MAX_SLOTS) return 0;
-    struct krex_slot *sl = &shm->slots[s];
     uint32_t expect = KREX_SLOT_FREE;
-    if (!__atomic_compare_exchange_n(&sl->state, &expect, KREX_SLOT_ACTIVE, 0, SEQ, SEQ)) return 0;
-    sl->gpu = gpu;
-    sl->owner_pid = owner_pid;
-    sl->inflight = 0;
-    sl->unrecorded = 0;
-    memset(sl->unrecorded_pids, 0, sizeof sl->unrecorded_pids);
-    __atomic_store_n(&sl->warm, 0, SEQ);
-    __atomic_add_fetch(&sl->generation, 1, SEQ);
+    if (!__atomic_compare_exchange_n(&shm->slots[s].state, &expect, KREX_SLOT_ACTIVE, 0, SEQ, SEQ)) return 0;
+    slot_init(&shm->slots[s], gpu, owner_pid);
     return 1;
 }
 
