@@ -601,7 +601,10 @@ def test_siblings_neither_submit_nor_run_inside_regions(kx: Krex, backend: str) 
         first, last = iv[0][1], iv[-1][2]
         assert any(first < t < last for t in ticks), f"{h} never ran between the regions"
         assert any(o["pid"] == pid and first < o["submit"] < last for o in ops), f"{h} never submitted"
-    own_in = [o for o in ops if o["pid"] == res["pid"] and inside(iv, -1, o["submit"])]
+    # (Kernels only: the owner's drain helper may answer the drain request that its own region
+    # made, late, inside it: a context retain and release of no duration, the CI saw once.)
+    kernels = [o for o in ops if o["cls"] == lib.KREX_CLS_KERNEL]
+    own_in = [o for o in kernels if o["pid"] == res["pid"] and inside(iv, -1, o["submit"])]
     assert len(own_in) == 20 * 3  # the owner's own kernels did go through its closed gate
 
     recs = [r for r in kx.journal() if r["owner_pid"] == res["pid"]]
