@@ -201,6 +201,26 @@ static void drain_hip(void) {
     }
 }
 
+/* Synchronise every context of the process. drained_at is raised only when nothing was in
+ * flight as it began (the counts read first, then in flight found 0: every call counted by
+ * then had queued its work), so that work is done once the syncs return. Returns the count
+ * it began at. */
+static uint64_t full_drain(struct krex_proc *p) {
+    uint64_t before = krex_proc_submits(p), ord = __atomic_load_n(&p->ordered_life, __ATOMIC_SEQ_CST);
+    int quiet = __atomic_load_n(&p->inflight, __ATOMIC_SEQ_CST) == 0 && (uint32_t)ord == (uint32_t)(ord >> 32);
+    drain_fns();
+    drain_cuda();
+    drain_hip();
+    if (quiet) {
+        uint64_t cur = __atomic_load_n(&p->drained_at, __ATOMIC_SEQ_CST);
+        /* Raise only (the exit's last drain may run beside a helper still busy at exit). */
+        while (cur < 1 + before &&
+               !__atomic_compare_exchange_n(&p->drained_at, &cur, 1 + before, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        }
+    }
+    return before;
+}
+
 int g_helper_started;
 static uint32_t g_helper_named;   /* atomic: its thread is named in the record (helper_tid) */
 static uint32_t g_helper_settled; /* atomic: its start-up (thread set-up, dlsym) is over */
@@ -258,19 +278,20 @@ static void *krex_helper(void *arg) {
          * marks the grant contaminated instead of silently clean. */
         uint64_t t0 = krex_now_ns();
         __atomic_store_n(&g_cap_waiting, 1, __ATOMIC_SEQ_CST);
-        for (uint32_t c; (c = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST)) > 0;) {
+        for (uint32_t c; !krex_proc_quiet(p) && (c = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST)) > 0;) {
             uint64_t spent = krex_now_ns() - t0;
             if (spent >= KREX_CAPTURE_WAIT_NS) break;
             krex_futex_wait(&g_captures, c, KREX_CAPTURE_WAIT_NS - spent); /* woken by the capture's end */
         }
         __atomic_store_n(&g_cap_waiting, 0, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
+        if (krex_proc_quiet(p)) {
+            /* Nothing queued since the last full drain: ack without a driver call (which
+             * would wait for a context, module or memory call another thread is inside). */
+        } else if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
             __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
             __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
         } else {
-            drain_fns();
-            drain_cuda();
-            drain_hip();
+            full_drain(p);
         }
         __atomic_fetch_add(&p->drains, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
@@ -320,7 +341,7 @@ static void wait_out_region(struct krex_shm *shm) {
  * progress is waited for (bounded). Registered with atexit when the helper
  * starts, i.e. after the vendor runtime registered its own exit handlers, so it
  * runs before them. Then one last drain here, while the libraries still stand, and
- * the record says so (exit_drained): the teardown's own calls are LIFE calls, gated
+ * the record says so (drained_at): the teardown's own calls are LIFE calls, gated
  * (they park at a closed gate), so krexd owes this process no ack unless it submits
  * again (a stream-ordered LIFE call drains again itself). Without it, every region during
  * a sibling's teardown (100+ ms on a GPU) waited the whole drain timeout for an ack from a
@@ -358,9 +379,8 @@ static void stop_helper(void) {
  * started): any call counted by then has returned (its work is queued). */
 static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
     if (!rec || __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) return; /* a sync would end a capture */
-    uint64_t t0 = krex_now_ns(), before;
+    uint64_t t0 = krex_now_ns();
     for (;;) {
-        before = krex_proc_submits(rec);
         uint64_t ord = __atomic_load_n(&rec->ordered_life, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) == 0 && (uint32_t)ord == (uint32_t)(ord >> 32)) break;
         if (krex_now_ns() - t0 >= KREX_HELPER_SETTLE_NS) return; /* krexd waits for an ack, and flags */
@@ -368,18 +388,16 @@ static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
         nanosleep(&ms, NULL);
     }
     /* Not gated: a sync and a reference count of a live context do no GPU work (the helper
-     * does the same at every drain), and an exit must not wait out an operator's pause. */
-    drain_fns();
-    drain_cuda();
-    drain_hip();
-    /* Another thread submitted meanwhile: its work may be queued after the sync. */
-    if (__atomic_load_n(&rec->inflight, __ATOMIC_SEQ_CST) != 0 || krex_proc_submits(rec) != before) return;
-    __atomic_store_n(&rec->exit_drained, 1 + before, __ATOMIC_SEQ_CST);
+     * does the same at every drain), and an exit must not wait out an operator's pause.
+     * It raises drained_at if nothing was in flight as it began; another thread that
+     * submitted since moves the count past it, and krexd then owes an ack nobody gives. */
+    full_drain(rec);
     if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */
 }
 
 void krex_exit_redrain(void) {
-    if (g_helper_pid != getpid() || !__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) return;
+    /* The stop flag first: getpid is a syscall, and this runs after every async free. */
+    if (!__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST) || g_helper_pid != getpid()) return;
     last_drain(__atomic_load_n(&g_shm, ACQUIRE), __atomic_load_n(&g_proc, ACQUIRE));
 }
 

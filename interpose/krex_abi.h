@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 4
+#define KREX_ABI_VERSION 5
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -341,9 +341,10 @@ struct krex_proc {
     uint32_t free_inflight;         /* threads inside a free (a LIFE call that hands memory back),
                                      * from its first stamp to its second: one frozen right after
                                      * the driver call has freed memory with no second stamp yet */
-    uint64_t exit_drained;          /* 0 while its drain helper runs; at exit, once the helper has
-                                     * stopped after a last drain: 1 + its gated submissions then.
-                                     * While they stay that many, krexd owes it no drain ack */
+    uint64_t drained_at;            /* 1 + its GPU-work calls (krex_proc_submits) as it began its
+                                     * last full drain (helper or exit), with none in flight then;
+                                     * 0: none yet. While they stay that many, nothing of it can be
+                                     * queued on the GPU: krexd owes it no drain (krex_proc_quiet) */
     uint64_t ordered_life;          /* stream-ordered LIFE calls (async allocations and frees):
                                      * +1 as each starts, +KREX_ORDERED_END as it ends (low and
                                      * high halves: starts and ends). They queue work on a

@@ -537,6 +537,17 @@ uint64_t krex_proc_submits(struct krex_proc *p) {
     return n;
 }
 
+/* 1 if nothing of `p` can be queued on the GPU: no call in flight, every stream-ordered
+ * LIFE call ended, and no GPU-work call since it began its last full drain (drained_at).
+ * In-flight first, then the counts (seq_cst): a call that had left by then is counted. */
+int krex_proc_quiet(struct krex_proc *p) {
+    uint64_t at = __atomic_load_n(&p->drained_at, SEQ);
+    if (!at || __atomic_load_n(&p->inflight, SEQ) != 0) return 0;
+    uint64_t ord = __atomic_load_n(&p->ordered_life, SEQ);
+    if ((uint32_t)ord != (uint32_t)(ord >> 32)) return 0;
+    return at == 1 + krex_proc_submits(p);
+}
+
 enum drain_query { DRAIN_PENDING, DRAIN_PARTIAL };
 
 /* Sibling processes of `gpu` (not in `owner_slot`) that hold GPU work and match `q`:
@@ -551,9 +562,10 @@ static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t se
         if (q == DRAIN_PENDING) {
             /* Sequence numbers wrap: compare by signed distance. */
             if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
-            /* Exiting after a last drain, its helper gone: nothing queued since, nothing owed. */
-            uint64_t ex = __atomic_load_n(&p->exit_drained, SEQ);
-            if (ex && __atomic_load_n(&p->inflight, SEQ) == 0 && ex == 1 + krex_proc_submits(p)) continue;
+            /* Nothing queued since its last full drain (a sibling in its CPU work, or exiting
+             * after a last drain, its helper gone): nothing owed. No wake-up of its helper to
+             * wait for: under a loaded CPU that alone took tens of ms (H200, final4). */
+            if (krex_proc_quiet(p)) continue;
             if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
         } else if (__atomic_load_n(&p->drain_partial, SEQ) != seq) {
             continue;
@@ -760,7 +772,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->inflight = 0;
     p->life_inflight = 0;
     p->free_inflight = 0;
-    p->exit_drained = 0;
+    p->drained_at = 0;
     p->ordered_life = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);

@@ -80,6 +80,7 @@ int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t ow
 void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen);
 int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot);
 uint64_t krex_proc_submits(struct krex_proc *p);
+int krex_proc_quiet(struct krex_proc *p);
 int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 /* Pre-warmed starts: set or clear a slot's `warm` (clearing wakes its waiting processes). */

@@ -156,7 +156,7 @@ void krex_life_ordered(int id, int end) {
     struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
     if (!p) return;
     __atomic_add_fetch(&p->ordered_life, end ? KREX_ORDERED_END : 1, __ATOMIC_SEQ_CST);
-    if (end && __atomic_load_n(&p->exit_drained, __ATOMIC_SEQ_CST)) krex_exit_redrain();
+    if (end) krex_exit_redrain(); /* (returns at once while the drain helper runs) */
 }
 
 void krex_life_done(void) {

@@ -117,6 +117,7 @@ class ProcInfo:
     flags: list[str] = field(default_factory=list)
     paced: int = 0  # times a thread waited for its own queued work (pace.c)
     paced_ms: float = 0.0
+    quiet: bool = False  # nothing queued since its last full drain: a drain skips it
 
 
 @dataclass
@@ -332,6 +333,7 @@ class Segment:
                     flags=flags,
                     paced=int(r.paced),
                     paced_ms=int(r.paced_ns) / 1e6,
+                    quiet=bool(lib.krex_proc_quiet(ffi.addressof(p.procs, i))),
                 )
             )
         return Snapshot(

@@ -102,6 +102,53 @@ def test_drain_reports_a_stopped_sibling(harness: Harness) -> None:
     assert res.ok and res.stragglers == [], res
 
 
+def test_a_sibling_quiet_since_its_last_drain_owes_none(harness: Harness) -> None:
+    """A sibling that queued nothing since its last full drain has nothing on the GPU:
+    krexd does not wait for its ack (a stopped one would time out), and its helper acks
+    without a driver call. Once it submits again, it owes a drain as before (control)."""
+    h = harness
+    owner, sib = h.claim(), h.claim()
+    child = h.spawn("actor", ["k:5", "line", "k:5", "line"], h.env(sib))
+    _submitted(child)
+    wait_until(lambda: h.proc(child.pid), 10, "the sibling's process record")
+
+    def syncs() -> int:
+        return sum(1 for e in h.events() if e.get("ev") == "sync" and e["pid"] == child.pid)
+
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=10)  # its kernel is not drained yet: a full drain
+    assert res.ok and res.count == 1, res
+    wait_until(lambda: syncs() >= 1, 10, "the helper's synchronisation")
+    after_first = syncs()
+    rec = h.proc(child.pid)
+    assert rec is not None and rec.quiet, rec
+
+    # Idle since: a second drain neither waits for it nor makes it synchronise.
+    res = h.seg.drain(0, owner, timeout=10)
+    assert res.ok and res.count == 0, res
+    wait_until(lambda: h.proc(child.pid).drain_ack == int(h.seg.raw.gpus[0].drain_seq), 10, "its cheap ack")
+    assert syncs() == after_first, "the helper synchronised although nothing was queued"
+    stop_process(child.pid)
+    try:
+        res = h.seg.drain(0, owner, timeout=0.5)
+        assert res.ok and res.count == 0 and res.stragglers == [], res
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+
+    # It submits again (the gate open), then stops before any drain: it owes one.
+    h.seg.open_gate(0)
+    child.send("\n")
+    child.expect(lambda d: d["act"] == "k" and d["rc"] == 0, 30, "the second kernel")
+    assert not h.proc(child.pid).quiet
+    stop_process(child.pid)
+    try:
+        _close(h, owner)
+        res = h.seg.drain(0, owner, timeout=0.5)
+        assert not res.ok and res.stragglers == [child.pid], res
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+
+
 class _PreemptedLib:
     """krex.native.lib, except that the controller loses the CPU right after
     krex_drain_request until the sibling's helper has acked (as can happen on a

@@ -979,7 +979,7 @@ def _region_during_the_siblings_teardown_owes_no_drain(kx: Krex) -> None:
 def test_a_sibling_tearing_down_after_its_helper_stopped_owes_no_drain(kx: Krex, policy: str) -> None:
     """At exit the drain helper stops before the vendor libraries tear down (their exit
     handlers run after ours); the teardown's own calls are LIFE calls, gated. The helper
-    drains one last time and the record says so (exit_drained): a region during the
+    drains one last time and the record says so (drained_at): a region during the
     teardown waits for no ack. Before, every such region waited the whole drain timeout
     (5 s) for a helper that was gone and was flagged drain-timeout (H200, quick corpus:
     one region in five)."""

@@ -155,14 +155,15 @@ say("cuda")
 hip = ctypes.CDLL("libamdhip64.so")  # loaded only now: after the helper's first drain
 p = vp()
 assert hip.hipMalloc(ctypes.byref(p), ctypes.c_size_t(64)) == 0
+assert hip.hipMemset(p, 0, ctypes.c_size_t(64)) == 0  # HIP work queued: the next drain owes a HIP sync
 say("hip")
 """
 
 
 def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(harness: Harness) -> None:
     """The helper looks its vendor functions up once and again only when the process
-    loaded (or unloaded) a library since: a HIP runtime loaded after the first drain is
-    synchronised by the next one."""
+    loaded (or unloaded) a library since: a HIP runtime loaded after the first drain, with
+    work queued through it, is synchronised by the next one."""
     import sys
 
     h = harness
