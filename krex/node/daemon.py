@@ -1228,8 +1228,16 @@ class Daemon:
             # every freeze. The plan is made right after the drain request (its checks
             # run while the GPU finishes the siblings' queued work).
             fz = _FreezePlan(self, gpu, req.slot, frozen, stuck=() if r.ok else r.stragglers)
-            r = self.seg.drain(gpu, req.slot, self.cfg.drain_timeout_s, on_progress=fz.progress)
+            waited_on: list[str] = []  # where the siblings a slow drain waits for are
+
+            def slow_drain(owing: set[int]) -> None:
+                waited_on.extend(procfs.thread_report(p, limit=6)[:600] for p in sorted(owing)[:2])
+
+            r = self.seg.drain(
+                gpu, req.slot, self.cfg.drain_timeout_s, on_progress=fz.progress, on_slow=slow_drain
+            )
             t["drain_s"] = r.seconds
+            drain_slow = sorted(([p, round(s * 1e3, 1)] for p, s in r.acks.items()), key=lambda x: -x[1])[:3]
             waits["wait_drain"] = r.stats
             drained = r.count
             if not r.ok:
@@ -1274,9 +1282,13 @@ class Daemon:
                         "memory call and belong to no command krexd can freeze",
                     )
                 )
+            freeze_ms: dict[str, float] = {}
+            freeze_slow: dict[str, list[str]] = {}
             for s, f in fz.futs.items():
                 try:
-                    f.result()
+                    freeze_ms[str(s.slot)] = round(f.result() * 1e3, 1)
+                    if s.group.slow:
+                        freeze_slow[str(s.slot)] = s.group.slow
                 except (KrexError, OSError) as e:  # OSError: the group vanished mid-freeze
                     with self.lock:
                         gone = s.slot not in self.slots  # the command ended meanwhile: nothing to freeze
@@ -1335,6 +1347,12 @@ class Daemon:
                 "frozen_slots": [s.slot for s in frozen],
                 "freeze_policy": policy,
                 "frozen_early": fz.early,  # frozen while other siblings still drained
+                # What entry waited for: the last acks (pid, ms), where the siblings that
+                # owed one 25 ms in were, each freeze's time, and threads a slow one waited for.
+                "drain_slow": drain_slow,
+                "drain_waited_on": waited_on,
+                "freeze_ms": freeze_ms,
+                "freeze_slow": freeze_slow,
                 "evicted_threads": len(evicted),
                 "running_slots": sorted(s.slot for s in set(running_all) - set(frozen)),
                 "freeze_why": why,

@@ -318,6 +318,41 @@ def still_running(pid: int) -> bool:
     return False
 
 
+# Where a stopped thread sleeps: the v2 freezer's trap (inlined into get_signal on newer
+# kernels, e.g. 6.18), the v1 freezer's refrigerator.
+_FROZEN_WCHANS = frozenset({"do_freezer_trap", "get_signal", "__refrigerator"})
+
+
+def unfrozen_threads(pids: Iterable[int], limit: int = 6) -> list[str]:
+    """Threads of `pids` that a freeze has not stopped yet, for a slow freeze's record:
+    "pid/tid comm state wchan stack-top", at most `limit`. A thread counts as stopped in
+    the freezer's trap (wchan, both cgroup versions) or as a zombie."""
+    out: list[str] = []
+    for pid in pids:
+        try:
+            tids = sorted(os.listdir(f"{PROC}/{pid}/task"), key=int)
+        except OSError:
+            continue
+        for tid in tids:
+            base = f"{PROC}/{pid}/task/{tid}"
+            try:
+                st = parse_stat(read(f"{base}/stat"), int(tid))
+                wchan = read(f"{base}/wchan").strip()
+            except (OSError, ValueError):
+                continue
+            if st is None or st.state in "ZX" or wchan in _FROZEN_WCHANS:
+                continue
+            try:
+                top = read(f"{base}/stack").splitlines()[:1]
+            except OSError:
+                top = []
+            where = top[0].split("] ", 1)[-1].split("+")[0] if top else "-"
+            out.append(f"{pid}/{tid} {read(f'{base}/comm').strip()} {st.state} {wchan or '-'} {where}")
+            if len(out) >= limit:
+                return out
+    return out
+
+
 def self_and_ancestors() -> set[int]:
     pids: set[int] = set()
     pid = os.getpid()

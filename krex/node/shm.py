@@ -145,6 +145,7 @@ class StepResult:
     stragglers: list[int]
     partial: list[int] = field(default_factory=list)  # acked without a full sync (graph capture)
     stats: dict[str, int] = field(default_factory=dict)  # the C wait loop's scans, wakeups, timeouts
+    acks: dict[int, float] = field(default_factory=dict)  # drain: pid -> seconds until it acked
 
 
 def _ns(seconds: float) -> int:
@@ -445,12 +446,16 @@ class Segment:
         timeout: float = DRAIN_TIMEOUT_S,
         recheck: float | None = None,
         on_progress: Callable[[set[int]], None] | None = None,
+        on_slow: Callable[[set[int]], None] | None = None,
+        slow_after: float = 0.025,
     ) -> StepResult:
         """Ask every sibling helper to synchronise its contexts and wait for the
         acks (protocol step 4). `count` is how many processes had to drain. Each helper
         wakes the waiter after its ack (see wait_inflight for `recheck`). `on_progress`
         gets the pids still owing an ack, first right after the request and then each time
-        fewer remain, so krexd freezes a drained sibling while the others still drain."""
+        fewer remain, so krexd freezes a drained sibling while the others still drain.
+        `on_slow` gets the pids still owing one once, `slow_after` seconds in (a record of
+        what a slow drain waited for). `acks` says when each acked."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
         # Count who must drain BEFORE asking: a quick helper could ack in between.
@@ -460,24 +465,37 @@ class Segment:
         pids = ffi.new("int64_t[256]")
         stats = {"scans": 1, "wakeups": 0, "timeouts": 0}
         n = int(lib.krex_drain_pending(self.raw, gpu, owner, seq, pids, 256))
+        acks: dict[int, float] = {}
+        owing: set[int] | None = None
+        slow_due = on_slow is not None
         while True:
+            now_owing = {int(pids[i]) for i in range(min(n, 256))}
+            if owing is not None and n <= 256:
+                t = time.monotonic() - t0
+                acks.update((p, t) for p in owing - now_owing)
+            owing = now_owing if n <= 256 else owing
             if on_progress is not None and n <= 256:  # a capped list would not say who is done
-                on_progress({int(pids[i]) for i in range(n)})
-            left = timeout - (time.monotonic() - t0)
+                on_progress(now_owing)
+            spent = time.monotonic() - t0
+            left = timeout - spent
             if n == 0 or left <= 0:
                 break
-            below = n if on_progress is not None else 1
+            if slow_due and spent >= slow_after and on_slow is not None:
+                slow_due = False
+                on_slow(now_owing)
+            below = n if (on_progress is not None or slow_due) else 1
+            wait = min(left, slow_after - spent) if slow_due else left
             n, _, st, pids = self._c_wait(
-                lib.krex_wait_drain, gpu, owner, (seq, below), left, recheck, 256, below
+                lib.krex_wait_drain, gpu, owner, (seq, below), max(wait, 0.0), recheck, 256, below
             )
             for k in stats:
                 stats[k] += st[k]
         if n == 0:
             np_ = int(lib.krex_drain_partial(self.raw, gpu, owner, seq, pids, 256))
             partial = sorted(int(pids[i]) for i in range(min(np_, 256)))
-            return StepResult(True, time.monotonic() - t0, initial, [], partial, stats=stats)
+            return StepResult(True, time.monotonic() - t0, initial, [], partial, stats=stats, acks=acks)
         stragglers = sorted(int(pids[i]) for i in range(min(n, 256)))
-        return StepResult(False, time.monotonic() - t0, initial, stragglers, stats=stats)
+        return StepResult(False, time.monotonic() - t0, initial, stragglers, stats=stats, acks=acks)
 
     def heartbeat(self) -> None:
         lib.krex_heartbeat(self.raw)

@@ -244,6 +244,48 @@ def test_freeze_and_thaw_whole_tree(env: Env) -> None:
     tree.assert_advances()
 
 
+def test_unfrozen_threads_lists_running_threads_and_no_frozen_one(env: Env) -> None:
+    """What a slow freeze's record names: threads not yet stopped in the freezer's trap."""
+    if env.backend == "signal":
+        pytest.skip("cgroup backends only: the snapshot reads the freezer's wait channel")
+    tree = env.tree()
+    g = env.group("snap")
+    g.add(tree.root)
+    tree.assert_advances()
+    running = procfs.unfrozen_threads(tree.pids(), limit=100)
+    assert running and all(int(x.split("/", 1)[0]) in tree.pids() for x in running), running
+    g.freeze()
+    assert procfs.unfrozen_threads(tree.pids(), limit=100) == []
+    g.thaw()
+
+
+def test_a_slow_freeze_records_what_it_waited_for(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past _SLOW_FREEZE_S, the group keeps a snapshot of the threads not stopped yet; a
+    quick freeze keeps none. The kernel's answer is held back 50 ms to make this one slow."""
+    if env.backend == "signal":
+        pytest.skip("cgroup backends only")
+    tree = env.tree()
+    g = env.group("slow")
+    g.add(tree.root)
+    g.freeze()
+    assert g.slow == []  # quick: nothing recorded
+    g.thaw()
+    tree.assert_advances()
+    real_keyed, real_state = procfs.keyed, getattr(g, "_state", None)
+    t_hold = time.monotonic() + 0.05
+    # Both backends' "is it frozen yet" reads: cgroup.events (v2), freezer.state (v1).
+    monkeypatch.setattr(
+        procfs, "keyed", lambda text, key: "0" if time.monotonic() < t_hold else real_keyed(text, key)
+    )
+    if real_state is not None:
+        monkeypatch.setattr(g, "_state", lambda: "FREEZING" if time.monotonic() < t_hold else real_state())
+    t_hold = time.monotonic() + 0.05
+    took = g.freeze()
+    assert took >= 0.05
+    assert g.slow and all(isinstance(x, str) for x in g.slow), g.slow
+    g.thaw()
+
+
 def test_recover_after_daemon_crash(env: Env) -> None:
     tree = env.tree()
     g = env.group("crash")
