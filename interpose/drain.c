@@ -3,7 +3,13 @@
  * so a region starts with no sibling work left on the device. Also the context
  * and graph-capture tracking the hooks feed it. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <elf.h>
+#include <fcntl.h>
 #include <link.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
@@ -133,6 +139,64 @@ static int loaded_gen(struct dl_phdr_info *info, size_t size, void *data) {
     return 1; /* the counters are the same in every entry: the first one is enough */
 }
 
+/* A CUDA runtime the hooks cannot see: linked into the executable (its symbol table, as
+ * krex.device.elfcheck reads it), or exported by a loaded object other than libcudart.
+ * Its launches bypass every symbol hook, so the process is never taken as quiet. */
+static int exe_defines(const char *sym) {
+    int fd = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    struct stat st;
+    int found = 0;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(Elf64_Ehdr)) {
+        const unsigned char *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (m != MAP_FAILED) {
+            size_t len = (size_t)st.st_size;
+            const Elf64_Ehdr *eh = (const Elf64_Ehdr *)m;
+            if (!memcmp(eh->e_ident, ELFMAG, SELFMAG) && eh->e_ident[EI_CLASS] == ELFCLASS64 &&
+                eh->e_shoff && eh->e_shoff + (uint64_t)eh->e_shnum * sizeof(Elf64_Shdr) <= len) {
+                const Elf64_Shdr *sh = (const Elf64_Shdr *)(m + eh->e_shoff);
+                for (int i = 0; i < eh->e_shnum && !found; i++) {
+                    if ((sh[i].sh_type != SHT_SYMTAB && sh[i].sh_type != SHT_DYNSYM) || sh[i].sh_link >= eh->e_shnum)
+                        continue;
+                    const Elf64_Shdr *str = &sh[sh[i].sh_link];
+                    if (sh[i].sh_offset + sh[i].sh_size > len || str->sh_offset + str->sh_size > len) continue;
+                    const Elf64_Sym *sy = (const Elf64_Sym *)(m + sh[i].sh_offset);
+                    size_t n = sh[i].sh_size / sizeof(Elf64_Sym), slen = strlen(sym);
+                    for (size_t j = 0; j < n && !found; j++) {
+                        if (sy[j].st_shndx == SHN_UNDEF || !sy[j].st_name ||
+                            sy[j].st_name + slen + 1 > str->sh_size)
+                            continue;
+                        found = !memcmp(m + str->sh_offset + sy[j].st_name, sym, slen + 1);
+                    }
+                }
+            }
+            munmap((void *)m, len);
+        }
+    }
+    close(fd);
+    return found;
+}
+
+static void note_unseen_runtime(void) {
+    static const char sym[] = "__cudaRegisterFatBinary";
+    void *f = dlsym(RTLD_DEFAULT, sym);
+    Dl_info info;
+    if (f && dladdr(f, &info) && info.dli_fname && !strstr(info.dli_fname, "libcudart"))
+        set_flag(KREX_PF_UNSEEN);
+}
+
+/* Between drains, every KREX_HELPER_RECHECK_NS: a library loaded since (dlopen) that
+ * exports a CUDA runtime makes the process unseen before its next drain can skip it. */
+static void check_loaded(void) {
+    static unsigned long long seen[2];
+    unsigned long long v[3] = {0, 0, 0};
+    dl_iterate_phdr(loaded_gen, v);
+    if (v[2] && v[0] == seen[0] && v[1] == seen[1]) return;
+    seen[0] = v[0];
+    seen[1] = v[1];
+    note_unseen_runtime();
+}
+
 static void drain_fns(void) {
     unsigned long long v[3] = {0, 0, 0};
     dl_iterate_phdr(loaded_gen, v);
@@ -148,58 +212,76 @@ static void drain_fns(void) {
     g_dfn.hip_state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
     g_dfn.hip_setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
     g_dfn.hip_sync = (fn_void)vendor_sym(KREX_API_HIP, "hipDeviceSynchronize");
+    note_unseen_runtime(); /* (the loaded objects changed) */
     g_dfn.adds = v[0];
     g_dfn.subs = v[1];
     g_dfn.valid = v[2] != 0; /* counters unknown (an old libc): look up every time, as before */
 }
 
-/* Synchronise the CUDA contexts this process already has; never create one. */
-static void drain_cuda(void) {
+/* Synchronise the CUDA contexts this process already has; never create one. Returns 1 if
+ * every one was synchronised (or CUDA is not loaded), 0 if any step failed. */
+static int drain_cuda(void) {
     fn_i_p count = g_dfn.cu_count, push = g_dfn.cu_push, pop = g_dfn.cu_pop;
     fn_dev_state state = g_dfn.cu_state;
     fn_retain retain = g_dfn.cu_retain;
     fn_release release = g_dfn.cu_release;
     fn_void sync = g_dfn.cu_sync;
-    if (!count || !state || !retain || !release || !push || !pop || !sync) return;
-    int n = 0;
-    if (count(&n) != CUDA_SUCCESS) return;
+    if (!count && !state && !retain && !release && !push && !pop && !sync) return 1; /* no CUDA here */
+    if (!count || !state || !retain || !release || !push || !pop || !sync) return 0;
+    int n = 0, ok = 1;
+    if (count(&n) != CUDA_SUCCESS) return 0;
     for (int d = 0; d < n; d++) {
         unsigned int fl = 0;
         int active = 0;
-        if (state(d, &fl, &active) != CUDA_SUCCESS || !active) continue;
+        if (state(d, &fl, &active) != CUDA_SUCCESS) ok = 0;
+        if (!active) continue;
         CUcontext ctx = NULL;
-        if (retain(&ctx, d) != CUDA_SUCCESS) continue;
+        if (retain(&ctx, d) != CUDA_SUCCESS) {
+            ok = 0;
+            continue;
+        }
         if (push(ctx) == CUDA_SUCCESS) {
-            sync();
+            if (sync() != CUDA_SUCCESS) ok = 0;
             CUcontext old;
             pop(&old);
+        } else {
+            ok = 0;
         }
         release(d);
     }
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *ctx = __atomic_load_n(&g_ctxs[i], __ATOMIC_ACQUIRE);
-        if (!ctx || push(ctx) != CUDA_SUCCESS) continue;
-        sync();
+        if (!ctx) continue;
+        if (push(ctx) != CUDA_SUCCESS) {
+            ok = 0; /* (a context destroyed meanwhile, too: a stamp less, never a wrong one) */
+            continue;
+        }
+        if (sync() != CUDA_SUCCESS) ok = 0;
         CUcontext old;
         pop(&old);
     }
+    return ok;
 }
 
-static void drain_hip(void) {
+static int drain_hip(void) {
     fn_i_p count = g_dfn.hip_count;
     fn_dev_state state = g_dfn.hip_state;
     fn_setdev setdev = g_dfn.hip_setdev;
     fn_void sync = g_dfn.hip_sync;
-    if (!count || !state || !setdev || !sync) return;
-    int n = 0;
-    if (count(&n) != hipSuccess) return;
+    if (!count && !state && !setdev && !sync) return 1; /* no HIP here */
+    if (!count || !state || !setdev || !sync) return 0;
+    int n = 0, ok = 1;
+    if (count(&n) != hipSuccess) return 0;
     for (int d = 0; d < n; d++) {
         unsigned int fl = 0;
         int active = 0;
-        if (state(d, &fl, &active) != hipSuccess || !active) continue;
-        if (setdev(d) == hipSuccess) sync();
+        if (state(d, &fl, &active) != hipSuccess) ok = 0;
+        if (!active) continue;
+        if (setdev(d) != hipSuccess || sync() != hipSuccess) ok = 0;
     }
+    return ok;
 }
+
 
 /* Synchronise every context of the process. drained_at is raised only when nothing was in
  * flight as it began (the counts read first, then in flight found 0: every call counted by
@@ -209,9 +291,9 @@ static uint64_t full_drain(struct krex_proc *p) {
     uint64_t before = krex_proc_submits(p), ord = __atomic_load_n(&p->ordered_life, __ATOMIC_SEQ_CST);
     int quiet = __atomic_load_n(&p->inflight, __ATOMIC_SEQ_CST) == 0 && (uint32_t)ord == (uint32_t)(ord >> 32);
     drain_fns();
-    drain_cuda();
-    drain_hip();
-    if (quiet) {
+    int ok = drain_cuda();
+    ok &= drain_hip();
+    if (quiet && ok) {
         uint64_t cur = __atomic_load_n(&p->drained_at, __ATOMIC_SEQ_CST);
         /* Raise only (the exit's last drain may run beside a helper still busy at exit). */
         while (cur < 1 + before &&
@@ -257,6 +339,8 @@ static void *krex_helper(void *arg) {
         CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
         xmode(&m);
     }
+    if (exe_defines("__cudaRegisterFatBinary")) set_flag(KREX_PF_UNSEEN);
+    check_loaded();
     __atomic_store_n(&g_helper_settled, 1, __ATOMIC_SEQ_CST);
     krex_futex_wake(&g_helper_settled);
     struct krex_gpu *g = &g_shm->gpus[g_gpu];
@@ -267,7 +351,7 @@ static void *krex_helper(void *arg) {
         if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
         uint32_t cur = __atomic_load_n(&g->drain_seq, __ATOMIC_SEQ_CST);
         if (cur == seen) {
-            krex_futex_wait(&g->drain_seq, cur, KREX_HELPER_RECHECK_NS);
+            if (krex_futex_wait(&g->drain_seq, cur, KREX_HELPER_RECHECK_NS) == ETIMEDOUT) check_loaded();
             continue;
         }
         /* Busy before the stop check: exit either sees busy, or we see stop. */
@@ -278,13 +362,14 @@ static void *krex_helper(void *arg) {
          * marks the grant contaminated instead of silently clean. */
         uint64_t t0 = krex_now_ns();
         __atomic_store_n(&g_cap_waiting, 1, __ATOMIC_SEQ_CST);
-        for (uint32_t c; !krex_proc_quiet(p) && (c = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST)) > 0;) {
+        int quiet = !__atomic_load_n(&g->drain_full, __ATOMIC_SEQ_CST) && krex_proc_quiet(p);
+        for (uint32_t c; !quiet && (c = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST)) > 0;) {
             uint64_t spent = krex_now_ns() - t0;
             if (spent >= KREX_CAPTURE_WAIT_NS) break;
             krex_futex_wait(&g_captures, c, KREX_CAPTURE_WAIT_NS - spent); /* woken by the capture's end */
         }
         __atomic_store_n(&g_cap_waiting, 0, __ATOMIC_SEQ_CST);
-        if (krex_proc_quiet(p)) {
+        if (quiet) {
             /* Nothing queued since the last full drain: ack without a driver call (which
              * would wait for a context, module or memory call another thread is inside). */
         } else if (__atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0) {
@@ -347,6 +432,7 @@ static void wait_out_region(struct krex_shm *shm) {
  * a sibling's teardown (100+ ms on a GPU) waited the whole drain timeout for an ack from a
  * helper that was gone. */
 static void last_drain(struct krex_shm *shm, struct krex_proc *rec);
+static uint32_t g_exit_drained; /* atomic: the exit's last drain ran */
 
 static void stop_helper(void) {
     if (!__atomic_load_n(&g_helper_started, ACQUIRE) || g_helper_pid != getpid()) return;
@@ -392,12 +478,15 @@ static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
      * It raises drained_at if nothing was in flight as it began; another thread that
      * submitted since moves the count past it, and krexd then owes an ack nobody gives. */
     full_drain(rec);
+    __atomic_store_n(&g_exit_drained, 1, __ATOMIC_SEQ_CST);
+    __atomic_or_fetch(&rec->flags, KREX_PF_EXIT_DRAINED, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */
 }
 
 void krex_exit_redrain(void) {
-    /* The stop flag first: getpid is a syscall, and this runs after every async free. */
-    if (!__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST) || g_helper_pid != getpid()) return;
+    /* Only after a last drain that ran (one that gave up waiting would wait again at each
+     * async free of a teardown); the flag first: getpid is a syscall. */
+    if (!__atomic_load_n(&g_exit_drained, __ATOMIC_SEQ_CST) || g_helper_pid != getpid()) return;
     last_drain(__atomic_load_n(&g_shm, ACQUIRE), __atomic_load_n(&g_proc, ACQUIRE));
 }
 
@@ -450,6 +539,7 @@ void krex_wait_helper_settled(void) { wait_helper(&g_helper_settled); }
 /* fork: the child is a new process with no helper, no captures, no contexts yet. */
 void krex_drain_after_fork(void) {
     __atomic_store_n(&g_helper_started, 0, RELAXED);
+    __atomic_store_n(&g_exit_drained, 0, RELAXED);
     for (int i = 0; i < KREX_MAX_CAPTURES; i++) g_cap_streams[i] = NULL;
     g_captures = g_capture_overflow = 0;
     g_cap_waiting = 0;

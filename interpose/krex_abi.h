@@ -81,6 +81,12 @@
 #define KREX_PF_STALE_SLOT 128
 /* Pacing (pace.c) waited KREX_PACE_GIVEUP_MS for its queued work: off in this process. */
 #define KREX_PF_PACE_OFF 1024
+/* It may queue GPU work through a path the hooks do not count: a CUDA runtime linked into
+ * the executable or exported by a loaded library other than libcudart. Never quiet. */
+#define KREX_PF_UNSEEN 2048
+/* Its exit's last drain ran (drain helper gone): its teardown's LIFE count does not keep
+ * it from being quiet (krex_proc_quiet). */
+#define KREX_PF_EXIT_DRAINED 4096
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
@@ -299,7 +305,9 @@ struct krex_gpu {
                                      * command that gets the number next still waits for it */
     uint32_t queue_cap_us;          /* pace.c: set by krexd while 2 or more commands share this GPU
                                      * (0: no pacing) */
-    uint32_t pad1;
+    uint32_t drain_full;            /* set by krexd before a drain request: 1 = every sibling with
+                                     * a context drains, quiet or not (policy `all`); 0 = one quiet
+                                     * since its last full drain owes none (krex_proc_quiet) */
     uint64_t reserved[5];
 };
 

@@ -94,7 +94,7 @@ uint32_t krex_proc_check(struct krex_proc *p) {
 }
 
 /* Why a record looks damaged (0: it does not): 1 check, 2 gpu, 4 drain ack ahead of the
- * GPU's sequence, 8 slot, 16 counters out of range. */
+ * GPU's sequence, 8 slot, 16 counters out of range (or a drain stamp ahead of them). */
 int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus) {
     uint32_t c = __atomic_load_n(&p->check, SEQ);
     if (c == 0) return 0; /* being filled in (or freed): writers clear the check first */
@@ -106,6 +106,8 @@ int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus) {
         return 4;
     if (p->slot != KREX_PROC_STALE && (p->slot < 0 || p->slot >= KREX_MAX_SLOTS)) return 8;
     if (p->has_ctx > 1 || p->inflight > 65536 || p->life_inflight > 65536 || p->free_inflight > 65536) return 16;
+    /* A drain is stamped with a count it had reached: one ahead would make a drain skip it. */
+    if (__atomic_load_n(&p->drained_at, SEQ) > 1 + krex_proc_submits(p)) return 16;
     return 0;
 }
 
@@ -542,7 +544,12 @@ uint64_t krex_proc_submits(struct krex_proc *p) {
  * In-flight first, then the counts (seq_cst): a call that had left by then is counted. */
 int krex_proc_quiet(struct krex_proc *p) {
     uint64_t at = __atomic_load_n(&p->drained_at, SEQ);
-    if (!at || __atomic_load_n(&p->inflight, SEQ) != 0) return 0;
+    uint32_t fl = __atomic_load_n(&p->flags, SEQ);
+    if (!at || (fl & (KREX_PF_UNSEEN | KREX_PF_LOOKUP_FALLBACK)) || __atomic_load_n(&p->inflight, SEQ) != 0) return 0;
+    /* Inside a context, module or memory call: the GPU side of it may still be queued (a
+     * full drain's sync waits for it). Not so once its exit has drained for the last time:
+     * its teardown holds that count for good. */
+    if (__atomic_load_n(&p->life_inflight, SEQ) != 0 && !(fl & KREX_PF_EXIT_DRAINED)) return 0;
     uint64_t ord = __atomic_load_n(&p->ordered_life, SEQ);
     if ((uint32_t)ord != (uint32_t)(ord >> 32)) return 0;
     return at == 1 + krex_proc_submits(p);
@@ -565,7 +572,7 @@ static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t se
             /* Nothing queued since its last full drain (a sibling in its CPU work, or exiting
              * after a last drain, its helper gone): nothing owed. No wake-up of its helper to
              * wait for: under a loaded CPU that alone took tens of ms (H200, final4). */
-            if (krex_proc_quiet(p)) continue;
+            if (!__atomic_load_n(&shm->gpus[gpu].drain_full, SEQ) && krex_proc_quiet(p)) continue;
             if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
         } else if (__atomic_load_n(&p->drain_partial, SEQ) != seq) {
             continue;

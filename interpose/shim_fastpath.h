@@ -52,7 +52,9 @@ static inline int krex_enter(int cls) {
         }
     }
     t_depth++;
-    __atomic_fetch_add(&g_fast.submits[cls], 1, __ATOMIC_RELAXED);
+    /* Release: a drain helper that reads this count also sees the in-flight increment
+     * before it (krex_proc_quiet; the same instruction as relaxed on x86). */
+    __atomic_fetch_add(&g_fast.submits[cls], 1, __ATOMIC_RELEASE);
     return g_fork_gen + 1;
 }
 

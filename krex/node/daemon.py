@@ -1231,10 +1231,25 @@ class Daemon:
             waited_on: list[str] = []  # where the siblings a slow drain waits for are
 
             def slow_drain(owing: set[int]) -> None:
-                waited_on.extend(procfs.thread_report(p, limit=6)[:600] for p in sorted(owing)[:2])
+                for p in sorted(owing)[:3]:
+                    b = self.seg.proc_brief(p) or {}
+                    helper = procfs.thread_line(p, b["helper_tid"]) if b.get("helper_tid") else "helper -"
+                    waited_on.append(
+                        f"pid {p}: in flight {b.get('inflight')}, LIFE {b.get('life_inflight')}; "
+                        f"helper {helper}; main {procfs.thread_line(p, p)}"[:500]
+                    )
 
+            # Under `all` (and `adaptive`, which may pick it) every sibling drains, quiet or
+            # not: a process whose work the hooks cannot see (a static CUDA runtime in a
+            # library it loaded) is covered there, as its freeze covers its later work.
+            policy0 = (owner_slot.freeze if owner_slot is not None else "") or self.cfg.freeze_policy
             r = self.seg.drain(
-                gpu, req.slot, self.cfg.drain_timeout_s, on_progress=fz.progress, on_slow=slow_drain
+                gpu,
+                req.slot,
+                self.cfg.drain_timeout_s,
+                on_progress=fz.progress,
+                on_slow=slow_drain,
+                full=policy0 != "gpu",
             )
             t["drain_s"] = r.seconds
             drain_slow = sorted(([p, round(s * 1e3, 1)] for p, s in r.acks.items()), key=lambda x: -x[1])[:3]

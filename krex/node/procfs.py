@@ -272,17 +272,28 @@ def thread_report(pid: int, limit: int = 12) -> str:
     except OSError:
         return f"pid {pid}: gone"
     out = [f"pid {pid} ({rd(f'{PROC}/{pid}/comm')}: {(cmdline(pid, 80) or '?')})"]
-    for tid in tids[:limit]:
-        t = f"{PROC}/{pid}/task/{tid}"
-        st = parse_stat(rd(f"{t}/stat"), int(tid))
-        stack = [ln.split("] ", 1)[-1].split("+")[0] for ln in rd(f"{t}/stack").splitlines()[:3]]
-        out.append(
-            f"{tid} {rd(f'{t}/comm')} {st.state if st else '?'} wchan={rd(f'{t}/wchan') or '-'}"
-            + (f" stack={'<'.join(stack)}" if stack else "")
-        )
+    out.extend(thread_line(pid, int(tid)) for tid in tids[:limit])
     if len(tids) > limit:
         out.append(f"... {len(tids) - limit} more threads")
     return "; ".join(out)
+
+
+def thread_line(pid: int, tid: int) -> str:
+    """One thread: "tid comm state wchan=... stack=a<b<c" (the stack needs root)."""
+    t = f"{PROC}/{pid}/task/{tid}"
+
+    def rd(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    st = parse_stat(rd(f"{t}/stat"), tid)
+    stack = [ln.split("] ", 1)[-1].split("+")[0] for ln in rd(f"{t}/stack").splitlines()[:3]]
+    return f"{tid} {rd(f'{t}/comm') or '?'} {st.state if st else 'gone'} wchan={rd(f'{t}/wchan') or '-'}" + (
+        f" stack={'<'.join(stack)}" if stack else ""
+    )
 
 
 def stopped(pid: int) -> bool:

@@ -33,6 +33,8 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_DAEMON_LOST: "daemon-lost",
     lib.KREX_PF_STALE_SLOT: "stale-slot",
     lib.KREX_PF_PACE_OFF: "pace-off",
+    lib.KREX_PF_UNSEEN: "unseen-runtime",
+    lib.KREX_PF_EXIT_DRAINED: "exit-drained",
 }
 
 
@@ -448,6 +450,7 @@ class Segment:
         on_progress: Callable[[set[int]], None] | None = None,
         on_slow: Callable[[set[int]], None] | None = None,
         slow_after: float = 0.025,
+        full: bool = False,
     ) -> StepResult:
         """Ask every sibling helper to synchronise its contexts and wait for the
         acks (protocol step 4). `count` is how many processes had to drain. Each helper
@@ -455,9 +458,11 @@ class Segment:
         gets the pids still owing an ack, first right after the request and then each time
         fewer remain, so krexd freezes a drained sibling while the others still drain.
         `on_slow` gets the pids still owing one once, `slow_after` seconds in (a record of
-        what a slow drain waited for). `acks` says when each acked."""
+        what a slow drain waited for). `acks` says when each acked. `full`: every sibling
+        with a context drains, even one quiet since its last full drain (krex_proc_quiet)."""
         t0 = time.monotonic()
         owner = -1 if owner_slot is None else owner_slot
+        self.raw.gpus[gpu].drain_full = 1 if full else 0  # before the request: its helpers read it
         # Count who must drain BEFORE asking: a quick helper could ack in between.
         nxt = (int(self.raw.gpus[gpu].drain_seq) + 1) & 0xFFFFFFFF
         initial = int(lib.krex_drain_pending(self.raw, gpu, owner, nxt, ffi.NULL, 0))
@@ -569,6 +574,20 @@ class Segment:
     def frees_inflight(self, gpu: int, owner_slot: int) -> int:
         """Live sibling processes between the two stamps of a free (krex_proc.free_inflight)."""
         return int(lib.krex_frees_inflight(self.raw, gpu, owner_slot))
+
+    def proc_brief(self, pid: int) -> dict[str, int] | None:
+        """A process record's in-flight counts and drain-helper thread, for a slow entry's
+        record (one pass over the records: use only when something is already slow)."""
+        for i in range(lib.KREX_MAX_PROCS):
+            r = self.raw.procs[i]
+            if int(r.pid) == pid:
+                return {
+                    "inflight": int(r.inflight),
+                    "life_inflight": int(r.life_inflight),
+                    "helper_tid": int(r.helper_tid),
+                    "quiet": int(lib.krex_proc_quiet(ffi.addressof(self.raw.procs, i))),
+                }
+        return None
 
     def slot_pids(self, slot: int, alive_only: bool = True) -> list[int]:
         if alive_only:  # the common case, on krexd's region entry path: one C scan

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,8 +133,14 @@ def test_a_sibling_quiet_since_its_last_drain_owes_none(harness: Harness) -> Non
     try:
         res = h.seg.drain(0, owner, timeout=0.5)
         assert res.ok and res.count == 0 and res.stragglers == [], res
+        # A full drain (policy `all`) still asks it, quiet or not: stopped, it cannot ack.
+        res = h.seg.drain(0, owner, timeout=0.5, full=True)
+        assert not res.ok and res.stragglers == [child.pid], res
     finally:
         os.kill(child.pid, signal.SIGCONT)
+    # (Its helper answers that drain late, once running: before the next kernel, or that
+    # answer's full drain would cover it.)
+    wait_until(lambda: h.proc(child.pid).drain_ack == int(h.seg.raw.gpus[0].drain_seq), 10, "its late ack")
 
     # It submits again (the gate open), then stops before any drain: it owes one.
     h.seg.open_gate(0)
@@ -147,6 +154,88 @@ def test_a_sibling_quiet_since_its_last_drain_owes_none(harness: Harness) -> Non
         assert not res.ok and res.stragglers == [child.pid], res
     finally:
         os.kill(child.pid, signal.SIGCONT)
+
+
+def _hidden_kernel_is_drained(h: Harness, child: Child, owner: int) -> None:
+    """After one full drain, `child` (which must be flagged unseen-runtime) launches a 0.6 s
+    kernel through a path the hooks do not count: the next drain still waits for it."""
+    _close(h, owner)
+    assert h.seg.drain(0, owner, timeout=10).ok  # a full drain: its stamp is now current
+    h.seg.open_gate(0)
+    child.send("\n")
+    hidden = child.expect(lambda d: d.get("act", d.get("step")) == "hidden", 30, "the hidden launch")
+    assert hidden.get("rc", 0) == 0
+    op = max(h.ops(child.pid), key=lambda o: o["end"])
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=10)
+    t_ret = time.monotonic_ns()
+    assert op["end"] - op["start"] > 500e6, op  # the hidden kernel, not the counted one
+    assert res.ok and res.count == 1, res
+    assert op["end"] <= t_ret, f"I2: granted {(op['end'] - t_ret) / 1e6:.0f} ms before the hidden kernel ended"
+
+
+def test_an_executable_with_its_own_cuda_runtime_is_never_quiet(harness: Harness) -> None:
+    """Its launches bypass every hook, so its counts say nothing: every drain synchronises it."""
+    h = harness
+    owner, sib = h.claim(), h.claim()
+    child = h.spawn("staticrt", ["600000"], h.env(sib))
+    assert child.expect(lambda d: d["act"] == "counted", 30, "the counted launch")["rc"] == 0
+    wait_until(lambda: "unseen-runtime" in h.proc(child.pid).flags, 10, "the unseen-runtime flag")
+    _hidden_kernel_is_drained(h, child, owner)
+
+
+LATE_RUNTIME = r"""
+import ctypes, json, sys
+vp = ctypes.c_void_p
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+def say(step):
+    print(json.dumps({"step": step}), flush=True)
+    return sys.stdin.readline()
+cu = ctypes.CDLL("libcuda.so.1")
+rt = ctypes.CDLL("libcudart.so.13")
+rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+assert rt.cudaLaunchKernel(vp(0x1234), Dim3(5, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0  # counted
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # a library that exports its own CUDA runtime
+say("loaded")
+pfn = vp()
+assert cu.simgpu_cu_gpa(b"cuLaunchKernel", ctypes.byref(pfn), ctypes.c_uint64(0)) == 0
+L = ctypes.CFUNCTYPE(ctypes.c_int, vp, *([ctypes.c_uint] * 7), vp, vp, vp)(pfn.value)
+assert L(vp(0x1234), 600000, 1, 1, 1, 1, 1, 0, None, None, None) == 0  # 0.6 s, through no hook
+say("hidden")
+"""
+
+
+def test_a_library_loaded_later_with_its_own_cuda_runtime_makes_a_process_never_quiet(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """The helper looks again at what is loaded between drains (every second): a library
+    dlopen()ed since that exports a CUDA runtime flags the process before a drain skips it."""
+    import subprocess
+    import sys
+
+    h = harness
+    src = tmp_path / "rt.c"
+    src.write_text("void __cudaRegisterFatBinary(void) {}\n")
+    so = tmp_path / "librt_static.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    owner, sib = h.claim(), h.claim()
+    child = Child([sys.executable, "-c", LATE_RUNTIME, str(so)], h.env(sib))
+    h.children.append(child)
+    child.expect(lambda d: d.get("step") == "loaded", 60, "the library loaded")
+    wait_until(lambda: "unseen-runtime" in h.proc(child.pid).flags, 10, "the unseen-runtime flag")
+    _hidden_kernel_is_drained(h, child, owner)
+
+
+def test_a_teardown_after_a_last_drain_that_could_not_run_does_not_wait_again(harness: Harness) -> None:
+    """The exit's last drain gives up (another thread is inside a long copy); the teardown's
+    stream-ordered calls then go on at once, not 0.5 s each waiting for that drain again."""
+    h = harness
+    sib = h.claim()
+    child = h.spawn("exitasync", [], h.env(sib, KREX_COPY_CHUNK_BYTES="0"))
+    assert child.expect(lambda d: d["act"] == "start", 30, "its start")["rc"] == 0
+    done = child.expect(lambda d: d["act"] == "teardown", 30, "its teardown")
+    assert done["ms"] < 1000, f"10 async allocations and frees at exit took {done['ms']:.0f} ms"
 
 
 class _PreemptedLib:

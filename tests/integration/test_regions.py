@@ -692,7 +692,7 @@ def test_a_sibling_that_has_drained_is_frozen_while_another_still_drains(kx: Kre
     # and it was the one owing an ack 25 ms in; each frozen slot has its freeze time.
     (last_pid, last_ms), *_ = g["drain_slow"]
     assert last_pid == slow_pid and last_ms >= 200, g["drain_slow"]
-    assert any(w.startswith(f"pid {slow_pid} ") for w in g["drain_waited_on"]), g["drain_waited_on"]
+    assert any(w.startswith(f"pid {slow_pid}:") for w in g["drain_waited_on"]), g["drain_waited_on"]
     assert sorted(map(int, g["freeze_ms"])) == sorted(g["frozen_slots"]), g["freeze_ms"]
     assert all(isinstance(v, float) and v >= 0 for v in g["freeze_ms"].values()), g["freeze_ms"]
 
