@@ -479,7 +479,7 @@ static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
      * submitted since moves the count past it, and krexd then owes an ack nobody gives. */
     full_drain(rec);
     __atomic_store_n(&g_exit_drained, 1, __ATOMIC_SEQ_CST);
-    __atomic_or_fetch(&rec->flags, KREX_PF_EXIT_DRAINED, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&rec->exit_drained, 1, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */
 }
 

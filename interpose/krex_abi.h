@@ -84,9 +84,6 @@
 /* It may queue GPU work through a path the hooks do not count: a CUDA runtime linked into
  * the executable or exported by a loaded library other than libcudart. Never quiet. */
 #define KREX_PF_UNSEEN 2048
-/* Its exit's last drain ran (drain helper gone): its teardown's LIFE count does not keep
- * it from being quiet (krex_proc_quiet). */
-#define KREX_PF_EXIT_DRAINED 4096
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
@@ -349,6 +346,9 @@ struct krex_proc {
     uint32_t free_inflight;         /* threads inside a free (a LIFE call that hands memory back),
                                      * from its first stamp to its second: one frozen right after
                                      * the driver call has freed memory with no second stamp yet */
+    uint32_t exit_drained;          /* 1 once its exit's last drain ran (its drain helper gone): its
+                                     * teardown's LIFE count does not keep it from being quiet, and
+                                     * even a full drain owes it no ack while it stays quiet */
     uint64_t drained_at;            /* 1 + its GPU-work calls (krex_proc_submits) as it began its
                                      * last full drain (helper or exit), with none in flight then;
                                      * 0: none yet. While they stay that many, nothing of it can be

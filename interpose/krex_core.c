@@ -549,7 +549,7 @@ int krex_proc_quiet(struct krex_proc *p) {
     /* Inside a context, module or memory call: the GPU side of it may still be queued (a
      * full drain's sync waits for it). Not so once its exit has drained for the last time:
      * its teardown holds that count for good. */
-    if (__atomic_load_n(&p->life_inflight, SEQ) != 0 && !(fl & KREX_PF_EXIT_DRAINED)) return 0;
+    if (__atomic_load_n(&p->life_inflight, SEQ) != 0 && !__atomic_load_n(&p->exit_drained, SEQ)) return 0;
     uint64_t ord = __atomic_load_n(&p->ordered_life, SEQ);
     if ((uint32_t)ord != (uint32_t)(ord >> 32)) return 0;
     return at == 1 + krex_proc_submits(p);
@@ -572,7 +572,9 @@ static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t se
             /* Nothing queued since its last full drain (a sibling in its CPU work, or exiting
              * after a last drain, its helper gone): nothing owed. No wake-up of its helper to
              * wait for: under a loaded CPU that alone took tens of ms (H200, final4). */
-            if (!__atomic_load_n(&shm->gpus[gpu].drain_full, SEQ) && krex_proc_quiet(p)) continue;
+            if ((__atomic_load_n(&p->exit_drained, SEQ) || !__atomic_load_n(&shm->gpus[gpu].drain_full, SEQ)) &&
+                krex_proc_quiet(p))
+                continue; /* (an exit's last drain counts even for a full drain: no helper is left to ask) */
             if (!krex_pid_alive(pid, p->start_ticks) || image_gone(p, pid)) continue;
         } else if (__atomic_load_n(&p->drain_partial, SEQ) != seq) {
             continue;
@@ -780,6 +782,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->life_inflight = 0;
     p->free_inflight = 0;
     p->drained_at = 0;
+    p->exit_drained = 0;
     p->ordered_life = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);

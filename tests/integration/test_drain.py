@@ -171,7 +171,7 @@ def _hidden_kernel_is_drained(h: Harness, child: Child, owner: int) -> None:
     t_ret = time.monotonic_ns()
     assert op["end"] - op["start"] > 500e6, op  # the hidden kernel, not the counted one
     assert res.ok and res.count == 1, res
-    assert op["end"] <= t_ret, f"I2: granted {(op['end'] - t_ret) / 1e6:.0f} ms before the hidden kernel ended"
+    assert op["end"] <= t_ret, f"I2: granted {(op['end'] - t_ret) / 1e6:.0f} ms before the hidden one ended"
 
 
 def test_an_executable_with_its_own_cuda_runtime_is_never_quiet(harness: Harness) -> None:
