@@ -165,6 +165,13 @@
  * sibling's free or exit is flagged `recent-free`. Not measured: 4 GB cleared at the
  * ~3 TB/s that slowdown implies takes ~1.3 ms; 100 ms covers ~300 GB. */
 #define KREX_FREE_SETTLE_NS 100000000
+/* After a sibling process ended during a region's entry, krexd waits this long per GB it
+ * held (NVML's last figure for it), at least KREX_SETTLE_MIN_NS, instead of
+ * KREX_FREE_SETTLE_NS: the H200 cleared freed memory at 2.5 ms/GB, and an exit left at most
+ * 5 ms of it after the reap for 16 GB, 115 ms for 64 GB (docs/results/h200/settle). A
+ * process NVML never reported keeps KREX_FREE_SETTLE_NS. */
+#define KREX_SETTLE_NS_PER_GB 3000000
+#define KREX_SETTLE_MIN_NS 5000000
 /* A guardian that gets a stop signal (SIGINT, SIGTERM, ...) while its command still waits
  * pre-warmed (nothing of it on the GPU yet) SIGKILLs it this long after, if it still waits:
  * a Python command blocked in the shim's wait cannot run its own handler. */

@@ -6,7 +6,7 @@ test can change what "NVML" reports while a region runs. The fake's file:
 
     {"error": "why nvmlInit failed"}                              (optional)
     {"gpus": [{"name": "...", "uuid": "GPU-...", "pci": "0000:17:00.0",
-               "migs": ["MIG-..."], "procs": [pid, ...],
+               "migs": ["MIG-..."], "procs": [pid, ...], "mem": {"pid": bytes, ...},
                "sm_clock": 1980, "throttle": 4}, ...]}
 
 Nothing here prints; failures raise NvmlUnavailable with the reason."""
@@ -51,6 +51,7 @@ class Nvml(Protocol):
     def pci_bus(self, i: int) -> str | None: ...
     def mig_uuids(self, i: int) -> list[str]: ...
     def processes(self, i: int) -> list[int]: ...
+    def process_memory(self, i: int) -> dict[int, int | None]: ...
     def sm_clock(self, i: int) -> int | None: ...
     def throttle(self, i: int) -> int | None: ...
     def close(self) -> None: ...
@@ -113,12 +114,18 @@ class RealNvml:
         return out
 
     def processes(self, i: int) -> list[int]:
-        pids: set[int] = set()
+        return sorted(self.process_memory(i))
+
+    def process_memory(self, i: int) -> dict[int, int | None]:
+        """pid -> its GPU memory in bytes (None where NVML cannot say, e.g. in a container)."""
+        mem: dict[int, int | None] = {}
         h = self._handle(i)
         unsupported = getattr(self.m, "NVMLError_NotSupported", ())
         for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
             try:
-                pids.update(int(p.pid) for p in getattr(self.m, fn)(h))
+                for p in getattr(self.m, fn)(h):
+                    used = getattr(p, "usedGpuMemory", None)
+                    mem[int(p.pid)] = int(used) if isinstance(used, int) else mem.get(int(p.pid))
             except unsupported:
                 continue  # no graphics (or compute) on this GPU
             except Exception:
@@ -126,7 +133,7 @@ class RealNvml:
                 # teardown over); only a GPU without graphics may answer nothing.
                 if fn.endswith("ComputeRunningProcesses"):
                     raise
-        return sorted(pids)
+        return mem
 
     def sm_clock(self, i: int) -> int | None:
         try:
@@ -188,7 +195,12 @@ class FakeNvml:
         return [str(x) for x in self._gpu(i).get("migs") or []]
 
     def processes(self, i: int) -> list[int]:
-        return sorted(int(p) for p in self._gpu(i).get("procs") or [])
+        return sorted(self.process_memory(i))
+
+    def process_memory(self, i: int) -> dict[int, int | None]:
+        g = self._gpu(i)
+        mem = {str(k): int(v) for k, v in (g.get("mem") or {}).items()}
+        return {int(p): mem.get(str(p)) for p in g.get("procs") or []}
 
     def sm_clock(self, i: int) -> int | None:
         v = self._gpu(i).get("sm_clock")

@@ -18,7 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from krex.device.nvml import DISTURBING, Nvml, NvmlUnavailable, open_nvml, throttle_names
+from krex.native import lib
 from krex.node import procfs
+
+_MEM_KEEP_S = 60.0  # a process's GPU memory figure is forgotten this long after NVML last gave it
 
 
 def _cmd(pid: int) -> str:
@@ -33,6 +36,7 @@ class Attestor:
         self.note = note
         self.pids_local = False  # NVML's pids are krexd's: set once a sample lists one KREX knows
         self._listed_start: dict[int, int] = {}  # pid -> start time when NVML listed it first
+        self._mem: dict[int, tuple[int, float]] = {}  # pid -> (most GPU bytes NVML gave, when last)
         if nvml is None and not note:
             try:
                 self.nvml = open_nvml()
@@ -58,10 +62,32 @@ class Attestor:
         if self.nvml is None or not self.pids_local:
             return set()
         try:
-            listed = self.nvml.processes(self.physical[gpu] if gpu < len(self.physical) else gpu)
+            listed = self.nvml.process_memory(self.physical[gpu] if gpu < len(self.physical) else gpu)
         except Exception:  # noqa: BLE001 - NVML errors must never fail a region
             return None
+        self._note_memory(listed)
         return {p for p in listed if self._ended(p)}
+
+    def _note_memory(self, mem: dict[int, int | None]) -> None:
+        now = time.monotonic()
+        for p, b in mem.items():
+            if b is not None:
+                self._mem[p] = (max(b, self._mem.get(p, (0, 0.0))[0]), now)
+        for p in [p for p, (_b, t) in self._mem.items() if now - t > _MEM_KEEP_S]:
+            del self._mem[p]
+
+    def settle_ns(self, pids: set[int]) -> int | None:
+        """How long the GPU may still clear memory after these processes ended: the most
+        GPU memory NVML reported for any of them, at KREX_SETTLE_NS_PER_GB (at least
+        KREX_SETTLE_MIN_NS). None when NVML gave no figure for one of them (never listed,
+        or its pids are not ours): the caller keeps its fixed settle time."""
+        if self.nvml is None or not self.pids_local or not pids:
+            return None
+        got = [self._mem.get(p) for p in pids]
+        if any(g is None for g in got):
+            return None
+        most = max(g[0] for g in got if g is not None)
+        return max(int(lib.KREX_SETTLE_MIN_NS), int(most * lib.KREX_SETTLE_NS_PER_GB / 2**30))
 
     def _ended(self, pid: int) -> bool:
         st = procfs.pid_stat(pid)
@@ -89,7 +115,9 @@ class Attestor:
         i = self.physical[gpu] if gpu < len(self.physical) else gpu
         try:
             thr = self.nvml.throttle(i)
-            procs = self.nvml.processes(i)
+            mem = self.nvml.process_memory(i)
+            procs = sorted(mem)
+            self._note_memory(mem)
             self._remember(procs)
             return {
                 "t_ns": time.monotonic_ns(),

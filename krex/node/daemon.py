@@ -287,12 +287,12 @@ class _FreezePlan:
 
 def _wait_out(
     probe: Callable[[], set[int] | None], step_s: float, timeout_s: float, stop: threading.Event
-) -> tuple[set[int], bool]:
+) -> tuple[set[int], set[int]]:
     """Re-probe every `step_s`, at most `timeout_s`, until none of the first probe's pids is
     left; a probe that could not answer (None) changes nothing. (Those still left at the
-    deadline, whether there were any to wait for.)"""
+    deadline, those it waited for.)"""
     left = probe() or set()
-    waited = bool(left)
+    waited = set(left)
     deadline = time.monotonic() + timeout_s
     while left and time.monotonic() < deadline and not stop.is_set():
         time.sleep(step_s)
@@ -1332,8 +1332,11 @@ class Daemon:
             # is over, the scrubbing of their memory is what _settle waits out.
             sib_at_grant = self._sibling_gpu_procs(gpu, req.slot)
             # So did a free of a sibling frozen right after its driver call (no closing stamp).
-            ended = waited_exit or sib_procs - sib_at_grant or self.seg.frees_inflight(gpu, req.slot)
-            ended_ns = time.monotonic_ns() if ended else 0
+            ended_pids = waited_exit | {p for p, _s, _t in sib_procs - sib_at_grant}
+            freeing = self.seg.frees_inflight(gpu, req.slot)
+            ended_ns = time.monotonic_ns() if ended_pids or freeing else 0
+            # Sized by what they held (NVML), where it said; a free seen only in flight is not.
+            ended_settle = None if freeing else self.attestor.settle_ns(ended_pids)
             t2 = time.monotonic()
             reserved = self.partition.slice_for(gpu).reserved
             try:
@@ -1350,7 +1353,7 @@ class Daemon:
                 evicted = cpus.evict([p for s in targets for p in self._group_pids(s)], reserved, req.tid)
             t["pin_s"] = time.monotonic() - t2
             reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
-            reasons.extend(self._settle(gpu, req.slot, ended_ns, t))
+            reasons.extend(self._settle(gpu, req.slot, ended_ns, t, ended_settle))
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
                 "ok": True,
@@ -1553,18 +1556,32 @@ class Daemon:
         n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, gen, since_ns, slots, ago, 64)), 64)
         return [(int(slots[i]), int(ago[i])) for i in range(n)]
 
-    def _settle(self, gpu: int, owner_slot: int, ended_ns: int, t: dict[str, float]) -> list[tuple[str, str]]:
+    def _settle(
+        self,
+        gpu: int,
+        owner_slot: int,
+        ended_ns: int,
+        t: dict[str, float],
+        ended_settle_ns: int | None = None,
+    ) -> list[tuple[str, str]]:
         """The driver clears freed memory on the GPU after the freeing call returned (or the
         process ended): wait until KREX_FREE_SETTLE_NS has passed since the latest free of
-        another command (or `ended_ns`, a sibling seen gone during entry), at most one settle
-        time, then flag `recent-free` only for frees made meanwhile (no sibling can free
-        through a gated call now: a path the gate does not see)."""
+        another command, and since `ended_ns` (siblings seen gone during entry) until
+        `ended_settle_ns` (sized by the memory they held, Attestor.settle_ns) or else the
+        same fixed time. Then flag `recent-free` only for frees made meanwhile (no sibling
+        can free through a gated call now: a path the gate does not see)."""
         settle = int(lib.KREX_FREE_SETTLE_NS)
         t0 = time.monotonic_ns()
         recent = self._frees_since(gpu, owner_slot, t0 - settle)
-        latest = max([ended_ns, *(t0 - ago for _s, ago in recent)])
-        if latest and latest + settle > t0:
-            time.sleep((latest + settle - t0) / 1e9)
+        stamps = [t0 - ago for _s, ago in recent]
+        latest = max([ended_ns, *stamps])
+        until = max((s + settle for s in stamps), default=0)
+        if ended_ns:
+            after_end = settle if ended_settle_ns is None else ended_settle_ns
+            until = max(until, ended_ns + after_end)
+            t["ended_settle_s"] = after_end / 1e9
+        if until > t0:
+            time.sleep((until - t0) / 1e9)
         t["settle_s"] = (time.monotonic_ns() - t0) / 1e9
         new = self._frees_since(gpu, owner_slot, max(latest + 1, time.monotonic_ns() - settle))
         if not new:
@@ -1579,20 +1596,20 @@ class Daemon:
             )
         ]
 
-    def _await_exits(self, gpu: int, owner_slot: int) -> tuple[set[int], bool]:
+    def _await_exits(self, gpu: int, owner_slot: int) -> tuple[set[int], set[int]]:
         """Wait (at most freeze_timeout_s) for sibling processes inside the kernel's exit
         (PF_EXITING, not yet zombies): the freezer cannot stop them, and closing their GPU
         files tears their contexts down on the GPU. Returns (those still exiting at the
-        deadline, whether it waited for any)."""
+        deadline, those it waited for)."""
         probe = lambda: self.seg.exiting(gpu, owner_slot)  # noqa: E731
         return _wait_out(probe, 0.002, self.cfg.freeze_timeout_s, self.stop)
 
 
-    def _await_teardowns(self, gpu: int) -> bool:
+    def _await_teardowns(self, gpu: int) -> set[int]:
         """Wait (at most freeze_timeout_s) while NVML lists a process that has ended: its
         contexts' teardown still runs on the GPU (H200: a sibling reaped just before a grant
         was still listed by NVML, and its region was flagged `foreign-process`). One still
-        listed at the deadline is flagged by the attestation. Whether it waited for any."""
+        listed at the deadline is flagged by the attestation. Those it waited for."""
         probe = lambda: self.attestor.listed_gone(gpu)  # noqa: E731
         return _wait_out(probe, 0.005, self.cfg.freeze_timeout_s, self.stop)[1]
 

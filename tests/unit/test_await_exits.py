@@ -35,19 +35,19 @@ def _stub(seg: _Seg, timeout_s: float = 1.0) -> Any:
 def test_waits_until_the_exiting_sibling_is_gone() -> None:
     seg = _Seg([{41}, {41}, {41}, set()])
     left, waited = Daemon._await_exits(_stub(seg), 0, 1)  # type: ignore[arg-type]
-    assert left == set() and waited and seg.calls == 4
+    assert left == set() and waited == {41} and seg.calls == 4
 
 
 def test_gives_up_at_the_freeze_timeout_and_says_who_is_left() -> None:
     seg = _Seg([{41, 42}, {42}])
     t0 = time.monotonic()
     left, waited = Daemon._await_exits(_stub(seg, 0.05), 0, 1)  # type: ignore[arg-type]
-    assert left == {42} and waited and 0.05 <= time.monotonic() - t0 < 1.0
+    assert left == {42} and waited == {41, 42} and 0.05 <= time.monotonic() - t0 < 1.0
 
 
 def test_no_exiting_sibling_no_wait() -> None:
     seg = _Seg([set()])
-    assert Daemon._await_exits(_stub(seg), 0, 1) == (set(), False)  # type: ignore[arg-type]
+    assert Daemon._await_exits(_stub(seg), 0, 1) == (set(), set())  # type: ignore[arg-type]
     assert seg.calls == 1
 
 

@@ -91,7 +91,7 @@ def test_entry_waits_until_nvml_stops_listing_an_ended_process(tmp_path: Path) -
     _nvml(path, [1, dead])
     threading.Timer(0.3, _nvml, (path, [1])).start()  # the driver finishes its teardown
     t0 = time.monotonic()
-    assert Daemon._await_teardowns(_daemon(a), 0) is True  # type: ignore[arg-type]
+    assert Daemon._await_teardowns(_daemon(a), 0) == {dead}  # type: ignore[arg-type]
     assert 0.25 <= time.monotonic() - t0 < 1.5
 
 
@@ -99,16 +99,17 @@ def test_the_wait_is_bounded_by_the_freeze_timeout(tmp_path: Path) -> None:
     path = tmp_path / "nvml.json"
     a = _attestor(path, [1])
     _learn_local_pids(a, 1)
-    _nvml(path, [1, _ended_pid()])
+    gone = _ended_pid()
+    _nvml(path, [1, gone])
     t0 = time.monotonic()
-    assert Daemon._await_teardowns(_daemon(a, 0.1), 0) is True  # type: ignore[arg-type]
+    assert Daemon._await_teardowns(_daemon(a, 0.1), 0) == {gone}  # type: ignore[arg-type]
     assert 0.1 <= time.monotonic() - t0 < 1.0  # the attestation flags what is still listed
 
 
 def test_no_ended_process_listed_no_wait(tmp_path: Path) -> None:
     a = _attestor(tmp_path / "nvml.json", [1])
     _learn_local_pids(a, 1)
-    assert Daemon._await_teardowns(_daemon(a), 0) is False  # type: ignore[arg-type]
+    assert Daemon._await_teardowns(_daemon(a), 0) == set()  # type: ignore[arg-type]
 
 
 def _changes(after: set[tuple[int, int, int]], nvml_exit: dict[str, Any]) -> list[tuple[str, str]]:
@@ -265,7 +266,7 @@ def test_an_nvml_error_during_the_wait_does_not_end_it(tmp_path: Path) -> None:
     threading.Timer(0.1, glitch).start()
     threading.Timer(0.6, _nvml, (path, [1])).start()  # the teardown really ends here
     t0 = time.monotonic()
-    assert Daemon._await_teardowns(_daemon(a, 2.0), 0) is True  # type: ignore[arg-type]
+    assert Daemon._await_teardowns(_daemon(a, 2.0), 0)  # type: ignore[arg-type]
     took = time.monotonic() - t0
     assert took >= 0.55, f"the wait ended at the NVML error, {took:.3f}s in"
 
@@ -300,3 +301,52 @@ def test_a_listed_pid_reused_by_a_new_process_is_still_waited_for(tmp_path: Path
     finally:
         n.kill()
         n.wait()
+
+
+# ------------------------------------------------ the settle after an exit, sized by NVML
+
+GB = 2**30
+
+
+def _nvml_mem(path: Path, mem: dict[int, int]) -> None:
+    path.write_text(
+        json.dumps({"gpus": [{"procs": sorted(mem), "mem": {str(p): b for p, b in mem.items()}}]})
+    )
+
+
+def test_the_settle_after_an_exit_is_sized_by_the_memory_nvml_gave(tmp_path: Path) -> None:
+    from krex.native import lib
+
+    path = tmp_path / "nvml.json"
+    _nvml_mem(path, {1: 1 * GB, 7001: 2 * GB, 7002: 64 * GB})
+    a = Attestor("gpu", [0], FakeNvml(str(path)))
+    assert a.settle_ns({7001}) is None  # NVML's pids not known to be ours yet
+    _learn_local_pids(a, 1)
+    per_gb, floor = int(lib.KREX_SETTLE_NS_PER_GB), int(lib.KREX_SETTLE_MIN_NS)
+    assert a.settle_ns({7001}) == max(floor, 2 * per_gb)
+    # The most any of them held, past the fixed 100 ms where a process held more than ~33 GB.
+    assert a.settle_ns({7001, 7002}) == 64 * per_gb > int(lib.KREX_FREE_SETTLE_NS)
+    assert a.settle_ns({7001, 4242}) is None  # one NVML never gave: unknown
+    # A later, smaller figure does not lower what was seen (memory freed before the exit).
+    _nvml_mem(path, {1: 1 * GB, 7001: 1})
+    a.sample(0)
+    assert a.settle_ns({7001}) == max(floor, 2 * per_gb)
+    # No figure (NVML in a container reports none): unknown.
+    path.write_text(json.dumps({"gpus": [{"procs": [1, 7003]}]}))
+    a.sample(0)
+    assert a.settle_ns({7003}) is None
+
+
+def _settle_daemon() -> Any:
+    return SimpleNamespace(_frees_since=lambda *a: [])
+
+
+def test_the_settle_waits_the_sized_time_after_an_end_and_the_fixed_one_without() -> None:
+    from krex.native import lib
+
+    fixed = int(lib.KREX_FREE_SETTLE_NS) / 1e9
+    for sized_ns, lo, hi in ((10_000_000, 0.009, fixed * 0.6), (None, fixed * 0.95, fixed * 2)):
+        t: dict[str, float] = {}
+        reasons = Daemon._settle(_settle_daemon(), 0, 0, time.monotonic_ns(), t, sized_ns)  # type: ignore[arg-type]
+        assert reasons == [] and lo <= t["settle_s"] < hi, (sized_ns, t)
+        assert t["ended_settle_s"] == (fixed if sized_ns is None else sized_ns / 1e9)
