@@ -211,6 +211,9 @@ def _same_processes(known: dict[int, int]) -> set[int]:
     return out
 
 
+INSPECT_EVERY_S = 0.2  # the inspector thread's look at new processes (freezepolicy.Inspector)
+
+
 class _FreezePlan:
     """Which siblings a region freezes, each started as soon as its processes have acked
     the drain (`progress` is shm.drain's callback). The siblings and the policy are read
@@ -552,7 +555,7 @@ class Daemon:
         self._watchdog_started = time.monotonic()
         self._start_watchdog()
         self._log_start(rec)
-        for target in (self._heartbeat_loop, self._reaper_loop):
+        for target in (self._heartbeat_loop, self._reaper_loop, self._inspector_loop):
             threading.Thread(target=target, daemon=True).start()
         for g in range(self.info.count):
             threading.Thread(target=self._gpu_loop, args=(g,), daemon=True, name=f"gpu{g}").start()
@@ -867,6 +870,27 @@ class Daemon:
                 out[n] = count
         return out
 
+    def _inspector_loop(self) -> None:
+        """Inspect commands' processes for the `gpu` policy off the regions' path: those a
+        region queued (it froze their slots meanwhile) at once, and every
+        INSPECT_EVERY_S the new processes of every slot, so that most are known before a
+        region asks."""
+        while not self.stop.is_set():
+            self.inspector.wanted.wait(INSPECT_EVERY_S)
+            self.inspector.wanted.clear()
+            try:
+                self.inspector.inspect_pending()
+                with self.lock:
+                    slots = list(self.slots.values())
+                for s in slots:
+                    for pid in self._group_pids(s):
+                        if self.stop.is_set():
+                            return
+                        if not self.inspector.seen(pid):
+                            self.inspector.verdict(pid)
+            except Exception:  # noqa: BLE001 - an inspection that failed is retried by the next region
+                log.exception("inspector")
+
     def _group_pids(self, s: Slot, deep: bool = False) -> list[int]:
         """Live processes of a slot's tree: its freezer group, its root pids, the processes
         registered under it in the segment and, with `deep`, every process whose
@@ -1170,7 +1194,7 @@ class Daemon:
                 out.append(s)
                 why.append(f"slot {s.slot}: processes of a command from before krexd restarted")
                 continue
-            bad = freezepolicy.ungateable(self._group_pids(s), self.inspector)
+            bad = freezepolicy.ungateable(self._group_pids(s), self.inspector, inspect=False)
             if bad:
                 out.append(s)
                 why.append(f"slot {s.slot}: " + "; ".join(bad[:3]))

@@ -29,6 +29,7 @@ context start or end."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -56,14 +57,23 @@ def _start_ticks(pid: int) -> int | None:
 
 class Inspector:
     """Per-process verdicts, cached by (pid, start time, executable): reading a process's
-    maps costs about a millisecond, and commands live for many regions."""
+    maps costs about a millisecond (more for a process that imported torch), and commands
+    live for many regions. A region asks with `inspect=False`: a process not inspected yet
+    reads as not gateable (its slot is frozen: the safe side) and is queued, and krexd's
+    inspector thread (`inspect_pending`, `seen`) inspects it off the region's path. On the
+    H200, first inspections of a family's fresh compile workers made a region's entry wait
+    66-90 ms with nothing left to drain (docs/results/h200/final5)."""
 
     def __init__(self, shim_name: str = SHIM_NAME) -> None:
         self.shim_name = shim_name
         self._cache: dict[tuple[int, int, str], Verdict] = {}
         self._static: dict[tuple[str, int, int], bool] = {}
+        self._lock = threading.Lock()  # the cache is shared by region threads and the inspector's
+        self._pending: set[tuple[int, int, str]] = set()
+        self._pids: set[int] = set()  # pids with some verdict cached
+        self.wanted = threading.Event()  # set when a region queued a process to inspect
 
-    def verdict(self, pid: int) -> Verdict | None:
+    def verdict(self, pid: int, inspect: bool = True) -> Verdict | None:
         """None: the process is gone."""
         ticks = _start_ticks(pid)
         if ticks is None:
@@ -73,13 +83,38 @@ class Inspector:
         except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it
             return Verdict(False, f"pid {pid}: its executable cannot be read") if _alive(pid) else None
         key = (pid, ticks, exe)
-        v = self._cache.get(key)
-        if v is None:
-            v = self._inspect(pid, exe)
+        with self._lock:
+            v = self._cache.get(key)
+            if v is None and not inspect:
+                self._pending.add(key)
+        if v is not None:
+            return v
+        if not inspect:
+            self.wanted.set()
+            return Verdict(False, f"pid {pid} ({os.path.basename(exe)}): not inspected yet (now queued)")
+        v = self._inspect(pid, exe)
+        with self._lock:
             if len(self._cache) > 65536:
                 self._cache.clear()
+                self._pids.clear()
             self._cache[key] = v
+            self._pids.add(pid)
+            self._pending.discard(key)
         return v
+
+    def seen(self, pid: int) -> bool:
+        """Whether some verdict for this pid is cached (any start time or executable)."""
+        with self._lock:
+            return pid in self._pids
+
+    def inspect_pending(self) -> int:
+        """Inspect the processes regions queued; how many."""
+        with self._lock:
+            todo = list(self._pending)
+            self._pending.clear()
+        for pid, _ticks, _exe in todo:
+            self.verdict(pid)  # (a pid that ended or exec'd meanwhile gets its own key)
+        return len(todo)
 
     def _inspect(self, pid: int, exe: str) -> Verdict:
         try:
@@ -109,11 +144,12 @@ def _alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-def ungateable(pids: Iterable[int], inspector: Inspector) -> list[str]:
-    """Why these processes cannot be held by the gate (empty: all can)."""
+def ungateable(pids: Iterable[int], inspector: Inspector, inspect: bool = True) -> list[str]:
+    """Why these processes cannot be held by the gate (empty: all can). `inspect=False`: a
+    process not inspected yet counts as one that cannot (Inspector)."""
     out: list[str] = []
     for pid in pids:
-        v = inspector.verdict(pid)
+        v = inspector.verdict(pid, inspect)
         if v is not None and not v.gateable:
             out.append(v.why)
     return out

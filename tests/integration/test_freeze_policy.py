@@ -293,3 +293,34 @@ def test_a_signal_handler_on_a_thread_parked_at_the_gate_is_held_too(kx: Krex, b
     assert [t for t in handled if inside(iv, -1, t)], "no handler ran in a region: the test proves nothing"
     assert foreign_ops(iv, kx.ops(gpu=0)) == []
     assert kx.frozen_groups() == [] and kx.gate_open()
+
+
+def test_a_region_never_waits_to_inspect_a_new_process() -> None:
+    """Asked by a region (inspect=False), a process not inspected yet reads as one the gate
+    cannot hold (its slot is frozen: the safe side) and is queued; the inspector thread's
+    inspect_pending then gives its real verdict, which the next region reads from the cache
+    without reading the process's maps again."""
+    import time
+
+    from krex.node import freezepolicy
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        ins = freezepolicy.Inspector(shim_name="libc.so")  # mapped by every Python process
+        v = ins.verdict(proc.pid, inspect=False)
+        assert v is not None and not v.gateable and "not inspected yet" in v.why, v
+        assert ins.wanted.is_set() and not ins.seen(proc.pid)
+        assert freezepolicy.ungateable([proc.pid], ins, inspect=False)  # still unknown: frozen
+        assert ins.inspect_pending() == 1
+        assert ins.seen(proc.pid)
+        reads: list[int] = []
+        real = ins._inspect
+        ins._inspect = lambda pid, exe: reads.append(pid) or real(pid, exe)  # type: ignore[method-assign]
+        assert ins.verdict(proc.pid, inspect=False) == freezepolicy.Verdict(True)
+        assert freezepolicy.ungateable([proc.pid], ins, inspect=False) == []
+        assert reads == [], "a region's verdict read the maps again"
+    finally:
+        proc.kill()
+        proc.wait()
+

@@ -1475,3 +1475,19 @@ def test_the_next_command_in_a_slot_number_waits_for_the_previous_ones_end(kx: K
     rec = [r for r in kx.journal() if r["owner_pid"] == out["pid"]][-1]
     assert out["t_begin"] - t_exit < 2 * lib_settle_s() * 1e9, "y's region came too late to prove anything"
     assert rec["contaminated"] or rec["settle_s"] > 0.3 * lib_settle_s(), rec
+
+
+def test_krexd_inspects_new_processes_before_a_region_asks(kx: Krex) -> None:
+    """krexd's inspector thread looks at every slot's new processes every INSPECT_EVERY_S:
+    a sibling started half a second before a region is known by then, and under `gpu` it
+    keeps running (it is not frozen as not inspected yet)."""
+    _fake_nvml_gpu_policy(kx)
+    kx.run("sib", "hammer", "--us", "50")
+    kx.wait_running("sib")
+    time.sleep(0.5)
+    ready = _hold_region(kx, "a")
+    rec = _end_hold(kx, "a", ready["pid"])
+    g = ready["grant"]
+    assert g["freeze_policy"] == "gpu" and g["frozen_slots"] == [], g
+    assert not any("not inspected" in w for w in g["freeze_why"]), g["freeze_why"]
+    assert not rec["contaminated"], rec["reasons"]
