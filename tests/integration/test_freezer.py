@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -244,13 +245,20 @@ def test_freeze_and_thaw_whole_tree(env: Env) -> None:
     tree.assert_advances()
 
 
-def test_unfrozen_threads_lists_running_threads_and_no_frozen_one(env: Env) -> None:
-    """What a slow freeze's record names: threads not yet stopped in the freezer's trap."""
+def _cgroup_tree(env: Env, name: str) -> tuple[Any, freezer.Group]:
+    """A running process tree in a new group; cgroup backends only (the freeze snapshots read
+    the freezer's wait channel)."""
     if env.backend == "signal":
         pytest.skip("cgroup backends only: the snapshot reads the freezer's wait channel")
     tree = env.tree()
-    g = env.group("snap")
+    g = env.group(name)
     g.add(tree.root)
+    return tree, g
+
+
+def test_unfrozen_threads_lists_running_threads_and_no_frozen_one(env: Env) -> None:
+    """What a slow freeze's record names: threads not yet stopped in the freezer's trap."""
+    tree, g = _cgroup_tree(env, "snap")
     tree.assert_advances()
     running = procfs.unfrozen_threads(tree.pids(), limit=100)
     assert running and all(int(x.split("/", 1)[0]) in tree.pids() for x in running), running
@@ -262,11 +270,7 @@ def test_unfrozen_threads_lists_running_threads_and_no_frozen_one(env: Env) -> N
 def test_a_slow_freeze_records_what_it_waited_for(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past _SLOW_FREEZE_S, the group keeps a snapshot of the threads not stopped yet; a
     quick freeze keeps none. The kernel's answer is held back 50 ms to make this one slow."""
-    if env.backend == "signal":
-        pytest.skip("cgroup backends only")
-    tree = env.tree()
-    g = env.group("slow")
-    g.add(tree.root)
+    tree, g = _cgroup_tree(env, "slow")
     g.freeze()
     assert g.slow == []  # quick: nothing recorded
     g.thaw()
