@@ -1189,12 +1189,13 @@ class Daemon:
             return policy, list(siblings), []
         out: list[Slot] = []
         why: list[str] = []
+        inline = [freezepolicy.INSPECT_INLINE]  # shared by all siblings of this region
         for s in siblings:
             if s.kind == "orphan":  # registered in a segment krexd replaced: no gate holds them
                 out.append(s)
                 why.append(f"slot {s.slot}: processes of a command from before krexd restarted")
                 continue
-            bad = freezepolicy.ungateable(self._group_pids(s), self.inspector, inspect=False)
+            bad = freezepolicy.ungateable(self._group_pids(s), self.inspector, inline)
             if bad:
                 out.append(s)
                 why.append(f"slot {s.slot}: " + "; ".join(bad[:3]))

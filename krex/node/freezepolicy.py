@@ -38,6 +38,8 @@ from krex.node import procfs
 
 POLICIES = ("all", "gpu", "adaptive")
 DEFAULT = "gpu"
+# New processes a region inspects itself (about 1 ms each); the rest wait for the inspector thread.
+INSPECT_INLINE = 8
 # Submissions per second above which a region counts as launch-bound (adaptive): a region of
 # kernels shorter than ~0.2 ms each, where host-side CPU noise is a visible part of a timing.
 ADAPTIVE_RATE = 5000.0
@@ -58,9 +60,10 @@ def _start_ticks(pid: int) -> int | None:
 class Inspector:
     """Per-process verdicts, cached by (pid, start time, executable): reading a process's
     maps costs about a millisecond (more for a process that imported torch), and commands
-    live for many regions. A region asks with `inspect=False`: a process not inspected yet
-    reads as not gateable (its slot is frozen: the safe side) and is queued, and krexd's
-    inspector thread (`inspect_pending`, `seen`) inspects it off the region's path. On the
+    live for many regions. A region inspects at most INSPECT_INLINE new processes itself; past
+    that it asks with `inspect=False`: a process not inspected yet reads as not gateable (its
+    slot is frozen: the safe side) and is queued, and krexd's inspector thread
+    (`inspect_pending`, `seen`) inspects it off the region's path. On the
     H200, first inspections of a family's fresh compile workers made a region's entry wait
     66-90 ms with nothing left to drain (docs/results/h200/final5)."""
 
@@ -72,6 +75,7 @@ class Inspector:
         self._pending: set[tuple[int, int, str]] = set()
         self._pids: set[int] = set()  # pids with some verdict cached
         self.wanted = threading.Event()  # set when a region queued a process to inspect
+        self.last_read = False
 
     def verdict(self, pid: int, inspect: bool = True) -> Verdict | None:
         """None: the process is gone."""
@@ -83,6 +87,7 @@ class Inspector:
         except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it
             return Verdict(False, f"pid {pid}: its executable cannot be read") if _alive(pid) else None
         key = (pid, ticks, exe)
+        self.last_read = False  # (whether this call read the process's maps: ungateable's budget)
         with self._lock:
             v = self._cache.get(key)
             if v is None and not inspect:
@@ -92,6 +97,7 @@ class Inspector:
         if not inspect:
             self.wanted.set()
             return Verdict(False, f"pid {pid} ({os.path.basename(exe)}): not inspected yet (now queued)")
+        self.last_read = True
         v = self._inspect(pid, exe)
         with self._lock:
             if len(self._cache) > 65536:
@@ -144,12 +150,16 @@ def _alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-def ungateable(pids: Iterable[int], inspector: Inspector, inspect: bool = True) -> list[str]:
-    """Why these processes cannot be held by the gate (empty: all can). `inspect=False`: a
-    process not inspected yet counts as one that cannot (Inspector)."""
+def ungateable(pids: Iterable[int], inspector: Inspector, inline: list[int] | None = None) -> list[str]:
+    """Why these processes cannot be held by the gate (empty: all can). `inline`: a budget
+    (one number, spent as used) of processes not inspected yet that may be inspected now;
+    past it such a process counts as one that cannot (Inspector). None: no limit."""
     out: list[str] = []
     for pid in pids:
-        v = inspector.verdict(pid, inspect)
+        now = inline is None or inline[0] > 0
+        v = inspector.verdict(pid, now)
+        if inline is not None and now and inspector.last_read:
+            inline[0] -= 1
         if v is not None and not v.gateable:
             out.append(v.why)
     return out

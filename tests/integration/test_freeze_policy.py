@@ -311,15 +311,26 @@ def test_a_region_never_waits_to_inspect_a_new_process() -> None:
         v = ins.verdict(proc.pid, inspect=False)
         assert v is not None and not v.gateable and "not inspected yet" in v.why, v
         assert ins.wanted.is_set() and not ins.seen(proc.pid)
-        assert freezepolicy.ungateable([proc.pid], ins, inspect=False)  # still unknown: frozen
+        assert freezepolicy.ungateable([proc.pid], ins, [0])  # no inline budget left: frozen
         assert ins.inspect_pending() == 1
         assert ins.seen(proc.pid)
         reads: list[int] = []
         real = ins._inspect
         ins._inspect = lambda pid, exe: reads.append(pid) or real(pid, exe)  # type: ignore[method-assign]
         assert ins.verdict(proc.pid, inspect=False) == freezepolicy.Verdict(True)
-        assert freezepolicy.ungateable([proc.pid], ins, inspect=False) == []
+        budget = [0]
+        assert freezepolicy.ungateable([proc.pid], ins, budget) == [] and budget == [0]
         assert reads == [], "a region's verdict read the maps again"
+        # A budget is spent only on processes whose maps are read.
+        fresh = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            time.sleep(0.3)
+            budget = [1]
+            assert freezepolicy.ungateable([proc.pid, fresh.pid], ins, budget) == [] and budget == [0]
+            assert reads == [fresh.pid]
+        finally:
+            fresh.kill()
+            fresh.wait()
     finally:
         proc.kill()
         proc.wait()

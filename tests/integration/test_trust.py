@@ -1485,13 +1485,18 @@ def test_the_next_command_in_a_slot_number_waits_for_the_previous_ones_end(kx: K
 
 
 def test_krexd_inspects_new_processes_before_a_region_asks(kx: Krex) -> None:
-    """krexd's inspector thread looks at every slot's new processes every INSPECT_EVERY_S:
-    a sibling started half a second before a region is known by then, and under `gpu` it
-    keeps running (it is not frozen as not inspected yet)."""
+    """A region inspects at most INSPECT_INLINE new processes itself; krexd's inspector
+    thread looks at every slot's new processes every INSPECT_EVERY_S. A sibling of more
+    processes than that budget, started half a second before a region, is known by then:
+    under `gpu` it keeps running (none of it reads as not inspected yet)."""
+    from krex.node import freezepolicy
+
     _fake_nvml_gpu_policy(kx)
-    kx.run("sib", "hammer", "--us", "50")
-    kx.wait_running("sib")
-    time.sleep(0.5)
+    n = freezepolicy.INSPECT_INLINE + 4
+    worker = f"{sys.executable} {WORKER} hammer {kx.out} --name sib --us 0 --long-us 1 --seconds 60"
+    kx.run_argv("sib", ["sh", "-c", f"for i in $(seq {n}); do sleep 60 & done; {worker} & wait"])
+    kx.wait(lambda: (kx.out / "sib.ready").exists(), 30, "the sibling's GPU call")
+    time.sleep(0.6)
     ready = _hold_region(kx, "a")
     rec = _end_hold(kx, "a", ready["pid"])
     g = ready["grant"]
