@@ -187,8 +187,10 @@ static void note_unseen_runtime(void) {
 
 /* Between drains, every KREX_HELPER_RECHECK_NS: a library loaded since (dlopen) that
  * exports a CUDA runtime makes the process unseen before its next drain can skip it. */
+static unsigned long long g_loaded_seen[2]; /* the loader's counters check_loaded last saw */
+
 static void check_loaded(void) {
-    static unsigned long long seen[2];
+    unsigned long long *seen = g_loaded_seen;
     unsigned long long v[3] = {0, 0, 0};
     dl_iterate_phdr(loaded_gen, v);
     if (v[2] && v[0] == seen[0] && v[1] == seen[1]) return;
@@ -285,9 +287,8 @@ static int drain_hip(void) {
 
 /* Synchronise every context of the process. drained_at is raised only when nothing was in
  * flight as it began (the counts read first, then in flight found 0: every call counted by
- * then had queued its work), so that work is done once the syncs return. Returns the count
- * it began at. */
-static uint64_t full_drain(struct krex_proc *p) {
+ * then had queued its work), so that work is done once the syncs return. */
+static void full_drain(struct krex_proc *p) {
     uint64_t before = krex_proc_submits(p), ord = __atomic_load_n(&p->ordered_life, __ATOMIC_SEQ_CST);
     int quiet = __atomic_load_n(&p->inflight, __ATOMIC_SEQ_CST) == 0 && (uint32_t)ord == (uint32_t)(ord >> 32);
     drain_fns();
@@ -300,7 +301,6 @@ static uint64_t full_drain(struct krex_proc *p) {
                !__atomic_compare_exchange_n(&p->drained_at, &cur, 1 + before, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         }
     }
-    return before;
 }
 
 int g_helper_started;
@@ -540,6 +540,8 @@ void krex_wait_helper_settled(void) { wait_helper(&g_helper_settled); }
 void krex_drain_after_fork(void) {
     __atomic_store_n(&g_helper_started, 0, RELAXED);
     __atomic_store_n(&g_exit_drained, 0, RELAXED);
+    /* Its record (and flags) are new: look at what is loaded again, as at any start. */
+    g_loaded_seen[0] = g_loaded_seen[1] = 0;
     for (int i = 0; i < KREX_MAX_CAPTURES; i++) g_cap_streams[i] = NULL;
     g_captures = g_capture_overflow = 0;
     g_cap_waiting = 0;

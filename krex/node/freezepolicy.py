@@ -75,29 +75,32 @@ class Inspector:
         self._pending: set[tuple[int, int, str]] = set()
         self._pids: set[int] = set()  # pids with some verdict cached
         self.wanted = threading.Event()  # set when a region queued a process to inspect
-        self.last_read = False
 
     def verdict(self, pid: int, inspect: bool = True) -> Verdict | None:
         """None: the process is gone."""
+        return self._verdict(pid, inspect)[0]
+
+    def _verdict(self, pid: int, inspect: bool) -> tuple[Verdict | None, bool]:
+        """(the verdict, whether this call read the process's maps: ungateable's budget)."""
         ticks = _start_ticks(pid)
         if ticks is None:
-            return None
+            return None, False
         try:
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it
-            return Verdict(False, f"pid {pid}: its executable cannot be read") if _alive(pid) else None
+            gone = not _alive(pid)
+            return (None if gone else Verdict(False, f"pid {pid}: its executable cannot be read")), False
         key = (pid, ticks, exe)
-        self.last_read = False  # (whether this call read the process's maps: ungateable's budget)
         with self._lock:
             v = self._cache.get(key)
             if v is None and not inspect:
                 self._pending.add(key)
         if v is not None:
-            return v
+            return v, False
         if not inspect:
             self.wanted.set()
-            return Verdict(False, f"pid {pid} ({os.path.basename(exe)}): not inspected yet (now queued)")
-        self.last_read = True
+            why = f"pid {pid} ({os.path.basename(exe)}): not inspected yet (now queued)"
+            return Verdict(False, why), False
         v = self._inspect(pid, exe)
         with self._lock:
             if len(self._cache) > 65536:
@@ -106,7 +109,7 @@ class Inspector:
             self._cache[key] = v
             self._pids.add(pid)
             self._pending.discard(key)
-        return v
+        return v, True
 
     def seen(self, pid: int) -> bool:
         """Whether some verdict for this pid is cached (any start time or executable)."""
@@ -156,9 +159,8 @@ def ungateable(pids: Iterable[int], inspector: Inspector, inline: list[int] | No
     past it such a process counts as one that cannot (Inspector). None: no limit."""
     out: list[str] = []
     for pid in pids:
-        now = inline is None or inline[0] > 0
-        v = inspector.verdict(pid, now)
-        if inline is not None and now and inspector.last_read:
+        v, read = inspector._verdict(pid, inline is None or inline[0] > 0)
+        if inline is not None and read:
             inline[0] -= 1
         if v is not None and not v.gateable:
             out.append(v.why)

@@ -238,6 +238,49 @@ def test_a_teardown_after_a_last_drain_that_could_not_run_does_not_wait_again(ha
     assert done["ms"] < 1000, f"10 async allocations and frees at exit took {done['ms']:.0f} ms"
 
 
+FORK_AFTER_RUNTIME = r"""
+import ctypes, json, os, sys
+vp = ctypes.c_void_p
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+rt = ctypes.CDLL("libcudart.so.13")
+rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # loaded before the first GPU call and the fork
+assert rt.cudaLaunchKernel(vp(0x1234), Dim3(5, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+pid = os.fork()
+if pid == 0:
+    assert rt.cudaLaunchKernel(vp(0x1234), Dim3(5, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+    print(json.dumps({"step": "child", "pid": os.getpid()}), flush=True)
+    sys.stdin.readline()
+    os._exit(0)
+sys.stdin.readline()
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_fork_child_of_a_process_with_a_runtime_the_hooks_cannot_see_is_flagged_too(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """The child's record is new: its helper looks at what is loaded again (found by a
+    review of the change: the loader's counters it inherited made it skip the look)."""
+    import subprocess
+    import sys
+
+    h = harness
+    src = tmp_path / "rt.c"
+    src.write_text("void __cudaRegisterFatBinary(void) {}\n")
+    so = tmp_path / "librt_static.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    sib = h.claim()
+    parent = Child([sys.executable, "-c", FORK_AFTER_RUNTIME, str(so)], h.env(sib))
+    h.children.append(parent)
+    child = parent.expect(lambda d: d.get("step") == "child", 60, "the fork child's launch")["pid"]
+    for pid, who in ((parent.pid, "the parent"), (child, "the fork child")):
+        wait_until(lambda p=pid: "unseen-runtime" in getattr(h.proc(p), "flags", []), 10, f"{who}'s flag")
+    parent.send("\n")
+    parent.send("\n")
+
+
 class _PreemptedLib:
     """krex.native.lib, except that the controller loses the CPU right after
     krex_drain_request until the sibling's helper has acked (as can happen on a
