@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,12 +45,17 @@ INSPECT_INLINE = 8
 # kernels shorter than ~0.2 ms each, where host-side CPU noise is a visible part of a timing.
 ADAPTIVE_RATE = 5000.0
 SHIM_NAME = "libkrex_interpose.so"
+# A process without the shim in its maps may only not have mapped it yet (the loader of a
+# process that just exec'd): that verdict is read again after this long. On the H200, such a
+# verdict cached for good froze one command's slot in all 26 regions of its life (final5).
+RECHECK_S = 0.5
 
 
 @dataclass(frozen=True)
 class Verdict:
     gateable: bool
     why: str = ""
+    final: bool = True  # False: may change while the process lives (read again after RECHECK_S)
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -74,6 +80,7 @@ class Inspector:
         self._lock = threading.Lock()  # the cache is shared by region threads and the inspector's
         self._pending: set[tuple[int, int, str]] = set()
         self._pids: set[int] = set()  # pids with some verdict cached
+        self._recheck: dict[tuple[int, int, str], float] = {}  # key -> when a verdict goes stale
         self.wanted = threading.Event()  # set when a region queued a process to inspect
 
     def verdict(self, pid: int, inspect: bool = True) -> Verdict | None:
@@ -93,6 +100,8 @@ class Inspector:
         key = (pid, ticks, exe)
         with self._lock:
             v = self._cache.get(key)
+            if v is not None and not v.final and time.monotonic() >= self._recheck.get(key, 0.0):
+                v = None  # stale: read again
             if v is None and not inspect:
                 self._pending.add(key)
         if v is not None:
@@ -106,15 +115,24 @@ class Inspector:
             if len(self._cache) > 65536:
                 self._cache.clear()
                 self._pids.clear()
+                self._recheck.clear()
             self._cache[key] = v
             self._pids.add(pid)
+            if v.final:
+                self._recheck.pop(key, None)
+            else:
+                self._recheck[key] = time.monotonic() + RECHECK_S
             self._pending.discard(key)
         return v, True
 
     def seen(self, pid: int) -> bool:
-        """Whether some verdict for this pid is cached (any start time or executable)."""
+        """Whether some verdict for this pid is cached (any start time or executable) and
+        none of its verdicts has gone stale."""
         with self._lock:
-            return pid in self._pids
+            if pid not in self._pids:
+                return False
+            now = time.monotonic()
+            return not any(k[0] == pid and now >= t for k, t in self._recheck.items())
 
     def inspect_pending(self) -> int:
         """Inspect the processes regions queued; how many."""
@@ -130,9 +148,10 @@ class Inspector:
             with open(f"/proc/{pid}/maps", "rb") as f:
                 maps = f.read()
         except OSError as e:
-            return Verdict(False, f"pid {pid}: cannot read its maps ({e.strerror})")
+            return Verdict(False, f"pid {pid}: cannot read its maps ({e.strerror})", final=False)
         if self.shim_name.encode() not in maps:
-            return Verdict(False, f"pid {pid} ({os.path.basename(exe)}) runs without the KREX shim")
+            why = f"pid {pid} ({os.path.basename(exe)}) runs without the KREX shim"
+            return Verdict(False, why, final=False)
         if self._static_cudart(pid, exe):
             return Verdict(False, f"pid {pid} ({os.path.basename(exe)}) links the CUDA runtime statically")
         return Verdict(True)

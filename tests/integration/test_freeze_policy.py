@@ -335,3 +335,47 @@ def test_a_region_never_waits_to_inspect_a_new_process() -> None:
         proc.kill()
         proc.wait()
 
+
+
+def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A "runs without the shim" verdict may only mean the process had not mapped it yet
+    (inspected right after exec): it goes stale after RECHECK_S, `seen` says so (the
+    inspector thread reads it again), and the next verdict sees the shim. A process with a
+    gateable verdict is not read again."""
+    import time
+
+    from krex.node import freezepolicy
+
+    monkeypatch.setattr(freezepolicy, "RECHECK_S", 0.2)
+    lib = tmp_path / "libkrexlate.so"
+    src = tmp_path / "late.c"
+    src.write_text("int krex_late(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    code = (f"import ctypes, sys, time; sys.stdin.readline(); ctypes.CDLL({str(lib)!r}); "
+            "print('ok', flush=True); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        time.sleep(0.3)
+        ins = freezepolicy.Inspector(shim_name=lib.name)
+        v = ins.verdict(proc.pid)
+        assert v is not None and not v.gateable and "without the KREX shim" in v.why
+        assert ins.seen(proc.pid)
+        assert ins.verdict(proc.pid, inspect=False) == v  # fresh: from the cache
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"ok\n"
+        time.sleep(0.25)
+        assert not ins.seen(proc.pid), "a stale verdict must be read again by the inspector thread"
+        v = ins.verdict(proc.pid, inspect=False)  # a region past its budget: queued, slot frozen
+        assert v is not None and "not inspected yet" in v.why
+        assert ins.inspect_pending() == 1
+        assert ins.seen(proc.pid)
+        assert ins.verdict(proc.pid, inspect=False) == freezepolicy.Verdict(True)
+        time.sleep(0.25)
+        assert ins.seen(proc.pid), "a gateable verdict does not go stale"
+    finally:
+        proc.kill()
+        proc.wait()
