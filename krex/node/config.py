@@ -132,8 +132,10 @@ class Config:
     freeze_policy: str = freezepolicy.DEFAULT  # see krex/node/freezepolicy.py
     # Commands may also run on their GPU's region core(s) ("region"), and on the housekeeping
     # core ("all"), while no region needs them; a region moves every thread but the
-    # measuring one off the region core (cpus.evict).
-    lend_cores: str = "off"
+    # measuring one off the region core (cpus.evict). "all" by default: side by side on the
+    # H200 it made more commands a minute than "off" at C=8 and 16, with every band's p95
+    # inflation lower (docs/results/h200/final6/).
+    lend_cores: str = "all"
     # Bounded queues (interpose/pace.c): a region's entry drains what siblings queued.
     queue_cap_ms: float = float(lib.KREX_QUEUE_CAP_MS)
     log_level: str = "info"
