@@ -224,39 +224,87 @@ AUX_OWNER = textwrap.dedent(
 )
 
 
-def test_region_core_is_the_measuring_threads_alone(kx: Krex, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With lent cores (KREX_LEND_CORES=1) a command may run on its GPU's region core between
-    regions; inside one, every thread but the measuring one is moved off it and put back after.
-    (On a machine too small for a partition, every command shares every core, the region core
-    included, so the move is what keeps it the measuring thread's there too.)"""
+# A sibling that runs (the gpu policy freezes it not: it has the shim and queues nothing) and
+# samples its own threads' affinity until the file argv[2] exists (argv[3]: made once it samples).
+AUX_SIBLING = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    samples, stop = [], threading.Event()
+    def watch():
+        while not stop.is_set():
+            samples.append((time.monotonic_ns(), sorted(os.sched_getaffinity(0))))
+            time.sleep(0.001)
+    t = threading.Thread(target=watch); t.start()
+    open(sys.argv[3], "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set(); t.join()
+    json.dump({"samples": samples}, open(sys.argv[1], "w"))
+    """
+)
+
+
+@pytest.mark.parametrize("lend", ["1", "all"])
+def test_region_core_is_the_measuring_threads_alone(
+    kx: Krex, monkeypatch: pytest.MonkeyPatch, lend: str
+) -> None:
+    """With lent cores (KREX_LEND_CORES=1, or all, the default) a command may run on its
+    GPU's region core between regions; inside one, every thread but the measuring one, the
+    owner's and a running sibling's, is moved off it (while the siblings drain) and put back
+    after. (On a machine too small for a partition, every command shares every core, the
+    region core included, so the move is what keeps it the measuring thread's there too.)"""
     plain_env = kx.env
-    monkeypatch.setattr(kx, "env", lambda **extra: plain_env(KREX_LEND_CORES="1", **extra))
-    kx.start_daemon(slots=2)
-    assert kx.status()["daemon"]["lend_cores"] == "region"
-    out = kx.out / "aux.json"
-    p = subprocess.run(
-        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
-        env=kx.env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    monkeypatch.setattr(
+        kx, "env", lambda **extra: plain_env(KREX_LEND_CORES=lend, KREX_FREEZE_POLICY="gpu", **extra)
     )
+    kx.start_daemon(slots=2)
+    assert kx.status()["daemon"]["lend_cores"] == {"1": "region"}.get(lend, lend)
+    out, sib_out, done, ready = (kx.out / n for n in ("aux.json", "sib.json", "sib.done", "sib.ready"))
+    sib = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_SIBLING,
+         *map(str, (sib_out, done, ready))],
+        env=kx.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not ready.exists() and sib.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), "the sibling did not start"
+        p = subprocess.run(
+            [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
+            env=kx.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        done.touch()
+        sib_log = sib.communicate(timeout=120)[0]
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert sib.returncode == 0, sib_log[-2000:]
     res = json.loads(out.read_text())
     reserved = set(res["regions"][0]["grant"]["reserved_cpus"])
     assert reserved and reserved <= set(res["start"]), "the region core is lent to the command"
-    inside_n = outside_n = 0
-    for ts, aff in res["samples"]:
-        # A margin around each region: the move happens just before the grant, the restore
-        # just after the end.
-        if any(r["t0"] + 2_000_000 <= ts <= r["t1"] - 2_000_000 for r in res["regions"]):
-            inside_n += 1
-            assert not set(aff) & reserved, (ts, aff)
-        elif all(ts < r["t0"] - 20_000_000 or ts > r["t1"] + 20_000_000 for r in res["regions"]):
-            outside_n += 1
-            assert reserved <= set(aff), (ts, aff)
-    assert inside_n > 0 and outside_n > 0
-    assert all(r["grant"]["evicted_threads"] >= 1 for r in res["regions"])
+    for who, samples in (("owner", res["samples"]), ("sibling", json.loads(sib_out.read_text())["samples"])):
+        inside_n = outside_n = 0
+        for ts, aff in samples:
+            # A margin around each region: the move happens before the grant, the restore
+            # just after the end.
+            if any(r["t0"] + 2_000_000 <= ts <= r["t1"] - 2_000_000 for r in res["regions"]):
+                inside_n += 1
+                assert not set(aff) & reserved, (who, ts, aff)
+            elif all(ts < r["t0"] - 20_000_000 or ts > r["t1"] + 20_000_000 for r in res["regions"]):
+                outside_n += 1
+                assert reserved <= set(aff), (who, ts, aff)
+        assert inside_n > 0 and outside_n > 0, (who, inside_n, outside_n)
+    for r in res["regions"]:
+        assert r["grant"]["evicted_threads"] >= 3, r["grant"]  # the owner's watcher, the sibling's two
+        assert r["grant"]["frozen_slots"] == [] and r["grant"]["freeze_policy"] == "gpu", r["grant"]
 
 
 def test_a_signal_handler_on_a_thread_parked_at_the_gate_is_held_too(kx: Krex, bins: dict[str, Path]) -> None:
