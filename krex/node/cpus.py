@@ -47,6 +47,10 @@ __all__ = [
     "thread_affinity",
     "pin_thread",
     "restore_thread",
+    "Eviction",
+    "evict",
+    "audit",
+    "restore_evicted",
 ]
 
 
@@ -501,34 +505,83 @@ def restore_thread(tid: int, old: list[int]) -> None:
     _set(tid, old, f"restoring its affinity to {format_cpulist(old)}")
 
 
-def evict(pids: list[int], reserved: list[int], keep_tid: int) -> list[tuple[int, list[int]]]:
-    """Move every thread of `pids` but `keep_tid` off the `reserved` CPUs (the region core is
-    the measuring thread's alone). Returns (tid, old affinity) to hand to restore_evicted().
+@dataclass
+class Eviction:
+    """What evict() did: the threads it moved, (tid, old mask, the mask it set), for
+    restore_evicted(); every thread it looked at, so a later pass looks only at new ones;
+    and the pids with a thread it could not move (its mask holds reserved CPUs alone: a
+    thread pinned there by its command, e.g. OpenMP's OMP_PROC_BIND over a lent core)."""
 
-    Best effort and race-tolerant: a thread that exits meanwhile is skipped, and a thread
-    created after the listing inherits its creator's (already narrowed) affinity."""
+    moved: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+    stuck: set[int] = field(default_factory=set)
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def evict(pids: list[int], reserved: list[int], keep_tid: int, into: Eviction | None = None) -> Eviction:
+    """Move every thread of `pids` but `keep_tid` off the `reserved` CPUs (the region core is
+    the measuring thread's alone). With `into` (an earlier pass), only threads it has not
+    seen are looked at, and what this pass does is added to it.
+
+    Race-tolerant, not airtight: a thread that exits meanwhile is skipped, and one created
+    after its creator was moved inherits the narrowed mask; one created by a thread not
+    moved yet, or a process started after the listing, is not moved (a second pass at the
+    grant catches those made during the first, audit() at the end flags the rest)."""
     res = set(reserved)
-    moved: list[tuple[int, list[int]]] = []
+    ev = into if into is not None else Eviction()
     for pid in pids:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
+        for tid in _threads(pid):
+            if tid == keep_tid or tid in ev.seen:
+                continue
+            ev.seen.add(tid)
+            try:
+                old = os.sched_getaffinity(tid)
+                if not old & res:
+                    continue
+                rest = old - res
+                if not rest:
+                    ev.stuck.add(pid)
+                    continue
+                os.sched_setaffinity(tid, rest)
+                ev.moved.append((tid, sorted(old), sorted(rest)))
+            except OSError:
+                continue
+    return ev
+
+
+def audit(
+    pids: list[int], reserved: list[int], keep_tid: int, pinned_ok: Iterable[int] = ()
+) -> dict[int, list[int]]:
+    """pid -> its threads (but `keep_tid`) whose mask allows a `reserved` CPU now. For the
+    pids in `pinned_ok` (the owner's), a mask within the reserved CPUs is not counted: a
+    thread the measuring thread started inherits its pin."""
+    res, ok = set(reserved), set(pinned_ok)
+    out: dict[int, list[int]] = {}
+    for pid in pids:
+        for tid in _threads(pid):
             if tid == keep_tid:
                 continue
             try:
-                old = os.sched_getaffinity(tid)
-                rest = old - res
-                if rest and rest != old:
-                    os.sched_setaffinity(tid, rest)
-                    moved.append((tid, sorted(old)))
+                mask = os.sched_getaffinity(tid)
             except OSError:
                 continue
-    return moved
+            if mask & res and not (pid in ok and mask <= res):
+                out.setdefault(pid, []).append(tid)
+    return out
 
 
-def restore_evicted(moved: list[tuple[int, list[int]]]) -> None:
-    for tid, old in moved:
+def restore_evicted(ev: Eviction | None) -> None:
+    """Give each moved thread its old mask back, unless it changed its own mask meanwhile
+    (or the thread ended and its tid went to another): that one is left as it is."""
+    if ev is None:
+        return
+    for tid, old, new in ev.moved:
         with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, old)
+            if sorted(os.sched_getaffinity(tid)) == new:
+                os.sched_setaffinity(tid, old)

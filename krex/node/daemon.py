@@ -1222,8 +1222,9 @@ class Daemon:
         req.word = word
         t["block_s"] = time.monotonic() - t0
         frozen: list[Slot] = []
-        evicted: list[tuple[int, list[int]]] = []
-        evict_fut: concurrent.futures.Future[list[tuple[int, list[int]]]] | None = None
+        evicted: cpus.Eviction | None = None
+        evict_fut: concurrent.futures.Future[cpus.Eviction] | None = None
+        at_close: list[Slot] = []  # this GPU's commands as the gate closed (lent cores)
         old_aff: list[int] | None = None
         region_s = thaw_s = 0.0
         t_grant_ns = t_end_ns = 0
@@ -1245,10 +1246,10 @@ class Daemon:
                 # frozen ones too: which those are is decided later, and the move costs them
                 # nothing. A command admitted from here on starts frozen.
                 with self.lock:
-                    mine = [s for s in self.slots.values() if s.gpu == gpu]
+                    at_close = [s for s in self.slots.values() if s.gpu == gpu]
                 reserved0 = self.partition.slice_for(gpu).reserved
                 evict_fut = self.pool.submit(
-                    lambda: cpus.evict([p for s in mine for p in self._group_pids(s)], reserved0, req.tid)
+                    lambda: cpus.evict([p for s in at_close for p in self._group_pids(s)], reserved0, req.tid)
                 )
             r = self.seg.wait_inflight(gpu, req.slot, self.cfg.drain_timeout_s)
             t["inflight_s"] = r.seconds
@@ -1383,6 +1384,7 @@ class Daemon:
                 reasons.append(("pin-failed", f"could not pin thread {req.tid}: {e}"))
             if evict_fut is not None:  # the move off the region core, started as the gate closed
                 evicted, evict_fut = evict_fut.result(), None
+                reasons.extend(self._evict_again(req, at_close, frozen, reserved, evicted))
             t["pin_s"] = time.monotonic() - t2
             reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
             reasons.extend(self._settle(gpu, req.slot, ended_ns, t, ended_settle))
@@ -1403,7 +1405,7 @@ class Daemon:
                 "drain_waited_on": waited_on,
                 "freeze_ms": freeze_ms,
                 "freeze_slow": freeze_slow,
-                "evicted_threads": len(evicted),
+                "evicted_threads": len(evicted.moved) if evicted is not None else 0,
                 "running_slots": sorted(s.slot for s in set(running_all) - set(frozen)),
                 "freeze_why": why,
                 "reserved_cpus": reserved,
@@ -1469,6 +1471,8 @@ class Daemon:
                     gpu, sib_procs, sib_at_grant, sib_procs_end, attest_entry, attest_exit, skip
                 )
             )
+            if evicted is not None:
+                reasons.extend(self._audit_region_core(req, at_close, frozen, reserved))
             stalled = self._stalled_during(t0, time.monotonic())
             if stalled:
                 reasons.append(
@@ -1590,6 +1594,57 @@ class Daemon:
         slots, ago = ffi.new("int32_t[64]"), ffi.new("uint64_t[64]")
         n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, gen, since_ns, slots, ago, 64)), 64)
         return [(int(slots[i]), int(ago[i])) for i in range(n)]
+
+    def _evict_again(
+        self, req: Region, at_close: list[Slot], frozen: list[Slot], reserved: list[int], ev: cpus.Eviction
+    ) -> list[tuple[str, str]]:
+        """At the grant, after the move started as the gate closed: move the threads and
+        processes made meanwhile (looking only at those), and freeze a running sibling with a
+        thread pinned to the region core alone (which no move can take off it). The owner's
+        own such thread is flagged: it shares the core with the measuring thread."""
+        with self.lock:
+            running = [s for s in at_close if s not in frozen and s.slot in self.slots]
+        pids = {s: self._group_pids(s) for s in running}
+        cpus.evict([p for ps in pids.values() for p in ps], reserved, req.tid, into=ev)
+        out: list[tuple[str, str]] = []
+        for s, ps in pids.items():
+            stuck = sorted(set(ps) & ev.stuck)
+            if not stuck:
+                continue
+            if s.slot == req.slot:
+                out.append(("region-core", f"the owner's pids {stuck} have threads pinned to the region core "
+                             f"{cpus.format_cpulist(reserved)}, which the measuring thread shares"))
+                continue
+            frozen.append(s)  # thawed with the others at the end, whatever happens
+            try:
+                s.group.freeze(self.cfg.freeze_timeout_s)
+            except (KrexError, OSError) as e:
+                with self.lock:
+                    gone = s.slot not in self.slots
+                if not gone:
+                    out.append(("freeze-failed", f"slot {s.slot} (threads pinned to the region core) did not "
+                                 f"freeze: {e}"))
+        return out
+
+    def _audit_region_core(
+        self, req: Region, at_close: list[Slot], frozen: list[Slot], reserved: list[int]
+    ) -> list[tuple[str, str]]:
+        """At the end, before the moved threads get their masks back: a thread of a running
+        command (the owner's but the measuring one, or a sibling's) that may run on the
+        region core now could have during the region (its command re-widened its mask, or a
+        process or thread came after the moves). Commands admitted during the region
+        started frozen and are not looked at."""
+        with self.lock:
+            running = [s for s in at_close if s not in frozen and s.slot in self.slots]
+        pids = {s: self._group_pids(s) for s in running}
+        own = [p for s, ps in pids.items() if s.slot == req.slot for p in ps]
+        bad = cpus.audit([p for ps in pids.values() for p in ps], reserved, req.tid, pinned_ok=own)
+        if not bad:
+            return []
+        what = ", ".join(f"pid {p} ({len(t)} thread(s))" for p, t in sorted(bad.items())[:4])
+        core = cpus.format_cpulist(reserved)
+        return [("region-core", f"threads that may run on the region core {core} were found at the "
+                 f"region's end: {what}; they could have shared it with the measuring thread")]
 
     def _settle(
         self,

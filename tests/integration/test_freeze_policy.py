@@ -427,3 +427,77 @@ def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
     finally:
         proc.kill()
         proc.wait()
+
+
+# A sibling with one thread that either pins itself to CPU argv[2] alone (what OpenMP's
+# OMP_PROC_BIND may do over a lent core) or re-applies its starting mask every 2 ms; it runs
+# until the file argv[1] exists, and makes argv[3] once the thread runs.
+AUX_CORE_SIBLING = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    done, core, ready, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    start = os.sched_getaffinity(0)
+    def work():
+        if mode == "pinned":
+            os.sched_setaffinity(0, {core})
+        open(ready, "w").close()
+        while not os.path.exists(done):
+            if mode == "rewiden":
+                os.sched_setaffinity(0, start)
+            time.sleep(0.002)
+    t = threading.Thread(target=work); t.start(); t.join()
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["pinned", "rewiden"])
+def test_a_sibling_thread_the_move_cannot_keep_off_the_region_core(
+    kx: Krex, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Lent cores: a running sibling's thread pinned to the region core alone cannot be
+    moved off it, so its command is frozen for the region (which stays clean); one that
+    puts its wide mask back while the region runs is found at the end, and the region is
+    flagged `region-core`, never clean."""
+    plain_env = kx.env
+    monkeypatch.setattr(
+        kx, "env", lambda **extra: plain_env(KREX_LEND_CORES="all", KREX_FREEZE_POLICY="gpu", **extra)
+    )
+    kx.start_daemon(slots=2)
+    reserved = kx.status()["partition"]["slices"][0]["reserved"]
+    assert reserved, kx.status()["partition"]
+    out, done, ready = (kx.out / n for n in ("own.json", "sib.done", "sib.ready"))
+    sib = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_CORE_SIBLING,
+         str(done), str(reserved[0]), str(ready), mode],
+        env=kx.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not ready.exists() and sib.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), "the sibling did not start"
+        p = subprocess.run(
+            [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
+            env=kx.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        done.touch()
+        sib_log = sib.communicate(timeout=120)[0]
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert sib.returncode == 0, sib_log[-2000:]
+    regions = [r for r in kx.journal() if "reserved_cpus" in r]
+    assert len(regions) == 3, regions
+    for r in regions:
+        if mode == "pinned":
+            assert r["frozen_slots"], r  # the sibling: no move could take its thread off
+            assert not r["contaminated"], r["reasons"]
+        else:
+            assert r["frozen_slots"] == [], r
+            assert "region-core" in r["flags"], r["reasons"]

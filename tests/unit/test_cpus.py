@@ -446,3 +446,84 @@ def test_pin_other_users_thread_is_permission_denied() -> None:
         os.waitpid(pid, 0)
         os.sched_setaffinity(parent, before)  # in case the child did move us
     assert result == b"denied"
+
+
+_EVICT_VICTIM = """
+import os, sys, threading, time
+d = sys.argv[1]
+def idle():
+    while not os.path.exists(d + "/stop"):
+        time.sleep(0.005)
+def self_setter(cpu):
+    while not os.path.exists(d + "/set"):
+        time.sleep(0.005)
+    os.sched_setaffinity(0, {cpu})
+    open(d + "/was_set", "w").close()
+    idle()
+a = threading.Thread(target=idle); a.start()
+b = threading.Thread(target=self_setter, args=(int(sys.argv[2]),)); b.start()
+open(d + "/tids", "w").write(f"{a.native_id} {b.native_id}")
+while not os.path.exists(d + "/spawn"):
+    time.sleep(0.005)
+os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) & {int(c) for c in sys.argv[3].split(",")})
+c = threading.Thread(target=idle); c.start()  # made with the wide mask, after the first move
+open(d + "/spawned", "w").write(str(c.native_id))
+idle()
+"""
+
+
+def _wait_file(p: Path) -> str:
+    import time
+
+    deadline = time.monotonic() + 20
+    while not p.exists():
+        assert time.monotonic() < deadline, f"{p} never came"
+        time.sleep(0.01)
+    time.sleep(0.01)
+    return p.read_text()
+
+
+def test_evict_second_pass_audit_and_guarded_restore(tmp_path: Path) -> None:
+    """With real threads of a real process: evict moves every thread off the reserved CPU
+    (and returns what it did); a pass `into` the first moves only a thread made since;
+    restore gives the old masks back except to a thread that set its own meanwhile; audit
+    finds a thread whose mask allows the reserved CPU."""
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 CPUs")
+    hi = allowed[-1]
+    wide = ",".join(map(str, allowed))
+    # b later pins itself to `hi`: a mask of its own, not the one the move set
+    proc = subprocess.Popen([sys.executable, "-c", _EVICT_VICTIM, str(tmp_path), str(hi), wide])
+    try:
+        a, b = map(int, _wait_file(tmp_path / "tids").split())
+        ev = cpus.evict([proc.pid], [hi], keep_tid=-1)
+        tids = {int(t) for t in os.listdir(f"/proc/{proc.pid}/task")}
+        assert {a, b, proc.pid} <= tids and ev.seen == tids and not ev.stuck
+        assert {t for t, _o, _n in ev.moved} == tids
+        assert all(hi not in os.sched_getaffinity(t) for t in tids)
+        assert cpus.audit([proc.pid], [hi], keep_tid=-1) == {}
+        (tmp_path / "spawn").touch()
+        c = int(_wait_file(tmp_path / "spawned"))
+        assert set(cpus.audit([proc.pid], [hi], keep_tid=-1)[proc.pid]) == {proc.pid, c}  # re-widened, new
+        n = len(ev.moved)
+        cpus.evict([proc.pid], [hi], keep_tid=-1, into=ev)
+        assert [t for t, _o, _n in ev.moved[n:]] == [c], "the second pass looks only at new threads"
+        assert cpus.audit([proc.pid], [hi], keep_tid=-1) == {proc.pid: [proc.pid]}  # it re-widened itself
+        (tmp_path / "set").touch()
+        _wait_file(tmp_path / "was_set")
+        cpus.restore_evicted(ev)
+        assert os.sched_getaffinity(b) == {hi}, "a mask the thread set itself is kept"
+        assert os.sched_getaffinity(a) == set(allowed) and os.sched_getaffinity(c) == set(allowed)
+        os.sched_setaffinity(a, {hi})  # pinned to the reserved CPU alone: no move can help
+        ev2 = cpus.evict([proc.pid], [hi], keep_tid=-1)
+        assert ev2.stuck == {proc.pid} and os.sched_getaffinity(a) == {hi}
+        assert a in cpus.audit([proc.pid], [hi], keep_tid=-1)[proc.pid]
+        assert a not in cpus.audit([proc.pid], [hi], keep_tid=-1, pinned_ok=[proc.pid]).get(proc.pid, [])
+    finally:
+        (tmp_path / "stop").touch()
+        proc.kill()
+        proc.wait()
