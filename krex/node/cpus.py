@@ -50,6 +50,7 @@ __all__ = [
     "Eviction",
     "evict",
     "audit",
+    "unnarrow",
     "restore_evicted",
 ]
 
@@ -574,6 +575,23 @@ def audit(
             if mask & res and not (pid in ok and mask <= res):
                 out.setdefault(pid, []).append(tid)
     return out
+
+
+def unnarrow(pids: list[int], reserved: list[int], full: list[int]) -> int:
+    """Give `full` back to the threads a krexd that died mid-region left moved off the
+    region core (mask: `full` without `reserved`) or pinned to it (mask within `reserved`,
+    the measuring thread). Other masks are the commands' own and are left. How many."""
+    res, wide = set(reserved), set(full)
+    narrowed = wide - res
+    n = 0
+    for pid in pids:
+        for tid in _threads(pid):
+            with contextlib.suppress(OSError):
+                mask = os.sched_getaffinity(tid)
+                if mask != wide and (mask == narrowed or (mask and mask <= res)):
+                    os.sched_setaffinity(tid, wide)
+                    n += 1
+    return n
 
 
 def restore_evicted(ev: Eviction | None) -> None:

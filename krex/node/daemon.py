@@ -442,6 +442,13 @@ class Daemon:
                 if group.pids() and lib.krex_slot_claim_n(self.seg.raw, n, 0, 0):
                     self._adopt_orphans(n, 0, group)
                     adopted += 1
+        # A daemon killed inside a region left its owner's measuring thread pinned to the
+        # region core and, with lent cores, the other threads moved off it: undone here.
+        for s in list(self.slots.values()):
+            with contextlib.suppress(KrexError):
+                sl = self.partition.slice_for(s.gpu)
+                full = self.partition.command_cpus(s.gpu, self.cfg.lend_cores)
+                cpus.unnarrow(self._group_pids(s), sl.reserved, full)
         with self.lock:
             self._promote()  # slots that freed up with the old daemon go to warm ones now
         return {"thawed": thawed, "reopened": reopened, "reaped": reaped, "adopted": adopted}
@@ -535,8 +542,21 @@ class Daemon:
         if self.cfg.lend_cores == "all":
             # Commands now share krexd's core: keep region entry ahead of their CPU work.
             # Every thread started from here on inherits it (nice is per thread on Linux).
-            with contextlib.suppress(OSError):
+            try:
                 os.setpriority(os.PRIO_PROCESS, 0, -5)
+            except OSError as e:
+                log.warning(
+                    "cannot raise krexd's priority to nice -5 (%s): with lent cores, region entry "
+                    "competes with the commands' CPU work; run krexd as root or with CAP_SYS_NICE",
+                    e.strerror,
+                )
+        if not self.partition.degraded:
+            # krexd's own threads (those started from here on inherit it) never run on a
+            # region core: the measuring thread's alone.
+            keep = set(os.sched_getaffinity(0)) - {c for sl in self.partition.slices for c in sl.reserved}
+            if keep:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, keep)
         self._open_segment()
         self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
@@ -2283,6 +2303,7 @@ class Daemon:
                     "max_region_s": self.cfg.max_region_s,
                     "freeze_policy": self.cfg.freeze_policy,
                     "lend_cores": self.cfg.lend_cores,
+                    "nice": os.getpriority(os.PRIO_PROCESS, 0),  # -5 wanted with lend_cores all
                     "queue_cap_ms": self.cfg.queue_cap_ms,
                     "idle_exit_s": self.cfg.idle_exit_s,
                     "log": str(paths.state_dir() / "krexd.log"),

@@ -41,3 +41,50 @@ def test_default_policy_sibling_recovers_when_krexd_dies_mid_region(kx: Krex, ho
             os.kill(d.pid, signal.SIGCONT)
         kx.touch("own")
         kx.touch("h1.stop") if hasattr(kx, "touch") else None
+
+
+def test_a_daemon_killed_mid_region_leaves_no_thread_off_or_on_the_region_core(kx: Krex) -> None:
+    """Lent cores (the default): krexd killed inside a region leaves the owner's measuring
+    thread pinned to the region core and every other thread of the GPU's commands moved off
+    it. The next krexd, recovering their slots, gives them their masks back."""
+    import psutil
+
+    kx_env = kx.env
+    kx.env = lambda **extra: {  # type: ignore[method-assign]
+        k: v for k, v in kx_env(**extra).items() if k not in ("KREX_FREEZE_POLICY", "KREX_LEND_CORES")
+    }
+    d = kx.start_daemon(slots=3)
+    assert kx.status()["daemon"]["lend_cores"] == "all"
+    h1 = kx.run("h1", "hammer", "--us", "50")
+    kx.wait_running("h1")
+    own = kx.run("own", "hold")
+    ready = kx.result("own", "ready", timeout=30)
+    reserved = set(ready["grant"]["reserved_cpus"])
+    assert reserved and ready["grant"]["evicted_threads"] >= 1, ready["grant"]
+
+    def threads() -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for c in (h1, own):
+            for p in psutil.Process(c.popen.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError):
+                    for t in p.threads():
+                        out[t.id] = set(os.sched_getaffinity(t.id))
+        return out
+
+    inside = threads()
+    assert any(m == reserved for m in inside.values()), "the measuring thread is pinned"
+    assert any(m and not m & reserved for m in inside.values()), "the others are moved off"
+    try:
+        os.killpg(d.pid, signal.SIGKILL)
+        d.wait(timeout=10)
+        kx.start_daemon(slots=3)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            after = threads()
+            if all(reserved <= m for m in after.values()):
+                break
+            time.sleep(0.1)
+        assert all(reserved <= m for m in after.values()), (reserved, after)
+    finally:
+        kx.touch("own")
+        kx.touch("h1.stop") if hasattr(kx, "touch") else None
