@@ -17,9 +17,11 @@ Policies:
             command submitted faster than ADAPTIVE_RATE per second, or it is the first
             one), else `gpu`.
 
-What `gpu` cannot see: a library dlopen()ed later that carries a static CUDA runtime, and
-a process that re-executes the same executable without LD_PRELOAD (its verdict is cached by
-pid, start time and executable). Both need a deliberate effort; `all` covers them.
+What `gpu` cannot see: a library dlopen()ed later that carries a static CUDA runtime, a
+process that re-executes the same executable without LD_PRELOAD (its verdict is cached by
+pid, start time and executable), and one that maps a file named like the shim without
+preloading it (calls it bound before stay ungated). Each needs a deliberate effort; `all`
+covers them.
 
 Why `gpu` is the default: on the H200 (docs/results/h200/final2/, one run, 40 regions a
 cell) it made 10% more commands a minute than `all` at C=16 and as many at C=8, its p95
@@ -80,7 +82,8 @@ class Inspector:
         self._lock = threading.Lock()  # the cache is shared by region threads and the inspector's
         self._pending: set[tuple[int, int, str]] = set()
         self._pids: set[int] = set()  # pids with some verdict cached
-        self._recheck: dict[tuple[int, int, str], float] = {}  # key -> when a verdict goes stale
+        # pid -> (the key of its verdict that may change, when it goes stale); one per pid
+        self._recheck: dict[int, tuple[tuple[int, int, str], float]] = {}
         self.wanted = threading.Event()  # set when a region queued a process to inspect
 
     def verdict(self, pid: int, inspect: bool = True) -> Verdict | None:
@@ -100,7 +103,8 @@ class Inspector:
         key = (pid, ticks, exe)
         with self._lock:
             v = self._cache.get(key)
-            if v is not None and not v.final and time.monotonic() >= self._recheck.get(key, 0.0):
+            rc = self._recheck.get(pid)
+            if v is not None and not v.final and (rc is None or rc[0] != key or time.monotonic() >= rc[1]):
                 v = None  # stale: read again
             if v is None and not inspect:
                 self._pending.add(key)
@@ -119,9 +123,9 @@ class Inspector:
             self._cache[key] = v
             self._pids.add(pid)
             if v.final:
-                self._recheck.pop(key, None)
+                self._recheck.pop(pid, None)
             else:
-                self._recheck[key] = time.monotonic() + RECHECK_S
+                self._recheck[pid] = (key, time.monotonic() + RECHECK_S)
             self._pending.discard(key)
         return v, True
 
@@ -131,14 +135,17 @@ class Inspector:
         with self._lock:
             if pid not in self._pids:
                 return False
-            now = time.monotonic()
-            return not any(k[0] == pid and now >= t for k, t in self._recheck.items())
+            rc = self._recheck.get(pid)
+            return rc is None or time.monotonic() < rc[1]
 
     def inspect_pending(self) -> int:
-        """Inspect the processes regions queued; how many."""
+        """Inspect the processes regions queued; how many. Forgets the stale verdicts of
+        processes that have ended."""
         with self._lock:
             todo = list(self._pending)
             self._pending.clear()
+            for pid in [p for p in self._recheck if not _alive(p)]:
+                del self._recheck[pid]
         for pid, _ticks, _exe in todo:
             self.verdict(pid)  # (a pid that ended or exec'd meanwhile gets its own key)
         return len(todo)

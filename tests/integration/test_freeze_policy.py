@@ -427,6 +427,32 @@ def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
     finally:
         proc.kill()
         proc.wait()
+    # A process seen before it exec'd is seen again after (its old verdict's key is gone),
+    # and the stale verdict of a process that ended is forgotten.
+    execs = subprocess.Popen(["sh", "-c", f"read x; exec {sys.executable} -c \"{code}\""],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        time.sleep(0.3)
+        v = ins.verdict(execs.pid)
+        assert v is not None and not v.gateable, v
+        assert execs.stdin is not None and execs.stdout is not None
+        execs.stdin.write(b"exec\ngo\n")
+        execs.stdin.flush()
+        assert execs.stdout.readline() == b"ok\n"
+        time.sleep(0.25)
+        assert not ins.seen(execs.pid)
+        assert ins.verdict(execs.pid) == freezepolicy.Verdict(True) and ins.seen(execs.pid)
+        without = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        time.sleep(0.3)
+        v = ins.verdict(without.pid)
+        assert v is not None and not v.gateable and without.pid in ins._recheck
+        without.kill()
+        without.wait()
+        ins.inspect_pending()
+        assert without.pid not in ins._recheck, "an ended process's stale verdict is forgotten"
+    finally:
+        execs.kill()
+        execs.wait()
 
 
 # A sibling with one thread that either pins itself to CPU argv[2] alone (what OpenMP's
