@@ -51,6 +51,7 @@ __all__ = [
     "evict",
     "audit",
     "unnarrow",
+    "unpin_inherited",
     "restore_evicted",
 ]
 
@@ -575,6 +576,26 @@ def audit(
             if mask & res and not (pid in ok and mask <= res):
                 out.setdefault(pid, []).append(tid)
     return out
+
+
+def unpin_inherited(
+    pids: list[int], reserved: list[int], old: list[int], keep_tid: int, known: set[int]
+) -> int:
+    """At a region's end: the threads the measuring thread started inside it inherited its
+    pin to the region core; give them the mask it had before (`old`). Threads in `known`
+    (seen by the move at entry) keep theirs. How many."""
+    res = set(reserved)
+    n = 0
+    for pid in pids:
+        for tid in _threads(pid):
+            if tid == keep_tid or tid in known:
+                continue
+            with contextlib.suppress(OSError):
+                mask = os.sched_getaffinity(tid)
+                if mask and mask <= res:
+                    os.sched_setaffinity(tid, old)
+                    n += 1
+    return n
 
 
 def unnarrow(pids: list[int], reserved: list[int], full: list[int]) -> int:

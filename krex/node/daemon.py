@@ -1506,6 +1506,9 @@ class Daemon:
             if old_aff is not None:
                 with contextlib.suppress(KrexError):
                     cpus.restore_thread(req.tid, old_aff)
+                if owner_slot is not None:  # else they would keep the region core for good
+                    known = evicted.seen if evicted else set()
+                    cpus.unpin_inherited(self._group_pids(owner_slot), reserved, old_aff, req.tid, known)
             if evict_fut is not None:  # entry ended early: put back what the move did
                 with contextlib.suppress(Exception):
                     evicted = evict_fut.result()

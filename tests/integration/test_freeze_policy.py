@@ -527,3 +527,47 @@ def test_a_sibling_thread_the_move_cannot_keep_off_the_region_core(
         else:
             assert r["frozen_slots"] == [], r
             assert "region-core" in r["flags"], r["reasons"]
+
+
+INHERITING_OWNER = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import krex
+    start = sorted(os.sched_getaffinity(0))
+    stop = threading.Event()
+    got = []
+    for _ in range(2):
+        with krex.region() as r:
+            t = threading.Thread(target=stop.wait); t.start()  # inherits the measuring thread's pin
+            inside = sorted(os.sched_getaffinity(t.native_id))
+        time.sleep(0.05)
+        got.append({"inside": inside, "after": sorted(os.sched_getaffinity(t.native_id)),
+                    "reasons": r.grant.get("reasons"), "reserved": r.grant["reserved_cpus"]})
+    stop.set()
+    json.dump({"start": start, "regions": got}, open(sys.argv[1], "w"))
+    """
+)
+
+
+@pytest.mark.parametrize("lend", ["off", "all"])
+def test_a_thread_started_inside_a_region_does_not_keep_the_region_core(
+    kx: Krex, monkeypatch: pytest.MonkeyPatch, lend: str
+) -> None:
+    """A thread the measuring thread starts inside its region inherits its pin to the region
+    core; at the end it gets the mask the measuring thread had before (else it would keep
+    the region core for good, and share it with the next command's measuring thread), and
+    the owner's next region is not flagged for it."""
+    plain_env = kx.env
+    monkeypatch.setattr(kx, "env", lambda **extra: plain_env(KREX_LEND_CORES=lend, **extra))
+    kx.start_daemon(slots=2)
+    out = kx.out / "inherit.json"
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", INHERITING_OWNER, str(out)],
+        env=kx.env(), capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for g in res["regions"]:
+        assert g["inside"] == g["reserved"], g
+        assert g["after"] == res["start"], g
+    assert res["regions"][1]["reasons"] == [], res["regions"][1]
