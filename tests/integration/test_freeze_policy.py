@@ -198,16 +198,21 @@ def test_adaptive_resolves_by_launch_rate() -> None:
     assert freezepolicy.effective("all", 0.0) == "all"
 
 
-AUX_OWNER = textwrap.dedent(
+# A thread that samples the process's affinity every millisecond into `samples`.
+SAMPLER = textwrap.dedent(
     """
     import json, os, sys, threading, time
-    import krex
     samples, stop = [], threading.Event()
     def watch():
         while not stop.is_set():
             samples.append((time.monotonic_ns(), sorted(os.sched_getaffinity(0))))
             time.sleep(0.001)
     t = threading.Thread(target=watch); t.start()
+    """
+)
+AUX_OWNER = SAMPLER + textwrap.dedent(
+    """
+    import krex
     time.sleep(0.05)
     regions = []
     for _ in range(3):
@@ -224,17 +229,40 @@ AUX_OWNER = textwrap.dedent(
 )
 
 
+def _owner_beside_sibling(kx: Krex, sib_code: list[str], ready: Path, done: Path, out: Path) -> None:
+    """`krex run` a sibling (python -c SIB_CODE...), wait for its READY file, run AUX_OWNER
+    (its result in OUT) beside it, then make DONE; both must exit 0."""
+    import time
+
+    sib = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", *sib_code],
+        env=kx.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and sib.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ready.exists(), "the sibling did not start"
+        p = subprocess.run(
+            [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
+            env=kx.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        done.touch()
+        sib_log = sib.communicate(timeout=120)[0]
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert sib.returncode == 0, sib_log[-2000:]
+
+
 # A sibling that runs (the gpu policy freezes it not: it has the shim and queues nothing) and
 # samples its own threads' affinity until the file argv[2] exists (argv[3]: made once it samples).
-AUX_SIBLING = textwrap.dedent(
+AUX_SIBLING = SAMPLER + textwrap.dedent(
     """
-    import json, os, sys, threading, time
-    samples, stop = [], threading.Event()
-    def watch():
-        while not stop.is_set():
-            samples.append((time.monotonic_ns(), sorted(os.sched_getaffinity(0))))
-            time.sleep(0.001)
-    t = threading.Thread(target=watch); t.start()
     open(sys.argv[3], "w").close()
     deadline = time.monotonic() + 60
     while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
@@ -261,32 +289,7 @@ def test_region_core_is_the_measuring_threads_alone(
     kx.start_daemon(slots=2)
     assert kx.status()["daemon"]["lend_cores"] == {"1": "region"}.get(lend, lend)
     out, sib_out, done, ready = (kx.out / n for n in ("aux.json", "sib.json", "sib.done", "sib.ready"))
-    sib = subprocess.Popen(
-        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_SIBLING,
-         *map(str, (sib_out, done, ready))],
-        env=kx.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        import time
-
-        deadline = time.monotonic() + 60
-        while not ready.exists() and sib.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ready.exists(), "the sibling did not start"
-        p = subprocess.run(
-            [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
-            env=kx.env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        done.touch()
-        sib_log = sib.communicate(timeout=120)[0]
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert sib.returncode == 0, sib_log[-2000:]
+    _owner_beside_sibling(kx, [AUX_SIBLING, str(sib_out), str(done), str(ready)], ready, done, out)
     res = json.loads(out.read_text())
     reserved = set(res["regions"][0]["grant"]["reserved_cpus"])
     assert reserved and reserved <= set(res["start"]), "the region core is lent to the command"
@@ -492,32 +495,8 @@ def test_a_sibling_thread_the_move_cannot_keep_off_the_region_core(
     reserved = kx.status()["partition"]["slices"][0]["reserved"]
     assert reserved, kx.status()["partition"]
     out, done, ready = (kx.out / n for n in ("own.json", "sib.done", "sib.ready"))
-    sib = subprocess.Popen(
-        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_CORE_SIBLING,
-         str(done), str(reserved[0]), str(ready), mode],
-        env=kx.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        import time
-
-        deadline = time.monotonic() + 60
-        while not ready.exists() and sib.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ready.exists(), "the sibling did not start"
-        p = subprocess.run(
-            [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", AUX_OWNER, str(out)],
-            env=kx.env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        done.touch()
-        sib_log = sib.communicate(timeout=120)[0]
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert sib.returncode == 0, sib_log[-2000:]
+    sib_code = [AUX_CORE_SIBLING, str(done), str(reserved[0]), str(ready), mode]
+    _owner_beside_sibling(kx, sib_code, ready, done, out)
     regions = [r for r in kx.journal() if "reserved_cpus" in r]
     assert len(regions) == 3, regions
     for r in regions:
