@@ -517,6 +517,7 @@ class Eviction:
     moved: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     stuck: set[int] = field(default_factory=set)
+    before: set[int] = field(default_factory=set)  # seen by the first pass: there as the gate closed
 
 
 def _threads(pid: int) -> list[int]:
@@ -554,6 +555,8 @@ def evict(pids: list[int], reserved: list[int], keep_tid: int, into: Eviction | 
                 ev.moved.append((tid, sorted(old), sorted(rest)))
             except OSError:
                 continue
+    if into is None:
+        ev.before = set(ev.seen)
     return ev
 
 
@@ -598,18 +601,24 @@ def unpin_inherited(
     return n
 
 
-def unnarrow(pids: list[int], reserved: list[int], full: list[int]) -> int:
-    """Give `full` back to the threads a krexd that died mid-region left moved off the
-    region core (mask: `full` without `reserved`) or pinned to it (mask within `reserved`,
-    the measuring thread). Other masks are the commands' own and are left. How many."""
-    res, wide = set(reserved), set(full)
+def unnarrow(
+    pids: list[int], reserved: list[int], full: list[int], skip: set[int] | None = None, pinned: bool = True
+) -> int:
+    """Give `full` back to the threads left moved off the region core (mask: `full` without
+    `reserved`) and, with `pinned`, to those pinned to it (mask within `reserved`, the
+    measuring thread): by a krexd that died mid-region, or, at a region's end, threads that
+    moved ones started during it (they inherited the narrowed mask; `skip`: the moved ones,
+    which restore_evicted handles). Other masks are the commands' own and are left. How many."""
+    res, wide, skip = set(reserved), set(full), skip or set()
     narrowed = wide - res
     n = 0
     for pid in pids:
         for tid in _threads(pid):
+            if tid in skip:
+                continue
             with contextlib.suppress(OSError):
                 mask = os.sched_getaffinity(tid)
-                if mask != wide and (mask == narrowed or (mask and mask <= res)):
+                if mask != wide and (mask == narrowed or (pinned and mask and mask <= res)):
                     os.sched_setaffinity(tid, wide)
                     n += 1
     return n

@@ -1513,6 +1513,17 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     evicted = evict_fut.result()
             cpus.restore_evicted(evicted)
+            if evicted is not None:
+                # Threads and processes that moved ones started during the region inherited
+                # the narrowed mask: else a long-running command would lose the lent cores.
+                with contextlib.suppress(KrexError):
+                    full = self.partition.command_cpus(gpu, self.cfg.lend_cores)
+                    pids = [p for s in at_close for p in self._group_pids(s)]
+                    res = self.partition.slice_for(gpu).reserved
+                    # Not those that were there as the gate closed (a narrowed mask there is the
+                    # command's own) nor the moved ones (restore_evicted's).
+                    skip = evicted.before | {tid for tid, _old, _new in evicted.moved} | {req.tid}
+                    cpus.unnarrow(pids, res, full, skip, pinned=False)
             t3 = time.monotonic()
             if fz is not None:
                 # A freeze still running (an error ended the entry early) would undo the thaw

@@ -466,6 +466,7 @@ AUX_CORE_SIBLING = textwrap.dedent(
     import os, sys, threading, time
     done, core, ready, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     start = os.sched_getaffinity(0)
+    ev, born = threading.Event(), []
     def work():
         if mode == "pinned":
             os.sched_setaffinity(0, {core})
@@ -473,20 +474,27 @@ AUX_CORE_SIBLING = textwrap.dedent(
         while not os.path.exists(done):
             if mode == "rewiden":
                 os.sched_setaffinity(0, start)
+            if mode == "spawn" and len(born) < 300:
+                born.append(threading.Thread(target=ev.wait)); born[-1].start()
             time.sleep(0.002)
     t = threading.Thread(target=work); t.start(); t.join()
+    time.sleep(0.3)  # the last region's end is over
+    masks = [sorted(os.sched_getaffinity(int(x))) for x in os.listdir("/proc/self/task")]
+    open(done + ".masks", "w").write(repr((sorted(start), masks)))
+    ev.set()
     """
 )
 
 
-@pytest.mark.parametrize("mode", ["pinned", "rewiden"])
+@pytest.mark.parametrize("mode", ["pinned", "rewiden", "spawn"])
 def test_a_sibling_thread_the_move_cannot_keep_off_the_region_core(
     kx: Krex, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """Lent cores: a running sibling's thread pinned to the region core alone cannot be
     moved off it, so its command is frozen for the region (which stays clean); one that
     puts its wide mask back while the region runs is found at the end, and the region is
-    flagged `region-core`, never clean."""
+    flagged `region-core`, never clean; threads a moved thread starts during regions
+    inherit the narrowed mask and get the lent core back at the end."""
     plain_env = kx.env
     monkeypatch.setattr(
         kx, "env", lambda **extra: plain_env(KREX_LEND_CORES="all", KREX_FREEZE_POLICY="gpu", **extra)
@@ -503,9 +511,16 @@ def test_a_sibling_thread_the_move_cannot_keep_off_the_region_core(
         if mode == "pinned":
             assert r["frozen_slots"], r  # the sibling: no move could take its thread off
             assert not r["contaminated"], r["reasons"]
-        else:
+        elif mode == "rewiden":
             assert r["frozen_slots"] == [], r
             assert "region-core" in r["flags"], r["reasons"]
+        else:  # threads its moved thread started during regions: clean, and the lent core back after
+            assert r["frozen_slots"] == [] and not r["contaminated"], r["reasons"]
+    if mode == "spawn":
+        import ast
+
+        start, masks = ast.literal_eval(Path(str(done) + ".masks").read_text())
+        assert len(masks) > 50 and all(m == start for m in masks), (start, [m for m in masks if m != start])
 
 
 INHERITING_OWNER = textwrap.dedent(
