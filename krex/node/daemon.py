@@ -1629,6 +1629,13 @@ class Daemon:
         n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, gen, since_ns, slots, ago, 64)), 64)
         return [(int(slots[i]), int(ago[i])) for i in range(n)]
 
+    def _running_pids(self, at_close: list[Slot], frozen: list[Slot]) -> dict[Slot, list[int]]:
+        """The processes of the commands that were on the GPU as the gate closed, still live
+        and not frozen."""
+        with self.lock:
+            running = [s for s in at_close if s not in frozen and s.slot in self.slots]
+        return {s: self._group_pids(s) for s in running}
+
     def _evict_again(
         self, req: Region, at_close: list[Slot], frozen: list[Slot], reserved: list[int], ev: cpus.Eviction
     ) -> list[tuple[str, str]]:
@@ -1636,9 +1643,7 @@ class Daemon:
         processes made meanwhile (looking only at those), and freeze a running sibling with a
         thread pinned to the region core alone (which no move can take off it). The owner's
         own such thread is flagged: it shares the core with the measuring thread."""
-        with self.lock:
-            running = [s for s in at_close if s not in frozen and s.slot in self.slots]
-        pids = {s: self._group_pids(s) for s in running}
+        pids = self._running_pids(at_close, frozen)
         cpus.evict([p for ps in pids.values() for p in ps], reserved, req.tid, into=ev)
         out: list[tuple[str, str]] = []
         for s, ps in pids.items():
@@ -1668,9 +1673,7 @@ class Daemon:
         region core now could have during the region (its command re-widened its mask, or a
         process or thread came after the moves). Commands admitted during the region
         started frozen and are not looked at."""
-        with self.lock:
-            running = [s for s in at_close if s not in frozen and s.slot in self.slots]
-        pids = {s: self._group_pids(s) for s in running}
+        pids = self._running_pids(at_close, frozen)
         own = [p for s, ps in pids.items() if s.slot == req.slot for p in ps]
         bad = cpus.audit([p for ps in pids.values() for p in ps], reserved, req.tid, pinned_ok=own)
         if not bad:
