@@ -1,0 +1,73 @@
+"""Where a slow drain waits: N copies of the corpus's CPU-heavy command (examples/workloads/gpu/
+agent_like.py, under `krex run` with its automatic do_bench region) started at once beside one
+command that enters `krex.region()` every few ms, while a sampler (gpu_entry_copies.Sampler)
+records where the siblings' main and drain-helper threads block, from /proc.
+
+    python scripts/gpu_drain_stall.py --siblings 12 --seconds 70      # the H200
+
+Prints the region entries over 30 ms with their steps, then the blocked stacks by count."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from _siblings import World, measure_code, percentile, stop_all
+from gpu_entry_copies import _GPU_PRELUDE, Sampler
+
+AGENT = Path(__file__).resolve().parents[1] / "examples" / "workloads" / "gpu" / "agent_like.py"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--siblings", type=int, default=12)
+    ap.add_argument("--seconds", type=float, default=70.0, help="how long the measuring command runs")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/krex-drain-stall")
+    a = ap.parse_args()
+    root = Path(a.out)
+    root.mkdir(parents=True, exist_ok=True)
+    w = World("stall", sys.executable, "gpu", root, a.siblings + 1, "ds")
+    sibs = []
+    try:
+        regions = int(a.seconds / 0.02)
+        meas = w.run(_GPU_PRELUDE + measure_code("short_op(); sync()", 0.01), str(regions), log="measure.log")
+        time.sleep(3)
+        for i in range(a.siblings):
+            argv = [str(AGENT), "--name", f"s{i}", "--n", str(1 << 26), "--iters", "10", "--input-gb", "2"]
+            code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+            sibs.append(w.run(code, log=f"sibling-{i}.log", env={"KREX_AUTO_REGION": "do_bench"}))
+        smp = Sampler([s.pid for s in sibs])
+        smp.start()
+        out, _ = meas.communicate(timeout=a.seconds * 4 + 120)
+        smp.stop.set()
+        rows = json.loads(out.strip().splitlines()[-1]) if meas.returncode == 0 else []
+    finally:
+        stop_all(sibs)
+        w.stop_daemon()
+    slow = [r for r in rows if r["client_s"] > 0.03]
+    (root / "drain_stall.json").write_text(json.dumps({"rows": rows, "blocked": smp.counts}, indent=1))
+    ms = [r["client_s"] * 1e3 for r in rows]
+    print(
+        f"{len(rows)} regions beside {a.siblings} CPU-heavy commands; entry p50/p99/max "
+        f"{percentile(ms, 50):.1f}/{percentile(ms, 99):.1f}/{max(ms):.1f} ms; {len(slow)} over 30 ms"
+    )
+    for r in slow[:15]:
+        print(
+            "  "
+            + " ".join(
+                f"{k}={v * 1e3:.1f}"
+                for k, v in r.items()
+                if k.endswith("_s") and isinstance(v, float) and v > 0.002
+            )
+        )
+    print(f"blocked threads ({smp.samples} samples):")
+    for key, n in sorted(smp.counts.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"  {n:6d}  {key}")
+
+
+if __name__ == "__main__":
+    main()
