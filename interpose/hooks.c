@@ -42,6 +42,7 @@
     KREX_RET fname params {                                        \
         KREX_GET_FN(name, k)                                       \
         int krex_counted = krex_enter(KREX_CLS_LIFE);              \
+        krex_life_thread();                                        \
         before;                                                    \
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
         krex_life_free(KREX_ID_##name, krex_a0, 0);                \

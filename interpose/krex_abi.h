@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 5
+#define KREX_ABI_VERSION 6
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -366,6 +366,10 @@ struct krex_proc {
                                      * stream, so they count with the gated submissions */
     uint64_t paced;                 /* pace.c: times a thread waited for its queued work */
     uint64_t paced_ns;
+    uint32_t life_tid;              /* the thread that last began a LIFE call (0: none yet, or not
+                                     * in krexd's pid namespace): krexd lends it priority while a
+                                     * region's drain waits for that call to end */
+    uint32_t pad1;
 };
 
 struct krex_shm {

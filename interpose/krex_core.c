@@ -415,8 +415,10 @@ int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct kre
 
 /* Live sibling processes of `gpu` (not in `owner_slot`) inside a LIFE call (or exiting
  * after one): krexd freezes their slots, since the gate cannot stop such a call midway.
- * Fills their pids and slots (KREX_PROC_STALE for a process of a slot handed on). */
-int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, int max) {
+ * Fills their pids and slots (KREX_PROC_STALE for a process of a slot handed on), and
+ * if `tids` is not NULL the thread that last began a LIFE call in each (0: unknown). */
+int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, uint32_t *tids,
+                   int max) {
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
@@ -426,6 +428,7 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
         if (n < max) {
             pids[n] = pid;
             slots[n] = p->slot;
+            if (tids) tids[n] = __atomic_load_n(&p->life_tid, SEQ);
         }
         n++;
     }

@@ -74,7 +74,8 @@ struct krex_proc_id {
     uint32_t pad0;
 };
 int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, int max);
-int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, int max);
+int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, uint32_t *tids,
+                   int max);
 int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t owner_gen, uint64_t since_ns,
                       int32_t *slots, uint64_t *ago_ns, int max);
 void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen);

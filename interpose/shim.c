@@ -159,6 +159,15 @@ void krex_life_ordered(int id, int end) {
     if (end) krex_exit_redrain(); /* (returns at once while the drain helper runs) */
 }
 
+/* A LIFE call passed the gate: name its thread in the record (krexd renices it while a
+ * region's drain waits behind it, the driver lock it holds; a context creation took
+ * 100-700 ms on a loaded H200). Not on the submission path. */
+void krex_life_thread(void) {
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p && krex_in_krexds_pid_ns())
+        __atomic_store_n(&p->life_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_RELAXED);
+}
+
 void krex_life_done(void) {
     if (!mode_on() || __atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen) return;
     static int registered; /* atexit handlers survive fork: once per image */

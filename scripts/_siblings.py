@@ -69,7 +69,7 @@ for _ in range(n):
         short_op(); sync()
     g = r.grant or {}
     rows.append({"client_s": t1 - t0, **{k: v for k, v in g.items() if k.endswith("_s") or k.startswith("wait_")
-                                          or k in ("contaminated", "drained", "flags")}})
+                                          or k in ("contaminated", "drained", "flags", "drain_slow", "drain_waited_on", "lent_priority")}})
     time.sleep(PAUSE)
 print(json.dumps(rows))
 """

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from _siblings import World, measure_code, percentile, stop_all
 from gpu_entry_copies import _GPU_PRELUDE, Sampler
@@ -26,12 +27,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--siblings", type=int, default=12)
     ap.add_argument("--seconds", type=float, default=70.0, help="how long the measuring command runs")
+    ap.add_argument(
+        "--helper-nice", default="0,-10", help="krexd's helper_nice per case, comma-separated (a world each)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/krex-drain-stall")
     a = ap.parse_args()
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
-    w = World("stall", sys.executable, "gpu", root, a.siblings + 1, "ds")
+    for nice in a.helper_nice.split(","):
+        case(a, root, int(nice))
+
+
+def case(a: argparse.Namespace, root: Path, nice: int) -> None:
+    w = World(f"nice{nice}", sys.executable, "gpu", root, a.siblings + 1, "ds")
+    w.env["KREX_HELPER_NICE"] = str(nice)
     sibs = []
+    rows: list[dict[str, Any]] = []
+    smp = Sampler([])
     try:
         regions = int(a.seconds / 0.02)
         meas = w.run(_GPU_PRELUDE + measure_code("short_op(); sync()", 0.01), str(regions), log="measure.log")
@@ -49,24 +61,38 @@ def main() -> None:
         stop_all(sibs)
         w.stop_daemon()
     slow = [r for r in rows if r["client_s"] > 0.03]
-    (root / "drain_stall.json").write_text(json.dumps({"rows": rows, "blocked": smp.counts}, indent=1))
-    ms = [r["client_s"] * 1e3 for r in rows]
+    (w.dir / "drain_stall.json").write_text(json.dumps({"rows": rows, "blocked": smp.counts}, indent=1))
+    ms = [r["client_s"] * 1e3 for r in rows] or [float("nan")]
     print(
-        f"{len(rows)} regions beside {a.siblings} CPU-heavy commands; entry p50/p99/max "
-        f"{percentile(ms, 50):.1f}/{percentile(ms, 99):.1f}/{max(ms):.1f} ms; {len(slow)} over 30 ms"
+        f"helper_nice {nice}: {len(rows)} regions beside {a.siblings} CPU-heavy commands; entry p50/p90/p99/max "
+        f"{percentile(ms, 50):.1f}/{percentile(ms, 90):.1f}/{percentile(ms, 99):.1f}/{max(ms):.1f} ms; "
+        f"{len(slow)} over 30 ms"
     )
-    for r in slow[:15]:
-        print(
-            "  "
-            + " ".join(
-                f"{k}={v * 1e3:.1f}"
-                for k, v in r.items()
-                if k.endswith("_s") and isinstance(v, float) and v > 0.002
-            )
+    where: dict[str, int] = {}
+    for r in slow:
+        for line in r.get("drain_waited_on") or []:
+            for part in ("helper", "main"):
+                tail = line.split(f"{part} ", 1)[-1].split(";")[0].split(" stack=")
+                key = (
+                    f"{part}: "
+                    + " ".join(tail[0].split()[2:])
+                    + " "
+                    + (tail[1].split("<")[0] if len(tail) > 1 else "")
+                )
+                where[key] = where.get(key, 0) + 1
+    for r in slow[:6]:
+        steps = " ".join(
+            f"{k}={v * 1e3:.1f}"
+            for k, v in r.items()
+            if k.endswith("_s") and isinstance(v, float) and v > 0.002
         )
-    print(f"blocked threads ({smp.samples} samples):")
-    for key, n in sorted(smp.counts.items(), key=lambda kv: -kv[1])[:30]:
-        print(f"  {n:6d}  {key}")
+        print(f"  {steps}  {(r.get('drain_waited_on') or [''])[0][:300]}")
+    print("  where slow drains' siblings were (state wchan top-of-stack: count):")
+    for key, n in sorted(where.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {n:4d}  {key}")
+    print(f"  blocked threads ({smp.samples} samples), top:")
+    for key, n in sorted(smp.counts.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {n:6d}  {key}")
 
 
 if __name__ == "__main__":

@@ -356,6 +356,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "freeze_why",
         "drain_slow",
         "drain_waited_on",
+        "lent_priority",
         "freeze_ms",
         "freeze_slow",
         "cut",

@@ -24,6 +24,8 @@ Precedence: command line > environment > config file > defaults. The config file
   queue_cap_ms     KREX_QUEUE_CAP_MS                         while commands share a GPU, how long (ms) the GPU
                                                              work a command has queued may wait before its
                                                              next submissions wait for it; 0: unbounded
+  helper_nice      KREX_HELPER_NICE                          the nice value krexd gives commands' drain helper
+                                                             threads (root only; 0: leave them alone)
   freeze_timeout   KREX_FREEZE_TIMEOUT                       seconds to wait for a group to report frozen
   drain_timeout    KREX_DRAIN_TIMEOUT                        seconds to wait for in-flight work and drain acks
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
@@ -138,6 +140,10 @@ class Config:
     lend_cores: str = "all"
     # Bounded queues (interpose/pace.c): a region's entry drains what siblings queued.
     queue_cap_ms: float = float(lib.KREX_QUEUE_CAP_MS)
+    # A region's entry waits for every sibling's drain helper to answer; at nice 0 on a full
+    # node a helper sat runnable behind its own command's CPU-bound threads (H200, the
+    # CPU-heavy family). krexd (root) renices each helper once, at its first region.
+    helper_nice: int = -10
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
@@ -209,6 +215,7 @@ KEYS = (
         "core (all) while no region needs them", ("off", "region", "all")),
     Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
         "milliseconds, e.g. 20, or 0 for none"),
+    Key("helper_nice", "helper_nice", "KREX_HELPER_NICE", _num(-20, 0, True), "a whole number -20..0"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),

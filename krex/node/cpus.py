@@ -633,3 +633,44 @@ def restore_evicted(ev: Eviction | None) -> None:
         with contextlib.suppress(OSError):
             if sorted(os.sched_getaffinity(tid)) == new:
                 os.sched_setaffinity(tid, old)
+
+
+# Lent priority: a thread a region waits for (a sibling's drain helper, or the thread inside
+# a context, module or memory call its drain waits behind) gets a lower nice, with
+# reset-on-fork so that threads it starts meanwhile (the driver starts some at a context's
+# creation) keep nice 0.
+
+
+def boost(pid: int, tid: int, nice: int, name: str | None = None) -> int | None:
+    """Renice thread `tid` of process `pid` to `nice` (reset-on-fork): only a SCHED_OTHER
+    thread of that process whose nice is above `nice` and, with `name`, whose comm is that.
+    Its old nice, or None if nothing was changed. PermissionError (not root) passes
+    through. A thread that ends and whose tid is reused in between is the one race left."""
+    base = f"/proc/{pid}/task/{tid}"
+    if name is not None:
+        try:
+            if Path(base, "comm").read_text().strip() != name:
+                return None
+        except OSError:
+            return None
+    elif not os.path.exists(base):
+        return None
+    try:
+        old = os.getpriority(os.PRIO_PROCESS, tid)
+        if old <= nice or os.sched_getscheduler(tid) != os.SCHED_OTHER:
+            return None
+        os.sched_setscheduler(tid, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except ProcessLookupError:
+        return None
+    return old
+
+
+def unboost(pid: int, tid: int, old: int, nice: int) -> None:
+    """Undo `boost`: nice `old` again, without reset-on-fork, if the thread is still there
+    at `nice` (one that changed its own since is left alone)."""
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            return
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, old)

@@ -237,6 +237,9 @@ class _FreezePlan:
         self.futs: dict[Slot, concurrent.futures.Future[float]] = {}
         self.early = 0  # freezes started while other siblings still drained
         self.life_unfrozen: list[int] = []  # inside a LIFE call, of no slot krexd can freeze
+        self.boosted: list[tuple[int, int, int]] = []  # (pid, tid, old nice) lent priority by _plan
+        self.lent: list[list[int]] = []  # [pid, tid] of each, for the region's record
+        self.draining = True  # until unboost: a plan made after the drain lends nothing
 
     def _plan(self, siblings: list[Slot]) -> None:
         policy, chosen, why = self.d._freeze_choice(self.owner, siblings)
@@ -244,8 +247,14 @@ class _FreezePlan:
         # Read after the gate closed: a LIFE call (context, module, device memory) begun
         # since parks at the gate, so one read finds every one the gate cannot stop.
         life: dict[int, list[int]] = {}
-        for pid, slot in self.d.seg.life_busy(self.gpu, self.owner_slot).items():
+        for pid, (slot, tid) in self.d.seg.life_busy(self.gpu, self.owner_slot).items():
             life.setdefault(slot, []).append(pid)
+            # Its drain waits for that call (the helper's sync needs the driver lock it
+            # holds): lend its thread priority until the drain is over (unboost).
+            old_nice = self.d._boost(pid, tid) if self.draining else None
+            if old_nice is not None:
+                self.boosted.append((pid, tid, old_nice))
+                self.lent.append([pid, tid])
         for s in siblings:
             if s in chosen:
                 continue
@@ -264,6 +273,13 @@ class _FreezePlan:
         self.why.extend(why)
         self.siblings.extend(siblings)
         self.to_freeze.extend(chosen)
+
+    def unboost(self) -> None:
+        """The LIFE threads' own nice back (after the drain; again at the region's end)."""
+        self.draining = False
+        while self.boosted:
+            pid, tid, old = self.boosted.pop()
+            cpus.unboost(pid, tid, old, self.d.cfg.helper_nice)
 
     def progress(self, pending: set[int], final: bool = False) -> None:
         d = self.d
@@ -348,6 +364,9 @@ class Daemon:
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
         self.inspector = freezepolicy.Inspector()
+        self._boosted: set[tuple[int, int]] = set()  # (pid, helper tid) reniced to helper_nice
+        self._boost_lock = threading.Lock()
+        self._boost_ok = True  # False once a renice was refused (not root): not tried again
         self.attestor = Attestor.for_device(self.info.kind, self.info.physical)
         self._conns: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self._idle_threads = 0  # connection threads waiting on _conns
@@ -1259,6 +1278,7 @@ class Daemon:
             # Taken as the gate closes: a sibling that starts or ends its GPU work from here
             # on can overlap the region (sibling-context), entry included.
             sib_procs = self._sibling_gpu_procs(gpu, req.slot)
+            self._boost_helpers(sib_procs)  # before the drain request: its acks come sooner
             if self.cfg.lend_cores != "off" or self.partition.degraded:
                 # Others may run on the region core (lent, or a degraded partition): move every
                 # thread of this GPU's commands but the measuring one off it, while the siblings
@@ -1311,6 +1331,7 @@ class Daemon:
                 full=policy0 != "gpu",
             )
             t["drain_s"] = r.seconds
+            fz.unboost()
             drain_slow = sorted(([p, round(s * 1e3, 1)] for p, s in r.acks.items()), key=lambda x: -x[1])[:3]
             waits["wait_drain"] = r.stats
             drained = r.count
@@ -1423,6 +1444,7 @@ class Daemon:
                 # owed one 25 ms in were, each freeze's time, and threads a slow one waited for.
                 "drain_slow": drain_slow,
                 "drain_waited_on": waited_on,
+                "lent_priority": fz.lent if fz is not None else [],
                 "freeze_ms": freeze_ms,
                 "freeze_slow": freeze_slow,
                 "evicted_threads": len(evicted.moved) if evicted is not None else 0,
@@ -1503,6 +1525,8 @@ class Daemon:
                     )
                 )
         finally:
+            if fz is not None:
+                fz.unboost()  # (the drain raised)
             if old_aff is not None:
                 with contextlib.suppress(KrexError):
                     cpus.restore_thread(req.tid, old_aff)
@@ -1748,6 +1772,42 @@ class Daemon:
         buf = ffi.new("struct krex_proc_id[]", n)
         got = min(int(lib.krex_sibling_procs(self.seg.raw, gpu, owner_slot, buf, n)), n)
         return {(int(buf[i].pid), int(buf[i].start_ticks), int(buf[i].helper_tid)) for i in range(got)}
+
+    def _boost(self, pid: int, tid: int, name: str | None = None) -> int | None:
+        """cpus.boost to helper_nice; None if off, refused (not root: warned once, then
+        off) or not needed."""
+        want = self.cfg.helper_nice
+        if want >= 0 or not self._boost_ok or not tid:
+            return None
+        try:
+            return cpus.boost(pid, tid, want, name)
+        except PermissionError as e:
+            self._boost_ok = False
+            log.warning(
+                "cannot renice threads a region waits for to %d (%s): region entry may wait behind "
+                "siblings' CPU work; run krexd as root, or set helper_nice 0",
+                want,
+                e.strerror,
+            )
+            return None
+
+    def _boost_helpers(self, procs: Iterable[tuple[int, int, int]]) -> None:
+        """Renice the drain helpers of `procs` (pid, start, helper tid) to helper_nice, each
+        once: a region's entry waits for every sibling's ack, and a helper at its command's
+        nice 0 waited runnable behind that command's CPU-bound threads (H200, CPU-heavy
+        family). Only a thread of that pid named krex-drain (a helper tid outlives its
+        thread across an exec)."""
+        if self.cfg.helper_nice >= 0 or not self._boost_ok:
+            return
+        with self._boost_lock:
+            new = [(p, t) for p, _st, t in procs if t and (p, t) not in self._boosted]
+        for pid, tid in new:
+            self._boost(pid, tid, "krex-drain")
+        if new:
+            with self._boost_lock:
+                self._boosted.update(new)
+                if len(self._boosted) > 4 * lib.KREX_MAX_PROCS:  # bounded: forget the dead
+                    self._boosted = {k for k in self._boosted if os.path.exists(f"/proc/{k[0]}/task/{k[1]}")}
 
     def _own_pids(self, req: Region) -> set[int]:
         """The owner and its command's whole process tree (slot group)."""

@@ -256,7 +256,7 @@ def task_states(pid: int) -> list[str]:
     return states
 
 
-def _read_or_empty(path: str) -> str:
+def read_or_empty(path: str) -> str:
     """A /proc file's text, stripped; "" if it cannot be read (gone, or not ours)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -268,7 +268,7 @@ def _read_or_empty(path: str) -> str:
 def thread_report(pid: int, limit: int = 12) -> str:
     """Where a process's threads are, for a reason text: `comm` and cmdline, then per thread
     its name, state, kernel wait channel and the top of its kernel stack (root only)."""
-    rd = _read_or_empty
+    rd = read_or_empty
     try:
         tids = sorted(os.listdir(f"{PROC}/{pid}/task"), key=int)
     except OSError:
@@ -283,7 +283,7 @@ def thread_report(pid: int, limit: int = 12) -> str:
 def thread_line(pid: int, tid: int) -> str:
     """One thread: "tid comm state wchan=... stack=a<b<c" (the stack needs root)."""
     t = f"{PROC}/{pid}/task/{tid}"
-    rd = _read_or_empty
+    rd = read_or_empty
     st = parse_stat(rd(f"{t}/stat"), tid)
     stack = [ln.split("] ", 1)[-1].split("+")[0] for ln in rd(f"{t}/stack").splitlines()[:3]]
     return f"{tid} {rd(f'{t}/comm') or '?'} {st.state if st else 'gone'} wchan={rd(f'{t}/wchan') or '-'}" + (

@@ -557,12 +557,13 @@ class Segment:
                 n += sum(int(r.submits[k]) for k in range(lib.KREX_CLS_LIFE))
         return n
 
-    def life_busy(self, gpu: int, owner_slot: int) -> dict[int, int]:
+    def life_busy(self, gpu: int, owner_slot: int) -> dict[int, tuple[int, int]]:
         """Live sibling processes inside a LIFE call (context, module, device memory), or
-        exiting after one: {pid: slot} (KREX_PROC_STALE for a slot handed on)."""
-        pids, slots = ffi.new("int64_t[64]"), ffi.new("int32_t[64]")
-        n = min(int(lib.krex_life_busy(self.raw, gpu, owner_slot, pids, slots, 64)), 64)
-        return {int(pids[i]): int(slots[i]) for i in range(n)}
+        exiting after one: {pid: (slot, thread)}: KREX_PROC_STALE for a slot handed on; the
+        thread that last began a LIFE call there, 0 if unknown (krex_proc.life_tid)."""
+        pids, slots, tids = ffi.new("int64_t[64]"), ffi.new("int32_t[64]"), ffi.new("uint32_t[64]")
+        n = min(int(lib.krex_life_busy(self.raw, gpu, owner_slot, pids, slots, tids, 64)), 64)
+        return {int(pids[i]): (int(slots[i]), int(tids[i])) for i in range(n)}
 
     def exiting(self, gpu: int, owner_slot: int) -> set[int]:
         """Sibling processes inside the kernel's exit, past any freezer (krex_sibling_exiting)."""

@@ -565,3 +565,47 @@ def test_a_thread_started_inside_a_region_does_not_keep_the_region_core(
         assert g["inside"] == g["reserved"], g
         assert g["after"] == res["start"], g
     assert res["regions"][1]["reasons"] == [], res["regions"][1]
+
+
+# A sibling that launches one simulated kernel (so it has a drain helper and is a GPU sibling),
+# makes argv[3], waits for argv[2], then writes its helper thread's nice value to argv[1].
+HELPER_NICE_SIBLING = textwrap.dedent(
+    """
+    import ctypes, json, os, sys, time
+    class Dim3(ctypes.Structure):
+        _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+    rt = ctypes.CDLL("libcudart.so.13")
+    vp = ctypes.c_void_p
+    rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+    fn = ctypes.cast(rt.cudaDeviceSynchronize, vp)
+    assert rt.cudaLaunchKernel(fn, Dim3(10, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+    rt.cudaDeviceSynchronize()
+    open(sys.argv[3], "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tasks = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+    nice = {c: os.getpriority(os.PRIO_PROCESS, int(t)) for t, c in tasks.items() if c == "krex-drain"}
+    nice["main"] = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    json.dump(nice, open(sys.argv[1], "w"))
+    """
+)
+
+
+@pytest.mark.parametrize("setting", ["default", "0", "-3"])
+def test_a_siblings_drain_helper_is_reniced_at_its_first_region(
+    kx: Krex, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """krexd renices a GPU sibling's drain helper thread to helper_nice (default -10) when a
+    region first waits for it, and that thread alone: the command's own threads keep their
+    nice. KREX_HELPER_NICE=0 leaves the helper alone."""
+    extra = {} if setting == "default" else {"KREX_HELPER_NICE": setting}
+    plain_env = kx.env
+    monkeypatch.setattr(kx, "env", lambda **more: plain_env(**extra, **more))
+    kx.start_daemon(slots=2)
+    out, sib_out, done, ready = (kx.out / n for n in ("aux.json", "sib.json", "sib.done", "sib.ready"))
+    _owner_beside_sibling(kx, [HELPER_NICE_SIBLING, str(sib_out), str(done), str(ready)], ready, done, out)
+    nice = json.loads(sib_out.read_text())
+    want = -10 if setting == "default" else int(setting)
+    assert nice == {"krex-drain": want, "main": 0}, nice
+    assert all(r["grant"]["drained"] >= 1 for r in json.loads(out.read_text())["regions"])

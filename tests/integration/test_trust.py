@@ -844,6 +844,32 @@ def test_a_gpu_policy_sibling_inside_a_slow_life_call_is_frozen_not_waited_for(k
     assert kx.cmds["sib"].wait(60) == 0, kx.cmds["sib"].output()
 
 
+@pytest.mark.parametrize("nice", ["default", "0"])
+def test_a_region_lends_priority_to_the_thread_inside_a_siblings_life_call(kx: Krex, nice: str) -> None:
+    """On a real driver a sibling's drain waits behind its context, module or memory call
+    (the helper's sync needs the driver lock that call holds; 100-700 ms for a context on a
+    loaded H200): krexd renices the thread inside it to helper_nice (default -10) while the
+    drain runs, names it in the grant, and gives it its nice back after. helper_nice 0: never."""
+    _fake_nvml_gpu_policy(kx, **({} if nice == "default" else {"KREX_HELPER_NICE": nice}))
+    kx.run("sib", "life", env=kx.env(KREX_SIM_LIFE_MS="3000"))
+    kx.wait(lambda: (kx.out / "sib.progress").exists(), 30, "the sibling's first call")
+    sib = kx.progress("sib")[2]
+    time.sleep(0.5)  # now inside its 3 s cuModuleLoadData, on its main thread
+    ready = _hold_region(kx, "a")
+    g = ready["grant"]
+    if nice == "default":
+        assert g["lent_priority"] == [[sib, sib]], g
+    else:
+        assert g["lent_priority"] == [], g
+    # The drain is over: its own nice and policy again, though still inside the call.
+    assert os.getpriority(os.PRIO_PROCESS, sib) == 0
+    assert os.sched_getscheduler(sib) == os.SCHED_OTHER
+    rec = _end_hold(kx, "a", ready["pid"])
+    assert not rec["contaminated"], rec["reasons"]
+    kx.touch("sib")
+    assert kx.cmds["sib"].wait(60) == 0, kx.cmds["sib"].output()
+
+
 def _frozen(pid: int) -> bool:
     from test_regions import frozen_reason
 

@@ -527,3 +527,57 @@ def test_evict_second_pass_audit_and_guarded_restore(tmp_path: Path) -> None:
         (tmp_path / "stop").touch()
         proc.kill()
         proc.wait()
+
+
+def _parked_thread(name: str | None = None) -> tuple[int, threading.Event, threading.Thread, list[int]]:
+    """A thread that waits on an event; on `go` it starts a child thread, records that one's
+    nice, and waits again. (its tid, the event, the thread, where the child's nice goes)"""
+    ready, go, out, tid = threading.Event(), threading.Event(), [], []
+
+    def body() -> None:
+        tid.append(threading.get_native_id())
+        if name:
+            Path(f"/proc/self/task/{tid[0]}/comm").write_text(name)
+        ready.set()
+        go.wait(10)
+        child = threading.Thread(target=lambda: out.append(os.getpriority(os.PRIO_PROCESS, 0)))
+        child.start()
+        child.join()
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    ready.wait(10)
+    return tid[0], go, t, out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value needs root (CAP_SYS_NICE)")
+def test_boost_renices_one_thread_reset_on_fork_and_unboost_puts_it_back() -> None:
+    pid = os.getpid()
+    tid, go, t, child_nice = _parked_thread("krex-drain")
+    try:
+        assert cpus.boost(pid, tid, -7, "not-this-name") is None
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        assert cpus.boost(pid, 2**22 - 3, -7) is None  # no such thread
+        assert cpus.boost(pid, tid, -7, "krex-drain") == 0
+        assert os.getpriority(os.PRIO_PROCESS, tid) == -7
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER | os.SCHED_RESET_ON_FORK
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0, "only that thread"
+        assert cpus.boost(pid, tid, -7) is None, "already there: nothing to undo later"
+        go.set()
+        t.join(10)
+        assert child_nice == [0], "a thread it starts meanwhile does not inherit the boost"
+    finally:
+        go.set()
+    tid, go, t, _ = _parked_thread()
+    try:
+        assert cpus.boost(pid, tid, -7) == 0
+        cpus.unboost(pid, tid, 0, -7)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER, "reset-on-fork cleared"
+        assert cpus.boost(pid, tid, -7) == 0
+        os.setpriority(os.PRIO_PROCESS, tid, 3)  # the thread's own change since
+        cpus.unboost(pid, tid, 0, -7)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 3, "left alone"
+    finally:
+        go.set()
+        t.join(10)
