@@ -66,7 +66,8 @@ def case(a: argparse.Namespace, root: Path, nice: int) -> None:
     print(
         f"helper_nice {nice}: {len(rows)} regions beside {a.siblings} CPU-heavy commands; entry p50/p90/p99/max "
         f"{percentile(ms, 50):.1f}/{percentile(ms, 90):.1f}/{percentile(ms, 99):.1f}/{max(ms):.1f} ms; "
-        f"{len(slow)} over 30 ms"
+        f"{len(slow)} over 30 ms; {sum(1 for r in rows if r.get('lent_priority'))} lent priority to a "
+        f"sibling's LIFE thread ({sum(1 for r in slow if r.get('lent_priority'))} of the slow ones)"
     )
     where: dict[str, int] = {}
     for r in slow:
