@@ -1796,12 +1796,20 @@ class Daemon:
         once: a region's entry waits for every sibling's ack, and a helper at its command's
         nice 0 waited runnable behind that command's CPU-bound threads (H200, CPU-heavy
         family). Only a thread of that pid named krex-drain (a helper tid outlives its
-        thread across an exec)."""
+        thread across an exec), and only of a process of krexd's own user: the record and the
+        thread's name are the command's to write, and another user's command must not win a
+        thread of nice -10 for good by naming one krex-drain (a shared daemon, `group`)."""
         if self.cfg.helper_nice >= 0 or not self._boost_ok:
             return
         with self._boost_lock:
             new = [(p, t) for p, _st, t in procs if t and (p, t) not in self._boosted]
+        me = os.geteuid()
         for pid, tid in new:
+            try:
+                if os.stat(f"/proc/{pid}").st_uid != me:
+                    continue
+            except OSError:
+                continue
             self._boost(pid, tid, "krex-drain")
         if new:
             with self._boost_lock:

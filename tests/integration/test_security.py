@@ -554,3 +554,43 @@ def test_outsiders_are_refused(shared: Shared) -> None:
     reply = json.loads(p.stdout)
     assert reply["ok"] is False and reply["kind"] == "PermissionDenied", reply
     assert f"uid {o.uid}" in reply["error"]
+
+
+def test_a_shared_daemon_renices_no_drain_helper_of_another_user(shared: Shared) -> None:
+    """krexd renices its own user's drain helpers to helper_nice for good, but not another
+    user's: the record and the thread name are the command's to write, and a member must not
+    win a thread of nice -10 by naming one krex-drain. (Priority lent during one drain to a
+    thread inside a LIFE call is given back after it.)"""
+    from test_freeze_policy import HELPER_NICE_SIBLING
+
+    out, done, ready = (shared.kx.out / n for n in ("sib.json", "sib.done", "sib.ready"))
+    sib = subprocess.Popen(
+        [*krex_argv("run", "--device", "sim", "--"), user_python(), "-c", HELPER_NICE_SIBLING,
+         str(out), str(done), str(ready)],
+        env=shared.member_env(),
+        user=shared.users.member.uid,
+        group=shared.users.member.gid,
+        extra_groups=shared.users.member.groups,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        wait_until(lambda: ready.exists() or sib.poll() is not None, 60, "the member's sibling")
+        assert ready.exists(), sib.communicate()
+        p = subprocess.run(
+            [*krex_argv("run", "--device", "sim", "--"), sys.executable, "-c", REGION_AND_CGROUP],
+            env=shared.member_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        grant = json.loads(p.stdout.strip().splitlines()[-1])["grant"]
+        assert grant["ok"] and grant["drained"] >= 1, grant  # the member's helper was asked
+    finally:
+        done.touch()
+        _, err = sib.communicate(timeout=60)
+    assert sib.returncode == 0, err
+    assert json.loads(out.read_text()) == {"krex-drain": 0, "main": 0}
