@@ -42,13 +42,14 @@
     KREX_RET fname params {                                        \
         KREX_GET_FN(name, k)                                       \
         int krex_counted = krex_enter(KREX_CLS_LIFE);              \
-        krex_life_thread();                                        \
+        uint32_t krex_lt = krex_counted ? krex_life_thread() : 0;  \
         before;                                                    \
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
         krex_life_free(KREX_ID_##name, krex_a0, 0);                \
         krex_life_ordered(KREX_ID_##name, 0);                      \
         KREX_RET krex_rc = fn args;                                \
         krex_life_free(KREX_ID_##name, krex_a0, 1);                \
+        krex_life_thread_end(krex_lt);                             \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
         krex_life_ordered(KREX_ID_##name, 1);                      \
         if (krex_rc == 0) {                                        \

@@ -162,10 +162,20 @@ void krex_life_ordered(int id, int end) {
 /* A LIFE call passed the gate: name its thread in the record (krexd renices it while a
  * region's drain waits behind it, the driver lock it holds; a context creation took
  * 100-700 ms on a loaded H200). Not on the submission path. */
-void krex_life_thread(void) {
+uint32_t krex_life_thread(void) {
     struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
-    if (p && krex_in_krexds_pid_ns())
-        __atomic_store_n(&p->life_tid, (uint32_t)syscall(SYS_gettid), __ATOMIC_RELAXED);
+    if (!p || !krex_in_krexds_pid_ns()) return 0;
+    uint32_t tid = (uint32_t)syscall(SYS_gettid);
+    __atomic_store_n(&p->life_tid, tid, __ATOMIC_RELAXED);
+    return tid;
+}
+
+/* The call ended: clear the record's thread if it is still this one (another thread that
+ * began a LIFE call since named itself). Never a thread that has left its call. */
+void krex_life_thread_end(uint32_t tid) {
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    uint32_t expect = tid;
+    if (p && tid) __atomic_compare_exchange_n(&p->life_tid, &expect, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
 }
 
 void krex_life_done(void) {

@@ -47,7 +47,8 @@ int krex_wait_gate(uint32_t word);
 struct krex_shm *attach_shm(void);
 void krex_life_ordered(int id, int end);     /* LIFE call `id` starts/ended: a stream-ordered one counts */
 void krex_exit_redrain(void);                /* drain.c: after such a call past the last exit drain */
-void krex_life_thread(void);                 /* a LIFE call passed the gate: record its thread */
+uint32_t krex_life_thread(void);             /* a LIFE call passed the gate: record its thread */
+void krex_life_thread_end(uint32_t tid);     /* ... and ended: unrecord it (if still the one) */
 void krex_life_done(void);                   /* a LIFE call succeeded: arm the exit hold */
 void krex_life_free(int id, uintptr_t arg0, int end); /* LIFE call `id` (first argument arg0): a free? stamp it
                                                       * (end 0: before the driver call, 1: after it) */

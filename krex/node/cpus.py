@@ -659,18 +659,24 @@ def boost(pid: int, tid: int, nice: int, name: str | None = None) -> int | None:
         old = os.getpriority(os.PRIO_PROCESS, tid)
         if old <= nice or os.sched_getscheduler(tid) != os.SCHED_OTHER:
             return None
-        os.sched_setscheduler(tid, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+        # The nice first: without the privilege it fails before the flag is set (which an
+        # unprivileged user could then never clear). A thread started in between inherits
+        # the nice without the flag: a window of one system call.
         os.setpriority(os.PRIO_PROCESS, tid, nice)
+        os.sched_setscheduler(tid, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
     except ProcessLookupError:
         return None
     return old
 
 
-def unboost(pid: int, tid: int, old: int, nice: int) -> None:
-    """Undo `boost`: nice `old` again, without reset-on-fork, if the thread is still there
-    at `nice` (one that changed its own since is left alone)."""
+def unboost(pid: int, tid: int, old: int) -> None:
+    """Undo `boost`: nice `old` again, without reset-on-fork, for a thread still below `old`
+    (one that raised its own nice to `old` or above since is left alone; one only a little
+    above `nice` is not: raising one's nice needs no privilege, keeping a low one would).
+    A boosted thread that exec'd became its process's leader under another tid and keeps
+    the boost: only processes of krexd's own user are boosted, who could set it anyway."""
     with contextlib.suppress(OSError):
-        if os.getpriority(os.PRIO_PROCESS, tid) != nice or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+        if not os.path.exists(f"/proc/{pid}/task/{tid}") or os.getpriority(os.PRIO_PROCESS, tid) >= old:
             return
         os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, tid, old)

@@ -247,14 +247,11 @@ class _FreezePlan:
         # Read after the gate closed: a LIFE call (context, module, device memory) begun
         # since parks at the gate, so one read finds every one the gate cannot stop.
         life: dict[int, list[int]] = {}
-        for pid, (slot, tid) in self.d.seg.life_busy(self.gpu, self.owner_slot).items():
+        busy = self.d.seg.life_busy(self.gpu, self.owner_slot)
+        for pid, (slot, _tid) in busy.items():
             life.setdefault(slot, []).append(pid)
-            # Its drain waits for that call (the helper's sync needs the driver lock it
-            # holds): lend its thread priority until the drain is over (unboost).
-            old_nice = self.d._boost(pid, tid) if self.draining else None
-            if old_nice is not None:
-                self.boosted.append((pid, tid, old_nice))
-                self.lent.append([pid, tid])
+        if self.draining:
+            self._lend(busy, siblings)
         for s in siblings:
             if s in chosen:
                 continue
@@ -274,12 +271,36 @@ class _FreezePlan:
         self.siblings.extend(siblings)
         self.to_freeze.extend(chosen)
 
+    def _lend(self, busy: dict[int, tuple[int, int]], siblings: list[Slot]) -> None:
+        """Lend helper_nice to the thread inside each sibling's LIFE call until the drain is
+        over (unboost): its drain waits for that call (the helper's sync needs the driver
+        lock it holds). Only a process of krexd's own user that its slot's group holds (the
+        record is the command's to write: not another user's process, nor one it names)."""
+        by_slot = {s.slot: s for s in siblings}
+        me = os.geteuid()
+        for pid, (slot, tid) in busy.items():
+            s = by_slot.get(slot)
+            if not tid or s is None:
+                continue
+            try:
+                if os.stat(f"/proc/{pid}").st_uid != me:
+                    continue
+                held = set(s.group.pids()) | set(s.root_pids)
+            except (OSError, KrexError):
+                continue
+            if pid not in held:
+                continue
+            old_nice = self.d._boost(pid, tid)
+            if old_nice is not None:
+                self.boosted.append((pid, tid, old_nice))
+                self.lent.append([pid, tid])
+
     def unboost(self) -> None:
         """The LIFE threads' own nice back (after the drain; again at the region's end)."""
         self.draining = False
         while self.boosted:
             pid, tid, old = self.boosted.pop()
-            cpus.unboost(pid, tid, old, self.d.cfg.helper_nice)
+            cpus.unboost(pid, tid, old)
 
     def progress(self, pending: set[int], final: bool = False) -> None:
         d = self.d

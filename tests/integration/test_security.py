@@ -594,3 +594,62 @@ def test_a_shared_daemon_renices_no_drain_helper_of_another_user(shared: Shared)
         _, err = sib.communicate(timeout=60)
     assert sib.returncode == 0, err
     assert json.loads(out.read_text()) == {"krex-drain": 0, "main": 0}
+
+
+# A sibling that makes its first driver calls, makes argv[2], then sits inside one module load
+# (KREX_SIM_LIFE_MS) while a thread samples its main thread's nice; argv[1]: what it saw.
+LIFE_SIBLING = """
+import ctypes, json, os, sys, threading, time
+cu = ctypes.CDLL("libcuda.so.1")
+ctx, mod = ctypes.c_void_p(), ctypes.c_void_p()
+assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+seen, stop = [], threading.Event()
+def watch():
+    while not stop.is_set():
+        seen.append(os.getpriority(os.PRIO_PROCESS, os.getpid()))
+        time.sleep(0.001)
+t = threading.Thread(target=watch)
+t.start()
+open(sys.argv[2], "w").close()
+assert cu.cuModuleLoadData(ctypes.byref(mod), b"sim") == 0
+stop.set()
+t.join()
+nice = os.getpriority(os.PRIO_PROCESS, os.getpid())
+json.dump({"min_nice": min(seen), "nice": nice}, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_shared_daemon_lends_no_priority_to_another_users_life_call(shared: Shared) -> None:
+    """Priority lent during a drain goes to krexd's own user's processes only: a member's
+    thread inside a context, module or memory call is not reniced (raising its nice back
+    needs no privilege, so a boost could be kept for good), and the grant names none."""
+    out, ready = shared.kx.out / "life.json", shared.kx.out / "life.ready"
+    sib = subprocess.Popen(
+        [*krex_argv("run", "--device", "sim", "--"), user_python(), "-c", LIFE_SIBLING, str(out), str(ready)],
+        env={**shared.member_env(), "KREX_SIM_LIFE_MS": "3000"},
+        user=shared.users.member.uid,
+        group=shared.users.member.gid,
+        extra_groups=shared.users.member.groups,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        wait_until(lambda: ready.exists() or sib.poll() is not None, 60, "the member's sibling")
+        assert ready.exists(), sib.communicate()
+        time.sleep(0.3)  # inside its 3 s module load
+        p = subprocess.run(
+            [*krex_argv("run", "--device", "sim", "--"), sys.executable, "-c", REGION_AND_CGROUP],
+            env=shared.member_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        grant = json.loads(p.stdout.strip().splitlines()[-1])["grant"]
+        assert grant["ok"] and grant["lent_priority"] == [], grant
+    finally:
+        _, err = sib.communicate(timeout=60)
+    assert sib.returncode == 0, err
+    assert json.loads(out.read_text()) == {"min_nice": 0, "nice": 0}

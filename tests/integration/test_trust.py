@@ -870,6 +870,51 @@ def test_a_region_lends_priority_to_the_thread_inside_a_siblings_life_call(kx: K
     assert kx.cmds["sib"].wait(60) == 0, kx.cmds["sib"].output()
 
 
+# Thread A sits in one module load (KREX_SIM_LIFE_MS); meanwhile the main thread makes a
+# quick allocation and free, then spins on the CPU until argv[2] exists. argv[1]: the tids.
+TWO_LIFE_THREADS = """
+import ctypes, json, os, sys, threading, time
+cu = ctypes.CDLL("libcuda.so.1")
+ctx, mod, ptr = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+tids = {}
+def load():
+    tids["in_call"] = threading.get_native_id()
+    assert cu.cuModuleLoadData(ctypes.byref(mod), b"sim") == 0
+a = threading.Thread(target=load)
+a.start()
+time.sleep(0.2)
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4096)) == 0
+assert cu.cuMemFree_v2(ctypes.c_uint64(ptr.value)) == 0
+tids["spinner"] = threading.get_native_id()
+json.dump(tids, open(sys.argv[1], "w"))
+while not os.path.exists(sys.argv[2]):
+    pass
+a.join()
+"""
+
+
+def test_priority_is_lent_to_no_thread_that_has_left_its_life_call(kx: Krex) -> None:
+    """The record names a thread only while it is inside its LIFE call: a thread that made a
+    quick allocation after another began a long load, and then computes, is never the one
+    lent priority (before, the last to begin one stayed named and got it)."""
+    _fake_nvml_gpu_policy(kx)
+    tids_f, stop = kx.out / "tids.json", kx.out / "spin.stop"
+    sib = kx.run_argv("sib", [sys.executable, "-c", TWO_LIFE_THREADS, str(tids_f), str(stop)],
+                      env_extra={"KREX_SIM_LIFE_MS": "3000"})
+    try:
+        kx.wait(tids_f.exists, 30, "the sibling's two threads")
+        tids = json.loads(tids_f.read_text())
+        ready = _hold_region(kx, "a")
+        lent = ready["grant"]["lent_priority"]
+        assert all(t == tids["in_call"] for _pid, t in lent), (lent, tids)
+        assert os.getpriority(os.PRIO_PROCESS, tids["spinner"]) == 0
+        _end_hold(kx, "a", ready["pid"])
+    finally:
+        stop.touch()
+    assert sib.wait(60) == 0, (kx.out / "sib.log").read_text()
+
+
 def _frozen(pid: int) -> bool:
     from test_regions import frozen_reason
 

@@ -571,13 +571,41 @@ def test_boost_renices_one_thread_reset_on_fork_and_unboost_puts_it_back() -> No
     tid, go, t, _ = _parked_thread()
     try:
         assert cpus.boost(pid, tid, -7) == 0
-        cpus.unboost(pid, tid, 0, -7)
+        cpus.unboost(pid, tid, 0)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 0
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER, "reset-on-fork cleared"
         assert cpus.boost(pid, tid, -7) == 0
-        os.setpriority(os.PRIO_PROCESS, tid, 3)  # the thread's own change since
-        cpus.unboost(pid, tid, 0, -7)
+        os.setpriority(os.PRIO_PROCESS, tid, -6)  # raised a little (no privilege needed): not kept
+        cpus.unboost(pid, tid, 0)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        assert cpus.boost(pid, tid, -7) == 0
+        os.setpriority(os.PRIO_PROCESS, tid, 3)  # the thread's own change, above its old nice
+        cpus.unboost(pid, tid, 0)
         assert os.getpriority(os.PRIO_PROCESS, tid) == 3, "left alone"
     finally:
         go.set()
         t.join(10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_boost_without_the_privilege_changes_nothing() -> None:
+    """Not root: boost raises PermissionError and leaves no reset-on-fork flag behind (which
+    an unprivileged user could never clear again)."""
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            tid, go, t, _ = _parked_thread()
+            try:
+                cpus.boost(os.getpid(), tid, -7)
+            except PermissionError:
+                flagless = os.sched_getscheduler(tid) == os.SCHED_OTHER
+                code = 0 if flagless and os.getpriority(os.PRIO_PROCESS, tid) == 0 else 2
+            go.set()
+            t.join(10)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
