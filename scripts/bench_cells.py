@@ -43,12 +43,19 @@ def main() -> int:
         if r.get("cell") in cells and r.get("run") == cells[r["cell"]]["run"]:
             runs[r["cell"]].append(r)
     cpm = {k: c["n_runs"] / c["makespan_s"] * 60 for k, c in cells.items() if c["makespan_s"] > 0}
-    print("| cell | runs | failed | makespan s | cmds/min | vs unprotected-C |")
-    print("|---|---|---|---|---|---|")
+    # node busy: the cores' busy share over the cell; krexd CPU: krexd's own CPU seconds (with
+    # its watchdog) over the cell (cells.jsonl of a bench since session 28; "-" before).
+    print("| cell | runs | failed | makespan s | cmds/min | vs unprotected-C | node busy | krexd CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, c in cells.items():
         unp = f"unprotected-{c['c']}" if c["mode"] == "krex" else None
         ratio = f"{cpm[k] / cpm[unp]:.2f}x" if unp in cpm and k in cpm else ""
-        print(f"| {k} | {c['n_runs']} | {c['failures']} | {c['makespan_s']:.1f} | {cpm.get(k, math.nan):.1f} | {ratio} |")
+        busy = f"{c['node_busy']:.0%}" if c.get("node_busy") is not None else "-"
+        kcpu = f"{c['krexd_cpu_s']:.1f}" if c.get("krexd_cpu_s") is not None else "-"
+        print(
+            f"| {k} | {c['n_runs']} | {c['failures']} | {c['makespan_s']:.1f} | {cpm.get(k, math.nan):.1f} "
+            f"| {ratio} | {busy} | {kcpu} |"
+        )
     print()
     print(f"| cell | regions | entry p50/p95/p99/max ms | {a.family}: n, p50/p99/max ms | flagged (why) | "
           "pre-warmed: n, wait p50/max s |")

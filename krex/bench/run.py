@@ -392,6 +392,37 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- daemon
 
 
+_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of `pid` and its live children (krexd and its watchdog), or
+    None if `pid` is gone. Where krex-C's CPU goes beside the commands' own."""
+    total, found = 0.0, False
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(d) == pid or int(rest[1]) == pid:  # fields 3.. after the name: state, ppid, ...
+            found = found or int(d) == pid
+            total += (int(rest[11]) + int(rest[12])) / _TCK  # utime, stime
+    return total if found else None
+
+
+def _node_cpu_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole node since boot, from /proc/stat: how saturated
+    the cores were over a cell."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle, iowait
+    total = sum(v[:8])  # guest time is already in user
+    return (total - idle) / _TCK, total / _TCK
+
+
 def _daemon_status() -> dict[str, Any] | None:
     from krex.proc.client import Client, daemon_alive
 
@@ -741,8 +772,13 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                 append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
             if carried:
                 note(f"{cell.key}: kept {len(carried)} runs of an unfinished earlier invocation")
+            krexd = (_daemon_status() or {}).get("daemon", {}).get("pid") if cell.mode == "krex" else None
+            krexd_cpu0 = _tree_cpu_s(int(krexd)) if krexd else None
+            node0 = _node_cpu_s()
             c_start, last_start, cell_failed = run_cell(cell, run_id, jobs)
             c_end = _now()
+            node1 = _node_cpu_s()
+            krexd_cpu1 = _tree_cpu_s(int(krexd)) if krexd else None
             row = {
                 "v": SCHEMA,
                 "cell": cell.key,
@@ -757,6 +793,12 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                 "makespan_s": prior_span + (c_end - c_start),
                 "last_start_s": last_start - c_start,
                 "timeout_s": timeout_s,
+                # The node's cores busy over this invocation's part of the cell (0..1), and
+                # krexd's own CPU seconds (with its watchdog): None where not measured.
+                "node_busy": round((node1[0] - node0[0]) / d, 4) if (d := node1[1] - node0[1]) > 0 else None,
+                "krexd_cpu_s": round(krexd_cpu1 - krexd_cpu0, 3)
+                if krexd_cpu0 is not None and krexd_cpu1 is not None
+                else None,
             }
             append_jsonl(out_dir / CELLS, row)
             ran.append(cell.key)

@@ -138,6 +138,11 @@ def _check_results(out: Path, expect_cells: set[str]) -> dict[str, Any]:
             "ended_at",
         } <= set(c)
         assert c["n_runs"] == n_cmds and c["makespan_s"] > 0
+        assert c["node_busy"] is not None and 0 < c["node_busy"] <= 1, c  # the node worked meanwhile
+        if c["mode"] == "krex" and c["carried_runs"] == 0:
+            assert c["krexd_cpu_s"] is not None and c["krexd_cpu_s"] > 0, c  # krexd worked too
+        elif c["mode"] != "krex":
+            assert c["krexd_cpu_s"] is None, c
 
     runs = {c["run"] for c in cells}
     raw = [r for r in jsonl(out / "raw.jsonl") if r["run"] in runs]
