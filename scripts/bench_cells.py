@@ -102,8 +102,8 @@ def main() -> int:
         unp = f"unprotected-{c['c']}"
         iv = ""
         if c["mode"] == "krex" and walls.get(unp):
-            ratio, lo, hi = little_ratio(walls[k], walls[unp])
-            iv = f"{ratio:.2f}x [{lo:.2f}, {hi:.2f}]"
+            lr, lo, hi = little_ratio(walls[k], walls[unp])
+            iv = f"{lr:.2f}x [{lo:.2f}, {hi:.2f}]"
         print(f"| {k} | {sum(w) / len(w):.1f} | {60 * c['c'] * len(w) / sum(w):.1f} | {iv} |")
     print()
     print(f"| cell | regions | entry p50/p95/p99/max ms | {a.family}: n, p50/p99/max ms | flagged (why) | "
