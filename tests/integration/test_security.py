@@ -556,18 +556,11 @@ def test_outsiders_are_refused(shared: Shared) -> None:
     assert f"uid {o.uid}" in reply["error"]
 
 
-def test_a_shared_daemon_renices_no_drain_helper_of_another_user(shared: Shared) -> None:
-    """krexd renices its own user's drain helpers to helper_nice for good, but not another
-    user's: the record and the thread name are the command's to write, and a member must not
-    win a thread of nice -10 by naming one krex-drain. (Priority lent during one drain to a
-    thread inside a LIFE call is given back after it.)"""
-    from test_freeze_policy import HELPER_NICE_SIBLING
-
-    out, done, ready = (shared.kx.out / n for n in ("sib.json", "sib.done", "sib.ready"))
-    sib = subprocess.Popen(
-        [*krex_argv("run", "--device", "sim", "--"), user_python(), "-c", HELPER_NICE_SIBLING,
-         str(out), str(done), str(ready)],
-        env=shared.member_env(),
+def _member_sibling(shared: Shared, code: str, *args: str, **env: str) -> subprocess.Popen[str]:
+    """`krex run` of `python -c CODE ARGS` as the group member, on the shared daemon."""
+    return subprocess.Popen(
+        [*krex_argv("run", "--device", "sim", "--"), user_python(), "-c", code, *args],
+        env={**shared.member_env(), **env},
         user=shared.users.member.uid,
         group=shared.users.member.gid,
         extra_groups=shared.users.member.groups,
@@ -576,18 +569,35 @@ def test_a_shared_daemon_renices_no_drain_helper_of_another_user(shared: Shared)
         text=True,
         cwd="/",
     )
+
+
+def _root_region(shared: Shared) -> dict[str, Any]:
+    """One region of a command of root's on the shared daemon: its grant."""
+    p = subprocess.run(
+        [*krex_argv("run", "--device", "sim", "--"), sys.executable, "-c", REGION_AND_CGROUP],
+        env=shared.member_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    grant: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])["grant"]
+    return grant
+
+
+def test_a_shared_daemon_renices_no_drain_helper_of_another_user(shared: Shared) -> None:
+    """krexd renices its own user's drain helpers to helper_nice for good, but not another
+    user's: the record and the thread name are the command's to write, and a member must not
+    win a thread of nice -10 by naming one krex-drain. (Priority lent during one drain to a
+    thread inside a LIFE call is given back after it.)"""
+    from test_freeze_policy import HELPER_NICE_SIBLING
+
+    out, done, ready = (shared.kx.out / n for n in ("sib.json", "sib.done", "sib.ready"))
+    sib = _member_sibling(shared, HELPER_NICE_SIBLING, str(out), str(done), str(ready))
     try:
         wait_until(lambda: ready.exists() or sib.poll() is not None, 60, "the member's sibling")
         assert ready.exists(), sib.communicate()
-        p = subprocess.run(
-            [*krex_argv("run", "--device", "sim", "--"), sys.executable, "-c", REGION_AND_CGROUP],
-            env=shared.member_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert p.returncode == 0, p.stderr
-        grant = json.loads(p.stdout.strip().splitlines()[-1])["grant"]
+        grant = _root_region(shared)
         assert grant["ok"] and grant["drained"] >= 1, grant  # the member's helper was asked
     finally:
         done.touch()
@@ -624,30 +634,12 @@ def test_a_shared_daemon_lends_no_priority_to_another_users_life_call(shared: Sh
     thread inside a context, module or memory call is not reniced (raising its nice back
     needs no privilege, so a boost could be kept for good), and the grant names none."""
     out, ready = shared.kx.out / "life.json", shared.kx.out / "life.ready"
-    sib = subprocess.Popen(
-        [*krex_argv("run", "--device", "sim", "--"), user_python(), "-c", LIFE_SIBLING, str(out), str(ready)],
-        env={**shared.member_env(), "KREX_SIM_LIFE_MS": "3000"},
-        user=shared.users.member.uid,
-        group=shared.users.member.gid,
-        extra_groups=shared.users.member.groups,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd="/",
-    )
+    sib = _member_sibling(shared, LIFE_SIBLING, str(out), str(ready), KREX_SIM_LIFE_MS="3000")
     try:
         wait_until(lambda: ready.exists() or sib.poll() is not None, 60, "the member's sibling")
         assert ready.exists(), sib.communicate()
         time.sleep(0.3)  # inside its 3 s module load
-        p = subprocess.run(
-            [*krex_argv("run", "--device", "sim", "--"), sys.executable, "-c", REGION_AND_CGROUP],
-            env=shared.member_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert p.returncode == 0, p.stderr
-        grant = json.loads(p.stdout.strip().splitlines()[-1])["grant"]
+        grant = _root_region(shared)
         assert grant["ok"] and grant["lent_priority"] == [], grant
     finally:
         _, err = sib.communicate(timeout=60)
