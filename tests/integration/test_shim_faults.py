@@ -109,6 +109,15 @@ def test_threads_of_one_process_each_get_their_regions(
 # ----------------------------------------------------------------- a hung daemon, from C
 
 
+def proc_state_of(stat_path: str) -> str:
+    """The state letter of a /proc .../stat file ("" if gone)."""
+    try:
+        with open(stat_path) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def test_c_region_end_gives_up_on_a_hung_daemon(kx: Krex, bins: dict[str, Path]) -> None:
     d = kx.start_daemon(slots=2)
     p = subprocess.Popen(
@@ -129,6 +138,16 @@ def test_c_region_end_gives_up_on_a_hung_daemon(kx: Krex, bins: dict[str, Path])
     assert json.loads(line)["rc"] == 0
     os.kill(d.pid, signal.SIGSTOP)
     try:
+        # kill() returns before every thread has stopped (a thread in a system call stops
+        # as it leaves it): END only once all of krexd's are (CI saw one answer END).
+        def all_stopped() -> bool:
+            tasks = os.listdir(f"/proc/{d.pid}/task")
+            return all(proc_state_of(f"/proc/{d.pid}/task/{t}/stat") in ("T", "t") for t in tasks)
+
+        deadline = time.monotonic() + 10
+        while not all_stopped():
+            assert time.monotonic() < deadline, "krexd's threads did not all stop"
+            time.sleep(0.01)
         p.stdin.write("go\n")
         p.stdin.flush()
         out, err = p.communicate(timeout=60)  # before: END blocked for as long as krexd was stopped
