@@ -385,7 +385,9 @@ class Daemon:
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
         self.inspector = freezepolicy.Inspector()
-        self._boosted: set[tuple[int, int]] = set()  # (pid, helper tid) reniced to helper_nice
+        # (pid, start time, helper tid) reniced to helper_nice: the start time tells a reused
+        # pid apart (its new helper is reniced too)
+        self._boosted: set[tuple[int, int, int]] = set()
         self._boost_lock = threading.Lock()
         self._boost_ok = True  # False once a renice was refused (not root): not tried again
         self.attestor = Attestor.for_device(self.info.kind, self.info.physical)
@@ -1823,9 +1825,9 @@ class Daemon:
         if self.cfg.helper_nice >= 0 or not self._boost_ok:
             return
         with self._boost_lock:
-            new = [(p, t) for p, _st, t in procs if t and (p, t) not in self._boosted]
+            new = [k for k in procs if k[2] and k not in self._boosted]
         me = os.geteuid()
-        for pid, tid in new:
+        for pid, _st, tid in new:
             try:
                 if os.stat(f"/proc/{pid}").st_uid != me:
                     continue
@@ -1836,7 +1838,7 @@ class Daemon:
             with self._boost_lock:
                 self._boosted.update(new)
                 if len(self._boosted) > 4 * lib.KREX_MAX_PROCS:  # bounded: forget the dead
-                    self._boosted = {k for k in self._boosted if os.path.exists(f"/proc/{k[0]}/task/{k[1]}")}
+                    self._boosted = {k for k in self._boosted if os.path.exists(f"/proc/{k[0]}/task/{k[2]}")}
 
     def _own_pids(self, req: Region) -> set[int]:
         """The owner and its command's whole process tree (slot group)."""

@@ -609,3 +609,29 @@ def test_boost_without_the_privilege_changes_nothing() -> None:
             os._exit(code)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_each_helper_is_reniced_once_and_a_reused_pid_again() -> None:
+    """krexd's _boost_helpers renices a (pid, start time, helper tid) once; a process that
+    reused the pid (another start time) is a new helper. Only its own user's processes."""
+    import types
+
+    from krex.node.daemon import Daemon
+
+    done: list[tuple[int, int, str | None]] = []
+    fake = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(helper_nice=-10),
+        _boost_ok=True,
+        _boost_lock=threading.Lock(),
+        _boosted=set(),
+        _boost=lambda pid, tid, name=None: done.append((pid, tid, name)),
+    )
+    me = os.getpid()
+    Daemon._boost_helpers(fake, [(me, 100, 7), (me, 100, 0)])  # type: ignore[arg-type]
+    Daemon._boost_helpers(fake, [(me, 100, 7)])  # type: ignore[arg-type]
+    assert done == [(me, 7, "krex-drain")]
+    Daemon._boost_helpers(fake, [(me, 101, 7)])  # type: ignore[arg-type]
+    assert done == [(me, 7, "krex-drain")] * 2
+    fake.cfg.helper_nice = 0
+    Daemon._boost_helpers(fake, [(me, 102, 7)])  # type: ignore[arg-type]
+    assert len(done) == 2, "helper_nice 0: off"
