@@ -366,9 +366,9 @@ struct krex_proc {
                                      * stream, so they count with the gated submissions */
     uint64_t paced;                 /* pace.c: times a thread waited for its queued work */
     uint64_t paced_ns;
-    uint32_t life_tid;              /* the thread that last began a LIFE call (0: none yet, or not
-                                     * in krexd's pid namespace): krexd lends it priority while a
-                                     * region's drain waits for that call to end */
+    uint32_t life_tid;              /* a thread inside a LIFE call, the last to begin one (0: none,
+                                     * that one ended, or not in krexd's pid namespace): krexd lends
+                                     * it priority while a region's drain waits for that call */
     uint32_t pad1;
 };
 

@@ -66,6 +66,7 @@ from krex.bench.plan import (
 )
 from krex.bench.summary import compute_summary, json_safe, render_summary_md
 from krex.errors import KrexError, UsageError
+from krex.node import procfs
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv, run_one
 
@@ -398,19 +399,10 @@ _TCK = os.sysconf("SC_CLK_TCK")
 def _tree_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of `pid` and its live children (krexd and its watchdog), or
     None if `pid` is gone. Where krex-C's CPU goes beside the commands' own."""
-    total, found = 0.0, False
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(d) == pid or int(rest[1]) == pid:  # fields 3.. after the name: state, ppid, ...
-            found = found or int(d) == pid
-            total += (int(rest[11]) + int(rest[12])) / _TCK  # utime, stime
-    return total if found else None
+    table = procfs.proc_table()
+    if pid not in table:
+        return None
+    return sum(st.cpu_ticks for st in table.values() if pid in (st.pid, st.ppid)) / _TCK
 
 
 def _node_cpu_s() -> tuple[float, float]:

@@ -24,8 +24,9 @@ Precedence: command line > environment > config file > defaults. The config file
   queue_cap_ms     KREX_QUEUE_CAP_MS                         while commands share a GPU, how long (ms) the GPU
                                                              work a command has queued may wait before its
                                                              next submissions wait for it; 0: unbounded
-  helper_nice      KREX_HELPER_NICE                          the nice value krexd gives commands' drain helper
-                                                             threads (root only; 0: leave them alone)
+  helper_nice      KREX_HELPER_NICE                          the nice krexd lends the threads a region's drain
+                                                             waits for: drain helpers, and a thread inside
+                                                             a context, module or memory call (root; 0: off)
   freeze_timeout   KREX_FREEZE_TIMEOUT                       seconds to wait for a group to report frozen
   drain_timeout    KREX_DRAIN_TIMEOUT                        seconds to wait for in-flight work and drain acks
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
@@ -142,7 +143,8 @@ class Config:
     queue_cap_ms: float = float(lib.KREX_QUEUE_CAP_MS)
     # A region's entry waits for every sibling's drain helper to answer; at nice 0 on a full
     # node a helper sat runnable behind its own command's CPU-bound threads (H200, the
-    # CPU-heavy family). krexd (root) renices each helper once, at its first region.
+    # CPU-heavy family). krexd (root) renices each helper once, at its first region, and
+    # lends it during a drain to a sibling's thread inside a LIFE call (daemon.py, _boost).
     helper_nice: int = -10
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from

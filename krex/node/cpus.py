@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from krex.errors import KrexError, NotFound, PermissionDenied, UsageError, error_kind
+from krex.node import procfs
 
 # Fewest shared cores a slice may have before we call the partition degraded: a
 # benchmarking command is a Python process with compiler and loader threads, and
@@ -647,13 +648,7 @@ def boost(pid: int, tid: int, nice: int, name: str | None = None) -> int | None:
     Its old nice, or None if nothing was changed. PermissionError (not root) passes
     through. A thread that ends and whose tid is reused in between is the one race left."""
     base = f"/proc/{pid}/task/{tid}"
-    if name is not None:
-        try:
-            if Path(base, "comm").read_text().strip() != name:
-                return None
-        except OSError:
-            return None
-    elif not os.path.exists(base):
+    if (name is not None and procfs.read_or_empty(f"{base}/comm") != name) or not os.path.exists(base):
         return None
     try:
         old = os.getpriority(os.PRIO_PROCESS, tid)

@@ -274,19 +274,16 @@ class _FreezePlan:
     def _lend(self, busy: dict[int, tuple[int, int]], siblings: list[Slot]) -> None:
         """Lend helper_nice to the thread inside each sibling's LIFE call until the drain is
         over (unboost): its drain waits for that call (the helper's sync needs the driver
-        lock it holds). Only a process of krexd's own user that its slot's group holds (the
-        record is the command's to write: not another user's process, nor one it names)."""
+        lock it holds). Only a process its slot's group holds (the record is the command's
+        to write: not one it merely names), of krexd's own user (_boost)."""
         by_slot = {s.slot: s for s in siblings}
-        me = os.geteuid()
         for pid, (slot, tid) in busy.items():
             s = by_slot.get(slot)
             if not tid or s is None:
                 continue
             try:
-                if os.stat(f"/proc/{pid}").st_uid != me:
-                    continue
                 held = set(s.group.pids()) | set(s.root_pids)
-            except (OSError, KrexError):
+            except KrexError:
                 continue
             if pid not in held:
                 continue
@@ -1798,9 +1795,16 @@ class Daemon:
 
     def _boost(self, pid: int, tid: int, name: str | None = None) -> int | None:
         """cpus.boost to helper_nice; None if off, refused (not root: warned once, then
-        off) or not needed."""
+        off), not needed, or `pid` is not of krexd's own user: its records and thread names
+        are the command's to write, and raising one's nice back a little needs no privilege,
+        so another user's command could keep a boost for good (a shared daemon, `group`)."""
         want = self.cfg.helper_nice
         if want >= 0 or not self._boost_ok or not tid:
+            return None
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+                return None
+        except OSError:
             return None
         try:
             return cpus.boost(pid, tid, want, name)
@@ -1819,20 +1823,12 @@ class Daemon:
         once: a region's entry waits for every sibling's ack, and a helper at its command's
         nice 0 waited runnable behind that command's CPU-bound threads (H200, CPU-heavy
         family). Only a thread of that pid named krex-drain (a helper tid outlives its
-        thread across an exec), and only of a process of krexd's own user: the record and the
-        thread's name are the command's to write, and another user's command must not win a
-        thread of nice -10 for good by naming one krex-drain (a shared daemon, `group`)."""
+        thread across an exec); only processes of krexd's own user (_boost)."""
         if self.cfg.helper_nice >= 0 or not self._boost_ok:
             return
         with self._boost_lock:
             new = [k for k in procs if k[2] and k not in self._boosted]
-        me = os.geteuid()
         for pid, _st, tid in new:
-            try:
-                if os.stat(f"/proc/{pid}").st_uid != me:
-                    continue
-            except OSError:
-                continue
             self._boost(pid, tid, "krex-drain")
         if new:
             with self._boost_lock:

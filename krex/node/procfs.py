@@ -45,6 +45,7 @@ class Stat:
     ppid: int
     start: int  # clock ticks since boot; tells a reused pid apart
     threads: int = 1
+    cpu_ticks: int = 0  # user + system CPU time, clock ticks
 
 
 def parse_stat(text: str, pid: int) -> Stat | None:
@@ -52,7 +53,14 @@ def parse_stat(text: str, pid: int) -> Stat | None:
     rest = text[text.rfind(")") + 2 :].split()
     if len(rest) < 20:
         return None
-    return Stat(pid=pid, state=rest[0], ppid=int(rest[1]), start=int(rest[19]), threads=int(rest[17]))
+    return Stat(
+        pid=pid,
+        state=rest[0],
+        ppid=int(rest[1]),
+        start=int(rest[19]),
+        threads=int(rest[17]),
+        cpu_ticks=int(rest[11]) + int(rest[12]),
+    )
 
 
 def pid_stat(pid: int) -> Stat | None:
