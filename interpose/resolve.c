@@ -151,9 +151,49 @@ static const char *const krex_sonames[KREX_N_APIS][4] = {
     {"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", NULL},
 };
 
-/* Find `name` in an already-loaded vendor library; never loads one. */
+/* Whether a loaded object may be `soname`: its file name or its DT_SONAME is that, or
+ * its dynamic section cannot be read (then maybe). */
+struct so_probe {
+    const char *soname;
+    int maybe;
+};
+
+static int so_probe_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct so_probe *q = data;
+    const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
+    base = base ? base + 1 : info->dlpi_name;
+    if (base && !strcmp(base, q->soname)) return q->maybe = 1;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
+        const ElfW(Dyn) *d = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+        ElfW(Addr) strtab = 0;
+        ElfW(Xword) soname = (ElfW(Xword))-1;
+        for (; d->d_tag != DT_NULL; d++) {
+            if (d->d_tag == DT_STRTAB) strtab = d->d_un.d_ptr;
+            if (d->d_tag == DT_SONAME) soname = d->d_un.d_val;
+        }
+        if (soname == (ElfW(Xword))-1) return 0; /* no DT_SONAME: matched by file name only */
+        if (!strtab) return q->maybe = 1;
+        /* glibc relocates DT_STRTAB in place where the dynamic section is writable. */
+        if (strtab < info->dlpi_addr) strtab += info->dlpi_addr;
+        if (!strcmp((const char *)strtab + soname, q->soname)) return q->maybe = 1;
+        return 0;
+    }
+    return 0;
+}
+
+/* Find `name` in an already-loaded vendor library; never loads one. A dlopen(RTLD_NOLOAD)
+ * of a library that is not loaded searches the whole library path and maps ld.so.cache,
+ * taking the process's mmap lock for writing: a drain helper looking up HIP on a CUDA node
+ * (again after every library load; torch.compile loads one per kernel) waited there
+ * 0.1-0.4 s behind its own command's thread pinning pages for a copy (H200, session 29).
+ * So a name no loaded object answers to is not asked for. */
 void *vendor_sym(int api, const char *name) {
     for (int i = 0; krex_sonames[api][i]; i++) {
+        struct so_probe q = {krex_sonames[api][i], 0};
+        dl_iterate_phdr(so_probe_cb, &q);
+        if (!q.maybe) continue;
         void *h = dlopen(krex_sonames[api][i], RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue;
         void *p = real_dlsym(h, name);

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from helpers import Child, Harness, stop_process, wait_until
 
+import krex.node.procfs
 import krex.node.shm
 from krex.native import lib
 
@@ -60,6 +61,34 @@ def test_drain_waits_for_sibling_work(harness: Harness) -> None:
     rec = h.proc(child.pid)
     assert rec is not None and rec.drains >= 1
     assert rec.drain_ack == int(h.seg.raw.gpus[0].drain_seq)
+
+
+def test_a_drain_never_searches_the_library_path_for_a_library_not_loaded(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """The helper looks up HIP's functions at a drain, on a CUDA node too. A dlopen
+    (RTLD_NOLOAD) of a library not loaded searches the library path and maps ld.so.cache,
+    whose mmap waits for the process's mmap lock (behind its own thread pinning pages for a
+    copy: 0.1-0.4 s drains on the H200). Here every HIP name in the path is a FIFO: a
+    search opens one and blocks for good, so the drain would time out."""
+    from krex.native import LIB_DIR
+
+    h = harness
+    fifos = tmp_path / "fifos"
+    fifos.mkdir()
+    for name in ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"):
+        os.mkfifo(fifos / name)
+    owner, sib = h.claim(), h.claim()
+    env = h.env(sib, LD_LIBRARY_PATH=f"{fifos}:{LIB_DIR}")
+    child = h.spawn("actor", [f"k:{LONG_US}", "line"], env)
+    _submitted(child)
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=5)
+    assert res.ok and res.count == 1 and res.stragglers == [], (
+        f"the drain helper did not ack: {res} ({krex.node.procfs.thread_report(child.pid)[:400]})"
+    )
+    rec = h.proc(child.pid)
+    assert rec is not None and rec.drains >= 1
 
 
 def test_drain_skips_idle_and_owner_processes(harness: Harness) -> None:

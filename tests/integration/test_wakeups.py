@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,7 +153,7 @@ rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_siz
 assert rt.cudaLaunchKernel(vp(0x1234), Dim3(1, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
 rt.cudaDeviceSynchronize()
 say("cuda")
-hip = ctypes.CDLL("libamdhip64.so")  # loaded only now: after the helper's first drain
+hip = ctypes.CDLL(sys.argv[1])  # loaded only now: after the helper's first drain
 p = vp()
 assert hip.hipMalloc(ctypes.byref(p), ctypes.c_size_t(64)) == 0
 assert hip.hipMemset(p, 0, ctypes.c_size_t(64)) == 0  # HIP work queued: the next drain owes a HIP sync
@@ -160,15 +161,26 @@ say("hip")
 """
 
 
-def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(harness: Harness) -> None:
+@pytest.mark.parametrize("renamed", [False, True], ids=["by-soname", "renamed-file"])
+def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(
+    harness: Harness, tmp_path: Path, renamed: bool
+) -> None:
     """The helper looks its vendor functions up once and again only when the process
     loaded (or unloaded) a library since: a HIP runtime loaded after the first drain, with
-    work queued through it, is synchronised by the next one."""
+    work queued through it, is synchronised by the next one. Also from a file of another
+    name (found by its DT_SONAME: the helper asks only for names a loaded object has)."""
+    import shutil
     import sys
 
+    from krex.native import LIB_DIR
+
     h = harness
+    lib_arg = "libamdhip64.so"
+    if renamed:
+        lib_arg = str(tmp_path / "libvendorhip.so")
+        shutil.copy(LIB_DIR / "libamdhip64.so", lib_arg)
     owner, sib = h.claim(), h.claim()
-    child = Child([sys.executable, "-c", LATE_HIP], h.env(sib))
+    child = Child([sys.executable, "-c", LATE_HIP, lib_arg], h.env(sib))
     h.children.append(child)
     child.expect(lambda d: d.get("step") == "cuda", 60, "the CUDA part")
     _close(h, owner)
