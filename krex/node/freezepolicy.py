@@ -60,11 +60,6 @@ class Verdict:
     final: bool = True  # False: may change while the process lives (read again after RECHECK_S)
 
 
-def _start_ticks(pid: int) -> int | None:
-    st = procfs.pid_stat(pid)
-    return None if st is None else st.start
-
-
 class Inspector:
     """Per-process verdicts, cached by (pid, start time, executable): reading a process's
     maps costs about a millisecond (more for a process that imported torch), and commands
@@ -92,9 +87,14 @@ class Inspector:
 
     def _verdict(self, pid: int, inspect: bool) -> tuple[Verdict | None, bool]:
         """(the verdict, whether this call read the process's maps: ungateable's budget)."""
-        ticks = _start_ticks(pid)
-        if ticks is None:
+        st = procfs.pid_stat(pid)
+        # An ended process not reaped yet (a zombie with no live thread: attest.py's rule)
+        # runs nothing again, and its files, GPU ones too, are closed; its executable no
+        # longer reads. Taken as gone: torch.compile's short-lived children left such zombies,
+        # and their slots were frozen for them (25-130 ms of entry on the H200, session 29).
+        if st is None or (st.state in ("Z", "X") and st.threads <= 1):
             return None, False
+        ticks = st.start
         try:
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it

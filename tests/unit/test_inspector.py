@@ -1,0 +1,66 @@
+"""freezepolicy.Inspector on real processes: what a zombie, a zombie leader with a live
+thread and a process without the shim read as (the `gpu` policy freezes a slot for any
+process the gate cannot vouch for)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from helpers import wait_until
+
+from krex.node import freezepolicy, procfs
+
+_ZOMBIE_LEADER = r"""
+import ctypes, os, sys, threading, time
+threading.Thread(target=time.sleep, args=(60,)).start()
+sys.stdout.write("up\n"); sys.stdout.flush()
+ctypes.CDLL(None).syscall(60 if os.uname().machine == "x86_64" else 93, 0)  # SYS_exit: main thread only
+"""
+
+
+def _state(pid: int) -> str:
+    st = procfs.pid_stat(pid)
+    return st.state if st else "?"
+
+
+def test_a_zombie_not_reaped_yet_is_gone_not_a_reason_to_freeze() -> None:
+    """An exited child its parent has not reaped: /proc/PID/exe no longer reads. It can run
+    nothing again, so it must not make its slot ungateable (H200: torch.compile's children)."""
+    p = subprocess.Popen(["true"])
+    try:
+        wait_until(lambda: _state(p.pid) == "Z", 10, "the child to be a zombie")
+        insp = freezepolicy.Inspector()
+        assert insp.verdict(p.pid) is None
+        assert freezepolicy.ungateable([p.pid], insp) == []
+        assert freezepolicy.ungateable([p.pid], insp, [0]) == []  # no inline budget either
+    finally:
+        p.wait()
+
+
+def test_a_zombie_leader_whose_thread_runs_on_still_freezes_its_slot() -> None:
+    """pthread_exit in main: the leader reads Z while another thread of it runs (and could
+    submit). Its executable does not read: it is not vouched for."""
+    p = subprocess.Popen([sys.executable, "-c", _ZOMBIE_LEADER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "up\n"
+        wait_until(lambda: _state(p.pid) == "Z", 10, "the leader to be a zombie")
+        st = procfs.pid_stat(p.pid)
+        assert st is not None and st.threads > 1
+        why = freezepolicy.ungateable([p.pid], freezepolicy.Inspector())
+        assert len(why) == 1 and "cannot be read" in why[0], why
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_live_process_without_the_shim_freezes_its_slot() -> None:
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.05)
+        why = freezepolicy.ungateable([p.pid], freezepolicy.Inspector())
+        assert len(why) == 1 and "without the KREX shim" in why[0], why
+    finally:
+        p.kill()
+        p.wait()
