@@ -2,7 +2,11 @@
 the unprotected cell of the same C, region entry (all regions and one family), flagged
 regions and why, and how long pre-warmed commands waited for their slot.
 
-    python3 scripts/bench_cells.py RESULTS_DIR [--family cpu-heavy]
+    python3 scripts/bench_cells.py RESULTS_DIR [RESULTS_DIR ...] [--family cpu-heavy]
+
+Several directories (replicates of the same cells, e.g. other seeds): each one's tables, then
+the pooled ones: a cell's runs over its summed makespans, the Little ratio over all its runs,
+entry quantiles over all its regions (node busy and krexd CPU weighted by makespan).
 
 Reads cells.jsonl and raw.jsonl only (the bench's own files); prints markdown tables.
 Entry is krexd's `entry_s` of each region (request to grant), quantiles by nearest rank.
@@ -63,16 +67,59 @@ def little_ratio(
     return ratio(names, False), boot[int(0.05 * n)], boot[int(0.95 * n) - 1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--family", default="cpu-heavy")
-    a = ap.parse_args()
-    cells = {c["cell"]: c for c in jsonl(a.out / "cells.jsonl")}
-    runs: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for r in jsonl(a.out / "raw.jsonl"):
+Cells = dict[str, dict[str, Any]]
+Runs = dict[str, list[dict[str, Any]]]
+
+
+def load(out: Path) -> tuple[Cells, Runs]:
+    cells = {c["cell"]: c for c in jsonl(out / "cells.jsonl")}
+    runs: Runs = collections.defaultdict(list)
+    for r in jsonl(out / "raw.jsonl"):
         if r.get("cell") in cells and r.get("run") == cells[r["cell"]]["run"]:
             runs[r["cell"]].append(r)
+    return cells, runs
+
+
+def pool(loaded: list[tuple[Cells, Runs]]) -> tuple[Cells, Runs]:
+    """The cells of several directories as one: runs and makespans summed, runs joined."""
+    cells: Cells = {}
+    runs: Runs = collections.defaultdict(list)
+    for cs, rs in loaded:
+        for k, c in cs.items():
+            m = cells.setdefault(
+                k, {"cell": k, "mode": c["mode"], "c": c["c"], "n_runs": 0, "failures": 0, "makespan_s": 0.0, "w": {}}
+            )
+            m["n_runs"] += c["n_runs"]
+            m["failures"] += c["failures"]
+            m["makespan_s"] += c["makespan_s"]
+            for f in ("node_busy", "krexd_cpu_s"):
+                if c.get(f) is not None:
+                    m["w"].setdefault(f, []).append((c[f], c["makespan_s"]))
+            runs[k].extend(rs.get(k, []))
+    for m in cells.values():
+        for f, vs in m.pop("w").items():
+            if len(vs) == sum(1 for cs, _ in loaded if m["cell"] in cs):  # every replicate had it
+                m[f] = (sum(v * w for v, w in vs) / sum(w for _, w in vs)) if f == "node_busy" else sum(v for v, _ in vs)
+    return cells, runs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path, nargs="+")
+    ap.add_argument("--family", default="cpu-heavy")
+    a = ap.parse_args()
+    loaded = [load(d) for d in a.out]
+    for d, (cells, runs) in zip(a.out, loaded, strict=True):
+        if len(a.out) > 1:
+            print(f"## {d}\n")
+        tables(cells, runs, a.family)
+    if len(a.out) > 1:
+        print(f"## pooled: {len(a.out)} directories\n")
+        tables(*pool(loaded), a.family)
+    return 0
+
+
+def tables(cells: Cells, runs: Runs, family: str) -> None:
     cpm = {k: c["n_runs"] / c["makespan_s"] * 60 for k, c in cells.items() if c["makespan_s"] > 0}
     # node busy: the cores' busy share over the cell; krexd CPU: krexd's own CPU seconds (with
     # its watchdog) over the cell (cells.jsonl of a bench since session 28; "-" before).
@@ -106,7 +153,7 @@ def main() -> int:
             iv = f"{lr:.2f}x [{lo:.2f}, {hi:.2f}]"
         print(f"| {k} | {sum(w) / len(w):.1f} | {60 * c['c'] * len(w) / sum(w):.1f} | {iv} |")
     print()
-    print(f"| cell | regions | entry p50/p95/p99/max ms | {a.family}: n, p50/p99/max ms | flagged (why) | "
+    print(f"| cell | regions | entry p50/p95/p99/max ms | {family}: n, p50/p99/max ms | flagged (why) | "
           "pre-warmed: n, wait p50/max s |")
     print("|---|---|---|---|---|---|")
     for k, c in cells.items():
@@ -114,7 +161,7 @@ def main() -> int:
             continue
         regs = [(r.get("family"), g) for r in runs[k] for g in ((r.get("krex") or {}).get("regions") or [])]
         ent = [float(g["entry_s"]) for _, g in regs if g.get("entry_s") is not None]
-        fam = [float(g["entry_s"]) for f, g in regs if f == a.family and g.get("entry_s") is not None]
+        fam = [float(g["entry_s"]) for f, g in regs if f == family and g.get("entry_s") is not None]
         why: collections.Counter[str] = collections.Counter()
         for _, g in regs:
             if g.get("contaminated"):
@@ -128,7 +175,7 @@ def main() -> int:
             f"| {flagged} ({', '.join(f'{w} {n}' for w, n in why.most_common()) or '-'}) "
             f"| {len(pw)}, {q(pw, .5):.2f}/{max(pw, default=math.nan):.2f} |"
         )
-    return 0
+    print()
 
 
 if __name__ == "__main__":

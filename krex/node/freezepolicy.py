@@ -77,6 +77,7 @@ class Inspector:
         self._lock = threading.Lock()  # the cache is shared by region threads and the inspector's
         self._pending: set[tuple[int, int, str]] = set()
         self._pids: set[int] = set()  # pids with some verdict cached
+        self._gateable: set[tuple[int, int]] = set()  # (pid, start time) once found gateable
         # pid -> (the key of its verdict that may change, when it goes stale); one per pid
         self._recheck: dict[int, tuple[tuple[int, int, str], float]] = {}
         self.wanted = threading.Event()  # set when a region queued a process to inspect
@@ -98,8 +99,17 @@ class Inspector:
         try:
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it
-            gone = not _alive(pid)
-            return (None if gone else Verdict(False, f"pid {pid}: its executable cannot be read")), False
+            if not _alive(pid):
+                return None, False
+            # Inside its exit, its memory released: one seen with the shim (a gateable verdict
+            # for this pid and start time) leaves the rest of its exit to the shim's accounting
+            # (krexd waits out a registered process's exit, _await_exits). Freezing its slot
+            # would not stop the exit, only wait for it and for the slot's other threads.
+            if st.flags & procfs.PF_EXITING:
+                with self._lock:
+                    if (pid, ticks) in self._gateable:
+                        return None, False
+            return Verdict(False, f"pid {pid}: its executable cannot be read"), False
         key = (pid, ticks, exe)
         with self._lock:
             v = self._cache.get(key)
@@ -120,8 +130,13 @@ class Inspector:
                 self._cache.clear()
                 self._pids.clear()
                 self._recheck.clear()
+                self._gateable.clear()
             self._cache[key] = v
             self._pids.add(pid)
+            if v.gateable:
+                self._gateable.add((pid, ticks))
+            else:  # (an exec since: its last image decides)
+                self._gateable.discard((pid, ticks))
             if v.final:
                 self._recheck.pop(pid, None)
             else:

@@ -15,6 +15,7 @@ T = TypeVar("T")
 PROC = "/proc"
 # Stopped ('T'), traced ('t'), zombie ('Z') and dead ('X') tasks cannot run user code.
 STOPPED_STATES = frozenset("TtZX")
+PF_EXITING = 0x4  # Stat.flags: the task is inside its exit (include/linux/sched.h)
 
 
 def write(path: str, text: str) -> None:
@@ -46,6 +47,7 @@ class Stat:
     start: int  # clock ticks since boot; tells a reused pid apart
     threads: int = 1
     cpu_ticks: int = 0  # user + system CPU time, clock ticks
+    flags: int = 0  # the kernel's PF_* flags (PF_EXITING: inside its exit)
 
 
 def parse_stat(text: str, pid: int) -> Stat | None:
@@ -60,6 +62,7 @@ def parse_stat(text: str, pid: int) -> Stat | None:
         start=int(rest[19]),
         threads=int(rest[17]),
         cpu_ticks=int(rest[11]) + int(rest[12]),
+        flags=int(rest[6]),
     )
 
 

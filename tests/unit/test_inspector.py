@@ -4,10 +4,13 @@ process the gate cannot vouch for)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 import time
 
+import pytest
 from helpers import wait_until
 
 from krex.node import freezepolicy, procfs
@@ -64,3 +67,54 @@ def test_a_live_process_without_the_shim_freezes_its_slot() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def _exiting(monkeypatch: pytest.MonkeyPatch, pid: int, exiting: bool) -> None:
+    """Make `pid` read as a process past the release of its memory in its exit: its
+    executable no longer reads, and (if `exiting`) its stat carries PF_EXITING."""
+    real_stat, real_readlink = procfs.pid_stat, os.readlink
+
+    def pid_stat(p: int) -> procfs.Stat | None:
+        st = real_stat(p)
+        if st is None or p != pid:
+            return st
+        return dataclasses.replace(st, flags=st.flags | (procfs.PF_EXITING if exiting else 0))
+
+    def readlink(path: str, *a: object, **k: object) -> str:
+        if path == f"/proc/{pid}/exe":
+            raise FileNotFoundError(path)
+        return real_readlink(path)
+
+    monkeypatch.setattr(procfs, "pid_stat", pid_stat)
+    monkeypatch.setattr(freezepolicy.os, "readlink", readlink)
+
+
+@pytest.mark.parametrize("vouched", [True, False], ids=["seen-with-shim", "never-seen"])
+@pytest.mark.parametrize("exiting", [True, False], ids=["exiting", "not-exiting"])
+def test_an_exiting_process_is_gone_only_if_it_was_seen_with_the_shim(
+    monkeypatch: pytest.MonkeyPatch, vouched: bool, exiting: bool
+) -> None:
+    """Inside its exit, a process seen with the shim leaves the rest to the shim's exit
+    accounting: freezing its slot would not stop it. One never seen, or an unreadable
+    executable outside an exit, still freezes its slot (nothing vouches for it)."""
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.05)
+        insp = freezepolicy.Inspector(shim_name="libc.so.6")  # sleep maps libc: "has the shim"
+        if vouched:
+            v = insp.verdict(p.pid)
+            assert v is not None and v.gateable, v
+        _exiting(monkeypatch, p.pid, exiting)
+        why = freezepolicy.ungateable([p.pid], insp)
+        if vouched and exiting:
+            assert why == [], why
+        else:
+            assert len(why) == 1 and "cannot be read" in why[0], why
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_stat_reads_the_kernel_flags() -> None:
+    st = procfs.pid_stat(os.getpid())
+    assert st is not None and st.flags != 0 and not st.flags & procfs.PF_EXITING
