@@ -151,49 +151,89 @@ static const char *const krex_sonames[KREX_N_APIS][4] = {
     {"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", NULL},
 };
 
-/* Whether a loaded object may be `soname`: its file name or its DT_SONAME is that, or
- * its dynamic section cannot be read (then maybe). */
+/* Whether [p, p + n) lies in one of the object's loaded segments. */
+static int in_object(const struct dl_phdr_info *info, ElfW(Addr) p, ElfW(Xword) n) {
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        ElfW(Addr) lo = info->dlpi_addr + ph->p_vaddr;
+        if (ph->p_type == PT_LOAD && p >= lo && p - lo < ph->p_memsz && n <= ph->p_memsz - (p - lo)) return 1;
+    }
+    return 0;
+}
+
+/* The object's DT_SONAME in *out: 1 found, 0 none, -1 cannot be read (its string table is
+ * not inside its segments, relocated or not: glibc relocates DT_STRTAB in place only where
+ * the dynamic section is writable, not the vdso's). */
+static int object_soname(const struct dl_phdr_info *info, const char **out) {
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
+        const ElfW(Dyn) *d = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+        ElfW(Addr) tab = 0;
+        ElfW(Xword) off = 0, size = 0;
+        int has = 0;
+        for (; d->d_tag != DT_NULL; d++) {
+            if (d->d_tag == DT_STRTAB) tab = d->d_un.d_ptr;
+            if (d->d_tag == DT_STRSZ) size = d->d_un.d_val;
+            if (d->d_tag == DT_SONAME) off = d->d_un.d_val, has = 1;
+        }
+        if (!has) return 0;
+        if (off >= size) return -1;
+        if (!in_object(info, tab, size)) tab += info->dlpi_addr;
+        if (!in_object(info, tab, size) || !memchr((const char *)tab + off, 0, size - off)) return -1;
+        *out = (const char *)tab + off;
+        return 1;
+    }
+    return 0;
+}
+
+/* `s` starts with the soname's stem ("libcuda.so" of "libcuda.so.1"). */
+static int has_stem(const char *s, const char *soname) {
+    const char *e = strstr(soname, ".so");
+    size_t n = e ? (size_t)(e - soname) + 3 : strlen(soname);
+    return !strncmp(s, soname, n);
+}
+
 struct so_probe {
-    const char *soname;
-    int maybe;
+    const char *const *sonames;
+    int maybe; /* a loaded object's file name or DT_SONAME is one, or starts with its stem */
 };
 
 static int so_probe_cb(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
     struct so_probe *q = data;
     const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
-    base = base ? base + 1 : info->dlpi_name;
-    if (base && !strcmp(base, q->soname)) return q->maybe = 1;
-    for (int i = 0; i < info->dlpi_phnum; i++) {
-        if (info->dlpi_phdr[i].p_type != PT_DYNAMIC) continue;
-        const ElfW(Dyn) *d = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
-        ElfW(Addr) strtab = 0;
-        ElfW(Xword) soname = (ElfW(Xword))-1;
-        for (; d->d_tag != DT_NULL; d++) {
-            if (d->d_tag == DT_STRTAB) strtab = d->d_un.d_ptr;
-            if (d->d_tag == DT_SONAME) soname = d->d_un.d_val;
-        }
-        if (soname == (ElfW(Xword))-1) return 0; /* no DT_SONAME: matched by file name only */
-        if (!strtab) return q->maybe = 1;
-        /* glibc relocates DT_STRTAB in place where the dynamic section is writable. */
-        if (strtab < info->dlpi_addr) strtab += info->dlpi_addr;
-        if (!strcmp((const char *)strtab + soname, q->soname)) return q->maybe = 1;
-        return 0;
-    }
-    return 0;
+    base = base ? base + 1 : (info->dlpi_name ? info->dlpi_name : "");
+    const char *sn = NULL;
+    int r = object_soname(info, &sn);
+    for (int i = 0; q->sonames[i] && !q->maybe; i++)
+        q->maybe = r < 0 || has_stem(base, q->sonames[i]) || (r > 0 && has_stem(sn, q->sonames[i]));
+    return q->maybe;
 }
 
-/* Find `name` in an already-loaded vendor library; never loads one. A dlopen(RTLD_NOLOAD)
- * of a library that is not loaded searches the whole library path and maps ld.so.cache,
- * taking the process's mmap lock for writing: a drain helper looking up HIP on a CUDA node
- * (again after every library load; torch.compile loads one per kernel) waited there
- * 0.1-0.4 s behind its own command's thread pinning pages for a copy (H200, session 29).
- * So a name no loaded object answers to is not asked for. */
-void *vendor_sym(int api, const char *name) {
+/* `name` in the library that already-resolved hooks of `api` call into (by its path: glibc
+ * matches a loaded object's own name without a search), for one loaded under a name no
+ * soname of ours matches (a file of another name with no DT_SONAME, reached by a link). */
+static void *sym_in_resolved(int api, const char *name) {
+    for (int id = 0; id < KREX_N_IDS; id++) {
+        if (krex_entries[id].api != api) continue;
+        for (int k = 0; k < KREX_NSLOT; k++) {
+            void *real = __atomic_load_n(&krex_real[id][k], ACQUIRE);
+            Dl_info info;
+            if (!real || !dladdr(real, &info) || !info.dli_fname || !strchr(info.dli_fname, '/')) continue;
+            void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+            if (!h) continue;
+            void *p = real_dlsym(h, name);
+            dlclose(h);
+            if (p) return p;
+        }
+    }
+    return NULL;
+}
+
+/* Find `name` in an already-loaded vendor library by soname; never loads one, and never
+ * searches the library path. */
+static void *vendor_sym_by_soname(int api, const char *name) {
     for (int i = 0; krex_sonames[api][i]; i++) {
-        struct so_probe q = {krex_sonames[api][i], 0};
-        dl_iterate_phdr(so_probe_cb, &q);
-        if (!q.maybe) continue;
         void *h = dlopen(krex_sonames[api][i], RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue;
         void *p = real_dlsym(h, name);
@@ -203,12 +243,27 @@ void *vendor_sym(int api, const char *name) {
     return NULL;
 }
 
+/* The drain helper's and the pacer's lookups: never a library path search. A dlopen
+ * (RTLD_NOLOAD) of a library that is not loaded searches the whole path and maps
+ * ld.so.cache, taking the process's mmap lock for writing: a drain helper looking up HIP on
+ * a CUDA node (again after every library load; torch.compile loads one per kernel) waited
+ * there 0.1-0.4 s behind its own command's thread pinning pages for a copy (H200, session
+ * 29). So sonames are asked for only when a loaded object's file name or DT_SONAME is of
+ * that library (its stem); else the library our hooks of that API already call into. */
+void *vendor_sym(int api, const char *name) {
+    struct so_probe q = {krex_sonames[api], 0};
+    dl_iterate_phdr(so_probe_cb, &q);
+    void *p = q.maybe ? vendor_sym_by_soname(api, name) : NULL;
+    return p ? p : sym_in_resolved(api, name);
+}
+
 /* Resolve slot 0 (the exported wrapper's target) by name. */
 void *krex_resolve(int id, int k) {
     if (k != 0) return NULL; /* other slots are only ever bound, never resolved */
     const struct krex_entry *e = &krex_entries[id];
     void *p = real_dlsym(RTLD_NEXT, e->name);
-    if (!p || is_own_wrapper(p)) p = vendor_sym(e->api, e->name);
+    /* (By soname, searching the path if need be: an app thread's first call, once.) */
+    if (!p || is_own_wrapper(p)) p = vendor_sym_by_soname(e->api, e->name);
     if (!p || is_own_wrapper(p)) {
         set_flag(KREX_PF_NO_REAL);
         klog("no real %s found", e->name);

@@ -77,7 +77,6 @@ class Inspector:
         self._lock = threading.Lock()  # the cache is shared by region threads and the inspector's
         self._pending: set[tuple[int, int, str]] = set()
         self._pids: set[int] = set()  # pids with some verdict cached
-        self._gateable: set[tuple[int, int]] = set()  # (pid, start time) once found gateable
         # pid -> (the key of its verdict that may change, when it goes stale); one per pid
         self._recheck: dict[int, tuple[tuple[int, int, str], float]] = {}
         self.wanted = threading.Event()  # set when a region queued a process to inspect
@@ -89,11 +88,12 @@ class Inspector:
     def _verdict(self, pid: int, inspect: bool) -> tuple[Verdict | None, bool]:
         """(the verdict, whether this call read the process's maps: ungateable's budget)."""
         st = procfs.pid_stat(pid)
-        # An ended process not reaped yet (a zombie with no live thread: attest.py's rule)
+        # An ended process not reaped yet (a zombie whose only thread is its dead leader)
         # runs nothing again, and its files, GPU ones too, are closed; its executable no
-        # longer reads. Taken as gone: torch.compile's short-lived children left such zombies,
-        # and their slots were frozen for them (25-130 ms of entry on the H200, session 29).
-        if st is None or (st.state in ("Z", "X") and st.threads <= 1):
+        # longer reads. Taken as gone: torch.compile's short-lived children leave such zombies,
+        # and slots were frozen for processes whose executable did not read (25-130 ms of
+        # entry on the H200, session 29). Not "X": a leader released mid-exec reads so.
+        if st is None or (st.state == "Z" and st.threads == 1):
             return None, False
         ticks = st.start
         try:
@@ -101,14 +101,9 @@ class Inspector:
         except OSError:  # a kernel thread, or gone, or not ours to read: cannot vouch for it
             if not _alive(pid):
                 return None, False
-            # Inside its exit, its memory released: one seen with the shim (a gateable verdict
-            # for this pid and start time) leaves the rest of its exit to the shim's accounting
-            # (krexd waits out a registered process's exit, _await_exits). Freezing its slot
-            # would not stop the exit, only wait for it and for the slot's other threads.
-            if st.flags & procfs.PF_EXITING:
-                with self._lock:
-                    if (pid, ticks) in self._gateable:
-                        return None, False
+            # Inside its exit too (PF_EXITING): its leader's memory is released, but another
+            # thread may still hold its GPU files, and the slot's freeze ends only once that
+            # thread has left (after its contexts' teardown).
             return Verdict(False, f"pid {pid}: its executable cannot be read"), False
         key = (pid, ticks, exe)
         with self._lock:
@@ -130,13 +125,8 @@ class Inspector:
                 self._cache.clear()
                 self._pids.clear()
                 self._recheck.clear()
-                self._gateable.clear()
             self._cache[key] = v
             self._pids.add(pid)
-            if v.gateable:
-                self._gateable.add((pid, ticks))
-            else:  # (an exec since: its last image decides)
-                self._gateable.discard((pid, ticks))
             if v.final:
                 self._recheck.pop(pid, None)
             else:

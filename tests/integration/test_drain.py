@@ -91,6 +91,55 @@ def test_a_drain_never_searches_the_library_path_for_a_library_not_loaded(
     assert rec is not None and rec.drains >= 1
 
 
+HIGH_LIB = r"""
+import ctypes, json, sys
+vp = ctypes.c_void_p
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+libc = ctypes.CDLL(None)
+libc.mmap.restype = vp
+libc.mmap.argtypes = [vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+# Take the address the library was linked at, so the loader puts it below: a "negative" load
+# bias, DT_STRTAB already relocated and smaller than dlpi_addr.
+got = libc.mmap(int(sys.argv[2], 0), 1 << 20, 0, 0x22 | 0x100000, -1, 0)  # PROT_NONE, MAP_FIXED_NOREPLACE
+lm = ctypes.CDLL(sys.argv[1])
+rt = ctypes.CDLL("libcudart.so.13")
+rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
+assert rt.cudaLaunchKernel(vp(0x1234), Dim3(600000, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
+print(json.dumps({"act": "k", "rc": 0, "taken": got == int(sys.argv[2], 0)}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_library_loaded_below_its_link_address_does_not_crash_a_drain(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """The helper reads loaded objects' DT_SONAME: one loaded below the address it was
+    linked at (its load bias wraps) must be read where it is, not at base + pointer
+    (adversarial review: SIGSEGV in the helper, the command killed)."""
+    import subprocess
+    import sys
+
+    h = harness
+    src = tmp_path / "high.c"
+    src.write_text("int krex_high(void) { return 1; }\n")
+    so, at = tmp_path / "libhigh.so", "0x7fffff000000"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(so), str(src), "-Wl,-soname,libhigh.so"]
+        + [f"-Wl,-Ttext-segment={at}"],
+        check=True,
+    )
+    owner, sib = h.claim(), h.claim()
+    child = Child([sys.executable, "-c", HIGH_LIB, str(so), at], h.env(sib))
+    h.children.append(child)
+    d = _submitted(child)
+    assert d["taken"], "the link address was free for the library: the test would prove nothing"
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=10)
+    assert res.ok and res.count == 1, res
+    assert child.alive(), child.stderr()
+
+
 def test_drain_skips_idle_and_owner_processes(harness: Harness) -> None:
     """A sibling that never made a GPU call (a cudaMalloc is one: a LIFE call, it
     registers), and the owner's own busy process, are not waited for: both are

@@ -161,14 +161,34 @@ say("hip")
 """
 
 
-@pytest.mark.parametrize("renamed", [False, True], ids=["by-soname", "renamed-file"])
+def _drop_soname(path: Path) -> None:
+    """Turn the library's DT_SONAME entry into DT_DEBUG (ignored in a shared library)."""
+    import struct
+
+    b = bytearray(path.read_bytes())
+    phoff, phentsize, phnum = struct.unpack_from("<Q", b, 32)[0], *struct.unpack_from("<HH", b, 54)
+    for i in range(phnum):
+        p_type, _fl, p_offset, _va, _pa, p_filesz = struct.unpack_from("<IIQQQQ", b, phoff + i * phentsize)
+        if p_type != 2:  # PT_DYNAMIC
+            continue
+        for off in range(p_offset, p_offset + p_filesz, 16):
+            if struct.unpack_from("<q", b, off)[0] == 14:  # DT_SONAME
+                struct.pack_into("<q", b, off, 21)  # DT_DEBUG
+                path.write_bytes(bytes(b))
+                return
+    raise AssertionError(f"{path} has no DT_SONAME")
+
+
+@pytest.mark.parametrize("how", ["by-soname", "renamed-file", "no-soname-linked"])
 def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(
-    harness: Harness, tmp_path: Path, renamed: bool
+    harness: Harness, tmp_path: Path, how: str
 ) -> None:
     """The helper looks its vendor functions up once and again only when the process
     loaded (or unloaded) a library since: a HIP runtime loaded after the first drain, with
     work queued through it, is synchronised by the next one. Also from a file of another
-    name (found by its DT_SONAME: the helper asks only for names a loaded object has)."""
+    name (found by its DT_SONAME: the helper asks only for names a loaded object has), and
+    from one with no DT_SONAME that the soname reaches through a link (found as the library
+    the hooks already call into)."""
     import shutil
     import sys
 
@@ -176,11 +196,20 @@ def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(
 
     h = harness
     lib_arg = "libamdhip64.so"
-    if renamed:
-        lib_arg = str(tmp_path / "libvendorhip.so")
-        shutil.copy(LIB_DIR / "libamdhip64.so", lib_arg)
+    env = h.env(None, krex=False)
+    if how != "by-soname":
+        lib = tmp_path / "libvendorhip.so"
+        lib_arg = str(lib)
+        shutil.copy(LIB_DIR / "libamdhip64.so", lib)
+    if how == "no-soname-linked":
+        _drop_soname(lib)
+        links = tmp_path / "links"
+        links.mkdir()
+        (links / "libamdhip64.so").symlink_to(lib)
+        env["LD_LIBRARY_PATH"] = f"{links}:{LIB_DIR}"
     owner, sib = h.claim(), h.claim()
-    child = Child([sys.executable, "-c", LATE_HIP, lib_arg], h.env(sib))
+    env = h.env(sib, LD_LIBRARY_PATH=env["LD_LIBRARY_PATH"])
+    child = Child([sys.executable, "-c", LATE_HIP, lib_arg], env)
     h.children.append(child)
     child.expect(lambda d: d.get("step") == "cuda", 60, "the CUDA part")
     _close(h, owner)

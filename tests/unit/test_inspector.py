@@ -89,27 +89,24 @@ def _exiting(monkeypatch: pytest.MonkeyPatch, pid: int, exiting: bool) -> None:
     monkeypatch.setattr(freezepolicy.os, "readlink", readlink)
 
 
-@pytest.mark.parametrize("vouched", [True, False], ids=["seen-with-shim", "never-seen"])
+@pytest.mark.parametrize("seen", [True, False], ids=["seen-with-shim", "never-seen"])
 @pytest.mark.parametrize("exiting", [True, False], ids=["exiting", "not-exiting"])
-def test_an_exiting_process_is_gone_only_if_it_was_seen_with_the_shim(
-    monkeypatch: pytest.MonkeyPatch, vouched: bool, exiting: bool
+def test_an_unreadable_executable_of_a_live_process_freezes_its_slot(
+    monkeypatch: pytest.MonkeyPatch, seen: bool, exiting: bool
 ) -> None:
-    """Inside its exit, a process seen with the shim leaves the rest to the shim's exit
-    accounting: freezing its slot would not stop it. One never seen, or an unreadable
-    executable outside an exit, still freezes its slot (nothing vouches for it)."""
+    """Inside its exit (PF_EXITING) or not, seen with the shim before or not: another thread
+    may still hold its GPU files (exit_group leaves the leader a zombie first), and only the
+    slot's freeze waits for that thread to leave (adversarial review, session 29)."""
     p = subprocess.Popen(["sleep", "30"])
     try:
         time.sleep(0.05)
         insp = freezepolicy.Inspector(shim_name="libc.so.6")  # sleep maps libc: "has the shim"
-        if vouched:
+        if seen:
             v = insp.verdict(p.pid)
             assert v is not None and v.gateable, v
         _exiting(monkeypatch, p.pid, exiting)
         why = freezepolicy.ungateable([p.pid], insp)
-        if vouched and exiting:
-            assert why == [], why
-        else:
-            assert len(why) == 1 and "cannot be read" in why[0], why
+        assert len(why) == 1 and "cannot be read" in why[0], why
     finally:
         p.kill()
         p.wait()
