@@ -114,7 +114,8 @@ typedef CUresult (*fn_setdev)(int);
 /* The vendor functions a drain calls, looked up by the helper thread only. A lookup of a
  * library that is not loaded (HIP on a CUDA node) searches the whole library path: ~180
  * syscalls and ~0.2 ms of CPU per drain per process. So they are looked up again only
- * when the set of loaded objects changed (glibc's dlpi_adds/dlpi_subs counters). */
+ * when the set of loaded objects changed (glibc's dlpi_adds/dlpi_subs counters), or a hook
+ * resolved a real function since (vendor_sym may find a library through it). */
 static struct {
     fn_i_p cu_count, cu_push, cu_pop;
     fn_dev_state cu_state;
@@ -126,6 +127,7 @@ static struct {
     fn_setdev hip_setdev;
     fn_void hip_sync;
     unsigned long long adds, subs;
+    uint32_t real_gen; /* krex_real_gen then: a hook resolved since may name a library (vendor_sym) */
     int valid;
 } g_dfn;
 
@@ -202,7 +204,8 @@ static void check_loaded(void) {
 static void drain_fns(void) {
     unsigned long long v[3] = {0, 0, 0};
     dl_iterate_phdr(loaded_gen, v);
-    if (g_dfn.valid && v[2] && v[0] == g_dfn.adds && v[1] == g_dfn.subs) return;
+    uint32_t gen = __atomic_load_n(&krex_real_gen, __ATOMIC_ACQUIRE);
+    if (g_dfn.valid && v[2] && v[0] == g_dfn.adds && v[1] == g_dfn.subs && gen == g_dfn.real_gen) return;
     g_dfn.cu_count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");
     g_dfn.cu_state = (fn_dev_state)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxGetState");
     g_dfn.cu_retain = (fn_retain)vendor_sym(KREX_API_DRIVER, "cuDevicePrimaryCtxRetain");
@@ -217,6 +220,7 @@ static void drain_fns(void) {
     note_unseen_runtime(); /* (the loaded objects changed) */
     g_dfn.adds = v[0];
     g_dfn.subs = v[1];
+    g_dfn.real_gen = gen;
     g_dfn.valid = v[2] != 0; /* counters unknown (an old libc): look up every time, as before */
 }
 

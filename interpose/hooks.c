@@ -192,9 +192,11 @@ void *krex_bind(int id, void *realp) {
         if (cur == NULL) {
             void *expect = NULL;
             if (__atomic_compare_exchange_n(&krex_real[id][k], &expect, realp, 0, __ATOMIC_ACQ_REL,
-                                            __ATOMIC_ACQUIRE) ||
-                expect == realp)
+                                            __ATOMIC_ACQUIRE)) {
+                __atomic_add_fetch(&krex_real_gen, 1, __ATOMIC_RELEASE);
                 return krex_wrappers[id][k];
+            }
+            if (expect == realp) return krex_wrappers[id][k];
         }
     }
     set_flag(KREX_PF_LOOKUP_FALLBACK);

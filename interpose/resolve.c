@@ -4,6 +4,7 @@
  * constructor, or inside a sanitizer runtime's start-up. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
 #include <elf.h>
 #include <link.h>
 #include <string.h>
@@ -11,6 +12,7 @@
 #include "shim.h"
 
 void *krex_real[KREX_N_IDS][KREX_NSLOT];
+uint32_t krex_real_gen; /* atomic: bumped as a real pointer is stored (vendor_sym's fallback reads them) */
 
 typedef void *(*dlsym_fn)(void *, const char *);
 static dlsym_fn g_real_dlsym; /* atomic */
@@ -193,21 +195,29 @@ static int has_stem(const char *s, const char *soname) {
     return !strncmp(s, soname, n);
 }
 
+#define KREX_PROBE_MAX 4
 struct so_probe {
     const char *const *sonames;
-    int maybe; /* a loaded object's file name or DT_SONAME is one, or starts with its stem */
+    int n;                                  /* paths found */
+    char path[KREX_PROBE_MAX][PATH_MAX];    /* copied under the loader's lock */
 };
 
+/* Loaded objects whose file name or DT_SONAME has one of the sonames' stems, by their own
+ * path (which glibc matches without a search, whatever the soname list's order). */
 static int so_probe_cb(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
     struct so_probe *q = data;
-    const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
-    base = base ? base + 1 : (info->dlpi_name ? info->dlpi_name : "");
+    if (!info->dlpi_name || !strchr(info->dlpi_name, '/') || strlen(info->dlpi_name) >= PATH_MAX) return 0;
+    const char *base = strrchr(info->dlpi_name, '/') + 1;
     const char *sn = NULL;
     int r = object_soname(info, &sn);
-    for (int i = 0; q->sonames[i] && !q->maybe; i++)
-        q->maybe = r < 0 || has_stem(base, q->sonames[i]) || (r > 0 && has_stem(sn, q->sonames[i]));
-    return q->maybe;
+    for (int i = 0; q->sonames[i]; i++) {
+        if (has_stem(base, q->sonames[i]) || (r > 0 && has_stem(sn, q->sonames[i]))) {
+            strcpy(q->path[q->n++], info->dlpi_name);
+            break;
+        }
+    }
+    return q->n == KREX_PROBE_MAX;
 }
 
 /* `name` in the library that already-resolved hooks of `api` call into (by its path: glibc
@@ -219,8 +229,12 @@ static void *sym_in_resolved(int api, const char *name) {
         for (int k = 0; k < KREX_NSLOT; k++) {
             void *real = __atomic_load_n(&krex_real[id][k], ACQUIRE);
             Dl_info info;
-            if (!real || !dladdr(real, &info) || !info.dli_fname || !strchr(info.dli_fname, '/')) continue;
-            void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+            char path[PATH_MAX];
+            if (!real || !dladdr(real, &info) || !info.dli_fname || !strchr(info.dli_fname, '/') ||
+                strlen(info.dli_fname) >= sizeof path)
+                continue;
+            strcpy(path, info.dli_fname); /* (its object's own name: copied before any dlopen) */
+            void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
             if (!h) continue;
             void *p = real_dlsym(h, name);
             dlclose(h);
@@ -244,17 +258,24 @@ static void *vendor_sym_by_soname(int api, const char *name) {
 }
 
 /* The drain helper's and the pacer's lookups: never a library path search. A dlopen
- * (RTLD_NOLOAD) of a library that is not loaded searches the whole path and maps
+ * (RTLD_NOLOAD) of a name no loaded object has searches the whole path and maps
  * ld.so.cache, taking the process's mmap lock for writing: a drain helper looking up HIP on
  * a CUDA node (again after every library load; torch.compile loads one per kernel) waited
  * there 0.1-0.4 s behind its own command's thread pinning pages for a copy (H200, session
- * 29). So sonames are asked for only when a loaded object's file name or DT_SONAME is of
- * that library (its stem); else the library our hooks of that API already call into. */
+ * 29). So the libraries are opened by their own paths: the loaded objects whose file name
+ * or DT_SONAME has the library's stem (libcuda.so), else the one our hooks of that API
+ * already call into. */
 void *vendor_sym(int api, const char *name) {
-    struct so_probe q = {krex_sonames[api], 0};
+    struct so_probe q = {krex_sonames[api], 0, {{0}}};
     dl_iterate_phdr(so_probe_cb, &q);
-    void *p = q.maybe ? vendor_sym_by_soname(api, name) : NULL;
-    return p ? p : sym_in_resolved(api, name);
+    for (int i = 0; i < q.n; i++) {
+        void *h = dlopen(q.path[i], RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        void *p = real_dlsym(h, name);
+        dlclose(h);
+        if (p) return p;
+    }
+    return sym_in_resolved(api, name);
 }
 
 /* Resolve slot 0 (the exported wrapper's target) by name. */
@@ -273,6 +294,7 @@ void *krex_resolve(int id, int k) {
     if (!__atomic_compare_exchange_n(&krex_real[id][0], &expect, p, 0, __ATOMIC_ACQ_REL,
                                      __ATOMIC_ACQUIRE))
         return expect;
+    __atomic_add_fetch(&krex_real_gen, 1, __ATOMIC_RELEASE);
     return p;
 }
 

@@ -63,6 +63,7 @@ static inline void set_flag(uint32_t f) {
 
 /* resolve.c: the real entry points behind our wrappers, and dlsym. */
 extern void *krex_real[KREX_N_IDS][KREX_NSLOT];
+extern uint32_t krex_real_gen;
 void *vendor_sym(int api, const char *name);
 void *krex_next_sym(const char *name);
 void *krex_resolve(int id, int k);

@@ -153,7 +153,8 @@ rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_siz
 assert rt.cudaLaunchKernel(vp(0x1234), Dim3(1, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
 rt.cudaDeviceSynchronize()
 say("cuda")
-hip = ctypes.CDLL(sys.argv[1])  # loaded only now: after the helper's first drain
+mode = ctypes.RTLD_GLOBAL if sys.argv[2:] == ["global"] else ctypes.DEFAULT_MODE
+hip = ctypes.CDLL(sys.argv[1], mode=mode)  # loaded only now: after the helper's first drain
 p = vp()
 assert hip.hipMalloc(ctypes.byref(p), ctypes.c_size_t(64)) == 0
 assert hip.hipMemset(p, 0, ctypes.c_size_t(64)) == 0  # HIP work queued: the next drain owes a HIP sync
@@ -179,7 +180,7 @@ def _drop_soname(path: Path) -> None:
     raise AssertionError(f"{path} has no DT_SONAME")
 
 
-@pytest.mark.parametrize("how", ["by-soname", "renamed-file", "no-soname-linked"])
+@pytest.mark.parametrize("how", ["by-soname", "renamed-file", "no-soname-linked", "versioned-file-only"])
 def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(
     harness: Harness, tmp_path: Path, how: str
 ) -> None:
@@ -188,7 +189,9 @@ def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(
     work queued through it, is synchronised by the next one. Also from a file of another
     name (found by its DT_SONAME: the helper asks only for names a loaded object has), and
     from one with no DT_SONAME that the soname reaches through a link (found as the library
-    the hooks already call into)."""
+    the hooks already call into). And from a file named like ROCm 6's (libamdhip64.so.6)
+    whose soname is none of ours, while every HIP soname we know is a FIFO in the library
+    path: a lookup that searched the path would hang there."""
     import shutil
     import sys
 
@@ -207,9 +210,23 @@ def test_drain_helper_finds_a_runtime_loaded_after_its_first_drain(
         links.mkdir()
         (links / "libamdhip64.so").symlink_to(lib)
         env["LD_LIBRARY_PATH"] = f"{links}:{LIB_DIR}"
+    extra: list[str] = []
+    if how == "versioned-file-only":
+        rocm, fifos = tmp_path / "rocm", tmp_path / "fifos"
+        rocm.mkdir()
+        fifos.mkdir()
+        lib = rocm / "libamdhip64.so.6"
+        b = (LIB_DIR / "libamdhip64.so").read_bytes()
+        assert b.count(b"libamdhip64.so\0") == 1
+        lib.write_bytes(b.replace(b"libamdhip64.so\0", b"libamdhip64.s6\0"))
+        lib.chmod(0o755)
+        for name in ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"):
+            os.mkfifo(fifos / name)
+        env["LD_LIBRARY_PATH"] = f"{fifos}:{LIB_DIR}"
+        lib_arg, extra = str(lib), ["global"]  # global: our hooks resolve it without a search
     owner, sib = h.claim(), h.claim()
     env = h.env(sib, LD_LIBRARY_PATH=env["LD_LIBRARY_PATH"])
-    child = Child([sys.executable, "-c", LATE_HIP, lib_arg], env)
+    child = Child([sys.executable, "-c", LATE_HIP, lib_arg, *extra], env)
     h.children.append(child)
     child.expect(lambda d: d.get("step") == "cuda", 60, "the CUDA part")
     _close(h, owner)
