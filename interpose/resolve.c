@@ -195,15 +195,14 @@ static int has_stem(const char *s, const char *soname) {
     return !strncmp(s, soname, n);
 }
 
-#define KREX_PROBE_MAX 4
 struct so_probe {
     const char *const *sonames;
-    int n;                                  /* paths found */
-    char path[KREX_PROBE_MAX][PATH_MAX];    /* copied under the loader's lock */
+    int skip;   /* matching objects to pass over (the ones tried before) */
+    char *path; /* PATH_MAX bytes: the next match's path, copied under the loader's lock */
 };
 
-/* Loaded objects whose file name or DT_SONAME has one of the sonames' stems, by their own
- * path (which glibc matches without a search, whatever the soname list's order). */
+/* The next loaded object (after `skip` of them) whose file name or DT_SONAME has one of the
+ * sonames' stems, by its own path (which glibc matches without a search). */
 static int so_probe_cb(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
     struct so_probe *q = data;
@@ -213,31 +212,39 @@ static int so_probe_cb(struct dl_phdr_info *info, size_t size, void *data) {
     int r = object_soname(info, &sn);
     for (int i = 0; q->sonames[i]; i++) {
         if (has_stem(base, q->sonames[i]) || (r > 0 && has_stem(sn, q->sonames[i]))) {
-            strcpy(q->path[q->n++], info->dlpi_name);
-            break;
+            if (q->skip-- > 0) return 0;
+            strcpy(q->path, info->dlpi_name);
+            return 1;
         }
     }
-    return q->n == KREX_PROBE_MAX;
+    return 0;
 }
 
-/* `name` in the library that already-resolved hooks of `api` call into (by its path: glibc
- * matches a loaded object's own name without a search), for one loaded under a name no
- * soname of ours matches (a file of another name with no DT_SONAME, reached by a link). */
-static void *sym_in_resolved(int api, const char *name) {
+/* `name` in the library at `path` if it is loaded (its own name: no search), else NULL. */
+static void *sym_in_loaded(const char *path, const char *name) {
+    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return NULL;
+    void *p = real_dlsym(h, name);
+    dlclose(h);
+    return p;
+}
+
+/* `name` in the library that already-resolved hooks of `api` call into, for one loaded
+ * under a name no soname of ours matches (a file of another name with no DT_SONAME, reached
+ * by a link). By the loader's name for it (dladdr's dli_fname is argv[0] for the main
+ * program, which a dlopen would open), never the main program's. */
+static void *sym_in_resolved(int api, const char *name, char *path) {
     for (int id = 0; id < KREX_N_IDS; id++) {
         if (krex_entries[id].api != api) continue;
         for (int k = 0; k < KREX_NSLOT; k++) {
             void *real = __atomic_load_n(&krex_real[id][k], ACQUIRE);
             Dl_info info;
-            char path[PATH_MAX];
-            if (!real || !dladdr(real, &info) || !info.dli_fname || !strchr(info.dli_fname, '/') ||
-                strlen(info.dli_fname) >= sizeof path)
+            struct link_map *map = NULL;
+            if (!real || !dladdr1(real, &info, (void **)&map, RTLD_DL_LINKMAP) || !map || !map->l_name ||
+                !strchr(map->l_name, '/') || strlen(map->l_name) >= PATH_MAX)
                 continue;
-            strcpy(path, info.dli_fname); /* (its object's own name: copied before any dlopen) */
-            void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
-            if (!h) continue;
-            void *p = real_dlsym(h, name);
-            dlclose(h);
+            strcpy(path, map->l_name); /* (copied before the dlopen: another thread may dlclose it) */
+            void *p = sym_in_loaded(path, name);
             if (p) return p;
         }
     }
@@ -266,16 +273,14 @@ static void *vendor_sym_by_soname(int api, const char *name) {
  * or DT_SONAME has the library's stem (libcuda.so), else the one our hooks of that API
  * already call into. */
 void *vendor_sym(int api, const char *name) {
-    struct so_probe q = {krex_sonames[api], 0, {{0}}};
-    dl_iterate_phdr(so_probe_cb, &q);
-    for (int i = 0; i < q.n; i++) {
-        void *h = dlopen(q.path[i], RTLD_LAZY | RTLD_NOLOAD);
-        if (!h) continue;
-        void *p = real_dlsym(h, name);
-        dlclose(h);
+    char path[PATH_MAX]; /* one path at a time: app threads (pacer, capture ends) call this too */
+    for (int skip = 0; skip < 8; skip++) {
+        struct so_probe q = {krex_sonames[api], skip, path};
+        if (!dl_iterate_phdr(so_probe_cb, &q)) break;
+        void *p = sym_in_loaded(path, name);
         if (p) return p;
     }
-    return sym_in_resolved(api, name);
+    return sym_in_resolved(api, name, path);
 }
 
 /* Resolve slot 0 (the exported wrapper's target) by name. */
