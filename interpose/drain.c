@@ -111,11 +111,11 @@ typedef CUresult (*fn_release)(CUdevice);
 typedef CUresult (*fn_void)(void);
 typedef CUresult (*fn_setdev)(int);
 
-/* The vendor functions a drain calls, looked up by the helper thread only. A lookup of a
- * library that is not loaded (HIP on a CUDA node) searches the whole library path: ~180
- * syscalls and ~0.2 ms of CPU per drain per process. So they are looked up again only
- * when the set of loaded objects changed (glibc's dlpi_adds/dlpi_subs counters), or a hook
- * resolved a real function since (vendor_sym may find a library through it). */
+/* The vendor functions a drain calls, looked up by the helper thread only. A lookup walks
+ * every loaded object (vendor_sym: never a library path search), so they are looked up
+ * again only when the set of loaded objects changed (glibc's dlpi_adds/dlpi_subs
+ * counters), or a hook resolved a real function since (vendor_sym may find a library
+ * through it). */
 static struct {
     fn_i_p cu_count, cu_push, cu_pop;
     fn_dev_state cu_state;
