@@ -4,7 +4,8 @@ In the corpus runs of session 30 krex-8's summed import phase was 19-39 s (0.5-1
 longer than unprotected-8's, while krex-16's was shorter than unprotected-16's. This
 experiment times the same child both ways, side by side: each round starts --n copies at
 once, bare (`python3 child`), with only the shim preloaded
-(inert: no daemon, no gate), or under `krex run` (the shim preloaded, the command in
+(inert: no daemon, no gate), in a fresh cgroup of its own as krex's slots put
+commands (`--arms bare,cgroup,...`), or under `krex run` (the shim preloaded, the command in
 its cgroup and slot), alternating the arms round by round. The child times, on its own clock,
 `import torch, torch._dynamo, triton` (import) and its first CUDA call (ctx: context
 creation through the shim); the parent times each command's wall from spawn to exit.
@@ -44,12 +45,19 @@ def one_round(arm: str, n: int, device: str = "gpu") -> list[dict[str, Any]]:
 
         env["LD_PRELOAD"] = str(shim_path())
     child = [sys.executable, "-c", CHILD]
+    groups = []
+    if arm == "cgroup":  # each command in a fresh cgroup beside krex's own, nothing else of krex
+        from krex.node import freezer
+
+        fz = freezer.detect(root_name="krex-import-ab")
+        groups = [fz.group(f"ab{i}") for i in range(n)]
     t0 = time.perf_counter()
     procs = []
     for i in range(n):
         # krex: the bench's own launch (`krex run --report`'s lean entry, krex.runner.guardian_argv)
         argv = guardian_argv(child, f"/tmp/import_ab.{i}.json", device) if arm == "krex" else child
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+        pre = groups[i].preexec() if groups else None
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=pre))
     rows = []
     for p in procs:
         out, _ = p.communicate()
@@ -58,6 +66,10 @@ def one_round(arm: str, n: int, device: str = "gpu") -> list[dict[str, Any]]:
         if p.returncode != 0 or not line:
             raise SystemExit(f"{arm}: a command failed (rc {p.returncode}): {out[-500:]}")
         rows.append({**json.loads(line[-1]), "wall_s": wall, "arm": arm})
+    for g in groups:
+        g.remove()
+    if groups:
+        fz.remove_root()
     return rows
 
 
@@ -66,8 +78,15 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="commands started at once")
     ap.add_argument("--rounds", type=int, default=6, help="rounds per arm (after one warm-up each)")
     ap.add_argument("--device", default="gpu", help="krex run's --device (sim: a logic check only)")
+    ap.add_argument(
+        "--arms",
+        default="bare,preload,krex",
+        help="comma list of bare, preload, cgroup (a fresh cgroup per command, as krex's slots), krex",
+    )
     a = ap.parse_args()
-    arms = ("bare", "preload", "krex")
+    arms = tuple(a.arms.split(","))
+    if arms[0] != "bare" or not set(arms) <= {"bare", "preload", "cgroup", "krex"}:
+        raise SystemExit("--arms: bare first, then any of preload, cgroup, krex")
     for arm in arms:  # warm-up: page cache, the daemon's start
         one_round(arm, a.n, a.device)
     rows: list[dict[str, Any]] = []
