@@ -27,10 +27,8 @@ CC = os.environ.get("CC", "gcc")
 sys.path.insert(0, str(ROOT))
 
 from krex.native import LIB_DIR  # noqa: E402 - after the path set-up
+from krex.node.freezer import remove_leftovers  # noqa: E402
 from krex_build import SHIM_SOURCES  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tests"))
-from helpers import remove_cgroup_root  # noqa: E402 - the tests' own clean-up
 
 SANITIZERS = {
     "thread": ("libtsan.so", "TSAN_OPTIONS", "halt_on_error=1 exitcode=66 second_deadlock_stack=1"),
@@ -124,7 +122,7 @@ class World:
                 self.daemon.kill()
         for n in (self.env["KREX_SHM"], self.env["KREX_SIM_SHM"]):
             Path("/dev/shm" + n).unlink(missing_ok=True)
-        remove_cgroup_root(self.env["KREX_SHM"])
+        remove_leftovers(self.env["KREX_SHM"])
         shutil.rmtree(self.base, ignore_errors=True)
 
 

@@ -79,10 +79,7 @@ unset KREX_SOCKET KREX_SLOT KREX_GPU LD_PRELOAD
 cleanup() {
   "$KREX" daemon stop >/dev/null 2>&1 || true
   rm -f "/dev/shm$KREX_SHM" "/dev/shm$KREX_SIM_SHM"
-  # the daemon's (empty) cgroup root, named after the segment (tests/helpers: remove_cgroup_root)
-  for m in /sys/fs/cgroup /sys/fs/cgroup/unified /sys/fs/cgroup/freezer; do
-    if [ -d "$m${KREX_SHM}" ]; then rmdir "$m${KREX_SHM}"/*/ "$m${KREX_SHM}" 2>/dev/null || true; fi
-  done
+  "$W/venv/bin/python" -c "from krex.node.freezer import remove_leftovers as r; r('$KREX_SHM')" || true
 }
 trap cleanup EXIT
 

@@ -22,7 +22,9 @@ for _sig in (signal.SIGINT, signal.SIGQUIT):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import TEST_POLICY, Harness, remove_cgroup_root, victims  # noqa: E402
+from helpers import TEST_POLICY, Harness, victims  # noqa: E402
+
+from krex.node.freezer import remove_leftovers  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -75,4 +77,4 @@ def krex_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         Path("/dev/shm" + n).unlink(missing_ok=True)
     for pin in Path("/dev/shm").glob(env["KREX_SHM"].strip("/") + ".krex*"):  # krexd's pin links
         pin.unlink(missing_ok=True)
-    remove_cgroup_root(env["KREX_SHM"])
+    remove_leftovers(env["KREX_SHM"])  # a krexd the test killed left its groups

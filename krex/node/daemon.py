@@ -363,9 +363,7 @@ class Daemon:
         self._take_lock()  # before any cgroup is touched: a second daemon must change nothing
         # Started on demand from inside a command? Never live in (and freeze with) its slot group.
         freezer.leave_slot_groups()
-        self.freezer = freezer.detect(
-            cfg.freezer, root_name=self.shm_name.strip("/").replace("/", "-") or "krex"
-        )
+        self.freezer = freezer.detect(cfg.freezer, root_name=freezer.root_name_for(self.shm_name))
         self.partition = cpus.partition(cpus.discover(), self.info.count, self.info.numa or None)
         self.slots: dict[int, Slot] = {}
         self.queues: dict[int, collections.deque[Region]] = {

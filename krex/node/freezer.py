@@ -828,6 +828,24 @@ def _first(points: list[str], root_name: str, probe: Callable[[str, str], Freeze
     raise (denied or errors)[0]
 
 
+def root_name_for(shm_name: str) -> str:
+    """The parent group of a daemon serving segment `shm_name` (one per segment: two daemons
+    on other segments never share groups)."""
+    return shm_name.strip("/").replace("/", "-") or "krex"
+
+
+def remove_leftovers(shm_name: str) -> None:
+    """Thaw and remove the empty groups a killed daemon of `shm_name` left, and their parent,
+    under every cgroup backend that works here (tests' and checks' clean-up; a daemon's own
+    start recovers them instead)."""
+    for backend in ("cgroup2", "cgroup1"):
+        with contextlib.suppress(KrexError):
+            fz = _make(backend, root_name_for(shm_name))
+            with contextlib.suppress(KrexError):
+                fz.recover()
+            fz.remove_root()
+
+
 def detect(prefer: str | None = None, root_name: str = "krex") -> Freezer:
     """Return a working freezer: `prefer` forces one backend, None tries cgroup2, cgroup1, signal.
 

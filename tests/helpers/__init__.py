@@ -91,24 +91,6 @@ def _compile(src: Path, out: Path) -> None:
         raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
 
 
-CGROUP_MOUNTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/freezer")
-
-
-def remove_cgroup_root(shm_name: str) -> None:
-    """Remove the (empty) cgroup root a test's krexd named after its segment. A krexd that a
-    test killed leaves its slot groups for the next krexd to recover; none will come."""
-    name = shm_name.strip("/").replace("/", "-")
-    for mount in CGROUP_MOUNTS:
-        root = Path(mount) / name
-        if not root.is_dir():
-            continue
-        for child in [c for c in root.iterdir() if c.is_dir()]:
-            with contextlib.suppress(OSError):  # still holds a process: leave it to be seen
-                child.rmdir()
-        with contextlib.suppress(OSError):
-            root.rmdir()
-
-
 def victims() -> dict[str, Path]:
     """Compile every tests/c/*.c once per test session (like memray's test
     victims); returns {stem: executable}."""

@@ -542,3 +542,26 @@ def test_auto_detect_prefers_cgroup2() -> None:
         assert fz.fallback_reasons == []
     finally:
         fz.remove_root()
+
+
+@needs_root
+def test_remove_leftovers_removes_a_killed_daemons_groups_and_keeps_a_live_one(tmp_path: Path) -> None:
+    shm = f"/krex-t-leftovers-{uuid.uuid4().hex[:8]}"
+    fz = freezer.detect(root_name=freezer.root_name_for(shm))
+    if fz.name == "signal":
+        pytest.skip("no cgroup backend on this machine")
+    fz.group("slot-0")
+    fz.group("slot-1").freeze()  # left frozen, as by a krexd killed mid-region
+    live = fz.group("slot-2")
+    tree = Tree(tmp_path / "t", preexec=live.preexec())
+    try:
+        tree.wait_ready()
+        freezer.remove_leftovers(shm)
+        root = Path(fz.root)
+        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["slot-2"]  # never kills
+        tree.assert_advances()
+    finally:
+        tree.kill()
+    tree.proc.wait(10)
+    freezer.remove_leftovers(shm)
+    assert not Path(fz.root).exists()
