@@ -58,6 +58,7 @@ extern char **environ;
 #define EXIT_KREX 125 /* `krex run`: KREX itself failed (krex/errors.py RUN_FAILURE) */
 
 static char **g_argv;       /* our own argv, for the fallback */
+static const char *g_entry; /* `krex --entry PYTHON ...` (krex.runner): that Python and its library entry */
 static int g_quiet;         /* -q: no notices */
 static sigset_t g_oldmask;  /* the signal mask we started with (the child and any exec get it back) */
 static int g_chld_ign;      /* SIGCHLD was ignored by our caller: the command gets that back */
@@ -142,7 +143,7 @@ static void exec_python(const char *module, char *const *args) {
     av[1] = "-m";
     av[2] = (char *)module;
     memcpy(av + 3, args, (size_t)n * sizeof *av);
-    const char *py = getenv("KREX_PYTHON");
+    const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
     if (py && *py) {
         av[0] = (char *)py;
         execv(py, av);
@@ -172,8 +173,12 @@ static void exec_python(const char *module, char *const *args) {
     _exit(EXIT_KREX);
 }
 
-/* Hand the whole command line to the Python CLI (the door the console script used). */
-static void fallback(void) { exec_python("krex.cli.lean", g_argv + 1); }
+/* Hand the whole command line to the Python CLI (the door the console script used), or,
+ * spawned by krex.runner, to the library's entry: a library process never reaches the CLI. */
+static void fallback(void) {
+    if (g_entry) exec_python("krex.proc.launcher", g_argv + 3);
+    exec_python("krex.cli.lean", g_argv + 1);
+}
 
 /* ------------------------------------------------------------------ the command line */
 
@@ -181,9 +186,22 @@ struct opts {
     const char *device; /* NULL: "auto" */
     const char *gpu;    /* digits, or NULL */
     const char *freeze; /* NULL: the daemon's policy */
+    const char *report; /* --report FILE, or NULL */
     int keep_leftovers;
     char **cmd;
 };
+
+/* --report FILE as launcher._check_report_path takes it: not a directory, in an existing
+ * directory we may write, and writable if it exists. Anything else is Python's to explain. */
+static int report_path_ok(const char *path) {
+    struct stat st;
+    if (!*path || (stat(path, &st) == 0 && (S_ISDIR(st.st_mode) || access(path, W_OK)))) return 0;
+    char *dir = strdup(path), *slash = strrchr(dir, '/');
+    if (slash) *(slash == dir ? slash + 1 : slash) = 0;
+    int ok = access(slash ? dir : ".", W_OK | X_OK) == 0;
+    free(dir);
+    return ok;
+}
 
 /* The value of `--flag V` or `--flag=V` at argv[*i], or NULL when argv[*i] is not that flag. */
 static const char *opt_value(char **argv, int *i, const char *flag) {
@@ -195,32 +213,44 @@ static const char *opt_value(char **argv, int *i, const char *flag) {
 }
 
 /* `krex [-q] run [OPTIONS] [--] CMD...` as the lean door reads it (krex/proc/runopts.py
- * RUN, click-like: the first word that is not an option starts CMD). 0 when Python must
- * handle the line. tests/unit/test_native_guardian.py checks these flags against RUN. */
+ * RUN, click-like: the first word that is not an option starts CMD), or, after
+ * `--entry PYTHON`, the library entry's `OPTIONS -- CMD...` (runopts.ENTRY: `--flag value`
+ * only, and only `--` ends them). 0 when Python must handle the line.
+ * tests/integration/test_native_guardian.py checks these flags against RUN. */
 static int parse(char **argv, struct opts *o) {
     int i = 1;
     memset(o, 0, sizeof *o);
-    for (; argv[i] && strcmp(argv[i], "run") != 0; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--quiet") && !(a[0] == '-' && a[1] == 'q' && strspn(a + 1, "q") == strlen(a + 1))) return 0;
-        g_quiet = 1;
+    if (g_entry) {
+        i = 2;
+    } else {
+        for (; argv[i] && strcmp(argv[i], "run") != 0; i++) {
+            const char *a = argv[i];
+            if (strcmp(a, "--quiet") && !(a[0] == '-' && a[1] == 'q' && strspn(a + 1, "q") == strlen(a + 1)))
+                return 0;
+            g_quiet = 1;
+        }
+        if (!argv[i]) return 0;
     }
-    if (!argv[i]) return 0;
+    int ended = 0; /* an explicit `--` */
     for (i++; argv[i]; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--")) {
             i++;
+            ended = 1;
             break;
         }
         if (a[0] != '-' || !strcmp(a, "-")) break;
+        if (g_entry && strchr(a, '=')) return 0; /* the entry takes no --flag=value */
         if ((v = opt_value(argv, &i, "--device"))) o->device = v;
         else if ((v = opt_value(argv, &i, "--gpu"))) o->gpu = v;
         else if ((v = opt_value(argv, &i, "--freeze"))) o->freeze = v;
+        else if ((v = opt_value(argv, &i, "--report"))) o->report = v;
         else if (!strcmp(a, "--keep-leftovers")) o->keep_leftovers = 1;
-        else return 0; /* --report, --no-daemon, -h, an unknown option: Python */
+        else return 0; /* --no-daemon, the daemon's settings, -h, an unknown option: Python */
     }
-    if (!argv[i] || !argv[i][0]) return 0;
+    if (!argv[i] || !argv[i][0] || (g_entry && !ended)) return 0;
     if (o->device && !*o->device) return 0; /* click refuses an empty choice: its message */
+    if (o->report && !report_path_ok(o->report)) return 0; /* Python says what is wrong with it */
     if (o->gpu) { /* click takes only an integer; a huge one is krexd's "unknown GPU" */
         size_t n = strlen(o->gpu);
         if (n == 0 || n > 9 || strspn(o->gpu, "0123456789") != n) return 0;
@@ -1120,6 +1150,45 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
 /* krexd went away: the notes come from the journal. `python -m krex.proc.finish` journals
  * a region the loss cut, prints the notes and exits with the command's status. */
 /* A request answered within the reply timeout: 0 ok, 1 refused (*r says why), -1 no answer. */
+/* --report: `body` (krexd's optin.run_report as JSON text, else NULL) with the command's exit
+ * status added, or, when KREX failed (err_kind set), the status and the error, as
+ * launcher.run_command writes them. 0, or EXIT_KREX after saying why it could not. */
+static int write_report(const char *path, const char *body, int status, const char *err_kind, const char *err_msg,
+                        const char *err_fix) {
+    struct buf b = {0};
+    char num[32];
+    snprintf(num, sizeof num, "%d", status);
+    const char *end = body && body[0] == '{' ? strrchr(body, '}') : NULL;
+    size_t keep = end ? (size_t)(end - body) : 0;
+    while (keep > 1 && strchr(" \t\r\n", body[keep - 1])) keep--;
+    if (keep > 1) { /* a non-empty object: its members, then ours */
+        buf_add(&b, body, keep);
+        buf_str(&b, ",\n  \"exit_status\": ");
+    } else {
+        buf_str(&b, "{\n  \"exit_status\": ");
+    }
+    buf_str(&b, num);
+    if (err_kind) {
+        buf_str(&b, ",\n  \"krex_error\": {\"kind\": ");
+        buf_json_str(&b, err_kind);
+        buf_str(&b, ", \"message\": ");
+        buf_json_str(&b, err_msg);
+        buf_str(&b, ", \"fix\": ");
+        buf_json_str(&b, err_fix);
+        buf_str(&b, "}");
+    }
+    buf_str(&b, "\n}\n");
+    FILE *f = fopen(path, "w");
+    int bad = !f || fwrite(b.p, 1, b.n, f) != b.n;
+    if (f && fclose(f)) bad = 1;
+    int e = errno;
+    free(b.p);
+    if (!bad) return 0;
+    say("krex: error: cannot write the report %s: %s (the command exited %d)\n  fix: give --report a writable path",
+        path, strerror(e), status);
+    return EXIT_KREX;
+}
+
 static int ask(struct conn *c, enum krex_op op, const struct buf *json, struct jv **r, char *why, size_t n) {
     if (send_request(c, op, json)) return -1;
     return recv_reply(c, op, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, r, why, n, NULL);
@@ -1131,7 +1200,7 @@ static void drop_empty(const char *auto_dir, int full) {
 }
 
 static void finish_in_python(const struct admission *a, pid_t pid, int status, const struct lost *lo,
-                             double t_start, const char *auto_dir) {
+                             double t_start, const char *auto_dir, const char *report, int quiet) {
     static char v[9][64];
     snprintf(v[0], 64, "%d", a->slot);
     snprintf(v[1], 64, "%d", a->gpu);
@@ -1140,9 +1209,10 @@ static void finish_in_python(const struct admission *a, pid_t pid, int status, c
     snprintf(v[4], 64, "%d", (int)pid);
     snprintf(v[5], 64, "%.6f", lo->region_cut ? lo->region_s : -1.0);
     snprintf(v[6], 64, "%.6f", lo->ts);
-    snprintf(v[7], 64, "%d", g_quiet);
+    snprintf(v[7], 64, "%d", quiet);
     snprintf(v[8], 64, "%s", lo->why);
-    char *args[] = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], (char *)(auto_dir ? auto_dir : ""), NULL};
+    char *args[] = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], (char *)(auto_dir ? auto_dir : ""),
+                    (char *)(report ? report : ""), NULL};
     fflush(NULL);
     sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
     exec_python("krex.proc.finish", args);
@@ -1178,8 +1248,10 @@ static int run(struct opts *o) {
     buf_str(&rel, o->keep_leftovers ? "{\"leftovers\":\"keep\"" : "{\"leftovers\":\"kill\"");
     if (read_admission(adm, &a)) {
         send_request(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3});
-        say("krex: error: krexd's admit reply is malformed (a krexd of another version?)\n"
-            "  fix: restart krexd (`krex daemon stop`; it starts on demand)");
+        const char *msg = "krexd's admit reply is malformed (a krexd of another version?)",
+                   *fix = "restart krexd (`krex daemon stop`; it starts on demand)";
+        say("krex: error: %s\n  fix: %s", msg, fix);
+        if (o->report) write_report(o->report, NULL, EXIT_KREX, "KrexError", msg, fix);
         return EXIT_KREX;
     }
     print_notes(a.notes);
@@ -1242,12 +1314,14 @@ static int run(struct opts *o) {
     int auto_full = auto_dir && dir_has_entries(auto_dir);
     if (lo.happened) { /* the finisher removes a full one after reading it */
         drop_empty(auto_dir, auto_full);
-        finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL);
+        finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL, o->report,
+                         g_quiet);
     }
     if (auto_full) {
         buf_str(&rel, ",\"auto_dir\":");
         buf_json_str(&rel, auto_dir);
     }
+    if (o->report) buf_str(&rel, ",\"report\":true");
     buf_str(&rel, "}");
     struct jv *r = NULL;
     int k = ask(&c, KREX_OP_RELEASE, &rel, &r, why, sizeof why);
@@ -1256,16 +1330,36 @@ static int run(struct opts *o) {
         lo.happened = 1;
         lo.why = "krexd did not answer the release";
         lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
-        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL);
+        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, g_quiet);
     }
-    if (auto_dir) remove_dir(auto_dir);
     if (pid < 0) { /* the exec failed: launcher's CommandNotFound / NotExecutable */
-        if (err == ENOENT) say("krex: error: command not found: %s\n  fix: check the path", exe);
-        else say("krex: error: cannot execute %s: %s\n  fix: run it through its interpreter, or chmod +x it", exe,
-                 strerror(err));
+        if (auto_dir) remove_dir(auto_dir);
+        char msg[PATH_MAX + 300];
+        const char *kind = err == ENOENT ? "CommandNotFound" : "NotExecutable",
+                   *fix = err == ENOENT ? "check the path" : "run it through its interpreter, or chmod +x it";
+        if (err == ENOENT) snprintf(msg, sizeof msg, "command not found: %s", exe);
+        else snprintf(msg, sizeof msg, "cannot execute %s: %s", exe, strerror(err));
+        say("krex: error: %s\n  fix: %s", msg, fix);
+        if (o->report) write_report(o->report, NULL, status, kind, msg, fix);
         return status;
     }
-    if (k == 0) print_notes(jget(r, "notes"));
+    print_notes(jget(r, "notes"));
+    if (o->report) {
+        const char *body = jstr(r, "report_json");
+        /* Its regions did not fit in krexd's reply, or the command left automatic regions'
+         * status (KREX_AUTO_REGION set inside it): the finisher reads journal and status. */
+        if (!body || auto_full) {
+            drop_empty(auto_dir, auto_full);
+            lo.why = "";
+            finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL,
+                             o->report, 1);
+        }
+        if (auto_dir) remove_dir(auto_dir);
+        int w = write_report(o->report, body, status, NULL, NULL, NULL);
+        if (w) return w;
+    } else if (auto_dir) {
+        remove_dir(auto_dir);
+    }
     return status;
 }
 
@@ -1281,6 +1375,15 @@ int main(int argc, char **argv) {
     g_chld_ign = sigaction(SIGCHLD, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN;
     signal(SIGCHLD, SIG_DFL);
     g_shared_group = isatty(0) && tcgetpgrp(0) == getpgrp();
+    /* `krex --entry PYTHON ENTRY-ARGS...`: krex.runner's guardian (bench, batch); what this
+     * file does not run itself goes to `PYTHON -m krex.proc.launcher ENTRY-ARGS...`. */
+    if (argv[1] && !strcmp(argv[1], "--entry")) {
+        if (!argv[2] || !argv[2][0]) {
+            say("krex: error: --entry needs the Python that has krex\n  fix: krex --entry PYTHON OPTIONS -- CMD...");
+            return EXIT_KREX;
+        }
+        g_entry = argv[2];
+    }
     struct opts o;
     /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
     const char *off = getenv("KREX_NATIVE_OFF");

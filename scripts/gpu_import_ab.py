@@ -73,6 +73,25 @@ def one_round(arm: str, n: int, device: str = "gpu") -> list[dict[str, Any]]:
     return rows
 
 
+def where_it_runs() -> str:
+    """The cgroup this runs in, the controllers its children get, and the file system torch
+    is read from: the shared things that concurrent imports may contend on."""
+    import importlib.util
+
+    lines = []
+    with open("/proc/self/cgroup") as f:
+        lines.append("cgroup: " + f.read().strip().replace("\n", "; "))
+    for p in ("/sys/fs/cgroup/cgroup.subtree_control", "/sys/fs/cgroup/unified/cgroup.subtree_control"):
+        if os.path.exists(p):
+            with open(p) as f:
+                lines.append(f"{p}: {f.read().strip()}")
+    spec = importlib.util.find_spec("torch")
+    where = os.path.dirname(spec.origin) if spec and spec.origin else "/"
+    fs = subprocess.run(["findmnt", "-n", "-T", where], capture_output=True, text=True).stdout.strip()
+    lines.append(f"torch in {where}: {fs or '(findmnt gave nothing)'}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=8, help="commands started at once")
@@ -87,12 +106,13 @@ def main() -> None:
     arms = tuple(a.arms.split(","))
     if arms[0] != "bare" or not set(arms) <= {"bare", "preload", "cgroup", "krex"}:
         raise SystemExit("--arms: bare first, then any of preload, cgroup, krex")
+    print(where_it_runs())
     for arm in arms:  # warm-up: page cache, the daemon's start
         one_round(arm, a.n, a.device)
     rows: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:  # ABC, CBA, ...
-            rows.extend(one_round(arm, a.n, a.device))
+            rows.extend({**x, "round": r} for x in one_round(arm, a.n, a.device))
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "import_ab.json"), "w") as f:
         json.dump({"n": a.n, "rounds": a.rounds, "rows": rows}, f)
@@ -114,6 +134,23 @@ def main() -> None:
         print(
             f"{arm + '/bare':14} {k['import_s'] / b['import_s']:7.2f}x {k['ctx_s'] / b['ctx_s']:7.2f}x "
             f"{k['wall_s'] / b['wall_s']:7.2f}x"
+        )
+    # Paired by round (the rounds drift: page cache, clocks): each arm's median import over
+    # the same round's bare median, one ratio a round.
+    for arm in arms[1:]:
+        ratios = []
+        for r in range(a.rounds):
+
+            def mid(name: str, r: int = r) -> float:
+                return float(
+                    statistics.median(x["import_s"] for x in rows if x["arm"] == name and x["round"] == r)
+                )
+
+            ratios.append(mid(arm) / mid("bare"))
+        print(
+            f"{arm + '/bare':14} import by round: "
+            + " ".join(f"{x:.3f}" for x in ratios)
+            + f"  median {statistics.median(ratios):.3f}"
         )
 
 

@@ -178,6 +178,10 @@ class Slot:
     records: list[dict[str, Any]] | None = field(default_factory=list)
     # optin.region_tally of all its regions (kept past `records`' limit): the release's notes.
     tally: dict[str, Any] = field(default_factory=dict)
+    # For the native guardian's report (`release` with "report": true): its admit's wait
+    # and whether it runs on the simulated device.
+    admission_wait_s: float = 0.0
+    simulated: bool = False
 
 
 @dataclass
@@ -1693,8 +1697,13 @@ class Daemon:
             if not stuck:
                 continue
             if s.slot == req.slot:
-                out.append(("region-core", f"the owner's pids {stuck} have threads pinned to the region core "
-                             f"{cpus.format_cpulist(reserved)}, which the measuring thread shares"))
+                out.append(
+                    (
+                        "region-core",
+                        f"the owner's pids {stuck} have threads pinned to the region core "
+                        f"{cpus.format_cpulist(reserved)}, which the measuring thread shares",
+                    )
+                )
                 continue
             frozen.append(s)  # thawed with the others at the end, whatever happens
             try:
@@ -1703,8 +1712,12 @@ class Daemon:
                 with self.lock:
                     gone = s.slot not in self.slots
                 if not gone:
-                    out.append(("freeze-failed", f"slot {s.slot} (threads pinned to the region core) did not "
-                                 f"freeze: {e}"))
+                    out.append(
+                        (
+                            "freeze-failed",
+                            f"slot {s.slot} (threads pinned to the region core) did not freeze: {e}",
+                        )
+                    )
         return out
 
     def _audit_region_core(
@@ -1722,8 +1735,13 @@ class Daemon:
             return []
         what = ", ".join(f"pid {p} ({len(t)} thread(s))" for p, t in sorted(bad.items())[:4])
         core = cpus.format_cpulist(reserved)
-        return [("region-core", f"threads that may run on the region core {core} were found at the "
-                 f"region's end: {what}; they could have shared it with the measuring thread")]
+        return [
+            (
+                "region-core",
+                f"threads that may run on the region core {core} were found at the "
+                f"region's end: {what}; they could have shared it with the measuring thread",
+            )
+        ]
 
     def _settle(
         self,
@@ -1772,7 +1790,6 @@ class Daemon:
         deadline, those it waited for)."""
         probe = lambda: self.seg.exiting(gpu, owner_slot)  # noqa: E731
         return _wait_out(probe, 0.002, self.cfg.freeze_timeout_s, self.stop)
-
 
     def _await_teardowns(self, gpu: int) -> set[int]:
         """Wait (at most freeze_timeout_s) while NVML lists a process that has ended: its
@@ -2055,6 +2072,9 @@ class Daemon:
         if n is not None:
             with self.lock:
                 slot = self.slots.get(n)
+            counters = None
+            if msg.get("report") and slot is not None:  # before the release clears its records
+                counters = optin.gate_counters(p for p in self.seg.snapshot().procs if p.slot == n)
             policy = "keep" if msg.get("leftovers") == "keep" else "kill"
             out = self._leftovers(n, policy)
             if out["action"] in ("none", "killed"):
@@ -2070,6 +2090,21 @@ class Daemon:
                     out["prewarm_given_gpu"] = not slot.warm
                 out.update(self._slot_regions(slot))
                 out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"])
+                if counters is not None and "regions" in out:
+                    # The native guardian's `--report`, as text it writes as it is (adding
+                    # its exit status). Without the regions (too many for a frame) there is
+                    # none: that guardian then reads them from the journal (krex.proc.finish).
+                    rep = optin.run_report(
+                        slot.slot,
+                        slot.gpu,
+                        slot.admission_wait_s,
+                        self.info.kind,
+                        slot.simulated,
+                        counters,
+                        out,
+                    )
+                    out["report_json"] = json.dumps(rep, indent=2, default=str)
+                    del out["regions"]  # (in the report: not twice in one frame)
         return {"ok": True, **out}
 
     def _release_notes(self, s: Slot, out: dict[str, Any], auto_dir: object, uid: int) -> list[str]:
@@ -2213,6 +2248,8 @@ class Daemon:
         if owned.get("role") == "member":
             self._delegate_thaw(s, owned["uid"])
         env_set, env_prepend = self._command_env(s, gpu, asked)
+        s.admission_wait_s = round(time.monotonic() - t0, 6)
+        s.simulated = self.info.kind == "sim" or asked == "sim"
         return {
             "ok": True,
             "notes": optin.start_notes(self.info.kind == "sim" or asked == "sim", warm=s.warm),
@@ -2230,7 +2267,7 @@ class Daemon:
             "group": s.group.path,
             "freezer": self.freezer.name,
             "shared_cpus": self.partition.command_cpus(gpu, self.cfg.lend_cores),
-            "admission_wait_s": round(time.monotonic() - t0, 6),
+            "admission_wait_s": s.admission_wait_s,
         }
 
     def _check_native(self, asked: str, owned: dict[str, Any]) -> None:

@@ -101,6 +101,54 @@ _STATE_RANK = {
 }
 
 
+def gate_counters(procs: Iterable[Any]) -> dict[str, Any]:
+    """The report's gate counters over a slot's process records (shm.ProcInfo): read after
+    the command ended and before its slot is released, by whichever guardian writes it."""
+    ps = list(procs)
+    return {
+        "gate_blocks": sum(p.blocked for p in ps),
+        "gate_blocked_ms": round(sum(p.blocked_ms for p in ps), 3),
+        "fail_opens": sum(p.fail_opens for p in ps),
+        "paced": sum(p.paced for p in ps),
+        "paced_ms": round(sum(p.paced_ms for p in ps), 3),
+        "submits": {k: sum(p.submits[k] for p in ps) for k in ps[0].submits} if ps else {},
+    }
+
+
+def run_report(
+    slot: int,
+    gpu: int,
+    admission_wait_s: object,
+    device: str,
+    simulated: bool,
+    counters: Mapping[str, Any],
+    rel: Mapping[str, Any],
+) -> dict[str, Any]:
+    """`krex run --report`'s fields from the slot and its `release` reply: one list for the
+    Python guardian (launcher.run_guarded) and for krexd, which makes it for the native
+    guardian (`release` with "report": true). What only a guardian sees (its exit status,
+    daemon events, automatic regions) it adds itself."""
+    out: dict[str, Any] = {
+        "slot": slot,
+        "gpu": gpu,
+        "admission_wait_s": admission_wait_s,
+        "device": "sim" if simulated else device,
+        "simulated": simulated,
+        **counters,
+    }
+    if "prewarm_s" in rel:  # started pre-warmed: how long before it was given the GPU
+        out["prewarm_s"] = rel["prewarm_s"]
+        out["prewarm_given_gpu"] = rel.get("prewarm_given_gpu")
+    out["leftovers"] = rel.get("leftovers") or []
+    out["leftovers_action"] = rel.get("action", "unknown")
+    if isinstance(rel.get("regions"), list):
+        out["regions"] = [r for r in rel["regions"] if isinstance(r, dict)]
+        if rel.get("journal_error"):
+            out["journal_error"] = str(rel["journal_error"])
+        region_tally(out["regions"], out)
+    return out
+
+
 def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report's region counts (region_count, contaminated_regions, cut_regions,
     region_flags, region_wait_s) over `regs`, added to `into` (krexd keeps one per slot)."""

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
-from krex.node.optin import auto_region_report, auto_region_warning, region_tally, release_notes, trust_notes
+from krex.node.optin import (
+    auto_region_report,
+    auto_region_warning,
+    gate_counters,
+    region_tally,
+    release_notes,
+    run_report,
+    trust_notes,
+)
 
 __all__ = ["auto_region_report", "auto_region_warning", "trust_notes", "run_command", "run_guarded"]
 
@@ -542,24 +550,10 @@ def run_guarded(
             watcher.join(timeout=2)
         stop.close()
         mark("watcher")
-        report: dict[str, object] = {
-            "slot": slot,
-            "gpu": g,
-            "admission_wait_s": adm.get("admission_wait_s"),
-            "device": "sim" if simulated else str(adm.get("device") or device),
-            "simulated": simulated,
-        }
+        counters: dict[str, Any] = {}
         try:
             with Segment.attach(str(adm["shm"])) as seg:
-                procs = [p for p in seg.snapshot().procs if p.slot == slot]
-                report["gate_blocks"] = sum(p.blocked for p in procs)
-                report["gate_blocked_ms"] = round(sum(p.blocked_ms for p in procs), 3)
-                report["fail_opens"] = sum(p.fail_opens for p in procs)
-                report["paced"] = sum(p.paced for p in procs)
-                report["paced_ms"] = round(sum(p.paced_ms for p in procs), 3)
-                report["submits"] = (
-                    {k: sum(p.submits[k] for p in procs) for k in procs[0].submits} if procs else {}
-                )
+                counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
         except KrexError:
             pass
         mark("counters")
@@ -568,24 +562,16 @@ def run_guarded(
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
         mark("released")
-        if "prewarm_s" in rel:  # started pre-warmed: how long before it was given the GPU
-            report["prewarm_s"] = rel["prewarm_s"]
-            report["prewarm_given_gpu"] = rel.get("prewarm_given_gpu")
-        report["leftovers"] = rel.get("leftovers") or []
-        report["leftovers_action"] = rel.get("action", "unknown")
-        regs: list[dict[str, Any]] = []
-        if isinstance(rel.get("regions"), list):
-            # The daemon's own records of this slot's regions (what it journaled): no need
-            # to read the whole journal, which grows with every command the node ran.
-            regs = [r for r in rel["regions"] if isinstance(r, dict)]
-            if rel.get("journal_error"):
-                report["journal_error"] = str(rel["journal_error"])
+        dev = str(adm.get("device") or device)
+        report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
+        if "regions" in report:
+            regs: list[dict[str, Any]] = report["regions"]
         else:  # no reply (the daemon is gone: the guardian may have journaled), or too many
             regs = _journal_regions(slot, t_start, report, notify)
+            report["regions"] = regs
+            report.update(region_tally(regs))
         if guardian.events:
             report["daemon_events"] = guardian.events
-        report["regions"] = regs
-        report.update(region_tally(regs))
         if auto_dir is not None:
             auto = auto_region_report(auto_value, auto_dir, regs)
             if auto["processes"] or (auto_value and auto_value != "0"):

@@ -25,6 +25,7 @@ from helpers import private_world
 from krex.batch import BatchCommand, CommandResult, _dist, parse_commands, summarize
 from krex.bench.metrics import percentile
 from krex.errors import UsageError
+from krex.runner import native_guardian
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -291,7 +292,8 @@ def test_batch_default_out_dir_and_stdin(krex_env: dict[str, str], tmp_path: Pat
 
 
 def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], tmp_path: Path) -> None:
-    """Each command's parent is its guardian: `python -m krex.proc.launcher`, never `krex.cli`."""
+    """Each command's parent is its guardian: the native one (`krex/_lib/krex --entry`,
+    handing over to `python -m krex.proc.launcher`) or that entry, never `krex.cli`."""
     out = tmp_path / "o"
     p = krex_or_daemon_log(
         ["batch", "-", "-j", "2", "--device", "sim", "--out", str(out)],
@@ -301,7 +303,9 @@ def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], t
     assert p.returncode == 0, p.stderr
     for i in (1, 2):
         parent = (out / f"cmd-00{i}.stdout").read_text()
-        assert " -m krex.proc.launcher " in parent and "krex.cli" not in parent, parent
+        native = native_guardian()
+        entry = f"{native} --entry " if native else " -m krex.proc.launcher "
+        assert entry in parent and "krex.cli" not in parent, parent
         assert f"--report {out}/cmd-00{i}.report.json" in parent
 
 

@@ -210,14 +210,127 @@ def test_everything_else_goes_to_the_python_cli_unchanged(kx: Krex, tmp_path: Pa
     assert p.returncode == 0, p.stderr
     p = which_guardian(kx)
     assert p.stdout == "native\n", p.stderr
-    # --report is the Python guardian's.
-    rep = tmp_path / "r.json"
-    p = run(kx, "run", "--device", "sim", "--report", str(rep), "--", "sh", "-c", "exit 4")
-    assert p.returncode == 4 and json.loads(rep.read_text())["exit_status"] == 4
+    # --report into a directory that does not exist: the Python guardian says so, as the CLI.
+    rep = tmp_path / "nodir" / "r.json"
+    res = both(kx, "run", "--device", "sim", "--report", str(rep), "--", "true")
+    assert res["native"].returncode == res["python"].returncode == 125, res
+    assert res["native"].stderr == res["python"].stderr and "does not exist" in res["native"].stderr, res
     # krexd refuses an unknown GPU before any slot is taken: the Python guardian says why.
     p = run(kx, "run", "--device", "sim", "--gpu", "7", "--", "true")
     assert p.returncode == 125 and "unknown GPU 7" in p.stderr, p.stderr
     kx.krex("daemon", "stop")
+
+
+# ----------------------------------------------------------------------- --report
+
+# Prints which guardian ran it (KREX_NATIVE_MARK), then runs $1 with the Python that has krex.
+MARK_THEN_PY = ["sh", "-c", 'echo "$KREX_NATIVE_MARK"; exec "$0" -c "$1"', sys.executable]
+
+
+def reports(kx: Krex, tmp_path: Path, *cmd: str, rc: int) -> dict[str, dict[str, Any]]:
+    """Each guardian's --report of `cmd`, after checking that it was the one that ran it."""
+    out = {}
+    for g, e in GUARDIANS.items():
+        rep = tmp_path / f"{g}.json"
+        p = run(kx, "run", "--device", "sim", "--report", str(rep), "--", *cmd, extra=e)
+        assert p.returncode == rc, (g, p.returncode, p.stderr)
+        assert p.stdout.splitlines()[:1] == (["native"] if g == "native" else ["1"]), (g, p.stdout, p.stderr)
+        out[g] = json.loads(rep.read_text())
+    return out
+
+
+def test_the_native_report_has_the_python_guardians_fields(kx: Krex, tmp_path: Path) -> None:
+    """The bench, batch and fleet take every command's report: the native guardian writes it
+    (krexd's optin.run_report plus the exit status), with no Python start per command."""
+    kx.start_daemon()
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'helpers')!r})\n"
+        "import krex\nfrom cp_worker import Gpu\ngpu = Gpu()\n"
+        "for _ in range(2):\n    with krex.region():\n        gpu.kernel(50)\n        gpu.synchronize()\n"
+        "sys.exit(3)\n"
+    )
+    r = reports(kx, tmp_path, *MARK_THEN_PY, code, rc=3)
+    nat, py = r["native"], r["python"]
+    assert set(nat) == set(py), set(nat) ^ set(py)
+    same = (
+        "exit_status",
+        "gpu",
+        "device",
+        "simulated",
+        "leftovers",
+        "leftovers_action",
+        "region_count",
+        "contaminated_regions",
+        "cut_regions",
+        "region_flags",
+        "fail_opens",
+        "gate_blocks",
+    )
+    assert {k: nat[k] for k in same} == {k: py[k] for k in same}
+    assert nat["exit_status"] == 3 and nat["region_count"] == 2 and nat["device"] == "sim", nat
+    assert [set(x) for x in nat["regions"]] == [set(x) for x in py["regions"]] and len(nat["regions"]) == 2
+    assert set(nat["submits"]) == set(py["submits"]) and nat["submits"], nat["submits"]
+    assert isinstance(nat["admission_wait_s"], float) and isinstance(nat["slot"], int)
+
+
+def test_an_exec_error_is_reported_as_by_the_python_guardian(kx: Krex, tmp_path: Path) -> None:
+    kx.start_daemon()
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\x01\x02 not a program")
+    bad.chmod(0o755)
+    got = {}
+    for g, e in GUARDIANS.items():
+        rep = tmp_path / f"{g}.json"
+        p = run(kx, "-q", "run", "--device", "sim", "--report", str(rep), "--", str(bad), extra=e)
+        assert p.returncode == 126, (g, p.stderr)
+        got[g] = json.loads(rep.read_text())
+    assert got["native"] == got["python"], got
+    assert got["native"]["krex_error"]["kind"] == "NotExecutable", got
+    assert kx.status()["slots"] == []
+
+
+def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path) -> None:
+    """No release reply: the native guardian's finisher (krex.proc.finish) writes the report."""
+    for g, e in GUARDIANS.items():
+        kx.start_daemon()
+        d = kx.daemon
+        assert d is not None
+        rep = tmp_path / f"{g}.json"
+        p = run(
+            kx,
+            "run",
+            "--device",
+            "sim",
+            "--report",
+            str(rep),
+            "--",
+            "sh",
+            "-c",
+            f"kill -9 {d.pid}; sleep 0.5; exit 5",
+            extra=e,
+        )
+        d.wait(10)
+        assert p.returncode == 5, (g, p.stderr)
+        r = json.loads(rep.read_text())
+        assert r["exit_status"] == 5 and r["regions"] == [], (g, r)
+        assert [x["event"] for x in r["daemon_events"]] == ["daemon-lost"], (g, r)
+
+
+def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) -> None:
+    """A command that sets KREX_AUTO_REGION itself leaves its status for the guardian: the
+    native one hands the report to the finisher, which reads it as the Python guardian does."""
+    kx.start_daemon()
+    r = reports(
+        kx,
+        tmp_path,
+        "sh",
+        "-c",
+        'echo "$KREX_NATIVE_MARK"; KREX_AUTO_REGION=do_bench "$0" -c pass; exit 6',
+        sys.executable,
+        rc=6,
+    )
+    for g, x in r.items():
+        assert x["exit_status"] == 6 and x["auto_region"]["processes"] >= 1, (g, x)
 
 
 def test_the_native_flags_are_krex_runs(kx: Krex) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from krex.runner import Outcome, Pool, Spec, guardian_argv, run_one
+from krex.runner import Outcome, Pool, Spec, guardian_argv, native_guardian, run_one
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -114,15 +114,22 @@ def test_guardian_entry_runs_krex_run_without_the_cli(krex_env: dict[str, str], 
         "import os, sys; parent = open(f'/proc/{os.getppid()}/cmdline').read().split(chr(0)); "
         "print(os.environ['KREX_SLOT'], ' '.join(parent)); sys.exit(3)"
     )
+    # No daemon answers yet: the library entry starts one (the native guardian hands over).
+    p = subprocess.run(
+        guardian_argv(["true"], report, device="sim"), env=krex_env, capture_output=True, timeout=120
+    )
+    assert p.returncode == 0 and json.loads(report.read_text())["exit_status"] == 0, p.stderr
     argv = guardian_argv([sys.executable, "-c", code], report, device="sim")
-    assert argv[1:3] == ["-m", "krex.proc.launcher"]
+    native = native_guardian()
+    assert argv[1:3] == (["--entry", sys.executable] if native else ["-m", "krex.proc.launcher"])
     p = subprocess.run(argv, env=krex_env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stderr
     slot, parent = p.stdout.split(" ", 1)
     rep = json.loads(report.read_text())
     assert rep["exit_status"] == 3 and rep["slot"] == int(slot) and "regions" in rep
     # The command's parent is the guardian, a library process: not the CLI.
-    assert "-m krex.proc.launcher" in parent and "krex.cli" not in parent, parent
+    entry = f"{native} --entry " if native else "-m krex.proc.launcher"
+    assert entry in parent and "krex.cli" not in parent, parent
 
     p = subprocess.run(
         guardian_argv([str(tmp_path / "missing")], report, device="sim"),
@@ -135,7 +142,13 @@ def test_guardian_entry_runs_krex_run_without_the_cli(krex_env: dict[str, str], 
     rep = json.loads(report.read_text())
     assert rep["exit_status"] == 127 and rep["krex_error"]["kind"] == "CommandNotFound"
 
-    bogus = [sys.executable, "-m", "krex.proc.launcher", "--report", str(report), "--bogus", "--", "true"]
-    p = subprocess.run(bogus, env=krex_env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 125 and "--bogus" in p.stderr and "fix:" in p.stderr
-    assert json.loads(report.read_text())["krex_error"]["kind"] == "UsageError"
+    # An option the native guardian does not take goes to the library entry (the CLI would
+    # exit 2 with click's words), which says what is wrong in the report too.
+    opts = ["--report", str(report), "--bogus", "--", "true"]
+    heads = [[sys.executable, "-m", "krex.proc.launcher"]]
+    heads += [[str(native), "--entry", sys.executable]] if native else []
+    for head in heads:
+        report.unlink(missing_ok=True)
+        p = subprocess.run([*head, *opts], env=krex_env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 125 and "--bogus" in p.stderr and "fix:" in p.stderr, (head, p.stderr)
+        assert json.loads(report.read_text())["krex_error"]["kind"] == "UsageError"

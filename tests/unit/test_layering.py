@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import krex
-from krex.runner import GUARDIAN_MODULE, guardian_argv
+from krex.runner import GUARDIAN_MODULE, guardian_argv, native_guardian
 
 ROOT = Path(krex.__file__).resolve().parent
 DOC_HOLDERS = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -54,7 +54,14 @@ def test_library_never_spawns_the_cli() -> None:
 
 
 def test_the_runner_spawns_the_guardian_entry() -> None:
+    """The native guardian where it was built (it hands the rest to the library entry, with
+    this Python: interpose/guardian.c `--entry`), else the library entry itself."""
     argv = guardian_argv(["x", "--y"], "/r.json", device="sim", gpu=1, freeze="gpu", python="py")
-    assert argv[:3] == ["py", "-m", GUARDIAN_MODULE] and GUARDIAN_MODULE == "krex.proc.launcher"
+    native = native_guardian()
+    if native is None:
+        assert argv[:3] == ["py", "-m", GUARDIAN_MODULE]
+    else:
+        assert argv[:3] == [str(native), "--entry", "py"] and native.name == "krex"
+    assert GUARDIAN_MODULE == "krex.proc.launcher"
     assert argv[argv.index("--") + 1 :] == ["x", "--y"]
     assert not any("cli" in a for a in argv)
