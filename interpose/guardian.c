@@ -198,7 +198,8 @@ static int report_path_ok(const char *path) {
     if (!*path || (stat(path, &st) == 0 && (S_ISDIR(st.st_mode) || access(path, W_OK)))) return 0;
     char *dir = strdup(path), *slash = strrchr(dir, '/');
     if (slash) *(slash == dir ? slash + 1 : slash) = 0;
-    int ok = access(slash ? dir : ".", W_OK | X_OK) == 0;
+    const char *d = slash ? dir : ".";
+    int ok = stat(d, &st) == 0 && S_ISDIR(st.st_mode) && access(d, W_OK | X_OK) == 0;
     free(dir);
     return ok;
 }
@@ -1199,8 +1200,11 @@ static void drop_empty(const char *auto_dir, int full) {
     if (auto_dir && !full) remove_dir(auto_dir);
 }
 
+/* The finisher ends the run (krex/proc/finish.py). `report`: --report's path; `base`: what
+ * it needs to make the whole report itself (krexd sent none: it went away or refused the
+ * release), or NULL when krexd's report, without its regions, is in that file already. */
 static void finish_in_python(const struct admission *a, pid_t pid, int status, const struct lost *lo,
-                             double t_start, const char *auto_dir, const char *report, int quiet) {
+                             double t_start, const char *auto_dir, const char *report, const char *base, int quiet) {
     static char v[9][64];
     snprintf(v[0], 64, "%d", a->slot);
     snprintf(v[1], 64, "%d", a->gpu);
@@ -1212,7 +1216,7 @@ static void finish_in_python(const struct admission *a, pid_t pid, int status, c
     snprintf(v[7], 64, "%d", quiet);
     snprintf(v[8], 64, "%s", lo->why);
     char *args[] = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], (char *)(auto_dir ? auto_dir : ""),
-                    (char *)(report ? report : ""), NULL};
+                    (char *)(report ? report : ""), (char *)(base ? base : ""), NULL};
     fflush(NULL);
     sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
     exec_python("krex.proc.finish", args);
@@ -1255,6 +1259,23 @@ static int run(struct opts *o) {
         return EXIT_KREX;
     }
     print_notes(a.notes);
+    /* The finisher's report when krexd cannot send one: the admission as the Python
+     * guardian's report has it, and the segment to read the gate counters from. */
+    struct buf base = {0};
+    {
+        const char *dev = jstr(adm, "device");
+        const struct jv *w = jget(adm, "admission_wait_s");
+        char num[64];
+        snprintf(num, sizeof num, "%.6f", w && w->t == J_NUM ? w->num : 0.0);
+        int sim = (dev && !strcmp(dev, "sim")) || (o->device && !strcmp(o->device, "sim"));
+        buf_str(&base, "{\"admission_wait_s\": ");
+        buf_str(&base, num);
+        buf_str(&base, ", \"device\": ");
+        buf_json_str(&base, dev ? dev : "gpu");
+        buf_str(&base, sim ? ", \"simulated\": true, \"shm\": " : ", \"simulated\": false, \"shm\": ");
+        buf_json_str(&base, a.shm);
+        buf_str(&base, "}");
+    }
     if (strcmp(a.shm, c.seg_name)) { /* the admitted segment, as _Guardian watches */
         const struct krex_shm *s = seg_map(a.shm);
         if (s) c.seg = s;
@@ -1315,7 +1336,7 @@ static int run(struct opts *o) {
     if (lo.happened) { /* the finisher removes a full one after reading it */
         drop_empty(auto_dir, auto_full);
         finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL, o->report,
-                         g_quiet);
+                         base.p, g_quiet);
     }
     if (auto_full) {
         buf_str(&rel, ",\"auto_dir\":");
@@ -1328,9 +1349,10 @@ static int run(struct opts *o) {
     if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
         drop_empty(auto_dir, auto_full);
         lo.happened = 1;
-        lo.why = "krexd did not answer the release";
+        /* An error reply is krexd's answer, not its loss (the Python guardian notes no event). */
+        lo.why = k == 1 ? "" : "krexd did not answer the release";
         lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
-        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, g_quiet);
+        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base.p, g_quiet);
     }
     if (pid < 0) { /* the exec failed: launcher's CommandNotFound / NotExecutable */
         if (auto_dir) remove_dir(auto_dir);
@@ -1346,17 +1368,17 @@ static int run(struct opts *o) {
     print_notes(jget(r, "notes"));
     if (o->report) {
         const char *body = jstr(r, "report_json");
-        /* Its regions did not fit in krexd's reply, or the command left automatic regions'
-         * status (KREX_AUTO_REGION set inside it): the finisher reads journal and status. */
-        if (!body || auto_full) {
-            drop_empty(auto_dir, auto_full);
-            lo.why = "";
-            finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL,
-                             o->report, 1);
-        }
-        if (auto_dir) remove_dir(auto_dir);
+        const struct jv *whole = jget(r, "report_regions");
+        if (auto_dir) remove_dir(auto_dir); /* krexd has read it (the report's auto_region) */
         int w = write_report(o->report, body, status, NULL, NULL, NULL);
         if (w) return w;
+        if (!body || !whole || whole->t != J_BOOL || !whole->b) {
+            /* krexd's report without its regions (too many for one reply), or none (an older
+             * krexd): the finisher adds them from the journal, or makes the report itself. */
+            lo.why = "";
+            finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, body ? NULL : base.p,
+                             1);
+        }
     } else if (auto_dir) {
         remove_dir(auto_dir);
     }

@@ -82,12 +82,21 @@ def guardian_argv(
     }
     entry = [*runopts.to_argv(runopts.ENTRY, values), "--", *cmd]
     native = native_guardian()
-    if native is not None:
+    # Only for this interpreter: the native guardian hands over to (and finishes in) this
+    # installation's krex, which another Python may not have, or have in another version.
+    if native is not None and _same_python(python):
         # The native guardian (interpose/guardian.c) runs the common case without a Python
         # start per command (about 0.2 s a command under load on the H200, session 31) and
         # hands every other case to `python -m krex.proc.launcher` with these same options.
         return [str(native), "--entry", python, *entry]
     return [python, "-m", GUARDIAN_MODULE, *entry]
+
+
+def _same_python(python: str) -> bool:
+    import shutil
+
+    found = python if "/" in python else shutil.which(python)
+    return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
 
 
 def native_guardian() -> Path | None:

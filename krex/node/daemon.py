@@ -2089,29 +2089,48 @@ class Daemon:
                     out["prewarm_s"] = slot.warm_s if not slot.warm else round(time.time() - slot.created, 6)
                     out["prewarm_given_gpu"] = not slot.warm
                 out.update(self._slot_regions(slot))
-                out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"])
-                if counters is not None and "regions" in out:
-                    # The native guardian's `--report`, as text it writes as it is (adding
-                    # its exit status). Without the regions (too many for a frame) there is
-                    # none: that guardian then reads them from the journal (krex.proc.finish).
-                    rep = optin.run_report(
-                        slot.slot,
-                        slot.gpu,
-                        slot.admission_wait_s,
-                        self.info.kind,
-                        slot.simulated,
-                        counters,
-                        out,
-                    )
-                    out["report_json"] = json.dumps(rep, indent=2, default=str)
-                    del out["regions"]  # (in the report: not twice in one frame)
+                auto: dict[str, Any] = {}
+                out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"], auto)
+                if counters is not None:
+                    self._report_json(slot, counters, out, auto)
         return {"ok": True, **out}
 
-    def _release_notes(self, s: Slot, out: dict[str, Any], auto_dir: object, uid: int) -> list[str]:
+    def _report_json(
+        self, s: Slot, counters: dict[str, Any], out: dict[str, Any], auto: dict[str, Any]
+    ) -> None:
+        """The native guardian's `--report` (optin.run_report), as JSON text it writes as it
+        is, adding its exit status: `report_json`, in place of `regions` (not twice in one
+        frame). Where the regions do not fit in the reply, the report goes without them
+        (`report_regions` false) and that guardian's finisher reads them from the journal."""
+        regs = out.pop("regions", None)
+
+        def text(with_regions: bool) -> str:
+            rel = {**out, "regions": regs} if with_regions else out
+            rep = optin.run_report(
+                s.slot, s.gpu, s.admission_wait_s, self.info.kind, s.simulated, counters, rel
+            )
+            if auto.get("processes"):
+                rep["auto_region"] = auto
+            return json.dumps(rep, indent=2, default=str)
+
+        body = text(regs is not None)
+        # The reply as it will be encoded (the text escaped once more), with room to spare.
+        if (
+            regs is not None
+            and len(json.dumps({**out, "report_json": body}, default=str)) > MAX_FRAME * 3 // 4
+        ):
+            body, regs = text(False), None
+        out["report_json"] = body
+        out["report_regions"] = regs is not None
+
+    def _release_notes(
+        self, s: Slot, out: dict[str, Any], auto_dir: object, uid: int, auto: dict[str, Any] | None = None
+    ) -> list[str]:
         """The notes `krex run` prints after its command (optin.release_notes), for a guardian
         that does not render them itself (interpose/guardian.c). `auto_dir`: the command's
         KREX_AUTO_STATUS_DIR when processes left status files there; read only if it is a
-        directory of the peer's own that nobody else may write (never through a link)."""
+        directory of the peer's own that nobody else may write (never through a link). What
+        was read there goes into `auto` too (the report's `auto_region`)."""
         report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
         if isinstance(auto_dir, str) and auto_dir:
             fd = -1
@@ -2129,6 +2148,8 @@ class Daemon:
                 report["auto_region"] = optin.auto_region_report(
                     "", Path(f"/proc/self/fd/{fd}"), s.records or [], remove=False, uid=uid
                 )
+                if auto is not None:
+                    auto.update(report["auto_region"])
             except Exception as e:  # noqa: BLE001 - a client's files must never fail its release
                 why = e.strerror if isinstance(e, OSError) else str(e) or type(e).__name__
                 return [

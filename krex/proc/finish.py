@@ -5,13 +5,14 @@ does then (launcher.run_guarded): journal the region the loss cut, read this slo
 regions from the journal, print the same notes (krex.node.optin) and exit with the
 command's status.
 
-It also ends a native `krex run --report` whose krexd answered but could not send the report
-(too many regions for one reply, or automatic regions' status to read): WHY "" (krexd did not
-go away), QUIET 1 (krexd's notes were printed already). Either way it writes the report
-from what the journal and the status directory hold.
+It also ends a native `krex run --report` whose krexd answered with a report without its
+regions (too many for one reply; the guardian wrote that report to REPORT already): WHY ""
+(krexd did not go away), QUIET 1 (krexd's notes were printed). Either way the report gets
+the regions from the journal.
 
-argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT
-(REGION_S < 0: the loss cut no region of ours; AUTO_DIR "": none to read; REPORT "": none)."""
+argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
+(REGION_S < 0: the loss cut no region of ours; AUTO_DIR "": none to read; REPORT "": none;
+BASE: the admission as JSON when krexd sent no report, "" when its report is in REPORT)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def main(argv: list[str]) -> int:
     from krex.node.optin import auto_region_report, region_tally, release_notes
     from krex.proc.launcher import _journal_regions, _write_report, journal_cut_region
 
-    slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path = argv
+    slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
 
     def notify(text: str) -> None:
         if quiet != "1":
@@ -35,17 +36,19 @@ def main(argv: list[str]) -> int:
 
     report: dict[str, Any] = {"slot": int(slot), "gpu": int(gpu)}
     try:
+        report = _base_report(int(slot), int(gpu), report_path, base)
         if float(region_s) >= 0:
             journal_cut_region(int(gpu), int(slot), int(pid), why, float(region_s), float(lost_ts))
         if why:
             report["daemon_events"] = [
                 {"event": "daemon-lost", "ts": float(lost_ts), "why": why, "region_cut": float(region_s) >= 0}
             ]
-        regs = _journal_regions(int(slot), float(t_start), report, notify)
-        report["regions"] = regs
-        report.update(region_tally(regs))
+        if "regions" not in report:
+            regs = _journal_regions(int(slot), float(t_start), report, notify)
+            report["regions"] = regs
+            report.update(region_tally(regs))
         if auto_dir:
-            auto = auto_region_report("", Path(auto_dir), regs)
+            auto = auto_region_report("", Path(auto_dir), report["regions"])
             if auto["processes"]:
                 report["auto_region"] = auto
         for line in release_notes({}, report):
@@ -63,6 +66,36 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"krex: error: {e}\n  fix: {e.fix}\n")
             return RUN_FAILURE
     return int(status)
+
+
+def _base_report(slot: int, gpu: int, report_path: str, base: str) -> dict[str, Any]:
+    """The report before its regions: from BASE (the admission; krexd sent no report), with the
+    gate counters read from the segment as the Python guardian reads them, else krexd's
+    report that the guardian wrote to REPORT (it lacks only the regions), else a bare one."""
+    import json
+
+    from krex.errors import KrexError
+    from krex.node.optin import gate_counters, run_report
+
+    if base:
+        adm = json.loads(base)
+        counters: dict[str, Any] = {}
+        try:
+            from krex.node.shm import Segment
+
+            with Segment.attach(str(adm["shm"])) as seg:
+                counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
+        except KrexError:
+            pass
+        sim = bool(adm.get("simulated"))
+        return run_report(slot, gpu, adm.get("admission_wait_s"), str(adm.get("device")), sim, counters, {})
+    if report_path:
+        with open(report_path) as f:
+            got = json.load(f)
+        if isinstance(got, dict):
+            got.pop("exit_status", None)
+            return got
+    return {"slot": slot, "gpu": gpu}
 
 
 if __name__ == "__main__":

@@ -290,7 +290,9 @@ def test_an_exec_error_is_reported_as_by_the_python_guardian(kx: Krex, tmp_path:
 
 
 def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path) -> None:
-    """No release reply: the native guardian's finisher (krex.proc.finish) writes the report."""
+    """No release reply: the native guardian's finisher (krex.proc.finish) writes the report,
+    with the Python guardian's fields (gate counters read from the segment)."""
+    got: dict[str, dict[str, Any]] = {}
     for g, e in GUARDIANS.items():
         kx.start_daemon()
         d = kx.daemon
@@ -311,14 +313,16 @@ def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path) ->
         )
         d.wait(10)
         assert p.returncode == 5, (g, p.stderr)
-        r = json.loads(rep.read_text())
+        got[g] = r = json.loads(rep.read_text())
         assert r["exit_status"] == 5 and r["regions"] == [], (g, r)
         assert [x["event"] for x in r["daemon_events"]] == ["daemon-lost"], (g, r)
+        assert r["device"] == "sim" and r["simulated"] is True and "gate_blocks" in r, (g, r)
+    assert set(got["native"]) == set(got["python"]), set(got["native"]) ^ set(got["python"])
 
 
 def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) -> None:
-    """A command that sets KREX_AUTO_REGION itself leaves its status for the guardian: the
-    native one hands the report to the finisher, which reads it as the Python guardian does."""
+    """A command that sets KREX_AUTO_REGION itself leaves its status for the guardian: krexd
+    reads it (for its notes and the native guardian's report) as the Python guardian does."""
     kx.start_daemon()
     r = reports(
         kx,
@@ -331,6 +335,8 @@ def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) ->
     )
     for g, x in r.items():
         assert x["exit_status"] == 6 and x["auto_region"]["processes"] >= 1, (g, x)
+    assert set(r["native"]) == set(r["python"]), set(r["native"]) ^ set(r["python"])
+    assert set(r["native"]["auto_region"]) == set(r["python"]["auto_region"])
 
 
 def test_the_native_flags_are_krex_runs(kx: Krex) -> None:

@@ -588,7 +588,8 @@ def test_a_sibling_that_execs_into_a_new_gpu_image_during_a_gpu_policy_region_fl
     script, out, trigger = kx.out / "execer.py", kx.out / "execer", kx.out / "exec-now"
     script.write_text(EXECER)
     kx.run_argv("sib", [sys.executable, str(script), str(WORKER.parent), str(out), str(trigger)])
-    kx.wait(out.exists, 30, "the sibling's first image")
+    # (written, not just created: the file exists a moment before its pid is in it)
+    kx.wait(lambda: out.exists() and out.read_text().strip(), 30, "the sibling's first image")
     pid = int(out.read_text())
     first = kx.wait(lambda: _helper_tid(kx, pid), 15, "its drain helper")
     ready = _hold_region(kx, "a")

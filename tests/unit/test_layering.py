@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import krex
@@ -56,12 +57,15 @@ def test_library_never_spawns_the_cli() -> None:
 def test_the_runner_spawns_the_guardian_entry() -> None:
     """The native guardian where it was built (it hands the rest to the library entry, with
     this Python: interpose/guardian.c `--entry`), else the library entry itself."""
-    argv = guardian_argv(["x", "--y"], "/r.json", device="sim", gpu=1, freeze="gpu", python="py")
+    py = sys.executable
+    argv = guardian_argv(["x", "--y"], "/r.json", device="sim", gpu=1, freeze="gpu", python=py)
     native = native_guardian()
     if native is None:
-        assert argv[:3] == ["py", "-m", GUARDIAN_MODULE]
+        assert argv[:3] == [py, "-m", GUARDIAN_MODULE]
     else:
-        assert argv[:3] == [str(native), "--entry", "py"] and native.name == "krex"
+        assert argv[:3] == [str(native), "--entry", py] and native.name == "krex"
+    # Another Python may have another krex (or none): its own entry, never this native one.
+    assert guardian_argv(["x"], "/r.json", python="py")[:3] == ["py", "-m", GUARDIAN_MODULE]
     assert GUARDIAN_MODULE == "krex.proc.launcher"
     assert argv[argv.index("--") + 1 :] == ["x", "--y"]
     assert not any("cli" in a for a in argv)

@@ -179,7 +179,7 @@ CONSTANTS = {
     "KREX_PAUSE_TIMEOUT_MS": ("pause timeout", [r"timeout:\s*float\s*=\s*10\.0", r"default=10\.0"]),
     "KREX_DRAIN_TIMEOUT_MS": ("drain timeout", [r"drain_timeout_s:\s*float\s*=\s*[\d.]"]),
     "KREX_FREEZE_TIMEOUT_MS": ("freeze timeout", [r"freeze_timeout_s:\s*float\s*=\s*[\d.]"]),
-    "KREX_DAEMON_START_WAIT_MS": ("daemon start wait", [r"wait_s:\s*float\s*=\s*[\d.]"]),
+    "KREX_DAEMON_START_WAIT_MS": ("daemon start wait", [r"\bwait_s:\s*float\s*=\s*[\d.]"]),
 }
 
 

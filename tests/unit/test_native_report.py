@@ -1,0 +1,63 @@
+"""The native guardian's report when krexd cannot send it whole (krex/node/daemon.py
+`_report_json`, krex/proc/finish.py `_base_report`): without the regions past the reply's
+size, and made from the admission when krexd sent none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from krex.node.daemon import Daemon, Slot
+from krex.proc.finish import _base_report
+from krex.protocol import MAX_FRAME
+
+COUNTERS = {
+    "gate_blocks": 1,
+    "gate_blocked_ms": 2.0,
+    "fail_opens": 0,
+    "paced": 0,
+    "paced_ms": 0.0,
+    "submits": {},
+}
+
+
+def _reply(n_regions: int, pad: int) -> dict[str, Any]:
+    s = Slot(3, 0, "run", 1, group=None)  # type: ignore[arg-type]
+    s.admission_wait_s, s.simulated = 0.25, True
+    regs = [{"label": "x" * pad, "contaminated": i == 0, "queue_wait_s": 0.001} for i in range(n_regions)]
+    out: dict[str, Any] = {"leftovers": [], "action": "none", "regions": regs, "notes": []}
+    fake = SimpleNamespace(info=SimpleNamespace(kind="sim"))
+    Daemon._report_json(fake, s, COUNTERS, out, {})  # type: ignore[arg-type]
+    return out
+
+
+def test_a_report_that_fits_carries_its_regions_and_replaces_them_in_the_reply() -> None:
+    out = _reply(2, 10)
+    rep = json.loads(out["report_json"])
+    assert out["report_regions"] is True and "regions" not in out
+    assert rep["region_count"] == 2 and rep["contaminated_regions"] == 1 and len(rep["regions"]) == 2
+    assert (
+        rep["slot"] == 3
+        and rep["admission_wait_s"] == 0.25
+        and rep["device"] == "sim"
+        and rep["gate_blocks"] == 1
+    )
+
+
+def test_regions_too_large_for_one_reply_are_left_to_the_journal() -> None:
+    out = _reply(400, MAX_FRAME // 500)  # ~0.8 MiB of regions: half a frame is allowed, escaped more
+    rep = json.loads(out["report_json"])
+    assert out["report_regions"] is False and "regions" not in rep and "region_count" not in rep
+    assert len(json.dumps(out)) < MAX_FRAME and rep["gate_blocks"] == 1 and rep["leftovers_action"] == "none"
+
+
+def test_the_finisher_starts_from_krexds_report_or_from_the_admission(tmp_path: Path) -> None:
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"slot": 3, "gpu": 0, "gate_blocks": 4, "exit_status": 0}))
+    assert _base_report(3, 0, str(f), "") == {"slot": 3, "gpu": 0, "gate_blocks": 4}
+    adm = {"admission_wait_s": 0.5, "device": "gpu", "simulated": False, "shm": "/krex-no-such-segment"}
+    rep = _base_report(3, 0, str(f), json.dumps(adm))  # the file is not read: krexd sent nothing
+    assert rep["admission_wait_s"] == 0.5 and rep["device"] == "gpu" and rep["simulated"] is False
+    assert rep["leftovers_action"] == "unknown" and "gate_blocks" not in rep  # no segment, no counters
