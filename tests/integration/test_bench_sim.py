@@ -324,8 +324,18 @@ def test_bench_sigterm_mid_serial_cell_keeps_its_runs(krex_env: dict[str, str], 
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert not (out / "cells.jsonl").exists() or not jsonl(out / "cells.jsonl")
-    # Its notes reached meta.json although it never got to write its report.
-    assert any(n.startswith("warm-up:") for n in json.loads((out / "meta.json").read_text())["notes"])
+    # Its notes reached meta.json although it never got to write its report. The warm-up ran
+    # one command of each family, none of them recorded.
+    meta = json.loads((out / "meta.json").read_text())
+    warm = [n for n in meta["notes"] if n.startswith("warm-up:")]
+    assert len(warm) == 1, meta["notes"]
+    names = [n.strip() for n in warm[0].split(":", 1)[1].split(" at once")[0].split(",")]
+    from krex.bench.corpus import default_corpus_path, load_corpus
+
+    family = {w.name: w.family or w.name for w in load_corpus(default_corpus_path(), "sim", quick=True)}
+    assert all(n in family for n in names), (names, family)
+    assert sorted(family[n] for n in names) == sorted(set(family.values())) and len(names) > 1, names
+    assert all(r["run"] != "warmup" for r in jsonl(raw))
     first = [r for r in jsonl(raw) if r["ok"]]
     k = len(first)
     n = len(json.loads((out / "meta.json").read_text())["corpus_names"])
