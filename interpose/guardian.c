@@ -146,9 +146,10 @@ static void exec_python(const char *module, char *const *args) {
     const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
     if (py && *py) {
         av[0] = (char *)py;
-        execv(py, av);
-        say("krex: error: cannot run KREX_PYTHON=%s: %s\n  fix: point KREX_PYTHON at the Python that has krex installed",
-            py, strerror(errno));
+        if (strchr(py, '/')) execv(py, av);
+        else execvp(py, av); /* a bare name, as subprocess would find it */
+        say("krex: error: cannot run %s=%s: %s\n  fix: point it at the Python that has krex installed",
+            g_entry ? "--entry" : "KREX_PYTHON", py, strerror(errno));
         _exit(EXIT_KREX);
     }
     static char self[PATH_MAX], cand[PATH_MAX + 16];
@@ -1274,8 +1275,12 @@ static int run(struct opts *o) {
         buf_json_str(&base, dev ? dev : "gpu");
         buf_str(&base, sim ? ", \"simulated\": true, \"shm\": " : ", \"simulated\": false, \"shm\": ");
         buf_json_str(&base, a.shm);
-        buf_str(&base, "}");
     }
+    /* After a failed release the slot's records may be gone or another command's. */
+    struct buf base_released = {0};
+    buf_str(&base_released, base.p);
+    buf_str(&base_released, ", \"released\": true}");
+    buf_str(&base, "}");
     if (strcmp(a.shm, c.seg_name)) { /* the admitted segment, as _Guardian watches */
         const struct krex_shm *s = seg_map(a.shm);
         if (s) c.seg = s;
@@ -1345,6 +1350,8 @@ static int run(struct opts *o) {
     if (o->report) buf_str(&rel, ",\"report\":true");
     buf_str(&rel, "}");
     struct jv *r = NULL;
+    struct timespec t_rel;
+    clock_gettime(CLOCK_REALTIME, &t_rel);
     int k = ask(&c, KREX_OP_RELEASE, &rel, &r, why, sizeof why);
     if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
         drop_empty(auto_dir, auto_full);
@@ -1352,7 +1359,8 @@ static int run(struct opts *o) {
         /* An error reply is krexd's answer, not its loss (the Python guardian notes no event). */
         lo.why = k == 1 ? "" : "krexd did not answer the release";
         lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
-        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base.p, g_quiet);
+        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base_released.p,
+                         g_quiet);
     }
     if (pid < 0) { /* the exec failed: launcher's CommandNotFound / NotExecutable */
         if (auto_dir) remove_dir(auto_dir);
@@ -1370,15 +1378,23 @@ static int run(struct opts *o) {
         const char *body = jstr(r, "report_json");
         const struct jv *whole = jget(r, "report_regions");
         if (auto_dir) remove_dir(auto_dir); /* krexd has read it (the report's auto_region) */
+        if (body && whole && whole->t == J_BOOL && !whole->b) {
+            /* krexd's report without its regions (too many for one reply): the finisher adds
+             * them from the journal, up to this release, and writes the report once. It gets
+             * the text through a memory file: the --report path is written, never read back. */
+            int mfd = (int)syscall(SYS_memfd_create, "krex-report", 0);
+            size_t n = strlen(body);
+            if (mfd >= 0 && write(mfd, body, n) == (ssize_t)n) {
+                static char path[64];
+                snprintf(path, sizeof path, "/proc/self/fd/%d", mfd);
+                lo.why = "";
+                lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
+                finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, path, 1);
+            }
+            /* (no memory file: the report goes without its regions, as krexd made it) */
+        }
         int w = write_report(o->report, body, status, NULL, NULL, NULL);
         if (w) return w;
-        if (!body || !whole || whole->t != J_BOOL || !whole->b) {
-            /* krexd's report without its regions (too many for one reply), or none (an older
-             * krexd): the finisher adds them from the journal, or makes the report itself. */
-            lo.why = "";
-            finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, body ? NULL : base.p,
-                             1);
-        }
     } else if (auto_dir) {
         remove_dir(auto_dir);
     }

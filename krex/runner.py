@@ -84,19 +84,25 @@ def guardian_argv(
     native = native_guardian()
     # Only for this interpreter: the native guardian hands over to (and finishes in) this
     # installation's krex, which another Python may not have, or have in another version.
-    if native is not None and _same_python(python):
+    same = _same_python(python)
+    if native is not None and same is not None:
         # The native guardian (interpose/guardian.c) runs the common case without a Python
         # start per command (about 0.2 s a command under load on the H200, session 31) and
         # hands every other case to `python -m krex.proc.launcher` with these same options.
-        return [str(native), "--entry", python, *entry]
+        return [str(native), "--entry", same, *entry]
     return [python, "-m", GUARDIAN_MODULE, *entry]
 
 
-def _same_python(python: str) -> bool:
+def _same_python(python: str) -> str | None:
+    """`python` as an absolute path if it is this interpreter by that very path, else None.
+    Not resolved through links: every venv's python links to the same base interpreter, and
+    another venv has another krex (or none)."""
     import shutil
 
     found = python if "/" in python else shutil.which(python)
-    return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
+    if found is None or os.path.abspath(found) != os.path.abspath(sys.executable):
+        return None
+    return os.path.abspath(found)
 
 
 def native_guardian() -> Path | None:

@@ -686,29 +686,46 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         return c_start, last_start, cell_failed
 
     def warm_up(workloads: Sequence[Workload]) -> None:
-        """One command of each family (its shortest), all at once, natively and not recorded:
-        the page cache and the driver's and compilers' caches of every family's code path. With
-        one command only, the first cell paid for the rest: on a freshly started H200 the first
-        cell's (krex-8) first eight commands ran 17% longer than the next cell's (unprotected-8),
-        where on a warm one krex-8's ran 15% shorter (session 31)."""
+        """One command of each family or script (its shortest), at once (at most the widest
+        cell's width), natively and not recorded: the page cache and the driver's and
+        compilers' caches of every code path the corpus takes. With one command only, the
+        first cell paid for the rest: on a freshly started H200 the first cell's (krex-8) first
+        eight commands ran 17% longer than the next cell's (unprotected-8), where on a warm one
+        krex-8's ran 15% shorter (session 31)."""
         firsts: dict[str, Workload] = {}
         for w in sorted(workloads, key=lambda w: w.est_wall_s):
-            firsts.setdefault(w.family or w.name, w)
+            firsts.setdefault(w.family or str(w.script), w)
         ws = list(firsts.values())
-        note(f"warm-up: {', '.join(w.name for w in ws)} at once, natively, not recorded (caches)")
+        gpus = list(cfg.gpus or [])
+        width = min(len(ws), max([c.c for c in todo if c.mode in CONCURRENT] or [1]) * max(1, len(gpus)))
+        note(f"warm-up: {', '.join(w.name for w in ws)}, {width} at a time, natively, not recorded")
         warm = Cell("native-serial")
         pool: Pool[Job] = Pool(
-            len(ws), stop_signals=(signal.SIGTERM, signal.SIGKILL), grace_s=GRACE_S, tree=True, tick_s=TICK_S
+            width,
+            stop_signals=(signal.SIGTERM, signal.SIGKILL),
+            grace_s=GRACE_S,
+            tree=True,
+            tick_s=TICK_S,
         )
+        failed: list[str] = []
 
         def done(job: Job, got: Outcome) -> None:
-            cmds.record(warm, "warmup", job, None, got)  # (not kept: it removes the run's files)
+            rec = cmds.record(warm, "warmup", job, None, got)  # (not kept: it removes the run's files)
+            if not rec.get("ok") and not got.cancelled:
+                failed.append(
+                    f"{job.workload.name} ({rec.get('error') or 'exit ' + str(rec.get('exit_status'))})"
+                )
 
         jobs = [Job(w, 0, i) for i, w in enumerate(ws)]
+        lane_gpu = (lambda lane: gpus[lane % len(gpus)]) if gpus else (lambda _lane: None)
         if pool.run(
-            jobs, lambda job, _lane: cmds.spec(warm, job, None), done, lambda _job: None, lambda: None
+            jobs, lambda job, lane: cmds.spec(warm, job, lane_gpu(lane)), done, lambda _j: None, lambda: None
         ):
             raise KeyboardInterrupt
+        note(
+            f"warm-up done: {len(ws) - len(failed)} of {len(ws)} ran cleanly"
+            + (f"; failed: {'; '.join(failed)}" if failed else "")
+        )
 
     # (slots per GPU, prewarm, lend) of the daemon the bench started, None while it runs none.
     ours: tuple[int, int, str] | None = None

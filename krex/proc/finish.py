@@ -6,13 +6,14 @@ regions from the journal, print the same notes (krex.node.optin) and exit with t
 command's status.
 
 It also ends a native `krex run --report` whose krexd answered with a report without its
-regions (too many for one reply; the guardian wrote that report to REPORT already): WHY ""
+regions (too many for one reply; the guardian passes it in a memory file): WHY ""
 (krexd did not go away), QUIET 1 (krexd's notes were printed). Either way the report gets
 the regions from the journal.
 
 argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
 (REGION_S < 0: the loss cut no region of ours; AUTO_DIR "": none to read; REPORT "": none;
-BASE: the admission as JSON when krexd sent no report, "" when its report is in REPORT)."""
+BASE: the admission as JSON when krexd sent no report, else a file holding krexd's report
+without its regions; LOST_TS then is when the guardian asked for the release)."""
 
 from __future__ import annotations
 
@@ -34,17 +35,32 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
 
+    def warn(what: str, e: Exception) -> None:
+        sys.stderr.write(
+            f"krex: warning: {what} ({type(e).__name__}: {e}); its regions are not known to be clean\n"
+        )
+        report["report_error"] = f"{what}: {type(e).__name__}: {e}"
+
     report: dict[str, Any] = {"slot": int(slot), "gpu": int(gpu)}
-    try:
-        report = _base_report(int(slot), int(gpu), report_path, base)
+    try:  # first, and on its own: the region the loss cut is journaled whatever else fails
         if float(region_s) >= 0:
             journal_cut_region(int(gpu), int(slot), int(pid), why, float(region_s), float(lost_ts))
+    except Exception as e:  # noqa: BLE001 - the command's own status must survive any of it
+        warn("the cut region could not be journaled", e)
+    try:
+        report = {**_base_report(int(slot), int(gpu), base), **report}
+    except Exception as e:  # noqa: BLE001
+        warn("the report's start could not be read", e)
+    try:
         if why:
             report["daemon_events"] = [
                 {"event": "daemon-lost", "ts": float(lost_ts), "why": why, "region_cut": float(region_s) >= 0}
             ]
         if "regions" not in report:
-            regs = _journal_regions(int(slot), float(t_start), report, notify)
+            # Up to the release (LOST_TS) when krexd released the slot: a next command in it
+            # journals regions of its own.
+            t_end = float(lost_ts) if not base.startswith("{") else None
+            regs = _journal_regions(int(slot), float(t_start), report, notify, t_end)
             report["regions"] = regs
             report.update(region_tally(regs))
         if auto_dir:
@@ -53,12 +69,8 @@ def main(argv: list[str]) -> int:
                 report["auto_region"] = auto
         for line in release_notes({}, report):
             notify(line)
-    except Exception as e:  # noqa: BLE001 - the command's own status must survive any of it
-        sys.stderr.write(
-            f"krex: warning: the regions' notes and report could not be made "
-            f"({type(e).__name__}: {e}); its regions are not known to be clean\n"
-        )
-        report["report_error"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        warn("the regions' notes and report could not be made", e)
     if report_path:
         try:
             _write_report(report_path, {**report, "exit_status": int(status)})
@@ -68,33 +80,39 @@ def main(argv: list[str]) -> int:
     return int(status)
 
 
-def _base_report(slot: int, gpu: int, report_path: str, base: str) -> dict[str, Any]:
-    """The report before its regions: from BASE (the admission; krexd sent no report), with the
-    gate counters read from the segment as the Python guardian reads them, else krexd's
-    report that the guardian wrote to REPORT (it lacks only the regions), else a bare one."""
+def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
+    """The report before its regions. BASE "{...}": the admission (krexd sent no report: it
+    went away, or failed the release), with the gate counters read from the segment as the
+    Python guardian reads them, unless the slot may have been released already ("released":
+    its records may be gone or another command's). BASE a path: krexd's report without its
+    regions (a descriptor the guardian wrote it to). Else a bare one."""
     import json
 
     from krex.errors import KrexError
     from krex.node.optin import gate_counters, run_report
 
-    if base:
+    if base.startswith("{"):
         adm = json.loads(base)
         counters: dict[str, Any] = {}
-        try:
-            from krex.node.shm import Segment
+        if not adm.get("released"):
+            try:
+                from krex.node.shm import Segment
 
-            with Segment.attach(str(adm["shm"])) as seg:
-                counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
-        except KrexError:
-            pass
+                with Segment.attach(str(adm["shm"])) as seg:
+                    counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
+            except KrexError:
+                pass
         sim = bool(adm.get("simulated"))
-        return run_report(slot, gpu, adm.get("admission_wait_s"), str(adm.get("device")), sim, counters, {})
-    if report_path:
-        with open(report_path) as f:
+        rep = run_report(slot, gpu, adm.get("admission_wait_s"), str(adm.get("device")), sim, counters, {})
+        if adm.get("released"):
+            rep["counters_unknown"] = "krexd failed the release: the slot's gate counters may be gone"
+        return rep
+    if base:
+        with open(base) as f:
             got = json.load(f)
-        if isinstance(got, dict):
-            got.pop("exit_status", None)
-            return got
+        if not isinstance(got, dict):
+            raise ValueError("krexd's report is not a JSON object")
+        return got
     return {"slot": slot, "gpu": gpu}
 
 

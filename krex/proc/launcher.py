@@ -586,9 +586,13 @@ def run_guarded(
 
 
 def _journal_regions(
-    slot: int, t_start: float, report: dict[str, object], notify: Callable[[str], None]
+    slot: int,
+    t_start: float,
+    report: dict[str, object],
+    notify: Callable[[str], None],
+    t_end: float | None = None,
 ) -> list[dict[str, Any]]:
-    """This slot's regions since `t_start`, read from the journal."""
+    """This slot's regions since `t_start` (and up to `t_end`), read from the journal."""
     from krex import paths
     from krex.node import journal
 
@@ -596,7 +600,12 @@ def _journal_regions(
         jr = journal.read_counted(paths.journal_path())
         if jr.skipped:
             report["journal_skipped_lines"] = jr.skipped
-        return [r for r in jr.records if r.get("owner_slot") == slot and float(r["ts"]) >= t_start]
+        return [
+            r
+            for r in jr.records
+            if r.get("owner_slot") == slot
+            and t_start <= float(r["ts"]) <= (t_end if t_end is not None else 1e300)
+        ]
     except NotFound:
         return []
     except KrexError as e:  # never fatal: the command ran; the report says what is missing

@@ -308,16 +308,32 @@ def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path) ->
             "--",
             "sh",
             "-c",
-            f"kill -9 {d.pid}; sleep 0.5; exit 5",
+            f'echo "$KREX_NATIVE_MARK"; kill -9 {d.pid}; sleep 0.5; exit 5',
             extra=e,
         )
         d.wait(10)
         assert p.returncode == 5, (g, p.stderr)
+        assert p.stdout == ("native\n" if g == "native" else "1\n"), (g, p.stdout)
         got[g] = r = json.loads(rep.read_text())
         assert r["exit_status"] == 5 and r["regions"] == [], (g, r)
         assert [x["event"] for x in r["daemon_events"]] == ["daemon-lost"], (g, r)
         assert r["device"] == "sim" and r["simulated"] is True and "gate_blocks" in r, (g, r)
     assert set(got["native"]) == set(got["python"]), set(got["native"]) ^ set(got["python"])
+
+
+def test_more_regions_than_a_reply_holds_come_from_the_journal(kx: Krex, tmp_path: Path) -> None:
+    """krexd keeps 1000 region records a slot for its reply; past that its report goes
+    without them and the native guardian's finisher adds them from the journal."""
+    kx.start_daemon()
+    code = "import sys, krex\nfor _ in range(1010):\n    with krex.region():\n        pass\nsys.exit(2)\n"
+    r = reports(kx, tmp_path, *MARK_THEN_PY, code, rc=2)
+    for g, x in r.items():
+        assert x["region_count"] == len(x["regions"]) == 1010 and x["exit_status"] == 2, (
+            g,
+            x["region_count"],
+        )
+        assert "gate_blocks" in x and x["device"] == "sim", (g, sorted(x))
+    assert set(r["native"]) == set(r["python"]), set(r["native"]) ^ set(r["python"])
 
 
 def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) -> None:

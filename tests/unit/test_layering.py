@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def test_library_never_spawns_the_cli() -> None:
     assert not bad, bad
 
 
-def test_the_runner_spawns_the_guardian_entry() -> None:
+def test_the_runner_spawns_the_guardian_entry(tmp_path: Path) -> None:
     """The native guardian where it was built (it hands the rest to the library entry, with
     this Python: interpose/guardian.c `--entry`), else the library entry itself."""
     py = sys.executable
@@ -64,8 +65,13 @@ def test_the_runner_spawns_the_guardian_entry() -> None:
         assert argv[:3] == [py, "-m", GUARDIAN_MODULE]
     else:
         assert argv[:3] == [str(native), "--entry", py] and native.name == "krex"
-    # Another Python may have another krex (or none): its own entry, never this native one.
+    # Another Python may have another krex (or none): its own entry, never this native one,
+    # even where it is a link to the same interpreter (as every venv's python is).
     assert guardian_argv(["x"], "/r.json", python="py")[:3] == ["py", "-m", GUARDIAN_MODULE]
+    other = tmp_path / "venv" / "bin" / "python"
+    other.parent.mkdir(parents=True)
+    other.symlink_to(os.path.realpath(sys.executable))
+    assert guardian_argv(["x"], "/r.json", python=str(other))[:3] == [str(other), "-m", GUARDIAN_MODULE]
     assert GUARDIAN_MODULE == "krex.proc.launcher"
     assert argv[argv.index("--") + 1 :] == ["x", "--y"]
     assert not any("cli" in a for a in argv)

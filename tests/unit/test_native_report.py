@@ -9,9 +9,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from krex.node.daemon import Daemon, Slot
 from krex.proc.finish import _base_report
-from krex.protocol import MAX_FRAME
+from krex.protocol import MAX_FRAME, encode_reply
 
 COUNTERS = {
     "gate_blocks": 1,
@@ -47,17 +49,36 @@ def test_a_report_that_fits_carries_its_regions_and_replaces_them_in_the_reply()
 
 
 def test_regions_too_large_for_one_reply_are_left_to_the_journal() -> None:
-    out = _reply(400, MAX_FRAME // 500)  # ~0.8 MiB of regions: half a frame is allowed, escaped more
+    out = _reply(400, MAX_FRAME // 500)  # ~0.8 MiB of regions
     rep = json.loads(out["report_json"])
     assert out["report_regions"] is False and "regions" not in rep and "region_count" not in rep
-    assert len(json.dumps(out)) < MAX_FRAME and rep["gate_blocks"] == 1 and rep["leftovers_action"] == "none"
+    assert len(encode_reply("release", {"ok": True, **out})) < MAX_FRAME
+    assert rep["gate_blocks"] == 1 and rep["leftovers_action"] == "none"
+
+
+def test_the_most_regions_a_slot_keeps_fit_in_one_encoded_reply() -> None:
+    """What _slot_regions lets through (just under half a frame of records) is sent whole:
+    the report's text, escaped once more in the reply, still fits one frame."""
+    pad = 200
+    one = len(json.dumps({"label": "x" * pad, "contaminated": False, "queue_wait_s": 0.001}))
+    n = (MAX_FRAME // 2) // (one + 2) - 1
+    out = _reply(n, pad)
+    assert out["report_regions"] is True and json.loads(out["report_json"])["region_count"] == n
+    assert len(encode_reply("release", {"ok": True, **out})) < MAX_FRAME
 
 
 def test_the_finisher_starts_from_krexds_report_or_from_the_admission(tmp_path: Path) -> None:
-    f = tmp_path / "r.json"
-    f.write_text(json.dumps({"slot": 3, "gpu": 0, "gate_blocks": 4, "exit_status": 0}))
-    assert _base_report(3, 0, str(f), "") == {"slot": 3, "gpu": 0, "gate_blocks": 4}
+    f = tmp_path / "krexd.json"
+    f.write_text(json.dumps({"slot": 3, "gpu": 0, "gate_blocks": 4}))
+    assert _base_report(3, 0, str(f)) == {"slot": 3, "gpu": 0, "gate_blocks": 4}
     adm = {"admission_wait_s": 0.5, "device": "gpu", "simulated": False, "shm": "/krex-no-such-segment"}
-    rep = _base_report(3, 0, str(f), json.dumps(adm))  # the file is not read: krexd sent nothing
+    rep = _base_report(3, 0, json.dumps(adm))
     assert rep["admission_wait_s"] == 0.5 and rep["device"] == "gpu" and rep["simulated"] is False
     assert rep["leftovers_action"] == "unknown" and "gate_blocks" not in rep  # no segment, no counters
+    assert "counters_unknown" not in rep
+    rep = _base_report(3, 0, json.dumps({**adm, "released": True}))
+    assert "counters_unknown" in rep and "gate_blocks" not in rep
+    assert _base_report(3, 0, "") == {"slot": 3, "gpu": 0}
+    f.write_text("[1, 2]")
+    with pytest.raises(ValueError):
+        _base_report(3, 0, str(f))
