@@ -93,10 +93,8 @@ def _shell(index: int, line: str, source_line: int | None = None) -> BatchComman
 
 def _from_json(data: Any, source: str) -> list[BatchCommand]:
     if not isinstance(data, list):
-        raise UsageError(
-            f"{source}: the JSON must be a list of commands, got {type(data).__name__}",
-            'write e.g. [["python", "bench.py", "--n", "1"], ["./bench2"]]',
-        )
+        raise UsageError(f"{source}: the JSON must be a list of commands, got {type(data).__name__}",
+                         'write e.g. [["python", "bench.py", "--n", "1"], ["./bench2"]]')
     out: list[BatchCommand] = []
     for i, item in enumerate(data):
         where = f"{source}: item {i} ({json.dumps(item)[:60]})"
@@ -111,10 +109,8 @@ def _from_json(data: Any, source: str) -> list[BatchCommand]:
                 raise UsageError(f"{where} holds a NUL byte", "an argument cannot contain \\u0000; remove it")
             out.append(BatchCommand(len(out) + 1, list(item)))
         else:
-            raise UsageError(
-                f"{where} is not an argv list",
-                "each item must be a non-empty list of strings (or a shell command string)",
-            )
+            raise UsageError(f"{where} is not an argv list",
+                             "each item must be a non-empty list of strings (or a shell command string)")
     return out
 
 
@@ -123,10 +119,8 @@ def parse_commands(text: str, source: str = "<input>", force_json: bool = False)
     or when it holds a NUL byte (a binary file; no argv can carry one)."""
     if "\0" in text:
         no = text[: text.index("\0")].count("\n") + 1
-        raise UsageError(
-            f"{source}: line {no} holds a NUL byte: this is not a text file of commands",
-            f"give a text file; {FILE_HELP}",
-        )
+        raise UsageError(f"{source}: line {no} holds a NUL byte: this is not a text file of commands",
+                         f"give a text file; {FILE_HELP}")
     stripped = text.strip()
     commands: list[BatchCommand] | None = None
     if force_json or stripped.startswith("["):
@@ -134,10 +128,8 @@ def parse_commands(text: str, source: str = "<input>", force_json: bool = False)
             data = json.loads(text)
         except ValueError as e:
             if force_json:
-                raise UsageError(
-                    f"{source} is not valid JSON: {e}",
-                    'give a JSON list of argv lists, e.g. [["python", "bench.py"]]',
-                ) from None
+                raise UsageError(f"{source} is not valid JSON: {e}",
+                                 'give a JSON list of argv lists, e.g. [["python", "bench.py"]]') from None
         else:
             if force_json or isinstance(data, list):
                 commands = _from_json(data, source)
@@ -238,23 +230,12 @@ def _dist(values: Sequence[float]) -> dict[str, Any]:
     def pct(q: float) -> float | None:
         return r(percentile(values, q)) if values else None
 
-    return {
-        "count": len(values),
-        "total_s": round(sum(values), 6),
-        "p50_s": pct(50),
-        "p95_s": pct(95),
-        "max_s": r(max(values) if values else None),
-    }
+    return {"count": len(values), "total_s": round(sum(values), 6), "p50_s": pct(50), "p95_s": pct(95),
+            "max_s": r(max(values) if values else None)}
 
 
-def summarize(
-    results: Sequence[CommandResult],
-    total_wall_s: float,
-    jobs: int,
-    device: str,
-    out_dir: str,
-    interrupted: bool = False,
-) -> dict[str, Any]:
+def summarize(results: Sequence[CommandResult], total_wall_s: float, jobs: int, device: str,
+              out_dir: str, interrupted: bool = False) -> dict[str, Any]:
     """The batch summary (what summary.json holds). Pure: computed from the results only.
 
     region_share = sum of region_s over all regions / sum of the commands' wall times.
@@ -270,16 +251,8 @@ def summarize(
         "ran": len(ran),
         "succeeded": len(ran) - len(failed),
         "failures": len(failed),
-        "failed": [
-            {
-                "index": r.command.index,
-                "exit_status": r.exit_status,
-                "command": r.command.display,
-                "stderr": r.stderr,
-                "error": r.error,
-            }
-            for r in failed
-        ],
+        "failed": [{"index": r.command.index, "exit_status": r.exit_status, "command": r.command.display,
+                    "stderr": r.stderr, "error": r.error} for r in failed],
         "not_run": [r.command.index for r in results if r.exit_status is None],
         "interrupted": interrupted,
         "jobs": jobs,
@@ -294,12 +267,8 @@ def summarize(
         "region_waits": _dist([_num(reg.get("queue_wait_s")) for reg in regs]),
         "admission_waits": _dist(admission),
         "contaminated_regions": sum(1 for reg in regs if reg.get("contaminated")),
-        "contaminated": [
-            {"index": r.command.index, "reasons": reg.get("reasons", [])}
-            for r in ran
-            for reg in r.regions
-            if reg.get("contaminated")
-        ],
+        "contaminated": [{"index": r.command.index, "reasons": reg.get("reasons", [])}
+                         for r in ran for reg in r.regions if reg.get("contaminated")],
         "gate_blocks": sum(int(_num((r.report or {}).get("gate_blocks"))) for r in ran),
         "fail_opens": sum(int(_num((r.report or {}).get("fail_opens"))) for r in ran),
         "partition_degraded": any(bool(reg.get("partition_degraded")) for reg in regs),
@@ -382,16 +351,13 @@ def _prepare_dir(out_dir: Path) -> None:
         if not out_dir.is_dir():
             raise UsageError(f"--out {out_dir} exists and is not a directory", "choose another --out")
         if any(out_dir.iterdir()):
-            raise UsageError(
-                f"--out {out_dir} is not empty",
-                "choose a new directory (or leave --out away for ./krex-batch-<timestamp>/)",
-            )
+            raise UsageError(f"--out {out_dir} is not empty",
+                             "choose a new directory (or leave --out away for ./krex-batch-<timestamp>/)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise PermissionDenied(
-            f"cannot create the output directory {out_dir}: {e.strerror}", "choose a writable --out"
-        ) from e
+        raise PermissionDenied(f"cannot create the output directory {out_dir}: {e.strerror}",
+                               "choose a writable --out") from e
     if not os.access(out_dir, os.W_OK):
         raise PermissionDenied(f"the output directory {out_dir} is not writable", "choose a writable --out")
 
@@ -423,10 +389,8 @@ def _static_cudart_warning(cmd: BatchCommand) -> list[str]:
     if not path or not os.path.isfile(path):
         return []
     if inspect(path).static_cudart:
-        return [
-            f"{exe} links the CUDA runtime statically: KREX cannot gate its launches (freezing "
-            "still protects its siblings). Rebuild it with `nvcc -cudart shared`."
-        ]
+        return [f"{exe} links the CUDA runtime statically: KREX cannot gate its launches (freezing "
+                "still protects its siblings). Rebuild it with `nvcc -cudart shared`."]
     return []
 
 
@@ -451,17 +415,12 @@ def _ensure_daemon(kind: str) -> None:
     Client.connect(autostart=True, device=kind).close()
 
 
-def run_batch(
-    commands: Sequence[BatchCommand],
-    jobs: int,
-    device: str = "auto",
-    out_dir: Path | str | None = None,
-    gpu: int | None = None,
-    progress: Callable[[BatchEvent], None] | None = None,
-    cancel: threading.Event | None = None,
-    python: str = sys.executable,
-    env: dict[str, str] | None = None,
-) -> BatchSummary:
+def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
+              out_dir: Path | str | None = None, gpu: int | None = None,
+              progress: Callable[[BatchEvent], None] | None = None,
+              cancel: threading.Event | None = None,
+              python: str = sys.executable,
+              env: dict[str, str] | None = None) -> BatchSummary:
     """Run `commands` under KREX, at most `jobs` at a time; write the results and the summary
     to `out_dir` (default ./krex-batch-<timestamp>/) and return them.
 
@@ -477,11 +436,9 @@ def run_batch(
     info = discover(device)  # NotFound (with a fix) for --device gpu on a machine without one
     kind = "sim" if info.kind == "sim" else "gpu"
     if gpu is not None and not 0 <= gpu < info.count:
-        raise UsageError(
-            f"--gpu {gpu}: this node has {info.count} {info.kind} GPU(s)",
-            f"use --gpu {'0' if info.count == 1 else f'0..{info.count - 1}'}, "
-            "or leave it away for the least loaded GPU",
-        )
+        raise UsageError(f"--gpu {gpu}: this node has {info.count} {info.kind} GPU(s)",
+                         f"use --gpu {'0' if info.count == 1 else f'0..{info.count - 1}'}, "
+                         "or leave it away for the least loaded GPU")
     out = Path(out_dir) if out_dir is not None else default_out_dir()
     out = out.absolute()
     _prepare_dir(out)
@@ -494,36 +451,18 @@ def run_batch(
     t_batch = time.monotonic()
     failed = 0
 
-    def emit(
-        kind_: Literal["start", "done", "tick"],
-        cmd: BatchCommand | None = None,
-        res: CommandResult | None = None,
-    ) -> None:
+    def emit(kind_: Literal["start", "done", "tick"], cmd: BatchCommand | None = None,
+             res: CommandResult | None = None) -> None:
         if progress is not None:
-            progress(
-                BatchEvent(
-                    kind_,
-                    len(commands),
-                    len(results),
-                    pool.running,
-                    failed,
-                    time.monotonic() - t_batch,
-                    cmd,
-                    res,
-                    pool.cancelling,
-                )
-            )
+            progress(BatchEvent(kind_, len(commands), len(results), pool.running, failed,
+                                time.monotonic() - t_batch, cmd, res, pool.cancelling))
 
     def spec(cmd: BatchCommand, _lane: int) -> Spec:
         stem = out / f"cmd-{cmd.index:0{width}d}"
         report = stem.with_name(stem.name + ".report.json")
-        return Spec(
-            guardian_argv(cmd.argv, report, device, gpu, python=python),
-            stem.with_name(stem.name + ".stdout"),
-            stem.with_name(stem.name + ".stderr"),
-            env=base_env,
-            report=report,
-        )
+        return Spec(guardian_argv(cmd.argv, report, device, gpu, python=python),
+                    stem.with_name(stem.name + ".stdout"), stem.with_name(stem.name + ".stderr"),
+                    env=base_env, report=report)
 
     def finished(cmd: BatchCommand, got: Outcome) -> None:
         nonlocal failed
@@ -531,35 +470,24 @@ def run_batch(
             with contextlib.suppress(OSError):
                 got.spec.report.unlink()
         error = got.error or got.start_error
-        res = CommandResult(
-            cmd,
-            got.exit_status,
-            got.wall_s,
-            got.started_at,
-            got.ended_at,
-            str(got.spec.stdout),
-            str(got.spec.stderr),
-            got.report,
-            error,
-            [] if got.start_error else _static_cudart_warning(cmd),
-        )
+        res = CommandResult(cmd, got.exit_status, got.wall_s, got.started_at, got.ended_at,
+                            str(got.spec.stdout), str(got.spec.stderr), got.report, error,
+                            [] if got.start_error else _static_cudart_warning(cmd))
         results[cmd.index] = res
         if not res.ok:
             failed += 1
         _write_json(out / f"cmd-{cmd.index:0{width}d}.json", res.to_json())
         emit("done", cmd, res)
 
-    interrupted = pool.run(
-        commands, spec, finished, started=lambda cmd: emit("start", cmd), tick=lambda: emit("tick")
-    )
+    interrupted = pool.run(commands, spec, finished, started=lambda cmd: emit("start", cmd),
+                           tick=lambda: emit("tick"))
     total = time.monotonic() - t_batch
     all_results: list[CommandResult] = []
     for cmd in commands:
         res = results.get(cmd.index)
         if res is None:
-            res = CommandResult(
-                cmd, None, 0.0, None, None, "", "", None, "not started: the batch was interrupted"
-            )
+            res = CommandResult(cmd, None, 0.0, None, None, "", "", None,
+                                "not started: the batch was interrupted")
             _write_json(out / f"cmd-{cmd.index:0{width}d}.json", res.to_json())
         all_results.append(res)
     data = summarize(all_results, total, jobs, kind, str(out), interrupted)

@@ -95,44 +95,22 @@ __all__ = [
 
 RESOURCE = "krex_slot"
 PYTHON = "{python}"  # argv placeholder for the node's own Python (corpus commands)
-INSTALL_FIX = (
-    "install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' (or pip install ray)"
-)
+INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' "
+               "(or pip install ray)")
 TAIL_BYTES = 64 * 1024
 GRACE_S = runner.GRACE_S  # after a cancel: how long running commands get before their tasks are killed
 NODES_REFRESH_S = 2.0
 # Set by Ray in every worker; a command under `krex batch` would not have them
 # (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
-RAY_WORKER_VARS = (
-    "RAY_JOB_ID",
-    "RAY_RAYLET_PID",
-    "RAY_LD_PRELOAD_ON_WORKERS",
-    "SPT_NOENV",
-    "PYTHONBREAKPOINT",
-    "OMP_NUM_THREADS",
-)
+RAY_WORKER_VARS = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_NOENV",
+                   "PYTHONBREAKPOINT", "OMP_NUM_THREADS")
 # A node's KREX variables that a fleet world replaces (or that must not leak into a command).
-WORLD_VARS = (
-    "KREX_STATE_DIR",
-    "KREX_SOCKET",
-    "KREX_JOURNAL",
-    "KREX_SHM",
-    "KREX_SIM_SHM",
-    "KREX_SIM_TRACE",
-    "KREX_SLOT",
-    "KREX_GPU",
-)
+WORLD_VARS = ("KREX_STATE_DIR", "KREX_SOCKET", "KREX_JOURNAL", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE",
+              "KREX_SLOT", "KREX_GPU")
 # Ray errors that mean "the attempt was lost with its node or worker", not "the command failed".
-LOST_ERRORS = (
-    "NodeDiedError",
-    "WorkerCrashedError",
-    "LocalRayletDiedError",
-    "RaySystemError",
-    "ObjectLostError",
-    "OwnerDiedError",
-    "ObjectFetchTimedOutError",
-    "ObjectReconstructionFailedError",
-)
+LOST_ERRORS = ("NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError", "RaySystemError",
+               "ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError",
+               "ObjectReconstructionFailedError")
 
 
 class FleetFailed(KrexError):
@@ -166,16 +144,10 @@ def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
     tag = hashlib.sha1(f"{root}\0{node_id}".encode()).hexdigest()[:12]
     sock = d / paths.SOCKET_NAME
     if len(str(sock).encode()) > 100:
-        raise UsageError(
-            f"--node-root {root} is too long for a Unix socket path ({sock})",
-            "use a short directory, e.g. one made by mktemp -d /tmp/kx-XXXX",
-        )
-    return {
-        "KREX_STATE_DIR": str(d),
-        "KREX_SHM": f"/krex-fl-{tag}",
-        "KREX_SIM_SHM": f"/krex-flsim-{tag}",
-        "KREX_SIM_TRACE": str(d / "trace.jsonl"),
-    }
+        raise UsageError(f"--node-root {root} is too long for a Unix socket path ({sock})",
+                         "use a short directory, e.g. one made by mktemp -d /tmp/kx-XXXX")
+    return {"KREX_STATE_DIR": str(d), "KREX_SHM": f"/krex-fl-{tag}", "KREX_SIM_SHM": f"/krex-flsim-{tag}",
+            "KREX_SIM_TRACE": str(d / "trace.jsonl")}
 
 
 def node_resources(device: str = "auto", slots_per_gpu: int | None = None) -> tuple[dict[str, float], int]:
@@ -302,15 +274,9 @@ def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
 
     t0, started_at = time.monotonic(), time.time()
     node_id = ray.get_runtime_context().get_node_id()
-    out: dict[str, Any] = {
-        "index": payload["index"],
-        "attempt": payload["attempt"],
-        "node_id": node_id,
-        "host": socket.gethostname(),
-        "node_ip": _node_ip(ray),
-        "started_at": started_at,
-        "pid": os.getpid(),
-    }
+    out: dict[str, Any] = {"index": payload["index"], "attempt": payload["attempt"], "node_id": node_id,
+                           "host": socket.gethostname(), "node_ip": _node_ip(ray),
+                           "started_at": started_at, "pid": os.getpid()}
     world = node_world(node_id, payload.get("node_root"))
     slots, gpus = _this_node(ray, node_id)
     device = str(payload["device"])
@@ -325,25 +291,16 @@ def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
         # The guardian starts the node's daemon when none answers (slots per GPU = the node's
         # krex_slot / its GPUs, exiting after idle_exit_s), through the library's one start path.
         per_gpu = max(1, min(64, math.ceil(slots / max(1, gpus)))) if slots >= 1 else None
-        cmd = guardian_argv(
-            argv,
-            report,
-            device,
-            daemon_slots_per_gpu=per_gpu,
-            daemon_idle_exit_s=float(payload["idle_exit_s"]),
-        )
+        cmd = guardian_argv(argv, report, device, daemon_slots_per_gpu=per_gpu,
+                            daemon_idle_exit_s=float(payload["idle_exit_s"]))
         cwd = payload.get("cwd")
         if cwd and not os.path.isdir(cwd):
-            raise NotFound(
-                f"the working directory {cwd} does not exist on node {node_id[:12]}",
-                "give --cwd a directory that every node has (or a shared filesystem)",
-            )
+            raise NotFound(f"the working directory {cwd} does not exist on node {node_id[:12]}",
+                           "give --cwd a directory that every node has (or a shared filesystem)")
         out["setup_s"] = round(time.monotonic() - t0, 6)
         # ray.cancel(force=False) raises KeyboardInterrupt here: run_one stops the command like Ctrl-C.
-        got = run_one(
-            Spec(cmd, so, se, env, cwd, report=report, preexec_fn=_die_with_parent()),
-            interrupt_grace_s=GRACE_S,
-        )
+        got = run_one(Spec(cmd, so, se, env, cwd, report=report, preexec_fn=_die_with_parent()),
+                      interrupt_grace_s=GRACE_S)
         if got.start_error:
             raise KrexError(got.start_error, "check the node's Python and its krex installation")
         if got.cancelled:
@@ -369,12 +326,8 @@ def run_on_node(payload: dict[str, Any]) -> dict[str, Any]:
         out["stderr_tail"], out["stderr_bytes"] = _tail(se, n)
         out["result_line"], out["result"] = _result_line(out["stdout_tail"])
     except KrexError as e:  # the node could not run it (no daemon, no cwd): a failed command, not a lost one
-        out.update(
-            exit_status=out.get("exit_status", 1),
-            wall_s=out.get("wall_s", 0.0),
-            report=None,
-            error=f"{e} (fix: {e.fix})" if e.fix else str(e),
-        )
+        out.update(exit_status=out.get("exit_status", 1), wall_s=out.get("wall_s", 0.0), report=None,
+                   error=f"{e} (fix: {e.fix})" if e.fix else str(e))
         out.setdefault("stdout_tail", "")
         out.setdefault("stderr_tail", "")
         out.setdefault("result_line", None)
@@ -395,12 +348,8 @@ def node_journal(node_root: str | None, since: float | None, last: int | None) -
     node_id = ray.get_runtime_context().get_node_id()
     world = node_world(node_id, node_root)
     path = Path(world["KREX_STATE_DIR"]) / paths.JOURNAL_NAME if world else paths.journal_path()
-    out: dict[str, Any] = {
-        "node_id": node_id,
-        "host": socket.gethostname(),
-        "node_ip": _node_ip(ray),
-        "journal": str(path),
-    }
+    out: dict[str, Any] = {"node_id": node_id, "host": socket.gethostname(),
+                           "node_ip": _node_ip(ray), "journal": str(path)}
     try:
         recs = journal.read(path, None if since is not None else last)
     except NotFound:
@@ -465,9 +414,8 @@ def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
     return _default_out_dir(now, base, prefix="krex-fleet")
 
 
-def corpus_commands(
-    manifest: str | None, device: str, quick: bool = False, only: Sequence[str] = ()
-) -> list[BatchCommand]:
+def corpus_commands(manifest: str | None, device: str, quick: bool = False,
+                    only: Sequence[str] = ()) -> list[BatchCommand]:
     """The `krex bench` corpus as fleet commands (its scripts must exist at the same path on every
     node); PYTHON stands for the node's Python. device "sim" picks the simulated corpus, else GPU."""
     from krex.bench import load_corpus
@@ -475,15 +423,11 @@ def corpus_commands(
     dev = "sim" if device == "sim" else "gpu"
     wl = load_corpus(Path(manifest) if manifest else None, dev, quick, only)
     if not wl:
-        raise UsageError(
-            f"the corpus has no {dev} command{' matching --only' if only else ''}",
-            "check --corpus, --quick and --only",
-        )
+        raise UsageError(f"the corpus has no {dev} command{' matching --only' if only else ''}",
+                         "check --corpus, --quick and --only")
     # A workload's own variables (e.g. KREX_AUTO_REGION) go through env(1), like a shell line would.
-    return [
-        BatchCommand(i, [*(["env", *(f"{k}={v}" for k, v in w.env)] if w.env else []), *w.argv(PYTHON)])
-        for i, w in enumerate(wl, 1)
-    ]
+    return [BatchCommand(i, [*(["env", *(f"{k}={v}" for k, v in w.env)] if w.env else []), *w.argv(PYTHON)])
+            for i, w in enumerate(wl, 1)]
 
 
 def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, float], int] | None) -> bool:
@@ -500,19 +444,11 @@ def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, flo
             assert local_resources is not None
             res, gpus = local_resources
             # "local": a new instance even where a cluster runs (ray.init() alone would join it)
-            ray.init(
-                address="local",
-                num_gpus=gpus,
-                resources=res,
-                include_dashboard=False,
-                object_store_memory=256 * 1024 * 1024,
-                **kw,
-            )
+            ray.init(address="local", num_gpus=gpus, resources=res, include_dashboard=False,
+                     object_store_memory=256 * 1024 * 1024, **kw)
     except ConnectionError as e:
-        raise NotFound(
-            f"no Ray cluster at {address or 'a new local instance'}: {e}",
-            "check --address (host:port of the head's GCS, or 'auto' on a cluster node)",
-        ) from None
+        raise NotFound(f"no Ray cluster at {address or 'a new local instance'}: {e}",
+                       "check --address (host:port of the head's GCS, or 'auto' on a cluster node)") from None
     return True
 
 
@@ -521,12 +457,8 @@ def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dic
     for n in ray.nodes():
         res = n.get("Resources") or {}
         if n.get("Alive") and res.get(RESOURCE, 0) >= 1 and n["NodeID"] not in dead:
-            out[str(n["NodeID"])] = {
-                "ip": n.get("NodeManagerAddress"),
-                "host": n.get("NodeManagerHostname"),
-                "slots": int(res.get(RESOURCE, 0)),
-                "gpus": int(res.get("GPU", 0) or 0),
-            }
+            out[str(n["NodeID"])] = {"ip": n.get("NodeManagerAddress"), "host": n.get("NodeManagerHostname"),
+                                     "slots": int(res.get(RESOURCE, 0)), "gpus": int(res.get("GPU", 0) or 0)}
     return out
 
 
@@ -539,13 +471,9 @@ def _node_of_error(e: BaseException) -> str | None:
     return m.group(1) if m else None
 
 
-def run_fleet(
-    commands: Sequence[BatchCommand],
-    cfg: FleetConfig,
-    out_dir: Path | str | None = None,
-    progress: Callable[[FleetEvent], None] | None = None,
-    cancel: threading.Event | None = None,
-) -> FleetSummary:
+def run_fleet(commands: Sequence[BatchCommand], cfg: FleetConfig, out_dir: Path | str | None = None,
+              progress: Callable[[FleetEvent], None] | None = None,
+              cancel: threading.Event | None = None) -> FleetSummary:
     """Run `commands` on the Ray cluster (see the module docstring); write cmd-NNN.json,
     .stdout and .stderr (output tails), journal.jsonl (every node's regions of the run) and
     summary.json to `out_dir` (default ./krex-fleet-<timestamp>/) and return them.
@@ -573,14 +501,8 @@ def run_fleet(
             ray.shutdown()
 
 
-def _drive(
-    ray: Any,
-    commands: Sequence[BatchCommand],
-    cfg: FleetConfig,
-    out: Path,
-    progress: Callable[[FleetEvent], None] | None,
-    cancel: threading.Event,
-) -> FleetSummary:
+def _drive(ray: Any, commands: Sequence[BatchCommand], cfg: FleetConfig, out: Path,
+           progress: Callable[[FleetEvent], None] | None, cancel: threading.Event) -> FleetSummary:
     lost_types = _lost_errors(ray)
     task = ray.remote(run_on_node)
     width = max(3, len(str(len(commands))))
@@ -606,43 +528,21 @@ def _drive(
 
     def emit(kind: Literal["submit", "done", "lost", "tick"], **kw: Any) -> None:
         if progress is not None:
-            progress(
-                FleetEvent(
-                    kind,
-                    len(commands),
-                    len(results),
-                    len(in_flight),
-                    failed,
-                    len(lost_log),
-                    time.monotonic() - t_run,
-                    len(nodes),
-                    sum(n["slots"] for n in nodes.values()),
-                    dict(per_node),
-                    cancelling=cancel_step > 0,
-                    **kw,
-                )
-            )
+            progress(FleetEvent(kind, len(commands), len(results), len(in_flight), failed, len(lost_log),
+                                time.monotonic() - t_run, len(nodes), sum(n["slots"] for n in nodes.values()),
+                                dict(per_node), cancelling=cancel_step > 0, **kw))
 
     def submit(cmd: BatchCommand, attempt: int, lost: list[dict[str, Any]]) -> None:
-        payload = {
-            "index": cmd.index,
-            "argv": cmd.argv,
-            "attempt": attempt,
-            "device": cfg.device,
-            "node_root": None if cfg.node_root is None else str(Path(cfg.node_root).absolute()),
-            "idle_exit_s": cfg.idle_exit_s,
-            "cwd": cwd,
-            "tail_bytes": cfg.tail_bytes,
-        }
-        ref = task.options(
-            resources={RESOURCE: 1}, num_cpus=0, max_retries=0, name=f"krex-fleet:{cmd.index}"
-        ).remote(payload)
+        payload = {"index": cmd.index, "argv": cmd.argv, "attempt": attempt, "device": cfg.device,
+                   "node_root": None if cfg.node_root is None else str(Path(cfg.node_root).absolute()),
+                   "idle_exit_s": cfg.idle_exit_s, "cwd": cwd, "tail_bytes": cfg.tail_bytes}
+        ref = task.options(resources={RESOURCE: 1}, num_cpus=0, max_retries=0,
+                           name=f"krex-fleet:{cmd.index}").remote(payload)
         in_flight[ref] = _Attempt(cmd, attempt, time.monotonic(), lost)
         emit("submit", command=cmd)
 
-    def record(
-        a: _Attempt, res: dict[str, Any] | None, error: str | None, t_back: float, status: int | None = None
-    ) -> None:
+    def record(a: _Attempt, res: dict[str, Any] | None, error: str | None, t_back: float,
+               status: int | None = None) -> None:
         """One command's final outcome; `res` None: no result came back (`status` None = never
         completed, counted as not run; 1 = the task itself failed)."""
         nonlocal failed
@@ -655,17 +555,9 @@ def _drive(
         else:
             so.write_text(res.get("stdout_tail") or "")
             se.write_text(res.get("stderr_tail") or "")
-            cr = CommandResult(
-                cmd,
-                res.get("exit_status"),
-                float(res.get("wall_s") or 0.0),
-                res.get("started_at"),
-                res.get("ended_at"),
-                str(so),
-                str(se),
-                res.get("report"),
-                res.get("error"),
-            )
+            cr = CommandResult(cmd, res.get("exit_status"), float(res.get("wall_s") or 0.0),
+                               res.get("started_at"), res.get("ended_at"), str(so), str(se),
+                               res.get("report"), res.get("error"))
             node = res.get("node_id")
             if node:
                 per_node[node] = per_node.get(node, 0) + 1
@@ -673,21 +565,12 @@ def _drive(
         if cr.exit_status is not None and not cr.ok:
             failed += 1
         got = res or {}
-        ex = {
-            "node_id": node,
-            "node_ip": got.get("node_ip"),
-            "host": got.get("host"),
-            "attempt": a.attempt,
-            "lost_attempts": a.lost,
-            "result_line": got.get("result_line"),
-            "result": got.get("result"),
-            "stdout_bytes": got.get("stdout_bytes"),
-            "stderr_bytes": got.get("stderr_bytes"),
-            "setup_s": got.get("setup_s"),
-            "daemon_started": got.get("daemon_started"),
-            "round_trip_s": round(t_back - a.submitted, 6),
-            "cancelled": bool(got.get("cancelled")),
-        }
+        ex = {"node_id": node, "node_ip": got.get("node_ip"), "host": got.get("host"),
+              "attempt": a.attempt, "lost_attempts": a.lost,
+              "result_line": got.get("result_line"), "result": got.get("result"),
+              "stdout_bytes": got.get("stdout_bytes"), "stderr_bytes": got.get("stderr_bytes"),
+              "setup_s": got.get("setup_s"), "daemon_started": got.get("daemon_started"),
+              "round_trip_s": round(t_back - a.submitted, 6), "cancelled": bool(got.get("cancelled"))}
         extra[cmd.index] = ex
         _write_json(out / f"{stem}.json", {**cr.to_json(), **ex})
         emit("done", command=cmd, result=cr, node_id=node)
@@ -715,13 +598,8 @@ def _drive(
             if node and isinstance(e, ray.exceptions.NodeDiedError):
                 dead.add(node)
                 nodes.pop(node, None)
-            lose(
-                a,
-                node,
-                type(e).__name__,
-                str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                t_back,
-            )
+            lose(a, node, type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
+                 t_back)
             return
         except ray.exceptions.TaskCancelledError:
             record(a, None, "cancelled: the fleet run was interrupted", t_back)
@@ -755,7 +633,8 @@ def _drive(
                         ray.cancel(ref, force=True)
                 starved = no_nodes_since is not None and now - no_nodes_since > cfg.wait_nodes_s
                 if starved and cancel_step == 0:
-                    gave_up = f"no live Ray node offered the {RESOURCE} resource for {cfg.wait_nodes_s:g} s"
+                    gave_up = (f"no live Ray node offered the {RESOURCE} resource for "
+                               f"{cfg.wait_nodes_s:g} s")
                     cancel.set()
                     continue
                 window = max(1, 2 * sum(n["slots"] for n in nodes.values()))
@@ -786,35 +665,21 @@ def _drive(
     for cmd in commands:
         res = results.get(cmd.index)
         if res is None:
-            res = CommandResult(
-                cmd,
-                None,
-                0.0,
-                None,
-                None,
-                "",
-                "",
-                None,
-                gave_up or "not started: the fleet run was interrupted",
-            )
-            extra[cmd.index] = {
-                "node_id": None,
-                "attempt": attempts.get(cmd.index, 0),
-                "lost_attempts": retry.get(cmd.index, []),
-            }
+            res = CommandResult(cmd, None, 0.0, None, None, "", "", None,
+                                gave_up or "not started: the fleet run was interrupted")
+            extra[cmd.index] = {"node_id": None, "attempt": attempts.get(cmd.index, 0),
+                                "lost_attempts": retry.get(cmd.index, [])}
             _write_json(out / f"cmd-{cmd.index:0{width}d}.json", {**res.to_json(), **extra[cmd.index]})
         all_results.append(res)
     final_nodes = _alive_nodes(ray, dead)
-    journals = gather_journals_connected(
-        ray, cfg.node_root, since=started_wall - 5.0, nodes=[n for n in seen if n in final_nodes]
-    )
+    journals = gather_journals_connected(ray, cfg.node_root, since=started_wall - 5.0,
+                                         nodes=[n for n in seen if n in final_nodes])
     with open(out / "journal.jsonl", "w") as f:
         for j in journals:
             for r in j.records:
                 f.write(json.dumps({"node_id": j.node_id, **r}, separators=(",", ":")) + "\n")
-    data = fleet_summary(
-        all_results, extra, seen, set(final_nodes), lost_log, total, cfg, str(out), interrupted, journals
-    )
+    data = fleet_summary(all_results, extra, seen, set(final_nodes), lost_log, total, cfg, str(out),
+                         interrupted, journals)
     if gave_up:
         data["gave_up"] = gave_up
     _write_json(out / "summary.json", data)
@@ -824,18 +689,10 @@ def _drive(
 # ------------------------------------------------------------------------------------ summary
 
 
-def fleet_summary(
-    results: Sequence[CommandResult],
-    extra: dict[int, dict[str, Any]],
-    nodes: dict[str, dict[str, Any]],
-    alive: set[str],
-    lost: Sequence[dict[str, Any]],
-    total_wall_s: float,
-    cfg: FleetConfig,
-    out_dir: str,
-    interrupted: bool = False,
-    journals: Sequence[NodeJournal] = (),
-) -> dict[str, Any]:
+def fleet_summary(results: Sequence[CommandResult], extra: dict[int, dict[str, Any]],
+                  nodes: dict[str, dict[str, Any]], alive: set[str], lost: Sequence[dict[str, Any]],
+                  total_wall_s: float, cfg: FleetConfig, out_dir: str, interrupted: bool = False,
+                  journals: Sequence[NodeJournal] = ()) -> dict[str, Any]:
     """The fleet summary: `krex batch`'s summary over all commands, plus one row per node.
     Pure. Each command counts once, on the node of its final attempt; lost attempts count
     only in `reruns` / `lost_attempts` (and in their node's row as `lost_attempts`)."""
@@ -854,49 +711,38 @@ def fleet_summary(
         regs = [reg for r in rs for reg in r.regions]
         info = nodes.get(nid, {})
         j = jr.get(nid)
-        rows.append(
-            {
-                "node_id": nid,
-                "ip": info.get("ip"),
-                "host": info.get("host"),
-                "gpus": info.get("gpus"),
-                "slots": info.get("slots"),
-                "state": "alive" if nid in alive else "lost",
-                "commands": len(rs),
-                "failures": sum(1 for r in rs if not r.ok),
-                "regions": len(regs),
-                "contaminated_regions": sum(1 for reg in regs if reg.get("contaminated")),
-                "region_waits": _dist([_num(reg.get("queue_wait_s")) for reg in regs]),
-                "admission_waits": _dist([_num(r.report.get("admission_wait_s")) for r in rs if r.report]),
-                "gpus_used": sorted({int(_num((r.report or {}).get("gpu"))) for r in rs if r.report}),
-                "lost_attempts": sum(1 for x in lost if x.get("node_id") == nid),
-                "journal_regions": None if j is None else len(j.records),
-                "journal_error": None if j is None else j.error,
-            }
-        )
-    rt = [
-        float(e["round_trip_s"]) - r.wall_s
-        for r in results
-        if r.exit_status is not None
-        and (e := extra.get(r.command.index))
-        and e.get("round_trip_s") is not None
-    ]
-    data.update(
-        {
-            "fleet": {
-                "address": cfg.address or "local",
-                "node_root": cfg.node_root,
-                "max_attempts": cfg.max_attempts,
-            },
-            "nodes": rows,
-            "lost_nodes": sorted(n for n in nodes if n not in alive),
-            "reruns": sum(len((extra.get(r.command.index) or {}).get("lost_attempts", [])) for r in results),
-            "lost_attempts": list(lost),
-            # driver round trip minus the command's own `krex run` wall: Ray's scheduling,
-            # the task's set-up and the result's way back (queueing for a free slot included)
-            "dispatch_s": _dist(rt),
-        }
-    )
+        rows.append({
+            "node_id": nid,
+            "ip": info.get("ip"),
+            "host": info.get("host"),
+            "gpus": info.get("gpus"),
+            "slots": info.get("slots"),
+            "state": "alive" if nid in alive else "lost",
+            "commands": len(rs),
+            "failures": sum(1 for r in rs if not r.ok),
+            "regions": len(regs),
+            "contaminated_regions": sum(1 for reg in regs if reg.get("contaminated")),
+            "region_waits": _dist([_num(reg.get("queue_wait_s")) for reg in regs]),
+            "admission_waits": _dist([_num(r.report.get("admission_wait_s")) for r in rs if r.report]),
+            "gpus_used": sorted({int(_num((r.report or {}).get("gpu"))) for r in rs if r.report}),
+            "lost_attempts": sum(1 for x in lost if x.get("node_id") == nid),
+            "journal_regions": None if j is None else len(j.records),
+            "journal_error": None if j is None else j.error,
+        })
+    rt = [float(e["round_trip_s"]) - r.wall_s for r in results
+          if r.exit_status is not None and (e := extra.get(r.command.index))
+          and e.get("round_trip_s") is not None]
+    data.update({
+        "fleet": {"address": cfg.address or "local", "node_root": cfg.node_root,
+                  "max_attempts": cfg.max_attempts},
+        "nodes": rows,
+        "lost_nodes": sorted(n for n in nodes if n not in alive),
+        "reruns": sum(len((extra.get(r.command.index) or {}).get("lost_attempts", [])) for r in results),
+        "lost_attempts": list(lost),
+        # driver round trip minus the command's own `krex run` wall: Ray's scheduling,
+        # the task's set-up and the result's way back (queueing for a free slot included)
+        "dispatch_s": _dist(rt),
+    })
     return data
 
 
@@ -912,14 +758,9 @@ class NodeJournal:
     error: str | None = None
 
 
-def gather_journals_connected(
-    ray: Any,
-    node_root: str | None,
-    since: float | None = None,
-    last: int | None = None,
-    nodes: Sequence[str] | None = None,
-    timeout_s: float = 60.0,
-) -> list[NodeJournal]:
+def gather_journals_connected(ray: Any, node_root: str | None, since: float | None = None,
+                              last: int | None = None, nodes: Sequence[str] | None = None,
+                              timeout_s: float = 60.0) -> list[NodeJournal]:
     """Every live KREX node's journal (one task pinned to each node), on a connected Ray."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -927,12 +768,9 @@ def gather_journals_connected(
     ids = [n for n in (nodes if nodes is not None else sorted(alive)) if n in alive]
     task = ray.remote(node_journal)
     root = None if node_root is None else str(Path(node_root).absolute())
-    refs = {
-        n: task.options(
-            num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)
-        ).remote(root, since, last)
-        for n in ids
-    }
+    refs = {n: task.options(num_cpus=0, max_retries=0,
+                            scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+            .remote(root, since, last) for n in ids}
     out = []
     deadline = time.monotonic() + timeout_s
     for n, ref in refs.items():
@@ -947,9 +785,8 @@ def gather_journals_connected(
     return out
 
 
-def gather_journals(
-    address: str | None, node_root: str | None = None, last: int | None = None, since: float | None = None
-) -> list[NodeJournal]:
+def gather_journals(address: str | None, node_root: str | None = None, last: int | None = None,
+                    since: float | None = None) -> list[NodeJournal]:
     """`krex journal --fleet`: connect to the Ray cluster at `address` (default: $RAY_ADDRESS,
     else 'auto', the cluster this machine belongs to) and read every KREX node's journal."""
     ray = import_ray()
@@ -961,8 +798,6 @@ def gather_journals(
         if connected:
             ray.shutdown()
     if not js:
-        raise NotFound(
-            f"no live node of the Ray cluster at {addr} offers the {RESOURCE} resource",
-            'start KREX nodes with `ray start ... --resources "$(krex fleet --node-resources)"`',
-        )
+        raise NotFound(f"no live node of the Ray cluster at {addr} offers the {RESOURCE} resource",
+                       "start KREX nodes with `ray start ... --resources \"$(krex fleet --node-resources)\"`")
     return js

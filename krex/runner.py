@@ -72,23 +72,16 @@ def guardian_argv(
     """argv that runs ``cmd`` under a guardian, as `krex run --report` would: same
     behaviour, report and exit statuses. The daemon options start the node's daemon
     with those settings when none answers (else it starts on demand, as for `krex run`)."""
-    values = {
-        "device": device,
-        "report": str(report),
-        "gpu": gpu,
-        "freeze": freeze,
-        "slots": daemon_slots_per_gpu,
-        "idle_exit": daemon_idle_exit_s,
-    }
+    values = {"device": device, "report": str(report), "gpu": gpu, "freeze": freeze,
+              "slots": daemon_slots_per_gpu, "idle_exit": daemon_idle_exit_s}
     entry = [*runopts.to_argv(runopts.ENTRY, values), "--", *cmd]
     native = native_guardian()
-    # Only for this interpreter: the native guardian hands over to (and finishes in) this
-    # installation's krex, which another Python may not have, or have in another version.
+    # The native guardian (interpose/guardian.c) runs the common case without a Python start
+    # per command (about 0.2 s a command under load on the H200, session 31) and hands every
+    # other case to `python -m krex.proc.launcher` with these same options: only for this
+    # interpreter, whose krex is the one it was built with (another may have none, or another).
     same = _same_python(python)
     if native is not None and same is not None:
-        # The native guardian (interpose/guardian.c) runs the common case without a Python
-        # start per command (about 0.2 s a command under load on the H200, session 31) and
-        # hands every other case to `python -m krex.proc.launcher` with these same options.
         return [str(native), "--entry", same, *entry]
     return [python, "-m", GUARDIAN_MODULE, *entry]
 

@@ -83,7 +83,9 @@ class Cell:
             base, _, lend = key.rpartition("+lend-")
             c = Cell.from_key(base)
             if c.mode != "krex" or lend not in LEND_CHOICES:
-                raise UsageError(f"unknown cell {key!r}", "krex-C[@POLICY]+lend-X takes off, region or all")
+                raise UsageError(
+                    f"unknown cell {key!r}", "krex-C[@POLICY]+lend-X takes off, region or all"
+                )
             return Cell(c.mode, c.c, c.freeze, 0, lend)
         if "@" in key:
             base, _, freeze = key.partition("@")

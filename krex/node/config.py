@@ -168,11 +168,8 @@ class Key:
         if self.name == "idle_exit_s":
             return f"never; {ON_DEMAND_IDLE_EXIT_S:g} when started on demand"
         if default is None:
-            return {
-                "slots_per_gpu": "from the GPU's CPU slice",
-                "freezer": "the first that works",
-                "group": "your own group",
-            }.get(self.name, "none")
+            return {"slots_per_gpu": "from the GPU's CPU slice", "freezer": "the first that works",
+                    "group": "your own group"}.get(self.name, "none")
         return f"{default:g}" if isinstance(default, float) else str(default)
 
     def metavar(self) -> str:
@@ -194,52 +191,16 @@ class Key:
 
 
 KEYS = (
-    Key(
-        "slots_per_gpu",
-        "slots_per_gpu",
-        "KREX_SLOTS_PER_GPU",
-        _num(1, 64, True),
-        "a whole number 1..64",
-        "--slots-per-gpu",
-        "admission limit per GPU",
-    ),
-    Key(
-        "prewarm",
-        "prewarm",
-        "KREX_PREWARM",
-        _num(0, 64, True),
-        "a whole number 0..64",
-        "--prewarm",
-        "commands per GPU started before a slot frees up; they wait at their first GPU call",
-    ),
-    Key(
-        "max_region_s",
-        "max_region",
-        "KREX_MAX_REGION",
-        _num(0.001, 1e9),
-        "seconds, e.g. 60",
-        "--max-region",
-        "seconds after which a region is ended by force",
-    ),
-    Key(
-        "idle_exit_s",
-        "idle_exit",
-        "KREX_IDLE_EXIT",
-        _idle,
-        "seconds, e.g. 120, or never",
-        "--idle-exit",
-        "exit after this many idle seconds, or never",
-    ),
-    Key(
-        "freezer",
-        "freezer",
-        "KREX_FREEZER",
-        _choice(FREEZERS),
-        "one of " + ", ".join(FREEZERS),
-        "--freezer",
-        "force a freezer backend",
-        FREEZERS,
-    ),
+    Key("slots_per_gpu", "slots_per_gpu", "KREX_SLOTS_PER_GPU", _num(1, 64, True), "a whole number 1..64",
+        "--slots-per-gpu", "admission limit per GPU"),
+    Key("prewarm", "prewarm", "KREX_PREWARM", _num(0, 64, True), "a whole number 0..64", "--prewarm",
+        "commands per GPU started before a slot frees up; they wait at their first GPU call"),
+    Key("max_region_s", "max_region", "KREX_MAX_REGION", _num(0.001, 1e9), "seconds, e.g. 60",
+        "--max-region", "seconds after which a region is ended by force"),
+    Key("idle_exit_s", "idle_exit", "KREX_IDLE_EXIT", _idle, "seconds, e.g. 120, or never",
+        "--idle-exit", "exit after this many idle seconds, or never"),
+    Key("freezer", "freezer", "KREX_FREEZER", _choice(FREEZERS), "one of " + ", ".join(FREEZERS),
+        "--freezer", "force a freezer backend", FREEZERS),
     Key(
         "freeze_policy",
         "freeze_policy",
@@ -251,46 +212,19 @@ KEYS = (
         "all, or by the region's launch rate (adaptive)",
         freezepolicy.POLICIES,
     ),
-    Key(
-        "lend_cores",
-        "lend_cores",
-        "KREX_LEND_CORES",
-        _lend,
-        "off, region or all (0/1 also read)",
-        "--lend-cores",
-        "commands may also run on their GPU's region core (region) and the housekeeping "
-        "core (all) while no region needs them",
-        ("off", "region", "all"),
-    ),
-    Key(
-        "queue_cap_ms",
-        "queue_cap",
-        "KREX_QUEUE_CAP_MS",
-        _num(0, 60000),
-        "milliseconds, e.g. 20, or 0 for none",
-    ),
+    Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)",
+        "--lend-cores", "commands may also run on their GPU's region core (region) and the housekeeping "
+        "core (all) while no region needs them", ("off", "region", "all")),
+    Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
+        "milliseconds, e.g. 20, or 0 for none"),
     Key("helper_nice", "helper_nice", "KREX_HELPER_NICE", _num(-20, 0, True), "a whole number -20..0"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
-    Key(
-        "log_level",
-        "log_level",
-        "KREX_LOG_LEVEL",
-        _choice(LOG_LEVELS),
-        "one of " + ", ".join(LOG_LEVELS),
-        "--log-level",
-        "what krexd logs",
-        LOG_LEVELS,
-    ),
-    Key(
-        "group",
-        "group",
-        "KREX_GROUP",
-        _group,
-        "a group name or gid whose members share the daemon",
-        "--group",
-        "share the daemon with this group: members may run commands and pause, only you (or root) stop it",
-    ),
+    Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),
+        "--log-level", "what krexd logs", LOG_LEVELS),
+    Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon",
+        "--group", "share the daemon with this group: members may run commands and pause, only you "
+        "(or root) stop it"),
 )
 FLAGS = tuple(k for k in KEYS if k.flag)
 
@@ -329,17 +263,14 @@ def to_argv(overrides: Mapping[str, Any] | None) -> list[str]:
             continue
         k = by_name.get(name)
         if k is None or k.flag is None:
-            raise UsageError(
-                f"{name} cannot be passed on krexd's command line",
-                "set it in the environment or the config file",
-            )
+            raise UsageError(f"{name} cannot be passed on krexd's command line",
+                             "set it in the environment or the config file")
         argv += [k.flag, str(v)]
     return argv
 
 
-def daemon_argv(
-    device: str, log: Path | None, overrides: Mapping[str, Any] | None = None, on_demand: bool = False
-) -> list[str]:
+def daemon_argv(device: str, log: Path | None, overrides: Mapping[str, Any] | None = None,
+                on_demand: bool = False) -> list[str]:
     """The command that starts krexd: `krex daemon start`, the library's start on
     demand and the shim's (KREX_DAEMON_CMD) all use this one."""
     argv = [sys.executable, "-m", DAEMON_MODULE, "--device", device]

@@ -1697,13 +1697,8 @@ class Daemon:
             if not stuck:
                 continue
             if s.slot == req.slot:
-                out.append(
-                    (
-                        "region-core",
-                        f"the owner's pids {stuck} have threads pinned to the region core "
-                        f"{cpus.format_cpulist(reserved)}, which the measuring thread shares",
-                    )
-                )
+                out.append(("region-core", f"the owner's pids {stuck} have threads pinned to the region core "
+                             f"{cpus.format_cpulist(reserved)}, which the measuring thread shares"))
                 continue
             frozen.append(s)  # thawed with the others at the end, whatever happens
             try:
@@ -1712,12 +1707,8 @@ class Daemon:
                 with self.lock:
                     gone = s.slot not in self.slots
                 if not gone:
-                    out.append(
-                        (
-                            "freeze-failed",
-                            f"slot {s.slot} (threads pinned to the region core) did not freeze: {e}",
-                        )
-                    )
+                    out.append(("freeze-failed", f"slot {s.slot} (threads pinned to the region core) did not "
+                                 f"freeze: {e}"))
         return out
 
     def _audit_region_core(
@@ -1735,13 +1726,8 @@ class Daemon:
             return []
         what = ", ".join(f"pid {p} ({len(t)} thread(s))" for p, t in sorted(bad.items())[:4])
         core = cpus.format_cpulist(reserved)
-        return [
-            (
-                "region-core",
-                f"threads that may run on the region core {core} were found at the "
-                f"region's end: {what}; they could have shared it with the measuring thread",
-            )
-        ]
+        return [("region-core", f"threads that may run on the region core {core} were found at the "
+                 f"region's end: {what}; they could have shared it with the measuring thread")]
 
     def _settle(
         self,
@@ -1790,6 +1776,7 @@ class Daemon:
         deadline, those it waited for)."""
         probe = lambda: self.seg.exiting(gpu, owner_slot)  # noqa: E731
         return _wait_out(probe, 0.002, self.cfg.freeze_timeout_s, self.stop)
+
 
     def _await_teardowns(self, gpu: int) -> set[int]:
         """Wait (at most freeze_timeout_s) while NVML lists a process that has ended: its

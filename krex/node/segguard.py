@@ -194,7 +194,9 @@ class SegmentGuard:
         return not ok and gate_owner(w) == owner
 
     # ------------------------------------------------------------------ repair
-    def repair(self, problems: list[str], expected: Expected, live_pids: Callable[[], set[int]]) -> Incident:
+    def repair(
+        self, problems: list[str], expected: Expected, live_pids: Callable[[], set[int]]
+    ) -> Incident:
         actions: list[str] = []
         raw = self.seg.raw
         ns = self._name_state()

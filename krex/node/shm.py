@@ -408,15 +408,8 @@ class Segment:
         return int(n), sorted({int(pids[i]) for i in range(64) if pids[i]})
 
     def _c_wait(
-        self,
-        wait: Any,
-        gpu: int,
-        owner: int,
-        extra: tuple[int, ...],
-        timeout: float,
-        recheck: float | None,
-        max_pids: int,
-        below: int = 1,
+        self, wait: Any, gpu: int, owner: int, extra: tuple[int, ...], timeout: float, recheck: float | None,
+        max_pids: int, below: int = 1,
     ) -> tuple[int, float, dict[str, int], Any]:
         """One of the C waits of protocol steps 3 and 4 (krex_wait_inflight, krex_wait_drain:
         ``wait(shm, gpu, owner, *extra, timeout_ns, recheck_ns, pids, max_pids, stats)``) run

@@ -156,8 +156,7 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         self.flags = ["daemon-lost"]
         _drop_client()
         self._warn(
-            f"krex.region(): lost the KREX daemon ({why}); this region is not exclusive",
-            RuntimeWarning,
+            f"krex.region(): lost the KREX daemon ({why}); this region is not exclusive", RuntimeWarning,
             stacklevel=stacklevel,
         )
 

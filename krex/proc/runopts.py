@@ -43,53 +43,21 @@ class RunOption:
 OPTIONS: tuple[RunOption, ...] = (
     RunOption("device", "--device", str, "real GPU or the simulated one", choices=DEVICES, default="auto"),
     RunOption("gpu", "--gpu", int, "GPU index (default: the least loaded)", metavar="N"),
-    RunOption(
-        "report",
-        "--report",
-        str,
-        "write a JSON report: regions, waits, gate blocks, contamination",
-        metavar="FILE",
-        path=True,
-    ),
-    RunOption(
-        "no_daemon",
-        "--no-daemon",
-        bool,
-        "claim a slot directly in shared memory (no regions, no freezing)",
-        default=False,
-        entry=False,
-    ),
-    RunOption(
-        "freeze",
-        "--freeze",
-        str,
-        "which siblings this command's regions freeze (default: the daemon's policy)",
-        choices=POLICIES,
-    ),
-    RunOption(
-        "keep_leftovers",
-        "--keep-leftovers",
-        bool,
-        "processes that outlive CMD keep running (as a frozen sibling during other regions) "
-        "instead of being killed when CMD exits",
-        default=False,
-    ),
-    RunOption(
-        "slots",
-        "--daemon-slots-per-gpu",
-        int,
-        "if no daemon answers, start one with this many slots per GPU",
-        metavar="N",
-        run=False,
-    ),
-    RunOption(
-        "idle_exit",
-        "--daemon-idle-exit",
-        float,
-        "if no daemon answers, start one that exits after this many idle seconds",
-        metavar="S",
-        run=False,
-    ),
+    RunOption("report", "--report", str, "write a JSON report: regions, waits, gate blocks, contamination",
+              metavar="FILE", path=True),
+    RunOption("no_daemon", "--no-daemon", bool,
+              "claim a slot directly in shared memory (no regions, no freezing)", default=False, entry=False),
+    RunOption("freeze", "--freeze", str,
+              "which siblings this command's regions freeze (default: the daemon's policy)",
+              choices=POLICIES),
+    RunOption("keep_leftovers", "--keep-leftovers", bool,
+              "processes that outlive CMD keep running (as a frozen sibling during other regions) "
+              "instead of being killed when CMD exits", default=False),
+    RunOption("slots", "--daemon-slots-per-gpu", int,
+              "if no daemon answers, start one with this many slots per GPU", metavar="N", run=False),
+    RunOption("idle_exit", "--daemon-idle-exit", float,
+              "if no daemon answers, start one that exits after this many idle seconds", metavar="S",
+              run=False),
 )
 RUN = tuple(o for o in OPTIONS if o.run)  # `krex run`
 ENTRY = tuple(o for o in OPTIONS if o.entry)  # `python -m krex.proc.launcher`
@@ -100,9 +68,8 @@ def defaults(options: Iterable[RunOption]) -> dict[str, Any]:
     return {o.dest: o.default for o in options}
 
 
-def scan(
-    argv: list[str], i: int, options: Iterable[RunOption], into: dict[str, Any], click_like: bool
-) -> int:
+def scan(argv: list[str], i: int, options: Iterable[RunOption], into: dict[str, Any],
+         click_like: bool) -> int:
     """Read the options of ``argv`` from index ``i`` into ``into`` (raw strings; flags True,
     the last one wins) and return the index where the command starts (after a ``--``).
     ``click_like``: ``--flag=value`` is taken and the first word that is not an option starts

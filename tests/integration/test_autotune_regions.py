@@ -18,9 +18,7 @@ from helpers.fakes import FAKE_INDUCTOR_HOOK
 
 KREX = [sys.executable, "-m", "krex.cli.main"]
 
-BENCHMARKING = (
-    FAKE_INDUCTOR_HOOK
-    + """
+BENCHMARKING = FAKE_INDUCTOR_HOOK + """
 class InductorBenchmarker:
     @gpu_benchmark_lock
     def benchmark_gpu(self, _callable, **kwargs):
@@ -29,7 +27,6 @@ class InductorBenchmarker:
 
 benchmarker = InductorBenchmarker()
 """
-)
 
 # One autotuning benchmark per candidate config, each one launch on the simulated GPU.
 COMPILE = """
@@ -58,7 +55,9 @@ def fake_torch(tmp_path: Path) -> Path:
     return root
 
 
-def _run(env: dict[str, str], fakes: Path, tmp_path: Path, auto: str | None) -> tuple[dict[str, object], str]:
+def _run(
+    env: dict[str, str], fakes: Path, tmp_path: Path, auto: str | None
+) -> tuple[dict[str, object], str]:
     e = dict(env, PYTHONPATH=str(fakes))
     e.pop("KREX_AUTO_REGION", None)
     if auto is not None:
@@ -66,19 +65,8 @@ def _run(env: dict[str, str], fakes: Path, tmp_path: Path, auto: str | None) -> 
     rep = tmp_path / f"report-{auto}.json"
     helpers = Path(__file__).resolve().parents[1] / "helpers"
     p = subprocess.run(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--report",
-            str(rep),
-            "--",
-            sys.executable,
-            "-c",
-            COMPILE,
-            str(helpers),
-        ],
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", COMPILE,
+         str(helpers)],
         env=e,
         capture_output=True,
         text=True,
@@ -194,22 +182,9 @@ def _krex_run(env: dict[str, str], fakes: Path, code: str, limit: float) -> subp
     e = dict(env, PYTHONPATH=str(fakes))
     e.pop("KREX_AUTO_REGION", None)
     return subprocess.run(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--",
-            sys.executable,
-            "-c",
-            textwrap.dedent(code),
-            str(HELPERS),
-            str(limit),
-        ],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", textwrap.dedent(code), str(HELPERS),
+         str(limit)],
+        env=e, capture_output=True, text=True, timeout=120,
     )
 
 
@@ -230,22 +205,9 @@ def test_krex_auto_region_0_control(krex_env: dict[str, str], fake_torch: Path) 
     """Control: with KREX_AUTO_REGION=0 (the pre-5e37bf1 behaviour) the worker finishes."""
     e = dict(krex_env, PYTHONPATH=str(fake_torch), KREX_AUTO_REGION="0")
     p = subprocess.run(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--",
-            sys.executable,
-            "-c",
-            textwrap.dedent(PARENT),
-            str(HELPERS),
-            "10",
-        ],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", textwrap.dedent(PARENT), str(HELPERS),
+         "10"],
+        env=e, capture_output=True, text=True, timeout=120,
     )
     assert p.returncode == 0 and "child done" in p.stdout and "HUNG" not in p.stdout, (p.stdout, p.stderr)
 
@@ -256,25 +218,9 @@ def _in_pidns(env: dict[str, str], fakes: Path, auto: str | None) -> subprocess.
     if auto is not None:
         e["KREX_AUTO_REGION"] = auto
     return subprocess.run(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--",
-            "unshare",
-            "-p",
-            "-f",
-            "--mount-proc",
-            sys.executable,
-            "-c",
-            COMPILE,
-            str(HELPERS),
-        ],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [*KREX, "run", "--device", "sim", "--", "unshare", "-p", "-f", "--mount-proc", sys.executable, "-c",
+         COMPILE, str(HELPERS)],
+        env=e, capture_output=True, text=True, timeout=120,
     )
 
 
@@ -299,23 +245,9 @@ def test_a_target_that_never_engaged_is_still_warned_about(
     e = dict(krex_env, PYTHONPATH=str(fake_torch), KREX_AUTO_REGION="do_bench")
     rep = tmp_path / "report.json"
     p = subprocess.run(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--report",
-            str(rep),
-            "--",
-            sys.executable,
-            "-c",
-            COMPILE,
-            str(Path(__file__).resolve().parents[1] / "helpers"),
-        ],
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", sys.executable, "-c", COMPILE,
+         str(Path(__file__).resolve().parents[1] / "helpers")],
+        env=e, capture_output=True, text=True, timeout=120,
     )
     assert p.returncode == 0 and "done" in p.stdout, p.stderr
     report = json.loads(rep.read_text())

@@ -669,10 +669,7 @@ def test_a_guardian_killed_while_its_command_waits_before_exec_leaves_no_process
     )
     g = subprocess.Popen(
         [sys.executable, "-c", slow, "run", "--device", "sim", "--", "sleep", "30"],
-        env=kx.env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     kx.popens.append(g)

@@ -326,33 +326,9 @@ def test_a_signal_handler_on_a_thread_parked_at_the_gate_is_held_too(kx: Krex, b
     wait_until(lambda: log.exists() and '"pid"' in log.read_text(), 30, "the signalled sibling to start")
     pid = next(json.loads(x)["pid"] for x in log.read_text().splitlines() if x.startswith('{"pid"'))
     owner = subprocess.Popen(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--freeze",
-            "gpu",
-            "--",
-            sys.executable,
-            str(WORKER),
-            "regions",
-            str(kx.out),
-            "--name",
-            "own",
-            "-n",
-            "12",
-            "--kernels",
-            "5",
-            "--us",
-            "5000",
-            "--sleep-ms",
-            "10",
-        ],
-        env=kx.env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        [*KREX, "run", "--device", "sim", "--freeze", "gpu", "--", sys.executable, str(WORKER), "regions",
+         str(kx.out), "--name", "own", "-n", "12", "--kernels", "5", "--us", "5000", "--sleep-ms", "10"],
+        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     kx.popens.append(owner)
@@ -411,6 +387,7 @@ def test_a_region_never_waits_to_inspect_a_new_process() -> None:
         proc.wait()
 
 
+
 def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -427,10 +404,8 @@ def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
     src = tmp_path / "late.c"
     src.write_text("int krex_late(void) { return 1; }\n")
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    code = (
-        f"import ctypes, sys, time; sys.stdin.readline(); ctypes.CDLL({str(lib)!r}); "
-        "print('ok', flush=True); time.sleep(30)"
-    )
+    code = (f"import ctypes, sys, time; sys.stdin.readline(); ctypes.CDLL({str(lib)!r}); "
+            "print('ok', flush=True); time.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         time.sleep(0.3)
@@ -457,11 +432,8 @@ def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
         proc.wait()
     # A process seen before it exec'd is seen again after (its old verdict's key is gone),
     # and the stale verdict of a process that ended is forgotten.
-    execs = subprocess.Popen(
-        ["sh", "-c", f'read x; exec {sys.executable} -c "{code}"'],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    execs = subprocess.Popen(["sh", "-c", f"read x; exec {sys.executable} -c \"{code}\""],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         time.sleep(0.3)
         v = ins.verdict(execs.pid)
@@ -585,10 +557,7 @@ def test_a_thread_started_inside_a_region_does_not_keep_the_region_core(
     out = kx.out / "inherit.json"
     p = subprocess.run(
         [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", INHERITING_OWNER, str(out)],
-        env=kx.env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+        env=kx.env(), capture_output=True, text=True, timeout=120,
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())

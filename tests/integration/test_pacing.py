@@ -119,16 +119,8 @@ def test_pacing_gives_up_on_work_that_does_not_finish_and_never_hangs(harness: H
         "actor",
         # One check lands among the first EVERY short launches (an event behind the long
         # kernel), one among the next EVERY, 50 ms later: that event is past the cap.
-        [
-            "k:1",
-            "sync",
-            "kn:1:4000000",
-            f"kn:{lib.KREX_PACE_EVERY}:100",
-            "sleep:50",
-            f"kn:{lib.KREX_PACE_EVERY}:100",
-            f"kn:{4 * lib.KREX_PACE_EVERY}:100",
-            "line",
-        ],
+        ["k:1", "sync", "kn:1:4000000", f"kn:{lib.KREX_PACE_EVERY}:100", "sleep:50",
+         f"kn:{lib.KREX_PACE_EVERY}:100", f"kn:{4 * lib.KREX_PACE_EVERY}:100", "line"],
         h.env(h.claim()),
     )
     waited = c.expect(lambda d: d["act"] == "kn" and d["t1"] - d["t0"] > 1e9, 30, "the paced wait")

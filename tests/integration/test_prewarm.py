@@ -22,6 +22,8 @@ KREX = [sys.executable, "-m", "krex.cli.main"]
 VICTIM = str(Path(__file__).resolve().parents[1] / "helpers" / "warm_victim.py")
 
 
+
+
 def start(env: dict[str, str], out: Path, name: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*KREX, "run", "--device", "sim", "--", sys.executable, VICTIM, str(out), name, *args],
@@ -233,26 +235,9 @@ def test_a_process_without_krex_slot_still_waits(krex_env: dict[str, str], tmp_p
     env = krex_env
     a, stop_a = holder(env, tmp_path, 1)
     b = subprocess.Popen(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            "--",
-            "env",
-            "-u",
-            "KREX_SLOT",
-            "-u",
-            "KREX_SLOT_GEN",
-            sys.executable,
-            VICTIM,
-            str(tmp_path),
-            "b",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [*KREX, "run", "--device", "sim", "--", "env", "-u", "KREX_SLOT", "-u", "KREX_SLOT_GEN",
+         sys.executable, VICTIM, str(tmp_path), "b"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     wait_for(lambda: (tmp_path / "b.cpu").exists(), 30, "b's CPU phase")
     time.sleep(0.8)
@@ -320,17 +305,8 @@ def test_a_prewarmed_commands_leftover_child(krex_env: dict[str, str], tmp_path:
     a, stop_a = holder(env, tmp_path, 1)
     child = f"{sys.executable} {VICTIM} {tmp_path} b --cpu-s 0.3"
     b = subprocess.Popen(
-        [
-            *KREX,
-            "run",
-            "--device",
-            "sim",
-            *(["--keep-leftovers"] if keep else []),
-            "--",
-            "sh",
-            "-c",
-            f"{child} >/dev/null 2>&1 & while [ ! -f {tmp_path}/b.cpu ]; do sleep 0.02; done; exit 0",
-        ],
+        [*KREX, "run", "--device", "sim", *(["--keep-leftovers"] if keep else []), "--", "sh", "-c",
+         f"{child} >/dev/null 2>&1 & while [ ! -f {tmp_path}/b.cpu ]; do sleep 0.02; done; exit 0"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

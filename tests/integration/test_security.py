@@ -474,15 +474,8 @@ def test_a_group_member_admitted_prewarmed_waits_then_gets_a_clean_region(users:
         s.start("--slots-per-gpu", "1", "--prewarm", "1")
         stop = s.kx.out / "stop-root"
         holder = subprocess.Popen(
-            [
-                *krex_argv("run", "--device", "sim", "--"),
-                sys.executable,
-                str(WARM_VICTIM),
-                str(s.kx.out),
-                "root",
-                "--until",
-                str(stop),
-            ],
+            [*krex_argv("run", "--device", "sim", "--"), sys.executable, str(WARM_VICTIM), str(s.kx.out),
+             "root", "--until", str(stop)],
             env=s.member_env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -503,7 +496,9 @@ def test_a_group_member_admitted_prewarmed_waits_then_gets_a_clean_region(users:
             text=True,
             cwd="/",
         )
-        wait_until(lambda: any(x["warm"] for x in s.kx.status()["slots"]), 30, "the member's pre-warmed slot")
+        wait_until(
+            lambda: any(x["warm"] for x in s.kx.status()["slots"]), 30, "the member's pre-warmed slot"
+        )
         time.sleep(0.5)
         assert member.poll() is None, member.communicate()
         stop.touch()

@@ -183,19 +183,10 @@ def test_a_signal_during_registration_neither_hangs_nor_slips_through(
         argv = [*KREX, "run", "--device", "sim", "--", *argv]
         env = kx.env()
     else:  # `krex env`: the shim registers with krexd itself
-        env = kx.env(
-            LD_PRELOAD=str(shim_path()),
-            KREX_SOCKET=str(kx.sock),
-            LD_LIBRARY_PATH=str(LIB_DIR),
-            CUDA_VISIBLE_DEVICES="0",
-        )
+        env = kx.env(LD_PRELOAD=str(shim_path()), KREX_SOCKET=str(kx.sock), LD_LIBRARY_PATH=str(LIB_DIR),
+                     CUDA_VISIBLE_DEVICES="0")
     p = subprocess.Popen(
-        argv,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
     kx.popens.append(p)  # type: ignore[arg-type]
@@ -225,12 +216,8 @@ def test_a_fork_that_leaves_a_gated_call_behind_gives_a_sound_child(
     kx.start_daemon(slots=2)
     p = subprocess.Popen(
         [*KREX, "run", "--device", "sim", "--", str(bins["forkcall"]), mode],
-        env=kx.env(KREX_COPY_CHUNK_BYTES="0"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        env=kx.env(KREX_COPY_CHUNK_BYTES="0"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     kx.popens.append(p)  # type: ignore[arg-type]
     out, err = p.communicate(timeout=60)
@@ -341,10 +328,7 @@ int main(int argc, char **argv) {
     kx.start_daemon(slots=2)
     p = subprocess.run(
         [*KREX, "run", "--device", "sim", "--", str(tmp_path / "dlctor"), str(tmp_path / "libctor.so")],
-        env=kx.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+        env=kx.env(), capture_output=True, text=True, timeout=60,
     )
     out = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("{")))
     assert out["ok"] == 1, (p.stdout, p.stderr[-1500:])

@@ -166,6 +166,7 @@ def test_a_kept_leftover_is_a_frozen_sibling_and_keeps_its_slot(kx: Krex) -> Non
     kx.wait(lambda: kx.status()["slots"] == [], 30, "the lingering slot to be freed once the leftover ends")
 
 
+
 ESCAPE_PY = textwrap.dedent(
     """
     import os, sys, time
@@ -213,7 +214,6 @@ def test_a_leftover_that_left_the_slots_cgroup_is_found_by_its_environment(kx: K
     from test_regions import alive
 
     kx.wait(lambda: not alive(pid), 10, "the escaped leftover to die")
-
 
 # ====================================================================== case 3: the segment
 
@@ -434,7 +434,7 @@ def test_attestation_flags_foreign_gpu_processes_and_throttling(kx: Krex) -> Non
                         )
                     ]
                 }
-            ),
+            )
         )
         rec = _end_hold(kx, "b", ready["pid"])
     finally:
@@ -901,11 +901,8 @@ def test_priority_is_lent_to_no_thread_that_has_left_its_life_call(kx: Krex) -> 
     lent priority (before, the last to begin one stayed named and got it)."""
     _fake_nvml_gpu_policy(kx)
     tids_f, stop = kx.out / "tids.json", kx.out / "spin.stop"
-    sib = kx.run_argv(
-        "sib",
-        [sys.executable, "-c", TWO_LIFE_THREADS, str(tids_f), str(stop)],
-        env_extra={"KREX_SIM_LIFE_MS": "3000"},
-    )
+    sib = kx.run_argv("sib", [sys.executable, "-c", TWO_LIFE_THREADS, str(tids_f), str(stop)],
+                      env_extra={"KREX_SIM_LIFE_MS": "3000"})
     try:
         kx.wait(tids_f.exists, 30, "the sibling's two threads")
         tids = json.loads(tids_f.read_text())
@@ -1111,12 +1108,8 @@ def test_an_exit_is_not_starved_by_other_commands_back_to_back_regions(kx: Krex)
     (an adversarial review held an exit 8 s). A region that the exit's last steps fall in is
     flagged, never clean."""
     nvml = kx.out / "nvml.json"
-    _write_atomic(
-        nvml,
-        json.dumps(
-            {"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [], "sm_clock": 1980, "throttle": 1}]}
-        ),
-    )
+    _write_atomic(nvml, json.dumps({"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [],
+                                              "sm_clock": 1980, "throttle": 1}]}))
     kx_env = kx.env
     kx.env = lambda **extra: kx_env(  # type: ignore[method-assign]
         KREX_NVML_FAKE=str(nvml), KREX_FREEZE_POLICY="gpu", **extra
@@ -1126,20 +1119,8 @@ def test_an_exit_is_not_starved_by_other_commands_back_to_back_regions(kx: Krex)
     sib = kx.result("sib", "ready", timeout=30)["pid"]
     go, until = kx.out / "z.go", kx.out / "z.until"
     for z in ("z1", "z2"):
-        kx.run(
-            z,
-            "regions",
-            "-n",
-            "100000",
-            "--kernels",
-            "1",
-            "--sleep-ms",
-            "30",
-            "--go",
-            str(go),
-            "--until",
-            str(until),
-        )
+        kx.run(z, "regions", "-n", "100000", "--kernels", "1", "--sleep-ms", "30", "--go", str(go),
+               "--until", str(until))
     kx.wait(lambda: all((kx.out / f"{z}.waiting").exists() for z in ("z1", "z2")), 30, "the region takers")
     go.touch()
     time.sleep(0.5)  # regions now follow one another
@@ -1353,10 +1334,7 @@ def test_a_soft_region_across_another_commands_region_is_flagged(kx: Krex, tmp_p
     procs = [
         subprocess.Popen(
             [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", code, t0, str(tmp_path)],
-            env=kx.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            env=kx.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.DEVNULL,
         )
         for code in (CMD1, CMD2)

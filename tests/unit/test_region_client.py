@@ -189,7 +189,7 @@ def test_a_soft_region_waits_for_another_threads_region_still_awaiting_its_grant
     tb.join(5)
     a_out.set()
     ta.join(5)
-    ((t_soft, r),) = soft_done
+    (t_soft, r), = soft_done
     assert t_soft >= granted_at[0]
     assert r.grant is None and not r.unprotected  # it ran inside A's granted region
     assert [op for op, _ in krexd.log] == ["begin", "end"]

@@ -132,18 +132,18 @@ def test_a_newcomer_parked_at_the_gate_with_no_context_is_no_start() -> None:
 
 
 def test_a_newcomer_nvml_lists_at_the_end_is_a_start() -> None:
-    ((flag, text),) = _changes({(20, 1, 21)}, {"procs": [20]})
+    (flag, text), = _changes({(20, 1, 21)}, {"procs": [20]})
     assert flag == "sibling-context" and "started pid 20" in text
 
 
 def test_a_newcomer_is_a_start_when_nvml_could_not_tell() -> None:
     for exit_sample in ({}, {"error": "NVMLError: timeout"}):
-        ((flag, text),) = _changes({(20, 1, 21)}, exit_sample)
+        (flag, text), = _changes({(20, 1, 21)}, exit_sample)
         assert "started pid 20" in text, exit_sample
 
 
 def test_an_execd_process_is_a_start_even_without_nvml_listing_it() -> None:
-    ((flag, text),) = _changes({(10, 1, 12)}, {"procs": []})  # same pid, new drain helper
+    (flag, text), = _changes({(10, 1, 12)}, {"procs": []})  # same pid, new drain helper
     assert "started pid 10" in text
 
 

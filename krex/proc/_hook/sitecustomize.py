@@ -113,10 +113,8 @@ def _main() -> None:
         except ImportError as e:
             import sys
 
-            err = ImportError(
-                f"KREX_AUTO_REGION is set but {sys.executable} cannot import krex ({e}); "
-                "install krex into this environment or unset KREX_AUTO_REGION"
-            )
+            err = ImportError(f"KREX_AUTO_REGION is set but {sys.executable} cannot import krex ({e}); "
+                              "install krex into this environment or unset KREX_AUTO_REGION")
         else:
             try:
                 autoregion.install(value)

@@ -188,9 +188,8 @@ class _Probe:
         if getattr(r, "grant", None) is not None:
             _regions[name] = _regions.get(name, 0) + 1
 
-    def leave(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def leave(self, et: type[BaseException] | None, ev: BaseException | None,
+              tb: TracebackType | None) -> None:
         r, self._region = self._region, None
         if r is not None:
             try:
@@ -264,9 +263,8 @@ def _call_whole(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     return _run(probe, call)
 
 
-def _swap_fn(
-    args: tuple[Any, ...], kwargs: dict[str, Any], name: str, make: Callable[[Any], Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _swap_fn(args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
+             make: Callable[[Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Replace the benchmarked callable (keyword `name` or first positional)."""
     if name in kwargs:
         kw = dict(kwargs)
@@ -277,9 +275,8 @@ def _swap_fn(
     return None
 
 
-def _unhooked(
-    t: Target, why: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def _unhooked(t: Target, why: str, func: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
     """A harness's hook point could not be hooked: ``why`` ("!reason": never in this
     version, so the target is degraded; "reason": for this call only, noted). The call
     runs whole."""
@@ -299,15 +296,8 @@ def _probed(t: Target, probe: _Probe, call: Callable[[], Any], missed: str) -> A
     return result
 
 
-def _probed_fn(
-    t: Target,
-    probe: _Probe,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    wrap_fn: Callable[[Any], Any],
-    missed: str,
-) -> Any:
+def _probed_fn(t: Target, probe: _Probe, func: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], wrap_fn: Callable[[Any], Any], missed: str) -> Any:
     """_probed for harnesses that take the benchmarked callable as ``fn`` (Triton's
     do_bench and do_bench_cudagraph): ``fn`` wrapped by ``wrap_fn`` for the probe. Without
     one the original is called as given (it raises its own TypeError)."""

@@ -122,7 +122,7 @@ class _Finder:
         if fullname not in _by_module:
             return None
         try:
-            finders = sys.meta_path[sys.meta_path.index(self) + 1 :]
+            finders = sys.meta_path[sys.meta_path.index(self) + 1:]
         except ValueError:
             return None
         for finder in finders:
@@ -191,20 +191,14 @@ def _apply(t: Target, module: ModuleType) -> None:
         owner = getattr(owner, p, _MISSING)
         if owner is _MISSING:
             where = ".".join([module.__name__, *path[:i]])
-            _set(
-                t,
-                "absent" if t.optional else "missing",
-                f"{where} has no attribute {p!r} in this version; nothing wrapped",
-            )
+            _set(t, "absent" if t.optional else "missing",
+                 f"{where} has no attribute {p!r} in this version; nothing wrapped")
             return
     raw = _lookup(owner, attr)
     if raw is _MISSING:
         where = getattr(owner, "__name__", owner)
-        _set(
-            t,
-            "absent" if t.optional else "missing",
-            f"{where!r} has no attribute {attr!r} in this version; nothing wrapped",
-        )
+        _set(t, "absent" if t.optional else "missing",
+             f"{where!r} has no attribute {attr!r} in this version; nothing wrapped")
         return
     if _is_ours(raw):
         _set(t, "wrapped", "already wrapped (the same function under another name)")

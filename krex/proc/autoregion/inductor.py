@@ -54,19 +54,11 @@ def _apply_inductor(t: Target, module: ModuleType) -> None:
             wrapped.append(f"{cls_name}.benchmark_gpu")
         if wrapped:
             _whole.add(t.name)
-            _set(
-                t,
-                "whole",
-                "this torch has no set_gpu_benchmark_lock_context; "
-                f"{', '.join(wrapped)} wrapped, the whole call is the region",
-            )
+            _set(t, "whole", "this torch has no set_gpu_benchmark_lock_context; "
+                 f"{', '.join(wrapped)} wrapped, the whole call is the region")
         else:
-            _set(
-                t,
-                "missing",
-                f"{module.__name__} has neither set_gpu_benchmark_lock_context nor "
-                "benchmark_gpu methods in this version; nothing wrapped",
-            )
+            _set(t, "missing", f"{module.__name__} has neither set_gpu_benchmark_lock_context nor "
+                 "benchmark_gpu methods in this version; nothing wrapped")
         return
     holder: list[Any] = [None]
 

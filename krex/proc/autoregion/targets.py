@@ -38,11 +38,8 @@ for _h in HARNESSES:
 _ALL_WORDS = ("all", "1")
 
 
-_FIX = (
-    "set KREX_AUTO_REGION to a comma list of "
-    + ", ".join(BUILTINS)
-    + ", all (or 1), and module:function or module:Class.method"
-)
+_FIX = ("set KREX_AUTO_REGION to a comma list of " + ", ".join(BUILTINS)
+        + ", all (or 1), and module:function or module:Class.method")
 
 
 def parse(value: str) -> list[Target]:
@@ -74,12 +71,8 @@ def _dotted(s: str) -> bool:
     return bool(s) and all(p.isidentifier() for p in s.split("."))
 
 
-_USER_STRATEGIES = {
-    "whole": WHOLE,
-    "do_bench": DO_BENCH,
-    "do_bench_cudagraph": CUDAGRAPH,
-    "kernelbench": KERNELBENCH,
-}
+_USER_STRATEGIES = {"whole": WHOLE, "do_bench": DO_BENCH, "do_bench_cudagraph": CUDAGRAPH,
+                    "kernelbench": KERNELBENCH}
 
 
 def _parse_user(item: str) -> Target:
@@ -88,46 +81,31 @@ def _parse_user(item: str) -> Target:
     if at:
         strategy = _USER_STRATEGIES.get(how.strip().lower(), "")
         if not strategy:
-            raise UsageError(
-                f"{ENV_VAR}: {item}@{how}: unknown strategy {how.strip()!r}",
-                "after @ write one of "
-                + ", ".join(_USER_STRATEGIES)
-                + ", e.g. mylib.bench:do_bench@do_bench",
-            )
+            raise UsageError(f"{ENV_VAR}: {item}@{how}: unknown strategy {how.strip()!r}",
+                             "after @ write one of " + ", ".join(_USER_STRATEGIES)
+                             + ", e.g. mylib.bench:do_bench@do_bench")
     module, _, qual = item.partition(":")
     module, qual = module.strip(), qual.strip()
     example = "e.g. mybench.timing:run_trials or mybench.timing:Runner.run"
     if ":" in qual:
-        raise UsageError(
-            f"{ENV_VAR}: {item!r} has more than one ':'",
-            f"write module:function or module:Class.method, {example}",
-        )
+        raise UsageError(f"{ENV_VAR}: {item!r} has more than one ':'",
+                         f"write module:function or module:Class.method, {example}")
     if not module:
-        raise UsageError(
-            f"{ENV_VAR}: {item!r} names no module before ':'",
-            f"write module:function or module:Class.method, {example}",
-        )
+        raise UsageError(f"{ENV_VAR}: {item!r} names no module before ':'",
+                         f"write module:function or module:Class.method, {example}")
     if not qual:
-        raise UsageError(
-            f"{ENV_VAR}: {item!r} names no function after ':'",
-            f"write module:function or module:Class.method, {example}",
-        )
+        raise UsageError(f"{ENV_VAR}: {item!r} names no function after ':'",
+                         f"write module:function or module:Class.method, {example}")
     if not _dotted(module):
-        raise UsageError(
-            f"{ENV_VAR}: {module!r} (in {item!r}) is not a module name",
-            f"use the dotted name you would import, {example}",
-        )
+        raise UsageError(f"{ENV_VAR}: {module!r} (in {item!r}) is not a module name",
+                         f"use the dotted name you would import, {example}")
     if not _dotted(qual):
-        raise UsageError(
-            f"{ENV_VAR}: {qual!r} (in {item!r}) is not a function or Class.method name",
-            f"use the name as written in the module, {example}",
-        )
+        raise UsageError(f"{ENV_VAR}: {qual!r} (in {item!r}) is not a function or Class.method name",
+                         f"use the name as written in the module, {example}")
     if module == "__main__":
-        raise UsageError(
-            f"{ENV_VAR}: {item!r}: functions of the __main__ script cannot be wrapped "
-            "(the script defines them after the hook ran)",
-            "move the function into a module and name it as module:function",
-        )
+        raise UsageError(f"{ENV_VAR}: {item!r}: functions of the __main__ script cannot be wrapped "
+                         "(the script defines them after the hook ran)",
+                         "move the function into a module and name it as module:function")
     return Target(module, qual, strategy)
 
 
