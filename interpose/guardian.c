@@ -1358,7 +1358,7 @@ static int run(struct opts *o) {
         lo.happened = 1;
         /* An error reply is krexd's answer, not its loss (the Python guardian notes no event). */
         lo.why = k == 1 ? "" : "krexd did not answer the release";
-        lo.ts = t0.tv_sec + t0.tv_nsec / 1e9;
+        lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
         finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base_released.p,
                          g_quiet);
     }
@@ -1392,6 +1392,10 @@ static int run(struct opts *o) {
                 finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, path, 1);
             }
             /* (no memory file: the report goes without its regions, as krexd made it) */
+        } else if (!body) { /* krexd released the slot but sent no report: the finisher makes it */
+            lo.why = "";
+            lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
+            finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, base_released.p, 1);
         }
         int w = write_report(o->report, body, status, NULL, NULL, NULL);
         if (w) return w;

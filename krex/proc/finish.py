@@ -12,8 +12,9 @@ the regions from the journal.
 
 argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
 (REGION_S < 0: the loss cut no region of ours; AUTO_DIR "": none to read; REPORT "": none;
-BASE: the admission as JSON when krexd sent no report, else a file holding krexd's report
-without its regions; LOST_TS then is when the guardian asked for the release)."""
+BASE: the admission as JSON when krexd sent no report ("released": it did release the
+slot), else a file holding krexd's report without its regions. After a release, LOST_TS is
+when the guardian asked for it: the journal's regions are read up to then)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         if "regions" not in report:
             # Up to the release (LOST_TS) when krexd released the slot: a next command in it
             # journals regions of its own.
-            t_end = float(lost_ts) if not base.startswith("{") else None
+            t_end = float(lost_ts) if _released(base) else None
             regs = _journal_regions(int(slot), float(t_start), report, notify, t_end)
             report["regions"] = regs
             report.update(region_tally(regs))
@@ -78,6 +79,18 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"krex: error: {e}\n  fix: {e.fix}\n")
             return RUN_FAILURE
     return int(status)
+
+
+def _released(base: str) -> bool:
+    """Whether krexd released the slot before this ran (LOST_TS is then the release)."""
+    import json
+
+    if not base.startswith("{"):
+        return bool(base)
+    try:
+        return bool(json.loads(base).get("released"))
+    except ValueError:
+        return False
 
 
 def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:

@@ -82,3 +82,33 @@ def test_the_finisher_starts_from_krexds_report_or_from_the_admission(tmp_path: 
     f.write_text("[1, 2]")
     with pytest.raises(ValueError):
         _base_report(3, 0, str(f))
+
+
+def test_after_a_release_the_finisher_counts_only_this_commands_regions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """krexd released the slot but sent no report (or only part): the journal's regions of
+    this slot are read from the command's start up to the release, not a next command's."""
+    from krex.proc import finish
+
+    journal = tmp_path / "journal.jsonl"
+    mine = (90.0, 110.0, 130.0)  # before the command, during it, after the release
+    recs = [{"owner_slot": 3, "ts": t, "contaminated": False, "queue_wait_s": 0} for t in mine]
+    recs.append({"owner_slot": 4, "ts": 111.0, "contaminated": True, "queue_wait_s": 0.0})
+    journal.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setenv("KREX_JOURNAL", str(journal))
+    report = tmp_path / "r.json"
+    adm = {"admission_wait_s": 0.1, "device": "sim", "simulated": True, "shm": "/krex-none", "released": True}
+    # SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
+    argv = ["3", "0", "100.0", "7", "1", "-1", "120.0", "1", "", "", str(report), json.dumps(adm)]
+    assert finish.main(argv) == 7
+    rep = json.loads(report.read_text())
+    assert [r["ts"] for r in rep["regions"]] == [110.0] and rep["region_count"] == 1, rep
+    assert rep["exit_status"] == 7 and "counters_unknown" in rep and "daemon_events" not in rep
+    # krexd went away (not released): no upper bound, the counters are read (none here).
+    adm.pop("released")
+    argv[8], argv[-1] = "krexd exited", json.dumps(adm)
+    assert finish.main(argv) == 7
+    rep = json.loads(report.read_text())
+    assert [r["ts"] for r in rep["regions"]] == [110.0, 130.0] and "counters_unknown" not in rep
+    assert [e["event"] for e in rep["daemon_events"]] == ["daemon-lost"]
