@@ -1201,9 +1201,9 @@ static void drop_empty(const char *auto_dir, int full) {
     if (auto_dir && !full) remove_dir(auto_dir);
 }
 
-/* The finisher ends the run (krex/proc/finish.py). `report`: --report's path; `base`: what
- * it needs to make the whole report itself (krexd sent none: it went away or refused the
- * release), or NULL when krexd's report, without its regions, is in that file already. */
+/* The finisher ends the run (krex/proc/finish.py). `report`: --report's path; `base`: the
+ * admission as JSON, for it to make the whole report (krexd sent none: it went away, failed
+ * the release or sent no report), or a file holding krexd's report without its regions. */
 static void finish_in_python(const struct admission *a, pid_t pid, int status, const struct lost *lo,
                              double t_start, const char *auto_dir, const char *report, const char *base, int quiet) {
     static char v[9][64];
@@ -1362,8 +1362,8 @@ static int run(struct opts *o) {
         finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base_released.p,
                          g_quiet);
     }
+    if (auto_dir) remove_dir(auto_dir); /* krexd has read it (notes, the report's auto_region) */
     if (pid < 0) { /* the exec failed: launcher's CommandNotFound / NotExecutable */
-        if (auto_dir) remove_dir(auto_dir);
         char msg[PATH_MAX + 300];
         const char *kind = err == ENOENT ? "CommandNotFound" : "NotExecutable",
                    *fix = err == ENOENT ? "check the path" : "run it through its interpreter, or chmod +x it";
@@ -1377,7 +1377,6 @@ static int run(struct opts *o) {
     if (o->report) {
         const char *body = jstr(r, "report_json");
         const struct jv *whole = jget(r, "report_regions");
-        if (auto_dir) remove_dir(auto_dir); /* krexd has read it (the report's auto_region) */
         if (body && whole && whole->t == J_BOOL && !whole->b) {
             /* krexd's report without its regions (too many for one reply): the finisher adds
              * them from the journal, up to this release, and writes the report once. It gets
@@ -1399,8 +1398,6 @@ static int run(struct opts *o) {
         }
         int w = write_report(o->report, body, status, NULL, NULL, NULL);
         if (w) return w;
-    } else if (auto_dir) {
-        remove_dir(auto_dir);
     }
     return status;
 }

@@ -2260,7 +2260,7 @@ class Daemon:
         s.simulated = self.info.kind == "sim" or asked == "sim"
         return {
             "ok": True,
-            "notes": optin.start_notes(self.info.kind == "sim" or asked == "sim", warm=s.warm),
+            "notes": optin.start_notes(s.simulated, warm=s.warm),
             "warm": s.warm,
             "env_set": env_set,
             "env_prepend": env_prepend,

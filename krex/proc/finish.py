@@ -95,9 +95,9 @@ def _released(base: str) -> bool:
 
 def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
     """The report before its regions. BASE "{...}": the admission (krexd sent no report: it
-    went away, or failed the release), with the gate counters read from the segment as the
-    Python guardian reads them, unless the slot may have been released already ("released":
-    its records may be gone or another command's). BASE a path: krexd's report without its
+    went away, failed the release or sent none), with the gate counters read from the segment
+    as the Python guardian reads them, unless the slot may have been released already
+    ("released": its records may be gone or another command's). BASE a path: krexd's report without its
     regions (a descriptor the guardian wrote it to). Else a bare one."""
     import json
 
@@ -118,7 +118,7 @@ def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
         sim = bool(adm.get("simulated"))
         rep = run_report(slot, gpu, adm.get("admission_wait_s"), str(adm.get("device")), sim, counters, {})
         if adm.get("released"):
-            rep["counters_unknown"] = "krexd failed the release: the slot's gate counters may be gone"
+            rep["counters_unknown"] = "krexd released the slot first: its gate counters may be gone"
         return rep
     if base:
         with open(base) as f:
