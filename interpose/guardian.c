@@ -2,12 +2,12 @@
  * benchmarked command ~125 ms of interpreter start and imports).
  *
  * It runs the common case itself:
- *     krex [-q] run [--device D] [--gpu N] [--freeze P] [--keep-leftovers] [--] CMD...
+ *     krex [-q] run [--device D] [--gpu N] [--freeze P] [--report F] [--keep-leftovers] [--] CMD...
  * and hands EVERY other command line, unchanged, to the Python CLI
  * (`python -m krex.cli.lean ARGV`, the door the Python console script used), which keeps
- * all messages and exit statuses: help, other commands, -v, --report, --no-daemon, an
- * option or value it does not know, no daemon answering (Python starts one), a socket
- * it does not trust, a command it cannot resolve, KREX_RUN_TRACE or KREX_AUTO_REGION
+ * all messages and exit statuses: help, other commands, -v, --no-daemon, an option or
+ * value it does not know, a --report path Python would refuse, no daemon answering (Python
+ * starts one), a socket it does not trust, a command it cannot resolve, KREX_RUN_TRACE
  * set, an admit that krexd refuses (krexd refuses `"guardian": "native"` where only
  * the Python guardian can go on: the signal freezer, a group member's guardian, a
  * simulated daemon under --device gpu), a file naming __cudaRegisterFatBinary (Python's
@@ -261,12 +261,22 @@ static int parse(char **argv, struct opts *o) {
     return 1;
 }
 
-/* The environment that makes Python handle a run (its output or its report needs Python). */
+/* The environment that makes Python handle a run (its output needs Python). */
 static int env_needs_python(void) {
-    const char *t = getenv("KREX_RUN_TRACE"), *a = getenv("KREX_AUTO_REGION");
-    if (t && *t) return 1; /* the step stamps (launcher.TRACE) */
-    if (a && a[strspn(a, " \t\r\n\f\v")]) return 1; /* its report and warning read what the hook wrote */
-    return 0;
+    const char *t = getenv("KREX_RUN_TRACE");
+    return t && *t; /* the step stamps (launcher.TRACE) */
+}
+
+/* KREX_AUTO_REGION without the whitespace around it (str.strip), NULL when unset or blank:
+ * krexd reads the hook's status with it and warns when it made no region. */
+static char *auto_value(void) {
+    static const char ws[] = " \t\r\n\f\v";
+    const char *a = getenv("KREX_AUTO_REGION");
+    if (!a) return NULL;
+    a += strspn(a, ws);
+    size_t n = strlen(a);
+    while (n && strchr(ws, a[n - 1])) n--;
+    return n ? strndup(a, n) : NULL;
 }
 
 /* ------------------------------------------------------------------ the command */
@@ -894,7 +904,7 @@ static char **command_env(const struct admission *a, const char *auto_dir) {
     for (struct jv *k = a->env_prepend->kid; k; k = k->next)
         env_put(&envp, &n, k->key, prepend(env_get(envp, n, k->key), k->kid->s, k->kid->next->s));
     for (struct jv *k = a->env_set->kid; k; k = k->next) env_put(&envp, &n, k->key, k->s);
-    /* Processes that set KREX_AUTO_REGION themselves leave their status here (launcher.py). */
+    /* Processes that use KREX_AUTO_REGION (ours, or set by the command) leave their status here. */
     if (auto_dir) env_put(&envp, &n, "KREX_AUTO_STATUS_DIR", auto_dir);
     return envp;
 }
@@ -1346,6 +1356,12 @@ static int run(struct opts *o) {
     if (auto_full) {
         buf_str(&rel, ",\"auto_dir\":");
         buf_json_str(&rel, auto_dir);
+    }
+    char *av = auto_value();
+    if (av) {
+        buf_str(&rel, ",\"auto_value\":");
+        buf_json_str(&rel, av);
+        free(av);
     }
     if (o->report) buf_str(&rel, ",\"report\":true");
     buf_str(&rel, "}");

@@ -2077,7 +2077,9 @@ class Daemon:
                     out["prewarm_given_gpu"] = not slot.warm
                 out.update(self._slot_regions(slot))
                 auto: dict[str, Any] = {}
-                out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"], auto)
+                value = msg.get("auto_value")  # the guardian's KREX_AUTO_REGION, when set
+                value = value.strip() if isinstance(value, str) else ""
+                out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"], auto, value)
                 if counters is not None:
                     self._report_json(slot, counters, out, auto)
         return {"ok": True, **out}
@@ -2096,7 +2098,7 @@ class Daemon:
             rep = optin.run_report(
                 s.slot, s.gpu, s.admission_wait_s, self.info.kind, s.simulated, counters, rel
             )
-            if auto.get("processes"):
+            if auto and optin.auto_region_kept(auto):
                 rep["auto_region"] = auto
             return json.dumps(rep, indent=2, default=str)
 
@@ -2111,14 +2113,25 @@ class Daemon:
         out["report_regions"] = regs is not None
 
     def _release_notes(
-        self, s: Slot, out: dict[str, Any], auto_dir: object, uid: int, auto: dict[str, Any] | None = None
+        self,
+        s: Slot,
+        out: dict[str, Any],
+        auto_dir: object,
+        uid: int,
+        auto: dict[str, Any] | None = None,
+        value: str = "",
     ) -> list[str]:
         """The notes `krex run` prints after its command (optin.release_notes), for a guardian
         that does not render them itself (interpose/guardian.c). `auto_dir`: the command's
         KREX_AUTO_STATUS_DIR when processes left status files there; read only if it is a
-        directory of the peer's own that nobody else may write (never through a link). What
-        was read there goes into `auto` too (the report's `auto_region`)."""
+        directory of the peer's own that nobody else may write (never through a link).
+        `value`: KREX_AUTO_REGION in the guardian's environment (a warning when it made no
+        region). What was read goes into `auto` too (the report's `auto_region`)."""
         report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
+        if value and not (isinstance(auto_dir, str) and auto_dir):  # set, and no process said so
+            report["auto_region"] = optin.auto_region_report(value, None, s.records or [], remove=False)
+            if auto is not None:
+                auto.update(report["auto_region"])
         if isinstance(auto_dir, str) and auto_dir:
             fd = -1
             try:
@@ -2133,7 +2146,7 @@ class Daemon:
                 if st.st_mode & 0o022:
                     raise PermissionDenied("writable by others", "")
                 report["auto_region"] = optin.auto_region_report(
-                    "", Path(f"/proc/self/fd/{fd}"), s.records or [], remove=False, uid=uid
+                    value, Path(f"/proc/self/fd/{fd}"), s.records or [], remove=False, uid=uid
                 )
                 if auto is not None:
                     auto.update(report["auto_region"])

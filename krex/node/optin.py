@@ -216,21 +216,23 @@ def _read_status(d: Path, name: str, uid: int | None) -> Any:
 
 
 def auto_region_report(
-    value: str, d: Path, regs: list[dict[str, Any]], remove: bool = True, uid: int | None = None
+    value: str, d: Path | None, regs: list[dict[str, Any]], remove: bool = True, uid: int | None = None
 ) -> dict[str, Any]:
     """Which KREX_AUTO_REGION targets were wrapped (whole-call fallbacks included) and how
-    many regions each made, merged over every process of the command. `remove`: delete
-    the directory afterwards (its creator does; krexd, reading a client's, never does)."""
+    many regions each made, merged over every process of the command. `d` None: no process
+    left a status (the value was set, nothing loaded the hook). `remove`: delete the
+    directory afterwards (its creator does; krexd, reading a client's, never does)."""
     targets: dict[str, dict[str, Any]] = {}
     procs = 0
-    try:
-        names = sorted(os.listdir(d))  # not Path.glob: no pattern compiled on every run
+    try:  # not Path.glob: no pattern compiled on every run
+        names = sorted(os.listdir(d)) if d is not None else []
     except OSError:
         names = []
     for n in names:
         if not n.endswith(".json"):
             continue
         try:  # written by the command's processes: anything may be in it
+            assert d is not None
             data = _read_status(d, n, uid)
             if not isinstance(data, dict) or not isinstance(data.get("targets") or [], list):
                 continue
@@ -245,7 +247,7 @@ def auto_region_report(
             rank = _STATE_RANK.get(str(t.get("state")), 0)
             if cur is None or rank > _STATE_RANK.get(str(cur["state"]), 0):
                 targets[name] = {k: t.get(k) for k in ("target", "builtin", "state", "detail")}
-    if remove:
+    if remove and d is not None:
         try:
             os.rmdir(d)  # empty, the common case: no shutil
         except OSError:
@@ -268,6 +270,12 @@ def auto_region_report(
         "auto_regions": sum(per.values()),
         "whole_call_regions": sum(1 for r in regs if str(r.get("label") or "").endswith(":whole")),
     }
+
+
+def auto_region_kept(auto: Mapping[str, Any]) -> bool:
+    """Whether a report carries `auto_region`: a process left its status, or KREX_AUTO_REGION
+    was set (to anything but 0) in the guardian's environment, made regions or not."""
+    return bool(auto.get("processes")) or auto.get("value") not in ("", "0", None)
 
 
 def auto_region_warning(value: str, auto: object) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
 from krex.node.optin import (
+    auto_region_kept,
     auto_region_report,
     auto_region_warning,
     gate_counters,
@@ -574,7 +575,7 @@ def run_guarded(
             report["daemon_events"] = guardian.events
         if auto_dir is not None:
             auto = auto_region_report(auto_value, auto_dir, regs)
-            if auto["processes"] or (auto_value and auto_value != "0"):
+            if auto_region_kept(auto):
                 report["auto_region"] = auto
     # The same notes krexd renders for the native guardian (optin.release_notes).
     for line in release_notes(

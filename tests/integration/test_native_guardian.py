@@ -289,11 +289,14 @@ def test_an_exec_error_is_reported_as_by_the_python_guardian(kx: Krex, tmp_path:
     assert kx.status()["slots"] == []
 
 
-def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path) -> None:
+@pytest.mark.parametrize("auto", ["", "do_bench"])
+def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path, auto: str) -> None:
     """No release reply: the native guardian's finisher (krex.proc.finish) writes the report,
-    with the Python guardian's fields (gate counters read from the segment)."""
+    with the Python guardian's fields (gate counters read from the segment), and with
+    KREX_AUTO_REGION set (read from the environment it inherits), its auto_region and warning."""
     got: dict[str, dict[str, Any]] = {}
     for g, e in GUARDIANS.items():
+        e = {**e, "KREX_AUTO_REGION": auto}
         kx.start_daemon()
         d = kx.daemon
         assert d is not None
@@ -318,6 +321,9 @@ def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path) ->
         assert r["exit_status"] == 5 and r["regions"] == [], (g, r)
         assert [x["event"] for x in r["daemon_events"]] == ["daemon-lost"], (g, r)
         assert r["device"] == "sim" and r["simulated"] is True and "gate_blocks" in r, (g, r)
+        warned = "KREX_AUTO_REGION='do_bench' was set but the command made no region" in p.stderr
+        assert warned == bool(auto), (g, p.stderr)
+        assert r.get("auto_region", {}).get("value") == (auto or None), (g, r)
     assert set(got["native"]) == set(got["python"]), set(got["native"]) ^ set(got["python"])
 
 
@@ -353,6 +359,52 @@ def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) ->
         assert x["exit_status"] == 6 and x["auto_region"]["processes"] >= 1, (g, x)
     assert set(r["native"]) == set(r["python"]), set(r["native"]) ^ set(r["python"])
     assert set(r["native"]["auto_region"]) == set(r["python"]["auto_region"])
+
+
+@pytest.mark.parametrize(
+    "case, value, rc",
+    [("wrapped", "userbench:bench", 0), ("python", "do_bench", 7), ("shell", "do_bench", 4), ("off", "0", 0)],
+)
+def test_auto_region_in_the_callers_environment_runs_native(
+    kx: Krex, tmp_path: Path, case: str, value: str, rc: int
+) -> None:
+    """KREX_AUTO_REGION given to `krex run` (the bench's CPU-heavy family, `eval "$(krex env)"`
+    harnesses) no longer sends the run to the Python guardian: krexd reads the hook's status
+    with the value, and the report's `auto_region` and the no-region warning match the Python
+    guardian's (a wrapped target's regions; a Python that made none; no process that could
+    load the hook; 0, off)."""
+    kx.start_daemon()
+    (tmp_path / "userbench.py").write_text("def bench():\n    return 1\n")
+    cmd = {
+        "wrapped": [*MARK_THEN_PY, "import userbench\nfor _ in range(3): userbench.bench()"],
+        "python": [*MARK_THEN_PY, "import sys; sys.exit(7)"],
+        "shell": ["sh", "-c", 'echo "$KREX_NATIVE_MARK"; exit 4'],
+        "off": [*MARK_THEN_PY, "pass"],
+    }[case]
+    got: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for g, e in GUARDIANS.items():
+        rep = tmp_path / f"{g}.json"
+        extra = {**e, "KREX_AUTO_REGION": f"  {value}\n", "PYTHONPATH": str(tmp_path)}
+        p = run(kx, "run", "--device", "sim", "--report", str(rep), "--", *cmd, extra=extra)
+        assert p.returncode == rc, (g, p.returncode, p.stderr)
+        assert p.stdout.splitlines()[:1] == (["native"] if g == "native" else ["1"]), (g, p.stdout, p.stderr)
+        warns = [ln for ln in p.stderr.splitlines() if "KREX_AUTO_REGION" in ln]
+        got[g] = (json.loads(rep.read_text()), warns)
+    (nat, nat_w), (py, py_w) = got["native"], got["python"]
+    assert nat_w == py_w, (nat_w, py_w)
+    assert set(nat) == set(py), set(nat) ^ set(py)
+    if case == "off":
+        assert "auto_region" not in nat and nat_w == [], (nat, nat_w)
+        return
+    keys = ("value", "processes", "targets", "wrapped", "auto_regions", "whole_call_regions")
+    assert {k: nat["auto_region"][k] for k in keys} == {k: py["auto_region"][k] for k in keys}
+    assert nat["auto_region"]["value"] == value, nat["auto_region"]
+    if case == "wrapped":
+        assert nat["region_count"] == nat["auto_region"]["auto_regions"] == 3 and nat_w == [], nat
+    else:
+        assert nat["region_count"] == 0 and len(nat_w) == 1 and "made no region" in nat_w[0], nat_w
+        no_hook = "no process of the command loaded krex's hook" in nat_w[0]
+        assert no_hook == (case == "shell"), nat_w
 
 
 def test_the_native_flags_are_krex_runs(kx: Krex) -> None:
