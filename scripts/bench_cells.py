@@ -2,7 +2,7 @@
 the unprotected cell of the same C, region entry (all regions and one family), flagged
 regions and why, and how long pre-warmed commands waited for their slot.
 
-    python3 scripts/bench_cells.py RESULTS_DIR [RESULTS_DIR ...] [--family cpu-heavy]
+    python3 scripts/bench_cells.py RESULTS_DIR [RESULTS_DIR ...] [--family cpu-heavy] [--slow MS]
 
 Several directories (replicates of the same cells, e.g. other seeds): each one's tables, then
 the pooled ones: a cell's runs over its summed makespans, the Little ratio over all its runs,
@@ -17,7 +17,11 @@ commands running completes 60 * C / mean wall commands a minute. Its ratio to th
 unprotected cell of the same C is paired by command (summed per-command mean walls, over the
 commands both ran) and comes with a 90% bootstrap interval (2000 seeded resamples of the
 commands, then of each one's runs): a ratio whose interval holds 0.95 is not told apart from
-0.95 by the run."""
+0.95 by the run.
+
+--slow MS: after the pooled tables, every region whose entry took MS or more, with the
+grant's slowest step and the first of krexd's reasons for freezing a sibling, then a count
+of regions by slowest step (where the entry tail comes from)."""
 
 from __future__ import annotations
 
@@ -107,6 +111,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path, nargs="+")
     ap.add_argument("--family", default="cpu-heavy")
+    ap.add_argument("--slow", type=float, default=None, metavar="MS")
     a = ap.parse_args()
     loaded = [load(d) for d in a.out]
     for d, (cells, runs) in zip(a.out, loaded, strict=True):
@@ -116,7 +121,40 @@ def main() -> int:
     if len(a.out) > 1:
         print(f"## pooled: {len(a.out)} directories\n")
         tables(*pool(loaded), a.family)
+    if a.slow is not None:
+        slow_entries(a.out, loaded, a.slow / 1e3)
     return 0
+
+
+# The grant's steps (krexd's region record), in the order they happen.
+STEPS = ("queue_wait_s", "block_s", "inflight_s", "drain_s", "freeze_s", "exit_wait_s", "teardown_wait_s",
+         "settle_s", "pin_s")
+
+
+def slow_entries(dirs: list[Path], loaded: list[tuple[Cells, Runs]], limit_s: float) -> None:
+    print(f"## region entries of {limit_s * 1e3:.0f} ms or more\n")
+    print("| dir | command | family | entry ms | slowest step, ms | siblings frozen | first freeze reason |")
+    print("|---|---|---|---|---|---|---|")
+    by_step: collections.Counter[str] = collections.Counter()
+    total = 0
+    for d, (cells, runs) in zip(dirs, loaded, strict=True):
+        for k, c in cells.items():
+            if c["mode"] != "krex":
+                continue
+            for r in runs[k]:
+                for g in (r.get("krex") or {}).get("regions") or []:
+                    total += 1
+                    e = g.get("entry_s")
+                    if e is None or float(e) < limit_s:
+                        continue
+                    step = max(STEPS, key=lambda s: float(g.get(s) or 0))
+                    by_step[step[:-2]] += 1
+                    why = str((g.get("freeze_why") or ["-"])[0])
+                    print(f"| {d.name} | {r.get('name')} | {r.get('family')} | {float(e) * 1e3:.0f} "
+                          f"| {step[:-2]} {float(g.get(step) or 0) * 1e3:.0f} | {g.get('siblings_frozen')} "
+                          f"| {why[:110]} |")
+    print(f"\n{sum(by_step.values())} of {total} regions; by slowest step: "
+          + (", ".join(f"{s} {n}" for s, n in by_step.most_common()) or "-") + "\n")
 
 
 def tables(cells: Cells, runs: Runs, family: str) -> None:
