@@ -25,9 +25,7 @@
  * Single-threaded: one poll() on a signalfd (SIGCHLD and the forwarded signals) and
  * the admission connection (POLLRDHUP: krexd died), with a timeout to check krexd's
  * heartbeat in the segment (I5: a command is never left frozen by KREX's failure).
- * Every descriptor is O_CLOEXEC; the child closes the ones it inherited.
- * Still Python's: SIGINT while admission waits kills this process (the slot is freed
- * when the connection closes) instead of printing "krex: aborted" and exiting 130. */
+ * Every descriptor is O_CLOEXEC; the child closes the ones it inherited. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -1233,9 +1231,25 @@ static void finish_in_python(const struct admission *a, pid_t pid, int status, c
     exec_python("krex.proc.finish", args);
 }
 
+/* SIGINT before admission (Ctrl-C while the queue waits): what Python's KeyboardInterrupt
+ * prints there (cli.lean; launcher.main for --entry), and 130. Nothing is held yet: krexd
+ * drops the queued request when the connection closes. */
+static void on_sigint_waiting(int sig) {
+    static const char cli[] = "\nkrex: aborted\n", entry[] = "krex: aborted\n";
+    (void)sig;
+    if (g_entry) (void)!write(2, entry, sizeof entry - 1);
+    else (void)!write(2, cli, sizeof cli - 1);
+    _exit(130);
+}
+
 static int run(struct opts *o) {
     char *exe = resolve(o->cmd[0]);
     if (!exe || mentions_cudart(exe)) fallback();
+    /* Python keeps an ignored SIGINT ignored (a background job): so do we. */
+    struct sigaction old_int, on_int = {.sa_handler = on_sigint_waiting};
+    sigemptyset(&on_int.sa_mask);
+    int int_set = sigaction(SIGINT, NULL, &old_int) == 0 && old_int.sa_handler != SIG_IGN &&
+                  sigaction(SIGINT, &on_int, NULL) == 0;
     struct conn c;
     memset(&c, 0, sizeof c);
     if (daemon_connect(&c)) fallback();
@@ -1253,6 +1267,7 @@ static int run(struct opts *o) {
     struct jv *adm = NULL;
     if (send_request(&c, KREX_OP_ADMIT, &req)) fallback();
     int rc = recv_reply(&c, KREX_OP_ADMIT, 0, &adm, why, sizeof why, on_queue_event);
+    if (int_set) sigaction(SIGINT, &old_int, NULL); /* from here SIGINT goes to the command */
     if (rc) { /* refused (nothing claimed) or no answer: Python redoes it and says why */
         close(c.fd);
         fallback();

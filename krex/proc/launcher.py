@@ -445,9 +445,11 @@ def run_guarded(
             notify(queue_note(ev.get("slots_busy")))
             waited.append(True)
 
+    admitted = False
     try:
         req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device}
         adm = client.request(req, on_event=on_event)
+        admitted = True
         kind = _run_kind(device, found, adm)
         # krexd's admit reply carries the command's variables (optin.opt_in_parts and the
         # slot's), the same ones the native guardian applies.
@@ -459,8 +461,12 @@ def run_guarded(
             )
         mark("admitted")
     except BaseException:
-        with contextlib.suppress(KrexError, OSError):
-            client.request({"op": "release"})
+        # Admitted: release. Still waiting (Ctrl-C in the queue): krexd reads nothing more
+        # from us until it answers the admit, so a release would wait out its timeout;
+        # closing the connection drops the queued request.
+        if admitted:
+            with contextlib.suppress(KrexError, OSError):
+                client.request({"op": "release"})
         client.close()
         raise
     device = kind

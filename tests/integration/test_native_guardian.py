@@ -141,6 +141,54 @@ def test_sigint_to_the_guardian_reaches_the_command(kx: Krex) -> None:
     assert p.returncode == 7 and out == "got-int\n", (p.returncode, out, err)
 
 
+@pytest.mark.parametrize("door", ["run", "entry"])
+def test_ctrl_c_while_queued_aborts_as_the_python_guardian(kx: Krex, door: str) -> None:
+    """SIGINT while the admission waits for a slot: "krex: aborted" and 130, as Python's
+    KeyboardInterrupt there (cli.lean for `krex run`, launcher.main for the bench's
+    `--entry`), at once (the Python guardian used to wait out krexd's 30 s reply timeout on
+    a release krexd could not read), the queued request dropped, the holder untouched."""
+    kx.start_daemon(slots=1)
+    held, done = kx.out / "held", kx.out / "done"
+    hold = f"touch {held}; until [ -e {done} ]; do sleep 0.05; done"
+    holder = subprocess.Popen(
+        [*KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", hold],
+        env=kx.env(),
+        stdin=subprocess.DEVNULL,
+    )
+    kx.popens.append(holder)  # type: ignore[arg-type]
+    kx.wait(held.exists, 30, "the holder to start")
+    argv = ["run", "--device", "sim"] if door == "run" else ["--entry", sys.executable, "--device", "sim"]
+    got = {}
+    for g, e in GUARDIANS.items():
+        p = subprocess.Popen(
+            [*KREX, *argv, "--", "sh", "-c", 'echo "$KREX_NATIVE_MARK" ran'],
+            env=kx.env(**e),
+            # An ignored SIGINT stays ignored (both guardians): the test's own may be (`cmd &`).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        kx.popens.append(p)  # type: ignore[arg-type]
+        assert p.stderr is not None
+        first = p.stderr.readline()  # the queue note: it is waiting now
+        assert "waiting for a free slot" in first, (g, first)
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 130 and out == "", (g, p.returncode, out, err)
+        assert time.monotonic() - t0 < 5, (g, time.monotonic() - t0)
+        got[g] = first + err
+    assert got["native"] == got["python"], got
+    assert got["native"].endswith("krex: aborted\n"), got
+    assert holder.poll() is None and len(kx.status()["slots"]) == 1, kx.status()
+    done.touch()  # the holder ends: its slot is freed, and no aborted request takes it
+    assert holder.wait(30) == 0
+    time.sleep(0.3)
+    assert kx.status()["slots"] == [], kx.status()
+
+
 def test_leftovers_are_killed_or_kept_with_the_python_guardians_words(kx: Krex) -> None:
     kx.start_daemon()
     for keep in ([], ["--keep-leftovers"]):
