@@ -259,10 +259,30 @@ static int parse(char **argv, struct opts *o) {
     return 1;
 }
 
+/* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF), as Python
+ * decodes the environment without escapes; krexd takes only UTF-8 JSON. */
+static int utf8_ok(const unsigned char *p) {
+    while (*p) {
+        unsigned c = *p++, n = c < 0x80 ? 0 : (c & 0xE0) == 0xC0 ? 1 : (c & 0xF0) == 0xE0 ? 2 : (c & 0xF8) == 0xF0 ? 3 : 9;
+        if (n == 9) return 0;
+        unsigned cp = n ? c & (0x3F >> n) : c;
+        for (unsigned i = 0; i < n; i++, p++) {
+            if ((*p & 0xC0) != 0x80) return 0;
+            cp = cp << 6 | (*p & 0x3F);
+        }
+        static const unsigned min[] = {0, 0x80, 0x800, 0x10000};
+        if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+    }
+    return 1;
+}
+
 /* The environment that makes Python handle a run (its output needs Python). */
 static int env_needs_python(void) {
-    const char *t = getenv("KREX_RUN_TRACE");
-    return t && *t; /* the step stamps (launcher.TRACE) */
+    const char *t = getenv("KREX_RUN_TRACE"), *a = getenv("KREX_AUTO_REGION");
+    if (t && *t) return 1; /* the step stamps (launcher.TRACE) */
+    /* A value krexd could not take as it is (Python escapes what is not UTF-8), or one so
+     * long that its notes and report, escaped twice, could outgrow a reply frame. */
+    return a && (strlen(a) > 4096 || !utf8_ok((const unsigned char *)a));
 }
 
 /* KREX_AUTO_REGION without the whitespace around it (str.strip), NULL when unset or blank:
@@ -904,6 +924,8 @@ static char **command_env(const struct admission *a, const char *auto_dir) {
     for (struct jv *k = a->env_set->kid; k; k = k->next) env_put(&envp, &n, k->key, k->s);
     /* Processes that use KREX_AUTO_REGION (ours, or set by the command) leave their status here. */
     if (auto_dir) env_put(&envp, &n, "KREX_AUTO_STATUS_DIR", auto_dir);
+    /* For tests: proof that this guardian, not the Python one, ran the command. */
+    if (getenv("KREX_NATIVE_MARK")) env_put(&envp, &n, "KREX_NATIVE_MARK", "native");
     return envp;
 }
 
@@ -1262,6 +1284,11 @@ static int run(struct opts *o) {
     else buf_str(&req, "null");
     buf_str(&req, ",\"device\":");
     buf_json_str(&req, o->device ? o->device : "auto");
+    char *av = auto_value(); /* krexd keeps it for the release's notes and report */
+    if (av) {
+        buf_str(&req, ",\"auto_value\":");
+        buf_json_str(&req, av);
+    }
     buf_str(&req, "}");
     char why[512] = "";
     struct jv *adm = NULL;
@@ -1272,6 +1299,15 @@ static int run(struct opts *o) {
         close(c.fd);
         fallback();
     }
+    const struct jv *ack = jget(adm, "auto_value");
+    if (av && !(ack && ack->t == J_BOOL && ack->b)) { /* a krexd from before auto_value: */
+        struct jv *r = NULL; /* give the slot back (no command has run) and let Python do it */
+        ask(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3}, &r, why, sizeof why);
+        jfree(r);
+        close(c.fd);
+        fallback();
+    }
+    free(av);
     /* Admitted: from here on every way out releases the slot. */
     struct admission a;
     struct buf rel = {0};
@@ -1372,12 +1408,6 @@ static int run(struct opts *o) {
         buf_str(&rel, ",\"auto_dir\":");
         buf_json_str(&rel, auto_dir);
     }
-    char *av = auto_value();
-    if (av) {
-        buf_str(&rel, ",\"auto_value\":");
-        buf_json_str(&rel, av);
-        free(av);
-    }
     if (o->report) buf_str(&rel, ",\"report\":true");
     buf_str(&rel, "}");
     struct jv *r = NULL;
@@ -1458,7 +1488,5 @@ int main(int argc, char **argv) {
     /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
     const char *off = getenv("KREX_NATIVE_OFF");
     if ((off && *off && strcmp(off, "0")) || !parse(argv, &o) || env_needs_python()) fallback();
-    /* For tests: proof that this guardian, not the Python one, ran the command. */
-    if (getenv("KREX_NATIVE_MARK")) setenv("KREX_NATIVE_MARK", "native", 1);
     return run(&o);
 }

@@ -182,6 +182,8 @@ class Slot:
     # and whether it runs on the simulated device.
     admission_wait_s: float = 0.0
     simulated: bool = False
+    # The native guardian's KREX_AUTO_REGION (its admit): the release's notes and report.
+    auto_value: str = ""
 
 
 @dataclass
@@ -2077,9 +2079,9 @@ class Daemon:
                     out["prewarm_given_gpu"] = not slot.warm
                 out.update(self._slot_regions(slot))
                 auto: dict[str, Any] = {}
-                value = msg.get("auto_value")  # the guardian's KREX_AUTO_REGION, when set
-                value = value.strip() if isinstance(value, str) else ""
-                out["notes"] = self._release_notes(slot, out, msg.get("auto_dir"), owned["uid"], auto, value)
+                out["notes"] = self._release_notes(
+                    slot, out, msg.get("auto_dir"), owned["uid"], auto, slot.auto_value
+                )
                 if counters is not None:
                     self._report_json(slot, counters, out, auto)
         return {"ok": True, **out}
@@ -2128,37 +2130,40 @@ class Daemon:
         `value`: KREX_AUTO_REGION in the guardian's environment (a warning when it made no
         region). What was read goes into `auto` too (the report's `auto_region`)."""
         report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
-        if value and not (isinstance(auto_dir, str) and auto_dir):  # set, and no process said so
-            report["auto_region"] = optin.auto_region_report(value, None, s.records or [], remove=False)
+
+        def read(d: Path | None) -> None:  # d None: no status to read (the value alone)
+            report["auto_region"] = optin.auto_region_report(value, d, s.records or [], remove=False, uid=uid)
             if auto is not None:
                 auto.update(report["auto_region"])
-        if isinstance(auto_dir, str) and auto_dir:
-            fd = -1
-            try:
-                if not os.path.isabs(auto_dir):
-                    raise PermissionDenied("not an absolute path", "")
-                # Opened once, never through a link, and read through that descriptor: the
-                # path cannot be swapped for another directory between the checks and the reads.
-                fd = os.open(auto_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                st = os.fstat(fd)
-                if st.st_uid != uid:
-                    raise PermissionDenied("not a directory of yours", "")
-                if st.st_mode & 0o022:
-                    raise PermissionDenied("writable by others", "")
-                report["auto_region"] = optin.auto_region_report(
-                    value, Path(f"/proc/self/fd/{fd}"), s.records or [], remove=False, uid=uid
-                )
-                if auto is not None:
-                    auto.update(report["auto_region"])
-            except Exception as e:  # noqa: BLE001 - a client's files must never fail its release
-                why = e.strerror if isinstance(e, OSError) else str(e) or type(e).__name__
-                return [
-                    *optin.release_notes(out, report),
-                    f"krex: warning: krexd could not read the auto-region status in {auto_dir} ({why})",
-                ]
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+
+        if not (isinstance(auto_dir, str) and auto_dir):
+            if value:  # set, and no process said so
+                read(None)
+            return optin.release_notes(out, report)
+        fd = -1
+        try:
+            if not os.path.isabs(auto_dir):
+                raise PermissionDenied("not an absolute path", "")
+            # Opened once, never through a link, and read through that descriptor: the
+            # path cannot be swapped for another directory between the checks and the reads.
+            fd = os.open(auto_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            if st.st_uid != uid:
+                raise PermissionDenied("not a directory of yours", "")
+            if st.st_mode & 0o022:
+                raise PermissionDenied("writable by others", "")
+            read(Path(f"/proc/self/fd/{fd}"))
+        except Exception as e:  # noqa: BLE001 - a client's files must never fail its release
+            why = e.strerror if isinstance(e, OSError) else str(e) or type(e).__name__
+            if value:  # the value's warning and report all the same, as if no status was left
+                read(None)
+            return [
+                *optin.release_notes(out, report),
+                f"krex: warning: krexd could not read the auto-region status in {auto_dir} ({why})",
+            ]
+        finally:
+            if fd >= 0:
+                os.close(fd)
         return optin.release_notes(out, report)
 
     @handles("register")
@@ -2271,7 +2276,12 @@ class Daemon:
         env_set, env_prepend = self._command_env(s, gpu, asked)
         s.admission_wait_s = round(time.monotonic() - t0, 6)
         s.simulated = self.info.kind == "sim" or asked == "sim"
+        value = msg.get("auto_value")
+        if isinstance(value, str):
+            s.auto_value = value.strip()
         return {
+            # Taken (the guardian falls back to Python with a krexd that does not say so).
+            **({"auto_value": True} if isinstance(value, str) else {}),
             "ok": True,
             "notes": optin.start_notes(s.simulated, warm=s.warm),
             "warm": s.warm,

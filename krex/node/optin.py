@@ -254,22 +254,33 @@ def auto_region_report(
             import shutil
 
             shutil.rmtree(d, ignore_errors=True)
+    return auto_region_counted(
+        {
+            "value": value,
+            "processes": procs,
+            "targets": sorted(targets.values(), key=lambda t: str(t["target"])),
+            "wrapped": sorted(n for n, t in targets.items() if t["state"] in ("wrapped", "whole")),
+        },
+        regs,
+    )
+
+
+def auto_region_counted(auto: dict[str, Any], regs: list[dict[str, Any]]) -> dict[str, Any]:
+    """`auto` (auto_region_report's) with its region counts made from `regs`: also what the
+    native guardian's finisher does to krexd's report, when krexd's reply could not hold
+    the regions and the journal has them."""
     per: dict[str, int] = {}
     for r in regs:
         label = str(r.get("label") or "")
         if label.startswith("auto:"):
             name = label[5:].removesuffix(":whole")
             per[name] = per.get(name, 0) + 1
-    for name, t in targets.items():
-        t["regions"] = per.get(name, 0)
-    return {
-        "value": value,
-        "processes": procs,
-        "targets": sorted(targets.values(), key=lambda t: str(t["target"])),
-        "wrapped": sorted(n for n, t in targets.items() if t["state"] in ("wrapped", "whole")),
-        "auto_regions": sum(per.values()),
-        "whole_call_regions": sum(1 for r in regs if str(r.get("label") or "").endswith(":whole")),
-    }
+    for t in auto.get("targets") or []:
+        if isinstance(t, dict):
+            t["regions"] = per.get(str(t.get("target")), 0)
+    auto["auto_regions"] = sum(per.values())
+    auto["whole_call_regions"] = sum(1 for r in regs if str(r.get("label") or "").endswith(":whole"))
+    return auto
 
 
 def auto_region_kept(auto: Mapping[str, Any]) -> bool:

@@ -26,7 +26,13 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     from krex.errors import RUN_FAILURE, KrexError
-    from krex.node.optin import auto_region_kept, auto_region_report, region_tally, release_notes
+    from krex.node.optin import (
+        auto_region_counted,
+        auto_region_kept,
+        auto_region_report,
+        region_tally,
+        release_notes,
+    )
     from krex.proc.launcher import _journal_regions, _write_report, journal_cut_region
 
     slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
@@ -66,7 +72,10 @@ def main(argv: list[str]) -> int:
             report.update(region_tally(regs))
         # KREX_AUTO_REGION as the guardian was given it (this process inherits its environment).
         auto_value = os.environ.get("KREX_AUTO_REGION", "").strip()
-        if auto_dir or auto_value:
+        if isinstance(report.get("auto_region"), dict) and not auto_dir:
+            # krexd's (it read the status directory; its reply had no room for the regions).
+            report["auto_region"] = auto_region_counted(report["auto_region"], report["regions"])
+        elif auto_dir or auto_value:
             auto = auto_region_report(auto_value, Path(auto_dir) if auto_dir else None, report["regions"])
             if auto_region_kept(auto):
                 report["auto_region"] = auto

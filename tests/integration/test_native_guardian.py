@@ -26,6 +26,7 @@ __all__ = ["kx"]  # the fixture, used by name
 
 from krex.native import ffi, lib
 from krex.proc import runopts
+from krex.proc.client import daemon_alive
 
 NATIVE = Path(KREX[0])
 pytestmark = [
@@ -411,7 +412,13 @@ def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     "case, value, rc",
-    [("wrapped", "userbench:bench", 0), ("python", "do_bench", 7), ("shell", "do_bench", 4), ("off", "0", 0)],
+    [
+        ("wrapped", "userbench:bench", 0),
+        ("many", "userbench:bench", 0),
+        ("python", "do_bench", 7),
+        ("shell", "do_bench", 4),
+        ("off", "0", 0),
+    ],
 )
 def test_auto_region_in_the_callers_environment_runs_native(
     kx: Krex, tmp_path: Path, case: str, value: str, rc: int
@@ -420,11 +427,13 @@ def test_auto_region_in_the_callers_environment_runs_native(
     harnesses) no longer sends the run to the Python guardian: krexd reads the hook's status
     with the value, and the report's `auto_region` and the no-region warning match the Python
     guardian's (a wrapped target's regions; a Python that made none; no process that could
-    load the hook; 0, off)."""
+    load the hook; 0, off; more regions than krexd's reply holds: its report's auto_region,
+    recounted by the finisher from the journal)."""
     kx.start_daemon()
     (tmp_path / "userbench.py").write_text("def bench():\n    return 1\n")
     cmd = {
         "wrapped": [*MARK_THEN_PY, "import userbench\nfor _ in range(3): userbench.bench()"],
+        "many": [*MARK_THEN_PY, "import userbench\nfor _ in range(1010): userbench.bench()"],
         "python": [*MARK_THEN_PY, "import sys; sys.exit(7)"],
         "shell": ["sh", "-c", 'echo "$KREX_NATIVE_MARK"; exit 4'],
         "off": [*MARK_THEN_PY, "pass"],
@@ -447,12 +456,76 @@ def test_auto_region_in_the_callers_environment_runs_native(
     keys = ("value", "processes", "targets", "wrapped", "auto_regions", "whole_call_regions")
     assert {k: nat["auto_region"][k] for k in keys} == {k: py["auto_region"][k] for k in keys}
     assert nat["auto_region"]["value"] == value, nat["auto_region"]
-    if case == "wrapped":
-        assert nat["region_count"] == nat["auto_region"]["auto_regions"] == 3 and nat_w == [], nat
+    if case in ("wrapped", "many"):
+        n = 3 if case == "wrapped" else 1010
+        assert nat["region_count"] == nat["auto_region"]["auto_regions"] == n and nat_w == [], nat
+        assert nat["auto_region"]["processes"] == 1 and nat["auto_region"]["wrapped"] == [value], nat
     else:
         assert nat["region_count"] == 0 and len(nat_w) == 1 and "made no region" in nat_w[0], nat_w
         no_hook = "no process of the command loaded krex's hook" in nat_w[0]
         assert no_hook == (case == "shell"), nat_w
+
+
+@pytest.mark.parametrize("value", [b"caf\xe9", b"ok" + b"\\" * 5000])
+def test_an_auto_region_value_krexd_cannot_take_goes_to_python(
+    kx: Krex, tmp_path: Path, value: bytes
+) -> None:
+    """Not UTF-8 (Python escapes it; krexd takes only UTF-8 JSON), or longer than 4 KiB (its
+    notes and report, escaped twice, could outgrow a reply): the Python guardian runs it,
+    its leftovers killed and its warning given as always."""
+    kx.start_daemon()
+    rep = tmp_path / "r.json"
+    env = {k.encode(): v.encode() for k, v in kx.env(KREX_NATIVE_MARK="1").items()}
+    cmd = ["sh", "-c", 'echo "$KREX_NATIVE_MARK"; sleep 30 & exit 5']
+    p = subprocess.run(
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", *cmd],
+        env={**env, b"KREX_AUTO_REGION": value},
+        capture_output=True,
+        timeout=60,
+    )
+    assert p.returncode == 5 and p.stdout == b"1\n", (p.returncode, p.stdout, p.stderr[-2000:])
+    err = p.stderr
+    assert b"outlived the command and were killed" in err and b"made no region" in err, err[:2000]
+    r = json.loads(rep.read_text())
+    assert r["leftovers_action"] == "killed" and r["auto_region"]["processes"] == 0, r
+
+
+def test_a_krexd_that_does_not_take_auto_value_gets_the_python_guardian(kx: Krex, tmp_path: Path) -> None:
+    """A krexd started before `auto_value` (an upgrade with the daemon still running) does not
+    say it took the value: the native guardian gives the slot back before the command runs
+    and the Python guardian runs it, warning as it always did."""
+    code = (
+        "import sys, krex.node.daemon as d\n"
+        "admit = d.HANDLERS['admit']\n"
+        "d.HANDLERS['admit'] = lambda *a: {k: v for k, v in admit(*a).items() if k != 'auto_value'}\n"
+        "d.main(sys.argv[1:])\n"
+    )
+    kx.state.mkdir(exist_ok=True)
+    old = subprocess.Popen(
+        [sys.executable, "-c", code, "--device", "sim", "--slots-per-gpu", "1"],
+        env=kx.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    kx.popens.append(old)  # type: ignore[arg-type]
+    kx.wait(lambda: daemon_alive(kx.sock), 20, "the old krexd")  # (a run would start a new one)
+    assert which_guardian(kx).stdout == "native\n" and old.poll() is None
+    p = run(
+        kx,
+        "run",
+        "--device",
+        "sim",
+        "--",
+        "sh",
+        "-c",
+        'echo "$KREX_NATIVE_MARK"; exit 4',
+        extra={"KREX_NATIVE_MARK": "1", "KREX_AUTO_REGION": "do_bench"},
+    )
+    assert p.returncode == 4 and p.stdout == "1\n", (p.returncode, p.stdout, p.stderr)
+    assert "KREX_AUTO_REGION='do_bench' was set but the command made no region" in p.stderr, p.stderr
+    assert kx.status()["slots"] == [] and old.poll() is None
 
 
 def test_the_native_flags_are_krex_runs(kx: Krex) -> None:
