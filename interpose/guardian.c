@@ -8,7 +8,7 @@
  * all messages and exit statuses: help, other commands, -v, --no-daemon, an option or
  * value it does not know, a --report path Python would refuse, no daemon answering (Python
  * starts one), a socket it does not trust, a command it cannot resolve, KREX_RUN_TRACE
- * set, an admit that krexd refuses (krexd refuses `"guardian": "native"` where only
+ * set, a KREX_AUTO_REGION not UTF-8 or over 4 KiB, an admit that krexd refuses (krexd refuses `"guardian": "native"` where only
  * the Python guardian can go on: the signal freezer, a group member's guardian, a
  * simulated daemon under --device gpu), a file naming __cudaRegisterFatBinary (Python's
  * ELF check warns about static cudart), KREX_NATIVE_OFF set. All of these are decided
