@@ -44,7 +44,7 @@ from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procf
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
-from krex.node.shm import HEARTBEAT_TIMEOUT_S, Segment, default_name, gate_owner
+from krex.node.shm import HEARTBEAT_TIMEOUT_S, Segment, default_name, gate_owner, heartbeat_stale
 from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
@@ -535,6 +535,20 @@ class Daemon:
             seg.close()
             Segment.unlink(self.shm_name)
             seg = Segment.create(self.shm_name, n_gpus=self.info.count)
+        # Another krexd (another state directory: its own lock and socket) that beats in this
+        # segment: two daemons would hand out the same slots and close each other's gates.
+        other = int(seg.raw.hdr.daemon_pid)
+        if other > 0 and other != self.pid and lib.krex_pid_alive(other, 0) == 1:
+            age = seg.heartbeat_age(other)
+            if age is not None and not heartbeat_stale(age):
+                seg.close()
+                # Not Busy: to `start_background` that means another daemon holds our lock.
+                raise UsageError(
+                    f"segment {self.shm_name} is in use by another krexd (pid {other}, beating "
+                    f"{age:.1f} s ago), with a state directory other than {self.sock_path.parent}",
+                    "use that daemon (its KREX_STATE_DIR), stop it, or give this one its own segment: "
+                    "KREX_SHM=/krex-<name>",
+                )
         self.seg = seg
 
     def _listen(self) -> socket.socket:
