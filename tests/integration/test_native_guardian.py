@@ -512,17 +512,9 @@ def test_a_krexd_that_does_not_take_auto_value_gets_the_python_guardian(kx: Krex
     kx.popens.append(old)  # type: ignore[arg-type]
     kx.wait(lambda: daemon_alive(kx.sock), 20, "the old krexd")  # (a run would start a new one)
     assert which_guardian(kx).stdout == "native\n" and old.poll() is None
-    p = run(
-        kx,
-        "run",
-        "--device",
-        "sim",
-        "--",
-        "sh",
-        "-c",
-        'echo "$KREX_NATIVE_MARK"; exit 4',
-        extra={"KREX_NATIVE_MARK": "1", "KREX_AUTO_REGION": "do_bench"},
-    )
+    mark_then_4 = ["sh", "-c", 'echo "$KREX_NATIVE_MARK"; exit 4']
+    auto = {"KREX_NATIVE_MARK": "1", "KREX_AUTO_REGION": "do_bench"}
+    p = run(kx, "run", "--device", "sim", "--", *mark_then_4, extra=auto)
     assert p.returncode == 4 and p.stdout == "1\n", (p.returncode, p.stdout, p.stderr)
     assert "KREX_AUTO_REGION='do_bench' was set but the command made no region" in p.stderr, p.stderr
     assert kx.status()["slots"] == [] and old.poll() is None
