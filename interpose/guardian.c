@@ -1264,6 +1264,18 @@ static void on_sigint_waiting(int sig) {
     _exit(130);
 }
 
+/* A hand-over after the forwarded signals were blocked: a Ctrl-C that came meanwhile is
+ * the abort it would have been; the rest of the mask goes back for Python. */
+static void fallback_unblocked(void) {
+    sigset_t pending;
+    struct sigaction sa;
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGINT) && sigaction(SIGINT, NULL, &sa) == 0 &&
+        sa.sa_handler == SIG_DFL)
+        on_sigint_waiting(SIGINT);
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
+    fallback();
+}
+
 static int run(struct opts *o) {
     char *exe = resolve(o->cmd[0]);
     if (!exe || mentions_cudart(exe)) fallback();
@@ -1294,10 +1306,17 @@ static int run(struct opts *o) {
     struct jv *adm = NULL;
     if (send_request(&c, KREX_OP_ADMIT, &req)) fallback();
     int rc = recv_reply(&c, KREX_OP_ADMIT, 0, &adm, why, sizeof why, on_queue_event);
-    if (int_set) sigaction(SIGINT, &old_int, NULL); /* from here SIGINT goes to the command */
+    /* From here the forwarded signals wait, blocked, for the signalfd (and the command):
+     * blocked before the handler goes, so none can kill us in between. */
+    sigset_t fwd;
+    sigemptyset(&fwd);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
+    sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
+    if (int_set) sigaction(SIGINT, &old_int, NULL);
     if (rc) { /* refused (nothing claimed) or no answer: Python redoes it and says why */
         close(c.fd);
-        fallback();
+        fallback_unblocked();
     }
     const struct jv *ack = jget(adm, "auto_value");
     if (av && !(ack && ack->t == J_BOOL && ack->b)) { /* a krexd from before auto_value: */
@@ -1305,7 +1324,7 @@ static int run(struct opts *o) {
         ask(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3}, &r, why, sizeof why);
         jfree(r);
         close(c.fd);
-        fallback();
+        fallback_unblocked();
     }
     free(av);
     /* Admitted: from here on every way out releases the slot. */
@@ -1360,12 +1379,7 @@ static int run(struct opts *o) {
     char *auto_dir = private_tmpdir(a.slot);
     l.envp = command_env(&a, auto_dir);
 
-    /* Signals for the command go through the signalfd from now on. */
-    sigset_t fwd;
-    sigemptyset(&fwd);
-    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
-    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
-    sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
+    /* Signals for the command go through the signalfd from now on (blocked since admission). */
     int sfd = signalfd(-1, &fwd, SFD_CLOEXEC | SFD_NONBLOCK);
     int err = sfd < 0 ? errno : 0;
 

@@ -44,7 +44,14 @@ from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procf
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
-from krex.node.shm import HEARTBEAT_TIMEOUT_S, Segment, default_name, gate_owner, heartbeat_stale
+from krex.node.shm import (
+    HEARTBEAT_TIMEOUT_S,
+    Segment,
+    default_name,
+    gate_owner,
+    heartbeat_stale,
+    pid_namespace,
+)
 from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
@@ -525,6 +532,11 @@ class Daemon:
         except KrexError:  # ours, but from another ABI or torn: start afresh
             Segment.unlink(self.shm_name)
             seg = Segment.create(self.shm_name, n_gpus=self.info.count)
+        try:  # first: the branch below would remake a live daemon's segment
+            refuse_a_shared_segment(seg, self.shm_name, self.sock_path.parent)
+        except UsageError:
+            seg.close()
+            raise
         if seg.n_gpus != self.info.count:
             busy = [p for p in seg.snapshot().procs if p.alive]
             if busy:
@@ -535,20 +547,6 @@ class Daemon:
             seg.close()
             Segment.unlink(self.shm_name)
             seg = Segment.create(self.shm_name, n_gpus=self.info.count)
-        # Another krexd (another state directory: its own lock and socket) that beats in this
-        # segment: two daemons would hand out the same slots and close each other's gates.
-        other = int(seg.raw.hdr.daemon_pid)
-        if other > 0 and other != self.pid and lib.krex_pid_alive(other, 0) == 1:
-            age = seg.heartbeat_age(other)
-            if age is not None and not heartbeat_stale(age):
-                seg.close()
-                # Not Busy: to `start_background` that means another daemon holds our lock.
-                raise UsageError(
-                    f"segment {self.shm_name} is in use by another krexd (pid {other}, beating "
-                    f"{age:.1f} s ago), with a state directory other than {self.sock_path.parent}",
-                    "use that daemon (its KREX_STATE_DIR), stop it, or give this one its own segment: "
-                    "KREX_SHM=/krex-<name>",
-                )
         self.seg = seg
 
     def _listen(self) -> socket.socket:
@@ -2283,6 +2281,8 @@ class Daemon:
                 self.changed.wait(0.5)
                 if self.stop.is_set():
                     raise KrexError("daemon is stopping", "try again")
+                if _peer_closed(conn):  # Ctrl-C in the queue: never admit a guardian that is gone
+                    raise DaemonLost("the client closed its connection while queued", "")
         owned["guardian"] = s.slot
         log.info("slot %d on gpu %d admitted for guardian pid %d", s.slot, gpu, pid)
         if owned.get("role") == "member":
@@ -2551,6 +2551,53 @@ def setup_logging(level: str) -> None:
     lg.setLevel(level.upper())
 
 
+def _peer_closed(conn: socket.socket) -> bool:
+    """Has the client closed its end? (It sends nothing while it waits for an answer.)"""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def refuse_a_shared_segment(seg: Segment, name: str, state_dir: Path) -> None:
+    """UsageError when another krexd (another state directory: its own lock and socket)
+    beats in `seg`: two daemons would hand out the same slots and open each other's gates.
+    Its pid is checked only in our pid namespace; from another one the heartbeat decides."""
+    h = seg.raw.hdr
+    other = int(h.daemon_pid)
+    if other <= 0 or other == os.getpid():
+        return
+    age = seg.heartbeat_age(other)
+    if age is None or heartbeat_stale(age):
+        return  # gone or hung: taking the segment over is recovery
+    if int(h.pidns) == pid_namespace() and lib.krex_pid_alive(other, 0) != 1:
+        return
+    raise UsageError(
+        f"segment {name} is in use by another krexd (pid {other}, beating {age:.1f} s ago), "
+        f"with a state directory other than {state_dir}",
+        "use that daemon (its KREX_STATE_DIR), stop it, or give this one its own segment: "
+        "KREX_SHM=/krex-<name>",
+    )
+
+
+def _check_segment_before_start(cfg: Config) -> None:
+    """The same check before the lock and the log, so each of many daemons started at once
+    for one command each says why on its own stderr (the starting command reads it there).
+    The daemon of our own state directory is left to the lock ("already running")."""
+    name = cfg.shm_name or default_name()
+    try:
+        seg = Segment.attach(name)
+    except KrexError:  # none yet, or not one we can read: _open_segment decides
+        return
+    try:
+        if int(seg.raw.hdr.daemon_pid) != paths.lock_holder():
+            refuse_a_shared_segment(seg, name, paths.socket_path().parent)
+    finally:
+        seg.close()
+
+
 def run(cfg: Config) -> None:
     """Run the daemon in this process until stopped (SIGTERM/SIGINT or `shutdown`).
     Its log lines go to stderr (krexd.log when started in the background)."""
@@ -2594,9 +2641,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     overrides = config.overrides_from(a)
     try:
+        cfg = config_from(a.device, overrides, on_demand=a.on_demand)
+        _check_segment_before_start(cfg)
         if a.log:
             _redirect_output(Path(a.log))
-        run(config_from(a.device, overrides, on_demand=a.on_demand))
+        run(cfg)
     except KrexError as e:
         ts = time.strftime("%Y-%m-%d %H:%M:%S")
         os.write(2, f"{ts} krexd[{os.getpid()}] ERROR {e}\n  fix: {e.fix}\n".encode())

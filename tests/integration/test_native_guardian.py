@@ -159,7 +159,7 @@ def test_ctrl_c_while_queued_aborts_as_the_python_guardian(kx: Krex, door: str) 
     kx.popens.append(holder)  # type: ignore[arg-type]
     kx.wait(held.exists, 30, "the holder to start")
     argv = ["run", "--device", "sim"] if door == "run" else ["--entry", sys.executable, "--device", "sim"]
-    got = {}
+    got, aborted = {}, []
     for g, e in GUARDIANS.items():
         p = subprocess.Popen(
             [*KREX, *argv, "--", "sh", "-c", 'echo "$KREX_NATIVE_MARK" ran'],
@@ -181,6 +181,7 @@ def test_ctrl_c_while_queued_aborts_as_the_python_guardian(kx: Krex, door: str) 
         assert p.returncode == 130 and out == "", (g, p.returncode, out, err)
         assert time.monotonic() - t0 < 5, (g, time.monotonic() - t0)
         got[g] = first + err
+        aborted.append(p.pid)
     assert got["native"] == got["python"], got
     assert got["native"].endswith("krex: aborted\n"), got
     assert holder.poll() is None and len(kx.status()["slots"]) == 1, kx.status()
@@ -188,6 +189,8 @@ def test_ctrl_c_while_queued_aborts_as_the_python_guardian(kx: Krex, door: str) 
     assert holder.wait(30) == 0
     time.sleep(0.3)
     assert kx.status()["slots"] == [], kx.status()
+    log = kx.daemon_log()  # krexd saw them go while queued: never admitted
+    assert not [a for a in aborted if f"admitted for guardian pid {a}" in log], log[-2000:]
 
 
 def test_leftovers_are_killed_or_kept_with_the_python_guardians_words(kx: Krex) -> None:

@@ -1013,21 +1013,34 @@ def _clear_error(p: subprocess.CompletedProcess[str], *needles: str) -> None:
         assert n in p.stderr, p.stderr
 
 
-def test_a_second_daemon_on_the_same_segment_is_refused(kx: Krex, tmp_path: Path) -> None:
+@pytest.mark.parametrize("gpus", ["same", "other"])
+def test_a_second_daemon_on_the_same_segment_is_refused(kx: Krex, tmp_path: Path, gpus: str) -> None:
     """Another state directory (its own lock and socket) but the same segment: the same user
     without KREX_STATE_DIR in one shell, or one KREX_SHM for two. Two krexd would hand out
-    the same slots and close each other's gates; the second refuses to start, and says why."""
+    the same slots and close each other's gates; the second refuses to start, and says why,
+    also when it sees another GPU count (it would have remade the first one's segment) and
+    when several commands start it at once (each says why, at once)."""
     first = kx.start_daemon(slots=2)
     other = tmp_path / "other-state"
     other.mkdir()
-    env = kx.env(KREX_STATE_DIR=str(other))
+    env = kx.env(KREX_STATE_DIR=str(other), **({"KREX_SIM_GPUS": "2"} if gpus == "other" else {}))
     p = kx.krex("daemon", "start", "--device", "sim", env=env, timeout=60)
     _clear_error(p, "in use by another krexd", f"pid {first.pid}", "KREX_SHM")
-    q = kx.krex("run", "--device", "sim", "--", "true", env=env, timeout=60)
-    _clear_error(q, "in use by another krexd")
+    t0 = time.monotonic()
+    runs = [
+        subprocess.Popen(
+            [*KREX, "run", "--device", "sim", "--", "true"], env=env, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    for r in runs:
+        _, err = r.communicate(timeout=60)
+        assert r.returncode != 0 and "in use by another krexd" in err, (r.returncode, err)
+    assert time.monotonic() - t0 < 10
     assert first.poll() is None and kx.status()["daemon"]["pid"] == first.pid
+    assert kx.status()["segment"]["state"] == "ok", kx.status()["segment"]
     assert kx.krex("run", "--device", "sim", "--", "true").returncode == 0  # the first one serves
-    assert not (other / "krexd.sock").exists() or not daemon_alive(other / "krexd.sock")
+    assert not daemon_alive(other / "krexd.sock")
 
 
 def test_unknown_gpu_with_a_daemon(kx: Krex) -> None:
