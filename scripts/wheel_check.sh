@@ -77,7 +77,10 @@ EOF
 export KREX_STATE_DIR="$W/state" KREX_SHM="/krex-wc-$$" KREX_SIM_SHM="/krex-wcsim-$$" KREX_SIM_TRACE="$W/trace.jsonl"
 unset KREX_SOCKET KREX_SLOT KREX_GPU LD_PRELOAD
 cleanup() {
-  # A daemon still running would link its segment back from its pin after the rm below.
+  # Not from the checkout: its krex/ (no krex/cli there) would shadow the installed one
+  # (`python -m` puts the working directory first), and the stop failed, leaving the daemon
+  # running, which linked its segment back from its pin after the rm below.
+  cd /
   "$KREX" daemon stop >/dev/null 2>"$W/stop.err" || { echo "wheel check: krex daemon stop failed:"; cat "$W/stop.err"; }
   rm -f "/dev/shm$KREX_SHM" "/dev/shm$KREX_SHM".krexpin-* "/dev/shm$KREX_SIM_SHM"
   "$W/venv/bin/python" -c "from krex.node.freezer import remove_leftovers as r; r('$KREX_SHM')" || true
