@@ -8,9 +8,9 @@
  * all messages and exit statuses: help, other commands, -v, --no-daemon, an option or
  * value it does not know, a --report path Python would refuse, no daemon answering (Python
  * starts one), a socket it does not trust, a command it cannot resolve, KREX_RUN_TRACE
- * set, a KREX_AUTO_REGION not UTF-8 or over 4 KiB, an admit that krexd refuses (krexd refuses `"guardian": "native"` where only
- * the Python guardian can go on: the signal freezer, a group member's guardian, a
- * simulated daemon under --device gpu), a file naming __cudaRegisterFatBinary (Python's
+ * set, a KREX_AUTO_REGION not UTF-8 or over 4 KiB, an admit that krexd refuses (krexd
+ * refuses `"guardian": "native"` where only the Python guardian can go on: the signal
+ * freezer, a group member's guardian, a simulated daemon under --device gpu), a file naming __cudaRegisterFatBinary (Python's
  * ELF check warns about static cudart), KREX_NATIVE_OFF set. All of these are decided
  * before the command holds a slot.
  *
@@ -283,18 +283,6 @@ static int env_needs_python(void) {
     /* A value krexd could not take as it is (Python escapes what is not UTF-8), or one so
      * long that its notes and report, escaped twice, could outgrow a reply frame. */
     return a && (strlen(a) > 4096 || !utf8_ok((const unsigned char *)a));
-}
-
-/* KREX_AUTO_REGION without the whitespace around it (str.strip), NULL when unset or blank:
- * krexd reads the hook's status with it and warns when it made no region. */
-static char *auto_value(void) {
-    static const char ws[] = " \t\r\n\f\v";
-    const char *a = getenv("KREX_AUTO_REGION");
-    if (!a) return NULL;
-    a += strspn(a, ws);
-    size_t n = strlen(a);
-    while (n && strchr(ws, a[n - 1])) n--;
-    return n ? strndup(a, n) : NULL;
 }
 
 /* ------------------------------------------------------------------ the command */
@@ -1296,7 +1284,9 @@ static int run(struct opts *o) {
     else buf_str(&req, "null");
     buf_str(&req, ",\"device\":");
     buf_json_str(&req, o->device ? o->device : "auto");
-    char *av = auto_value(); /* krexd keeps it for the release's notes and report */
+    /* krexd keeps it (stripped, as Python's str.strip) for the release's notes and report. */
+    const char *av = getenv("KREX_AUTO_REGION");
+    if (av && !*av) av = NULL;
     if (av) {
         buf_str(&req, ",\"auto_value\":");
         buf_json_str(&req, av);
@@ -1326,7 +1316,6 @@ static int run(struct opts *o) {
         close(c.fd);
         fallback_unblocked();
     }
-    free(av);
     /* Admitted: from here on every way out releases the slot. */
     struct admission a;
     struct buf rel = {0};

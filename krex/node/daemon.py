@@ -1791,7 +1791,6 @@ class Daemon:
         probe = lambda: self.seg.exiting(gpu, owner_slot)  # noqa: E731
         return _wait_out(probe, 0.002, self.cfg.freeze_timeout_s, self.stop)
 
-
     def _await_teardowns(self, gpu: int) -> set[int]:
         """Wait (at most freeze_timeout_s) while NVML lists a process that has ended: its
         contexts' teardown still runs on the GPU (H200: a sibling reaped just before a grant
