@@ -191,16 +191,26 @@ def status(as_json: bool) -> None:
         for r in live["regions"]:
             state = "granted" if r["granted"] else "entering"
             who = f"slot {r['slot']} pid {r['pid']} tid {r['tid']}"
+            who += f" tenant {r['tenant']}" if r.get("tenant") else ""
             click.echo(f"  gpu {r['gpu']}: {who} {state}, {r['age_s']:.3f} s")
         for g, q in live["queues"].items():
             if q:
-                click.echo(f"  gpu {g} queue: " + ", ".join(f"slot {e['slot']} (pid {e['pid']})" for e in q))
+                click.echo(
+                    f"  gpu {g} queue ({live.get('region_queue', 'fifo')}): "
+                    + ", ".join(f"slot {e['slot']} (pid {e['pid']}, {e.get('tenant') or '-'})" for e in q)
+                )
+        for g, used in (live.get("tenant_used_s") or {}).items():
+            if used:
+                click.echo(f"  gpu {g} exclusive time by tenant: "
+                           + ", ".join(f"{t} {s_:.2f} s" for t, s_ in sorted(used.items())))
     else:
         click.echo(f"REGIONS: {daemon_error}")
     click.echo(f"SLOTS ({len(snap.slots)})")
+    tenants = {d["slot"]: d.get("tenant") for d in live.get("slots") or []}
     for s in snap.slots:
         click.echo(
             f"  slot {s.slot}: gpu {s.gpu}, guardian pid {s.owner_pid}{'' if s.owner_alive else ' (dead)'}"
+            + (f", tenant {tenants[s.slot]}" if tenants.get(s.slot) else "")
             + (", pre-warmed: waits for a free slot at its first GPU call" if s.warm else "")
         )
     click.echo(f"PROCESSES ({len(snap.procs)})")

@@ -66,13 +66,14 @@ def guardian_argv(
     gpu: int | None = None,
     freeze: str | None = None,
     python: str = sys.executable,
+    tenant: str | None = None,
     daemon_slots_per_gpu: int | None = None,
     daemon_idle_exit_s: float | None = None,
 ) -> list[str]:
     """argv that runs ``cmd`` under a guardian, as `krex run --report` would: same
     behaviour, report and exit statuses. The daemon options start the node's daemon
     with those settings when none answers (else it starts on demand, as for `krex run`)."""
-    values = {"device": device, "report": str(report), "gpu": gpu, "freeze": freeze,
+    values = {"device": device, "report": str(report), "gpu": gpu, "freeze": freeze, "tenant": tenant,
               "slots": daemon_slots_per_gpu, "idle_exit": daemon_idle_exit_s}
     entry = [*runopts.to_argv(runopts.ENTRY, values), "--", *cmd]
     native = native_guardian()

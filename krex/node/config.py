@@ -29,6 +29,9 @@ Precedence: command line > environment > config file > defaults. The config file
                                                              a context, module or memory call (root; 0: off)
   freeze_timeout   KREX_FREEZE_TIMEOUT                       seconds to wait for a group to report frozen
   drain_timeout    KREX_DRAIN_TIMEOUT                        seconds to wait for in-flight work and drain acks
+  region_queue     KREX_REGION_QUEUE      --region-queue     fair (default: tenants share exclusive GPU time
+                                                             by weight) or fifo (first come, first served)
+  tenant_weights   KREX_TENANT_WEIGHTS    --tenant-weights   NAME=WEIGHT,... for the fair queue (others: 1)
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
   group            KREX_GROUP             --group            share the daemon with this group: members run
                                                              commands and pause, only its user or root stop it
@@ -46,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from krex.errors import UsageError
 from krex.native import lib
-from krex.node import freezepolicy
+from krex.node import freezepolicy, regionqueue
 
 if TYPE_CHECKING:  # argparse is imported where a parser is built: `krex run` loads this module
     import argparse
@@ -110,6 +113,15 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     return conv
 
 
+def _weights(v: Any) -> str:
+    """NAME=WEIGHT pairs (regionqueue.parse_weights), kept as written."""
+    try:
+        regionqueue.parse_weights(str(v))
+    except UsageError as e:
+        raise ValueError(f"{e}; {e.fix}") from None
+    return str(v).strip()
+
+
 def _group(v: Any) -> str:
     s = str(v).strip()
     if not s or any(c.isspace() for c in s):
@@ -146,6 +158,9 @@ class Config:
     # CPU-heavy family). krexd (root) renices each helper once, at its first region, and
     # lends it during a drain to a sibling's thread inside a LIFE call (daemon.py, _boost).
     helper_nice: int = -10
+    # The order queued regions get the GPU: fair between tenants on exclusive time, or fifo.
+    region_queue: str = regionqueue.DEFAULT
+    tenant_weights: str = ""  # NAME=WEIGHT,...: shares of exclusive time under `fair` (others: 1)
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
@@ -220,6 +235,13 @@ KEYS = (
     Key("helper_nice", "helper_nice", "KREX_HELPER_NICE", _num(-20, 0, True), "a whole number -20..0"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),
+    Key("region_queue", "region_queue", "KREX_REGION_QUEUE", _choice(regionqueue.KINDS),
+        "one of " + ", ".join(regionqueue.KINDS), "--region-queue",
+        "the order queued regions get the GPU: fair between tenants (by exclusive GPU time) or fifo",
+        regionqueue.KINDS),
+    Key("tenant_weights", "tenant_weights", "KREX_TENANT_WEIGHTS", _weights,
+        "NAME=WEIGHT pairs, e.g. alice=2,bob=1", "--tenant-weights",
+        "shares of exclusive GPU time per tenant under the fair queue (tenants not named: 1)"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),
         "--log-level", "what krexd logs", LOG_LEVELS),
     Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon",

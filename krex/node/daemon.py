@@ -26,6 +26,7 @@ import grp
 import json
 import logging
 import os
+import pwd
 import queue
 import signal
 import socket
@@ -40,7 +41,7 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs
+from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs, regionqueue
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
@@ -121,6 +122,18 @@ def _roots(pids: Iterable[int]) -> dict[int, int]:
     return out
 
 
+def _user_name(uid: int) -> str:
+    """A command's default tenant: its user's name (the uid where it has none)."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid-{uid}"
+    try:
+        return regionqueue.check_tenant(name)
+    except KrexError:
+        return f"uid-{uid}"
+
+
 def _is_root(s: Slot, pid: int) -> bool:
     """`pid` is one of the slot's root processes (the same process, not a reuse of its pid)."""
     start = s.root_pids.get(pid)
@@ -191,6 +204,9 @@ class Slot:
     simulated: bool = False
     # The native guardian's KREX_AUTO_REGION (its admit): the release's notes and report.
     auto_value: str = ""
+    # Whose share of the GPU's exclusive time its regions use (regionqueue): `krex run
+    # --tenant`, else its user's name.
+    tenant: str = ""
 
 
 @dataclass
@@ -201,6 +217,7 @@ class Region:
     tid: int
     t_request: float
     label: str = ""  # who opened it, e.g. "auto:triton.testing:do_bench"
+    tenant: str = ""  # its command's tenant: whose share of the GPU's exclusive time it uses
     word: int = 0  # the gate word while this region holds the gate
     thawing: bool = False  # set (under krexd's lock) once its end has listed whom to thaw
     granted: threading.Event = field(default_factory=threading.Event)
@@ -379,8 +396,11 @@ class Daemon:
         self.freezer = freezer.detect(cfg.freezer, root_name=freezer.root_name_for(self.shm_name))
         self.partition = cpus.partition(cpus.discover(), self.info.count, self.info.numa or None)
         self.slots: dict[int, Slot] = {}
-        self.queues: dict[int, collections.deque[Region]] = {
-            g: collections.deque() for g in range(self.info.count)
+        # Each GPU's queued regions, in the order they get the GPU (fair between tenants by
+        # default: krex/node/regionqueue.py).
+        weights = regionqueue.parse_weights(cfg.tenant_weights)
+        self.queues: dict[int, regionqueue.FifoQueue[Region] | regionqueue.FairQueue[Region]] = {
+            g: regionqueue.make(cfg.region_queue, weights) for g in range(self.info.count)
         }
         self.current: dict[int, Region | None] = dict.fromkeys(range(self.info.count))
         # A region granted on its connection's thread, for the GPU's worker to hold and close.
@@ -1167,7 +1187,7 @@ class Daemon:
                     self.held[gpu] = None
                     req, steps = held
                 else:
-                    req = self.queues[gpu].popleft()
+                    req = self.queues[gpu].pop()
                     if req.cancelled:
                         continue
                     self.current[gpu] = req
@@ -1182,6 +1202,7 @@ class Daemon:
             if self.stop.is_set() or self.current[gpu] is not None or self.queues[gpu]:
                 return False
             self.current[gpu] = req
+            self.queues[gpu].start_inline(req.tenant)
         steps = self._region_steps(gpu, req)
         if self._drive(gpu, req, steps, to_grant=True):
             # Granted: the worker holds the region from here (--max-region, END, the exit
@@ -1221,6 +1242,10 @@ class Daemon:
                 if gate_owner(cur) == req.slot + 1:  # ours: never open someone else's gate
                     self.seg.open_gate(gpu, cur)
         with self.lock:
+            # The GPU's exclusive time this region took (entry and region), charged to its
+            # tenant before the next region is picked.
+            used = float(req.record.get("entry_s") or 0.0) + float(req.record.get("region_s") or 0.0)
+            self.queues[gpu].charge(req.tenant, used)
             self.current[gpu] = None
             self.regions_done += 1
             self.changed.notify_all()
@@ -1496,6 +1521,7 @@ class Daemon:
             }
             if req.label:
                 req.grant["label"] = req.label
+            req.grant["tenant"] = req.tenant
             fail_opens0 = int(self.seg.raw.gpus[gpu].fail_opens)
             t_grant = time.monotonic()
             adaptive = owner is not None and (owner.freeze or self.cfg.freeze_policy) == "adaptive"
@@ -2088,6 +2114,7 @@ class Daemon:
                 if slot.warm or slot.warm_s is not None:  # started pre-warmed: for the report
                     out["prewarm_s"] = slot.warm_s if not slot.warm else round(time.time() - slot.created, 6)
                     out["prewarm_given_gpu"] = not slot.warm
+                out["tenant"] = slot.tenant
                 out.update(self._slot_regions(slot))
                 auto: dict[str, Any] = {}
                 out["notes"] = self._release_notes(
@@ -2237,6 +2264,7 @@ class Daemon:
             if not 0 <= want < self.info.count:
                 raise NotFound(f"unknown GPU {want}", f"this node has {self.info.count} GPU(s)")
             s = self._new_slot(want, "auto", pid)
+            s.tenant = _user_name(owned["uid"])
             s.root_pids.update(_roots([pid]))
             with contextlib.suppress(KrexError):
                 s.group.add(pid)
@@ -2254,6 +2282,8 @@ class Daemon:
         freeze = msg.get("freeze")
         if freeze is not None:
             freezepolicy.check(str(freeze))
+        tenant = msg.get("tenant")
+        tenant = _user_name(owned["uid"]) if tenant in (None, "") else regionqueue.check_tenant(str(tenant))
         if msg.get("guardian") == "native":
             self._check_native(asked, owned)
         if want is not None and not 0 <= want < self.info.count:
@@ -2271,6 +2301,7 @@ class Daemon:
                     gpu, warm = picked
                     s = self._new_slot(gpu, "run", pid, warm=warm)
                     s.freeze = None if freeze is None else str(freeze)
+                    s.tenant = tenant
                     break
                 if not told:
                     busy = len(self.slots)
@@ -2312,6 +2343,7 @@ class Daemon:
             "freezer": self.freezer.name,
             "shared_cpus": self.partition.command_cpus(gpu, self.cfg.lend_cores),
             "admission_wait_s": s.admission_wait_s,
+            "tenant": s.tenant,
         }
 
     def _check_native(self, asked: str, owned: dict[str, Any]) -> None:
@@ -2426,11 +2458,11 @@ class Daemon:
         self._wait_warm(s, pid)
         if not os.path.exists(f"/proc/{pid}/task/{tid}"):
             raise NotFound(f"thread {tid} of pid {pid} ended while its command waited pre-warmed", "")
-        req = Region(s.slot, s.gpu, pid, tid, t_request, label=label)
+        req = Region(s.slot, s.gpu, pid, tid, t_request, label=label, tenant=s.tenant)
         owned["region"] = req
         if not self._enter_inline(s.gpu, req):
             with self.lock:
-                self.queues[s.gpu].append(req)
+                self.queues[s.gpu].push(req)
                 self.changed.notify_all()
         req.granted.wait()
         if req.cancelled:
@@ -2505,6 +2537,7 @@ class Daemon:
                         "kind": s.kind,
                         "guardian_pid": s.guardian_pid,
                         "warm": s.warm,
+                        "tenant": s.tenant,
                         "pids": self._group_pids(s),
                     }
                     for s in self.slots.values()
@@ -2515,6 +2548,7 @@ class Daemon:
                         "slot": r.slot,
                         "pid": r.pid,
                         "tid": r.tid,
+                        "tenant": r.tenant,
                         "granted": r.granted.is_set(),
                         "age_s": round(time.monotonic() - r.t_request, 3),
                     }
@@ -2522,8 +2556,11 @@ class Daemon:
                     if r is not None
                 ],
                 "queues": {
-                    str(g): [{"slot": r.slot, "pid": r.pid} for r in q] for g, q in self.queues.items()
+                    str(g): [{"slot": r.slot, "pid": r.pid, "tenant": r.tenant} for r in q]
+                    for g, q in self.queues.items()
                 },
+                "region_queue": self.cfg.region_queue,
+                "tenant_used_s": {str(g): q.shares() for g, q in self.queues.items()},
                 "slots_per_gpu": [self.slots_per_gpu(g) for g in range(self.info.count)],
                 "prewarm": self.cfg.prewarm,
             }

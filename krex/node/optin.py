@@ -139,6 +139,8 @@ def run_report(
     if "prewarm_s" in rel:  # started pre-warmed: how long before it was given the GPU
         out["prewarm_s"] = rel["prewarm_s"]
         out["prewarm_given_gpu"] = rel.get("prewarm_given_gpu")
+    if rel.get("tenant"):  # whose share of exclusive GPU time its regions used
+        out["tenant"] = rel["tenant"]
     out["leftovers"] = rel.get("leftovers") or []
     out["leftovers_action"] = rel.get("action", "unknown")
     if isinstance(rel.get("regions"), list):

@@ -422,6 +422,7 @@ def run_guarded(
     notify: Callable[[str], None] = lambda _m: None,
     freeze: str | None = None,
     keep_leftovers: bool = False,
+    tenant: str | None = None,
 ) -> RunResult:
     """`krex run`: admission through the daemon (started on demand), a slot
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
@@ -447,7 +448,7 @@ def run_guarded(
 
     admitted = False
     try:
-        req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device}
+        req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device, "tenant": tenant}
         adm = client.request(req, on_event=on_event)
         admitted = True
         kind = _run_kind(device, found, adm)
@@ -889,6 +890,7 @@ def run_command(
     keep_leftovers: bool = False,
     notify: Callable[[str], None] = lambda _m: None,
     report_extra: dict[str, Any] | None = None,
+    tenant: str | None = None,
 ) -> int:
     """`krex run` (the console script's lean door and the click command alike): run ``cmd``
     under KREX, write the report, return the command's exit status. A KrexError gets
@@ -897,7 +899,9 @@ def run_command(
     from krex.errors import run_exit_code
 
     try:
-        status, data = _run_command(cmd, device, gpu, report, no_daemon, freeze, keep_leftovers, notify)
+        status, data = _run_command(
+            cmd, device, gpu, report, no_daemon, freeze, keep_leftovers, notify, tenant
+        )
         if report and data is not None:
             _write_report(report, {**data, **(report_extra or {})})
         return status
@@ -920,6 +924,7 @@ def _run_command(
     freeze: str | None,
     keep_leftovers: bool,
     notify: Callable[[str], None],
+    tenant: str | None = None,
 ) -> tuple[int, dict[str, object] | None]:
     if report:
         _check_report_path(report)
@@ -933,7 +938,13 @@ def _run_command(
             )
         return run_direct(cmd, kind, gpu, count), None
     # GPU discovery happens only when no daemon answers (connect_daemon).
-    res = run_guarded(cmd, device, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers)
+    if tenant is not None:
+        from krex.node.regionqueue import check_tenant
+
+        check_tenant(tenant)
+    res = run_guarded(
+        cmd, device, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers, tenant=tenant
+    )
     return res.exit_status, res.report
 
 

@@ -50,6 +50,9 @@ OPTIONS: tuple[RunOption, ...] = (
     RunOption("freeze", "--freeze", str,
               "which siblings this command's regions freeze (default: the daemon's policy)",
               choices=POLICIES),
+    RunOption("tenant", "--tenant", str,
+              "whose share of the GPU's exclusive time this command's regions use (default: your user name)",
+              metavar="NAME"),
     RunOption("keep_leftovers", "--keep-leftovers", bool,
               "processes that outlive CMD keep running (as a frozen sibling during other regions) "
               "instead of being killed when CMD exits", default=False),
