@@ -68,10 +68,10 @@ class _Progress:
 
 def _headline_text(summary: dict[str, Any]) -> str:
     goals = (summary.get("headline") or {}).get("goals") or []
-    rows = [("metric", "goal", "paper (H20)", "ours", "met")] + [
-        (g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
+    rows = [("cell", "metric", "goal", "paper (H20)", "ours", "met")] + [
+        (g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
     ]
-    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(5)]
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(6)]
     out = []
     for j, r in enumerate(rows):
         out.append("  ".join(str(x)[: widths[i]].ljust(widths[i]) for i, x in enumerate(r)).rstrip())

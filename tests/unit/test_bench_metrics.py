@@ -341,10 +341,11 @@ def test_compute_summary_by_hand(tmp_path: Path) -> None:
     ] == pytest.approx(10.0)
     h = s["headline"]
     assert h["krex_cell"] == "krex-4" and h["throughput_ratio"] == pytest.approx(4.0)
-    met = {g["metric"]: g["met"] for g in h["goals"]}
-    assert met["throughput vs native serial (best krex-C)"] == "yes"
+    met = {g["metric"]: g["met"] for g in h["goals"] if g["cell"] == "krex-4"}
+    assert met["throughput vs native serial"] == "yes"
+    assert met["throughput vs unprotected (same C)"] == "yes"  # 20 against 15 cmds/min
     assert met["p95 timing inflation, kernels >10ms"] == "yes"
-    assert met["Kendall tau (median per family and pass), krex"] == "yes"
+    assert met["Kendall tau (median per family and pass)"] == "yes"
     md = bench.render_summary_md(s)
     assert "SIMULATED GPU - logic demo, not performance evidence" in md
     for heading in (
