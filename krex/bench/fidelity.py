@@ -86,7 +86,11 @@ def entry_stats(recs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             n += 1
             e, q = _num(g, "entry_s"), _num(g, "queue_wait_s")
             for k in ENTRY_PARTS:
-                v = (e + q if e is not None and q is not None else None) if k == "request_to_grant_s" else _num(g, k)
+                v = (
+                    (e + q if e is not None and q is not None else None)
+                    if k == "request_to_grant_s"
+                    else _num(g, k)
+                )
                 if v is not None:
                     parts[k].append(v)
     return {"regions": n, **{k: pcts(v).to_json() for k, v in parts.items()}}
@@ -232,12 +236,24 @@ def nvml_stats(judged: Sequence[Judged]) -> dict[str, Any]:
         row: dict[str, Any] = {"regions": len(regions)}
         for key, where, fig in NVML_FIGURES:
             row[key] = pcts(v for g in regions if (v := _nv(g, where, fig)) is not None).to_json()
-        row["krexd_sm_mhz_at_grant"] = pcts(v for g in regions if (v := _attest_clock(g)) is not None).to_json()
+        row["krexd_sm_mhz_at_grant"] = pcts(
+            v for g in regions if (v := _attest_clock(g)) is not None
+        ).to_json()
         out[group] = row
     return out
 
 
 # ----------------------------------------------------------------------------------- markdown
+
+NVML_COLUMNS = (  # (figure, quantile) of summary.md's NVML table, in column order
+    ("sm_mhz_at_grant", "p50"),
+    ("sm_mhz_min_inside", "p50"),
+    ("krexd_sm_mhz_at_grant", "p50"),
+    ("power_w_at_grant", "p50"),
+    ("power_w_max_inside", "p95"),
+    ("temp_c_at_grant", "p50"),
+    ("temp_c_max_inside", "max"),
+)
 
 
 def _ms(d: Mapping[str, Any] | None, k: str) -> str:
@@ -272,11 +288,10 @@ def render_md(s: Mapping[str, Any]) -> list[str]:
         ]
         for k, e in entry.items():
             en, rq = e.get("entry_s"), e.get("request_to_grant_s")
-            L.append(
-                f"| {k} | {e.get('regions', 0)} | {_ms(en, 'p50')} | {_ms(en, 'p95')} | {_ms(en, 'p99')} | "
-                f"{_ms(e.get('queue_wait_s'), 'p95')} | {_ms(rq, 'p50')} | {_ms(rq, 'p95')} | {_ms(rq, 'p99')} | "
-                f"{_ms(e.get('drain_s'), 'p95')} | {_ms(e.get('settle_s'), 'p95')} |"
-            )
+            cols = [_ms(en, "p50"), _ms(en, "p95"), _ms(en, "p99"), _ms(e.get("queue_wait_s"), "p95")]
+            cols += [_ms(rq, "p50"), _ms(rq, "p95"), _ms(rq, "p99")]
+            cols += [_ms(e.get("drain_s"), "p95"), _ms(e.get("settle_s"), "p95")]
+            L.append(f"| {k} | {e.get('regions', 0)} | " + " | ".join(cols) + " |")
         L.append("")
     flags = s.get("flags") or {}
     if flags:
@@ -285,13 +300,14 @@ def render_md(s: Mapping[str, Any]) -> list[str]:
         L += [
             "## Flags against native: precision and recall",
             "",
-            "A krex run is *inflated* when its ms exceeds the same command's native-serial median by more than "
-            f"the native noise ({src}): "
+            "A krex run is *inflated* when its ms exceeds the same command's native-serial median by more "
+            f"than the native noise ({src}): "
             + ", ".join(f"{b} {NA if v is None else f'{100 * v:.2f}%'}" for b, v in thr.items())
             + ". Precision = flagged and inflated / flagged; recall = flagged and inflated / inflated. "
             "Runs of a band without a noise figure are not judged.",
             "",
-            "| cell | runs judged | inflated | reason | flagged | flagged and inflated | precision | recall |",
+            "| cell | runs judged | inflated | reason | flagged | flagged and inflated | precision | "
+            "recall |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for k, f in flags.items():
@@ -316,11 +332,7 @@ def render_md(s: Mapping[str, Any]) -> list[str]:
         ]
         for k, groups in nv.items():
             for group, row in groups.items():
-                L.append(
-                    f"| {k} | {group} | {row.get('regions', 0)} | {_val(row.get('sm_mhz_at_grant'), 'p50')} | "
-                    f"{_val(row.get('sm_mhz_min_inside'), 'p50')} | {_val(row.get('krexd_sm_mhz_at_grant'), 'p50')} | "
-                    f"{_val(row.get('power_w_at_grant'), 'p50')} | {_val(row.get('power_w_max_inside'), 'p95')} | "
-                    f"{_val(row.get('temp_c_at_grant'), 'p50')} | {_val(row.get('temp_c_max_inside'), 'max')} |"
-                )
+                cols = [_val(row.get(key), q) for key, q in NVML_COLUMNS]
+                L.append(f"| {k} | {group} | {row.get('regions', 0)} | " + " | ".join(cols) + " |")
         L.append("")
     return L

@@ -77,7 +77,9 @@ def headline(
     goals: list[dict[str, Any]] = []
     per_cell: dict[str, dict[str, Any]] = {}
     for t in krex_cells:
-        rows, figures = _cell_goals(t, thr, infl, noise_p95, ranking, base, base_label, ns_cpm, paper, goal_throughput)
+        rows, figures = _cell_goals(
+            t, thr, infl, noise_p95, ranking, base, base_label, ns_cpm, paper, goal_throughput
+        )
         goals += rows
         per_cell[t["cell"]] = figures
     h["cells"] = per_cell
@@ -119,7 +121,9 @@ def _cell_goals(
         "throughput vs native serial",
         f">= {goal_throughput:.1f}x",
         f"{paper['throughput_ratio']}x ({paper['native_cpm']} -> {paper['krex_cpm']} cmds/min)",
-        NA if not math.isfinite(ratio) else f"{ratio:.2f}x ({ns_cpm:.1f} -> {t['cmds_per_min']:.1f} cmds/min)",
+        NA
+        if not math.isfinite(ratio)
+        else f"{ratio:.2f}x ({ns_cpm:.1f} -> {t['cmds_per_min']:.1f} cmds/min)",
         met(None if not math.isfinite(ratio) else ratio >= goal_throughput),
     )
     unp = next((u for u in thr if u["mode"] == "unprotected" and u["c"] == t["c"]), None)
@@ -142,7 +146,13 @@ def _cell_goals(
         goal_v = max(paper_v, noise) if math.isfinite(noise) else paper_v
         goal = f"<= {pct(goal_v)}" + (" (native noise)" if goal_v > paper_v else "")
         ours = NA if not math.isfinite(v) else f"{pct(v)} (n={d.get('n', 0)}; native noise {pct(noise)})"
-        row(f"p95 timing inflation, kernels {band}", goal, pct(paper_v), ours, met(None if not math.isfinite(v) else v <= goal_v))
+        row(
+            f"p95 timing inflation, kernels {band}",
+            goal,
+            pct(paper_v),
+            ours,
+            met(None if not math.isfinite(v) else v <= goal_v),
+        )
     tau = _f((ranking.get(k) or {}).get("tau_median"))
     tau_b = _f((ranking.get(base) or {}).get("tau_median")) if base else math.nan
     row(
@@ -154,7 +164,13 @@ def _cell_goals(
     )
     unp_tau = _f((ranking.get(unp["cell"]) or {}).get("tau_median")) if unp else math.nan
     if unp:
-        row(f"Kendall tau, {unp['cell']} (same C)", "-", f"{paper['tau']['unprotected']:.3f}", f3(unp_tau), "-")
+        row(
+            f"Kendall tau, {unp['cell']} (same C)",
+            "-",
+            f"{paper['tau']['unprotected']:.3f}",
+            f3(unp_tau),
+            "-",
+        )
     flips: dict[str, dict[str, float]] = {}
     kr = (ranking.get(k) or {}).get("flip") or {}
     nb = (ranking.get(base) or {}).get("flip") or {} if base else {}
@@ -197,8 +213,14 @@ def _run_goals(
     if math.isfinite(amd):
         amd_txt = f"{amd:.1f}x (aggregate critical fraction {pct(_f(critical.get('aggregate')))})"
         if math.isfinite(ratio):
-            amd_txt += f"; the fastest krex cell ({best['cell'] if best else ''}) reaches {ratio / amd:.0%} of it"
-    row("Amdahl bound 1/(critical fraction)", f"{1 / paper['critical_fraction_median']:.1f}x (median fraction 12%)", amd_txt)
+            amd_txt += (
+                f"; the fastest krex cell ({best['cell'] if best else ''}) reaches {ratio / amd:.0%} of it"
+            )
+    row(
+        "Amdahl bound 1/(critical fraction)",
+        f"{1 / paper['critical_fraction_median']:.1f}x (median fraction 12%)",
+        amd_txt,
+    )
     unp_best = max(
         (t for t in thr if t["mode"] == "unprotected" and math.isfinite(t["cmds_per_min"])),
         key=lambda t: t["cmds_per_min"],
@@ -207,10 +229,12 @@ def _run_goals(
     unp_txt = NA
     if unp_best:
         r = _f(unp_best["ratio"])
-        unp_txt = f"{unp_best['cmds_per_min']:.1f} cmds/min ({NA if not math.isfinite(r) else f'{r:.2f}x'}, {unp_best['cell']})"
+        rtxt = NA if not math.isfinite(r) else f"{r:.2f}x"
+        unp_txt = f"{unp_best['cmds_per_min']:.1f} cmds/min ({rtxt}, {unp_best['cell']})"
     row(
         "unprotected sharing throughput",
-        f"{paper['unprotected_cpm']} cmds/min ({paper['unprotected_cpm'] / paper['native_cpm']:.1f}x), below KREX",
+        f"{paper['unprotected_cpm']} cmds/min "
+        f"({paper['unprotected_cpm'] / paper['native_cpm']:.1f}x), below KREX",
         unp_txt,
     )
     tau_b = _f((ranking.get(base) or {}).get("tau_median")) if base else math.nan

@@ -337,7 +337,7 @@ def compute_summary(
     stated = meta.get("inflated_above")
     thresholds = fd.noise_thresholds(noise_pairs, float(stated) if stated is not None else None)
     entry: dict[str, Any] = {}
-    flags: dict[str, Any] = {}
+    flag_scores: dict[str, Any] = {}
     nvml: dict[str, Any] = {}
     for k in keys:
         if cell_rows[k]["mode"] != "krex":
@@ -345,7 +345,7 @@ def compute_summary(
         rs = by_cell.get(k, [])
         entry[k] = fd.entry_stats(rs)
         judged = fd.judge_runs(rs, ref_ms, thresholds)
-        flags[k] = fd.flag_scores(judged)
+        flag_scores[k] = fd.flag_scores(judged)
         nvml[k] = fd.nvml_stats(judged)
     sim = meta.get("device") == "sim"
     return {
@@ -373,7 +373,7 @@ def compute_summary(
         "regions": regions,
         "headline": head,
         "entry": entry,
-        "flags": flags,
+        "flags": flag_scores,
         "flag_thresholds": thresholds,
         "flag_threshold_source": f"stated: {100 * float(stated):.2f}%" if stated is not None else noise_src,
         "nvml": nvml,
@@ -453,14 +453,17 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
             str(h.get("tau_baseline")), "no native cell"
         )
         L += [
-            f"One block of rows per krex cell ({', '.join(h['krex_cells'])}), each against the unprotected cell "
-            f"of the same C; the native noise and the tau and flip baseline are {base}. Rows with cell `-` "
-            "hold for the whole run. n/a: no data.",
+            f"One block of rows per krex cell ({', '.join(h['krex_cells'])}), each against the unprotected "
+            f"cell of the same C; the native noise and the tau and flip baseline are {base}. Rows with cell "
+            "`-` hold for the whole run. n/a: no data.",
             "",
         ]
     L += _table(
         ["cell", "metric", "goal", "paper", "ours", "goal met"],
-        [[g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]] for g in h.get("goals", [])],
+        [
+            [g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]]
+            for g in h.get("goals", [])
+        ],
     )
     L += [""]
 

@@ -110,7 +110,12 @@ def test_headline_has_every_krex_cell(tmp_path: Path) -> None:
     recs += [_rec("krex-4", n, v * 1.001) for n, v in ref.items()]
     recs += [_rec("krex-8", n, v * 1.01) for n, v in ref.items()]
     recs += [_rec("unprotected-8", n, v * 1.05) for n, v in ref.items()]
-    cells = [_cell("native-serial", 60.0), _cell("krex-4", 20.0), _cell("krex-8", 10.0), _cell("unprotected-8", 11.0)]
+    cells = [
+        _cell("native-serial", 60.0),
+        _cell("krex-4", 20.0),
+        _cell("krex-8", 10.0),
+        _cell("unprotected-8", 11.0),
+    ]
     s = bench.compute_summary(META, cells, recs, ws)
     h = s["headline"]
     assert h["krex_cells"] == ["krex-4", "krex-8"]
@@ -139,9 +144,7 @@ def test_tau_and_flips_fall_back_to_native_serial_passes(tmp_path: Path) -> None
     recs = [_rec("native-serial", n, v, "f", rep=0) for n, v in true.items()]
     recs += [_rec("native-serial", n, v, "f", rep=1) for n, v in swapped.items()]
     recs += [_rec("krex-4", n, v, "f", rep=r) for r in (0, 1) for n, v in true.items()]
-    s = bench.compute_summary(
-        {**META, "repeat": 2}, [_cell("native-serial"), _cell("krex-4")], recs, ws
-    )
+    s = bench.compute_summary({**META, "repeat": 2}, [_cell("native-serial"), _cell("krex-4")], recs, ws)
     h = s["headline"]
     assert h["tau_baseline"] == "native-serial"
     assert h["tau"]["native-serial"] == pytest.approx((1.0 + 4 / 6) / 2)
@@ -156,7 +159,8 @@ def test_tau_and_flips_fall_back_to_native_serial_passes(tmp_path: Path) -> None
 def test_entry_quantiles_come_from_the_region_records(tmp_path: Path) -> None:
     ws = _ws(tmp_path, {"a": 2.0})
     regions = [
-        {"entry_s": i / 1000, "queue_wait_s": 0.002, "drain_s": i / 2000, "settle_s": 0.001} for i in range(1, 101)
+        {"entry_s": i / 1000, "queue_wait_s": 0.002, "drain_s": i / 2000, "settle_s": 0.001}
+        for i in range(1, 101)
     ]
     recs = [_rec("native-serial", "a", 2.0)]
     recs += [_rec("krex-8", "a", 2.0, regions=[g]) for g in regions]
@@ -263,3 +267,50 @@ def test_nvml_figures_read_na_on_the_simulated_gpu(tmp_path: Path) -> None:
     )
     md = bench.render_summary_md(s)
     assert "| krex-2 | not inflated | 1 | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in md
+
+
+def test_nvml_window_at_grant_and_inside() -> None:
+    from krex.bench.nvmlsample import window
+
+    ms = 1_000_000
+    samples = [(t * 25 * ms, 1980 - t, 400_000 + 1000 * t, 50 + t) for t in range(10)]  # every 25 ms
+    got = window(samples, 60 * ms, 130 * ms, 75 * ms)
+    assert got is not None
+    assert got["entry"] == {"sm_mhz": 1978, "power_w": 402.0, "temp_c": 52, "age_ms": 10.0}
+    # inside [60, 130] ms: the samples at 75, 100 and 125 ms
+    assert got["inside"]["n"] == 3
+    assert got["inside"]["sm_min"] == 1975 and got["inside"]["power_max_w"] == 405.0
+    assert got["inside"]["temp_max_c"] == 55
+    assert window(samples, 900 * ms, 901 * ms, 75 * ms) is None  # nothing near: no figures
+    # a sample just after the grant stands for it when none came before
+    first = window(samples, -5 * ms, -1 * ms, 75 * ms)
+    assert first is not None and first["entry"]["age_ms"] == -5.0 and first["inside"]["n"] == 0
+
+
+def test_nvml_sampler_annotates_regions_from_a_fake_nvml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import time
+
+    from krex.bench.nvmlsample import NVML_FILE, Sampler
+    from krex.device.nvml import FakeNvml
+
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps({"gpus": [{"sm_clock": 1755, "power_mw": 612000, "temp_c": 66}]}))
+    s = Sampler(FakeNvml(str(fake)), [0], 0.01, tmp_path / NVML_FILE).start()
+    try:
+        t0 = time.monotonic_ns()
+        time.sleep(0.08)
+        t1 = time.monotonic_ns()
+        time.sleep(0.02)
+        rep: dict[str, Any] = {"gpu": 0, "regions": [{"t_grant_ns": t0, "t_end_ns": t1}, {"t_grant_ns": 0}]}
+        s.annotate(rep)
+    finally:
+        s.stop()
+    nv = rep["regions"][0]["nvml"]
+    assert nv["entry"]["sm_mhz"] == 1755 and nv["entry"]["power_w"] == 612.0
+    assert nv["inside"]["n"] >= 3 and nv["inside"]["temp_max_c"] == 66
+    assert "nvml" not in rep["regions"][1]  # a region without its grant time gets no figures
+    lines = (tmp_path / NVML_FILE).read_text().splitlines()
+    assert len(lines) >= 5 and json.loads(lines[0])["sm_mhz"] == 1755
