@@ -217,6 +217,17 @@ def test_corpus_shapes() -> None:
     # The CPU-heavy family is timed by the harness's own do_bench under an automatic region.
     heavy = [w for w in gpu if w.family == "cpu-heavy"]
     assert len(heavy) >= 3 and all(dict(w.env).get("KREX_AUTO_REGION") == "do_bench" for w in heavy)
+    # The fused family: chains timed by a KernelBench-style harness under an automatic region,
+    # eager and torch.compile'd, ~0.5 to ~11 ms a call; and its simulated form.
+    for corpus, prefix in ((gpu, "fused-"), (sim, "sim-fused-")):
+        fused = [w for w in corpus if w.name.startswith(prefix)]
+        assert len(fused) >= 6, prefix
+        assert {Path(w.script).name for w in fused} == {"fused.py" if prefix == "fused-" else "sim_fused.py"}
+        assert all(dict(w.env)["KREX_AUTO_REGION"].endswith("@kernelbench") for w in fused)
+        assert any("--compile" in w.args for w in fused) and any("--compile" not in w.args for w in fused)
+        assert any(w.quick for w in fused)
+    gpu_fused = [w.expect_ms for w in gpu if w.name.startswith("fused-")]
+    assert min(gpu_fused) <= 0.5 and max(gpu_fused) > 10
     quick = bench.load_corpus(None, "sim", quick=True)
     assert 0 < len(quick) < len(sim)
     with pytest.raises(UsageError):

@@ -53,8 +53,8 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(a.seed)
 
-    def cpu(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
+    def cpu(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
 
     with cmd.phase("inputs"):  # made on the CPU, then copied, as an agent's harness does
         torch.manual_seed(a.seed)  # the modules' initial weights
