@@ -23,13 +23,16 @@
   env         extra environment variables of the command (e.g. KREX_AUTO_REGION)
 
 GPU corpus (run it on the H200; see docs/bench.md): Triton JIT kernels (fma chain,
-scaled copy, matmul in bf16 (on 32 SMs) and IEEE fp32, softmax), torch.compile candidates, and one
-C++/CUDA extension built with load_inline. Duration bands (by expected kernel time):
->10 ms: 10 commands, 1-10 ms: 14, 0.1-1 ms: 11, <0.1 ms: 4 (14 us to ~21 ms). Ranking
+scaled copy, matmul in bf16 (on 32 SMs) and IEEE fp32, softmax), torch.compile candidates, one
+C++/CUDA extension built with load_inline, the CPU-heavy family and the fused family (gpu/fused.py:
+conv/GEMM + norm + activation + reduction chains timed by a KernelBench-style harness under an
+automatic region). Duration bands (by expected kernel time): >10 ms: 11 commands, 1-10 ms: 21,
+0.1-1 ms: 17, <0.1 ms: 4 (14 us to ~21 ms). Ranking
 families: fma-short, fma-long, copy-scale, matmul-k, sgemm-k (truth "param", steps of 1.5-2 % so pairwise gaps
 cover <2 %, 2-5 % and 5-10 %) and matmul-tiles (truth "measured": six fp32 tilings).
 
-SIM corpus: the same shape on the simulated GPU (sim/sim_cmd.py); import and compile
+SIM corpus: the same shape on the simulated GPU (sim/sim_cmd.py, and sim/sim_fused.py for
+the fused family); import and compile
 are CPU sleeps, the timed loop runs simulated kernels of exactly ``--us`` microseconds,
 so every family's true order is exact. Logic demo only, never performance evidence.
 """
