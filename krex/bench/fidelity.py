@@ -261,6 +261,10 @@ def _ms(d: Mapping[str, Any] | None, k: str) -> str:
     return NA if v is None else f"{1e3 * float(v):.1f}"
 
 
+def _pct(x: Any) -> str:
+    return NA if not isinstance(x, (int, float)) or math.isnan(x) else f"{100 * x:.2f}%"
+
+
 def _frac(x: Any) -> str:
     return NA if x is None else f"{100 * float(x):.0f}%"
 
@@ -302,7 +306,7 @@ def render_md(s: Mapping[str, Any]) -> list[str]:
             "",
             "A krex run is *inflated* when its ms exceeds the same command's native-serial median by more "
             f"than the native noise ({src}): "
-            + ", ".join(f"{b} {NA if v is None else f'{100 * v:.2f}%'}" for b, v in thr.items())
+            + ", ".join(f"{b} {_pct(v)}" for b, v in thr.items())
             + ". Precision = flagged and inflated / flagged; recall = flagged and inflated / inflated. "
             "Runs of a band without a noise figure are not judged.",
             "",
@@ -326,8 +330,9 @@ def render_md(s: Mapping[str, Any]) -> list[str]:
             "temperature), and krexd's SM clock at the grant (its attestation). n/a: not sampled (the "
             "simulated GPU has no NVML).",
             "",
-            "| cell | runs | regions | SM MHz at grant p50 | min inside p50 | krexd SM MHz at grant p50 | "
-            "power W at grant p50 | max inside p95 | temp C at grant p50 | max inside max |",
+            "| cell | runs that were | regions | SM MHz at grant p50 | min inside p50 | "
+            "krexd SM MHz at grant p50 | power W at grant p50 | max inside p95 | temp C at grant p50 | "
+            "max inside max |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for k, groups in nv.items():

@@ -314,3 +314,14 @@ def test_nvml_sampler_annotates_regions_from_a_fake_nvml(
     assert "nvml" not in rep["regions"][1]  # a region without its grant time gets no figures
     lines = (tmp_path / NVML_FILE).read_text().splitlines()
     assert len(lines) >= 5 and json.loads(lines[0])["sm_mhz"] == 1755
+
+
+def test_flag_thresholds_without_noise_read_na(tmp_path: Path) -> None:
+    """A band with no native noise has no threshold: summary.md says n/a (never nan%)."""
+    ws = _ws(tmp_path, {"a": 2.0})
+    recs = [_rec("native-serial", "a", 2.0, rep=0), _rec("native-serial", "a", 2.02, rep=1)]
+    recs += [_rec("krex-2", "a", 2.0)]
+    s = bench.compute_summary({**META, "repeat": 2}, [_cell("native-serial"), _cell("krex-2")], recs, ws)
+    md = bench.render_summary_md(s)
+    line = next(ln for ln in md.splitlines() if ln.startswith("A krex run is *inflated*"))
+    assert "nan" not in line and "<0.1ms n/a" in line and ">10ms n/a" in line and "1-10ms 0.50%" in line
