@@ -68,10 +68,10 @@ class _Progress:
 
 def _headline_text(summary: dict[str, Any]) -> str:
     goals = (summary.get("headline") or {}).get("goals") or []
-    rows = [("metric", "goal", "paper (H20)", "ours", "met")] + [
-        (g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
+    rows = [("cell", "metric", "goal", "paper (H20)", "ours", "met")] + [
+        (g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
     ]
-    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(5)]
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(6)]
     out = []
     for j, r in enumerate(rows):
         out.append("  ".join(str(x)[: widths[i]].ljust(widths[i]) for i, x in enumerate(r)).rstrip())
@@ -236,6 +236,22 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
     help="compare krexd's lend_cores: one krex cell per value of off, region, all (krex-C+lend-X), each "
     "under a daemon the bench starts [default: the daemon's setting]",
 )
+@click.option(
+    "--nvml-ms",
+    type=click.FloatRange(0.0),
+    default=25.0,
+    show_default=True,
+    help="on a real GPU: NVML samples (SM clock, power, temperature) every MS into nvml.jsonl and each "
+    "region's record; 0: none",
+)
+@click.option(
+    "--inflated-above",
+    type=click.FloatRange(0.0),
+    default=None,
+    metavar="PCT",
+    help="flag precision/recall: a krex run is inflated above PCT percent  [default: the native noise "
+    "of its duration band]",
+)
 @click.option("--no-plots", is_flag=True, help="skip the PNG plots")
 def bench(
     device: str,
@@ -258,6 +274,8 @@ def bench(
     freezes: str | None,
     prewarms: str | None,
     lends: str | None,
+    nvml_ms: float,
+    inflated_above: float | None,
 ) -> None:
     """Measure throughput, timing inflation and ranking fidelity: native serial,
     native repeat, unprotected sharing and KREX, side by side.
@@ -288,6 +306,8 @@ def bench(
         freezes=[f.strip() for f in freezes.split(",") if f.strip()] if freezes else None,
         prewarms=_parse_prewarms(prewarms) if prewarms else None,
         lends=[x.strip() for x in lends.split(",") if x.strip()] if lends else None,
+        nvml_ms=nvml_ms,
+        inflated_above=None if inflated_above is None else inflated_above / 100.0,
         cold_cache=not warm_cache,
         plots=not no_plots,
         argv=["krex", "bench", *sys.argv[sys.argv.index("bench") + 1 :]]

@@ -3,6 +3,7 @@
 # order given: topo (CPU topology), short (the short-kernel experiment), settle (scripts/gpu_settle.py),
 # pacing (scripts/gpu_pacing.py: bounded queues on and off),
 # autotune (scripts/gpu_autotune.py),
+# lone (scripts/lone_region.py: LONE_ARGS, LONE_TIMEOUT),
 # bench (a krex bench that
 # compares freeze policies side by side, BENCH_ARGS), entry (region entry while siblings copy
 # GB-scale inputs). The bench directory travels as h200run/bench.tgz; everything comes back in $OUT.
@@ -43,6 +44,10 @@ for step in $STEPS; do case $step in
   echo "== autotuning under KREX (scripts/gpu_autotune.py)"; timeout $(left ${AUTOTUNE_TIMEOUT:-300}) python3 "$REPO/scripts/gpu_autotune.py" --out "$L" ${AUTOTUNE_ARGS:-} 2>"$L/autotune.err" | tee "$L/autotune.txt" || tail -5 "$L/autotune.err" ;;
   pacing)  # region entry while siblings queue work: bounded queues on and off (scripts/gpu_pacing.py)
   echo "== bounded queues (scripts/gpu_pacing.py)"; timeout $(left ${PACING_TIMEOUT:-200}) python3 "$REPO/scripts/gpu_pacing.py" --device gpu --out "$L/pacing" ${PACING_ARGS:-} 2>"$L/pacing.err" | tee "$L/pacing.txt" || tail -5 "$L/pacing.err" ;;
+  lone)  # each command alone in a region, without one under krex run, and natively (scripts/lone_region.py);
+         # its runs come back as lone.jsonl in logs.tgz: carry it as h200run/lone.jsonl to continue
+  [ -f "$REPO/h200run/lone.jsonl" ] && [ ! -f "$L/lone.jsonl" ] && cp "$REPO/h200run/lone.jsonl" "$L/lone.jsonl"
+  echo "== lone region ${LONE_ARGS:-}"; timeout $(left ${LONE_TIMEOUT:-500}) python3 "$REPO/scripts/lone_region.py" --device gpu --corpus "$REPO/examples/workloads/manifest.py" --out "$L/lone.jsonl" ${LONE_ARGS:-} > "$L/lone.txt" 2>&1; echo "lone exit $?"; tail -25 "$L/lone.txt" ;;
   entry)
   echo "== region entry while siblings copy GB-scale inputs"; timeout $(left ${ENTRY_TIMEOUT:-150}) python3 "$REPO/scripts/gpu_entry_copies.py" 2>"$L/entry.err" || tail -5 "$L/entry.err" ;;
   *) echo "unknown step $step"; exit 2 ;;

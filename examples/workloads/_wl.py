@@ -17,6 +17,9 @@ contaminated).
 Knobs (environment; `krex bench --reference-rep-ms` sets them for its reference pass):
   KREX_WL_REP_MS     timed-loop budget in ms (default 100, like do_bench's rep)
   KREX_WL_WARMUP_MS  warm-up budget in ms (default 25)
+  KREX_WL_REGION     "0": run the timed loop outside any region, even under KREX (what
+                     scripts/lone_region.py compares a region against; with
+                     KREX_AUTO_REGION=0 for the commands timed through automatic regions)
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class Command:
         self.name, self.family, self.param = name, family, param
         self.phases: dict[str, float] = {}
         self.t_region_s = 0.0
-        self.region_entry_s = 0.0
+        # None: not seen by the command (an automatic region's entry); the JSON line says null
+        self.region_entry_s: float | None = 0.0
         self.grant: dict[str, Any] = {}
 
     @contextlib.contextmanager
@@ -81,13 +85,14 @@ class Command:
         import krex
 
         t0 = time.perf_counter()
-        with krex.region() as r:
+        region = krex.region() if os.environ.get("KREX_WL_REGION", "").strip() != "0" else None
+        with region if region is not None else contextlib.nullcontext() as r:
             t1 = time.perf_counter()
             ms = measure()
             t2 = time.perf_counter()
-        self.region_entry_s += t1 - t0
+        self.region_entry_s = (self.region_entry_s or 0.0) + (t1 - t0)
         self.t_region_s += t2 - t1
-        g = r.grant or {}
+        g = (r.grant if r is not None else None) or {}
         self.grant = {
             k: g.get(k)
             for k in ("queue_wait_s", "entry_s", "drain_s", "freeze_s", "contaminated", "partition_degraded")

@@ -23,13 +23,16 @@
   env         extra environment variables of the command (e.g. KREX_AUTO_REGION)
 
 GPU corpus (run it on the H200; see docs/bench.md): Triton JIT kernels (fma chain,
-scaled copy, matmul in bf16 (on 32 SMs) and IEEE fp32, softmax), torch.compile candidates, and one
-C++/CUDA extension built with load_inline. Duration bands (by expected kernel time):
->10 ms: 10 commands, 1-10 ms: 14, 0.1-1 ms: 11, <0.1 ms: 4 (14 us to ~21 ms). Ranking
+scaled copy, matmul in bf16 (on 32 SMs) and IEEE fp32, softmax), torch.compile candidates, one
+C++/CUDA extension built with load_inline, the CPU-heavy family and the fused family (gpu/fused.py:
+conv/GEMM + norm + activation + reduction chains timed by a KernelBench-style harness under an
+automatic region). Duration bands (by expected kernel time): >10 ms: 11 commands, 1-10 ms: 21,
+0.1-1 ms: 17, <0.1 ms: 4 (14 us to ~21 ms). Ranking
 families: fma-short, fma-long, copy-scale, matmul-k, sgemm-k (truth "param", steps of 1.5-2 % so pairwise gaps
 cover <2 %, 2-5 % and 5-10 %) and matmul-tiles (truth "measured": six fp32 tilings).
 
-SIM corpus: the same shape on the simulated GPU (sim/sim_cmd.py); import and compile
+SIM corpus: the same shape on the simulated GPU (sim/sim_cmd.py, and sim/sim_fused.py for
+the fused family); import and compile
 are CPU sleeps, the timed loop runs simulated kernels of exactly ``--us`` microseconds,
 so every family's true order is exact. Logic demo only, never performance evidence.
 """
@@ -289,6 +292,81 @@ def _gpu() -> list[dict[str, Any]]:
             est_wall_s=52,
         )
     )
+    out += _fused_gpu()
+    return out
+
+
+# The fused family: operator chains of our own (a convolution or GEMM, then normalisation,
+# activation and a reduction), eager and torch.compile'd, each timed by a harness's own
+# KernelBench-style timing function (100 trials) under an automatic region; inputs are made
+# on the CPU and copied. Nobody tunes them: the sizes span ~0.5 to ~11 ms a call, estimated
+# from FLOPs and bytes (fp32 GEMM ~50 TFLOP/s, TF32 convolutions, ~4 TB/s), not measured.
+FUSED_AUTO_REGION = {"KREX_AUTO_REGION": "_timing:time_execution_with_cuda_event@kernelbench"}
+
+
+def _fused_gpu() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    # (chain, compiled, n, cin, cout, hw, expected ms, quick)
+    shapes = [
+        ("conv-gn", False, 32, 64, 128, 64, 0.5, True),
+        ("conv-gn", False, 64, 128, 256, 64, 2.0, False),
+        ("conv-gn", False, 128, 256, 256, 64, 5.5, False),
+        ("gemm-ln", False, 4096, 1024, 4096, 0, 0.9, False),
+        ("gemm-ln", False, 8192, 2048, 4096, 0, 3.0, True),
+        ("gemm-ln", False, 8192, 4096, 8192, 0, 11.5, True),
+        ("convt3d-gn", False, 8, 32, 32, 32, 1.0, False),
+        ("convt3d-gn", False, 16, 64, 64, 32, 3.2, True),
+        ("conv-gn", True, 64, 128, 256, 64, 1.4, True),
+        ("gemm-ln", True, 8192, 2048, 4096, 0, 3.0, False),
+        ("convt3d-gn", True, 16, 64, 64, 32, 3.0, False),
+    ]
+    for chain, compiled, n, cin, cout, hw, ms, quick in shapes:
+        size = f"m{n}k{cin}n{cout}" if chain == "gemm-ln" else f"n{n}c{cin}x{cout}s{hw}"
+        out.append(
+            _cmd(
+                f"fused-{'compiled-' if compiled else ''}{chain}-{size}",
+                "gpu",
+                "gpu/fused.py",
+                ["--chain", chain, "--n", str(n), "--cin", str(cin), "--cout", str(cout)]
+                + (["--hw", str(hw)] if hw else [])
+                + (["--compile"] if compiled else []),
+                quick=quick,
+                expect_ms=ms,
+                est_wall_s=(28 if compiled else 9) + ms * 0.11,
+                env=FUSED_AUTO_REGION,
+            )
+        )
+    return out
+
+
+def _fused_sim() -> list[dict[str, Any]]:
+    """The fused family on the simulated GPU: the same phases and the same timing function
+    (sim/sim_fused.py), chains of simulated kernels of exactly --us microseconds a call."""
+    out: list[dict[str, Any]] = []
+    # (chain, compiled, us, quick)
+    shapes = [
+        ("conv-gn", False, 500, True),
+        ("conv-gn", False, 2000, False),
+        ("gemm-ln", False, 9000, False),
+        ("convt3d-gn", False, 3200, False),
+        ("conv-gn", True, 1400, True),
+        ("gemm-ln", True, 3000, False),
+    ]
+    for chain, compiled, us, quick in shapes:
+        comp = 0.8 if compiled else 0.1
+        out.append(
+            _cmd(
+                f"sim-fused-{'compiled-' if compiled else ''}{chain}-{us}us",
+                "sim",
+                "sim/sim_fused.py",
+                ["--chain", chain, "--us", str(us), "--compile-s", f"{comp:g}"]
+                + (["--compile"] if compiled else []),
+                quick=quick,
+                expect_ms=us / 1000,
+                est_wall_s=0.6 + 0.15 + 0.02 + comp + 0.103 * us / 1000 + 0.3,
+                env=FUSED_AUTO_REGION,
+            )
+        )
     return out
 
 
@@ -352,6 +430,7 @@ def _sim() -> list[dict[str, Any]]:
             )
         )
         i += 1
+    out += _fused_sim()
     return out
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from krex.bench.corpus import Workload, corpus_digest, default_corpus_path, load_corpus
+from krex.bench.nvmlsample import Sampler, open_sampler
 from krex.bench.plan import (
     CELLS,
     CONCURRENT,
@@ -112,6 +113,8 @@ class BenchConfig:
     # krexd's lend_cores to compare (off, region, all): one krex cell per value
     # (krex-C+lend-X); the bench starts its own daemon for each. None: the daemon's own.
     lends: Sequence[str] | None = None
+    nvml_ms: float = 25.0  # NVML sample interval on a real GPU (nvmlsample.py); 0: none
+    inflated_above: float | None = None  # stated inflation threshold of the flag scores; None: native noise
     cold_cache: bool = True  # fresh Triton/Inductor/extension caches per run (a new candidate compiles)
     warmup: bool = True
     plots: bool = True
@@ -230,6 +233,7 @@ class _Commands:
 
     def __init__(self, cfg: BenchConfig, dev: str, timeout_s: float) -> None:
         self.cfg, self.dev, self.timeout_s = cfg, dev, timeout_s
+        self.sampler: Sampler | None = None  # NVML figures of each region, on a real GPU
 
     def env_for(self, cell: Cell, tmp: Path) -> dict[str, str]:
         base = dict(os.environ)
@@ -306,6 +310,8 @@ class _Commands:
             rec["result"] = res
             if got.report is not None:
                 rec["krex"] = _compact_report(got.report)
+                if self.sampler is not None:
+                    self.sampler.annotate(rec["krex"])
             ok = rec["exit_status"] == 0 and res is not None and bool(res.get("correct"))
             if res is not None:
                 ms = res.get("ms")
@@ -345,6 +351,8 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "pin_s",
         "entry_s",
         "region_s",
+        "t_grant_ns",
+        "t_end_ns",
         "thaw_s",
         "contaminated",
         "reasons",
@@ -591,6 +599,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         }
     meta.setdefault("invocations", []).append(invocation)
     meta.setdefault("notes", [])
+    if cfg.inflated_above is not None:  # the summary's flag scores read it (a resume may set it)
+        meta["inflated_above"] = cfg.inflated_above
     (out_dir / META).write_text(json.dumps(meta, indent=1))
 
     # ---- plan
@@ -779,6 +789,9 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             "stop it (`krex daemon stop`), or drop --prewarm and --lend",
         )
     try:
+        if todo:
+            cmds.sampler, why = open_sampler(dev, cfg.nvml_ms, out_dir)
+            note(why)
         if todo and cfg.warmup:
             warm_up(workloads)
 
@@ -836,6 +849,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                 message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
             )
     finally:
+        if cmds.sampler is not None:
+            cmds.sampler.stop()
         if started_daemon:
             _stop_daemon()
 

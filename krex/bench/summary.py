@@ -9,8 +9,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from krex.bench import fidelity as fd
 from krex.bench import metrics as bm
 from krex.bench.corpus import Workload
+from krex.bench.headline import headline
 from krex.bench.plan import CONCURRENT, MODES, Cell
 
 __all__ = ["GOAL_THROUGHPUT", "PAPER", "SIM_LABEL", "compute_summary", "json_safe", "render_summary_md"]
@@ -139,11 +141,22 @@ def compute_summary(
     # The native noise floor when no native-repeat cell ran but native-serial made several
     # passes: each native run against its command's native median.
     ns_runs = [r for r in by_cell.get("native-serial", []) if r["name"] in ref_ms and _ms(r) is not None]
-    if "native-repeat" not in split and len({r.get("rep", 0) for r in ns_runs}) > 1:
-        pairs = [(ref_ms[r["name"]], float(_ms(r) or 0.0)) for r in ns_runs]
+    noise_pairs: list[tuple[float, float]] = []
+    noise_src = "none (no native-repeat cell, one native-serial pass)"
+    if "native-repeat" in cell_rows:
+        noise_pairs = [
+            (ref_ms[r["name"]], m)
+            for r in by_cell.get("native-repeat", [])
+            if r["name"] in ref_ms and (m := _ms(r)) is not None
+        ]
+        noise_src = "p95 |inflation| of native-repeat"
+    elif len({r.get("rep", 0) for r in ns_runs}) > 1:
+        noise_pairs = [(ref_ms[r["name"]], float(_ms(r) or 0.0)) for r in ns_runs]
+        noise_src = "p95 |inflation| of the native-serial passes against their median"
         split["native-serial passes"] = {
-            b: bm.dist(v).to_json() for b, v in bm.inflation_by_split_band(pairs).items()
+            b: bm.dist(v).to_json() for b, v in bm.inflation_by_split_band(noise_pairs).items()
         }
+    noise_p95 = {b: bm.percentile(v, 95) for b, v in bm.inflation_by_band(noise_pairs).items()}
 
     # Fidelity per GPU, when the concurrent cells were spread over several (--gpus).
     per_gpu: dict[str, dict[str, dict[str, Any]]] = {}
@@ -235,7 +248,10 @@ def compute_summary(
         res = r.get("result")
         if not r.get("ok") or not isinstance(res, dict):
             continue
-        tr, tt = float(res.get("t_region_s") or 0.0), float(res.get("t_total_s") or 0.0)
+        # A command that prints no t_region_s (or null) has no fraction: never a 0 %.
+        if not isinstance(res.get("t_region_s"), (int, float)):
+            continue
+        tr, tt = float(res["t_region_s"]), float(res.get("t_total_s") or 0.0)
         if tt > 0:
             fr_list.append(bm.critical_fraction(tr, tt))
             reg_sum += tr
@@ -258,7 +274,9 @@ def compute_summary(
         rs = [r for r in by_cell.get(k, []) if isinstance(r.get("result"), dict)]
         if not rs:
             continue
-        client = [float(r["result"].get("region_entry_s") or 0.0) for r in rs]
+        client = [  # commands timed by an automatic region cannot see its entry: null, no data
+            float(v) for r in rs if isinstance(v := r["result"].get("region_entry_s"), (int, float))
+        ]
         qw: list[float] = []
         proto: list[float] = []
         adm: list[float] = []
@@ -310,7 +328,25 @@ def compute_summary(
         if not r.get("ok")
     ]
 
-    headline = _headline(thr, infl, ranking, critical, ns_cpm)
+    head = headline(thr, infl, noise_p95, ranking, critical, ns_cpm, PAPER, GOAL_THROUGHPUT)
+    if head.get("tau_baseline") == "native-serial":
+        notes.append(
+            "no native-repeat cell: tau and flip rates are held against the native-serial passes"
+        )
+    # Entry quantiles, the flags against native and NVML, per krex cell (fidelity.py).
+    stated = meta.get("inflated_above")
+    thresholds = fd.noise_thresholds(noise_pairs, float(stated) if stated is not None else None)
+    entry: dict[str, Any] = {}
+    flag_scores: dict[str, Any] = {}
+    nvml: dict[str, Any] = {}
+    for k in keys:
+        if cell_rows[k]["mode"] != "krex":
+            continue
+        rs = by_cell.get(k, [])
+        entry[k] = fd.entry_stats(rs)
+        judged = fd.judge_runs(rs, ref_ms, thresholds)
+        flag_scores[k] = fd.flag_scores(judged)
+        nvml[k] = fd.nvml_stats(judged)
     sim = meta.get("device") == "sim"
     return {
         "device": meta.get("device"),
@@ -335,7 +371,12 @@ def compute_summary(
         "ranking": ranking,
         "critical": critical,
         "regions": regions,
-        "headline": headline,
+        "headline": head,
+        "entry": entry,
+        "flags": flag_scores,
+        "flag_thresholds": thresholds,
+        "flag_threshold_source": f"stated: {100 * float(stated):.2f}%" if stated is not None else noise_src,
+        "nvml": nvml,
         "failures": failures,
         "notes": list(dict.fromkeys(notes)),
         "paper": PAPER,
@@ -353,183 +394,24 @@ def _workload_versions(recs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _headline(
-    thr: list[dict[str, Any]],
-    infl: dict[str, dict[str, Any]],
-    ranking: dict[str, dict[str, Any]],
-    critical: dict[str, Any],
-    ns_cpm: float,
-) -> dict[str, Any]:
-    krex_cells = [t for t in thr if t["mode"] == "krex" and math.isfinite(t["cmds_per_min"])]
-    best = max(krex_cells, key=lambda t: t["cmds_per_min"]) if krex_cells else None
-    h: dict[str, Any] = {"krex_cell": best["cell"] if best else None, "native_cpm": ns_cpm}
-    goals: list[dict[str, Any]] = []
-
-    def fmt_pct(x: float) -> str:
-        return "-" if not math.isfinite(x) else f"{100 * x:.2f}%"
-
-    def met(ok: bool | None) -> str:
-        return "n/a" if ok is None else ("yes" if ok else "NO")
-
-    unp = None
-    if best:
-        unp = next((t for t in thr if t["mode"] == "unprotected" and t["c"] == best["c"]), None)
-        h.update(krex_cpm=best["cmds_per_min"], throughput_ratio=best["ratio"], krex_c=best["c"])
-    unp_best = max(
-        (t for t in thr if t["mode"] == "unprotected" and math.isfinite(t["cmds_per_min"])),
-        key=lambda t: t["cmds_per_min"],
-        default=None,
-    )
-    ratio = best["ratio"] if best else math.nan
-    goals.append(
-        {
-            "metric": "throughput vs native serial (best krex-C)",
-            "goal": f">= {GOAL_THROUGHPUT:.1f}x",
-            "paper": f"{PAPER['throughput_ratio']}x ({PAPER['native_cpm']} -> {PAPER['krex_cpm']} cmds/min)",
-            "ours": "-"
-            if not best
-            else f"{ratio:.2f}x ({ns_cpm:.1f} -> {best['cmds_per_min']:.1f} cmds/min, {best['cell']})",
-            "met": met(None if not math.isfinite(ratio) else ratio >= GOAL_THROUGHPUT),
-        }
-    )
-    amd = float(critical.get("amdahl_bound", math.nan))
-    if not math.isfinite(amd):
-        amd_txt = "-"
-    else:
-        amd_txt = f"{amd:.1f}x (aggregate critical fraction {fmt_pct(float(critical['aggregate']))})"
-        if math.isfinite(ratio):
-            amd_txt += f"; krex reaches {ratio / amd:.0%} of it"
-    goals.append(
-        {
-            "metric": "Amdahl bound 1/(critical fraction)",
-            "goal": "-",
-            "paper": f"{1 / PAPER['critical_fraction_median']:.1f}x (median fraction 12%)",
-            "ours": amd_txt,
-            "met": "-",
-        }
-    )
-    goals.append(
-        {
-            "metric": "unprotected sharing throughput",
-            "goal": "-",
-            "paper": f"{PAPER['unprotected_cpm']} cmds/min "
-            f"({PAPER['unprotected_cpm'] / PAPER['native_cpm']:.1f}x), below KREX",
-            "ours": "-"
-            if not unp_best
-            else f"{unp_best['cmds_per_min']:.1f} cmds/min ({unp_best['ratio']:.2f}x, {unp_best['cell']})",
-            "met": "-",
-        }
-    )
-    p95: dict[str, float] = {}
-    for band, paper_v in PAPER["p95_inflation"].items():
-        d = (infl.get(best["cell"]) or {}).get(band) if best else None
-        v = float(d["p95"]) if d and d.get("p95") is not None else math.nan
-        p95[band] = v
-        nr = (infl.get("native-repeat") or {}).get(band) or {}
-        nr_v = float(nr["p95"]) if nr.get("p95") is not None else math.nan
-        ours = (
-            "-"
-            if not math.isfinite(v)
-            else f"{fmt_pct(v)} (n={d['n'] if d else 0}; native repeat {fmt_pct(nr_v)})"
-        )
-        goals.append(
-            {
-                "metric": f"p95 timing inflation, kernels {band}",
-                "goal": f"<= {fmt_pct(paper_v)}",
-                "paper": fmt_pct(paper_v),
-                "ours": ours,
-                "met": met(None if not math.isfinite(v) else v <= paper_v),
-            }
-        )
-    h["p95_inflation"] = p95
-    tau = {
-        "krex": ranking.get(best["cell"], {}).get("tau_median", math.nan) if best else math.nan,
-        "native-repeat": ranking.get("native-repeat", {}).get("tau_median", math.nan),
-        "native-serial": ranking.get("native-serial", {}).get("tau_median", math.nan),
-        "unprotected": ranking.get(unp["cell"], {}).get("tau_median", math.nan) if unp else math.nan,
-    }
-    h["tau"] = tau
-
-    def f3(x: float) -> str:
-        return "-" if not math.isfinite(x) else f"{x:.3f}"
-
-    goals.append(
-        {
-            "metric": "Kendall tau (median per family and pass), krex",
-            "goal": ">= native repeat",
-            "paper": f"{PAPER['tau']['krex']:.3f}",
-            "ours": f3(tau["krex"]),
-            "met": met(
-                None
-                if not (math.isfinite(tau["krex"]) and math.isfinite(tau["native-repeat"]))
-                else tau["krex"] >= tau["native-repeat"] - 1e-12
-            ),
-        }
-    )
-    goals.append(
-        {
-            "metric": "Kendall tau, native repeat",
-            "goal": "-",
-            "paper": f"{PAPER['tau']['native-repeat']:.3f}",
-            "ours": f3(tau["native-repeat"]),
-            "met": "-",
-        }
-    )
-    goals.append(
-        {
-            "metric": "Kendall tau, unprotected (same C)",
-            "goal": "-",
-            "paper": f"{PAPER['tau']['unprotected']:.3f}",
-            "ours": f3(tau["unprotected"]),
-            "met": "-",
-        }
-    )
-    flips: dict[str, dict[str, float]] = {}
-    kr = ranking.get(best["cell"], {}).get("flip", {}) if best else {}
-    nr_f = ranking.get("native-repeat", {}).get("flip", {})
-    un_f = ranking.get(unp["cell"], {}).get("flip", {}) if unp else {}
-    for label, _, _ in bm.GAP_CLASSES:
-        a = (kr.get(label) or {}).get("rate")
-        b = (nr_f.get(label) or {}).get("rate")
-        u = (un_f.get(label) or {}).get("rate")
-        fa = math.nan if a is None else float(a)
-        fb = math.nan if b is None else float(b)
-        fu = math.nan if u is None else float(u)
-        flips[label] = {"krex": fa, "native-repeat": fb, "unprotected": fu}
-        if (kr.get(label) or {}).get("pairs", 0) == 0 and (nr_f.get(label) or {}).get("pairs", 0) == 0:
-            continue
-        ok = None if not (math.isfinite(fa) and math.isfinite(fb)) else fa <= fb + PAPER["flip_pp"] + 1e-12
-        goals.append(
-            {
-                "metric": f"pairwise flip rate, true gap {label}",
-                "goal": "<= native repeat + 3 pp",
-                "paper": "within 3 pp of native repeat",
-                "ours": f"{fmt_pct(fa)} (native repeat {fmt_pct(fb)}, unprotected {fmt_pct(fu)})",
-                "met": met(ok),
-            }
-        )
-    h["flips"] = flips
-    h["goals"] = goals
-    return h
-
-
 # ----------------------------------------------------------------------------------- summary.md
 
 
 def _pct(x: Any, digits: int = 2) -> str:
+    """A fraction as a percentage; n/a where there is no data (None, NaN): never 0.0%."""
     try:
         v = float(x)
     except (TypeError, ValueError):
-        return "-"
-    return "-" if not math.isfinite(v) else f"{100 * v:.{digits}f}%"
+        return "n/a"
+    return "n/a" if not math.isfinite(v) else f"{100 * v:.{digits}f}%"
 
 
 def _num(x: Any, fmt: str = "{:.2f}") -> str:
     try:
         v = float(x)
     except (TypeError, ValueError):
-        return "-"
-    return "-" if not math.isfinite(v) else fmt.format(v)
+        return "n/a"
+    return "n/a" if not math.isfinite(v) else fmt.format(v)
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
@@ -566,15 +448,22 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
 
     h = s.get("headline", {})
     L += ["## Headline: goal, paper (NVIDIA H20) and ours", ""]
-    if h.get("krex_cell"):
+    if h.get("krex_cells"):
+        base = {"native-repeat": "the native-repeat cell", "native-serial": "the native-serial passes"}.get(
+            str(h.get("tau_baseline")), "no native cell"
+        )
         L += [
-            f"Ours are the krex cell with the highest throughput ({h['krex_cell']}), and the native-repeat "
-            "and the unprotected cell of the same C beside it.",
+            f"One block of rows per krex cell ({', '.join(h['krex_cells'])}), each against the unprotected "
+            f"cell of the same C; the native noise and the tau and flip baseline are {base}. Rows with cell "
+            "`-` hold for the whole run. n/a: no data.",
             "",
         ]
     L += _table(
-        ["metric", "goal", "paper", "ours", "goal met"],
-        [[g["metric"], g["goal"], g["paper"], g["ours"], g["met"]] for g in h.get("goals", [])],
+        ["cell", "metric", "goal", "paper", "ours", "goal met"],
+        [
+            [g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]]
+            for g in h.get("goals", [])
+        ],
     )
     L += [""]
 
@@ -775,6 +664,8 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
         ],
         rows,
     ) + [""]
+
+    L += fd.render_md(s)
 
     fails = s.get("failures", [])
     L += ["## Failures", ""]

@@ -7,7 +7,7 @@ test can change what "NVML" reports while a region runs. The fake's file:
     {"error": "why nvmlInit failed"}                              (optional)
     {"gpus": [{"name": "...", "uuid": "GPU-...", "pci": "0000:17:00.0",
                "migs": ["MIG-..."], "procs": [pid, ...], "mem": {"pid": bytes, ...},
-               "sm_clock": 1980, "throttle": 4}, ...]}
+               "sm_clock": 1980, "throttle": 4, "power_mw": 450000, "temp_c": 60}, ...]}
 
 Nothing here prints; failures raise NvmlUnavailable with the reason."""
 
@@ -54,6 +54,8 @@ class Nvml(Protocol):
     def process_memory(self, i: int) -> dict[int, int | None]: ...
     def sm_clock(self, i: int) -> int | None: ...
     def throttle(self, i: int) -> int | None: ...
+    def power_mw(self, i: int) -> int | None: ...
+    def temperature_c(self, i: int) -> int | None: ...
     def close(self) -> None: ...
 
 
@@ -152,6 +154,18 @@ class RealNvml:
                 return None
         return None
 
+    def power_mw(self, i: int) -> int | None:
+        try:
+            return int(self.m.nvmlDeviceGetPowerUsage(self._handle(i)))
+        except Exception:  # noqa: BLE001
+            return None
+
+    def temperature_c(self, i: int) -> int | None:
+        try:
+            return int(self.m.nvmlDeviceGetTemperature(self._handle(i), self.m.NVML_TEMPERATURE_GPU))
+        except Exception:  # noqa: BLE001
+            return None
+
     def close(self) -> None:
         with contextlib.suppress(Exception):  # shutting down is best effort
             self.m.nvmlShutdown()
@@ -208,6 +222,14 @@ class FakeNvml:
 
     def throttle(self, i: int) -> int | None:
         v = self._gpu(i).get("throttle")
+        return None if v is None else int(v)
+
+    def power_mw(self, i: int) -> int | None:
+        v = self._gpu(i).get("power_mw")
+        return None if v is None else int(v)
+
+    def temperature_c(self, i: int) -> int | None:
+        v = self._gpu(i).get("temp_c")
         return None if v is None else int(v)
 
     def close(self) -> None:

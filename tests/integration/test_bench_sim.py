@@ -169,7 +169,8 @@ def _check_results(out: Path, expect_cells: set[str]) -> dict[str, Any]:
         assert r["krex"] is not None and {"slot", "admission_wait_s", "regions"} <= set(r["krex"])
         assert len(r["krex"]["regions"]) == 1
         assert {"queue_wait_s", "entry_s", "contaminated", "flags", "cut"} <= set(r["krex"]["regions"][0])
-        assert "grant" in r["result"] and "entry_s" in r["result"]["grant"]
+        if r["result"]["region_entry_s"] is not None:  # (an automatic region's grant is not the command's)
+            assert "grant" in r["result"] and "entry_s" in r["result"]["grant"]
         assert r["krex"]["simulated"] is True
     summ = json.loads((out / "summary.json").read_text())
     for cell, reg in summ["regions"].items():  # the trust columns: what KREX could not vouch for
@@ -283,6 +284,52 @@ def test_bench_sim_quick_end_to_end_and_resume(krex_env: dict[str, str], tmp_pat
     assert p.returncode == 0, p.stderr[-3000:]
     assert "native-serial: already in" in p.stderr
     assert not [ln for ln in p.stderr.splitlines() if ln.startswith("krex bench: [")]
+
+
+def test_bench_runs_the_fused_family_on_the_simulated_gpu(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """The fused family in a quick bench: each command times its chain through the harness's
+    own KernelBench-style function, which KREX_AUTO_REGION wraps (one automatic region a run,
+    100 trials); the command cannot see its region's entry, so the client entry reads n/a,
+    while the journal's entry quantiles, the flag scores and the (simulated: n/a) NVML table
+    are there."""
+    out = tmp_path / "fused"
+    p = krex(
+        [*BENCH, "--only", "sim-fused", "--modes", "native-serial,native-repeat,krex", "--out", str(out)],
+        krex_env,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    names = meta["corpus_names"]
+    assert len(names) >= 2 and all(n.startswith("sim-fused-") for n in names)
+    assert any("compiled" in n for n in names) and any("compiled" not in n for n in names)
+    raw = jsonl(out / "raw.jsonl")
+    assert len(raw) == 3 * len(names) and all(r["ok"] for r in raw), [r["error"] for r in raw]
+    for r in raw:
+        res = r["result"]
+        assert res["trials"] == 100 and res["region_entry_s"] is None and res["t_region_s"] > 0
+        assert res["region"].startswith("auto")
+        if r["mode"] == "krex":
+            kr = r["krex"]
+            assert kr["auto_region"]["wrapped"] == ["_timing:time_execution_with_cuda_event"]
+            assert len(kr["regions"]) == 1 and kr["regions"][0]["t_grant_ns"] > 0
+            assert "nvml" not in kr["regions"][0]  # no NVML on the simulated GPU
+        else:
+            assert r["krex"] is None and res["under_krex"] is False
+    s = json.loads((out / "summary.json").read_text())
+    assert s["regions"]["krex-2"]["client_entry_s"]["n"] == 0
+    assert s["critical"]["n"] == len(names)  # native-serial's runs: each printed its t_region_s
+    assert s["entry"]["krex-2"]["regions"] == len(names) and s["entry"]["krex-2"]["entry_s"]["p99"] > 0
+    assert s["flags"]["krex-2"]["runs"] == len(names)
+    assert s["headline"]["krex_cells"] == ["krex-2"] and s["headline"]["tau_baseline"] is None
+    assert any("NVML samples: none" in n for n in s["notes"])
+    md = (out / "summary.md").read_text()
+    assert "## Region entry quantiles (krex cells, from the journal)" in md
+    assert "## Flags against native: precision and recall" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| krex-2 | not inflated |"))
+    assert row.count("n/a") == 7, row
+    overhead = md.split("## Region entry overhead")[1].splitlines()
+    client = next(ln for ln in overhead if ln.startswith("| krex-2 |"))
+    assert client.startswith("| krex-2 | n/a | n/a |"), client
 
 
 def test_bench_usage_errors(krex_env: dict[str, str], tmp_path: Path) -> None:
@@ -512,3 +559,43 @@ def test_bench_compares_lent_cores_side_by_side(krex_env: dict[str, str], tmp_pa
         assert [r for r in recs if r["cell"] == cell and r.get("ok")], cell
     p = krex([*args, "--lend", "some", "--out", str(tmp_path / "bad")], krex_env, timeout=60)
     assert p.returncode == 2 and "--lend" in p.stderr, p.stderr
+
+
+def test_lone_region_script_compares_region_no_region_and_native(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """scripts/lone_region.py on the simulated GPU: each command alone, in a region, under
+    krex run with no region (KREX_AUTO_REGION=0, KREX_WL_REGION=0), and natively, for an
+    automatic-region command (fused) and an explicit-region one; a second call with the same
+    --out runs nothing more and prints the same table."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "lone_region.py"
+    out = tmp_path / "lone.jsonl"
+    argv = [
+        sys.executable,
+        str(script),
+        "--device",
+        "sim",
+        "-n",
+        "2",
+        "--out",
+        str(out),
+        "--noise-floor",
+        "100",
+    ]
+    argv += ["--only", "sim-fused-conv-gn-500us,sim-single-25us"]
+    p = subprocess.run(argv, env=krex_env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = jsonl(out)
+    assert len(rows) == 2 * 3 * 2 and all(r["ok"] for r in rows), rows
+    for r in rows:
+        assert r["regions"] == {"region": 1, "no-region": 0, "native": None}[r["mode"]], r
+    table = p.stdout.split("verdict\n", 1)[1].splitlines()
+    for name in ("sim-fused-conv-gn-500us", "sim-single-25us"):
+        line = next(ln for ln in table if ln.startswith(name))
+        assert " 2/2/2 " in line and "within native noise" in line, line
+    # the rotation: the first iteration starts with the region, the second without one
+    fused = [r["mode"] for r in rows if r["name"] == "sim-fused-conv-gn-500us"]
+    assert fused[:3] == ["region", "no-region", "native"] and fused[3] == "no-region"
+    again = subprocess.run(argv, env=krex_env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and len(jsonl(out)) == len(rows)
+    assert again.stdout.split("verdict\n", 1)[1] == p.stdout.split("verdict\n", 1)[1]
