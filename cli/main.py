@@ -23,6 +23,7 @@ from krex.native import lib
 from . import quiet
 from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
+from .compare_cmd import register as register_compare
 from .fleet_cmd import register as register_fleet
 from .lean import setup_cli_logging
 from .progress import fmt_s
@@ -516,6 +517,7 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
 register_extra(cli)
 register_bench(cli)
 register_fleet(cli)
+register_compare(cli)
 
 
 def main(argv: list[str] | None = None) -> Any:
