@@ -453,3 +453,26 @@ class Harness:
         self.seg.close()
         Segment.unlink(self.name)
         lib.krex_shm_unlink(self.sim_shm.encode())
+
+
+# ------------------------------------------------------------------ compare candidates
+
+_candidate: Path | None = None
+
+
+def sim_candidate() -> Path:
+    """examples/compare/sim_candidate.c built once per session: a benchmark of known speed
+    and noise on the simulated GPU (krex compare's candidates)."""
+    global _candidate
+    with _victims_lock:
+        if _candidate is None:
+            outdir = Path(tempfile.mkdtemp(prefix="krex-candidate-"))
+            atexit.register(shutil.rmtree, outdir, True)
+            out = outdir / "sim_candidate"
+            cmd = [CC, "-O2", f"-I{INTERPOSE}", "-o", str(out), str(REPO / "examples/compare/sim_candidate.c"),
+                   f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lm", "-ldl"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"compiling sim_candidate.c failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+            _candidate = out
+        return _candidate
