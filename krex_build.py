@@ -34,7 +34,9 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent
 INTERPOSE = ROOT / "interpose"
 # libkrex_interpose.so: the shim's parts (interpose/shim.h says what each holds) and the core.
-SHIM_SOURCES = ("shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", "krex_core.c")
+SHIM_SOURCES = (
+    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", "krex_core.c"
+)
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-fvisibility=hidden"]
 
 

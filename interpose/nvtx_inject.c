@@ -1,6 +1,6 @@
 /* libkrex_nvtx.so: KREX regions from NVTX ranges, for harnesses that cannot be changed.
  *
- * NVTX (v3, header-only, and v2's libnvToolsExt) loads the library named by
+ * NVTX v3 (header-only: the NVTX of CUDA 12 and 13) loads the library named by
  * NVTX_INJECTION64_PATH at a process's first NVTX call and calls its
  * InitializeInjectionNvtx2(getExportTable). This one then takes the range slots of the
  * process's NVTX function tables: push/pop and start/end, ASCII, wide and registered

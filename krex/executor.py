@@ -39,7 +39,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from krex import errors, runner
 from krex.errors import KrexError, UsageError
@@ -311,7 +311,8 @@ class Executor(futures.Executor):
         ``files``: paths the caller's command writes, handed back in ``RunResult.files``."""
         args = _argv(argv)
         if timeout_s is not None and not timeout_s > 0:
-            raise UsageError(f"timeout_s={timeout_s}: must be > 0", "give a positive number of seconds or None")
+            raise UsageError(f"timeout_s={timeout_s}: must be > 0",
+                             "give a positive number of seconds or None")
         self._ensure_ready()
         assert self._dir is not None
         run_env = dict(self._env)
@@ -345,7 +346,8 @@ class Executor(futures.Executor):
             self._queue.put(job)
             # A worker per job not yet taken that no idle worker will take, up to max_workers.
             if len(self._pending) > self._idle and len(self._threads) < (self._workers_wanted or 1):
-                t = threading.Thread(target=self._work, name=f"krex-executor-{len(self._threads)}", daemon=True)
+                t = threading.Thread(target=self._work, name=f"krex-executor-{len(self._threads)}",
+                                     daemon=True)
                 self._threads.append(t)
                 t.start()
         return fut
@@ -482,7 +484,7 @@ class Executor(futures.Executor):
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
+    ) -> Literal[False]:
         # An exception (a Ctrl-C among them) leaving the block stops what runs, as a
         # batch's Ctrl-C does, instead of waiting for every command to finish.
         self.shutdown(wait=True, cancel_futures=exc_type is not None)

@@ -62,7 +62,8 @@ class FigureSource:
 
     def with_unit(self, unit: str) -> FigureSource:
         if unit not in UNITS:
-            raise UsageError(f"unit {unit!r} is not one of {', '.join(UNITS)}", f"give one of {', '.join(UNITS)}")
+            units = ", ".join(UNITS)
+            raise UsageError(f"unit {unit!r} is not one of {units}", f"give one of {units}")
         return FigureSource(self.name, self.kind, self.key, unit, self.lower_is_better)
 
     def to_json(self) -> dict[str, Any]:

@@ -50,8 +50,10 @@ def pyperf_documents(cmp: Comparison, name: str = "krex-compare") -> dict[str, d
             f"give the figure's unit (--unit {'|'.join(UNITS)}) to export pyperf JSON",
         )
     if not cmp.figure.lower_is_better:
-        raise UsageError("pyperf reads its values as times (lower is better); this figure is higher-is-better",
-                         "export pyperf JSON only for time figures")
+        raise UsageError(
+            "pyperf reads its values as times (lower is better); this figure is higher-is-better",
+            "export pyperf JSON only for time figures",
+        )
     scale = UNITS[unit]
     docs: dict[str, dict[str, Any]] = {}
     for i, cand in enumerate(cmp.names):
@@ -70,7 +72,8 @@ def pyperf_documents(cmp: Comparison, name: str = "krex-compare") -> dict[str, d
                 "values": [r.value * scale],
             })
         if not runs:
-            raise UsageError(f"candidate {cand} has no counted run to export", "see the runs' left_out reasons")
+            raise UsageError(f"candidate {cand} has no counted run to export",
+                             "see the runs' left_out reasons")
         docs[cand] = {
             "version": PYPERF_VERSION,
             "metadata": {

@@ -42,7 +42,7 @@ __all__ = ["Comparison", "FigureSource", "Ratio", "RunFigure", "compare", "OUT_P
 OUT_PLACEHOLDER = "{out}"  # in a candidate's command: a per-run file the figure is read from
 MIN_RUNS = 6  # per candidate, before the first look (3 blocks)
 MAX_RUNS = 30  # per candidate: the default budget
-_UNLIKELY = 10  # runs_needed beyond this many budgets: "more runs are unlikely to settle it"
+_UNLIKELY = 3  # runs_needed beyond this many budgets: "more runs are unlikely to settle it"
 
 
 class CandidateFailed(KrexError):
@@ -127,7 +127,7 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "candidates": [{"name": n, "command": c} for n, c in zip(self.names, self.commands)],
+            "candidates": [{"name": n, "command": c} for n, c in zip(self.names, self.commands, strict=True)],
             "figure": self.figure.to_json(),
             "confidence": self.confidence,
             "method": "Hodges-Lehmann ratio on the log scale, Mann-Whitney interval; randomized "
@@ -162,7 +162,8 @@ class Comparison:
                        + (f" ({left} left out)" if left else ""))
         better = "lower" if self.figure.lower_is_better else "higher"
         for r in self.ratios:
-            ci = f"[{r.low:.4f}, {r.high:.4f}]" if math.isfinite(r.low) and math.isfinite(r.high) else "[-, -]"
+            finite = math.isfinite(r.low) and math.isfinite(r.high)
+            ci = f"[{r.low:.4f}, {r.high:.4f}]" if finite else "[-, -]"
             what = {"faster": f"{r.name} is faster than {self.names[0]}",
                     "slower": f"{r.name} is slower than {self.names[0]}",
                     "equivalent": f"{r.name} and {self.names[0]} are equivalent within {self.margin:.1%}"
@@ -180,8 +181,9 @@ class Comparison:
                     out.append(f"  more runs would likely settle it: about {r.runs_needed} per candidate "
                                f"if the ratio holds (budget was {self.max_runs})")
                 else:
-                    out.append(f"  more runs are unlikely to settle it (about {r.runs_needed} per candidate "
-                               "needed); the difference is within the noise")
+                    out.append(f"  more runs are unlikely to settle it: about {r.runs_needed} per candidate "
+                               f"would be needed if the ratio holds; the difference is within the noise "
+                               f"of {self.max_runs} runs")
         state = "settled" if self.settled else "budget spent" if self.budget_spent else "stopped"
         out.append(f"{state} after {self.looks_done} of {len(self.looks)} look(s), "
                    f"{sum(1 for r in self.runs)} run(s), {self.wall_s:.1f} s; order seed {self.seed}")
@@ -225,7 +227,8 @@ def _names(candidates: Sequence[Any], names: Sequence[str] | None) -> list[str]:
 def _check(candidates: Sequence[Any], confidence: float, min_runs: int, max_runs: int, jobs: int,
            margin: float | None) -> None:
     if len(candidates) < 2:
-        raise UsageError("a comparison needs at least two candidates", "give the baseline first, then the others")
+        raise UsageError("a comparison needs at least two candidates",
+                         "give the baseline first, then the others")
     if not 0.5 <= confidence < 1:
         raise UsageError(f"confidence {confidence} not in [0.5, 1)", "give e.g. 0.95")
     if min_runs < 2 or min_runs % 2 or max_runs < min_runs:
@@ -284,8 +287,9 @@ def compare(
             cmp.looks_done = look.index + 1
             _estimate(cmp, look)
             if progress is not None:
-                progress("; ".join(f"{r.name}/{labels[0]} {r.ratio:.4f} [{r.low:.4f}, {r.high:.4f}] {r.verdict}"
-                                   for r in cmp.ratios))
+                progress("; ".join(
+                    f"{r.name}/{labels[0]} {r.ratio:.4f} [{r.low:.4f}, {r.high:.4f}] {r.verdict}"
+                    for r in cmp.ratios))
             if all(r.verdict != "unsettled" for r in cmp.ratios):
                 cmp.settled = True
                 break
@@ -341,12 +345,15 @@ def _record(s: Slot, path: Path, used: bool, res: RunResult, shown: list[str], l
 
     who = f"{labels[s.candidate]} ({shown[s.candidate]}), block {s.block + 1}"
     if not res.ok:
-        how = ("timed out" if res.timed_out else "was stopped" if res.stopped else f"exited {res.exit_status}")
+        how = "timed out" if res.timed_out else "was stopped" if res.stopped else f"exited {res.exit_status}"
         raise CandidateFailed(f"{who} {how}: {tail_lines(res.stderr) or res.error or 'no output'}",
                               "fix the candidate's command (a comparison needs every run to succeed)")
     regs = res.regions
-    base = dict(candidate=s.candidate, block=s.block, position=s.position, wall_s=res.wall_s,
-                region_s=res.region_s, regions=len(regs), result=res)
+
+    def figure(value: float | None, left_out: str | None = None) -> RunFigure:
+        return RunFigure(s.candidate, s.block, s.position, value, res.wall_s, res.region_s, len(regs),
+                         left_out, res)
+
     if not regs and require_region:
         raise UsageError(
             f"{who}: its run made no region, so its timing was not protected from the other commands",
@@ -356,9 +363,9 @@ def _record(s: Slot, path: Path, used: bool, res: RunResult, shown: list[str], l
     flagged = [r for r in regs if not r.clean]
     if flagged:
         why = "; ".join(sorted({f for r in flagged for f in (r.flags or (("cut",) if r.cut else ()))}))
-        return RunFigure(value=None, left_out=f"region flagged: {why or 'contaminated'}", **base)
+        return figure(None, f"region flagged: {why or 'contaminated'}")
     text = path.read_text(errors="replace") if used and path.exists() else res.stdout
     if used and not path.exists():
         raise UsageError(f"{who}: the command did not write its {OUT_PLACEHOLDER} file {path}",
                          f"make the command write its result to the path given for {OUT_PLACEHOLDER}")
-    return RunFigure(value=src.read(text), **base)
+    return figure(src.read(text))

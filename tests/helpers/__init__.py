@@ -61,7 +61,8 @@ _victims_lock = threading.Lock()
 
 def nvtx_include_dir() -> Path | None:
     """A directory holding the NVTX v3 headers (nvtx3/nvToolsExt.h): the CUDA toolkit's."""
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(map(str, Path("/usr/local").glob("cuda*")))]
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda",
+             *sorted(map(str, Path("/usr/local").glob("cuda*")))]
     for r in roots:
         if r and (Path(r) / "include" / "nvtx3" / "nvToolsExt.h").is_file():
             return Path(r) / "include"
@@ -131,7 +132,7 @@ def victims() -> dict[str, Path]:
                 list(ex.map(lambda s: _compile(s, outdir / s.stem), srcs))
                 built = list(ex.map(lambda s: _compile_cpp(s, outdir / s.stem), cpp))
             _victims = {s.stem: outdir / s.stem for s in srcs}
-            _victims.update({s.stem: outdir / s.stem for s, ok in zip(cpp, built) if ok})
+            _victims.update({s.stem: outdir / s.stem for s, ok in zip(cpp, built, strict=True) if ok})
         return _victims
 
 
@@ -469,7 +470,8 @@ def sim_candidate() -> Path:
             outdir = Path(tempfile.mkdtemp(prefix="krex-candidate-"))
             atexit.register(shutil.rmtree, outdir, True)
             out = outdir / "sim_candidate"
-            cmd = [CC, "-O2", f"-I{INTERPOSE}", "-o", str(out), str(REPO / "examples/compare/sim_candidate.c"),
+            src = REPO / "examples/compare/sim_candidate.c"
+            cmd = [CC, "-O2", f"-I{INTERPOSE}", "-o", str(out), str(src),
                    f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lm", "-ldl"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

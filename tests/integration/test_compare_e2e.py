@@ -50,7 +50,9 @@ def test_a_faster_candidate_is_found_with_an_interval_around_its_true_ratio(
     assert bench.median() == pytest.approx(400e-6 * 0.9, rel=0.1)
 
 
-def test_equal_candidates_are_not_ordered_and_a_margin_calls_them_equivalent(krex_env: dict[str, str]) -> None:
+def test_equal_candidates_are_not_ordered_and_a_margin_calls_them_equivalent(
+    krex_env: dict[str, str],
+) -> None:
     cand = sim_candidate()
     a = f"{cand} --us 300 --noise 0.01 --region"
     p = _compare(krex_env, "--figure", "do_bench", "--max-runs", "10", "--margin", "0.05", a, a)

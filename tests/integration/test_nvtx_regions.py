@@ -35,7 +35,9 @@ def prog(bins: dict[str, Path]) -> Path:
     return bins["nvtx_ranges"]
 
 
-def _run(env: dict[str, str], prog: Path, report: Path, **extra: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _run(
+    env: dict[str, str], prog: Path, report: Path, **extra: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     p = subprocess.run([*KREX, "run", "--device", "sim", "--report", str(report), "--", str(prog)],
                        env={**env, **extra}, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -64,7 +66,9 @@ def test_matching_ranges_of_every_kind_become_regions(krex_env: dict[str, str], 
     assert t[0][1] <= t[1][0]
 
 
-def test_a_pattern_list_and_ranges_that_do_not_match(krex_env: dict[str, str], prog: Path, tmp_path: Path) -> None:
+def test_a_pattern_list_and_ranges_that_do_not_match(
+    krex_env: dict[str, str], prog: Path, tmp_path: Path
+) -> None:
     _, rep = _run(krex_env, prog, tmp_path / "a.json", KREX_NVTX_REGION="k-push, k-cpp*")
     assert sorted(r["label"] for r in rep["regions"]) == ["nvtx:k-cpp", "nvtx:k-cpp-domain", "nvtx:k-push"]
     marks, rep = _run(krex_env, prog, tmp_path / "b.json", KREX_NVTX_REGION="nothing-matches")
@@ -73,7 +77,9 @@ def test_a_pattern_list_and_ranges_that_do_not_match(krex_env: dict[str, str], p
     assert rep["regions"] == []
 
 
-def test_another_nvtx_tool_still_sees_every_range(krex_env: dict[str, str], prog: Path, tmp_path: Path) -> None:
+def test_another_nvtx_tool_still_sees_every_range(
+    krex_env: dict[str, str], prog: Path, tmp_path: Path
+) -> None:
     tool = tmp_path / "libtool.so"
     subprocess.run([CC, "-shared", "-fPIC", "-O2", "-o", str(tool), str(REPO / "tests/c/lib/nvtx_tool.c")],
                    check=True)

@@ -122,13 +122,14 @@ def test_pyperf_documents_hold_one_benchmark_per_candidate_in_seconds() -> None:
     assert [r["values"] for r in bench["runs"]] == [[pytest.approx(v)] for v in (0.0005, 0.00052, 0.00049)]
     assert all(r["metadata"]["duration"] == 1.5 for r in bench["runs"])
     with pytest.raises(UsageError, match="unit"):
-        pyperf_documents(Comparison(["a", "b"], [["a"], ["b"]], parse_figure("json:t"), 0.95, 10, None, 1, []))
+        no_unit = parse_figure("json:t")
+        pyperf_documents(Comparison(["a", "b"], [["a"], ["b"]], no_unit, 0.95, 10, None, 1, []))
 
 
 def test_pyperf_loads_the_files_and_compare_to_reads_them(tmp_path: Path) -> None:
     pyperf = pytest.importorskip("pyperf")
-    paths = write_pyperf(_comparison({0: [1.0, 1.1, 0.9, 1.05, 0.95, 1.0], 1: [0.5, 0.52, 0.49, 0.51, 0.5, 0.5]}),
-                         tmp_path)
+    values = {0: [1.0, 1.1, 0.9, 1.05, 0.95, 1.0], 1: [0.5, 0.52, 0.49, 0.51, 0.5, 0.5]}
+    paths = write_pyperf(_comparison(values), tmp_path)
     suite = pyperf.BenchmarkSuite.load(str(paths[1]))
     bench = suite.get_benchmark("krex-compare")
     assert bench.get_nvalue() == 6 and bench.get_unit() == "second"
