@@ -108,6 +108,9 @@ int main() {
 
     nvtxRangePushA("k-host"); id = nvtxRangeStartA("k-start-nested"); mark("k-start-nested"); work();
     nvtxRangeEnd(id); nvtxRangePop();
+    id = nvtxRangeStartA("k-handed");  // handed over at its start: a push on its thread nests in it
+    nvtxRangePushA("k-push-in-handed"); mark("k-push-in-handed"); work(); nvtxRangePop();
+    nvtxRangeEnd(id);
     nvtxRangeId_t other = nvtxRangeStartA("other-start"); mark("other-start"); work(); nvtxRangeEnd(other);
     std::printf("{\"done\":true}\n");
     return 0;

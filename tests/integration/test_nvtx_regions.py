@@ -19,13 +19,13 @@ KREX = [sys.executable, "-m", "krex.cli.main"]
 # What tests/c/nvtx_ranges.cpp opens, by the name of the range that is a region under
 # the pattern "k-*" (its outermost matching range on that thread).
 EXPECTED = ["k-push", "k-outer", "k-in-other", "k-ex", "k-wide-??", "k-reg", "k-cpp", "k-cpp-domain",
-            "k-start", "k-cross", "k-after-cross", "k-thread", "k-thread", "k-host"]
+            "k-start", "k-cross", "k-after-cross", "k-thread", "k-thread", "k-host", "k-handed"]
 # Each mark the program prints, and the region it must fall in (None: none).
 MARK_REGION = {"k-push": "k-push", "other-push": None, "k-inner": "k-outer", "k-in-other": "k-in-other",
                "k-ex": "k-ex", "k-wide": "k-wide-??", "k-reg": "k-reg", "k-cpp": "k-cpp",
                "k-cpp-domain": "k-cpp-domain", "k-start": "k-start", "k-cross": "k-cross",
                "k-after-cross": "k-after-cross", "k-thread": "k-thread", "k-start-nested": "k-host",
-               "other-start": None}
+               "k-push-in-handed": "k-handed", "other-start": None}
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_another_nvtx_tool_still_sees_every_range(
                       NVTX_INJECTION64_PATH=str(tool), NVTX_TOOL_OUT=str(chained))
     counts = json.loads(chained.read_text())
     assert counts == json.loads(alone.read_text())
-    assert counts["pushes"] > 0 and counts["starts"] == 4 and counts["regs"] == 1
+    assert counts["pushes"] > 0 and counts["starts"] == 5 and counts["regs"] == 1
     assert sorted(r["label"] for r in rep["regions"]) == sorted(f"nvtx:{n}" for n in EXPECTED)
     _check_marks(marks, rep["regions"])
 
