@@ -45,6 +45,7 @@ def register(cli_group: click.Group) -> None:
               help="KREX_NVTX_REGION for every run: NVTX ranges whose name matches become regions")
 @click.option("--allow-unprotected", is_flag=True,
               help="count runs that made no region (their timing ran unprotected)")
+@click.option("--retries", type=int, default=2, help="how often a run whose region was flagged is run again")
 @click.option("--timeout", type=float, default=None, help="seconds per run before its tree is killed")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="keep every run's output, report and {out} file here")
@@ -54,7 +55,8 @@ def register(cli_group: click.Group) -> None:
 def compare(candidates: tuple[str, ...], figure: str, unit: str | None, higher_is_better: bool,
             names: str | None, confidence: float, min_runs: int, max_runs: int, margin: float | None,
             jobs: int, seed: int | None, device: str, gpu: int | None, auto_region: str | None,
-            nvtx_region: str | None, allow_unprotected: bool, timeout: float | None, out_dir: str | None,
+            nvtx_region: str | None, allow_unprotected: bool, retries: int, timeout: float | None,
+            out_dir: str | None,
             pyperf_dir: str | None, as_json: bool) -> None:
     """Is B faster than A? Run the candidates (each a shell command; the first is the
     baseline) interleaved under KREX and report each one's ratio to the first with a
@@ -88,7 +90,7 @@ def compare(candidates: tuple[str, ...], figure: str, unit: str | None, higher_i
                   out_dir=Path(out_dir) / "runs" if out_dir else None) as ex:
         cmp = run_compare(ex, list(candidates), src, names=labels, confidence=confidence, min_runs=min_runs,
                           max_runs=max_runs, margin=margin, jobs=jobs, seed=seed,
-                          require_region=not allow_unprotected,
+                          require_region=not allow_unprotected, retries=retries,
                           out_dir=Path(out_dir) / "out" if out_dir else None, progress=progress, **opts)
     written = []
     if pyperf_dir is not None:

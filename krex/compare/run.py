@@ -10,7 +10,8 @@ interval excludes 1 (or lies inside the equivalence margin, when one is given).
 A run counts only when its command succeeded, its figure was read, and its timing was
 inside a clean region: a run with no region (the timing was unprotected) stops the
 comparison with a UsageError naming the fix, unless ``require_region`` is False; a run
-with a flagged region (contaminated, cut) is left out and recorded with the reason."""
+with a flagged region (contaminated, cut) is left out, recorded with the reason, and run
+again (``retries`` times at most) so its block stays balanced."""
 
 from __future__ import annotations
 
@@ -253,6 +254,7 @@ def compare(
     jobs: int = 1,
     seed: int | None = None,
     require_region: bool = True,
+    retries: int = 2,
     out_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     **submit_options: Any,
@@ -261,8 +263,9 @@ def compare(
     krex.compare.extract), running them through ``ex``. ``min_runs``/``max_runs``: runs per
     candidate before the first look and at most (the budget); ``margin``: call a ratio
     within 1 +- margin equivalent; ``jobs``: runs at once (1: one after another, the order
-    then balances drift best); ``out_dir``: where {out} files go (default: a temporary
-    directory, removed). Other options go to every ``ex.submit``."""
+    then balances drift best); ``retries``: how often a run whose region was flagged is run
+    again; ``out_dir``: where {out} files go (default: a temporary directory, removed).
+    Other options go to every ``ex.submit``."""
     src = parse_figure(figure)
     _check(candidates, confidence, min_runs, max_runs, jobs, margin)
     labels = _names(candidates, names)
@@ -274,13 +277,13 @@ def compare(
                      max_runs, margin, seed, looks, started_at=time.time())
     tmp = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="krex-compare-"))
     tmp.mkdir(parents=True, exist_ok=True)
+    runs = _Runs(ex, candidates, shown, labels, src, tmp, jobs, require_region, retries, submit_options)
     t0 = time.monotonic()
     try:
         block = 0
         for look in looks:
             while block < look.blocks:
-                _run_block(ex, candidates, shown, labels, src, cmp, block_order(len(candidates), block, rng),
-                           tmp, jobs, require_region, submit_options)
+                _run_block(runs, cmp, block_order(len(candidates), block, rng))
                 block += 1
                 if progress is not None:
                     progress(f"block {block}/{looks[-1].blocks} done ({2 * block} runs per candidate)")
@@ -319,31 +322,49 @@ def _estimate(cmp: Comparison, look: Look) -> None:
         ))
 
 
-def _run_block(ex: Executor, candidates: Sequence[Sequence[str] | str], shown: list[str], labels: list[str],
-               src: FigureSource, cmp: Comparison, slots: list[Slot], tmp: Path, jobs: int,
-               require_region: bool, submit_options: dict[str, Any]) -> None:
-    """Run one block's slots in order, at most ``jobs`` at a time; record each run."""
-    inflight: list[tuple[Slot, Path, bool, Future[RunResult]]] = []
-    pending = list(slots)
+@dataclass
+class _Runs:
+    """What every run of a comparison needs."""
+
+    ex: Executor
+    candidates: Sequence[Sequence[str] | str]
+    shown: list[str]
+    labels: list[str]
+    src: FigureSource
+    tmp: Path
+    jobs: int
+    require_region: bool
+    retries: int
+    submit_options: dict[str, Any]
+
+
+def _run_block(r: _Runs, cmp: Comparison, slots: list[Slot]) -> None:
+    """Run one block's slots in order, at most ``jobs`` at a time; record each run. A run
+    whose region was flagged is recorded (left out) and run again, up to ``retries`` times
+    per slot, so the block keeps its balance."""
+    inflight: list[tuple[Slot, int, Path, bool, Future[RunResult]]] = []
+    pending = [(s, 0) for s in slots]
     while pending or inflight:
-        while pending and len(inflight) < jobs:
-            s = pending.pop(0)
-            path = tmp / f"{labels[s.candidate]}-b{s.block:03d}-p{s.position}.out"
+        while pending and len(inflight) < r.jobs:
+            s, tries = pending.pop(0)
+            path = r.tmp / f"{r.labels[s.candidate]}-b{s.block:03d}-p{s.position}-t{tries}.out"
             with contextlib.suppress(OSError):
                 path.unlink()
-            cmd, used = _with_out(candidates[s.candidate], path)
-            fut = ex.submit(cmd, name=f"{labels[s.candidate]} (block {s.block + 1})", **submit_options)
-            inflight.append((s, path, used, fut))
-        s, path, used, fut = inflight.pop(0)
-        cmp.runs.append(_record(s, path, used, fut.result(), shown, labels, src, require_region))
-        cmp.simulated = cmp.simulated or bool(cmp.runs[-1].result and cmp.runs[-1].result.simulated)
+            cmd, used = _with_out(r.candidates[s.candidate], path)
+            fut = r.ex.submit(cmd, name=f"{r.labels[s.candidate]} (block {s.block + 1})", **r.submit_options)
+            inflight.append((s, tries, path, used, fut))
+        s, tries, path, used, fut = inflight.pop(0)
+        got = _record(s, path, used, fut.result(), r)
+        cmp.runs.append(got)
+        cmp.simulated = cmp.simulated or bool(got.result and got.result.simulated)
+        if got.value is None and tries < r.retries:
+            pending.append((s, tries + 1))
 
 
-def _record(s: Slot, path: Path, used: bool, res: RunResult, shown: list[str], labels: list[str],
-            src: FigureSource, require_region: bool) -> RunFigure:
+def _record(s: Slot, path: Path, used: bool, res: RunResult, r: _Runs) -> RunFigure:
     from krex.runner import tail_lines
 
-    who = f"{labels[s.candidate]} ({shown[s.candidate]}), block {s.block + 1}"
+    who = f"{r.labels[s.candidate]} ({r.shown[s.candidate]}), block {s.block + 1}"
     if not res.ok:
         how = "timed out" if res.timed_out else "was stopped" if res.stopped else f"exited {res.exit_status}"
         raise CandidateFailed(f"{who} {how}: {tail_lines(res.stderr) or res.error or 'no output'}",
@@ -354,18 +375,18 @@ def _record(s: Slot, path: Path, used: bool, res: RunResult, shown: list[str], l
         return RunFigure(s.candidate, s.block, s.position, value, res.wall_s, res.region_s, len(regs),
                          left_out, res)
 
-    if not regs and require_region:
+    if not regs and r.require_region:
         raise UsageError(
             f"{who}: its run made no region, so its timing was not protected from the other commands",
             "mark the timed loop (krex.region(), the C macros), or give --auto-region do_bench / "
             "--nvtx-region PATTERN; --allow-unprotected compares anyway",
         )
-    flagged = [r for r in regs if not r.clean]
+    flagged = [g for g in regs if not g.clean]
     if flagged:
-        why = "; ".join(sorted({f for r in flagged for f in (r.flags or (("cut",) if r.cut else ()))}))
+        why = "; ".join(sorted({f for g in flagged for f in (g.flags or (("cut",) if g.cut else ()))}))
         return figure(None, f"region flagged: {why or 'contaminated'}")
     text = path.read_text(errors="replace") if used and path.exists() else res.stdout
     if used and not path.exists():
         raise UsageError(f"{who}: the command did not write its {OUT_PLACEHOLDER} file {path}",
                          f"make the command write its result to the path given for {OUT_PLACEHOLDER}")
-    return figure(src.read(text))
+    return figure(r.src.read(text))

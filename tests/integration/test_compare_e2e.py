@@ -72,3 +72,22 @@ def test_unprotected_runs_and_failing_candidates_stop_with_a_fix(krex_env: dict[
     assert p.returncode == 1 and "exited 7" in p.stderr
     p = _compare(krex_env, "--figure", "json:nope", f"{cand} --us 100 --region", f"{cand} --us 100 --region")
     assert p.returncode == 2 and "no JSON document" in p.stderr
+
+
+def test_runs_at_once_and_flagged_regions_run_again(krex_env: dict[str, str]) -> None:
+    """-j 2: two runs at once, each still in a region; a run whose region was flagged (on a
+    small machine: a sibling on the region core) is left out and its slot run again."""
+    cand = sim_candidate()
+    a = f"{cand} --us 300 --noise 0.02 --region"
+    p = _compare(krex_env, "--figure", "do_bench", "-j", "2", "--min-runs", "6", "--max-runs", "6",
+                 "--retries", "3", "--json", a, a)
+    assert p.returncode == 0, p.stderr
+    runs = json.loads(p.stdout)["runs"]
+    by_slot: dict[tuple[int, int], list[dict[str, object]]] = {}
+    for r in runs:
+        by_slot.setdefault((int(r["block"]), int(r["position"])), []).append(r)
+    assert len(by_slot) == 3 * 4  # 3 blocks of ABBA/BAAB
+    for tries in by_slot.values():
+        assert all(t["left_out"] for t in tries[:-1])  # run again only after a flagged run
+        assert tries[-1]["left_out"] is None or len(tries) == 4
+        assert all(t["left_out"] is None or str(t["left_out"]).startswith("region flagged") for t in tries)
