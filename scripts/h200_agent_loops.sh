@@ -20,13 +20,13 @@ nvidia-smi -L | head -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 echo "== 1. agent loop (Executor + Executor.compare), Triton candidates"
-timeout 150 python3 "$REPO/examples/agent_loop/agent_loop.py" --device gpu --rounds 2 --max-runs 12 --jobs 8 \
+timeout 170 python3 "$REPO/examples/agent_loop/agent_loop.py" --device gpu --rounds 2 --max-runs 12 --jobs 4 \
   > "$O/agent_loop.log" 2>&1
 echo "rc=$?"; grep -v '^{' "$O/agent_loop.log" | tail -8
 
 echo "== 2. krex compare, two Triton candidates"
 CAND="python3 $REPO/examples/agent_loop/triton_candidate.py"
-timeout 100 "${KREX[@]}" compare --device gpu --figure do_bench --auto-region do_bench -j 8 --max-runs 12 \
+timeout 110 "${KREX[@]}" compare --device gpu --figure do_bench --auto-region do_bench -j 4 --max-runs 12 \
   --names b1024w4,b256w1 --pyperf "$O/pyperf" --out "$O/compare-runs" --json \
   "$CAND --block 1024 --warps 4" "$CAND --block 256 --warps 1" > "$O/compare.json" 2> "$O/compare.log"
 echo "rc=$?"; tail -3 "$O/compare.log"
@@ -45,9 +45,9 @@ NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
 if [ -z "$NVCC" ]; then echo "no nvcc: skipped"; else
   INC=$(dirname "$NVCC")/../include
   "$NVCC" -O2 -cudart shared -I"$INC" "$REPO/examples/nvtx/nvtx_bench.cu" -o /tmp/nvtx_bench || exit 1
-  KREX_NVTX_REGION=timed timeout 60 "${KREX[@]}" run --device gpu --report "$O/nvtx.json" -- /tmp/nvtx_bench
+  KREX_NVTX_REGION=timed timeout 40 "${KREX[@]}" run --device gpu --report "$O/nvtx.json" -- /tmp/nvtx_bench
   echo "rc=$?"
-  KREX_NVTX_REGION=nothing timeout 60 "${KREX[@]}" run --device gpu --report "$O/nvtx-none.json" -- /tmp/nvtx_bench
+  KREX_NVTX_REGION=nothing timeout 40 "${KREX[@]}" run --device gpu --report "$O/nvtx-none.json" -- /tmp/nvtx_bench
   python3 - "$O/nvtx.json" "$O/nvtx-none.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))

@@ -85,14 +85,14 @@ def main() -> int:
     ap.add_argument("--proposals", type=int, default=3, help="candidates screened per round")
     ap.add_argument("--max-runs", type=int, default=16, help="compare's budget: runs per candidate")
     ap.add_argument("--jobs", type=int, default=None,
-                    help="compare's runs at once (default: 1 on the simulated GPU, 8 on a real one)")
+                    help="compare's runs at once (default: 1 on the simulated GPU, 4 on a real one)")
     ap.add_argument("--start", default="256,2", help="BLOCK,WARPS to start from")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     rng = random.Random(a.seed)
     block, warps = (int(x) for x in a.start.split(","))
     incumbent = Config(block, warps)
-    jobs = a.jobs or (1 if a.device == "sim" else 8)
+    jobs = a.jobs or (1 if a.device == "sim" else 4)
     figure = parse_figure("do_bench")  # both candidates print "<ms> ms"
     sim = sim_binary() if a.device == "sim" else ""
 
