@@ -12,17 +12,22 @@ blocks) and is then scored two ways from the same data:
           excludes 1: exactly what `krex compare` would have done with this data,
           since its decisions depend only on the runs before each look.
 Prints a Markdown table and writes every comparison's numbers as JSON (--json).
+--in-process draws the same candidates' figures in this process instead (no KREX, no
+processes: the method alone, with many more repetitions).
 
     python scripts/compare_coverage.py --reps 150 --runs 12 --json out.json
+    python scripts/compare_coverage.py --in-process --reps 4000 --runs 12
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -100,31 +105,41 @@ def main() -> int:
     ap.add_argument("--us", type=float, default=500, help="A's kernel length")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--in-process", action="store_true",
+                    help="draw the figures here (lognormal, same design) instead of running candidates")
     a = ap.parse_args()
     alpha = 1 - a.confidence
     work = Path(tempfile.mkdtemp(prefix="krex-coverage-"))
     os.environ.setdefault("KREX_STATE_DIR", str(work / "state"))
     os.environ.setdefault("KREX_SHM", f"/krex-cov-{os.getpid()}")
     os.environ.setdefault("KREX_SIM_SHM", f"/krex-covsim-{os.getpid()}")
-    exe = str(build(work))
+    exe = "" if a.in_process else str(build(work))
     configs = [(float(r), float(s)) for r, s in (c.split(":") for c in a.configs.split(","))]
     rows, raw = [], []
     t0 = time.time()
-    with Executor(device="sim", max_workers=1) as ex:
+    with contextlib.ExitStack() as stack:
+        ex = None if a.in_process else stack.enter_context(Executor(device="sim", max_workers=1))
         for ratio, sigma in configs:
             scored, left_out = [], 0
             for rep in range(a.reps):
-                cand = [[exe, "--us", f"{a.us:g}", "--noise", f"{sigma:g}", "--region"],
-                        [exe, "--us", f"{a.us:g}", "--ratio", f"{ratio:g}", "--noise", f"{sigma:g}", "--region"]]
-                cmp = compare(ex, cand, "json:mean_us", min_runs=a.runs, max_runs=a.runs,
-                              confidence=a.confidence, seed=rep)
-                left_out += sum(1 for r in cmp.runs if r.value is None)
-                runs = [(r.candidate, r.block, r.value) for r in cmp.runs if r.value is not None]
+                if ex is None:
+                    rng = random.Random(f"{ratio}:{sigma}:{rep}")
+                    runs = [(c, b, a.us * (ratio if c else 1.0) * math.exp(rng.gauss(0, sigma)))
+                            for b in range(a.runs // 2) for c in (0, 1, 1, 0)]
+                else:
+                    cand = [[exe, "--us", f"{a.us:g}", "--noise", f"{sigma:g}", "--region"],
+                            [exe, "--us", f"{a.us:g}", "--ratio", f"{ratio:g}", "--noise", f"{sigma:g}",
+                             "--region"]]
+                    cmp = compare(ex, cand, "json:mean_us", min_runs=a.runs, max_runs=a.runs,
+                                  confidence=a.confidence, seed=rep)
+                    left_out += sum(1 for r in cmp.runs if r.value is None)
+                    runs = [(r.candidate, r.block, r.value) for r in cmp.runs if r.value is not None]
                 s = score(runs, ratio, a.runs, alpha)
                 scored.append(s)
                 raw.append({"ratio": ratio, "sigma": sigma, "rep": rep, **s})
-                print(f"ratio {ratio} sigma {sigma}: {rep + 1}/{a.reps} ({time.time() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
+                if ex is not None:
+                    print(f"ratio {ratio} sigma {sigma}: {rep + 1}/{a.reps} ({time.time() - t0:.0f} s)",
+                          file=sys.stderr, flush=True)
             n = len(scored)
             fc = sum(bool(s["fixed_cover"]) for s in scored)
             sc = sum(bool(s["seq_cover"]) for s in scored)
@@ -138,7 +153,8 @@ def main() -> int:
                 "seq_mean_runs": sum(int(s["seq_runs"]) for s in scored) / n,  # type: ignore[call-overload]
                 "median_estimate": sorted(float(s["fixed_ratio"]) for s in scored)[n // 2],  # type: ignore[arg-type]
             })
-    print(f"\n{a.reps} comparisons per row, {a.runs} runs per candidate, stated confidence "
+    how = "in process, no KREX" if a.in_process else "each run a krex run on the simulated GPU"
+    print(f"\n{a.reps} comparisons per row ({how}), {a.runs} runs per candidate, stated confidence "
           f"{a.confidence:.0%}; {time.time() - t0:.0f} s; {platform.node()} ({os.cpu_count()} CPUs)\n")
     print("| true ratio B/A | noise sigma | fixed-n coverage [95% CI] | sequential coverage [95% CI] "
           "| settled (seq) | wrong order claimed (seq) | mean runs per candidate (seq) | median estimate "
@@ -153,7 +169,8 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "comparisons": raw, "args": vars(a) | {"json": str(a.json)}},
                                      indent=1, default=str))
-    subprocess.run([sys.executable, "-m", "krex.cli.main", "daemon", "stop"], capture_output=True)
+    if not a.in_process:
+        subprocess.run([sys.executable, "-m", "krex.cli.main", "daemon", "stop"], capture_output=True)
     for n in (os.environ["KREX_SHM"], os.environ["KREX_SIM_SHM"]):
         Path("/dev/shm" + n).unlink(missing_ok=True)
     return 0
