@@ -137,7 +137,16 @@ def test_shutdown_cancel_stops_running_commands_cleanly(iso: dict[str, str], tmp
     sibling = ex.submit(["/bin/sh", "-c",
                          f"echo $$ >> {sib_pids}; while true; do {cand} --us 200 --iters 3 >/dev/null; done"])
     waiting = ex.submit(["/bin/sh", "-c", "exit 0"])
-    time.sleep(1.0)  # the sibling is up (and frozen by the holder's region)
+    # The sibling's processes, found by their command line: it may be frozen by the holder's
+    # region before its shell runs a line.
+    sib: list[int] = []
+    deadline = time.monotonic() + 20
+    while not sib and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for p in psutil.process_iter(["cmdline"]):
+            if any(str(sib_pids) in a for a in p.info["cmdline"] or []):
+                sib += [p.pid, *(c.pid for c in p.children(recursive=True))]
+    assert sib, "the sibling never started"
     ex.shutdown(wait=True, cancel_futures=True)
     assert time.monotonic() - t0 < 60  # nobody waited for the 120 s region
     assert waiting.cancelled()
@@ -145,8 +154,9 @@ def test_shutdown_cancel_stops_running_commands_cleanly(iso: dict[str, str], tmp
         waiting.result()
     r1, r2 = running.result(timeout=5), sibling.result(timeout=5)
     assert r1.stopped and r2.stopped and not r1.ok
-    pids = [int(x) for x in Path(str(out) + ".pids").read_text().split()] + \
-        [int(x) for x in sib_pids.read_text().split()]
+    pids = [int(x) for x in Path(str(out) + ".pids").read_text().split()] + sib
+    if sib_pids.exists():
+        pids += [int(x) for x in sib_pids.read_text().split()]
     deadline = time.monotonic() + 10
     while not _gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
