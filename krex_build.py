@@ -1,7 +1,8 @@
 """Build the native parts of KREX from the ONE C core in interpose/.
 
 * ``ffibuilder`` -> the cffi extension ``krex._native`` (core + ABI, no hooks).
-* ``build_native(outdir)`` -> ``libkrex_interpose.so`` (core + hooks) and the
+* ``build_native(outdir)`` -> ``libkrex_interpose.so`` (core + hooks), the NVTX
+  injection ``libkrex_nvtx.so`` (KREX_NVTX_REGION: regions from NVTX ranges) and the
   simulated GPU (``libkrexsim.so``, ``libcuda.so.1``, ``libcudart.so.13``,
   ``libamdhip64.so``) plus the marker header ``krex.h``.
 
@@ -33,7 +34,9 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent
 INTERPOSE = ROOT / "interpose"
 # libkrex_interpose.so: the shim's parts (interpose/shim.h says what each holds) and the core.
-SHIM_SOURCES = ("shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "krex_core.c")
+SHIM_SOURCES = (
+    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", "krex_core.c"
+)
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-fvisibility=hidden"]
 
 
@@ -268,6 +271,8 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
             "-lpthread",
         ]
     )
+    # The NVTX injection: libc only; it finds the shim's region client at run time.
+    _cc([*CFLAGS, "-shared", "-o", str(out / "libkrex_nvtx.so"), f"{i}/nvtx_inject.c", "-ldl", "-lpthread"])
     _cc(
         [
             *CFLAGS,

@@ -23,6 +23,7 @@ from krex.native import lib
 from . import quiet
 from .bench_cmd import register as register_bench
 from .commands_extra import register as register_extra
+from .compare_cmd import register as register_compare
 from .fleet_cmd import register as register_fleet
 from .lean import setup_cli_logging
 from .progress import fmt_s
@@ -54,7 +55,9 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
     help="sim: also point LD_LIBRARY_PATH at the simulated GPU libraries",
 )
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
-def env(device: str, export: bool) -> None:
+@click.option("--nvtx-region", default=None, metavar="PATTERN",
+              help="also KREX_NVTX_REGION: NVTX ranges whose name matches PATTERN become regions")
+def env(device: str, export: bool, nvtx_region: str | None) -> None:
     """Print the variables that opt a process into KREX."""
     from krex.device.gpus import discover, sim_gpu_count
     from krex.node.shm import default_name
@@ -63,7 +66,13 @@ def env(device: str, export: bool) -> None:
     kind = "sim" if device == "sim" else discover(device).kind
     if kind == "sim":
         sim_gpu_count()  # validates KREX_SIM_GPUS now rather than in every opted-in process
-    click.echo(format_env(opt_in_env("sim" if kind == "sim" else "gpu", default_name()), export))
+    out = opt_in_env("sim" if kind == "sim" else "gpu", default_name())
+    if nvtx_region is not None:
+        from krex.native import nvtx_path
+
+        nvtx_path()  # NotFound (with the fix) when this installation has no NVTX library
+        out["KREX_NVTX_REGION"] = nvtx_region
+    click.echo(format_env(out, export))
 
 
 @cli.command("include-dir")
@@ -526,6 +535,7 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
 register_extra(cli)
 register_bench(cli)
 register_fleet(cli)
+register_compare(cli)
 
 
 def main(argv: list[str] | None = None) -> Any:

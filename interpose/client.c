@@ -157,19 +157,46 @@ static int recv_full(int fd, void *buf, size_t n) {
     return 0;
 }
 
-/* Send one request frame (krex_abi.h: header, the op's fixed body, no JSON). */
-static int send_msg(int fd, enum krex_op op, const void *body, uint32_t len) {
+/* Send one request frame (krex_abi.h: header, the op's fixed body, then `json` as the
+ * JSON part when not NULL: a short object this file wrote itself). */
+static int send_msg_json(int fd, enum krex_op op, const void *body, uint32_t len, const char *json) {
     struct {
         struct krex_msg_hdr h;
-        char body[64];
+        char body[64 + 512];
     } f;
-    memset(&f, 0, sizeof f);
+    size_t jl = json ? strlen(json) : 0;
+    memset(&f.h, 0, sizeof f.h);
     f.h.magic = KREX_WIRE_MAGIC;
     f.h.op = (uint16_t)op;
     f.h.body_len = len;
-    if (len > sizeof f.body) return -EINVAL;
+    f.h.json_len = (uint32_t)jl;
+    if (len > 64 || jl > sizeof f.body - 64) return -EINVAL;
     if (len) memcpy(f.body, body, len);
-    return send_all(fd, (const char *)&f, sizeof f.h + len);
+    if (jl) memcpy(f.body + len, json, jl);
+    return send_all(fd, (const char *)&f, sizeof f.h + len + jl);
+}
+
+static int send_msg(int fd, enum krex_op op, const void *body, uint32_t len) {
+    return send_msg_json(fd, op, body, len, NULL);
+}
+
+/* {"label":"..."} for a region's label: JSON-escaped, bytes outside printable ASCII
+ * as '?', at most `n` bytes with the terminator. "" for no label. */
+static void label_json(char *out, size_t n, const char *label) {
+    out[0] = 0;
+    if (!label || !*label || n < 16) return;
+    size_t o = (size_t)snprintf(out, n, "{\"label\":\"");
+    for (const unsigned char *c = (const unsigned char *)label; *c && o + 8 < n; c++) {
+        if (*c == '"' || *c == '\\') {
+            out[o++] = '\\';
+            out[o++] = (char)*c;
+        } else {
+            out[o++] = *c >= 0x20 && *c < 0x7f ? (char)*c : '?';
+        }
+    }
+    out[o++] = '"';
+    out[o++] = '}';
+    out[o] = 0;
 }
 
 /* Read the reply to a request: event frames are skipped; an ok reply's fixed body
@@ -242,27 +269,61 @@ static void region_lost(const char *what, int rc) {
     klog("region %s: lost krexd (%s); the region is not exclusive", what, strerror(-rc));
 }
 
+/* Regions handed over by their thread (krex_region_handover), so that another thread
+ * may end them: an NVTX range started on one thread and ended on another. While one is
+ * open, a region its thread begins is nested in it (a region of its own would queue
+ * behind it). Few at once: one region per GPU is granted, the rest wait. */
+#define HANDED_MAX 16
+#define FD_NESTED_IN_HANDED (-2) /* t_region_fd of a thread nested in its handed region */
+static struct {
+    int fd;      /* -1: free */
+    pid_t tid;
+} g_handed[HANDED_MAX] = {[0 ... HANDED_MAX - 1] = {-1, 0}};
+static pthread_mutex_t g_handed_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int holds_handed(pid_t tid) {
+    int found = 0;
+    pthread_mutex_lock(&g_handed_lock);
+    for (int i = 0; i < HANDED_MAX && !found; i++) found = g_handed[i].fd >= 0 && g_handed[i].tid == tid;
+    pthread_mutex_unlock(&g_handed_lock);
+    return found;
+}
+
+static int region_begin(const char *label);
+
 /* The C/C++ region markers (krex.h) resolve these at run time. 0 = granted or
  * not under KREX; negative = refused or lost (errno value). A nested begin on the
  * same thread is a no-op. */
-KREX_EXPORT int krex_region_begin(void) {
+KREX_EXPORT int krex_region_begin(void) { return region_begin(NULL); }
+
+/* krex_region_begin with a label, which the region's journal record and report carry
+ * (the NVTX injection: "nvtx:NAME"). */
+KREX_EXPORT int krex_region_begin_label(const char *label) { return region_begin(label); }
+
+static int region_begin(const char *label) {
     /* Meant to be under KREX but not attached (segment gone or damaged): say so, never
      * pretend a region happened. */
     if (mode_on() && !__atomic_load_n(&g_fast.gate, ACQUIRE)) krex_register();
     if (__atomic_load_n(&g_attach_err, RELAXED)) return -__atomic_load_n(&g_attach_err, RELAXED);
     if (!mode_on() || !g_sock_path[0]) return 0;
     if (t_region_depth++ > 0) return 0;
+    pid_t tid = (pid_t)syscall(SYS_gettid);
+    if (holds_handed(tid)) {
+        t_region_fd = FD_NESTED_IN_HANDED;
+        return 0;
+    }
     /* Register first: krexd frees a slot made on a region's own connection with it. */
     if (krex_self_register() != 0) {
         t_region_depth = 0;
         region_lost("begin", -ECONNREFUSED);
         return -ECONNREFUSED;
     }
-    struct krex_req_begin req = {.tid = (int64_t)syscall(SYS_gettid), .gpu = first_visible_gpu()};
+    struct krex_req_begin req = {.tid = (int64_t)tid, .gpu = first_visible_gpu()};
     struct krex_rep_begin rep;
-    char why[512];
+    char why[512], json[300];
+    label_json(json, sizeof json, label);
     int fd = conn_open();
-    int rc = fd < 0 ? fd : send_msg(fd, KREX_OP_BEGIN, &req, sizeof req);
+    int rc = fd < 0 ? fd : send_msg_json(fd, KREX_OP_BEGIN, &req, sizeof req, json[0] ? json : NULL);
     if (rc == 0) rc = recv_reply(fd, &rep, sizeof rep, why, sizeof why);
     if (rc != KREX_ST_OK) {
         if (fd >= 0) close(fd);
@@ -283,6 +344,8 @@ KREX_EXPORT int krex_region_begin(void) {
  * --max-region before END (what ran after the cut was not protected). 1 = it ended
  * but krexd flagged it (contaminated; `krex journal` says why). Other negative
  * values: krexd was lost or did not answer. */
+static int region_end_fd(int fd);
+
 KREX_EXPORT int krex_region_end(void) {
     if (__atomic_load_n(&g_attach_err, RELAXED)) return -__atomic_load_n(&g_attach_err, RELAXED);
     if (!mode_on() || !g_sock_path[0]) return 0;
@@ -290,6 +353,43 @@ KREX_EXPORT int krex_region_end(void) {
     if (--t_region_depth > 0) return 0;
     int fd = t_region_fd;
     t_region_fd = -1;
+    if (fd == FD_NESTED_IN_HANDED) return 0;
+    return region_end_fd(fd);
+}
+
+/* Hand the calling thread's region over: when the thread is in exactly one region
+ * (its outermost, just begun), its connection is returned (>= 0) and the thread is out
+ * of it, except that its own later regions nest in it until krex_region_end_handed.
+ * -EBUSY when the thread's region is nested (depth > 1: nothing of its own to hand),
+ * -EINVAL when it is in none, -ENOSPC when too many are handed over, 0 ... never. */
+KREX_EXPORT int krex_region_handover(void) {
+    if (t_region_depth > 1 || t_region_fd == FD_NESTED_IN_HANDED) return -EBUSY;
+    if (t_region_depth != 1 || t_region_fd < 0) return -EINVAL;
+    pid_t tid = (pid_t)syscall(SYS_gettid);
+    int fd = t_region_fd, slot = -1;
+    pthread_mutex_lock(&g_handed_lock);
+    for (int i = 0; i < HANDED_MAX && slot < 0; i++)
+        if (g_handed[i].fd < 0) slot = i;
+    if (slot >= 0) g_handed[slot].fd = fd, g_handed[slot].tid = tid;
+    pthread_mutex_unlock(&g_handed_lock);
+    if (slot < 0) return -ENOSPC;
+    t_region_depth = 0;
+    t_region_fd = -1;
+    return fd;
+}
+
+/* End a region handed over by krex_region_handover, from any thread. Returns what
+ * krex_region_end returns; -EINVAL for a connection that is not a handed region. */
+KREX_EXPORT int krex_region_end_handed(int fd) {
+    int found = 0;
+    pthread_mutex_lock(&g_handed_lock);
+    for (int i = 0; i < HANDED_MAX; i++)
+        if (fd >= 0 && g_handed[i].fd == fd) g_handed[i].fd = -1, found = 1;
+    pthread_mutex_unlock(&g_handed_lock);
+    return found ? region_end_fd(fd) : -EINVAL;
+}
+
+static int region_end_fd(int fd) {
     if (fd < 0) return -EIO;
     struct krex_rep_end rep;
     char why[512];
@@ -316,5 +416,10 @@ void krex_client_after_fork(void) {
     if (t_region_fd >= 0) close(t_region_fd);
     t_region_fd = -1;
     t_region_depth = 0;
+    for (int i = 0; i < HANDED_MAX; i++) { /* the parent's regions, never the child's to end */
+        if (g_handed[i].fd >= 0) close(g_handed[i].fd);
+        g_handed[i].fd = -1;
+    }
+    pthread_mutex_init(&g_handed_lock, NULL);
     g_spawned = 0;
 }

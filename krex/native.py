@@ -13,7 +13,7 @@ except ImportError as exc:  # pragma: no cover - only when the build step was sk
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 
-__all__ = ["ffi", "lib", "LIB_DIR", "shim_path", "sim_dir", "include_dir"]
+__all__ = ["ffi", "lib", "LIB_DIR", "shim_path", "sim_dir", "include_dir", "nvtx_path"]
 
 
 def _need(p: Path) -> Path:
@@ -34,3 +34,8 @@ def sim_dir() -> Path:
 def include_dir() -> Path:
     _need(LIB_DIR / "krex.h")
     return LIB_DIR
+
+
+def nvtx_path() -> Path:
+    """The NVTX injection library (KREX_NVTX_REGION; the shim points NVTX at it)."""
+    return _need(LIB_DIR / "libkrex_nvtx.so")

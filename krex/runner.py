@@ -44,11 +44,13 @@ __all__ = [
     "Outcome",
     "Pool",
     "Spec",
+    "Started",
     "guardian_argv",
     "native_guardian",
     "kill_tree",
     "read_report",
     "run_one",
+    "start",
     "tail_lines",
     "tree_state",
 ]
@@ -481,3 +483,73 @@ class Pool(Generic[J]):
             if self._running:
                 self._signal_all(signal.SIGTERM)
         return self._cancelled
+
+
+class Started:
+    """One command started by `start`, for callers that manage commands one by one from
+    threads of their own (krex.executor): wait for it, stop it, get its Outcome. Stopping
+    signals the guardian first (it forwards to its command's process group and thaws what
+    it froze), then kills whatever of the tree, as snapshotted, is still alive."""
+
+    def __init__(self, child: _Child) -> None:
+        self._c = child
+        self._tree: list[Any] = []
+        self._t_end: float | None = None  # monotonic, when the guardian was seen to exit
+        self.stopped = False
+
+    @property
+    def pid(self) -> int:
+        return self._c.proc.pid
+
+    @property
+    def t0(self) -> float:
+        """When it was started (time.monotonic: CLOCK_MONOTONIC, the clock of a report's
+        t_grant_ns)."""
+        return self._c.t0
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The guardian's return code, or None if it still runs after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rc = _wait_interruptibly(self._c.proc, deadline)
+        if rc is not None and self._t_end is None:
+            self._t_end = time.monotonic()
+        return rc
+
+    def _snapshot(self) -> None:
+        self._tree = list(dict.fromkeys([*self._tree, *_tree(self._c.proc.pid)]))
+
+    def stop(self, grace_s: float = 5.0, first: int = signal.SIGTERM) -> None:
+        """Signal the guardian with ``first``; after ``grace_s`` SIGKILL every process of the
+        tree still alive (the snapshot taken before the first signal, and again before the
+        kill). Returns once the guardian has been reaped."""
+        self.stopped = True
+        self._snapshot()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            self._c.proc.send_signal(first)
+        if self.wait(grace_s) is None:
+            self._snapshot()
+            signal_tree(self._tree, signal.SIGKILL)
+        self._c.proc.wait()
+        if self._t_end is None:
+            self._t_end = time.monotonic()
+        import psutil
+
+        alive = []
+        for p in self._tree:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if alive:  # the guardian went, some of its command did not
+            signal_tree(alive, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=grace_s)
+
+    def outcome(self, timed_out: bool = False, hang: list[dict[str, Any]] | None = None) -> Outcome:
+        """The Outcome, once the guardian has exited (report read as for a Pool's commands)."""
+        t_end = self._t_end if self._t_end is not None else time.monotonic()
+        return _finish(self._c, t_end, timed_out, hang, cancelled=self.stopped)
+
+
+def start(spec: Spec) -> Started:
+    """Start one command (in a session of its own, output into the spec's files). OSError
+    when it cannot be started."""
+    return Started(_start(spec))

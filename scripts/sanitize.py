@@ -2,7 +2,9 @@
 (tests/c) built with ThreadSanitizer and then AddressSanitizer, and run against a
 real krexd on the simulated GPU: concurrent submitters on all three paths, regions
 (gate closes, drains, freezes), graph captures, fork, a failed end of capture, the
-whole entry table, and exit with the drain helper running.
+whole entry table, and exit with the drain helper running; and the NVTX injection
+(libkrex_nvtx.so) with its C++ harness (tests/c/nvtx_ranges.cpp: threads, nesting, a
+range ended on another thread), where the NVTX v3 headers are installed.
 
 gcc's own -fsanitize=thread/address are used (libtsan/libasan come with gcc), so CI
 needs nothing extra. Exits 1 on any sanitizer report or failed program."""
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERPOSE = ROOT / "interpose"
 TESTS_C = ROOT / "tests" / "c"
 CC = os.environ.get("CC", "gcc")
+CXX = os.environ.get("CXX", "g++")
 sys.path.insert(0, str(ROOT))
 
 from krex.native import LIB_DIR  # noqa: E402 - after the path set-up
@@ -68,7 +71,26 @@ def build(san: str, out: Path, shim_src: Path = INTERPOSE) -> dict[str, Path]:
             f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lcuda", "-l:libamdhip64.so", "-lpthread",
             "-ldl"])
         bins[name] = exe
+    cc([*flags, "-fvisibility=hidden", "-shared", "-o", str(out / "libkrex_nvtx.so"),
+        str(INTERPOSE / "nvtx_inject.c"), "-ldl", "-lpthread"])  # next to the shim: the one it names
+    inc = nvtx_include_dir()
+    if inc is not None:
+        exe = out / "nvtx_ranges"
+        r = subprocess.run([CXX, *flags, "-std=c++17", f"-I{INTERPOSE}", f"-I{inc}", "-o", str(exe),
+                            str(TESTS_C / "nvtx_ranges.cpp"), f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}",
+                            "-lcudart", "-lpthread", "-ldl"], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"sanitize: building nvtx_ranges.cpp failed:\n{r.stderr[-4000:]}")
+        bins["nvtx_ranges"] = exe
     return bins
+
+
+def nvtx_include_dir() -> Path | None:
+    """The CUDA toolkit's include directory when it has the NVTX v3 headers."""
+    for r in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(map(str, Path("/usr/local").glob("cuda*")))]:
+        if r and (Path(r) / "include" / "nvtx3" / "nvToolsExt.h").is_file():
+            return Path(r) / "include"
+    return None
 
 
 class World:
@@ -196,6 +218,18 @@ def run_one(san: str, shim_src: Path) -> list[str]:
         failures += check("actor", [("capture+fork+region", spawn(
             "actor", "k:50", "capbegin:0x5000", "rc:900", "capend:0x5000", "rc:0", "fork", "k:50", "begin",
             "k:50", "end", "reap"))], 120)
+        if "nvtx_ranges" in bins:
+            env["KREX_NVTX_REGION"] = "k-*"
+            got = check("nvtx", [("ranges", spawn("nvtx_ranges"))], 120)
+            journal = w.state / "journal.jsonl"
+            lines = journal.read_text().splitlines() if journal.exists() else []
+            n = sum(1 for ln in lines if '"label": "nvtx:' in ln or '"label":"nvtx:' in ln)
+            if not got and n < 15:  # tests/c/nvtx_ranges.cpp opens 15 regions under "k-*"
+                got.append(f"nvtx/ranges: {n} NVTX region(s) in the journal, expected 15")
+            print(f"    nvtx: {n} regions from NVTX ranges")
+            failures += got
+        else:
+            print("  (no NVTX v3 headers: the NVTX injection is not checked)")
         print(f"  {san}: {'ok' if not failures else 'FAILED'} in {time.monotonic() - t0:.1f} s")
         log = (w.base / "krexd.log").read_text(errors="replace")
         if "Traceback" in log:

@@ -2,7 +2,7 @@
 the metadata), independent of the build's own ELF reader:
 
   * the tag is cp310-abi3-manylinux_2_X_<arch> with 2.X <= --max-glibc;
-  * the shim, the simulated GPU, the marker header, the extension, the corpus,
+  * the shim, the NVTX injection, the simulated GPU, the marker header, the extension, the corpus,
     the sitecustomize hook and the LICENSE are inside;
   * every ELF file is for <arch> and needs at most glibc --max-glibc;
   * the metadata says License-Expression: Apache-2.0.
@@ -23,6 +23,7 @@ from pathlib import Path
 REQUIRED = [
     "krex/_native.abi3.so",
     "krex/_lib/libkrex_interpose.so",
+    "krex/_lib/libkrex_nvtx.so",
     "krex/_lib/libkrexsim.so",
     "krex/_lib/libcuda.so.1",
     "krex/_lib/libcudart.so.13",
@@ -41,6 +42,8 @@ REQUIRED = [
     "krex/device/gpus.py",
     "krex/doctor/checks.py",
     "krex/doctor/coverage.py",
+    "krex/compare/stats.py",
+    "krex/executor.py",
 ]
 MACHINE = {"x86_64": "Advanced Micro Devices X86-64", "aarch64": "AArch64"}
 

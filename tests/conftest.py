@@ -29,7 +29,7 @@ from krex.node.freezer import remove_leftovers  # noqa: E402
 
 @pytest.fixture(scope="session")
 def bins() -> dict[str, Path]:
-    """{name: executable} for every tests/c/NAME.c."""
+    """{name: executable} for every tests/c/NAME.c, and NAME.cpp where its headers exist."""
     return victims()
 
 

@@ -32,6 +32,7 @@ INTERPOSE = REPO / "interpose"
 C_DIR = REPO / "tests" / "c"
 ALL_PATHS = ("direct", "dlsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt", "hip_gpa", "hip_gpa_pt")
 CC = os.environ.get("CC", "gcc")
+CXX = os.environ.get("CXX", "g++")
 sys.path.insert(0, str(REPO))
 from krex_build import SHIM_SOURCES  # noqa: E402 - the build's list, not a copy
 
@@ -56,6 +57,30 @@ def unique_name(kind: str) -> str:
 
 _victims: dict[str, Path] | None = None
 _victims_lock = threading.Lock()
+
+
+def nvtx_include_dir() -> Path | None:
+    """A directory holding the NVTX v3 headers (nvtx3/nvToolsExt.h): the CUDA toolkit's."""
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda",
+             *sorted(map(str, Path("/usr/local").glob("cuda*")))]
+    for r in roots:
+        if r and (Path(r) / "include" / "nvtx3" / "nvToolsExt.h").is_file():
+            return Path(r) / "include"
+    return None
+
+
+def _compile_cpp(src: Path, out: Path) -> bool:
+    """A C++ victim (tests/c/*.cpp: they use the NVTX v3 headers); False when the headers
+    are not on this machine (its tests skip)."""
+    inc = nvtx_include_dir()
+    if inc is None:
+        return False
+    cmd = [CXX, "-O0", "-g", "-Wall", "-std=c++17", f"-I{INTERPOSE}", f"-I{inc}", "-o", str(out), str(src),
+           f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lpthread", "-ldl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+    return True
 
 
 def _compile(src: Path, out: Path) -> None:
@@ -102,9 +127,12 @@ def victims() -> dict[str, Path]:
             outdir = Path(tempfile.mkdtemp(prefix="krex-victims-"))
             atexit.register(shutil.rmtree, outdir, True)
             srcs = sorted(C_DIR.glob("*.c"))
+            cpp = sorted(C_DIR.glob("*.cpp"))
             with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
                 list(ex.map(lambda s: _compile(s, outdir / s.stem), srcs))
+                built = list(ex.map(lambda s: _compile_cpp(s, outdir / s.stem), cpp))
             _victims = {s.stem: outdir / s.stem for s in srcs}
+            _victims.update({s.stem: outdir / s.stem for s, ok in zip(cpp, built, strict=True) if ok})
         return _victims
 
 
@@ -426,3 +454,27 @@ class Harness:
         self.seg.close()
         Segment.unlink(self.name)
         lib.krex_shm_unlink(self.sim_shm.encode())
+
+
+# ------------------------------------------------------------------ compare candidates
+
+_candidate: Path | None = None
+
+
+def sim_candidate() -> Path:
+    """examples/compare/sim_candidate.c built once per session: a benchmark of known speed
+    and noise on the simulated GPU (krex compare's candidates)."""
+    global _candidate
+    with _victims_lock:
+        if _candidate is None:
+            outdir = Path(tempfile.mkdtemp(prefix="krex-candidate-"))
+            atexit.register(shutil.rmtree, outdir, True)
+            out = outdir / "sim_candidate"
+            src = REPO / "examples/compare/sim_candidate.c"
+            cmd = [CC, "-O2", f"-I{INTERPOSE}", "-o", str(out), str(src),
+                   f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lm", "-ldl"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"compiling sim_candidate.c failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+            _candidate = out
+        return _candidate
