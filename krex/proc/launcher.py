@@ -472,7 +472,8 @@ def run_guarded(
     device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
     simulated = adm.get("device") == "sim" or device == "sim"
-    for line in start_notes(simulated, warm=bool(adm.get("warm"))):
+    placed = adm.get("cgroup") or {}
+    for line in start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or "")):
         notify(line)
     env = dict(os.environ)
     apply_env(env, put, pre)

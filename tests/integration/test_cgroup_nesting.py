@@ -163,9 +163,7 @@ def job() -> Iterator[Job]:
         j.cleanup()
 
 
-def run_in(
-    kx: Krex, job: Job, name: str, argv: list[str], *opts: str, guardian: str = "native"
-) -> Cmd:
+def run_in(kx: Krex, job: Job, name: str, argv: list[str], *opts: str, guardian: str = "native") -> Cmd:
     """`krex run --device sim [OPTS] -- ARGV` started inside the job, its output in NAME.log."""
     log = kx.out / f"{name}.log"
     with open(log, "wb") as f:
@@ -224,7 +222,9 @@ def test_the_command_stays_below_the_job_cgroup_and_its_group_goes_with_it(
     kx.wait(lambda: nested_groups(job.v2_top) == [], 5, "the slot group to be removed on release")
 
 
-@pytest.mark.skipif(CG2 is None or not _v2_memory(), reason="the cgroup v2 memory controller is not enabled here")
+@pytest.mark.skipif(
+    CG2 is None or not _v2_memory(), reason="the cgroup v2 memory controller is not enabled here"
+)
 def test_the_jobs_memory_limit_kills_a_command_that_exceeds_it(kx: Krex, job: Job) -> None:
     kx.start_daemon(slots=2)
     assert job.memory_max is not None
@@ -404,7 +404,9 @@ def _svc_krexd(kx: Krex, svc: Path) -> subprocess.Popen[bytes]:
     return p
 
 
-def test_under_systemd_the_fallback_is_krexds_own_delegated_subtree(kx: Krex, job: Job, tmp_path: Path) -> None:
+def test_under_systemd_the_fallback_is_krexds_own_delegated_subtree(
+    kx: Krex, job: Job, tmp_path: Path
+) -> None:
     assert CG2 is not None
     svc = Path(CG2) / f"krexd-{job.name}.service"
     svc.mkdir()
