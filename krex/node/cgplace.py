@@ -42,6 +42,7 @@ __all__ = [
     "is_slot_dir",
     "mount_root",
     "nested_name",
+    "ns_base",
     "proc_path",
     "service_cgroup",
 ]
@@ -80,20 +81,67 @@ def _parts(path: str) -> list[str]:
     return [p for p in path.split("/") if p]
 
 
-def dir_in_mount(cg_path: str, mount_point: str, root: str) -> str | None:
+def dir_in_mount(cg_path: str, mount_point: str, root: str, base: tuple[str, ...] = ()) -> str | None:
     """The directory of cgroup `cg_path` (as /proc/PID/cgroup shows it) in a mount of its
-    hierarchy whose root is `root` (mountinfo's field); None when that mount does not show
-    it (another cgroup namespace: "/.." leads, or a mount of another subtree)."""
-    want, base = _parts(cg_path), _parts(root)
-    if cg_path.endswith(" (deleted)") or want[: len(base)] != base or ".." in want[len(base) :]:
+    hierarchy whose root is `root` (mountinfo's field). Both are relative to the reader's
+    cgroup namespace; `base` (ns_base) is where that namespace's root lies in a mount of the
+    tree above it (the host's /sys/fs/cgroup in a container: `root` is "/.."s). None when
+    the mount does not show it (another namespace's tree, a mount of another subtree)."""
+    want = _parts(cg_path)
+    if cg_path.endswith(" (deleted)"):
         return None
-    return os.path.join(mount_point, *want[len(base) :])
+    if base:
+        rel = _resolve([*base, *want])
+        return None if rel is None else os.path.join(mount_point, *rel)
+    top = _parts(root)
+    if want[: len(top)] != top or ".." in want[len(top) :]:
+        return None
+    return os.path.join(mount_point, *want[len(top) :])
 
 
-def proc_path(directory: str, mount_point: str, root: str) -> str:
+def proc_path(directory: str, mount_point: str, root: str, base: tuple[str, ...] = ()) -> str:
     """The inverse of dir_in_mount: how /proc/PID/cgroup names `directory`."""
     rel = _parts(os.path.relpath(directory, mount_point)) if directory != mount_point else []
+    if base:
+        same = len(os.path.commonprefix([list(base), rel]))
+        return "/" + "/".join([".."] * (len(base) - same) + rel[same:])
     return "/" + "/".join(_parts(root) + rel)
+
+
+def _resolve(parts: list[str]) -> list[str] | None:
+    out: list[str] = []
+    for p in parts:
+        if p != "..":
+            out.append(p)
+        elif not out:
+            return None  # above the mount's root
+        else:
+            out.pop()
+    return out
+
+
+def ns_base(mount_point: str, root: str, v2: bool) -> tuple[str, ...]:
+    """Where this process's cgroup namespace root lies in a mount whose root is above it
+    (`root` is "/.." k times: a container's view of the host's cgroup tree), as components
+    below the mount point: found as the directory k levels down whose cgroup below it (this
+    process's own) lists this process. () when the mount is not above, or it is not found."""
+    ups = _parts(root)
+    own = _parts(cgroup_of("self", v2) or "/..")
+    if not ups or any(p != ".." for p in ups) or ".." in own:
+        return ()
+    level = [mount_point]
+    for _ in ups:
+        nxt: list[str] = []
+        for d in level:
+            with contextlib.suppress(OSError), os.scandir(d) as it:
+                nxt += [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        level = nxt
+    me = str(os.getpid())
+    for d in level:
+        with contextlib.suppress(OSError):
+            if me in procfs.read(os.path.join(d, *own, "cgroup.procs")).split():
+                return tuple(_parts(os.path.relpath(d, mount_point)))
+    return ()
 
 
 def mount_root(mount_point: str) -> str:

@@ -588,6 +588,8 @@ class _CgroupFreezer(Freezer):
         super().__init__(root)
         self.mount = mount
         self.mount_root = cgplace.mount_root(mount)
+        # In a container shown the host's tree: where its cgroup namespace sits in it.
+        self.ns_base = cgplace.ns_base(mount, self.mount_root, self.name == "cgroup2")
         self.root_name = os.path.relpath(root, mount)
         where = _registry_path(None, self.root_name, self.name)
         self.registry = cgplace.Registry(where, mount, self.root_name)
@@ -600,7 +602,7 @@ class _CgroupFreezer(Freezer):
         caller = cgplace.cgroup_of(pid, v2) or ""
         reasons: list[str] = []
         tries: list[tuple[str | None, str]] = []
-        here = cgplace.dir_in_mount(caller, self.mount, self.mount_root) if caller else None
+        here = cgplace.dir_in_mount(caller, self.mount, self.mount_root, self.ns_base) if caller else None
         if here is None:
             reasons.append(
                 f"krexd does not see cgroup {caller} in {self.mount} (another cgroup namespace)"
@@ -608,9 +610,9 @@ class _CgroupFreezer(Freezer):
                 else f"cannot read /proc/{pid}/cgroup"
             )
         else:  # the hierarchy's root itself: the default root is below it
-            tries.append((None if os.path.samefile(here, self.mount) else here, "caller"))
+            tries.append((None if os.path.normpath(here) == os.path.normpath(self.mount) else here, "caller"))
         svc = cgplace.service_cgroup(v2)
-        own = cgplace.dir_in_mount(svc, self.mount, self.mount_root) if svc else None
+        own = cgplace.dir_in_mount(svc, self.mount, self.mount_root, self.ns_base) if svc else None
         if own is not None and own not in (here, self.mount) and os.path.isdir(own):
             tries.append((own, "daemon"))
         tries.append((None, "root"))
@@ -631,7 +633,7 @@ class _CgroupFreezer(Freezer):
         return None
 
     def proc_path(self, group: Group) -> str | None:
-        return cgplace.proc_path(group.path, self.mount, self.mount_root)
+        return cgplace.proc_path(group.path, self.mount, self.mount_root, self.ns_base)
 
     def _at(self, name: str, path: str) -> Group:
         group = self._group_cls(name, path)

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_regions import CG1, CG2, KREX, WORKER, Cmd, Krex, alive, frozen_reason, kx  # noqa: F401
+from test_regions import CG1, CG2, KREX, WORKER, Cmd, Krex, alive, frozen_reason, kx
+
+__all__ = ["kx"]  # the fixture, used by name
 
 pytestmark = [
     pytest.mark.cgroup,
@@ -369,14 +371,13 @@ def test_a_caller_cgroup_krexd_cannot_nest_in_falls_back_visibly(
     assert recs and recs[-1].get("cgroup_fallback"), recs
 
 
-def _svc_krexd(kx: Krex, svc: Path) -> subprocess.Popen[bytes]:
-    """krexd as systemd starts a service with Delegate=yes: in `<name>.service`, with
-    INVOCATION_ID set."""
-    args = [sys.executable, "-m", "krex.node.daemon", "--device", "sim", "--slots-per-gpu", "2"]
+def _krexd_in(kx: Krex, cg: Path, *prefix: str, **env: str) -> subprocess.Popen[bytes]:
+    """krexd started inside cgroup `cg` (its argv after `prefix`, its environment plus `env`)."""
+    args = [*prefix, sys.executable, "-m", "krex.node.daemon", "--device", "sim", "--slots-per-gpu", "2"]
     kx.state.mkdir(exist_ok=True)
 
     def enter() -> None:
-        fd = os.open(svc / "cgroup.procs", os.O_WRONLY)
+        fd = os.open(cg / "cgroup.procs", os.O_WRONLY)
         os.write(fd, str(os.getpid()).encode())
         os.close(fd)
 
@@ -384,7 +385,7 @@ def _svc_krexd(kx: Krex, svc: Path) -> subprocess.Popen[bytes]:
     try:
         p = subprocess.Popen(
             args,
-            env=kx.env(INVOCATION_ID="0123456789abcdef0123456789abcdef"),
+            env=kx.env(**env),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -412,7 +413,8 @@ def test_under_systemd_the_fallback_is_krexds_own_delegated_subtree(
     svc.mkdir()
     job.extra.append(svc)
     (job.v2 / "cgroup.max.depth").write_text("0")
-    _svc_krexd(kx, svc)
+    # As systemd starts a service with Delegate=yes: in `<name>.service`, INVOCATION_ID set.
+    _krexd_in(kx, svc, INVOCATION_ID="0123456789abcdef0123456789abcdef")
     rep = tmp_path / "report.json"
     c = run_in(kx, job, "s", ["true"], "--report", str(rep))
     assert c.wait(60) == 0, c.output()
@@ -420,3 +422,83 @@ def test_under_systemd_the_fallback_is_krexds_own_delegated_subtree(
     assert cg["placement"] == "daemon" and below(cg["group"], str(svc)), cg
     assert "krex: warning:" in c.output() and "krexd" in c.output(), c.output()
     kx.wait(lambda: nested_groups(svc) == [], 5, "the slot group to be removed on release")
+
+
+def test_a_krexd_in_its_own_cgroup_namespace_still_nests_below_the_caller(kx: Krex, job: Job) -> None:
+    """krexd in a container (the DaemonSet) sees the host's cgroup tree through a mount whose
+    root is above its cgroup namespace ("/.." in mountinfo), and the callers' cgroups as
+    "/../..." paths: the command must still go below the caller's cgroup (the pod's)."""
+    assert CG2 is not None
+    pod = Path(CG2) / f"pod-krexd-{job.name}"
+    pod.mkdir()
+    job.extra.append(pod)
+    _krexd_in(kx, pod, "unshare", "--cgroup")
+    assert cgroup_of(kx.daemon.pid if kx.daemon else 0) == "/" + pod.name  # precondition
+    run_in(kx, job, "h", worker(kx, "h", "hammer", "--us", "50"))
+    pid = kx.wait_running("h")
+    path = cgroup_of(pid)
+    assert below(path, job.rel(job.v2, CG2)), f"the command runs in {path}, outside the job"
+    kx.run("own", "hold")  # from outside the job: the group is found, frozen and thawed
+    kx.result("own", "ready", timeout=30)
+    assert kx.stands_still("h") and "frozen 1" in _read(Path(CG2 + path) / "cgroup.events")
+    kx.touch("own")
+    assert kx.cmds["own"].wait(30) == 0
+    assert kx.advances("h", timeout=5)
+    kx.stop_all("h")
+    kx.wait(lambda: nested_groups(job.v2_top) == [], 5, "the slot group to be removed on release")
+
+
+@pytest.mark.parametrize("backend", ["cgroup2", "cgroup1"])
+def test_a_new_freezer_finds_thaws_and_removes_a_nested_group(job: Job, backend: str, tmp_path: Path) -> None:
+    """What a restarted krexd (recover) and the watchdog (thaw_all) see: the groups made below
+    callers' cgroups, listed in the state directory."""
+    from krex.node import freezer
+
+    step = job.v2 if backend == "cgroup2" else job.v1
+    if step is None:
+        pytest.skip(f"no {backend} freezer hierarchy is mounted")
+    os.environ["KREX_STATE_DIR"] = str(tmp_path / "state")  # the registry's place
+    try:
+        root = f"krex-nest-{job.name}"
+        first = freezer.detect(backend, root_name=root)
+        g = first.group("slot-3", str(step))
+        assert Path(g.path).parent == step and Path(g.path).name == f"krex-{root}-slot-3"
+        sleeper = subprocess.Popen(["sleep", "60"], preexec_fn=freezer.preexec_join(g.path))
+        try:
+            g.freeze()
+            assert g.is_frozen()
+            again = freezer.detect(backend, root_name=root)  # the watchdog's, the next krexd's
+            assert [x.path for x in again.leftover_groups()] == [g.path]
+            assert again.thaw_all() == 1 and not g.is_frozen()
+            g.freeze()
+            assert again.recover() == 1 and not g.is_frozen()
+            assert os.path.isdir(g.path), "a group that holds a process is kept"
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+        deadline = time.monotonic() + 5
+        while os.path.isdir(g.path) and time.monotonic() < deadline:
+            freezer.detect(backend, root_name=root).recover()
+            time.sleep(0.05)
+        assert not os.path.isdir(g.path), "the empty nested group was not removed"
+        last = freezer.detect(backend, root_name=root)
+        assert last.leftover_groups() == [] and last.remove_root()
+    finally:
+        del os.environ["KREX_STATE_DIR"]
+
+
+def test_krexd_started_inside_a_nested_slot_group_leaves_it_for_the_callers_cgroup(job: Job) -> None:
+    """A krexd started on demand by a command's process is born in its slot group: it leaves
+    it for the cgroup that group was made below (the job's), not for the hierarchy's root."""
+    from krex.node import freezer
+
+    slot = job.v2 / "krex-someseg-slot-3"
+    slot.mkdir()
+    p = subprocess.Popen(["sleep", "60"], preexec_fn=freezer.preexec_join(str(slot)))
+    try:
+        assert cgroup_of(p.pid) == job.rel(slot, CG2)
+        left = freezer.leave_slot_groups(p.pid)
+        assert left == [str(slot)] and cgroup_of(p.pid) == job.rel(job.v2, CG2), cgroup_of(p.pid)
+    finally:
+        p.kill()
+        p.wait()
