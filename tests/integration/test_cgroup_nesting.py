@@ -426,14 +426,14 @@ def test_under_systemd_the_fallback_is_krexds_own_delegated_subtree(
 
 def test_a_krexd_in_its_own_cgroup_namespace_still_nests_below_the_caller(kx: Krex, job: Job) -> None:
     """krexd in a container (the DaemonSet) sees the host's cgroup tree through a mount whose
-    root is above its cgroup namespace ("/.." in mountinfo), and the callers' cgroups as
-    "/../..." paths: the command must still go below the caller's cgroup (the pod's)."""
-    assert CG2 is not None
-    pod = Path(CG2) / f"pod-krexd-{job.name}"
+    root is above its cgroup namespace ("/../.." in mountinfo), and the callers' cgroups as
+    "/../..." paths: the command must still go below the caller's cgroup (the pod's). Here
+    krexd's pod and the caller share an ancestor (as pods share /kubepods): the caller is
+    "/../step-0" to krexd, which only krexd's own place in the tree resolves."""
+    pod = job.v2_top / "krexd-pod"
     pod.mkdir()
-    job.extra.append(pod)
     _krexd_in(kx, pod, "unshare", "--cgroup")
-    assert cgroup_of(kx.daemon.pid if kx.daemon else 0) == "/" + pod.name  # precondition
+    assert cgroup_of(kx.daemon.pid if kx.daemon else 0) == job.rel(pod, CG2)  # precondition
     run_in(kx, job, "h", worker(kx, "h", "hammer", "--us", "50"))
     pid = kx.wait_running("h")
     path = cgroup_of(pid)
