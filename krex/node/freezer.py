@@ -740,7 +740,8 @@ class Cgroup2Freezer(_CgroupFreezer):
             "pure" if self.mount == "/sys/fs/cgroup" else "hybrid" if "unified" in self.mount else "other"
         )
         return (
-            f"cgroup2: cgroup.freeze under {self.root} (v2 mounted at {self.mount}, {layout})"
+            f"cgroup2: cgroup.freeze, slot groups below each command's caller, else under {self.root} "
+            f"(v2 mounted at {self.mount}, {layout})"
             + self._fallback_note()
         )
 
@@ -766,7 +767,8 @@ class Cgroup1Freezer(_CgroupFreezer):
 
     def describe(self) -> str:
         return (
-            f"cgroup1: freezer.state under {self.root} (v1 freezer at {self.mount})" + self._fallback_note()
+            f"cgroup1: freezer.state, slot groups below each command's caller, else under {self.root} "
+            f"(v1 freezer at {self.mount})" + self._fallback_note()
         )
 
 
