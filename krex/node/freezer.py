@@ -423,6 +423,8 @@ class _CgroupGroup(Group):
 
     def remove(self) -> None:
         if not os.path.isdir(self.path):
+            if self.on_removed is not None:  # removed by someone else (a guardian krexd left)
+                self.on_removed(self.path)
             return
         self.thaw()
         # rmdir of a populated cgroup fails with EBUSY, which is what keeps this from ever

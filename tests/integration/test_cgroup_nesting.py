@@ -502,3 +502,19 @@ def test_krexd_started_inside_a_nested_slot_group_leaves_it_for_the_callers_cgro
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("guardian", ["native", "python"])
+def test_a_guardian_whose_krexd_is_gone_removes_the_empty_group(kx: Krex, job: Job, guardian: str) -> None:
+    """No krexd is left to remove the command's group when it ends: its guardian does, so no
+    empty group keeps the scheduler from removing the job's cgroup."""
+    d = kx.start_daemon(slots=2)
+    go = kx.out / "go"
+    c = run_in(kx, job, "g", ["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done"], guardian=guardian)
+    kx.wait(lambda: nested_groups(job.v2_top), 10, "the command's group below the job")
+    kx.wait(lambda: Job.pids(job, nested_groups(job.v2_top)[0]), 10, "the command in its group")
+    d.kill()
+    d.wait(5)
+    go.write_text("")
+    assert c.wait(30) == 0, c.output()
+    assert nested_groups(job.v2_top) == [], "the guardian left its command's empty group behind"
