@@ -2545,6 +2545,7 @@ class Daemon:
                         "guardian_pid": s.guardian_pid,
                         "warm": s.warm,
                         "pids": self._group_pids(s),
+                        "cgroup": s.group.path,  # below its caller's cgroup, or a fallback
                     }
                     for s in self.slots.values()
                 ],
