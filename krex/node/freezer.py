@@ -242,9 +242,10 @@ class Freezer(abc.ABC):
     def group(self, slot_name: str, parent: str | None = None) -> Group:
         """The group of one slot, made if needed. Without `parent`: the slot's existing group
         wherever it is (what a restarted krexd finds again), else a new one in the default
-        root. With `parent` (a cgroup directory): a new one below it, unless the slot's
-        existing group still holds processes: then that one (krexd adopts them as orphans).
-        One group per slot: an empty one elsewhere is removed."""
+        root. With `parent` (a cgroup directory; the default root's own for that layout): a
+        new one below it, unless the slot's existing group still holds processes: then that
+        one (krexd adopts them as orphans). One group per slot: an empty one elsewhere is
+        removed."""
         _check_name("slot name", slot_name)
         existing = self._existing(slot_name)
         live = next((g for g in existing if g.pids()), None)
@@ -603,7 +604,7 @@ class _CgroupFreezer(Freezer):
         v2 = self.name == "cgroup2"
         caller = cgplace.cgroup_of(pid, v2) or ""
         reasons: list[str] = []
-        tries: list[tuple[str | None, str]] = []
+        tries: list[tuple[str, str]] = []
         here = cgplace.dir_in_mount(caller, self.mount, self.mount_root, self.ns_base) if caller else None
         if here is None:
             reasons.append(
@@ -612,16 +613,17 @@ class _CgroupFreezer(Freezer):
                 else f"cannot read /proc/{pid}/cgroup"
             )
         else:  # the hierarchy's root itself: the default root is below it
-            tries.append((None if os.path.normpath(here) == os.path.normpath(self.mount) else here, "caller"))
+            top = os.path.normpath(here) == os.path.normpath(self.mount)
+            tries.append((self.root if top else here, "caller"))
         svc = cgplace.service_cgroup(v2)
         own = cgplace.dir_in_mount(svc, self.mount, self.mount_root, self.ns_base) if svc else None
         if own is not None and own not in (here, self.mount) and os.path.isdir(own):
             tries.append((own, "daemon"))
-        tries.append((None, "root"))
+        tries.append((self.root, "root"))
         for i, (parent, where) in enumerate(tries):
             try:
                 group = self.group(slot_name, parent)
-                if parent is not None:
+                if parent != self.root:
                     self._check_usable(group)
             except KrexError as exc:
                 if i == len(tries) - 1:
@@ -649,7 +651,7 @@ class _CgroupFreezer(Freezer):
         return [self._at(n, p) for p, n in sorted(self.registry.load().items()) if os.path.isdir(p)]
 
     def _create(self, slot_name: str, parent: str | None) -> Group:
-        if parent is None:
+        if parent is None or os.path.normpath(parent) == os.path.normpath(self.root):
             return self._open(slot_name, create=True)
         path = os.path.join(parent, cgplace.nested_name(self.root_name, slot_name))
         try:  # listed before it is made: a krexd killed in between leaves no unknown group

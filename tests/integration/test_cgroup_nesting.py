@@ -482,6 +482,13 @@ def test_a_new_freezer_finds_thaws_and_removes_a_nested_group(job: Job, backend:
             time.sleep(0.05)
         assert not os.path.isdir(g.path), "the empty nested group was not removed"
         last = freezer.detect(backend, root_name=root)
+        assert last.leftover_groups() == []
+        # One group per slot: placed elsewhere (another caller, or the default root), the
+        # slot's empty group below the first caller goes, and is never handed out again.
+        nested = last.group("slot-4", str(step))
+        moved = last.group("slot-4", last.root)
+        assert moved.path == os.path.join(last.root, "slot-4") and not os.path.isdir(nested.path)
+        moved.remove()
         assert last.leftover_groups() == [] and last.remove_root()
     finally:
         del os.environ["KREX_STATE_DIR"]
