@@ -458,8 +458,9 @@ def test_a_new_freezer_finds_thaws_and_removes_a_nested_group(job: Job, backend:
     if step is None:
         pytest.skip(f"no {backend} freezer hierarchy is mounted")
     os.environ["KREX_STATE_DIR"] = str(tmp_path / "state")  # the registry's place
+    root = f"krex-nest-{job.name}"
+    job.extra.append(Path(CG2 if backend == "cgroup2" else CG1 or "") / root)  # its default root
     try:
-        root = f"krex-nest-{job.name}"
         first = freezer.detect(backend, root_name=root)
         g = first.group("slot-3", str(step))
         assert Path(g.path).parent == step and Path(g.path).name == f"krex-{root}-slot-3"
