@@ -1410,6 +1410,9 @@ static int run(struct opts *o) {
     int auto_full = auto_dir && dir_has_entries(auto_dir);
     if (lo.happened) { /* the finisher removes a full one after reading it */
         drop_empty(auto_dir, auto_full);
+        /* No krexd removes the command's group now: left empty in the caller's job or pod
+         * cgroup, it would keep the scheduler from removing that. Busy, it stays (EBUSY). */
+        rmdir(a.group);
         finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL, o->report,
                          base.p, g_quiet);
     }

@@ -207,6 +207,9 @@ class Slot:
     # Whose share of the GPU's exclusive time its regions use (regionqueue): `krex run
     # --tenant`, else its user's name.
     tenant: str = ""
+    # Where its group went (below the caller's cgroup, or a fallback and why): the admit's
+    # notes, the report and, for a fallback, its regions' records.
+    placement: freezer.Placement | None = None
 
 
 @dataclass
@@ -427,6 +430,7 @@ class Daemon:
         # ran 16 scans (half of krexd's CPU per command on a 16-core node); now they share.
         tag = f"KREX_SHM={self.shm_name}".encode()
         self._tag_scan = procfs.FreshScan(lambda: procfs.environ_scan(tag, (b"KREX_SLOT", b"KREX_SLOT_GEN")))
+        self._unremoved: dict[str, freezer.Group] = {}  # released slots' groups still busy
 
     # ------------------------------------------------------------------ setup
     def slots_per_gpu(self, gpu: int) -> int:
@@ -503,7 +507,8 @@ class Daemon:
         # Groups of the previous daemon that still hold processes, with no slot adopted for
         # them: their command registered in a segment this one replaced (the name unlinked,
         # then krexd killed before it linked it again).
-        for name in self.freezer.leftovers():
+        for group in self.freezer.leftover_groups():
+            name = group.name
             n = int(name[5:]) if name.startswith("slot-") and name[5:].isdigit() else -1
             if not 0 <= n < lib.KREX_MAX_SLOTS or n in self.slots:
                 continue
@@ -940,6 +945,7 @@ class Daemon:
                         dead = not self._group_pids(s, deep=self._deep_scan_due(s))
                     if dead:
                         self._release(s.slot, "owner-gone")
+                self._remove_released()
                 busy = bool(self.slots) or any(self.current.values())
                 if busy:
                     self.last_busy = time.monotonic()
@@ -1053,16 +1059,22 @@ class Daemon:
         self._guard_tick()
         self._check_not_lost()
         n = self.seg.claim_slot(gpu, guardian_pid, reap=False)
-        group = self.freezer.group(f"slot-{n}")
+        # Below the cgroup of the guardian (or of the process registering itself): the
+        # command stays in its job's or pod's subtree (freezer.place, cgplace).
+        group, placed = self.freezer.place(f"slot-{n}", guardian_pid)
         while group.pids():  # a new command has no process yet: these are orphans
             self._adopt_orphans(n, gpu, group)
             n = self.seg.claim_slot(gpu, guardian_pid, reap=False)
-            group = self.freezer.group(f"slot-{n}")
+            group, placed = self.freezer.place(f"slot-{n}", guardian_pid)
+        if placed.note:
+            log.warning("slot %d (pid %d): %s", n, guardian_pid, placed.note.removeprefix("krex: warning: "))
+        self._unremoved.pop(group.path, None)
         with contextlib.suppress(KrexError):
             group.thaw()
         s = Slot(
             n, gpu, kind, guardian_pid, group, generation=int(self.seg.raw.slots[n].generation), warm=warm
         )
+        s.placement = placed
         # Set before the admit reply: the command cannot have started yet.
         lib.krex_slot_set_warm(self.seg.raw, n, int(warm))
         cur = self.current.get(gpu)
@@ -1094,10 +1106,30 @@ class Daemon:
                         r.granted.set()
             with contextlib.suppress(KrexError):
                 s.group.remove()
+            if self.freezer.proc_path(s.group) is not None and os.path.isdir(s.group.path):
+                # Still busy (a killed leftover not yet reaped): removed by the reaper once
+                # empty, so no group is left in the caller's job or pod cgroup.
+                self._unremoved[s.group.path] = s.group
             self.seg.release_slot(n)
             self._publish_queue_caps()
             self._promote()
             self.changed.notify_all()
+
+    def _remove_released(self) -> None:
+        """Remove the released slots' groups that were still busy at their release (call
+        with self.lock: a new slot may be handed the same group meanwhile)."""
+        if not self._unremoved:
+            return
+        used = {s.group.path for s in self.slots.values()}
+        for path, group in list(self._unremoved.items()):
+            if path in used:
+                del self._unremoved[path]
+                continue
+            with contextlib.suppress(KrexError, OSError):
+                if not group.pids():
+                    group.remove()
+            if not os.path.isdir(path):
+                del self._unremoved[path]
 
     def _publish_queue_caps(self) -> None:
         """Pacing (interpose/pace.c) bounds each command's queued GPU work, which a region's
@@ -1113,10 +1145,11 @@ class Daemon:
         try:
             with open(f"/proc/{pid}/cgroup") as f:
                 lines = f.read().splitlines()
+            paths_ = [line.split(":", 2)[-1] for line in lines]
             for s in self.slots.values():
-                # "<root>/slot-N" relative to whichever hierarchy the backend uses.
-                rel = "/" + "/".join(s.group.path.rstrip("/").split("/")[-2:])
-                if self.freezer.name != "signal" and any(line.endswith(rel) for line in lines):
+                # The group's path as /proc/PID/cgroup names it (a sub-cgroup of it too).
+                rel = self.freezer.proc_path(s.group)
+                if rel is not None and any(p == rel or p.startswith(rel + "/") for p in paths_):
                     return s
         except OSError:
             pass
@@ -1653,6 +1686,8 @@ class Daemon:
             "attest": attest,
         }
         rec.pop("ok", None)
+        if owner_slot is not None and owner_slot.placement is not None and owner_slot.placement.note:
+            rec["cgroup_fallback"] = owner_slot.placement.note.removeprefix("krex: warning: ")
         req.record = rec
         if owner_slot is not None:
             optin.region_tally([rec], owner_slot.tally)
@@ -2111,6 +2146,8 @@ class Daemon:
                         self.slots[n].guardian_connected = False
             owned["guardian"] = None
             if slot is not None:
+                if slot.placement is not None:
+                    out["cgroup"] = slot.placement.as_dict()
                 if slot.warm or slot.warm_s is not None:  # started pre-warmed: for the report
                     out["prewarm_s"] = slot.warm_s if not slot.warm else round(time.time() - slot.created, 6)
                     out["prewarm_given_gpu"] = not slot.warm
@@ -2323,11 +2360,13 @@ class Daemon:
         value = msg.get("auto_value")
         if isinstance(value, str):
             s.auto_value = value.strip()
+        placed = s.placement.as_dict() if s.placement else {}
         return {
             # Taken (the guardian falls back to Python with a krexd that does not say so).
             **({"auto_value": True} if isinstance(value, str) else {}),
             "ok": True,
-            "notes": optin.start_notes(s.simulated, warm=s.warm),
+            "notes": optin.start_notes(s.simulated, warm=s.warm, cgroup_note=placed.get("note", "")),
+            "cgroup": placed,
             "warm": s.warm,
             "env_set": env_set,
             "env_prepend": env_prepend,
@@ -2539,6 +2578,7 @@ class Daemon:
                         "warm": s.warm,
                         "tenant": s.tenant,
                         "pids": self._group_pids(s),
+                        "cgroup": s.group.path,  # below its caller's cgroup, or a fallback
                     }
                     for s in self.slots.values()
                 ],

@@ -1,6 +1,7 @@
 """Freezing the sibling commands of a region on the CPU (region protocol, step 5).
 
-Three backends share one interface and `detect()` picks the first that works:
+Three backends share one interface and `detect()` picks the first that works (the signal
+backend lives in krex/node/sigfreezer.py):
 
 - ``cgroup2``: write ``cgroup.freeze`` and wait until ``cgroup.events`` says ``frozen 1``.
   Works with the v2 hierarchy mounted at /sys/fs/cgroup (pure) or /sys/fs/cgroup/unified (hybrid).
@@ -8,10 +9,11 @@ Three backends share one interface and `detect()` picks the first that works:
 - ``signal``: SIGSTOP/SIGCONT of process trees, for machines where no cgroup is writable.
   Its state lives in a small JSON file per group so that a restarted daemon can still thaw.
 
-Each slot gets a group ``<hierarchy>/<root_name>/<slot_name>``. The parent group never holds
-processes itself, so cgroup v2's no-internal-process rule never blocks enabling controllers on it.
-Nothing here ever kills a process; the library never prints. Reading /proc is
-krex/node/procfs.py, finding the hierarchies krex/node/mounts.py.
+A slot's group goes below the cgroup of the process that asked for the slot
+(``<caller's cgroup>/krex-<root_name>-<slot_name>``: `place()`, krex/node/cgplace.py says
+why and where else), or in the default root ``<hierarchy>/<root_name>/<slot_name>``, whose
+parent never holds processes itself. Nothing here ever kills a process; the library never
+prints. Reading /proc is krex/node/procfs.py, finding the hierarchies krex/node/mounts.py.
 """
 
 from __future__ import annotations
@@ -19,18 +21,19 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
-import json
 import os
 import re
 import select
 import signal
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from krex import paths
 from krex.errors import KrexError, NotFound, PermissionDenied, Timeout, UsageError, error_kind
 from krex.native import lib
-from krex.node import mounts, procfs
+from krex.node import cgplace, mounts, procfs
+from krex.node.cgplace import Placement
 
 FREEZE_TIMEOUT_S = lib.KREX_FREEZE_TIMEOUT_MS / 1e3  # krexd's default; a freeze or thaw gives up after it
 
@@ -38,6 +41,7 @@ __all__ = [
     "BACKENDS",
     "Freezer",
     "Group",
+    "Placement",
     "detect",
     "leave_slot_groups",
     "preexec_join",
@@ -82,10 +86,12 @@ def _noop() -> None:
 
 
 def leave_slot_groups(pid: int = 0) -> list[str]:
-    """Move `pid` (default: this process) out of any KREX slot cgroup into its hierarchy's
-    root. krexd calls it at start: a daemon started on demand by a command's process (the
-    region API, the shim) is born in that command's slot group, and would freeze itself with
-    it in another command's region. Returns the groups it left."""
+    """Move `pid` (default: this process) out of any KREX slot cgroup. krexd calls it at
+    start: a daemon started on demand by a command's process (the region API, the shim) is
+    born in that command's slot group, and would freeze itself with it in another command's
+    region. It goes to the cgroup the group was made below (the caller's: krexd stays in the
+    job or pod that started it), or, from the default root, to the hierarchy's root.
+    Returns the groups it left."""
     pid = pid or os.getpid()
     left: list[str] = []
     try:
@@ -96,16 +102,25 @@ def leave_slot_groups(pid: int = 0) -> list[str]:
     v2, v1 = mounts.cgroup2_mounts(found), mounts.cgroup1_freezer_mounts(found)
     for line in lines:
         parts = line.split(":", 2)
-        if len(parts) != 3 or "/slot-" not in parts[2]:
+        if len(parts) != 3:
             continue
         hid, ctrl, path = parts
-        roots = v2 if hid == "0" else (v1 if "freezer" in ctrl.split(",") else [])
-        for root in roots:
-            if os.path.isdir(root + path):
+        comps = path.split("/")
+        at = [i for i, c in enumerate(comps) if cgplace.is_slot_dir(c)]
+        if not at:
+            continue
+        slot_path = "/".join(comps[: at[-1] + 1])
+        for mount in v2 if hid == "0" else (v1 if "freezer" in ctrl.split(",") else []):
+            slot_dir = cgplace.dir_in_mount(slot_path, mount, cgplace.mount_root(mount))
+            if slot_dir is None or not os.path.isdir(slot_dir):
+                continue
+            nested = cgplace.is_slot_dir(comps[at[-1]], nested_only=True)
+            for target in [os.path.dirname(slot_dir)] * nested + [mount]:
                 with contextlib.suppress(OSError):
-                    procfs.write(os.path.join(root, "cgroup.procs"), str(pid))
-                    left.append(root + path)
-                break
+                    procfs.write(os.path.join(target, "cgroup.procs"), str(pid))
+                    left.append(slot_dir)
+                    break
+            break
     return left
 
 
@@ -146,6 +161,7 @@ class Group(abc.ABC):
         self.slow: list[str] = []
         self.name = name
         self.path = path  # cgroup directory, or the signal backend's state file
+        self.on_removed: Callable[[str], None] | None = None  # its Freezer forgets it
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} at {self.path}>"
@@ -221,26 +237,54 @@ class Freezer(abc.ABC):
     def __init__(self, root: str) -> None:
         self.root = root
         self.fallback_reasons: list[str] = []  # why detect() skipped the backends before this one
-        self._own: set[str] = set()
+        self._own: set[str] = set()  # paths of the groups this Freezer handed out
 
-    def group(self, slot_name: str) -> Group:
-        """Create, or reuse, the group of one slot."""
+    def group(self, slot_name: str, parent: str | None = None) -> Group:
+        """The group of one slot, made if needed. Without `parent`: the slot's existing group
+        wherever it is (what a restarted krexd finds again), else a new one in the default
+        root. With `parent` (a cgroup directory; the default root's own for that layout): a
+        new one below it, unless the slot's existing group still holds processes: then that
+        one (krexd adopts them as orphans). One group per slot: an empty one elsewhere is
+        removed."""
         _check_name("slot name", slot_name)
-        group = self._open(slot_name, create=True)
-        self._own.add(slot_name)
+        existing = self._existing(slot_name)
+        live = next((g for g in existing if g.pids()), None)
+        if live is not None:
+            group = live
+        elif parent is None and existing:
+            group = existing[0]
+        else:
+            group = self._create(slot_name, parent)
+            for old in existing:
+                if old.path != group.path:
+                    with contextlib.suppress(KrexError, OSError):
+                        old.remove()
+        self._own.add(group.path)
         return group
 
+    def place(self, slot_name: str, pid: int) -> tuple[Group, Placement]:
+        """The group of a new slot asked for by process `pid`, and where it went. The signal
+        freezer moves no process: the command stays wherever it was started."""
+        group = self.group(slot_name)
+        return group, Placement(group.path, "", "none")
+
+    def proc_path(self, group: Group) -> str | None:
+        """How /proc/PID/cgroup names the group (None: it is not a cgroup)."""
+        return None
+
+    def leftover_groups(self) -> list[Group]:
+        """Groups that exist but were not handed out by this Freezer: a previous daemon's."""
+        return [g for g in self._all() if g.path not in self._own]
+
     def leftovers(self) -> list[str]:
-        """Groups that exist but were not made by this Freezer: a previous daemon's."""
-        return sorted(n for n in self._list() if n not in self._own)
+        return sorted(g.name for g in self.leftover_groups())
 
     def thaw_all(self) -> int:
-        """Thaw every group under the root that is frozen or being frozen (the
-        watchdog's rescue when krexd hangs); removes nothing. Returns how many."""
+        """Thaw every group of this root (nested ones too) that is frozen or being frozen
+        (the watchdog's rescue when krexd hangs); removes nothing. Returns how many."""
         n = 0
-        for name in self._list():
+        for group in self._all():
             with contextlib.suppress(KrexError, OSError):
-                group = self._open(name, create=False)
                 if group.freeze_requested() or group.is_frozen():
                     group.thaw()
                     n += 1
@@ -253,23 +297,47 @@ class Freezer(abc.ABC):
         self._thaw_root()
         thawed = 0
         failures: list[str] = []
-        for name in self.leftovers():
+        for group in self.leftover_groups():
             try:
-                group = self._open(name, create=False)
                 if group.freeze_requested() or group.is_frozen():
                     group.thaw()
                     thawed += 1
                 if not group.pids():
                     group.remove()
             except KrexError as exc:
-                failures.append(f"{name}: {exc}")
+                failures.append(f"{group.path}: {exc}")
+        self._prune()
         if failures:
             raise KrexError(
-                f"recover() left {len(failures)} group(s) under {self.root} unrecovered: "
-                + "; ".join(failures),
+                f"recover() left {len(failures)} group(s) of {self.root} unrecovered: " + "; ".join(failures),
                 f"thaw them by hand: {self._manual_thaw}",
             )
         return thawed
+
+    def _existing(self, slot_name: str) -> list[Group]:
+        """The slot's groups that exist: in the default root first, then nested ones."""
+        out: list[Group] = []
+        with contextlib.suppress(NotFound):
+            out.append(self._open(slot_name, create=False))
+        return out + [g for g in self._nested() if g.name == slot_name]
+
+    def _all(self) -> list[Group]:
+        out: list[Group] = []
+        for name in self._list():
+            with contextlib.suppress(KrexError, OSError):
+                out.append(self._open(name, create=False))
+        return out + self._nested()
+
+    def _nested(self) -> list[Group]:
+        """Groups made below callers' cgroups (none for the signal freezer)."""
+        return []
+
+    def _create(self, slot_name: str, parent: str | None) -> Group:
+        return self._open(slot_name, create=True)
+
+    def _prune(self) -> None:
+        """Forget what names groups that no longer exist (krexd only: one writer)."""
+        return None
 
     def remove_root(self) -> bool:
         """Remove the parent group if no slot group is left in it (daemon shutdown)."""
@@ -356,6 +424,8 @@ class _CgroupGroup(Group):
 
     def remove(self) -> None:
         if not os.path.isdir(self.path):
+            if self.on_removed is not None:  # removed by someone else (a guardian krexd left)
+                self.on_removed(self.path)
             return
         self.thaw()
         # rmdir of a populated cgroup fails with EBUSY, which is what keeps this from ever
@@ -368,6 +438,8 @@ class _CgroupGroup(Group):
                     return
                 if exc.errno != errno.ENOENT:
                     raise _error(exc, f"cannot remove cgroup {dirpath}") from exc
+        if self.on_removed is not None:
+            self.on_removed(self.path)
 
     def _slow_snapshot(self) -> list[str]:
         return procfs.unfrozen_threads(self.pids()) or ["(every thread stopped by now)"]
@@ -513,9 +585,104 @@ class _Cgroup1Group(_CgroupGroup):
 
 
 class _CgroupFreezer(Freezer):
+    _group_cls: type[_CgroupGroup]
+
     def __init__(self, root: str, mount: str) -> None:
         super().__init__(root)
         self.mount = mount
+        self.mount_root = cgplace.mount_root(mount)
+        # In a container shown the host's tree: where its cgroup namespace sits in it.
+        self.ns_base = cgplace.ns_base(mount, self.mount_root, self.name == "cgroup2")
+        self.root_name = os.path.relpath(root, mount)
+        where = _registry_path(None, self.root_name, self.name)
+        self.registry = cgplace.Registry(where, mount, self.root_name)
+
+    def place(self, slot_name: str, pid: int) -> tuple[Group, Placement]:
+        """Below the cgroup of `pid` when krexd can make a group there; else, as a systemd
+        service, below krexd's own (delegated) cgroup; else in the default root. A reason is
+        kept for each place skipped (Placement.note)."""
+        v2 = self.name == "cgroup2"
+        caller = cgplace.cgroup_of(pid, v2) or ""
+        reasons: list[str] = []
+        tries: list[tuple[str, str]] = []
+        here = cgplace.dir_in_mount(caller, self.mount, self.mount_root, self.ns_base) if caller else None
+        if here is None:
+            reasons.append(
+                f"krexd does not see cgroup {caller} in {self.mount} (another cgroup namespace)"
+                if caller
+                else f"cannot read /proc/{pid}/cgroup"
+            )
+        else:  # the hierarchy's root itself: the default root is below it
+            top = os.path.normpath(here) == os.path.normpath(self.mount)
+            tries.append((self.root if top else here, "caller"))
+        svc = cgplace.service_cgroup(v2)
+        own = cgplace.dir_in_mount(svc, self.mount, self.mount_root, self.ns_base) if svc else None
+        if own is not None and own not in (here, self.mount) and os.path.isdir(own):
+            tries.append((own, "daemon"))
+        tries.append((self.root, "root"))
+        for i, (parent, where) in enumerate(tries):
+            try:
+                group = self.group(slot_name, parent)
+                if parent != self.root:
+                    self._check_usable(group)
+            except KrexError as exc:
+                if i == len(tries) - 1:
+                    raise
+                reasons.append(str(exc))
+                continue
+            return group, Placement(group.path, caller, where, "; ".join(reasons))
+        raise AssertionError("unreachable: the default root is the last try")
+
+    def _check_usable(self, group: Group) -> None:
+        return None
+
+    def proc_path(self, group: Group) -> str | None:
+        return cgplace.proc_path(group.path, self.mount, self.mount_root, self.ns_base)
+
+    def _at(self, name: str, path: str) -> Group:
+        group = self._group_cls(name, path)
+        group.on_removed = self._forget
+        return group
+
+    def _open(self, name: str, create: bool) -> Group:
+        return self._at(name, self._make_dir(name, create))
+
+    def _nested(self) -> list[Group]:
+        return [self._at(n, p) for p, n in sorted(self.registry.load().items()) if os.path.isdir(p)]
+
+    def _create(self, slot_name: str, parent: str | None) -> Group:
+        if parent is None or os.path.normpath(parent) == os.path.normpath(self.root):
+            return self._open(slot_name, create=True)
+        path = os.path.join(parent, cgplace.nested_name(self.root_name, slot_name))
+        try:  # listed before it is made: a krexd killed in between leaves no unknown group
+            self.registry.add(path, slot_name)
+        except (OSError, KrexError) as exc:
+            raise KrexError(f"cannot list {path} in {self.registry.path}: {exc}") from exc
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            self.registry.drop(path)
+            raise _error(exc, f"cannot create cgroup {path}") from exc
+        return self._at(slot_name, path)
+
+    def _forget(self, path: str) -> None:
+        self._own.discard(path)
+        with contextlib.suppress(OSError, KrexError):
+            self.registry.drop(path)
+
+    def _prune(self) -> None:
+        for path in self.registry.load():
+            if not os.path.isdir(path):
+                self._forget(path)
+
+    def remove_root(self) -> bool:
+        if not super().remove_root():
+            return False
+        with contextlib.suppress(OSError):  # the registry's directory, once nothing is listed
+            os.rmdir(self.registry.path.parent)
+        return True
 
     def _list(self) -> list[str]:
         try:
@@ -539,6 +706,7 @@ class _CgroupFreezer(Freezer):
 
 class Cgroup2Freezer(_CgroupFreezer):
     name = "cgroup2"
+    _group_cls = _Cgroup2Group
     _manual_thaw = "echo 0 > <group>/cgroup.freeze"
 
     @classmethod
@@ -560,8 +728,12 @@ class Cgroup2Freezer(_CgroupFreezer):
             raise _error(exc, f"cannot write {root}/cgroup.freeze") from exc
         return cls(root, mount)
 
-    def _open(self, name: str, create: bool) -> Group:
-        return _Cgroup2Group(name, self._make_dir(name, create))
+    def _check_usable(self, group: Group) -> None:
+        # A child of a threaded cgroup is "domain invalid": no process may enter it.
+        with contextlib.suppress(OSError):
+            if procfs.read(os.path.join(group.path, "cgroup.type")).strip() == "domain invalid":
+                group.remove()
+                raise KrexError(f"{os.path.dirname(group.path)} is in a threaded cgroup subtree")
 
     def _thaw_root(self) -> None:
         with contextlib.suppress(OSError):
@@ -572,13 +744,15 @@ class Cgroup2Freezer(_CgroupFreezer):
             "pure" if self.mount == "/sys/fs/cgroup" else "hybrid" if "unified" in self.mount else "other"
         )
         return (
-            f"cgroup2: cgroup.freeze under {self.root} (v2 mounted at {self.mount}, {layout})"
+            f"cgroup2: cgroup.freeze, slot groups below each command's caller, else under {self.root} "
+            f"(v2 mounted at {self.mount}, {layout})"
             + self._fallback_note()
         )
 
 
 class Cgroup1Freezer(_CgroupFreezer):
     name = "cgroup1"
+    _group_cls = _Cgroup1Group
     _manual_thaw = "echo THAWED > <group>/freezer.state"
 
     @classmethod
@@ -591,202 +765,15 @@ class Cgroup1Freezer(_CgroupFreezer):
             raise _error(exc, f"cannot set up v1 freezer group {root}") from exc
         return cls(root, mount)
 
-    def _open(self, name: str, create: bool) -> Group:
-        return _Cgroup1Group(name, self._make_dir(name, create))
-
     def _thaw_root(self) -> None:
         with contextlib.suppress(OSError):
             procfs.write(os.path.join(self.root, "freezer.state"), "THAWED")
 
     def describe(self) -> str:
         return (
-            f"cgroup1: freezer.state under {self.root} (v1 freezer at {self.mount})" + self._fallback_note()
+            f"cgroup1: freezer.state, slot groups below each command's caller, else under {self.root} "
+            f"(v1 freezer at {self.mount})" + self._fallback_note()
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# signals
-
-
-class _SignalGroup(Group):
-    """A process tree stopped with SIGSTOP.
-
-    Members are the recorded roots, their descendants, and every process ever seen in the tree
-    (so a grandchild orphaned to init is still frozen). (pid, start time) pairs guard against
-    pid reuse. The state file lets a new daemon thaw what a dead one stopped."""
-
-    backend = "signal"
-
-    def __init__(self, name: str, path: str) -> None:
-        super().__init__(name, path)
-        self._frozen = False
-        self._roots: dict[int, int] = {}
-        self._known: dict[int, int] = {}
-        self._load()
-
-    def _load(self) -> None:
-        try:
-            data = json.loads(procfs.read(self.path))
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as exc:
-            raise KrexError(f"unreadable freezer state {self.path}: {exc}", "delete the file") from exc
-        self._frozen = bool(data.get("frozen", False))
-        self._roots = {int(p): int(s) for p, s in data.get("roots", [])}
-        self._known = {int(p): int(s) for p, s in data.get("known", [])}
-
-    def _save(self) -> None:
-        data = {
-            "name": self.name,
-            "frozen": self._frozen,
-            "roots": sorted(self._roots.items()),
-            "known": sorted(self._known.items()),
-        }
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            raise _error(exc, f"cannot write freezer state {self.path}") from exc
-
-    def _members(self) -> dict[int, int]:
-        members = procfs.tree({**self._known, **self._roots})
-        exclude = procfs.self_and_ancestors()
-        return {p: s for p, s in members.items() if p not in exclude}
-
-    def _remember(self, members: dict[int, int]) -> None:
-        # Forgetting the dead keeps the file small; remembering the living keeps orphans tracked.
-        if members != self._known:
-            self._known = dict(members)
-            self._save()
-
-    def add(self, pid: int) -> None:
-        self._guard(pid)
-        st = procfs.pid_stat(pid)
-        if st is None:
-            raise NotFound(f"no process {pid} to add to group {self.name}")
-        self._roots[pid] = st.start
-        members = self._members()
-        self._known = members
-        self._save()
-        if self._frozen:
-            # Like a cgroup: a process joining a frozen group is frozen too.
-            self._signal(members, signal.SIGSTOP)
-
-    def pids(self) -> list[int]:
-        return sorted(self._members())
-
-    def _signal(self, pids: Iterable[int], sig: signal.Signals) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                continue
-            except OSError as exc:
-                raise _error(exc, f"cannot send {sig.name} to pid {pid}") from exc
-
-    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        members = self._members()
-        # Record the intent and the tree first: if we die halfway, recover() knows what to SIGCONT.
-        self._frozen = True
-        self._known = members
-        self._save()
-        step = 0.0002
-        while True:
-            running = [p for p in members if not procfs.stopped(p)]
-            if running:
-                self._signal(running, signal.SIGSTOP)
-            else:
-                # All stopped; done unless a child was forked just before its parent stopped.
-                latest = self._members()
-                if latest.keys() == members.keys():
-                    return time.perf_counter() - t0
-                members = latest
-                self._remember(members)
-                continue
-            if time.monotonic() >= deadline:
-                stragglers = sorted(p for p in members if not procfs.stopped(p))
-                raise self._timeout("freezing", timeout, stragglers)
-            step = _sleep_step(step)
-
-    def thaw(self, timeout: float = FREEZE_TIMEOUT_S) -> float:
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        members = self._members()
-        self._frozen = False
-        self._known = members
-        self._save()
-        self._signal(members, signal.SIGCONT)
-        step = 0.0002
-        while True:
-            still = sorted(p for p in members if "T" in procfs.task_states(p))
-            if not still:
-                return time.perf_counter() - t0
-            if time.monotonic() >= deadline:
-                raise self._timeout("thawing", timeout, still)
-            self._signal(still, signal.SIGCONT)
-            step = _sleep_step(step)
-
-    def is_frozen(self) -> bool:
-        return self._frozen and all(procfs.stopped(p) for p in self._members())
-
-    def freeze_requested(self) -> bool:
-        return self._frozen
-
-    def remove(self) -> None:
-        self.thaw()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-class SignalFreezer(Freezer):
-    name = "signal"
-    _manual_thaw = "kill -CONT <pid> for each pid in the group's state file, then delete the file"
-
-    @classmethod
-    def probe(cls, root_name: str) -> SignalFreezer:
-        # In KREX's state directory (krex.paths: its rules, its checks), beside the
-        # daemon's socket and journal, so a restarted daemon or its watchdog finds it.
-        return cls(os.path.join(paths.ensure_state_dir(), "freezer", root_name, "signal"))
-
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
-        try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise _error(exc, f"cannot create freezer state directory {root}") from exc
-
-    def _open(self, name: str, create: bool) -> Group:
-        path = os.path.join(self.root, f"{name}.json")
-        if not create and not os.path.exists(path):
-            raise NotFound(f"no freezer group {path}")
-        group = _SignalGroup(name, path)
-        if create and not os.path.exists(path):
-            group._save()
-        return group
-
-    def _list(self) -> list[str]:
-        try:
-            return sorted(e[: -len(".json")] for e in os.listdir(self.root) if e.endswith(".json"))
-        except FileNotFoundError:
-            return []
-
-    def _thaw_root(self) -> None:
-        return None
-
-    def remove_root(self) -> bool:
-        if not super().remove_root():
-            return False
-        # Also drop the per-root_name directory above "signal" when it is empty.
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(self.root))
-        return True
-
-    def describe(self) -> str:
-        return f"signal: SIGSTOP/SIGCONT of process trees, state in {self.root}" + self._fallback_note()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -795,6 +782,8 @@ class SignalFreezer(Freezer):
 
 def _make(backend: str, root_name: str) -> Freezer:
     if backend == "signal":
+        from krex.node.sigfreezer import SignalFreezer  # imports this module
+
         return SignalFreezer.probe(root_name)
     found = mounts.read_mounts()
     if backend == "cgroup2":
@@ -834,13 +823,21 @@ def root_name_for(shm_name: str) -> str:
     return shm_name.strip("/").replace("/", "-") or "krex"
 
 
-def remove_leftovers(shm_name: str) -> None:
-    """Thaw and remove the empty groups a killed daemon of `shm_name` left, and their parent,
-    under every cgroup backend that works here (tests' and checks' clean-up; a daemon's own
-    start recovers them instead)."""
+def _registry_path(state_dir: str | None, root_name: str, backend: str) -> Path:
+    base = Path(state_dir) if state_dir else paths.state_dir()
+    return base / "freezer" / root_name.replace("/", "-") / f"{backend}-groups.json"
+
+
+def remove_leftovers(shm_name: str, state_dir: str | None = None) -> None:
+    """Thaw and remove the empty groups a killed daemon of `shm_name` left (in its default
+    root, and those below callers' cgroups listed in `state_dir`, default: this process's
+    state directory), and their parent, under every cgroup backend that works here (tests'
+    and checks' clean-up; a daemon's own start recovers them instead)."""
     for backend in ("cgroup2", "cgroup1"):
         with contextlib.suppress(KrexError):
             fz = _make(backend, root_name_for(shm_name))
+            if isinstance(fz, _CgroupFreezer):
+                fz.registry.path = _registry_path(state_dir, fz.root_name, fz.name)
             with contextlib.suppress(KrexError):
                 fz.recover()
             fz.remove_root()

@@ -77,9 +77,10 @@ def queue_note(slots_busy: object) -> str:
     return f"krex: waiting for a free slot ({slots_busy} commands are running)..."
 
 
-def start_notes(simulated: bool, warm: bool = False) -> list[str]:
-    """What `krex run` says once admitted, before its command starts."""
-    out = []
+def start_notes(simulated: bool, warm: bool = False, cgroup_note: str = "") -> list[str]:
+    """What `krex run` says once admitted, before its command starts. `cgroup_note`: why
+    the command's cgroup is not below the one `krex run` runs in (cgplace.Placement)."""
+    out = [cgroup_note] if cgroup_note else []
     if simulated:
         out.append(
             "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
@@ -143,6 +144,8 @@ def run_report(
         out["tenant"] = rel["tenant"]
     out["leftovers"] = rel.get("leftovers") or []
     out["leftovers_action"] = rel.get("action", "unknown")
+    if isinstance(rel.get("cgroup"), dict) and rel["cgroup"]:  # where its cgroup was, and why
+        out["cgroup"] = rel["cgroup"]
     if isinstance(rel.get("regions"), list):
         out["regions"] = [r for r in rel["regions"] if isinstance(r, dict)]
         if rel.get("journal_error"):

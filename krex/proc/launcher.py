@@ -473,7 +473,8 @@ def run_guarded(
     device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
     simulated = adm.get("device") == "sim" or device == "sim"
-    for line in start_notes(simulated, warm=bool(adm.get("warm"))):
+    placed = adm.get("cgroup") or {}
+    for line in start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or "")):
         notify(line)
     env = dict(os.environ)
     apply_env(env, put, pre)
@@ -569,6 +570,11 @@ def run_guarded(
         with contextlib.suppress(KrexError, OSError):
             rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
         client.close()
+        if not rel and backend != "signal":
+            # No krexd removes the command's group now: left empty in the caller's job or pod
+            # cgroup, it would keep the scheduler from removing that. Busy, it stays.
+            with contextlib.suppress(OSError):
+                os.rmdir(group_path)
         mark("released")
         dev = str(adm.get("device") or device)
         report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)

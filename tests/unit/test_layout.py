@@ -270,12 +270,12 @@ def test_signal_freezer_state_lives_in_the_state_directory(
 ) -> None:
     # One set of state-directory rules (krex.paths): the signal freezer's state goes
     # under KREX_STATE_DIR, not under a directory of its own making.
-    from krex.node import freezer
+    from krex.node import freezer, sigfreezer
 
     state = tmp_path / "state"
     monkeypatch.setenv("KREX_STATE_DIR", str(state))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    fz = freezer.SignalFreezer.probe("krex-layout-test")
+    fz = sigfreezer.SignalFreezer.probe("krex-layout-test")
     assert Path(fz.root).is_relative_to(state), fz.root
     assert not (tmp_path / "xdg").exists()
     assert "_state_base" not in vars(freezer)
