@@ -143,7 +143,7 @@ def fleet(file: str | None, address: str | None, device: str, out_dir: str | Non
     summary.json with one row per node. A command whose node is lost runs
     again elsewhere. Exits 1 if any command failed, 130 if interrupted.
 
-    Needs Ray: pip install 'krex[fleet]'."""
+    Needs Ray: pip install 'krex-gpu[fleet]'."""
     from krex.batch import check_args, load_commands
     from krex.errors import UsageError
     from krex.fleet import FleetConfig, FleetFailed, corpus_commands, import_ray, run_fleet

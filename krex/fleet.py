@@ -33,7 +33,7 @@ How KREX maps onto Ray (docs/fleet.md has the operator's side):
   daemon, segment, simulated GPU or trace (`node_world`).
 
 The library never prints: progress goes to the `progress` callback as `FleetEvent`s.
-Ray is an optional dependency (``pip install 'krex[fleet]'``); `import_ray` says so."""
+Ray is an optional dependency (``pip install 'krex-gpu[fleet]'``); `import_ray` says so."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ __all__ = [
 
 RESOURCE = "krex_slot"
 PYTHON = "{python}"  # argv placeholder for the node's own Python (corpus commands)
-INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' "
+INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex-gpu[fleet]' "
                "(or pip install ray)")
 TAIL_BYTES = 64 * 1024
 GRACE_S = runner.GRACE_S  # after a cancel: how long running commands get before their tasks are killed

@@ -39,14 +39,14 @@ step "tools (build, auditwheel) in $W/tools"
 step "python -m build: sdist, then the wheel from the sdist"
 rm -rf "$W/dist" "$W/pipwheel"
 "$W/tools/bin/python" -m build --outdir "$W/dist" "$REPO" >"$W/build.log" 2>&1 || { tail -40 "$W/build.log"; exit 1; }
-SDIST="$(ls "$W"/dist/krex-*.tar.gz)"
-WHEEL="$(ls "$W"/dist/krex-*.whl)"
+SDIST="$(ls "$W"/dist/krex_gpu-*.tar.gz)"
+WHEEL="$(ls "$W"/dist/krex_gpu-*.whl)"
 echo "sdist: $(basename "$SDIST")"
 echo "wheel: $(basename "$WHEEL")"
 
 step "pip wheel . (from the tree) builds the same wheel"
 "$W/tools/bin/pip" wheel -q --no-deps -w "$W/pipwheel" "$REPO" >"$W/pipwheel.log" 2>&1 || { tail -40 "$W/pipwheel.log"; exit 1; }
-PIPWHEEL="$(ls "$W"/pipwheel/krex-*.whl)"
+PIPWHEEL="$(ls "$W"/pipwheel/krex_gpu-*.whl)"
 [ "$(basename "$PIPWHEEL")" = "$(basename "$WHEEL")" ] || { echo "FAIL: pip wheel gave $(basename "$PIPWHEEL")"; exit 1; }
 listing() { "$HOSTPY" -c 'import sys, zipfile; print("\n".join(sorted(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if not n.endswith("RECORD"))))' "$1"; }
 diff <(listing "$WHEEL") <(listing "$PIPWHEEL") || { echo "FAIL: the sdist's wheel and pip wheel's differ"; exit 1; }
@@ -100,7 +100,7 @@ grep -q '"region":true,"region_rc":0' run.out || { echo "FAIL: the victim's regi
 
 step "krex bench --device sim --quick (no matplotlib: plots degrade with a message)"
 "$KREX" bench --device sim --quick --out "$W/elsewhere/bench" 2>bench.err | tee bench.out
-grep -q "krex\[bench\]" bench.err || { cat bench.err; echo "FAIL: no message about the missing plots"; exit 1; }
+grep -q "krex-gpu\[bench\]" bench.err || { cat bench.err; echo "FAIL: no message about the missing plots"; exit 1; }
 tail -1 bench.err
 [ -s "$W/elsewhere/bench/summary.md" ] || { echo "FAIL: no summary.md"; exit 1; }
 cd "$REPO"
@@ -110,7 +110,7 @@ if [ "${WHEEL_CHECK_AARCH64:-1}" != 0 ] && [ "$ARCH" = x86_64 ]; then
   rm -rf "$W/aarch64"
   KREX_TARGET=aarch64 "$W/tools/bin/pip" wheel -q --no-deps -w "$W/aarch64" "$SDIST" >"$W/aarch64.log" 2>&1 \
     || { tail -40 "$W/aarch64.log"; exit 1; }
-  AWHEEL="$(ls "$W"/aarch64/krex-*.whl)"
+  AWHEEL="$(ls "$W"/aarch64/krex_gpu-*.whl)"
   "$HOSTPY" "$REPO/scripts/wheel_contents.py" "$AWHEEL" --arch aarch64
   "$W/tools/bin/auditwheel" show "$AWHEEL" | tee "$W/auditwheel-aarch64.txt"
   grep -q "manylinux_2_17_aarch64" "$W/auditwheel-aarch64.txt" || { echo "FAIL: auditwheel (aarch64)"; exit 1; }

@@ -863,11 +863,11 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
 
 PLOTS_MISSING = (
-    "no plots: matplotlib is not installed (pip install 'krex[bench]' draws them; --no-plots silences this)"
+    "no plots: matplotlib is not installed (pip install 'krex-gpu[bench]' draws them; --no-plots silences this)"
 )
 
 
 def plots_available() -> bool:
-    """Whether matplotlib can be imported: the plots are an extra (`krex[bench]`), the
+    """Whether matplotlib can be imported: the plots are an extra (`krex-gpu[bench]`), the
     numbers never depend on it."""
     return importlib.util.find_spec("matplotlib") is not None

@@ -1,8 +1,8 @@
 """GPU discovery: real GPUs, or the simulated GPU.
 
-NVIDIA: NVML (nvidia-ml-py, `krex[gpu]`); where NVML is missing (containers
+NVIDIA: NVML (nvidia-ml-py, a dependency); where NVML is missing (containers
 without the management library, or nvidia-ml-py not installed), the CUDA driver
-through cuda-python (`krex[cuda]`). AMD: amdsmi (`krex[amd]`), else hip-python.
+through cuda-python (`krex-gpu[cuda]`). AMD: amdsmi (`krex-gpu[amd]`), else hip-python.
 The first that finds a visible GPU wins, in that order. Each backend is one small
 function over an imported module, so tests replace the module with a fake
 (KREX_NVML_FAKE stands in for NVML in tests that start processes: krex/device/nvml.py).
@@ -341,7 +341,7 @@ def discover(device: str = "auto") -> GpuInfo:
                 f"this machine has a GPU driver ({', '.join(nodes)}) but KREX could not list its GPUs: "
                 + "; ".join(tried)
                 + (f" (CUDA_VISIBLE_DEVICES={spec!r})" if spec is not None else ""),
-                "install the vendor's management library (nvidia-ml-py is a KREX dependency; 'krex[amd]' "
+                "install the vendor's management library (nvidia-ml-py is a KREX dependency; 'krex-gpu[amd]' "
                 "on ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or pass --device sim to use "
                 "the simulated GPU on purpose",
             )
@@ -349,8 +349,8 @@ def discover(device: str = "auto") -> GpuInfo:
             raise NotFound(
                 "no GPU found: no NVIDIA GPU (NVML, cuda-python) and no AMD GPU (amdsmi, hip-python); "
                 + "; ".join(tried),
-                "install the driver and `pip install 'krex[gpu]'` (NVIDIA; 'krex[cuda]' without NVML) or "
-                "'krex[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or use --device sim",
+                "install the driver and nvidia-ml-py (NVIDIA, a dependency of krex-gpu; 'krex-gpu[cuda]' without NVML) or "
+                "'krex-gpu[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or use --device sim",
             )
     n = sim_gpu_count()
     return GpuInfo(

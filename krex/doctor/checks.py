@@ -277,8 +277,8 @@ def check_gpus() -> tuple[Check, int, list[int | None]]:
         why += f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
     if len(info.tried) > 1:
         why += "; also tried " + "; ".join(t for t in info.tried if not t.startswith("nvml:"))
-    fix = ("install the NVIDIA driver and `pip install 'krex[gpu]'` (nvidia-ml-py; 'krex[cuda]' where NVML "
-           "is missing), or on a ROCm node 'krex[amd]' (amdsmi)" if not have_nvml_py
+    fix = ("install the NVIDIA driver and nvidia-ml-py (a dependency of krex-gpu: `pip install krex-gpu`; "
+           "'krex-gpu[cuda]' where NVML is missing), or on a ROCm node 'krex-gpu[amd]' (amdsmi)" if not have_nvml_py
            else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     return Check("gpus", WARN, f"no NVIDIA GPU: {why}; --device auto uses the simulated GPU ({info.count})",
                  fix + "; or use --device sim on purpose", details), info.count, list(info.numa)
@@ -434,7 +434,7 @@ def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Ch
     except NotFound as e:
         return Check("gpu coverage", FAIL, f"cannot check coverage: {e}",
                      "run it on a machine with an NVIDIA GPU, its driver and nvidia-ml-py "
-                     "(pip install 'krex[gpu]'); check CUDA_VISIBLE_DEVICES",
+                     "(a dependency of krex-gpu); check CUDA_VISIBLE_DEVICES",
                      {"error": type(e).__name__})
     if run_all is None:
         from krex.doctor import coverage

@@ -225,6 +225,6 @@ def test_no_gpu_names_every_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     msg = str(ei.value)
     for api in ("nvml", "cuda-python", "amdsmi", "hip-python"):
         assert f"{api}: " in msg
-    assert "krex[amd]" in ei.value.fix and "krex[cuda]" in ei.value.fix
+    assert "krex-gpu[amd]" in ei.value.fix and "krex-gpu[cuda]" in ei.value.fix
     info = gpus.discover("auto")
     assert info.kind == "sim" and len(info.tried) == 4
