@@ -131,16 +131,25 @@ static void buf_json_str(struct buf *b, const char *s) {
 
 /* ------------------------------------------------------------------ the fallback */
 
-/* Exec `python -m MODULE ARGS...` with the Python that has krex: KREX_PYTHON, else
- * python3/python beside this executable (a venv's bin/), else python3 on PATH. */
+/* `python -c PY_BOOT MODULE ARGS...` runs MODULE as `python -m` would, but with the current
+ * directory off sys.path: under -m a `krex/` folder where the user stands (a clone of KREX, a
+ * project) shadows the installed package. -P does that only from Python 3.11 on, and the
+ * version of the Python found here is not known. The same text as krex/pystart.py's BOOT. */
+#define PY_BOOT                                                                                  \
+    "import sys; sys.path[:] = [p for p in sys.path if p]; import runpy; "                       \
+    "runpy._run_module_as_main(sys.argv.pop(1))"
+
+/* Exec MODULE (as above) with the Python that has krex: KREX_PYTHON, else python3/python
+ * beside this executable (a venv's bin/), else python3 on PATH. */
 static void exec_python(const char *module, char *const *args) {
     int n = 0;
     while (args[n]) n++;
-    char **av = calloc((size_t)n + 4, sizeof *av);
+    char **av = calloc((size_t)n + 5, sizeof *av);
     if (!av) _exit(EXIT_KREX);
-    av[1] = "-m";
-    av[2] = (char *)module;
-    memcpy(av + 3, args, (size_t)n * sizeof *av);
+    av[1] = "-c";
+    av[2] = PY_BOOT;
+    av[3] = (char *)module;
+    memcpy(av + 4, args, (size_t)n * sizeof *av);
     const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
     if (py && *py) {
         av[0] = (char *)py;

@@ -11,7 +11,8 @@
 # `pip wheel .` from the tree: same tag, same files; (2) the wheel's contents (shim,
 # simulated GPU, corpus; highest GLIBC_ symbol per library; tag) and `auditwheel show`;
 # (3) a fresh venv gets the wheel alone, then, from another directory, `krex doctor`,
-# `krex run --device sim -- ./victim --region`, `krex bench --device sim --quick`;
+# `krex run --device sim -- ./victim --region`, `krex bench --device sim --quick`, and
+# `krex --version` from the checkout (whose krex/ folder must not shadow the wheel's);
 # (4) the aarch64 wheel, cross-built with zig, checked by readelf and auditwheel.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -77,10 +78,8 @@ EOF
 export KREX_STATE_DIR="$W/state" KREX_SHM="/krex-wc-$$" KREX_SIM_SHM="/krex-wcsim-$$" KREX_SIM_TRACE="$W/trace.jsonl"
 unset KREX_SOCKET KREX_SLOT KREX_GPU LD_PRELOAD
 cleanup() {
-  # Not from the checkout: its krex/ (no krex/cli there) would shadow the installed one
-  # (`python -m` puts the working directory first), and the stop failed, leaving the daemon
-  # running, which linked its segment back from its pin after the rm below.
-  cd /
+  # From wherever the script stands (the checkout too: KREX starts Python with the current
+  # directory off sys.path, so the tree's krex/ never shadows the installed one).
   "$KREX" daemon stop >/dev/null 2>"$W/stop.err" || { echo "wheel check: krex daemon stop failed:"; cat "$W/stop.err"; }
   rm -f "/dev/shm$KREX_SHM" "/dev/shm$KREX_SHM".krexpin-* "/dev/shm$KREX_SIM_SHM"
   "$W/venv/bin/python" -c "from krex.node.freezer import remove_leftovers as r; r('$KREX_SHM')" || true
@@ -89,6 +88,10 @@ trap cleanup EXIT
 
 step "krex doctor"
 "$KREX" doctor
+
+step "from the checkout: its krex/ folder does not shadow the installed krex"
+(cd "$REPO" && "$KREX" --version && "$KREX" env --device sim --export >/dev/null) \
+  || { echo "FAIL: krex run from a directory holding a krex/ folder"; exit 1; }
 
 step "krex run --device sim -- ./victim (compiled against the installed simulated GPU)"
 LIB="$("$KREX" include-dir)"

@@ -863,7 +863,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
 
 PLOTS_MISSING = (
-    "no plots: matplotlib is not installed (pip install 'krex-gpu[bench]' draws them; --no-plots silences this)"
+    "no plots: matplotlib is not installed (pip install 'krex-gpu[bench]' draws them; "
+    "--no-plots silences this)"
 )
 
 

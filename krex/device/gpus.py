@@ -349,8 +349,9 @@ def discover(device: str = "auto") -> GpuInfo:
             raise NotFound(
                 "no GPU found: no NVIDIA GPU (NVML, cuda-python) and no AMD GPU (amdsmi, hip-python); "
                 + "; ".join(tried),
-                "install the driver and nvidia-ml-py (NVIDIA, a dependency of krex-gpu; 'krex-gpu[cuda]' without NVML) or "
-                "'krex-gpu[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or use --device sim",
+                "install the driver and nvidia-ml-py (NVIDIA, a dependency of krex-gpu; 'krex-gpu[cuda]' "
+                "without NVML) or 'krex-gpu[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, "
+                "or use --device sim",
             )
     n = sim_gpu_count()
     return GpuInfo(

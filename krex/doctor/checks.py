@@ -278,7 +278,8 @@ def check_gpus() -> tuple[Check, int, list[int | None]]:
     if len(info.tried) > 1:
         why += "; also tried " + "; ".join(t for t in info.tried if not t.startswith("nvml:"))
     fix = ("install the NVIDIA driver and nvidia-ml-py (a dependency of krex-gpu: `pip install krex-gpu`; "
-           "'krex-gpu[cuda]' where NVML is missing), or on a ROCm node 'krex-gpu[amd]' (amdsmi)" if not have_nvml_py
+           "'krex-gpu[cuda]' where NVML is missing), or on a ROCm node 'krex-gpu[amd]' (amdsmi)"
+           if not have_nvml_py
            else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     return Check("gpus", WARN, f"no NVIDIA GPU: {why}; --device auto uses the simulated GPU ({info.count})",
                  fix + "; or use --device sim on purpose", details), info.count, list(info.numa)

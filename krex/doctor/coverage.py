@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from krex.pystart import module_argv
+
 WORKLOADS = ("eager", "cublas_bf16", "cublas_fp32", "triton", "compile", "graph", "copies", "graph_drain")
 
 
@@ -197,7 +199,7 @@ def run_all(workloads: tuple[str, ...] = WORKLOADS, device: str = "gpu") -> list
     for w in workloads:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
             out = tf.name
-        rc = run_direct([sys.executable, "-m", "krex.doctor.coverage", w, out], "gpu", 0, info.count)
+        rc = run_direct([*module_argv("krex.doctor.coverage"), w, out], "gpu", 0, info.count)
         try:
             with open(out) as f:
                 d = json.load(f)

@@ -273,7 +273,9 @@ def daemon_argv(device: str, log: Path | None, overrides: Mapping[str, Any] | No
                 on_demand: bool = False) -> list[str]:
     """The command that starts krexd: `krex daemon start`, the library's start on
     demand and the shim's (KREX_DAEMON_CMD) all use this one."""
-    argv = [sys.executable, "-m", DAEMON_MODULE, "--device", device]
+    from krex.pystart import module_argv
+
+    argv = [*module_argv(DAEMON_MODULE), "--device", device]
     if log is not None:
         argv += ["--log", str(log)]
     argv += to_argv(overrides)

@@ -690,13 +690,14 @@ class Daemon:
     def _start_watchdog(self) -> None:
         """A process of our own that thaws our groups if we hang (krex/node/watchdog.py)."""
         import subprocess
-        import sys
+
+        from krex.pystart import module_argv
 
         root = self.shm_name.strip("/").replace("/", "-") or "krex"
         args = [str(self.pid), self.shm_name, root, self.freezer.name]
         try:
             self._watchdog: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "krex.node.watchdog", *args],
+                [*module_argv("krex.node.watchdog"), *args],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
                 env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
