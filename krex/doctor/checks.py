@@ -189,7 +189,9 @@ def check_partition(n_gpus: int, gpu_numa: Sequence[int | None] | None = None) -
 # ------------------------------------------------------------------------------------ shim
 
 _PROBE = r"""
-import ctypes, json, sys
+import sys
+sys.path[:] = [p for p in sys.path if p]  # -c put the current directory first
+import ctypes, json
 path = sys.argv[1]
 maps = open("/proc/self/maps").read()
 out = {"mapped": path in maps}
