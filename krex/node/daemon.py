@@ -2297,7 +2297,7 @@ class Daemon:
             # Taken (the guardian falls back to Python with a krexd that does not say so).
             **({"auto_value": True} if isinstance(value, str) else {}),
             "ok": True,
-            "notes": optin.start_notes(s.simulated, warm=s.warm),
+            "notes": optin.start_notes(s.simulated, s.warm, optin.sim_reason(asked, self.cfg.device)),
             "warm": s.warm,
             "env_set": env_set,
             "env_prepend": env_prepend,

@@ -77,12 +77,25 @@ def queue_note(slots_busy: object) -> str:
     return f"krex: waiting for a free slot ({slots_busy} commands are running)..."
 
 
-def start_notes(simulated: bool, warm: bool = False) -> list[str]:
-    """What `krex run` says once admitted, before its command starts."""
+SIM_ASKED = "--device sim"
+SIM_NO_GPU = "--device auto: no GPU found"
+SIM_DAEMON = "--device auto: the KREX daemon was started with --device sim"
+
+
+def sim_reason(asked: str, daemon_device: str) -> str:
+    """Why a command runs on the simulated GPU: it asked for it, `--device auto` found no
+    GPU, or the daemon it joined was started on the simulated GPU."""
+    if asked == "sim":
+        return SIM_ASKED
+    return SIM_DAEMON if daemon_device == "sim" else SIM_NO_GPU
+
+
+def start_notes(simulated: bool, warm: bool = False, why: str = SIM_ASKED) -> list[str]:
+    """What `krex run` says once admitted, before its command starts. `why`: sim_reason."""
     out = []
     if simulated:
         out.append(
-            "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
+            f"krex: running on the SIMULATED GPU ({why}): timings prove KREX's logic, never "
             "performance; nothing ran on a real GPU"
         )
     if warm:

@@ -391,7 +391,9 @@ def connect_daemon(device: str, gpu: int | None) -> tuple[Client, str | None]:
             f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
             "pick a GPU index from `krex status`",
         )
-    return Client.connect(autostart=True, device=kind), kind
+    # `auto` that found no GPU starts krexd with `auto` (it finds the same): its notes then say
+    # that no GPU was found, not that `--device sim` was asked for.
+    return Client.connect(autostart=True, device=device if kind == "sim" else kind), kind
 
 
 def discover_kind(device: str) -> tuple[str, int]:
@@ -472,7 +474,10 @@ def run_guarded(
     device = kind
     slot, g = int(adm["slot"]), int(adm["gpu"])
     simulated = adm.get("device") == "sim" or device == "sim"
-    for line in start_notes(simulated, warm=bool(adm.get("warm"))):
+    notes = adm.get("notes")  # krexd's, the same the native guardian prints
+    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        notes = start_notes(simulated, warm=bool(adm.get("warm")))
+    for line in notes:
         notify(line)
     env = dict(os.environ)
     apply_env(env, put, pre)
