@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from krex.pystart import module_argv
+
 ROOT = Path(__file__).resolve().parents[2]
 KREX = ROOT / "krex"
 PY = sorted(p for p in KREX.rglob("*.py") if "_lib" not in p.parts)
@@ -289,8 +291,9 @@ def test_one_way_to_start_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     argv = config.daemon_argv(
         "sim", tmp_path / "krexd.log", {"max_region_s": 5.0, "idle_exit_s": None}, on_demand=True
     )
-    assert argv[:3] == [sys.executable, "-m", "krex.node.daemon"]
-    assert argv[3:] == [
+    start = module_argv("krex.node.daemon")  # the current directory off sys.path
+    assert argv[: len(start)] == start and start[0] == sys.executable
+    assert argv[len(start) :] == [
         "--device",
         "sim",
         "--log",
