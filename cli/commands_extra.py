@@ -208,7 +208,11 @@ def doctor(binaries: tuple[str, ...], as_json: bool, gpu: bool) -> None:
     live = Progress(sys.stderr, not as_json and sys.stderr.isatty())
 
     def progress(name: str) -> None:
-        live.status(f"krex doctor: checking {name}...")
+        if live.tty:
+            live.status(f"krex doctor: checking {name}...")
+        elif name.startswith("gpu coverage") and not quiet():
+            # Without a terminal too: the coverage workloads run for a minute or more.
+            live.line(f"krex doctor: checking {name}...")
 
     try:
         report = run_doctor(binaries, gpu=gpu, progress=progress)

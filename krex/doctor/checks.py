@@ -425,8 +425,11 @@ def check_binary(name: str) -> Check:
 # ---------------------------------------------------------------------------- GPU coverage
 
 
-def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Check:
-    """Interposition coverage against CUPTI on the real GPU (krex.doctor.coverage.run_all)."""
+def check_gpu_coverage(
+    run_all: Callable[..., Sequence[Any]] | None = None, progress: Callable[[str], None] | None = None
+) -> Check:
+    """Interposition coverage against CUPTI on the real GPU (krex.doctor.coverage.run_all);
+    `progress` gets the name of each workload as it starts (they take a minute or more)."""
     from krex.device.gpus import discover
 
     try:
@@ -444,7 +447,7 @@ def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Ch
 
         run_all = coverage.run_all
     try:
-        rows = list(run_all())
+        rows = list(run_all(progress=progress))
     except KrexError as e:
         return Check("gpu coverage", FAIL, f"coverage run failed: {e}", e.fix, {"error": type(e).__name__})
     table = [asdict(r) for r in rows]
@@ -488,5 +491,10 @@ def run_doctor(binaries: Sequence[str] = (), gpu: bool = False,
     for b in binaries:
         add(f"binary {b}", functools.partial(check_binary, b))
     if gpu:
-        add("gpu coverage", check_gpu_coverage)
+        from krex.doctor.coverage import WORKLOADS
+
+        n = len(WORKLOADS)
+        step = iter(range(1, n + 1))
+        add("gpu coverage", functools.partial(
+            check_gpu_coverage, progress=lambda w: note(f"gpu coverage: workload {w} ({next(step, n)}/{n})")))
     return DoctorReport(checks)
