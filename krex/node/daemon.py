@@ -1613,6 +1613,8 @@ class Daemon:
             "owner_slot": req.slot,
             "owner_pid": req.pid,
             "tid": req.tid,
+            # The command that held it, for `krex journal` (None once its process is gone).
+            "cmd": procfs.cmdline(req.pid, 200),
             **req.grant,
             "region_s": round(region_s, 6),
             "thaw_s": round(thaw_s, 6),
