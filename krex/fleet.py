@@ -106,7 +106,7 @@ RAY_WORKER_VARS = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_LD_PRELOAD_ON_WORKERS", 
                    "PYTHONBREAKPOINT", "OMP_NUM_THREADS")
 # A node's KREX variables that a fleet world replaces (or that must not leak into a command).
 WORLD_VARS = ("KREX_STATE_DIR", "KREX_SOCKET", "KREX_JOURNAL", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE",
-              "KREX_SLOT", "KREX_GPU")
+              "KREX_SLOT", "KREX_GPU", "KREX_THROWAWAY")
 # Ray errors that mean "the attempt was lost with its node or worker", not "the command failed".
 LOST_ERRORS = ("NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError", "RaySystemError",
                "ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError",
@@ -146,8 +146,9 @@ def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
     if len(str(sock).encode()) > 100:
         raise UsageError(f"--node-root {root} is too long for a Unix socket path ({sock})",
                          "use a short directory, e.g. one made by mktemp -d /tmp/kx-XXXX")
+    # Throwaway: its daemon's clean stop (idle exit) removes its segments from /dev/shm.
     return {"KREX_STATE_DIR": str(d), "KREX_SHM": f"/krex-fl-{tag}", "KREX_SIM_SHM": f"/krex-flsim-{tag}",
-            "KREX_SIM_TRACE": str(d / "trace.jsonl")}
+            "KREX_SIM_TRACE": str(d / "trace.jsonl"), "KREX_THROWAWAY": "1"}
 
 
 def node_resources(device: str = "auto", slots_per_gpu: int | None = None) -> tuple[dict[str, float], int]:

@@ -43,7 +43,7 @@ from krex.native import ffi, lib
 from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
-from krex.node.segguard import Expected, SegmentGuard
+from krex.node.segguard import Expected, SegmentGuard, remove_world
 from krex.node.shm import (
     HEARTBEAT_TIMEOUT_S,
     Segment,
@@ -806,6 +806,14 @@ class Daemon:
         with contextlib.suppress(KrexError, OSError):
             self.freezer.remove_root()  # only when no slot group was kept (live processes)
         self.guard.close()
+        if self.cfg.throwaway:  # nothing will use this world's shared memory again
+            users = [p.pid for p in self.seg.snapshot().procs if p.alive and p.pid != self.pid]
+            if users:  # their shims still read the gate there; a krexd started again adopts them
+                log.info("throwaway world: kept segment %s: %d process(es) still use it (pids %s)",
+                         self.shm_name, len(users), users[:8])
+            else:
+                gone = remove_world(self.shm_name, os.environ.get("KREX_SIM_SHM"))
+                log.info("throwaway world: removed %s from /dev/shm", ", ".join(gone) or "nothing")
         if self._server:
             self._server.close()
         with contextlib.suppress(OSError):
