@@ -56,7 +56,9 @@ def shm_path(name: str) -> str:
 def remove_world(name: str, sim_name: str | None) -> list[str]:
     """Unlink a throwaway world's segment `name`, every krexd pin link of it and the simulated
     GPU's segment `sim_name` (a plain `/name` only); the names that were there."""
-    gone = []
+    gone: list[str] = []
+    if not name.startswith("/") or "/" in name[1:]:
+        return gone
     for path in [shm_path(name), *glob.glob(glob.escape(shm_path(name)) + ".krexpin-*")]:
         with contextlib.suppress(OSError):
             os.unlink(path)
