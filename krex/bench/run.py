@@ -380,6 +380,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "contaminated_regions": rep.get("contaminated_regions"),
         "region_wait_s": rep.get("region_wait_s"),
         "cut_regions": rep.get("cut_regions"),
+        "inductor_regions": rep.get("inductor_regions"),  # torch's hook or KREX's fallback wrapper
         "simulated": rep.get("simulated"),
         "leftovers": len(rep.get("leftovers") or []),
         "auto_region": {
