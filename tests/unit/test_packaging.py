@@ -166,3 +166,45 @@ def test_the_gpu_extra_is_mentioned_nowhere() -> None:
         if pat.search(line)
     ]
     assert not bad, bad
+
+
+# ------------------------------------------------------------------ reproducible, stripped builds
+
+_BUILD = """import sys
+sys.path.insert(0, sys.argv[1])
+import krex_build
+out = sys.argv[2]
+strip = sys.argv[3] == "strip"
+krex_build.build_guardian(out + "/krex", strip=strip)
+"""
+
+
+def _build_copy(tmp: Path, name: str, strip: bool) -> Path:
+    """krex_build and interpose/ copied to tmp/NAME (another build path), the native `krex`
+    (one C file, built as the shim is: same flags, same toolchain) built from there."""
+    src = tmp / name
+    src.mkdir(parents=True)
+    shutil.copytree(ROOT / "interpose", src / "interpose")
+    shutil.copy2(ROOT / "krex_build.py", src / "krex_build.py")
+    out = tmp / f"out-{name}"
+    out.mkdir()
+    subprocess.run([sys.executable, "-c", _BUILD, str(src), str(out), "strip" if strip else "debug"],
+                   check=True, cwd=tmp, timeout=280)
+    return out / "krex"
+
+
+@pytest.mark.timeout(600)
+def test_builds_from_two_directories_are_identical_and_hold_no_build_path(tmp_path: Path) -> None:
+    a = _build_copy(tmp_path, "a", strip=True)
+    b = _build_copy(tmp_path, "a-much-longer-directory-name-b", strip=True)
+    assert a.read_bytes() == b.read_bytes(), "the same sources built in two directories differ"
+    assert str(tmp_path).encode() not in a.read_bytes()
+    # A build with debug info (make native) names no build directory either.
+    g = _build_copy(tmp_path, "c-debug", strip=False)
+    assert str(tmp_path).encode() not in g.read_bytes()
+    assert len(g.read_bytes()) > len(a.read_bytes())  # the debug info is there, stripped it is not
+    # What a wheel ships (setup.py: strip=True; scripts/wheel_contents.py checks the wheel):
+    # no symbol table, no debug info.
+    if shutil.which("readelf"):
+        sections = subprocess.run(["readelf", "-S", "-W", str(a)], capture_output=True, text=True).stdout
+        assert ".symtab" not in sections and ".debug_info" not in sections, sections
