@@ -1035,6 +1035,14 @@ struct clone_args_ { /* linux/sched.h struct clone_args (Linux 5.7: with cgroup)
 #define SYS_close_range 436
 #endif
 
+/* Whether this process may put a command into the cgroup `group` itself (launcher._can_join). */
+static int cgroup_joinable(const char *group) {
+    char path[PATH_MAX];
+    struct stat st;
+    if ((size_t)snprintf(path, sizeof path, "%s/cgroup.procs", group) >= sizeof path) return 0;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, W_OK) == 0;
+}
+
 /* Start the command in its slot: cgroup v2 forks straight into it (clone3
  * CLONE_INTO_CGROUP: no cgroup.procs write, which queues 16 starting guardians on a
  * global lock); else fork and the child joins. Returns the pid, or -1 with *err the
@@ -1336,6 +1344,17 @@ static int run(struct opts *o) {
         say("krex: error: %s\n  fix: %s", msg, fix);
         if (o->report) write_report(o->report, NULL, EXIT_KREX, "KrexError", msg, fix);
         return EXIT_KREX;
+    }
+    /* A slot cgroup this guardian cannot join (not visible here: a container without the
+     * host's cgroup tree, an unprivileged benchmark pod; or not writable): krexd must move the
+     * command, as it does for the Python guardian's children. Give the slot back (no command
+     * has run) and let Python do it, instead of running the command outside its slot. */
+    if (strcmp(a.freezer, "signal") && !cgroup_joinable(a.group)) {
+        struct jv *r = NULL;
+        ask(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3}, &r, why, sizeof why);
+        jfree(r);
+        close(c.fd);
+        fallback_unblocked();
     }
     print_notes(a.notes);
     /* The finisher's report when krexd cannot send one: the admission as the Python

@@ -102,8 +102,9 @@ GRACE_S = runner.GRACE_S  # after a cancel: how long running commands get before
 NODES_REFRESH_S = 2.0
 # Set by Ray in every worker; a command under `krex batch` would not have them
 # (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
+# RAY_AUTH_TOKEN: the cluster's secret (token authentication), never a benchmark's business.
 RAY_WORKER_VARS = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_NOENV",
-                   "PYTHONBREAKPOINT", "OMP_NUM_THREADS")
+                   "PYTHONBREAKPOINT", "OMP_NUM_THREADS", "RAY_AUTH_TOKEN")
 # A node's KREX variables that a fleet world replaces (or that must not leak into a command).
 WORLD_VARS = ("KREX_STATE_DIR", "KREX_SOCKET", "KREX_JOURNAL", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE",
               "KREX_SLOT", "KREX_GPU", "KREX_THROWAWAY")

@@ -493,7 +493,8 @@ def run_guarded(
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
     # The child waits before exec until krexd has it when the guardian cannot put it in its
-    # slot itself: a group member (no write access to the cgroup), and SIGSTOP freezing,
+    # slot itself: a group member (no write access to the cgroup), a container that does not
+    # see the host's cgroup tree (an unprivileged benchmark pod), and SIGSTOP freezing,
     # where krexd must know the pid to stop it (else it would run from exec until
     # `started`, inside a region that began meanwhile).
     joined = _DaemonJoin(client) if backend == "signal" or not _can_join(group_path) else None
@@ -689,8 +690,12 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
 
 
 def _can_join(group_path: str) -> bool:
+    """Whether this guardian can put its command into the slot's cgroup itself: the group is
+    visible here and writable. Else krexd moves it (_DaemonJoin): a member of a shared daemon's
+    group, or a container without the host's cgroup tree (an unprivileged benchmark pod), where
+    the command would otherwise run outside its slot and never be frozen as a sibling."""
     procs = os.path.join(group_path, "cgroup.procs")
-    return not os.path.isfile(procs) or os.access(procs, os.W_OK)
+    return os.path.isfile(procs) and os.access(procs, os.W_OK)
 
 
 class _DaemonJoin:
