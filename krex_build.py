@@ -6,7 +6,9 @@
   simulated GPU (``libkrexsim.so``, ``libcuda.so.1``, ``libcudart.so.13``,
   ``libamdhip64.so``) plus the marker header ``krex.h``.
 
-setup.py calls both; ``python krex_build.py DIR`` runs the second by hand.
+setup.py calls both; ``python krex_build.py [--strip] DIR`` runs the second by hand (a
+wheel's files are stripped: ``--strip``). No build path is embedded (``-ffile-prefix-map``):
+builds of the same sources from two directories are byte-identical.
 
 The compiler (``toolchain()``): ``$KREX_CC`` if set, else ``$CC`` if set, else
 ``zig cc`` from the ``ziglang`` package targeting glibc ``$KREX_GLIBC`` (2.17), so
@@ -37,7 +39,17 @@ INTERPOSE = ROOT / "interpose"
 SHIM_SOURCES = (
     "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", "krex_core.c"
 )
-CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-fvisibility=hidden"]
+# The build directory never lands in what is built (debug info, __FILE__): two builds of the
+# same sources from different directories give the same bytes.
+PREFIX_MAP = [f"-ffile-prefix-map={ROOT}=.", f"-fdebug-prefix-map={ROOT}=."]
+CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fPIC", "-fvisibility=hidden",
+          *PREFIX_MAP]
+
+
+def cflags(strip: bool) -> list[str]:
+    """CFLAGS; `strip` (what a wheel ships): no debug info and no symbol table (-s), about a
+    tenth of the size (the shim: 5 MB with -g)."""
+    return [("-s" if f == "-g" else f) for f in CFLAGS] if strip else list(CFLAGS)
 
 
 def op_rows() -> list[tuple[str, int, str, str]]:
@@ -255,14 +267,16 @@ def platform_tag(files: list[Path]) -> str | None:
     return tag
 
 
-def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
-    """Compile the shim and the simulated GPU into ``outdir``; return the files."""
+def build_native(outdir: str | os.PathLike[str], strip: bool = False) -> list[Path]:
+    """Compile the shim and the simulated GPU into ``outdir``; return the files. ``strip``:
+    as a wheel ships them (no debug info, no symbol table)."""
+    flags = cflags(strip)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     i, sim = str(INTERPOSE), str(INTERPOSE / "sim")
     _cc(
         [
-            *CFLAGS,
+            *flags,
             "-shared",
             "-o",
             str(out / "libkrex_interpose.so"),
@@ -272,10 +286,10 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
         ]
     )
     # The NVTX injection: libc only; it finds the shim's region client at run time.
-    _cc([*CFLAGS, "-shared", "-o", str(out / "libkrex_nvtx.so"), f"{i}/nvtx_inject.c", "-ldl", "-lpthread"])
+    _cc([*flags, "-shared", "-o", str(out / "libkrex_nvtx.so"), f"{i}/nvtx_inject.c", "-ldl", "-lpthread"])
     _cc(
         [
-            *CFLAGS,
+            *flags,
             "-shared",
             "-o",
             str(out / "libkrexsim.so"),
@@ -288,7 +302,7 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
     common = ["-Wl,-Bsymbolic", f"-L{out}", "-lkrexsim", "-Wl,-rpath,$ORIGIN", "-ldl"]
     _cc(
         [
-            *CFLAGS,
+            *flags,
             "-shared",
             "-DSIM_API=1",
             "-o",
@@ -300,7 +314,7 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
     )
     _cc(
         [
-            *CFLAGS,
+            *flags,
             "-shared",
             "-DSIM_API=0",
             "-o",
@@ -313,7 +327,7 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
     )
     _cc(
         [
-            *CFLAGS,
+            *flags,
             "-shared",
             "-DSIM_API=2",
             "-o",
@@ -331,19 +345,19 @@ def build_native(outdir: str | os.PathLike[str]) -> list[Path]:
         p.symlink_to(target)
     shutil.copy2(INTERPOSE / "include" / "krex.h", out / "krex.h")
     try:
-        build_guardian(out / "krex")
+        build_guardian(out / "krex", strip)
     except (subprocess.CalledProcessError, OSError) as e:  # the Python `krex` still works
         print(f"krex_build: the native krex command was not built ({e}); `krex` stays the Python one",
               file=sys.stderr)
     return sorted(out.iterdir())
 
 
-def build_guardian(out: str | os.PathLike[str]) -> Path:
+def build_guardian(out: str | os.PathLike[str], strip: bool = False) -> Path:
     """The native `krex` command (interpose/guardian.c: `krex run` without Python, and a
     hand-over to the Python CLI for everything else): one C file, libc only."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    flags = [f for f in CFLAGS if f not in ("-fPIC", "-fvisibility=hidden")]
+    flags = [f for f in cflags(strip) if f not in ("-fPIC", "-fvisibility=hidden")]
     _cc([*flags, "-std=gnu11", f"-I{INTERPOSE}", "-o", str(path), str(INTERPOSE / "guardian.c")])
     return path
 
@@ -367,5 +381,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--cffi"]:
         print(build_cffi_inplace())
         sys.exit(0)
-    for f in build_native(sys.argv[1] if len(sys.argv) > 1 else ROOT / "krex" / "_lib"):
+    args = sys.argv[1:]
+    strip = "--strip" in args  # as the wheel ships them
+    args = [a for a in args if a != "--strip"]
+    for f in build_native(args[0] if args else ROOT / "krex" / "_lib", strip=strip):
         print(f)

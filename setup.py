@@ -26,6 +26,7 @@ import krex_build  # noqa: E402
 class BuildExt(build_ext):
     def build_extensions(self) -> None:
         tc = krex_build.toolchain()
+        inplace = self.inplace or getattr(self, "editable_mode", False)
         if tc.kind == "zig" or tc.arch != krex_build.host_arch():
             # Python's own CFLAGS belong to the compiler Python was built with; the
             # extension needs none of them (abi3, one C file).
@@ -33,6 +34,10 @@ class BuildExt(build_ext):
             self.compiler.set_executables(
                 compiler=cc, compiler_so=cc, linker_so=[*tc.cc, "-shared"], linker_exe=list(tc.cc)
             )
+        for ext in self.extensions:  # no build path inside; a wheel's extension is stripped
+            ext.extra_compile_args = [*ext.extra_compile_args, *krex_build.PREFIX_MAP]
+            if not inplace:
+                ext.extra_link_args = [*ext.extra_link_args, "-s"]
         # Build outputs of another target or toolchain must never be reused.
         self.force = True
         super().build_extensions()
@@ -41,7 +46,7 @@ class BuildExt(build_ext):
         super().run()
         inplace = self.inplace or getattr(self, "editable_mode", False)
         target = Path("krex/_lib") if inplace else Path(self.build_lib) / "krex" / "_lib"
-        krex_build.build_native(target)
+        krex_build.build_native(target, strip=not inplace)  # a wheel ships them stripped
 
 
 # The `krex` command when the native one cannot be built: the Python front door.
@@ -61,7 +66,7 @@ class BuildScripts(build_scripts):
         self.mkpath(self.build_dir)
         out = Path(self.build_dir) / "krex"
         try:
-            krex_build.build_guardian(out)
+            krex_build.build_guardian(out, strip=True)
         except Exception as e:  # noqa: BLE001 - any failure: the Python one
             print(f"setup.py: native krex not built ({e}); installing the Python krex", file=sys.stderr)
             out.write_text(PY_KREX.format(python=self.executable))

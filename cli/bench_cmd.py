@@ -333,6 +333,11 @@ def bench(
     click.echo("")
     click.echo(_headline_text(s))
     click.echo("")
+    from krex.bench import inductor_line
+
+    if inductor_line(s):  # which way Inductor's autotuning became regions (torch's hook or the fallback)
+        click.echo(inductor_line(s))
+        click.echo("")
     click.echo(
         f"results: {res.out_dir}  (summary.md, raw.jsonl"
         + (", " + ", ".join(p.name for p in res.plots) if res.plots else "")

@@ -41,7 +41,7 @@ class _BatchProgress:
     def __call__(self, ev: Any) -> None:  # ev: krex.batch.BatchEvent
         res = ev.result
         if self.header and not self.out.tty:
-            self.out.line(self.header)
+            self.out.line(self.header.format(jobs=ev.jobs))
         self.header = ""
         if self.out.tty:
             if ev.kind == "done" and res is not None and not res.ok:
@@ -128,14 +128,15 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("file", metavar="FILE")
-@click.option("-j", "--jobs", type=int, required=True, metavar="N",
-              help="run at most N commands at a time (commands beyond the daemon's slots wait for one)")
+@click.option("-j", "--jobs", type=int, default=None, metavar="N",
+              help="run at most N commands at a time  [default: as many as the node's daemon admits at once; "
+                   "a running daemon that admits fewer than N is refused, one started here gets N slots]")
 @click.option("--device", default="auto", show_default=True, metavar="[auto|gpu|sim]",
               help="real GPU or the simulated one (passed to each `krex run`)")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="directory for the results (default: ./krex-batch-<timestamp>/; must be new or empty)")
 @click.option("--gpu", type=int, default=None, help="GPU index for every command (default: the least loaded)")
-def batch(file: str, jobs: int, device: str, out_dir: str | None, gpu: int | None) -> None:
+def batch(file: str, jobs: int | None, device: str, out_dir: str | None, gpu: int | None) -> None:
     """Run every command of FILE under KREX, at most N at a time.
 
     FILE holds one shell command per line (blank lines and # comments are
@@ -151,7 +152,7 @@ def batch(file: str, jobs: int, device: str, out_dir: str | None, gpu: int | Non
     check_args(jobs, device)
     commands = load_commands(file)
     tty = sys.stderr.isatty()
-    header = f"krex batch: {len(commands)} command(s), -j {jobs}, device {device}"
+    header = f"krex batch: {len(commands)} command(s), -j {{jobs}}, device {device}"  # -j once known
     view = _BatchProgress(progress_stream(), tty and not quiet(), header)
     cancel = threading.Event()
     try:
@@ -208,7 +209,11 @@ def doctor(binaries: tuple[str, ...], as_json: bool, gpu: bool) -> None:
     live = Progress(sys.stderr, not as_json and sys.stderr.isatty())
 
     def progress(name: str) -> None:
-        live.status(f"krex doctor: checking {name}...")
+        if live.tty:
+            live.status(f"krex doctor: checking {name}...")
+        elif name.startswith("gpu coverage") and not quiet():
+            # Without a terminal too: the coverage workloads run for a minute or more.
+            live.line(f"krex doctor: checking {name}...")
 
     try:
         report = run_doctor(binaries, gpu=gpu, progress=progress)

@@ -143,7 +143,7 @@ def fleet(file: str | None, address: str | None, device: str, out_dir: str | Non
     summary.json with one row per node. A command whose node is lost runs
     again elsewhere. Exits 1 if any command failed, 130 if interrupted.
 
-    Needs Ray: pip install 'krex[fleet]'."""
+    Needs Ray: pip install 'krex-gpu[fleet]'."""
     from krex.batch import check_args, load_commands
     from krex.errors import UsageError
     from krex.fleet import FleetConfig, FleetFailed, corpus_commands, import_ray, run_fleet
@@ -200,19 +200,21 @@ def journal_fleet(address: str | None, node_root: str | None, last: int, as_json
         click.echo(json.dumps([{"node_id": j.node_id, "ip": j.ip, "host": j.host, "error": j.error,
                                 "records": j.records} for j in js], indent=2))
         return
-    click.echo("{:<12} {:>15} {:>8} {:>3} {:>4} {:>8} {:>9} {:>9} {:>6}  {}".format(
-        "node", "ip", "pid", "gpu", "slot", "wait_ms", "entry_ms", "region_ms", "frozen",
-        "end / contamination"))
+    from krex.node.journal import one_line, when
+
+    row = "{:<12} {:>15} {:<14} {:>8} {:>3} {:>4} {:>8} {:>9} {:>9} {:>6}  {:<11} {:<16} {}"
+    click.echo(row.format("node", "ip", "time", "pid", "gpu", "slot", "wait_ms", "entry_ms", "region_ms",
+                          "frozen", "end", "label", "command"))
     for j in js:
         if j.error:
             click.echo(f"{_node(j.node_id):<12} {str(j.ip or '-')[:15]:>15}  unreachable: {j.error}")
         for r in j.records:
-            note = str(r.get("end", ""))
+            ms = (f"{1e3 * (r.get(k) or 0):.2f}" for k in ("queue_wait_s", "entry_s", "region_s"))
+            click.echo(row.format(
+                _node(j.node_id), str(j.ip or "-")[:15], when(r), r.get("owner_pid", 0), r.get("gpu", 0),
+                r.get("owner_slot", 0), *ms, r.get("siblings_frozen", 0), str(r.get("end", "")),
+                one_line(r.get("label")) or "-", one_line(r.get("cmd")) or "-"))
             if r.get("contaminated"):
-                note += " CONTAMINATED: " + "; ".join(r.get("reasons", []))
-            click.echo("{:<12} {:>15} {:>8} {:>3} {:>4} {:>8.2f} {:>9.2f} {:>9.2f} {:>6}  {}".format(
-                _node(j.node_id), str(j.ip or "-")[:15], r.get("owner_pid", 0), r.get("gpu", 0),
-                r.get("owner_slot", 0), 1e3 * r.get("queue_wait_s", 0), 1e3 * r.get("entry_s", 0),
-                1e3 * r.get("region_s", 0), r.get("siblings_frozen", 0), note))
+                click.echo(f"{'':<12} CONTAMINATED: " + "; ".join(r.get("reasons", [])))
     total = sum(len(j.records) for j in js)
     click.echo(f"{total} region(s) from {len(js)} node(s)", err=True)

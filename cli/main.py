@@ -496,8 +496,10 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
     if as_json:
         click.echo(json.dumps(recs, indent=2))
         return
+    row = "{:<14} {:>8} {:>3} {:>4} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>6}  {:<11} {:<16} {}"
     click.echo(
-        "{:>8} {:>3} {:>4} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>6}  {}".format(
+        row.format(
+            "time",
             "pid",
             "gpu",
             "slot",
@@ -508,28 +510,28 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
             "pin_ms",
             "region_ms",
             "frozen",
-            "end / contamination",
+            "end",
+            "label",
+            "command",
         )
     )
+    ms = ("queue_wait_s", "entry_s", "drain_s", "freeze_s", "pin_s", "region_s")
     for r in recs:
-        note = r.get("end", "")
-        if r.get("contaminated"):
-            note += " CONTAMINATED: " + "; ".join(r.get("reasons", []))
         click.echo(
-            "{:>8} {:>3} {:>4} {:>8.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>6}  {}".format(
+            row.format(
+                jr.when(r),
                 r.get("owner_pid", 0),
                 r.get("gpu", 0),
                 r.get("owner_slot", 0),
-                1e3 * r.get("queue_wait_s", 0),
-                1e3 * r.get("entry_s", 0),
-                1e3 * r.get("drain_s", 0),
-                1e3 * r.get("freeze_s", 0),
-                1e3 * r.get("pin_s", 0),
-                1e3 * r.get("region_s", 0),
+                *(f"{1e3 * (r.get(k) or 0):.2f}" for k in ms),
                 r.get("siblings_frozen", 0),
-                note,
+                str(r.get("end", "")),
+                jr.one_line(r.get("label")) or "-",
+                jr.one_line(r.get("cmd")) or "-",
             )
         )
+        if r.get("contaminated"):
+            click.echo(f"{'':<14} CONTAMINATED: " + "; ".join(r.get("reasons", [])))
 
 
 register_extra(cli)

@@ -131,16 +131,25 @@ static void buf_json_str(struct buf *b, const char *s) {
 
 /* ------------------------------------------------------------------ the fallback */
 
-/* Exec `python -m MODULE ARGS...` with the Python that has krex: KREX_PYTHON, else
- * python3/python beside this executable (a venv's bin/), else python3 on PATH. */
+/* `python -c PY_BOOT MODULE ARGS...` runs MODULE as `python -m` would, but with the current
+ * directory off sys.path: under -m a `krex/` folder where the user stands (a clone of KREX, a
+ * project) shadows the installed package. -P does that only from Python 3.11 on, and the
+ * version of the Python found here is not known. The same text as krex/pystart.py's BOOT. */
+#define PY_BOOT                                                                                  \
+    "import sys; sys.path[:] = [p for p in sys.path if p]; import runpy; "                       \
+    "runpy._run_module_as_main(sys.argv.pop(1))"
+
+/* Exec MODULE (as above) with the Python that has krex: KREX_PYTHON, else python3/python
+ * beside this executable (a venv's bin/), else python3 on PATH. */
 static void exec_python(const char *module, char *const *args) {
     int n = 0;
     while (args[n]) n++;
-    char **av = calloc((size_t)n + 4, sizeof *av);
+    char **av = calloc((size_t)n + 5, sizeof *av);
     if (!av) _exit(EXIT_KREX);
-    av[1] = "-m";
-    av[2] = (char *)module;
-    memcpy(av + 3, args, (size_t)n * sizeof *av);
+    av[1] = "-c";
+    av[2] = PY_BOOT;
+    av[3] = (char *)module;
+    memcpy(av + 4, args, (size_t)n * sizeof *av);
     const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
     if (py && *py) {
         av[0] = (char *)py;
@@ -1028,6 +1037,14 @@ struct clone_args_ { /* linux/sched.h struct clone_args (Linux 5.7: with cgroup)
 #define SYS_close_range 436
 #endif
 
+/* Whether this process may put a command into the cgroup `group` itself (launcher._can_join). */
+static int cgroup_joinable(const char *group) {
+    char path[PATH_MAX];
+    struct stat st;
+    if ((size_t)snprintf(path, sizeof path, "%s/cgroup.procs", group) >= sizeof path) return 0;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, W_OK) == 0;
+}
+
 /* Start the command in its slot: cgroup v2 forks straight into it (clone3
  * CLONE_INTO_CGROUP: no cgroup.procs write, which queues 16 starting guardians on a
  * global lock); else fork and the child joins. Returns the pid, or -1 with *err the
@@ -1333,6 +1350,17 @@ static int run(struct opts *o) {
         say("krex: error: %s\n  fix: %s", msg, fix);
         if (o->report) write_report(o->report, NULL, EXIT_KREX, "KrexError", msg, fix);
         return EXIT_KREX;
+    }
+    /* A slot cgroup this guardian cannot join (not visible here: a container without the
+     * host's cgroup tree, an unprivileged benchmark pod; or not writable): krexd must move the
+     * command, as it does for the Python guardian's children. Give the slot back (no command
+     * has run) and let Python do it, instead of running the command outside its slot. */
+    if (strcmp(a.freezer, "signal") && !cgroup_joinable(a.group)) {
+        struct jv *r = NULL;
+        ask(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3}, &r, why, sizeof why);
+        jfree(r);
+        close(c.fd);
+        fallback_unblocked();
     }
     print_notes(a.notes);
     /* The finisher's report when krexd cannot send one: the admission as the Python

@@ -333,6 +333,7 @@ class BatchEvent:
     command: BatchCommand | None = None
     result: CommandResult | None = None
     cancelling: bool = False
+    jobs: int = 0  # commands at most at once (-j, or the daemon's slots by default)
 
 
 def default_out_dir(now: float | None = None, base: Path | None = None, prefix: str = "krex-batch") -> Path:
@@ -397,32 +398,80 @@ def _static_cudart_warning(cmd: BatchCommand) -> list[str]:
 # ----------------------------------------------------------------------------------------- run
 
 
-def check_args(jobs: int, device: str) -> None:
+def check_args(jobs: int | None, device: str) -> None:
     """Validate the cheap arguments (before reading any file)."""
     from krex.device import DEVICES
 
-    if jobs < 1:
+    if jobs is not None and jobs < 1:
         raise UsageError(f"-j {jobs}: need at least one job slot", "give -j 1 or more (e.g. -j 4)")
     if device not in DEVICES:
         raise UsageError(f"unknown device {device!r}", f"use --device {' or '.join(DEVICES)}")
 
 
-def _ensure_daemon(kind: str) -> None:
-    """Start krexd once, before the guardians: N guardians that all find no daemon
-    would otherwise race to start one each."""
-    from krex.proc.client import Client
-
-    Client.connect(autostart=True, device=kind).close()
+MAX_SLOTS_PER_GPU = 64  # krexd's limit (config.KEYS: slots_per_gpu)
 
 
-def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
+def _capacity(per_gpu: Sequence[int], gpu: int | None) -> int:
+    """Commands admitted at once: on GPU `gpu`, or on every GPU (the daemon picks)."""
+    return int(per_gpu[gpu]) if gpu is not None and gpu < len(per_gpu) else int(sum(per_gpu))
+
+
+def _daemon_for(jobs: int | None, device: str, kind: str, info: Any, gpu: int | None) -> int:
+    """Make sure a daemon runs that admits the batch's commands at once, before the
+    guardians start (N guardians that all find no daemon would race to start one each);
+    return -j (default: the commands that daemon admits at once). A running daemon that
+    admits fewer than -j, or runs on the simulated GPU under --device gpu, is refused with
+    its name and the fix: the extra commands would only wait at admission."""
+    from krex.proc.client import Client, start_background
+    from krex.worlds import daemon_misfit, daemon_status, describe, node_slots_per_gpu
+
+    start_as = device if kind == "sim" else kind  # `auto` that found no GPU: krexd says so
+    for _attempt in range(2):
+        st = daemon_status()
+        if st is not None:
+            total = _capacity(st.get("slots_per_gpu") or [], gpu)
+            want = total if jobs is None else jobs
+            # `krex run --device sim` under a real GPU's daemon is allowed, as for one command.
+            wrong_device = daemon_misfit(st, kind, 0, sim_on_gpu=True)
+            if wrong_device:
+                raise UsageError(f"krex batch --device {device}: {describe(st)}: {wrong_device}",
+                                 "stop that daemon once it is idle (`krex daemon stop`) and run again, "
+                                 "or pass the --device it runs")
+            if want > total:
+                where = f" on GPU {gpu}" if gpu is not None else ""
+                raise UsageError(
+                    f"-j {want}: {describe(st)} admits {total} command(s) at once{where}; the other "
+                    f"{want - total} would wait at admission",
+                    f"give -j {total} or less (without -j a batch runs {total} at once), or stop that daemon "
+                    "once it is idle (`krex daemon stop`) and run again: krex batch then starts one that "
+                    "admits -j commands at once",
+                )
+            return want
+        default = _capacity(node_slots_per_gpu(kind, info.count, info.numa), gpu)
+        if jobs is None or jobs <= default:
+            Client.connect(autostart=True, device=start_as).close()
+        else:
+            need = jobs if gpu is not None else math.ceil(jobs / max(1, info.count))
+            if need > MAX_SLOTS_PER_GPU:
+                most = MAX_SLOTS_PER_GPU * (1 if gpu is not None else info.count)
+                raise UsageError(f"-j {jobs}: krexd admits at most {MAX_SLOTS_PER_GPU} commands per GPU "
+                                 f"({info.count} GPU(s) here)", f"give -j {most} or less")
+            start_background(device=start_as, settings={"slots_per_gpu": need}, on_demand=True)
+        # the daemon that answers now (ours, or one that won a race) decides, as above
+    raise UsageError("no KREX daemon stayed up for the batch", "see `krex daemon status` and its log")
+
+
+def run_batch(commands: Sequence[BatchCommand], jobs: int | None = None, device: str = "auto",
               out_dir: Path | str | None = None, gpu: int | None = None,
               progress: Callable[[BatchEvent], None] | None = None,
               cancel: threading.Event | None = None,
               python: str = sys.executable,
               env: dict[str, str] | None = None) -> BatchSummary:
-    """Run `commands` under KREX, at most `jobs` at a time; write the results and the summary
-    to `out_dir` (default ./krex-batch-<timestamp>/) and return them.
+    """Run `commands` under KREX, at most `jobs` at a time (None: as many as the node's daemon
+    admits at once); write the results and the summary to `out_dir` (default
+    ./krex-batch-<timestamp>/) and return them. The daemon must admit `jobs` commands at once
+    (see _daemon_for): a running one that admits fewer is refused, and one started here
+    gets the slots the batch needs.
 
     A failing command does not stop the batch. Setting `cancel` (or a KeyboardInterrupt in the
     calling thread) stops starting commands, forwards SIGINT to the running guardians (SIGTERM
@@ -441,8 +490,15 @@ def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
                          "or leave it away for the least loaded GPU")
     out = Path(out_dir) if out_dir is not None else default_out_dir()
     out = out.absolute()
-    _prepare_dir(out)
-    _ensure_daemon(kind)
+    made = not out.exists()
+    _prepare_dir(out)  # a bad --out is refused before any daemon starts
+    try:
+        jobs = _daemon_for(jobs, device, kind, info, gpu)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # nothing was written: no trace of a refused batch
+        raise
 
     width = max(3, len(str(len(commands))))
     base_env = dict(os.environ if env is None else env)
@@ -455,7 +511,7 @@ def run_batch(commands: Sequence[BatchCommand], jobs: int, device: str = "auto",
              res: CommandResult | None = None) -> None:
         if progress is not None:
             progress(BatchEvent(kind_, len(commands), len(results), pool.running, failed,
-                                time.monotonic() - t_batch, cmd, res, pool.cancelling))
+                                time.monotonic() - t_batch, cmd, res, pool.cancelling, jobs))
 
     def spec(cmd: BatchCommand, _lane: int) -> Spec:
         stem = out / f"cmd-{cmd.index:0{width}d}"

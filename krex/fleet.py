@@ -33,7 +33,7 @@ How KREX maps onto Ray (docs/fleet.md has the operator's side):
   daemon, segment, simulated GPU or trace (`node_world`).
 
 The library never prints: progress goes to the `progress` callback as `FleetEvent`s.
-Ray is an optional dependency (``pip install 'krex[fleet]'``); `import_ray` says so."""
+Ray is an optional dependency (``pip install 'krex-gpu[fleet]'``); `import_ray` says so."""
 
 from __future__ import annotations
 
@@ -95,18 +95,19 @@ __all__ = [
 
 RESOURCE = "krex_slot"
 PYTHON = "{python}"  # argv placeholder for the node's own Python (corpus commands)
-INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex[fleet]' "
+INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip install 'krex-gpu[fleet]' "
                "(or pip install ray)")
 TAIL_BYTES = 64 * 1024
 GRACE_S = runner.GRACE_S  # after a cancel: how long running commands get before their tasks are killed
 NODES_REFRESH_S = 2.0
 # Set by Ray in every worker; a command under `krex batch` would not have them
 # (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
+# RAY_AUTH_TOKEN: the cluster's secret (token authentication), never a benchmark's business.
 RAY_WORKER_VARS = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_NOENV",
-                   "PYTHONBREAKPOINT", "OMP_NUM_THREADS")
+                   "PYTHONBREAKPOINT", "OMP_NUM_THREADS", "RAY_AUTH_TOKEN")
 # A node's KREX variables that a fleet world replaces (or that must not leak into a command).
 WORLD_VARS = ("KREX_STATE_DIR", "KREX_SOCKET", "KREX_JOURNAL", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE",
-              "KREX_SLOT", "KREX_GPU")
+              "KREX_SLOT", "KREX_GPU", "KREX_THROWAWAY")
 # Ray errors that mean "the attempt was lost with its node or worker", not "the command failed".
 LOST_ERRORS = ("NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError", "RaySystemError",
                "ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError",
@@ -146,8 +147,9 @@ def node_world(node_id: str, node_root: str | Path | None) -> dict[str, str]:
     if len(str(sock).encode()) > 100:
         raise UsageError(f"--node-root {root} is too long for a Unix socket path ({sock})",
                          "use a short directory, e.g. one made by mktemp -d /tmp/kx-XXXX")
+    # Throwaway: its daemon's clean stop (idle exit) removes its segments from /dev/shm.
     return {"KREX_STATE_DIR": str(d), "KREX_SHM": f"/krex-fl-{tag}", "KREX_SIM_SHM": f"/krex-flsim-{tag}",
-            "KREX_SIM_TRACE": str(d / "trace.jsonl")}
+            "KREX_SIM_TRACE": str(d / "trace.jsonl"), "KREX_THROWAWAY": "1"}
 
 
 def node_resources(device: str = "auto", slots_per_gpu: int | None = None) -> tuple[dict[str, float], int]:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from krex.proc import runopts
+from krex.pystart import module_argv
 
 __all__ = [
     "GUARDIAN_MODULE",
@@ -86,7 +87,7 @@ def guardian_argv(
     same = _same_python(python)
     if native is not None and same is not None:
         return [str(native), "--entry", same, *entry]
-    return [python, "-m", GUARDIAN_MODULE, *entry]
+    return [*module_argv(GUARDIAN_MODULE, python), *entry]
 
 
 def _same_python(python: str) -> str | None:

@@ -16,7 +16,7 @@ REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; L=/tmp/i11; B=${KREX_BENCH_DIR:-/tmp/kre
 trap 'cp /tmp/krexstate/krexd.log "$L/" 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$L" . ; [ -d $B ] && tar czf "$FINAL/bench.tgz" -C $B .' EXIT
 if [ ! -d /tmp/krexpkg/krex ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  SRC=.; [ -n "${KREX_WHEELS:-}" ] && SRC=$(ls "$KREX_WHEELS"/krex-*.whl | head -1)
+  SRC=.; [ -n "${KREX_WHEELS:-}" ] && SRC=$(ls "$KREX_WHEELS"/krex_gpu-*.whl | head -1)
   PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/krexpkg "$SRC" > "$L/install.log" 2>&1 || { tail -20 "$L/install.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/krexpkg:/tmp/site KREX_STATE_DIR=/tmp/krexstate PYTHONUNBUFFERED=1 OUT=$L

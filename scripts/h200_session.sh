@@ -11,7 +11,7 @@
 set -uo pipefail
 REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; mkdir -p "$FINAL"; STEPS=" ${STEPS:-i12 fleet lend} "
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/posix_ipc*.whl .whl-fleet/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/krexpkg .whl-krex/krex-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/krexpkg .whl-krex/krex_gpu-*.whl || exit 1
 export PYTHONPATH=/tmp/krexpkg:/tmp/site PYTHONUNBUFFERED=1
 python3 -c 'import krex, ray; print("krex from", krex.__file__, "ray", ray.__version__)'
 case $STEPS in *" i12 "*)

@@ -11,7 +11,8 @@
 # `pip wheel .` from the tree: same tag, same files; (2) the wheel's contents (shim,
 # simulated GPU, corpus; highest GLIBC_ symbol per library; tag) and `auditwheel show`;
 # (3) a fresh venv gets the wheel alone, then, from another directory, `krex doctor`,
-# `krex run --device sim -- ./victim --region`, `krex bench --device sim --quick`;
+# `krex run --device sim -- ./victim --region`, `krex bench --device sim --quick`, and
+# `krex --version` from the checkout (whose krex/ folder must not shadow the wheel's);
 # (4) the aarch64 wheel, cross-built with zig, checked by readelf and auditwheel.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -39,14 +40,14 @@ step "tools (build, auditwheel) in $W/tools"
 step "python -m build: sdist, then the wheel from the sdist"
 rm -rf "$W/dist" "$W/pipwheel"
 "$W/tools/bin/python" -m build --outdir "$W/dist" "$REPO" >"$W/build.log" 2>&1 || { tail -40 "$W/build.log"; exit 1; }
-SDIST="$(ls "$W"/dist/krex-*.tar.gz)"
-WHEEL="$(ls "$W"/dist/krex-*.whl)"
+SDIST="$(ls "$W"/dist/krex_gpu-*.tar.gz)"
+WHEEL="$(ls "$W"/dist/krex_gpu-*.whl)"
 echo "sdist: $(basename "$SDIST")"
 echo "wheel: $(basename "$WHEEL")"
 
 step "pip wheel . (from the tree) builds the same wheel"
 "$W/tools/bin/pip" wheel -q --no-deps -w "$W/pipwheel" "$REPO" >"$W/pipwheel.log" 2>&1 || { tail -40 "$W/pipwheel.log"; exit 1; }
-PIPWHEEL="$(ls "$W"/pipwheel/krex-*.whl)"
+PIPWHEEL="$(ls "$W"/pipwheel/krex_gpu-*.whl)"
 [ "$(basename "$PIPWHEEL")" = "$(basename "$WHEEL")" ] || { echo "FAIL: pip wheel gave $(basename "$PIPWHEEL")"; exit 1; }
 listing() { "$HOSTPY" -c 'import sys, zipfile; print("\n".join(sorted(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if not n.endswith("RECORD"))))' "$1"; }
 diff <(listing "$WHEEL") <(listing "$PIPWHEEL") || { echo "FAIL: the sdist's wheel and pip wheel's differ"; exit 1; }
@@ -77,11 +78,11 @@ EOF
 export KREX_STATE_DIR="$W/state" KREX_SHM="/krex-wc-$$" KREX_SIM_SHM="/krex-wcsim-$$" KREX_SIM_TRACE="$W/trace.jsonl"
 unset KREX_SOCKET KREX_SLOT KREX_GPU LD_PRELOAD
 cleanup() {
-  # Not from the checkout: its krex/ (no krex/cli there) would shadow the installed one
-  # (`python -m` puts the working directory first), and the stop failed, leaving the daemon
-  # running, which linked its segment back from its pin after the rm below.
-  cd /
-  "$KREX" daemon stop >/dev/null 2>"$W/stop.err" || { echo "wheel check: krex daemon stop failed:"; cat "$W/stop.err"; }
+  # From wherever the script stands (the checkout too: KREX starts Python with the current
+  # directory off sys.path, so the tree's krex/ never shadows the installed one).
+  # (The on-demand daemon of `krex run` may have exited idle meanwhile: nothing to stop.)
+  "$KREX" daemon stop >/dev/null 2>"$W/stop.err" || grep -q "no KREX daemon" "$W/stop.err" \
+    || { echo "wheel check: krex daemon stop failed:"; cat "$W/stop.err"; }
   rm -f "/dev/shm$KREX_SHM" "/dev/shm$KREX_SHM".krexpin-* "/dev/shm$KREX_SIM_SHM"
   "$W/venv/bin/python" -c "from krex.node.freezer import remove_leftovers as r; r('$KREX_SHM')" || true
 }
@@ -89,6 +90,10 @@ trap cleanup EXIT
 
 step "krex doctor"
 "$KREX" doctor
+
+step "from the checkout: its krex/ folder does not shadow the installed krex"
+(cd "$REPO" && "$KREX" --version && "$KREX" env --device sim --export >/dev/null) \
+  || { echo "FAIL: krex run from a directory holding a krex/ folder"; exit 1; }
 
 step "krex run --device sim -- ./victim (compiled against the installed simulated GPU)"
 LIB="$("$KREX" include-dir)"
@@ -100,7 +105,7 @@ grep -q '"region":true,"region_rc":0' run.out || { echo "FAIL: the victim's regi
 
 step "krex bench --device sim --quick (no matplotlib: plots degrade with a message)"
 "$KREX" bench --device sim --quick --out "$W/elsewhere/bench" 2>bench.err | tee bench.out
-grep -q "krex\[bench\]" bench.err || { cat bench.err; echo "FAIL: no message about the missing plots"; exit 1; }
+grep -q "krex-gpu\[bench\]" bench.err || { cat bench.err; echo "FAIL: no message about the missing plots"; exit 1; }
 tail -1 bench.err
 [ -s "$W/elsewhere/bench/summary.md" ] || { echo "FAIL: no summary.md"; exit 1; }
 cd "$REPO"
@@ -110,7 +115,7 @@ if [ "${WHEEL_CHECK_AARCH64:-1}" != 0 ] && [ "$ARCH" = x86_64 ]; then
   rm -rf "$W/aarch64"
   KREX_TARGET=aarch64 "$W/tools/bin/pip" wheel -q --no-deps -w "$W/aarch64" "$SDIST" >"$W/aarch64.log" 2>&1 \
     || { tail -40 "$W/aarch64.log"; exit 1; }
-  AWHEEL="$(ls "$W"/aarch64/krex-*.whl)"
+  AWHEEL="$(ls "$W"/aarch64/krex_gpu-*.whl)"
   "$HOSTPY" "$REPO/scripts/wheel_contents.py" "$AWHEEL" --arch aarch64
   "$W/tools/bin/auditwheel" show "$AWHEEL" | tee "$W/auditwheel-aarch64.txt"
   grep -q "manylinux_2_17_aarch64" "$W/auditwheel-aarch64.txt" || { echo "FAIL: auditwheel (aarch64)"; exit 1; }

@@ -4,7 +4,8 @@ the metadata), independent of the build's own ELF reader:
   * the tag is cp310-abi3-manylinux_2_X_<arch> with 2.X <= --max-glibc;
   * the shim, the NVTX injection, the simulated GPU, the marker header, the extension, the corpus,
     the sitecustomize hook and the LICENSE are inside;
-  * every ELF file is for <arch> and needs at most glibc --max-glibc;
+  * every ELF file is for <arch>, needs at most glibc --max-glibc and is stripped (no symbol
+    table, no debug info: nothing of the build directory inside);
   * the metadata says License-Expression: Apache-2.0.
 
 Prints one line per library (arch, highest GLIBC_ symbol version) and exits 1 on
@@ -63,6 +64,12 @@ def readelf(path: Path) -> tuple[str, list[str]]:
     return (m.group(1).strip() if m else "?"), needs
 
 
+def unstripped(path: Path) -> list[str]:
+    """The sections a shipped file should not carry: the symbol table and debug info."""
+    out = subprocess.run(["readelf", "-S", "-W", str(path)], capture_output=True, text=True, check=True).stdout
+    return sorted({s for s in re.findall(r"\]\s+(\.\S+)", out) if s == ".symtab" or s.startswith(".debug")})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("wheel", type=Path)
@@ -71,7 +78,7 @@ def main() -> int:
     a = ap.parse_args()
     problems: list[str] = []
     name = a.wheel.name
-    m = re.match(r"krex-[^-]+-cp310-abi3-(.+)\.whl$", name)
+    m = re.match(r"krex_gpu-[^-]+-cp310-abi3-(.+)\.whl$", name)
     plats = m.group(1).split(".") if m else []
     want = re.compile(rf"manylinux_(\d+)_(\d+)_{a.arch}$")
     tagged = [want.match(p) for p in plats]
@@ -104,6 +111,9 @@ def main() -> int:
                 problems.append(f"{n} is for {machine}, not {a.arch}")
             if needs and vtuple(top) > vtuple(a.max_glibc):
                 problems.append(f"{n} needs GLIBC_{top} > {a.max_glibc}")
+            extra = unstripped(p)
+            if extra:
+                problems.append(f"{n} is not stripped ({', '.join(extra)}: {p.stat().st_size} bytes)")
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)
     print("wheel contents: " + ("FAILED" if problems else "ok"))

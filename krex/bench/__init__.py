@@ -9,7 +9,7 @@ re-exported here."""
 from krex.bench.corpus import Workload, default_corpus_path, load_corpus
 from krex.bench.plan import MODES, Cell, load_results, parse_concurrency, parse_modes, plan_cells
 from krex.bench.run import BenchConfig, BenchError, BenchEvent, BenchResult, plots_available, run_bench
-from krex.bench.summary import PAPER, SIM_LABEL, compute_summary, render_summary_md
+from krex.bench.summary import PAPER, SIM_LABEL, compute_summary, inductor_line, render_summary_md
 
 __all__ = [
     "MODES",
@@ -23,6 +23,7 @@ __all__ = [
     "Workload",
     "compute_summary",
     "default_corpus_path",
+    "inductor_line",
     "load_corpus",
     "load_results",
     "parse_concurrency",

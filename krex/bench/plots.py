@@ -29,7 +29,7 @@ def _plt() -> Any:
     except ImportError as e:
         raise NotFound(
             "matplotlib is not installed: krex bench cannot draw its plots",
-            "pip install 'krex[bench]', or pass --no-plots",
+            "pip install 'krex-gpu[bench]', or pass --no-plots",
         ) from e
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

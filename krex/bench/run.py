@@ -70,6 +70,7 @@ from krex.errors import KrexError, UsageError
 from krex.node import procfs
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv
+from krex.worlds import OwnWorld, daemon_misfit, daemon_status, describe
 
 __all__ = ["BenchConfig", "BenchError", "BenchEvent", "BenchResult", "plots_available", "run_bench"]
 
@@ -387,6 +388,7 @@ def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
         "contaminated_regions": rep.get("contaminated_regions"),
         "region_wait_s": rep.get("region_wait_s"),
         "cut_regions": rep.get("cut_regions"),
+        "inductor_regions": rep.get("inductor_regions"),  # torch's hook or KREX's fallback wrapper
         "simulated": rep.get("simulated"),
         "leftovers": len(rep.get("leftovers") or []),
         "auto_region": {
@@ -424,15 +426,7 @@ def _node_cpu_s() -> tuple[float, float]:
 
 
 def _daemon_status() -> dict[str, Any] | None:
-    from krex.proc.client import Client, daemon_alive
-
-    if not daemon_alive():
-        return None
-    c = Client.connect()
-    try:
-        return c.request({"op": "status"})
-    finally:
-        c.close()
+    return daemon_status()
 
 
 def _start_daemon(dev: str, slots: int, prewarm: int = 0, lend: str = "") -> bool:
@@ -739,28 +733,41 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
     # (slots per GPU, prewarm, lend) of the daemon the bench started, None while it runs none.
     ours: tuple[int, int, str] | None = None
-    foreign = False  # a daemon that was running already serves every (non-prewarm) krex cell
     need = max((c.c for c in todo if c.mode == "krex"), default=1)
+    # A daemon that runs already serves the krex cells only if it gives them what they need
+    # (C slots per GPU, the device, no settings of their own); else a simulated bench runs in
+    # a world of its own, and a bench on real GPUs is refused (two worlds would not exclude
+    # each other's regions).
+    own: OwnWorld | None = None
+    krex_cells = [c for c in todo if c.mode == "krex"]
+    st = _daemon_status() if krex_cells else None
+    foreign = False  # that daemon fits and serves every krex cell
+    if st is not None:
+        special = sorted({c.key for c in krex_cells if c.prewarm or c.lend})
+        misfit = daemon_misfit(st, dev, need, cfg.gpus, special)
+        if misfit and dev != "sim":
+            raise UsageError(
+                f"krex bench cannot measure its krex cells under {describe(st)}: {misfit}",
+                "stop it once it is idle (`krex daemon stop`) and run the bench again: it then starts a "
+                "daemon with the slots its cells need; or keep --concurrency within what it admits "
+                "(and drop --prewarm/--lend)",
+            )
+        if misfit:
+            own = OwnWorld("bench").enter()
+            note(f"{describe(st)} does not fit this bench: {misfit}; the bench runs in a KREX world of its "
+                 f"own (state {own.state}, segment {own.shm}, its own simulated GPU), removed at the end")
+        else:
+            # Cells without --freeze run under that daemon's freeze policy (its own, as asked).
+            note(f"using {describe(st)} for the krex cells")
+            foreign = True
 
     def daemon_for(cell: Cell) -> None:
         """A daemon that admits this krex cell as asked: C + prewarm commands at once, of which
         only C hold a slot when it pre-warms (slots per GPU = C exactly), else max C."""
-        nonlocal ours, started_daemon, foreign
+        nonlocal ours, started_daemon
         slots = cell.c if cell.prewarm else cfg.slots_per_gpu or need
         want = (slots, cell.prewarm, cell.lend)
         if foreign or ours == want:
-            return
-        st = _daemon_status()
-        if st is not None and ours is None:  # somebody else's daemon
-            have = min(st.get("slots_per_gpu") or [need])
-            pid = st.get("daemon", {}).get("pid")
-            note(f"using the running KREX daemon (pid {pid}, {have} slots per GPU)")
-            if have < need:
-                note(
-                    f"the running daemon admits {have} commands per GPU at a time, fewer than C={need}: "
-                    "krex cells above that queue at admission"
-                )
-            foreign = True
             return
         if started_daemon:
             _stop_daemon()
@@ -781,13 +788,6 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             + "; stopped at the end"
         )
 
-    if any(c.mode == "krex" and (c.prewarm or c.lend) for c in todo) and _daemon_status() is not None:
-        pw = sorted({c.key for c in todo if c.mode == "krex" and (c.prewarm or c.lend)})
-        raise UsageError(
-            f"{', '.join(pw)} need a daemon the bench starts itself (C slots per GPU, prewarm N, "
-            "lend_cores X), and a KREX daemon already runs on this node",
-            "stop it (`krex daemon stop`), or drop --prewarm and --lend",
-        )
     try:
         if todo:
             cmds.sampler, why = open_sampler(dev, cfg.nvml_ms, out_dir)
@@ -853,6 +853,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             cmds.sampler.stop()
         if started_daemon:
             _stop_daemon()
+        if own is not None:
+            own.exit(keep_log=out_dir / "krexd-own-world.log")
 
     # ---- report (the notes are in meta.json already)
     meta, cell_rows, recs = load_results(out_dir)
@@ -878,11 +880,12 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
 
 
 PLOTS_MISSING = (
-    "no plots: matplotlib is not installed (pip install 'krex[bench]' draws them; --no-plots silences this)"
+    "no plots: matplotlib is not installed (pip install 'krex-gpu[bench]' draws them; "
+    "--no-plots silences this)"
 )
 
 
 def plots_available() -> bool:
-    """Whether matplotlib can be imported: the plots are an extra (`krex[bench]`), the
+    """Whether matplotlib can be imported: the plots are an extra (`krex-gpu[bench]`), the
     numbers never depend on it."""
     return importlib.util.find_spec("matplotlib") is not None

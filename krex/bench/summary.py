@@ -14,6 +14,7 @@ from krex.bench import metrics as bm
 from krex.bench.corpus import Workload
 from krex.bench.headline import headline
 from krex.bench.plan import CONCURRENT, MODES, Cell
+from krex.node.optin import INDUCTOR_PATHS
 
 __all__ = ["GOAL_THROUGHPUT", "PAPER", "SIM_LABEL", "compute_summary", "json_safe", "render_summary_md"]
 
@@ -283,12 +284,15 @@ def compute_summary(
         contaminated = nreg = cut = no_region = 0
         flags: dict[str, int] = {}
         wrapped: set[str] = set()
+        inductor: dict[str, int] = {}  # Inductor's autotuning regions per path (optin.region_tally)
         for r in rs:
             kr = r.get("krex") or {}
             if r.get("krex") is not None and not kr.get("regions"):
                 no_region += 1
             for w in (kr.get("auto_region") or {}).get("wrapped") or []:
                 wrapped.add(str(w))
+            for path, n in (kr.get("inductor_regions") or {}).items():
+                inductor[str(path)] = inductor.get(str(path), 0) + int(n or 0)
             for g in kr.get("regions") or []:
                 nreg += 1
                 contaminated += int(bool(g.get("contaminated")))
@@ -313,6 +317,7 @@ def compute_summary(
             "flags": flags,
             "runs_without_region": no_region,
             "auto_wrapped": sorted(wrapped),
+            "inductor_regions": dict(sorted(inductor.items())),
         }
 
     failures = [
@@ -643,6 +648,7 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
                 ", ".join(f"{f} {n}" for f, n in (r.get("flags") or {}).items()) or "-",
                 str(r.get("runs_without_region", 0)),
                 ", ".join(r.get("auto_wrapped") or []) or "-",
+                inductor_text(r.get("inductor_regions")) or "-",
             ]
         )
     L += _table(
@@ -661,6 +667,7 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
             "flagged by reason",
             "runs without a region",
             "auto targets wrapped",
+            "Inductor autotuning regions",
         ],
         rows,
     ) + [""]
@@ -697,3 +704,22 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
     if s.get("simulated"):
         L += [f"**{SIM_LABEL}.**", ""]
     return "\n".join(L)
+
+
+_INDUCTOR_SHORT = {"hook": INDUCTOR_PATHS["hook"],
+                   "fallback": "KREX's fallback wrapper (benchmark_gpu whole)"}
+
+
+def inductor_text(per_path: object) -> str:
+    """Inductor's autotuning regions of a cell by path: "torch's ... hook 6", "" for none."""
+    if not isinstance(per_path, dict):
+        return ""
+    return "; ".join(f"{_INDUCTOR_SHORT.get(str(p), p)} {n}" for p, n in sorted(per_path.items()) if n)
+
+
+def inductor_line(summary: dict[str, Any]) -> str:
+    """One line for the bench's closing summary: which way each krex cell's Inductor
+    autotuning ran ("" when no cell's did)."""
+    cells = [f"{k}: {txt}" for k, r in (summary.get("regions") or {}).items()
+             if (txt := inductor_text(r.get("inductor_regions")))]
+    return "Inductor autotuning regions: " + "; ".join(cells) if cells else ""

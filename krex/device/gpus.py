@@ -1,11 +1,16 @@
 """GPU discovery: real GPUs, or the simulated GPU.
 
-NVIDIA: NVML (nvidia-ml-py, `krex[gpu]`); where NVML is missing (containers
+NVIDIA: NVML (nvidia-ml-py, a dependency); where NVML is missing (containers
 without the management library, or nvidia-ml-py not installed), the CUDA driver
-through cuda-python (`krex[cuda]`). AMD: amdsmi (`krex[amd]`), else hip-python.
+through cuda-python (`krex-gpu[cuda]`). AMD: amdsmi (`krex-gpu[amd]`), else hip-python.
 The first that finds a visible GPU wins, in that order. Each backend is one small
 function over an imported module, so tests replace the module with a fake
 (KREX_NVML_FAKE stands in for NVML in tests that start processes: krex/device/nvml.py).
+
+AMD bindings are imported only where the AMD driver's node (/dev/kfd) exists: amdsmi prints
+to stdout when it is imported on a machine without one. Whatever a vendor binding prints
+while it is imported or asked goes to stderr (`_output_to_stderr`): a command's stdout
+carries its results only (`eval "$(krex env --export)"`, `krex fleet --node-resources`).
 
 `--device auto` falls back to the simulated GPU only where no GPU driver node exists
 (`/dev/nvidiactl`, `/dev/kfd`): on a GPU machine a silent simulator would turn every
@@ -15,10 +20,13 @@ prefixes), MIG ids."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +80,11 @@ def gpu_device_nodes() -> list[str]:
     raw = os.environ.get("KREX_GPU_DEVICE_NODES")
     paths = [p for p in raw.split(":") if p] if raw is not None else list(DEVICE_NODES)
     return [p for p in paths if os.path.exists(p)]
+
+
+def amd_driver_present() -> bool:
+    """Whether the AMD GPU driver's node (/dev/kfd, or a `kfd` among KREX_GPU_DEVICE_NODES) exists."""
+    return any(os.path.basename(p) == "kfd" for p in gpu_device_nodes())
 
 
 def parse_visible(spec: str | None, uuids: list[str], migs: dict[str, int]) -> list[tuple[int, str]]:
@@ -303,12 +316,54 @@ BACKENDS: tuple[tuple[str, Callable[[], GpuInfo]], ...] = (
 )
 
 
+AMD_BACKENDS = ("amdsmi", "hip-python")
+
+
+@contextlib.contextmanager
+def _output_to_stderr() -> Iterator[None]:
+    """Send what is written to stdout meanwhile, from Python (sys.stdout) and from C (fd 1,
+    libc's stdio), to stderr. Process-wide while it lasts: used only around vendor bindings."""
+    out = getattr(sys, "stdout", None)
+    with contextlib.suppress(Exception):
+        if out is not None:
+            out.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no fd 1 at all: nothing to protect
+        yield
+        return
+    libc = None
+    with contextlib.suppress(OSError):
+        libc = ctypes.CDLL(None)
+    try:
+        try:
+            os.dup2(2, 1)
+        except OSError:  # no fd 2 either: drop it
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.close(devnull)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        if libc is not None:
+            libc.fflush(None)  # C stdio buffers the binding filled go out before fd 1 is back
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def discover_real() -> tuple[GpuInfo | None, list[str]]:
     """The first backend that sees a GPU, and why each one before it did not."""
     tried: list[str] = []
+    amd = amd_driver_present()
     for name, fn in BACKENDS:
+        if name in AMD_BACKENDS and not amd:
+            tried.append(f"{name}: not tried: no AMD GPU driver (/dev/kfd)")
+            continue
         try:
-            info = fn()
+            with _output_to_stderr():
+                info = fn()
         except ImportError as e:
             tried.append(f"{name}: {e}")
             continue
@@ -341,7 +396,7 @@ def discover(device: str = "auto") -> GpuInfo:
                 f"this machine has a GPU driver ({', '.join(nodes)}) but KREX could not list its GPUs: "
                 + "; ".join(tried)
                 + (f" (CUDA_VISIBLE_DEVICES={spec!r})" if spec is not None else ""),
-                "install the vendor's management library (nvidia-ml-py is a KREX dependency; 'krex[amd]' "
+                "install the vendor's management library (nvidia-ml-py is a KREX dependency; 'krex-gpu[amd]' "
                 "on ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or pass --device sim to use "
                 "the simulated GPU on purpose",
             )
@@ -349,8 +404,9 @@ def discover(device: str = "auto") -> GpuInfo:
             raise NotFound(
                 "no GPU found: no NVIDIA GPU (NVML, cuda-python) and no AMD GPU (amdsmi, hip-python); "
                 + "; ".join(tried),
-                "install the driver and `pip install 'krex[gpu]'` (NVIDIA; 'krex[cuda]' without NVML) or "
-                "'krex[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or use --device sim",
+                "install the driver and nvidia-ml-py (NVIDIA, a dependency of krex-gpu; 'krex-gpu[cuda]' "
+                "without NVML) or 'krex-gpu[amd]' (ROCm), check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, "
+                "or use --device sim",
             )
     n = sim_gpu_count()
     return GpuInfo(

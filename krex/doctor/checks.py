@@ -189,7 +189,9 @@ def check_partition(n_gpus: int, gpu_numa: Sequence[int | None] | None = None) -
 # ------------------------------------------------------------------------------------ shim
 
 _PROBE = r"""
-import ctypes, json, sys
+import sys
+sys.path[:] = [p for p in sys.path if p]  # -c put the current directory first
+import ctypes, json
 path = sys.argv[1]
 maps = open("/proc/self/maps").read()
 out = {"mapped": path in maps}
@@ -277,8 +279,9 @@ def check_gpus() -> tuple[Check, int, list[int | None]]:
         why += f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
     if len(info.tried) > 1:
         why += "; also tried " + "; ".join(t for t in info.tried if not t.startswith("nvml:"))
-    fix = ("install the NVIDIA driver and `pip install 'krex[gpu]'` (nvidia-ml-py; 'krex[cuda]' where NVML "
-           "is missing), or on a ROCm node 'krex[amd]' (amdsmi)" if not have_nvml_py
+    fix = ("install the NVIDIA driver and nvidia-ml-py (a dependency of krex-gpu: `pip install krex-gpu`; "
+           "'krex-gpu[cuda]' where NVML is missing), or on a ROCm node 'krex-gpu[amd]' (amdsmi)"
+           if not have_nvml_py
            else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     return Check("gpus", WARN, f"no NVIDIA GPU: {why}; --device auto uses the simulated GPU ({info.count})",
                  fix + "; or use --device sim on purpose", details), info.count, list(info.numa)
@@ -422,8 +425,11 @@ def check_binary(name: str) -> Check:
 # ---------------------------------------------------------------------------- GPU coverage
 
 
-def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Check:
-    """Interposition coverage against CUPTI on the real GPU (krex.doctor.coverage.run_all)."""
+def check_gpu_coverage(
+    run_all: Callable[..., Sequence[Any]] | None = None, progress: Callable[[str], None] | None = None
+) -> Check:
+    """Interposition coverage against CUPTI on the real GPU (krex.doctor.coverage.run_all);
+    `progress` gets the name of each workload as it starts (they take a minute or more)."""
     from krex.device.gpus import discover
 
     try:
@@ -434,14 +440,14 @@ def check_gpu_coverage(run_all: Callable[[], Sequence[Any]] | None = None) -> Ch
     except NotFound as e:
         return Check("gpu coverage", FAIL, f"cannot check coverage: {e}",
                      "run it on a machine with an NVIDIA GPU, its driver and nvidia-ml-py "
-                     "(pip install 'krex[gpu]'); check CUDA_VISIBLE_DEVICES",
+                     "(a dependency of krex-gpu); check CUDA_VISIBLE_DEVICES",
                      {"error": type(e).__name__})
     if run_all is None:
         from krex.doctor import coverage
 
         run_all = coverage.run_all
     try:
-        rows = list(run_all())
+        rows = list(run_all(progress=progress))
     except KrexError as e:
         return Check("gpu coverage", FAIL, f"coverage run failed: {e}", e.fix, {"error": type(e).__name__})
     table = [asdict(r) for r in rows]
@@ -485,5 +491,10 @@ def run_doctor(binaries: Sequence[str] = (), gpu: bool = False,
     for b in binaries:
         add(f"binary {b}", functools.partial(check_binary, b))
     if gpu:
-        add("gpu coverage", check_gpu_coverage)
+        from krex.doctor.coverage import WORKLOADS
+
+        n = len(WORKLOADS)
+        step = iter(range(1, n + 1))
+        add("gpu coverage", functools.partial(
+            check_gpu_coverage, progress=lambda w: note(f"gpu coverage: workload {w} ({next(step, n)}/{n})")))
     return DoctorReport(checks)

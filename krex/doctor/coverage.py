@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from krex.pystart import module_argv
+
 WORKLOADS = ("eager", "cublas_bf16", "cublas_fp32", "triton", "compile", "graph", "copies", "graph_drain")
 
 
@@ -187,17 +189,21 @@ def child_main(name: str, out_path: str, iters: int = 20) -> None:
         json.dump(asdict(row), f)
 
 
-def run_all(workloads: tuple[str, ...] = WORKLOADS, device: str = "gpu") -> list[CoverageRow]:
-    """Launch every workload under the shim (one process each) and collect rows."""
+def run_all(workloads: tuple[str, ...] = WORKLOADS, device: str = "gpu",
+            progress: Callable[[str], None] | None = None) -> list[CoverageRow]:
+    """Launch every workload under the shim (one process each) and collect rows; `progress`
+    gets each workload's name as it starts."""
     from krex.device.gpus import discover
     from krex.proc.launcher import run_direct
 
     info = discover(device)
     rows = []
     for w in workloads:
+        if progress is not None:
+            progress(w)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
             out = tf.name
-        rc = run_direct([sys.executable, "-m", "krex.doctor.coverage", w, out], "gpu", 0, info.count)
+        rc = run_direct([*module_argv("krex.doctor.coverage"), w, out], "gpu", 0, info.count)
         try:
             with open(out) as f:
                 d = json.load(f)

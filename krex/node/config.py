@@ -35,6 +35,9 @@ Precedence: command line > environment > config file > defaults. The config file
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
   group            KREX_GROUP             --group            share the daemon with this group: members run
                                                              commands and pause, only its user or root stop it
+  throwaway        KREX_THROWAWAY         --throwaway        a throwaway world (a bench's own, a fleet node's
+                                                             under --node-root): a clean stop removes its
+                                                             segment, pins and $KREX_SIM_SHM when unused
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ class Config:
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
+    # A world made for one run (`krex bench`'s own, a fleet node's under --node-root): nothing
+    # will use its segment again, so a clean stop removes it (and the simulated GPU's).
+    throwaway: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,9 @@ KEYS = (
     Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon",
         "--group", "share the daemon with this group: members may run commands and pause, only you "
         "(or root) stop it"),
+    Key("throwaway", "throwaway", "KREX_THROWAWAY", _bool, "yes or no (1 or 0)", "--throwaway",
+        "a throwaway world: a clean stop removes its segment, krexd's pin links and the simulated "
+        "GPU's segment ($KREX_SIM_SHM) when no process uses them", ("yes", "no")),
 )
 FLAGS = tuple(k for k in KEYS if k.flag)
 
@@ -295,7 +304,9 @@ def daemon_argv(device: str, log: Path | None, overrides: Mapping[str, Any] | No
                 on_demand: bool = False) -> list[str]:
     """The command that starts krexd: `krex daemon start`, the library's start on
     demand and the shim's (KREX_DAEMON_CMD) all use this one."""
-    argv = [sys.executable, "-m", DAEMON_MODULE, "--device", device]
+    from krex.pystart import module_argv
+
+    argv = [*module_argv(DAEMON_MODULE), "--device", device]
     if log is not None:
         argv += ["--log", str(log)]
     argv += to_argv(overrides)

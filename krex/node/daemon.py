@@ -44,7 +44,7 @@ from krex.native import ffi, lib
 from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs, regionqueue
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
-from krex.node.segguard import Expected, SegmentGuard
+from krex.node.segguard import Expected, SegmentGuard, remove_world
 from krex.node.shm import (
     HEARTBEAT_TIMEOUT_S,
     Segment,
@@ -715,13 +715,14 @@ class Daemon:
     def _start_watchdog(self) -> None:
         """A process of our own that thaws our groups if we hang (krex/node/watchdog.py)."""
         import subprocess
-        import sys
+
+        from krex.pystart import module_argv
 
         root = self.shm_name.strip("/").replace("/", "-") or "krex"
         args = [str(self.pid), self.shm_name, root, self.freezer.name]
         try:
             self._watchdog: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "krex.node.watchdog", *args],
+                [*module_argv("krex.node.watchdog"), *args],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
                 env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
@@ -830,6 +831,14 @@ class Daemon:
         with contextlib.suppress(KrexError, OSError):
             self.freezer.remove_root()  # only when no slot group was kept (live processes)
         self.guard.close()
+        if self.cfg.throwaway:  # nothing will use this world's shared memory again
+            users = [p.pid for p in self.seg.snapshot().procs if p.alive and p.pid != self.pid]
+            if users:  # their shims still read the gate there; a krexd started again adopts them
+                log.info("throwaway world: kept segment %s: %d process(es) still use it (pids %s)",
+                         self.shm_name, len(users), users[:8])
+            else:
+                gone = remove_world(self.shm_name, os.environ.get("KREX_SIM_SHM"))
+                log.info("throwaway world: removed %s from /dev/shm", ", ".join(gone) or "nothing")
         if self._server:
             self._server.close()
         with contextlib.suppress(OSError):
@@ -1671,6 +1680,8 @@ class Daemon:
             "owner_slot": req.slot,
             "owner_pid": req.pid,
             "tid": req.tid,
+            # The command that held it, for `krex journal` (None once its process is gone).
+            "cmd": procfs.cmdline(req.pid, 200),
             **req.grant,
             "region_s": round(region_s, 6),
             "thaw_s": round(thaw_s, 6),
@@ -2365,7 +2376,12 @@ class Daemon:
             # Taken (the guardian falls back to Python with a krexd that does not say so).
             **({"auto_value": True} if isinstance(value, str) else {}),
             "ok": True,
-            "notes": optin.start_notes(s.simulated, warm=s.warm, cgroup_note=placed.get("note", "")),
+            "notes": optin.start_notes(
+                s.simulated,
+                s.warm,
+                optin.sim_reason(asked, self.cfg.device),
+                cgroup_note=placed.get("note", ""),
+            ),
             "cgroup": placed,
             "warm": s.warm,
             "env_set": env_set,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,19 @@ def read_counted(path: Path, last: int | None = None) -> Read:
         _read_file(f, out, res)
     res.records = list(out)
     return res
+
+
+def when(rec: dict[str, Any]) -> str:
+    """A record's end time, local, as `MM-DD HH:MM:SS` ('-' when it has none)."""
+    ts = rec.get("ts")
+    if not isinstance(ts, (int, float)):
+        return "-"
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def one_line(text: Any) -> str:
+    """A record's free text (a label, a command line) on one line."""
+    return "" if text is None else str(text).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def read(path: Path, last: int | None = None) -> list[dict[str, Any]]:

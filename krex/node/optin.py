@@ -77,13 +77,29 @@ def queue_note(slots_busy: object) -> str:
     return f"krex: waiting for a free slot ({slots_busy} commands are running)..."
 
 
-def start_notes(simulated: bool, warm: bool = False, cgroup_note: str = "") -> list[str]:
-    """What `krex run` says once admitted, before its command starts. `cgroup_note`: why
-    the command's cgroup is not below the one `krex run` runs in (cgplace.Placement)."""
+SIM_ASKED = "--device sim"
+SIM_NO_GPU = "--device auto: no GPU found"
+SIM_DAEMON = "--device auto: the KREX daemon was started with --device sim"
+
+
+def sim_reason(asked: str, daemon_device: str) -> str:
+    """Why a command runs on the simulated GPU: it asked for it, `--device auto` found no
+    GPU, or the daemon it joined was started on the simulated GPU."""
+    if asked == "sim":
+        return SIM_ASKED
+    return SIM_DAEMON if daemon_device == "sim" else SIM_NO_GPU
+
+
+def start_notes(
+    simulated: bool, warm: bool = False, why: str = SIM_ASKED, cgroup_note: str = ""
+) -> list[str]:
+    """What `krex run` says once admitted, before its command starts. `why`: sim_reason;
+    `cgroup_note`: why the command's cgroup is not below the one `krex run` runs in
+    (cgplace.Placement)."""
     out = [cgroup_note] if cgroup_note else []
     if simulated:
         out.append(
-            "krex: running on the SIMULATED GPU (--device sim): timings prove KREX's logic, never "
+            f"krex: running on the SIMULATED GPU ({why}): timings prove KREX's logic, never "
             "performance; nothing ran on a real GPU"
         )
     if warm:
@@ -154,10 +170,30 @@ def run_report(
     return out
 
 
+# Inductor's autotuning regions, by label (autoregion/core.py: "auto:<module>:<qualname>", plus
+# ":whole" for a wrapper around the whole call): torch's own hook, or KREX's fallback wrapper
+# of benchmark_gpu on a torch without it (autoregion/inductor.py).
+INDUCTOR_LABEL = "auto:torch._inductor.runtime.benchmarking:"
+INDUCTOR_PATHS = {
+    "hook": "torch's set_gpu_benchmark_lock_context hook",
+    "fallback": "KREX's fallback wrapper (benchmark_gpu wrapped whole: this torch has no "
+    "set_gpu_benchmark_lock_context)",
+}
+
+
+def inductor_path(label: object) -> str | None:
+    """"hook" or "fallback" for a region Inductor's autotuning opened, else None."""
+    if not isinstance(label, str) or not label.startswith(INDUCTOR_LABEL):
+        return None
+    return "fallback" if label.endswith(":whole") else "hook"
+
+
 def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report's region counts (region_count, contaminated_regions, cut_regions,
-    region_flags, region_wait_s) over `regs`, added to `into` (krexd keeps one per slot)."""
+    region_flags, region_wait_s, inductor_regions: Inductor's autotuning regions per path)
+    over `regs`, added to `into` (krexd keeps one per slot)."""
     t = into if into is not None else {}
+    t.setdefault("inductor_regions", {})
     t.setdefault("region_count", 0)
     t.setdefault("contaminated_regions", 0)
     t.setdefault("cut_regions", 0)
@@ -171,7 +207,22 @@ def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None 
         for f in fl if isinstance(fl, list) else []:
             t["region_flags"][str(f)] = t["region_flags"].get(str(f), 0) + 1
         t["region_wait_s"] = round(t["region_wait_s"] + float(str(r.get("queue_wait_s", 0))), 6)
+        path = inductor_path(r.get("label"))
+        if path is not None:
+            t["inductor_regions"][path] = t["inductor_regions"].get(path, 0) + 1
     return t
+
+
+def inductor_notes(report: Mapping[str, Any]) -> list[str]:
+    """Which way Inductor's autotuning benchmarks became regions, when any did."""
+    per = report.get("inductor_regions")
+    if not isinstance(per, dict):
+        return []
+    return [
+        f"krex: Inductor autotuning: {n} region(s) through {INDUCTOR_PATHS.get(str(path), path)}"
+        for path, n in sorted(per.items())
+        if isinstance(n, int) and n > 0
+    ]
 
 
 def leftover_notes(rel: Mapping[str, Any]) -> list[str]:
@@ -327,9 +378,9 @@ def auto_notes(report: Mapping[str, Any]) -> list[str]:
 
 def release_notes(rel: Mapping[str, Any], report: Mapping[str, Any]) -> list[str]:
     """Every note `krex run` prints after its command, in order: leftovers, a journal
-    error, untrusted regions, an auto-region warning. `rel`: the release reply;
+    error, untrusted regions, an auto-region warning, the Inductor path. `rel`: the release reply;
     `report`: region_tally's counts and, if any, `auto_region`."""
     out = leftover_notes(rel)
     if rel.get("journal_error"):
         out.append(f"krex: warning: {rel['journal_error']}")
-    return out + trust_notes(report) + auto_notes(report)
+    return out + trust_notes(report) + auto_notes(report) + inductor_notes(report)

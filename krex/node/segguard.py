@@ -53,6 +53,23 @@ def shm_path(name: str) -> str:
     return SHM_DIR + name
 
 
+def remove_world(name: str, sim_name: str | None) -> list[str]:
+    """Unlink a throwaway world's segment `name`, every krexd pin link of it and the simulated
+    GPU's segment `sim_name` (a plain `/name` only); the names that were there."""
+    gone: list[str] = []
+    if not name.startswith("/") or "/" in name[1:]:
+        return gone
+    for path in [shm_path(name), *glob.glob(glob.escape(shm_path(name)) + ".krexpin-*")]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            gone.append(path[len(SHM_DIR):])
+    if sim_name and sim_name.startswith("/") and "/" not in sim_name[1:]:
+        with contextlib.suppress(OSError):
+            os.unlink(shm_path(sim_name))
+            gone.append(sim_name)
+    return gone
+
+
 def _slot_damaged(sp: Any, gpu: int, gen: int, warm: bool) -> bool:
     """A slot krexd handed out that no longer reads as it wrote it (a `warm` set by anyone
     else would hold a command at its first GPU call for ever; cleared, it jumps the queue)."""

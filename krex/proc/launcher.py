@@ -391,7 +391,9 @@ def connect_daemon(device: str, gpu: int | None) -> tuple[Client, str | None]:
             f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
             "pick a GPU index from `krex status`",
         )
-    return Client.connect(autostart=True, device=kind), kind
+    # `auto` that found no GPU starts krexd with `auto` (it finds the same): its notes then say
+    # that no GPU was found, not that `--device sim` was asked for.
+    return Client.connect(autostart=True, device=device if kind == "sim" else kind), kind
 
 
 def discover_kind(device: str) -> tuple[str, int]:
@@ -474,7 +476,10 @@ def run_guarded(
     slot, g = int(adm["slot"]), int(adm["gpu"])
     simulated = adm.get("device") == "sim" or device == "sim"
     placed = adm.get("cgroup") or {}
-    for line in start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or "")):
+    notes = adm.get("notes")  # krexd's, the same the native guardian prints
+    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        notes = start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or ""))
+    for line in notes:
         notify(line)
     env = dict(os.environ)
     apply_env(env, put, pre)
@@ -490,7 +495,8 @@ def run_guarded(
     group_path, backend = str(adm["group"]), str(adm["freezer"])
     child_pid: list[int] = []
     # The child waits before exec until krexd has it when the guardian cannot put it in its
-    # slot itself: a group member (no write access to the cgroup), and SIGSTOP freezing,
+    # slot itself: a group member (no write access to the cgroup), a container that does not
+    # see the host's cgroup tree (an unprivileged benchmark pod), and SIGSTOP freezing,
     # where krexd must know the pid to stop it (else it would run from exec until
     # `started`, inside a region that began meanwhile).
     joined = _DaemonJoin(client) if backend == "signal" or not _can_join(group_path) else None
@@ -691,8 +697,12 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
 
 
 def _can_join(group_path: str) -> bool:
+    """Whether this guardian can put its command into the slot's cgroup itself: the group is
+    visible here and writable. Else krexd moves it (_DaemonJoin): a member of a shared daemon's
+    group, or a container without the host's cgroup tree (an unprivileged benchmark pod), where
+    the command would otherwise run outside its slot and never be frozen as a sibling."""
     procs = os.path.join(group_path, "cgroup.procs")
-    return not os.path.isfile(procs) or os.access(procs, os.W_OK)
+    return os.path.isfile(procs) and os.access(procs, os.W_OK)
 
 
 class _DaemonJoin:

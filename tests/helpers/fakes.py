@@ -46,8 +46,10 @@ def amdsmi_get_gpu_asic_info(h):
 
 def write_fake_amd_node(d: Path) -> Path:
     """A directory that, first on PYTHONPATH, makes a process see a ROCm node with two GPUs
-    and no NVIDIA bindings."""
+    and no NVIDIA bindings; `d/kfd` stands in for the AMD driver's node (point
+    KREX_GPU_DEVICE_NODES at it: AMD bindings are asked only where it exists)."""
     d.mkdir(parents=True, exist_ok=True)
+    (d / "kfd").write_text("")
     (d / "amdsmi.py").write_text(FAKE_AMDSMI)
     (d / "pynvml.py").write_text("raise ImportError('no NVIDIA bindings on this fake node')\n")
     (d / "cuda").mkdir(exist_ok=True)

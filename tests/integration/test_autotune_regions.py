@@ -258,3 +258,46 @@ def test_a_target_that_never_engaged_is_still_warned_about(
         f"do_bench never made a region, yet no warning; regions={len(report['regions'])}, "
         f"stderr={p.stderr[-600:]!r}"
     )
+
+
+# A torch without the hook: Inductor's benchmarker class only (KREX wraps benchmark_gpu whole).
+BENCHMARKING_OLD = """
+class InductorBenchmarker:
+    def benchmark_gpu(self, _callable, **kwargs):
+        _callable()
+        return 1.0
+
+benchmarker = InductorBenchmarker()
+"""
+NATIVE = Path(sys.executable).with_name("krex")
+
+
+@pytest.mark.parametrize("torch_has_hook", [True, False], ids=["hook", "fallback"])
+@pytest.mark.parametrize("front", ["python", "native"])
+def test_krex_run_says_which_inductor_path_ran(
+    krex_env: dict[str, str], fake_torch: Path, tmp_path: Path, torch_has_hook: bool, front: str
+) -> None:
+    """Not only in --report: `krex run`'s closing notes say whether Inductor's autotuning
+    benchmarks were regions through torch's set_gpu_benchmark_lock_context hook, or through
+    KREX's fallback wrapper (benchmark_gpu whole, on a torch without the hook)."""
+    if front == "native" and not (NATIVE.exists() and NATIVE.read_bytes()[:4] == b"\x7fELF"):
+        pytest.skip("the installed krex is not the native one")
+    if not torch_has_hook:
+        (fake_torch / "torch/_inductor/runtime/benchmarking.py").write_text(BENCHMARKING_OLD)
+    e = dict(krex_env, PYTHONPATH=str(fake_torch))
+    e.pop("KREX_AUTO_REGION", None)
+    rep = tmp_path / "report.json"
+    helpers = Path(__file__).resolve().parents[1] / "helpers"
+    krex = [str(NATIVE)] if front == "native" else KREX
+    argv = [*krex, "run", "--device", "sim", "--report", str(rep), "--"]
+    p = subprocess.run([*argv, sys.executable, "-c", COMPILE, str(helpers)], env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "done" in p.stdout, p.stderr
+    report = json.loads(rep.read_text())
+    path = "hook" if torch_has_hook else "fallback"
+    assert report["inductor_regions"] == {path: 3}, report
+    line = next((ln for ln in p.stderr.splitlines() if "Inductor" in ln), "")
+    if torch_has_hook:
+        assert "3 region(s)" in line and "set_gpu_benchmark_lock_context hook" in line, p.stderr
+    else:
+        assert "3 region(s)" in line and "fallback wrapper" in line, p.stderr

@@ -309,6 +309,52 @@ def test_batch_spawns_the_guardian_entry_not_the_cli(krex_env: dict[str, str], t
         assert f"--report {out}/cmd-00{i}.report.json" in parent
 
 
+def _status(env: dict[str, str]) -> dict[str, Any]:
+    st = krex(["daemon", "status", "--json"], env, timeout=60)
+    assert st.returncode == 0, st.stderr
+    return dict(json.loads(st.stdout))
+
+
+def test_batch_never_runs_more_at_once_than_the_daemon_admits(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """-j N beyond the running daemon's slots would queue the extra commands at admission:
+    refused, naming the daemon and the fix. Without -j, a batch runs as many at once as the
+    daemon admits (the node's slots)."""
+    started = krex(["daemon", "start", "--device", "sim", "--slots-per-gpu", "1"], krex_env, timeout=60)
+    assert started.returncode == 0, started.stderr
+    pid = _status(krex_env)["daemon"]["pid"]
+    cmds = tmp_path / "cmds.txt"
+    cmds.write_text("true\ntrue\ntrue\n")
+    bad = krex(["batch", str(cmds), "-j", "2", "--device", "sim", "--out", str(tmp_path / "two")], krex_env)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert f"pid {pid}" in bad.stderr and "-j 1" in bad.stderr, bad.stderr
+    assert "krex daemon stop" in bad.stderr, bad.stderr
+    assert not (tmp_path / "two").exists()
+    sim = ["--device", "sim"]
+    ok = krex_or_daemon_log(["batch", str(cmds), *sim, "--out", str(tmp_path / "auto")], krex_env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert json.loads((tmp_path / "auto" / "summary.json").read_text())["jobs"] == 1
+    assert _status(krex_env)["daemon"]["pid"] == pid  # the running daemon served it, untouched
+
+
+def test_batch_starts_a_daemon_with_the_slots_it_needs(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """No daemon: `krex batch -j 3` starts one that admits 3 commands at once, whatever the
+    node's default; without -j it runs as many at once as the node's default slots."""
+    cmds = tmp_path / "cmds.txt"
+    cmds.write_text("true\n" * 3)
+    env = dict(krex_env, KREX_SLOTS_PER_GPU="1")  # the node's default, below -j
+    sim = ["--device", "sim"]
+    p = krex_or_daemon_log(["batch", str(cmds), "-j", "3", *sim, "--out", str(tmp_path / "a")], env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _status(env)["slots_per_gpu"] == [3]
+    krex(["daemon", "stop"], env, timeout=60)
+    q = krex_or_daemon_log(["batch", str(cmds), "--device", "sim", "--out", str(tmp_path / "b")], env)
+    assert q.returncode == 0, q.stdout + q.stderr
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["jobs"] == 1
+    assert _status(env)["slots_per_gpu"] == [1]
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "jobs0", "device", "badjson", "notlist", "outbusy"])
 def test_batch_bad_input(krex_env: dict[str, str], tmp_path: Path, case: str) -> None:
     good = tmp_path / "good.txt"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -518,12 +519,32 @@ def test_bench_compares_prewarmed_starts(krex_env: dict[str, str], tmp_path: Pat
     assert bad.returncode == 2 and "--prewarm" in bad.stderr and "fix:" in bad.stderr, bad.stderr
 
 
-def test_bench_uses_a_running_daemon_for_every_krex_cell(krex_env: dict[str, str], tmp_path: Path) -> None:
-    """A daemon that runs already (started on demand by an earlier `krex run`, with fewer
-    slots than the largest C) serves every krex cell: the bench neither starts another nor
-    stops it, and says the cells above its slots queue; `--prewarm` is refused up front."""
+def test_bench_uses_a_running_daemon_that_fits(krex_env: dict[str, str], tmp_path: Path) -> None:
+    """A daemon that runs already with the slots the krex cells need serves them: the bench
+    neither starts another nor stops it, and names it in its notes."""
+    started = krex(["daemon", "start", "--device", "sim", "--slots-per-gpu", "2"], krex_env, timeout=60)
+    assert started.returncode == 0, started.stderr
+    out = tmp_path / "results"
+    args = ["bench", "--device", "sim", "--quick", "--only", "sim-a-0", "--modes", "krex"]
+    p = krex([*args, "--concurrency", "1,2", "--timeout", "60", "--out", str(out)], krex_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    notes = json.loads((out / "meta.json").read_text())["notes"]
+    assert any("using the running KREX daemon" in n and "2 slot(s) per GPU" in n for n in notes), notes
+    st = json.loads(krex(["daemon", "status", "--json"], krex_env, timeout=60).stdout)
+    assert st["daemon"]["regions_done"] >= 2, "the krex cells did not run under the running daemon"
+
+
+def test_bench_never_measures_under_a_daemon_with_fewer_slots(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A daemon that runs already with fewer slots than a krex cell's C (one an earlier
+    `krex run` started on demand, say) would queue that cell's commands at admission. A
+    simulated bench runs in a KREX world of its own instead (private state directory,
+    segment and simulated GPU, with the slots it needs, removed at the end) and leaves the
+    running daemon alone; a bench on real GPUs is refused, naming the daemon and the fix."""
     started = krex(["daemon", "start", "--device", "sim", "--slots-per-gpu", "1"], krex_env, timeout=60)
     assert started.returncode == 0, started.stderr
+    pid = json.loads(krex(["daemon", "status", "--json"], krex_env, timeout=60).stdout)["daemon"]["pid"]
     out = tmp_path / "results"
     args = ["bench", "--device", "sim", "--quick", "--only", "sim-a-0", "--modes", "krex"]
     args += ["--concurrency", "1,2"]
@@ -531,12 +552,23 @@ def test_bench_uses_a_running_daemon_for_every_krex_cell(krex_env: dict[str, str
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert {c["cell"] for c in jsonl(out / "cells.jsonl")} == {"krex-1", "krex-2"}
     notes = json.loads((out / "meta.json").read_text())["notes"]
-    assert any("using the running KREX daemon" in n for n in notes), notes
-    assert any("queue at admission" in n for n in notes), notes
-    st = krex(["daemon", "status"], krex_env, timeout=60)
-    assert st.returncode == 0, "the bench stopped the daemon it did not start"
-    bad = krex([*args, "--prewarm", "1", "--out", str(tmp_path / "pw")], krex_env, timeout=120)
-    assert bad.returncode == 2 and "stop it" in bad.stderr, bad.stderr[-2000:]
+    assert any(f"pid {pid}" in n and "fewer than the 2 needed" in n and "world of its own" in n
+               for n in notes), notes
+    # its own daemon had the 2 slots krex-2 needs; the running one served none of its regions
+    own_log = (out / "krexd-own-world.log").read_text()
+    assert "slots_per_gpu=2" in own_log, own_log[-2000:]
+    st = json.loads(krex(["daemon", "status", "--json"], krex_env, timeout=60).stdout)
+    assert st["daemon"]["pid"] == pid and st["daemon"]["regions_done"] == 0
+    shm = re.search(r"segment (/krex-bench-\S+?),", " ".join(notes))
+    assert shm and not Path("/dev/shm" + shm.group(1)).exists(), "the bench's own world was left behind"
+    # On a real GPU (a fake NVML lists one), two worlds would not exclude each other: refused.
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps({"gpus": [{"name": "H200", "uuid": "GPU-8932f937-d72c-4106-c12f"}]}))
+    bad = krex(["bench", "--device", "gpu", "--quick", "--modes", "krex", "--concurrency", "2",
+                "--out", str(tmp_path / "gpu")], dict(krex_env, KREX_NVML_FAKE=str(fake)), timeout=120)
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
+    assert f"pid {pid}" in bad.stderr and "krex daemon stop" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "gpu" / "raw.jsonl").exists()
 
 
 def test_bench_compares_lent_cores_side_by_side(krex_env: dict[str, str], tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ def krex(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 def test_rocm_node_doctor_run_and_env(krex_env: dict[str, str], tmp_path: Path) -> None:
     fake = write_fake_amd_node(tmp_path / "fake-rocm")
     env = dict(krex_env, PYTHONPATH=os.pathsep.join([str(fake), krex_env.get("PYTHONPATH", "")]).rstrip(":"))
+    env["KREX_GPU_DEVICE_NODES"] = str(fake / "kfd")
     for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         env.pop(k, None)
     d = krex(env, "doctor", "--json")

@@ -524,7 +524,7 @@ def test_fleet_without_ray_says_how_to_install_it(tmp_path: Path, args: list[str
     )
     assert p.returncode == 3, p.stdout + p.stderr
     assert "krex fleet needs Ray, which is not installed" in p.stderr
-    assert "pip install 'krex[fleet]'" in p.stderr
+    assert "pip install 'krex-gpu[fleet]'" in p.stderr
     assert "Traceback" not in p.stderr
     assert not list(tmp_path.glob("krex-fleet-*"))  # nothing written before the check
 

@@ -145,12 +145,20 @@ def test_static_cudart_is_warned_about(env: dict[str, str], tmp_path: Path) -> N
 def test_journal_command(env: dict[str, str]) -> None:
     none = krex(env, "journal")
     assert none.returncode == 3 and "no journal" in none.stderr
-    code = "import krex\nwith krex.region():\n    pass\n"
+    code = "import krex\nwith krex.region('mylabel'):\n    pass\n# journal-cmd-marker\n"
     assert krex(env, "run", "--device", "sim", "--", sys.executable, "-c", code).returncode == 0
     table = krex(env, "journal")
     assert table.returncode == 0 and "entry_ms" in table.stdout and " end" in table.stdout
     recs = json.loads(krex(env, "journal", "--json").stdout)
     assert len(recs) == 1
+    # The text view says when, what the region was called and which command held it.
+    import datetime as dt
+
+    head, row = table.stdout.splitlines()[:2]
+    assert head.split()[0] == "time" and "label" in head and "command" in head
+    when = dt.datetime.fromtimestamp(recs[0]["ts"]).strftime("%H:%M:%S")
+    assert when in row and "mylabel" in row and "journal-cmd-marker" in row, row
+    assert recs[0]["cmd"].startswith(sys.executable) and recs[0]["label"] == "mylabel"
     for k in (
         "owner_pid",
         "queue_wait_s",

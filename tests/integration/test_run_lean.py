@@ -81,6 +81,7 @@ def test_no_nvml_discovery_when_the_daemon_answers(krex_env: dict[str, str], tmp
         "raise ImportError('no NVIDIA bindings on this fake node')\n"
     )
     env = dict(krex_env, PYTHONPATH=str(fake), FAKE_NVML_LOG=str(log))
+    env["KREX_GPU_DEVICE_NODES"] = str(fake / "kfd")
     for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         env.pop(k, None)
     # Control: with no daemon, the CLI discovers (and the daemon it starts does too).

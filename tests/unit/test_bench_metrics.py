@@ -284,6 +284,8 @@ def test_compute_summary_by_hand(tmp_path: Path) -> None:
     kx = {"f-0": 1.0, "f-1": 1.1, "f-2": 1.2, "f-3": 1.3, "long": 20.04}
     un = {"f-0": 1.0, "f-1": 1.3, "f-2": 1.2, "f-3": 1.35, "long": 30.0}
     recs += [_rec("krex-4", n, v, "f" if n != "long" else None) for n, v in kx.items()]
+    for r, path in zip(recs[-5:], ("hook", "hook", None, "hook", None), strict=True):  # Inductor's regions
+        r["krex"] = {"regions": [{}], "inductor_regions": {path: 2} if path else {}}
     recs += [_rec("unprotected-4", n, v, "f" if n != "long" else None) for n, v in un.items()]
     cells = [
         {
@@ -369,6 +371,11 @@ def test_compute_summary_by_hand(tmp_path: Path) -> None:
     ):
         assert heading in md
     assert "| krex-4 | 4 | 5 | 0 |" in md
+    # Which way Inductor's autotuning ran, per krex cell: in the summary and its table.
+    assert s["regions"]["krex-4"]["inductor_regions"] == {"hook": 6}
+    assert "torch's set_gpu_benchmark_lock_context hook 6" in md
+    line = "Inductor autotuning regions: krex-4: torch's set_gpu_benchmark_lock_context hook 6"
+    assert bench.inductor_line(s) == line
 
 
 def test_split_bands_are_disjoint_and_cover_every_duration() -> None:

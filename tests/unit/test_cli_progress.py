@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
+import pytest
 from krex.cli.progress import Progress, bar, fmt_s, short
 
 
@@ -44,3 +46,38 @@ def test_bar_and_short() -> None:
     assert bar(3, 6, width=4) == "[##..]"
     assert bar(0, 0, width=2) == "[..]"
     assert short("x" * 100, 10) == "xxxxxxx..." and short("a\nb") == "a\\nb"
+
+
+def test_doctor_gpu_reports_progress_on_stderr_without_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`krex doctor --gpu | tee` (no terminal): the coverage workloads take minutes, so each
+    one is announced on stderr as it starts, and stdout keeps only the report."""
+    from click.testing import CliRunner
+    from krex.cli.main import cli
+
+    from krex.device import gpus
+    from krex.doctor import coverage
+
+    real = gpus.discover
+    monkeypatch.setattr(
+        gpus, "discover", lambda d="auto": gpus.GpuInfo("nvidia", 1, ["H200"], [0], [None], api="nvml")
+        if d == "gpu" else real(d)
+    )
+    seen: list[str] = []
+
+    def run_all(progress: Callable[[str], None] | None = None) -> list[coverage.CoverageRow]:
+        rows = []
+        for w in ("eager", "triton"):
+            if progress is not None:
+                progress(w)
+            seen.append(w)
+            rows.append(coverage.CoverageRow(w, {"kernel": 1}, {"kernel": 1}, 1, 1, True, ""))
+        return rows
+
+    monkeypatch.setattr(coverage, "run_all", run_all)
+    r = CliRunner().invoke(cli, ["doctor", "--gpu"])
+    lines = r.stderr.splitlines()
+    assert seen == ["eager", "triton"]
+    assert any("gpu coverage" in ln and "eager" in ln and "1/" in ln for ln in lines), r.stderr
+    assert any("triton" in ln for ln in lines), r.stderr
+    assert "\r" not in r.stderr  # plain lines, no status line
+    assert "checking" not in r.stdout and "gpu coverage" in r.stdout  # the report, on stdout

@@ -552,36 +552,41 @@ def _parked_thread(name: str | None = None) -> tuple[int, threading.Event, threa
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value needs root (CAP_SYS_NICE)")
 def test_boost_renices_one_thread_reset_on_fork_and_unboost_puts_it_back() -> None:
+    """Relative to the nice the suite runs at (`nice -n 5 make test`): threads start at it."""
     pid = os.getpid()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    low, raised = min(base - 7, -1), min(19, base + 3)
     tid, go, t, child_nice = _parked_thread("krex-drain")
     try:
-        assert cpus.boost(pid, tid, -7, "not-this-name") is None
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
-        assert cpus.boost(pid, 2**22 - 3, -7) is None  # no such thread
-        assert cpus.boost(pid, tid, -7, "krex-drain") == 0
-        assert os.getpriority(os.PRIO_PROCESS, tid) == -7
+        assert cpus.boost(pid, tid, low, "not-this-name") is None
+        assert os.getpriority(os.PRIO_PROCESS, tid) == base
+        assert cpus.boost(pid, 2**22 - 3, low) is None  # no such thread
+        assert cpus.boost(pid, tid, low, "krex-drain") == base
+        assert os.getpriority(os.PRIO_PROCESS, tid) == low
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER | os.SCHED_RESET_ON_FORK
-        assert os.getpriority(os.PRIO_PROCESS, 0) == 0, "only that thread"
-        assert cpus.boost(pid, tid, -7) is None, "already there: nothing to undo later"
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base, "only that thread"
+        assert cpus.boost(pid, tid, low) is None, "already there: nothing to undo later"
         go.set()
         t.join(10)
-        assert child_nice == [0], "a thread it starts meanwhile does not inherit the boost"
+        # reset-on-fork: a thread it starts meanwhile gets nice 0 (the kernel's rule for a
+        # negative nice), not the boost
+        assert child_nice == [0], "a thread it starts meanwhile inherits the boost"
     finally:
         go.set()
     tid, go, t, _ = _parked_thread()
     try:
-        assert cpus.boost(pid, tid, -7) == 0
-        cpus.unboost(pid, tid, 0)
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        assert cpus.boost(pid, tid, low) == base
+        cpus.unboost(pid, tid, base)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == base
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER, "reset-on-fork cleared"
-        assert cpus.boost(pid, tid, -7) == 0
-        os.setpriority(os.PRIO_PROCESS, tid, -6)  # raised a little (no privilege needed): not kept
-        cpus.unboost(pid, tid, 0)
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 0
-        assert cpus.boost(pid, tid, -7) == 0
-        os.setpriority(os.PRIO_PROCESS, tid, 3)  # the thread's own change, above its old nice
-        cpus.unboost(pid, tid, 0)
-        assert os.getpriority(os.PRIO_PROCESS, tid) == 3, "left alone"
+        assert cpus.boost(pid, tid, low) == base
+        os.setpriority(os.PRIO_PROCESS, tid, low + 1)  # raised a little (no privilege needed): not kept
+        cpus.unboost(pid, tid, base)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == base
+        assert cpus.boost(pid, tid, low) == base
+        os.setpriority(os.PRIO_PROCESS, tid, raised)  # the thread's own change, above its old nice
+        cpus.unboost(pid, tid, base)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == raised, "left alone"
     finally:
         go.set()
         t.join(10)
@@ -597,12 +602,13 @@ def test_boost_without_the_privilege_changes_nothing() -> None:
         try:
             os.setgid(65534)
             os.setuid(65534)
+            base = os.getpriority(os.PRIO_PROCESS, 0)  # the suite may run under `nice -n 5`
             tid, go, t, _ = _parked_thread()
             try:
-                cpus.boost(os.getpid(), tid, -7)
+                cpus.boost(os.getpid(), tid, min(base - 7, -1))
             except PermissionError:
                 flagless = os.sched_getscheduler(tid) == os.SCHED_OTHER
-                code = 0 if flagless and os.getpriority(os.PRIO_PROCESS, tid) == 0 else 2
+                code = 0 if flagless and os.getpriority(os.PRIO_PROCESS, tid) == base else 2
             go.set()
             t.join(10)
         finally:

@@ -17,8 +17,10 @@ N3 = "c3" * 28
 
 def test_node_worlds_are_keyed_by_node_id(tmp_path: Path) -> None:
     w1, w2 = node_world(N1, tmp_path), node_world(N2, tmp_path)
-    assert set(w1) == set(w2) == {"KREX_STATE_DIR", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE"}
-    for k in w1:
+    names = {"KREX_STATE_DIR", "KREX_SHM", "KREX_SIM_SHM", "KREX_SIM_TRACE", "KREX_THROWAWAY"}
+    assert set(w1) == set(w2) == names
+    assert w1["KREX_THROWAWAY"] == "1"  # its daemon's clean stop removes its /dev/shm segments
+    for k in set(w1) - {"KREX_THROWAWAY"}:
         assert w1[k] != w2[k], k  # two Ray nodes on one host never share anything
     assert node_world(N1, tmp_path) == w1  # a test (or the driver) computes the same world
     assert Path(w1["KREX_STATE_DIR"]).parent == tmp_path
@@ -40,6 +42,7 @@ def test_command_env_drops_rays_worker_settings(monkeypatch: pytest.MonkeyPatch,
         "RAY_JOB_ID": "01000000",
         "RAY_RAYLET_PID": "7",
         "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace",
+        "RAY_AUTH_TOKEN": "the-cluster-secret",
         "CUDA_VISIBLE_DEVICES": "",
         "KREX_SHM": "/krex-host",
         "KREX_SOCKET": "/run/krex/krexd.sock",
@@ -54,6 +57,7 @@ def test_command_env_drops_rays_worker_settings(monkeypatch: pytest.MonkeyPatch,
         "RAY_JOB_ID",
         "RAY_RAYLET_PID",
         "PYTHONBREAKPOINT",
+        "RAY_AUTH_TOKEN",
         "CUDA_VISIBLE_DEVICES",
         "KREX_SOCKET",
         "KREX_SLOT",

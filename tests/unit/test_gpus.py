@@ -28,6 +28,16 @@ def no_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(k, raising=False)
     for m in ("pynvml", "cuda", "cuda.bindings", "cuda.bindings.driver", "cuda.cuda", "amdsmi", "hip"):
         monkeypatch.setitem(sys.modules, m, None)  # None in sys.modules: import raises ImportError
+    monkeypatch.setenv("KREX_GPU_DEVICE_NODES", "/nonexistent/nvidiactl:/nonexistent/kfd")
+
+
+@pytest.fixture
+def kfd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The AMD driver's node exists (a file standing in for /dev/kfd): AMD bindings are asked."""
+    n = tmp_path / "kfd"
+    n.write_text("")
+    monkeypatch.setenv("KREX_GPU_DEVICE_NODES", str(n))
+    return n
 
 
 def _mod(name: str, **attrs: Any) -> types.ModuleType:
@@ -181,7 +191,7 @@ def test_cuda_python_driver_error_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     assert info.kind == "sim" and any(t.startswith("cuda-python: cuInit failed") for t in info.tried)
 
 
-def test_amdsmi_orders_by_hip_id_and_honours_visibility(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_amdsmi_orders_by_hip_id_and_honours_visibility(monkeypatch: pytest.MonkeyPatch, kfd: Path) -> None:
     smi = fake_amdsmi()
     monkeypatch.setitem(sys.modules, "amdsmi", smi)
     info = gpus.discover("gpu")
@@ -196,13 +206,13 @@ def test_amdsmi_orders_by_hip_id_and_honours_visibility(monkeypatch: pytest.Monk
     assert info.names == ["AMD Instinct MI300X (b)"] and info.physical == [0]
 
 
-def test_amdsmi_without_enumeration_info_uses_pci_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_amdsmi_without_enumeration_info_uses_pci_order(monkeypatch: pytest.MonkeyPatch, kfd: Path) -> None:
     monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi())
     monkeypatch.setenv("FAKE_AMDSMI_OLD", "1")
     assert gpus.discover("gpu").names == ["AMD Instinct MI300X (a)", "AMD Instinct MI300X (b)"]
 
 
-def test_hip_python_when_amdsmi_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hip_python_when_amdsmi_fails(monkeypatch: pytest.MonkeyPatch, kfd: Path) -> None:
     monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi())
     monkeypatch.setenv("FAKE_AMDSMI_FAIL", "1")
     monkeypatch.setitem(sys.modules, "hip", fake_hip(["AMD Radeon PRO W7900", "AMD Radeon PRO W7900"]))
@@ -212,11 +222,39 @@ def test_hip_python_when_amdsmi_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("DRIVER_NOT_LOADED" in t for t in info.tried)
 
 
-def test_broken_binding_never_breaks_discovery(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broken_binding_never_breaks_discovery(monkeypatch: pytest.MonkeyPatch, kfd: Path) -> None:
     bad = _mod("amdsmi", amdsmi_init=lambda: None, amdsmi_shut_down=lambda: None)  # no handles function
     monkeypatch.setitem(sys.modules, "amdsmi", bad)
+    info, tried = gpus.discover_real()
+    assert info is None and any(t.startswith("amdsmi: AttributeError") for t in tried)
+
+
+def test_amd_bindings_are_not_asked_without_the_amd_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    smi = fake_amdsmi()
+    monkeypatch.setitem(sys.modules, "amdsmi", smi)
+    monkeypatch.setitem(sys.modules, "hip", fake_hip(["AMD Radeon PRO W7900"]))
     info = gpus.discover("auto")
-    assert info.kind == "sim" and any(t.startswith("amdsmi: AttributeError") for t in info.tried)
+    assert info.kind == "sim" and smi._STATE == {"init": 0, "shut": 0}
+    assert "amdsmi: not tried: no AMD GPU driver (/dev/kfd)" in info.tried
+    assert "hip-python: not tried: no AMD GPU driver (/dev/kfd)" in info.tried
+
+
+def test_what_a_binding_prints_goes_to_stderr(
+    monkeypatch: pytest.MonkeyPatch, kfd: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    def init() -> None:
+        print("Unable to load the amdsmi library")
+        os.write(1, b"from C\n")
+        raise RuntimeError("AMDSMI_STATUS_DRIVER_NOT_LOADED")
+
+    monkeypatch.setitem(sys.modules, "amdsmi", _mod("amdsmi", amdsmi_init=init))
+    print("before")
+    gpus.discover_real()
+    print("after")
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n" and "Unable to load the amdsmi library\nfrom C\n" in err
 
 
 def test_no_gpu_names_every_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,6 +263,6 @@ def test_no_gpu_names_every_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     msg = str(ei.value)
     for api in ("nvml", "cuda-python", "amdsmi", "hip-python"):
         assert f"{api}: " in msg
-    assert "krex[amd]" in ei.value.fix and "krex[cuda]" in ei.value.fix
+    assert "krex-gpu[amd]" in ei.value.fix and "krex-gpu[cuda]" in ei.value.fix
     info = gpus.discover("auto")
     assert info.kind == "sim" and len(info.tried) == 4

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import krex
+from krex.pystart import BOOT, module_argv
 from krex.runner import GUARDIAN_MODULE, guardian_argv, native_guardian
 
 ROOT = Path(krex.__file__).resolve().parent
@@ -62,16 +63,17 @@ def test_the_runner_spawns_the_guardian_entry(tmp_path: Path) -> None:
     argv = guardian_argv(["x", "--y"], "/r.json", device="sim", gpu=1, freeze="gpu", python=py)
     native = native_guardian()
     if native is None:
-        assert argv[:3] == [py, "-m", GUARDIAN_MODULE]
+        start = module_argv(GUARDIAN_MODULE, py)  # `py -P -m` or `py -c BOOT`: never the cwd's krex
+        assert argv[: len(start)] == start
     else:
         assert argv[:3] == [str(native), "--entry", py] and native.name == "krex"
     # Another Python may have another krex (or none): its own entry, never this native one,
     # even where it is a link to the same interpreter (as every venv's python is).
-    assert guardian_argv(["x"], "/r.json", python="py")[:3] == ["py", "-m", GUARDIAN_MODULE]
+    assert guardian_argv(["x"], "/r.json", python="py")[:4] == ["py", "-c", BOOT, GUARDIAN_MODULE]
     other = tmp_path / "venv" / "bin" / "python"
     other.parent.mkdir(parents=True)
     other.symlink_to(os.path.realpath(sys.executable))
-    assert guardian_argv(["x"], "/r.json", python=str(other))[:3] == [str(other), "-m", GUARDIAN_MODULE]
+    assert guardian_argv(["x"], "/r.json", python=str(other))[:4] == [str(other), "-c", BOOT, GUARDIAN_MODULE]
     assert GUARDIAN_MODULE == "krex.proc.launcher"
     assert argv[argv.index("--") + 1 :] == ["x", "--y"]
     assert not any("cli" in a for a in argv)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from krex.pystart import module_argv
+
 ROOT = Path(__file__).resolve().parents[2]
 KREX = ROOT / "krex"
 PY = sorted(p for p in KREX.rglob("*.py") if "_lib" not in p.parts)
@@ -154,10 +156,10 @@ def test_library_never_imports_the_cli() -> None:
 
 
 def test_device_and_base_modules_stay_below_the_parts() -> None:
-    # krex.device and the base modules (errors, paths, native) are used by every part.
-    base = [KREX / "errors.py", KREX / "paths.py", KREX / "native.py", KREX / "protocol.py"]
+    # krex.device and the base modules (errors, paths, native, pystart) are used by every part.
+    base = [KREX / f for f in ("errors.py", "paths.py", "native.py", "protocol.py", "pystart.py")]
     files = base + [p for p in PY if p.is_relative_to(KREX / "device")]
-    above = r"krex\.(node|proc|doctor|bench\w*|cli|batch|fleet|launcher|daemon)(\..*)?"
+    above = r"krex\.(node|proc|doctor|bench\w*|cli|batch|fleet|launcher|daemon|runner|worlds)(\..*)?"
     bad = _offenders(files, re.compile(above))
     assert not bad, bad
 
@@ -289,8 +291,9 @@ def test_one_way_to_start_the_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     argv = config.daemon_argv(
         "sim", tmp_path / "krexd.log", {"max_region_s": 5.0, "idle_exit_s": None}, on_demand=True
     )
-    assert argv[:3] == [sys.executable, "-m", "krex.node.daemon"]
-    assert argv[3:] == [
+    start = module_argv("krex.node.daemon")  # the current directory off sys.path
+    assert argv[: len(start)] == start and start[0] == sys.executable
+    assert argv[len(start) :] == [
         "--device",
         "sim",
         "--log",

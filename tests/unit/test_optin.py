@@ -39,3 +39,17 @@ def test_release_notes_in_the_python_guardians_order() -> None:
     auto = {"region_count": 0, "auto_region": {"value": "x:y", "processes": 0, "targets": []}}
     assert "KREX_AUTO_REGION='x:y'" in optin.release_notes({}, auto)[0]
     assert optin.start_notes(False) == [] and "SIMULATED" in optin.start_notes(True)[0]
+
+
+def test_inductor_regions_are_told_apart_by_their_labels() -> None:
+    """The labels autoregion gives Inductor's regions: torch's hook, or the whole-call wrapper."""
+    from krex.proc.autoregion import inductor
+
+    (t,) = inductor.TARGETS["inductor"]
+    assert f"auto:{t.module}:" == optin.INDUCTOR_LABEL
+    whole = f"auto:{t.module}:InductorBenchmarker.benchmark_gpu:whole"
+    regs = [{"label": f"auto:{t.name}"}, {"label": whole}, {"label": "auto:triton.testing:do_bench"}, {}]
+    tally = optin.region_tally(regs)
+    assert tally["inductor_regions"] == {"hook": 1, "fallback": 1}
+    notes = optin.inductor_notes(tally)
+    assert "1 region(s) through KREX's fallback wrapper" in notes[0] and "hook" in notes[1]

@@ -94,3 +94,117 @@ def test_not_elf_is_ignored(tmp_path: Path) -> None:
     f.write_text("/* header */\n")
     assert krex_build.elf_requirements(f) is None
     assert krex_build.platform_tag([f]) is None
+
+
+# ------------------------------------------------------------------ the distribution's name
+
+DIST_NAME = "krex-gpu"  # `krex` on the package index is an unrelated trading library
+DIST_FILE = "krex_gpu"  # the name in wheel and sdist file names (PEP 491/625 normalisation)
+
+
+def _pyproject() -> dict:  # type: ignore[type-arg]
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_distribution_name_is_not_the_taken_one() -> None:
+    project = _pyproject()["project"]
+    assert project["name"] == DIST_NAME
+    # The import name and the command stay `krex`.
+    assert "krex" in _pyproject()["tool"]["setuptools"]["package-dir"]
+
+
+def test_no_gpu_extra_and_the_required_nvml() -> None:
+    """nvidia-ml-py is a dependency: a `gpu` extra would add nothing."""
+    project = _pyproject()["project"]
+    assert "gpu" not in project["optional-dependencies"]
+    assert any(d.startswith("nvidia-ml-py") for d in project["dependencies"])
+
+
+def test_project_urls() -> None:
+    urls = _pyproject()["project"]["urls"]
+    for key in ("Source", "Documentation", "Issues"):
+        assert urls.get(key, "").startswith("https://"), key
+
+
+# Every place a user reads how to install KREX, and every script that picks up a built wheel.
+_INSTALL_TEXTS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "deploy").iterdir()),
+    *sorted((ROOT / "scripts").glob("*.sh")),
+    *sorted((ROOT / "krex").rglob("*.py")),
+    *sorted((ROOT / "cli").glob("*.py")),
+    ROOT / "krex_build.py",
+]
+# `pip install krex`, `krex[bench]`, `krex-*.whl`/`krex-0.1.0-...` as a distribution: the taken name.
+_OLD_NAME = re.compile(
+    r"pip install\s+(-\S+\s+)*'?krex\b(?![-_])|\bkrex\[|\bkrex-(\*|\d)[^/\s]*\.(whl|tar\.gz)"
+)
+
+
+@pytest.mark.parametrize("path", _INSTALL_TEXTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_install_line_names_the_taken_distribution(path: Path) -> None:
+    bad = [
+        f"{i}: {line.strip()}"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if _OLD_NAME.search(line)
+    ]
+    assert not bad, f"{path.name} still installs the unrelated `krex` distribution:\n" + "\n".join(bad)
+
+
+def test_the_gpu_extra_is_mentioned_nowhere() -> None:
+    # krex-gpu[gpu], krex[gpu,bench], `# [gpu]: NVML`
+    pat = re.compile(r"krex(-gpu)?\[[\w,]*\bgpu\b|\s\[gpu\]:")
+    bad = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in _INSTALL_TEXTS
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pat.search(line)
+    ]
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------ reproducible, stripped builds
+
+_BUILD = """import sys
+sys.path.insert(0, sys.argv[1])
+import krex_build
+out = sys.argv[2]
+strip = sys.argv[3] == "strip"
+krex_build.build_guardian(out + "/krex", strip=strip)
+"""
+
+
+def _build_copy(tmp: Path, name: str, strip: bool) -> Path:
+    """krex_build and interpose/ copied to tmp/NAME (another build path), the native `krex`
+    (one C file, built as the shim is: same flags, same toolchain) built from there."""
+    src = tmp / name
+    src.mkdir(parents=True)
+    shutil.copytree(ROOT / "interpose", src / "interpose")
+    shutil.copy2(ROOT / "krex_build.py", src / "krex_build.py")
+    out = tmp / f"out-{name}"
+    out.mkdir()
+    subprocess.run([sys.executable, "-c", _BUILD, str(src), str(out), "strip" if strip else "debug"],
+                   check=True, cwd=tmp, timeout=280)
+    return out / "krex"
+
+
+@pytest.mark.timeout(600)
+def test_builds_from_two_directories_are_identical_and_hold_no_build_path(tmp_path: Path) -> None:
+    a = _build_copy(tmp_path, "a", strip=True)
+    b = _build_copy(tmp_path, "a-much-longer-directory-name-b", strip=True)
+    assert a.read_bytes() == b.read_bytes(), "the same sources built in two directories differ"
+    assert str(tmp_path).encode() not in a.read_bytes()
+    # A build with debug info (make native) names no build directory either.
+    g = _build_copy(tmp_path, "c-debug", strip=False)
+    assert str(tmp_path).encode() not in g.read_bytes()
+    assert len(g.read_bytes()) > len(a.read_bytes())  # the debug info is there, stripped it is not
+    # What a wheel ships (setup.py: strip=True; scripts/wheel_contents.py checks the wheel):
+    # no symbol table, no debug info.
+    if shutil.which("readelf"):
+        sections = subprocess.run(["readelf", "-S", "-W", str(a)], capture_output=True, text=True).stdout
+        assert ".symtab" not in sections and ".debug_info" not in sections, sections
