@@ -1440,22 +1440,7 @@ static int run(struct opts *o) {
     print_notes(jget(r, "notes"));
     if (o->report) {
         const char *body = jstr(r, "report_json");
-        const struct jv *whole = jget(r, "report_regions");
-        if (body && whole && whole->t == J_BOOL && !whole->b) {
-            /* krexd's report without its regions (too many for one reply): the finisher adds
-             * them from the journal, up to this release, and writes the report once. It gets
-             * the text through a memory file: the --report path is written, never read back. */
-            int mfd = (int)syscall(SYS_memfd_create, "krex-report", 0);
-            size_t n = strlen(body);
-            if (mfd >= 0 && write(mfd, body, n) == (ssize_t)n) {
-                static char path[64];
-                snprintf(path, sizeof path, "/proc/self/fd/%d", mfd);
-                lo.why = "";
-                lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
-                finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, path, 1);
-            }
-            /* (no memory file: the report goes without its regions, as krexd made it) */
-        } else if (!body) { /* krexd released the slot but sent no report: the finisher makes it */
+        if (!body) { /* krexd released the slot but sent no report (no record of it left): the finisher makes it */
             lo.why = "";
             lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
             finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, base_released.p, 1);

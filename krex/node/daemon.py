@@ -56,7 +56,9 @@ from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encod
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
 HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
-RELEASE_MAX_RECORDS = 1000  # a slot's region records kept for its `release` reply
+# A slot's region records kept for its report (the `release` reply); its tally counts every
+# region, and the report says how many it does not list.
+RELEASE_MAX_RECORDS = 1000
 
 log = logging.getLogger("krex.node.daemon")  # not __name__: it runs as __main__ under -m
 # A request handler: (daemon, connection, peer pid from SO_PEERCRED, request, the connection's
@@ -109,6 +111,16 @@ def _peer_groups(pid: int, gid: int) -> set[int]:
     """The peer's primary and supplementary groups (SO_PEERCRED has only the primary)."""
     st = _status_fields(pid)
     return {gid, *st.get("Gid", []), *st.get("Groups", [])}
+
+
+def _fit(records: list[dict[str, Any]], budget: int) -> int:
+    """How many of `records`, from the first, fit in `budget` bytes of JSON."""
+    total = 2
+    for i, r in enumerate(records):
+        total += len(json.dumps(r, default=str)) + 2
+        if total > budget:
+            return i
+    return len(records)
 
 
 def _roots(pids: Iterable[int]) -> dict[int, int]:
@@ -180,11 +192,15 @@ class Slot:
     last_rate: float | None = None  # submissions per second of its last region (adaptive policy)
     generation: int = 0  # the segment's slot generation when this slot was claimed
     last_deep_scan: float = 0.0
-    # Its regions' journal records, for the guardian's report (the `release` reply), so the
-    # guardian never reads the whole journal; None once there are too many to send.
-    records: list[dict[str, Any]] | None = field(default_factory=list)
-    # optin.region_tally of all its regions (kept past `records`' limit): the release's notes.
+    # Its regions' records, for the guardian's report (the `release` reply): krexd's own
+    # record of the command, never read back from a journal that may have rotated. The
+    # first RELEASE_MAX_RECORDS are kept; those past it are counted in `records_dropped`.
+    records: list[dict[str, Any]] = field(default_factory=list)
+    records_dropped: int = 0
+    # optin.region_tally of all its regions (kept past `records`' limit): the release's notes
+    # and the report's counts; optin.auto_labels of all its regions: the auto_region counts.
     tally: dict[str, Any] = field(default_factory=dict)
+    auto_labels: dict[str, int] = field(default_factory=dict)
     # For the native guardian's report (`release` with "report": true): its admit's wait
     # and whether it runs on the simulated device.
     admission_wait_s: float = 0.0
@@ -1629,12 +1645,13 @@ class Daemon:
         rec.pop("ok", None)
         req.record = rec
         if owner_slot is not None:
-            optin.region_tally([rec], owner_slot.tally)
-        if owner_slot is not None and owner_slot.records is not None:
-            if len(owner_slot.records) < RELEASE_MAX_RECORDS:
-                owner_slot.records.append(rec)
-            else:  # too many for one reply: the guardian reads the journal instead
-                owner_slot.records = None
+            with self.lock:  # read by the release's reply
+                optin.region_tally([rec], owner_slot.tally)
+                optin.auto_labels([rec], owner_slot.auto_labels)
+                if len(owner_slot.records) < RELEASE_MAX_RECORDS:
+                    owner_slot.records.append(rec)
+                else:  # counted (tally), not listed: bounded memory per slot
+                    owner_slot.records_dropped += 1
         self._log_region(rec)
         self._journal(rec)
 
@@ -2102,12 +2119,13 @@ class Daemon:
     ) -> None:
         """The native guardian's `--report` (optin.run_report), as JSON text it writes as it
         is, adding its exit status: `report_json`, in place of `regions` (not twice in one
-        frame). Where the regions do not fit in the reply, the report goes without them
-        (`report_regions` false) and that guardian's finisher reads them from the journal."""
-        regs = out.pop("regions", None)
+        frame). Where the listed regions do not fit in the reply, the list is shortened (the
+        later ones go) and `regions_dropped` counts them: the counts still cover every region."""
+        regs: list[dict[str, Any]] = out.pop("regions", None) or []
+        dropped = int(out.get("regions_dropped") or 0)
 
-        def text(with_regions: bool) -> str:
-            rel = {**out, "regions": regs} if with_regions else out
+        def text(n: int) -> str:
+            rel = {**out, "regions": regs[:n], "regions_dropped": dropped + len(regs) - n}
             rep = optin.run_report(
                 s.slot, s.gpu, s.admission_wait_s, self.info.kind, s.simulated, counters, rel
             )
@@ -2115,15 +2133,13 @@ class Daemon:
                 rep["auto_region"] = auto
             return json.dumps(rep, indent=2, default=str)
 
-        body = text(regs is not None)
+        n = len(regs)
+        body = text(n)
         # The reply as it will be encoded (the text escaped once more), with room to spare.
-        if (
-            regs is not None
-            and len(json.dumps({**out, "report_json": body}, default=str)) > MAX_FRAME * 3 // 4
-        ):
-            body, regs = text(False), None
+        while n and len(json.dumps({**out, "report_json": body}, default=str)) > MAX_FRAME * 3 // 4:
+            n = n * 3 // 4
+            body = text(n)
         out["report_json"] = body
-        out["report_regions"] = regs is not None
 
     def _release_notes(
         self,
@@ -2143,7 +2159,9 @@ class Daemon:
         report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
 
         def read(d: Path | None) -> None:  # d None: no status to read (the value alone)
-            report["auto_region"] = optin.auto_region_report(value, d, s.records or [], remove=False, uid=uid)
+            report["auto_region"] = optin.auto_region_report(
+                value, d, [], remove=False, uid=uid, labels=dict(s.auto_labels)
+            )
             if auto is not None:
                 auto.update(report["auto_region"])
 
@@ -2210,9 +2228,11 @@ class Daemon:
         return {"ok": True}
 
     def _slot_regions(self, s: Slot) -> dict[str, Any]:
-        """The `release` reply's `regions`: the slot's journal records, once a region it
-        still had (ended by the release) is recorded. Left out when there were too many,
-        or the region does not finish in time: the guardian then reads the journal."""
+        """The `release` reply's regions, from krexd's own record of the command (never the
+        journal), once a region it still had (ended by the release) is recorded: `regions`
+        (the first ones, as many as krexd keeps and half a frame holds), `regions_dropped`
+        (how many more there were), `region_tally` (the counts over all of them) and, for a
+        region that did not finish in time, `regions_unfinished` (it is journaled later)."""
         with self.lock:
             cur = [r for r in self.current.values() if r is not None and r.slot == s.slot]
         pending = [r for r in cur if r.ended.is_set()]
@@ -2221,10 +2241,18 @@ class Daemon:
         out: dict[str, Any] = {}
         if self.journal_error:
             out["journal_error"] = self.journal_error
-        regs = s.records
-        done = all(r.released.is_set() for r in pending)
-        if regs is not None and done and len(json.dumps(regs, default=str)) < MAX_FRAME // 2:
-            out["regions"] = list(regs)
+        with self.lock:
+            regs, dropped = list(s.records), s.records_dropped
+            tally = {**s.tally, "region_flags": dict(s.tally.get("region_flags") or {})}
+        listed = _fit(regs, MAX_FRAME // 2)
+        out["regions"] = regs[:listed]
+        out["regions_dropped"] = dropped + len(regs) - listed
+        out["regions_cap"] = RELEASE_MAX_RECORDS
+        out["region_tally"] = tally or optin.region_tally([])
+        out["region_auto_labels"] = dict(s.auto_labels)
+        unfinished = sum(1 for r in pending if not r.released.is_set())
+        if unfinished:
+            out["regions_unfinished"] = unfinished
         return out
 
     def _slot_for(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> Slot:

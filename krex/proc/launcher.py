@@ -571,16 +571,17 @@ def run_guarded(
         mark("released")
         dev = str(adm.get("device") or device)
         report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
-        if "regions" in report:
+        labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
+        if "regions" in report:  # krexd's own record of the command
             regs: list[dict[str, Any]] = report["regions"]
-        else:  # no reply (the daemon is gone: the guardian may have journaled), or too many
+        else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
             regs = _journal_regions(slot, t_start, report, notify)
             report["regions"] = regs
             report.update(region_tally(regs))
         if guardian.events:
             report["daemon_events"] = guardian.events
         if auto_dir is not None:
-            auto = auto_region_report(auto_value, auto_dir, regs)
+            auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
             if auto_region_kept(auto):
                 report["auto_region"] = auto
     # The same notes krexd renders for the native guardian (optin.release_notes).
@@ -599,18 +600,31 @@ def _journal_regions(
     notify: Callable[[str], None],
     t_end: float | None = None,
 ) -> list[dict[str, Any]]:
-    """This slot's regions since `t_start` (and up to `t_end`), read from the journal."""
+    """This slot's regions since `t_start` (and up to `t_end`), read from the journal: only
+    when krexd went away with its own record of the command. Where the journal has rotated
+    past `t_start` (its oldest record is later), regions may be missing: the report says so
+    (`regions_incomplete`)."""
     from krex import paths
     from krex.node import journal
 
     try:
-        jr = journal.read_counted(paths.journal_path())
+        path = paths.journal_path()
+        jr = journal.read_counted(path)
         if jr.skipped:
             report["journal_skipped_lines"] = jr.skipped
+        oldest = min((float(r["ts"]) for r in jr.records), default=None)
+        if journal.rotated(path, journal.KEEP).exists() and oldest is not None and oldest > t_start:
+            report["regions_incomplete"] = (
+                f"krexd went away, and the journal {path} has rotated since the command started: "
+                "regions it ran before "
+                f"{time.strftime('%H:%M:%S', time.localtime(oldest))} are not listed or counted"
+            )
+            notify(f"krex: warning: {report['regions_incomplete']}")
         return [
             r
             for r in jr.records
             if r.get("owner_slot") == slot
+            and "event" not in r
             and t_start <= float(r["ts"]) <= (t_end if t_end is not None else 1e300)
         ]
     except NotFound:
@@ -838,6 +852,7 @@ def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float
         "end": "daemon-lost",
         "contaminated": True,
         "reasons": [f"{why} during the region after {age:.3f} s: from then on it was not exclusive"],
+        "flags": ["daemon-lost"],
         "region_s": round(age, 6),
         "recorded_by": "guardian",
     }

@@ -237,7 +237,8 @@ def test_a_sibling_frozen_when_krexd_is_killed_is_thawed_by_its_guardian(kx: Kre
     # own's region lost its daemon: its guardian journals it (the native one via krex.proc.finish).
     recs = [r for r in kx.journal() if r.get("owner_pid") == ready["pid"]]
     assert [r["end"] for r in recs] == ["daemon-lost"] and recs[0]["recorded_by"] == "guardian", recs
-    assert "region(s) are not clean" in kx.cmds["own"].output()
+    # Always with its reason (once "not clean ()": the guardian's record had no flag).
+    assert "1 region(s) are not clean (daemon-lost x1)" in kx.cmds["own"].output(), kx.cmds["own"].output()
 
 
 # ----------------------------------------------------------------------- handing over to Python
@@ -379,17 +380,38 @@ def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path, au
     assert set(got["native"]) == set(got["python"]), set(got["native"]) ^ set(got["python"])
 
 
-def test_more_regions_than_a_reply_holds_come_from_the_journal(kx: Krex, tmp_path: Path) -> None:
-    """krexd keeps 1000 region records a slot for its reply; past that its report goes
-    without them and the native guardian's finisher adds them from the journal."""
-    kx.start_daemon()
-    code = "import sys, krex\nfor _ in range(1010):\n    with krex.region():\n        pass\nsys.exit(2)\n"
+def test_reports_count_every_region_though_the_journal_rotated(
+    kx: Krex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report and the end-of-run notes come from krexd's own record of the command,
+    never from the journal: with a journal that rotates every few dozen regions, a command
+    of 1,210 regions (two of them flagged) gets every region counted, the flagged ones
+    named, and a list of regions bounded by krexd's cap that says openly how many it left
+    out, under both guardians."""
+    plain_env = kx.env
+    monkeypatch.setattr(kx, "env", lambda **extra: plain_env(KREX_JOURNAL_MAX_BYTES="32768", **extra))
+    kx.start_daemon(max_region=0.05)
+    code = (
+        "import sys, time, krex\n"
+        "for i in range(1210):\n"
+        "    with krex.region():\n"
+        "        if i in (3, 1205):\n"
+        "            time.sleep(0.12)\n"  # cut by --max-region: flagged
+        "sys.exit(2)\n"
+    )
     r = reports(kx, tmp_path, *MARK_THEN_PY, code, rc=2)
+    journaled = kx.journal()
+    assert len(journaled) < 1210, "the journal did not rotate: the test proves nothing"
     for g, x in r.items():
-        assert x["region_count"] == len(x["regions"]) == 1010 and x["exit_status"] == 2, (
-            g,
-            x["region_count"],
+        assert x["region_count"] == 1210 and x["exit_status"] == 2, (g, x["region_count"])
+        assert x["cut_regions"] == 2 and x["contaminated_regions"] == 2, (g, x["cut_regions"])
+        assert x["region_flags"] == {"cut": 2}, (g, x["region_flags"])
+        listed = x["regions"]
+        assert 0 < len(listed) <= x["regions_cap"] and len(listed) + x["regions_dropped"] == 1210, (
+            g, len(listed), x["regions_dropped"],
         )
+        assert [t["ts"] for t in listed] == sorted(t["ts"] for t in listed), g
+        assert listed[3]["cut"] and not listed[2]["cut"], g  # the first ones, in order
         assert "gate_blocks" in x and x["device"] == "sim", (g, sorted(x))
     assert set(r["native"]) == set(r["python"]), set(r["native"]) ^ set(r["python"])
 
