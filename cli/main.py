@@ -493,6 +493,9 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
         )
     )
     for r in recs:
+        if r.get("event"):  # not a region: something krexd did to a command
+            click.echo(f"{r.get('guardian_pid', 0):>8} {r.get('gpu', 0):>3} {r.get('slot', 0):>4}  {_event_line(r)}")
+            continue
         note = r.get("end", "")
         if r.get("contaminated"):
             note += " CONTAMINATED: " + "; ".join(r.get("reasons", []))
@@ -511,6 +514,17 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
                 note,
             )
         )
+
+
+def _event_line(r: dict[str, Any]) -> str:
+    if r.get("event") == "guardian-lost":
+        procs = r.get("processes") or []
+        what = ", ".join(str(x.get("pid")) for x in procs[:8] if isinstance(x, dict)) or "none left"
+        return (
+            f"EVENT: guardian pid {r.get('guardian_pid')} of slot {r.get('slot')} died ({r.get('why')}); "
+            f"its command was {r.get('action')} (pids {what})"
+        )
+    return f"EVENT: {r.get('event')}"
 
 
 register_extra(cli)

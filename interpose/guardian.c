@@ -1138,7 +1138,8 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
                 /* A terminal's signal (SI_KERNEL) went to our whole group, the command included. */
                 if (si.ssi_signo != SIGCHLD && !(g_shared_group && si.ssi_code == SI_KERNEL))
                     signal_command(pid, (int)si.ssi_signo);
-                if (si.ssi_signo != SIGCHLD && !kill_at && still_warm(a, c))
+                /* SIGCONT (after `timeout`'s SIGTERM, or `kill -CONT`) resumes; it stops nothing. */
+                if (si.ssi_signo != SIGCHLD && si.ssi_signo != SIGCONT && !kill_at && still_warm(a, c))
                     kill_at = now_ns() + KREX_WARM_KILL_NS;
             }
         }
@@ -1300,7 +1301,7 @@ static int run(struct opts *o) {
      * blocked before the handler goes, so none can kill us in between. */
     sigset_t fwd;
     sigemptyset(&fwd);
-    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCONT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
     for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
     sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
     if (int_set) sigaction(SIGINT, &old_int, NULL);
@@ -1400,6 +1401,16 @@ static int run(struct opts *o) {
             status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         }
     }
+    /* The command has ended: nothing is left to forward to, and the guardian must stay
+     * killable while it releases and writes the report (a --report FIFO nobody reads blocks
+     * its open). Signals still pending were the command's: dropped, then the mask goes back. */
+    if (sfd >= 0) {
+        struct signalfd_siginfo si;
+        while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
+        }
+        close(sfd);
+    }
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
 
     int auto_full = auto_dir && dir_has_entries(auto_dir);
     if (lo.happened) { /* the finisher removes a full one after reading it */
@@ -1462,6 +1473,10 @@ int main(int argc, char **argv) {
     struct sigaction sa;
     g_chld_ign = sigaction(SIGCHLD, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN;
     signal(SIGCHLD, SIG_DFL);
+    /* Notes to a stderr whose reader is gone (`krex run ... 2>&1 | head -1`) must not kill the
+     * guardian: the command's status and report matter more. The command gets SIGPIPE's
+     * default back (child()), and Python, where we hand over, ignores it too. */
+    signal(SIGPIPE, SIG_IGN);
     g_shared_group = isatty(0) && tcgetpgrp(0) == getpgrp();
     /* `krex --entry PYTHON ENTRY-ARGS...`: krex.runner's guardian (bench, batch); what this
      * file does not run itself goes to `PYTHON -m krex.proc.launcher ENTRY-ARGS...`. */

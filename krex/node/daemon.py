@@ -934,6 +934,11 @@ class Daemon:
                         dead = not lib.krex_pid_alive(s.guardian_pid, 0)
                     elif not s.guardian_connected:
                         dead = not self._group_pids(s, deep=self._deep_scan_due(s))
+                    elif s.kind == "run" and not lib.krex_pid_alive(s.guardian_pid, 0):
+                        # Gone while its connection stays open (a descriptor some other
+                        # process still holds): as if the connection had closed.
+                        s.guardian_connected = False
+                        self.pool.submit(self._guardian_lost, s, f"pid {s.guardian_pid} is gone")
                     if dead:
                         self._release(s.slot, "owner-gone")
                 busy = bool(self.slots) or any(self.current.values())
@@ -1018,14 +1023,15 @@ class Daemon:
         s.last_deep_scan = now
         return True
 
-    def _leftovers(self, n: int, policy: str) -> dict[str, Any]:
+    def _leftovers(self, n: int, policy: str, slot: Slot | None = None) -> dict[str, Any]:
         """The command of slot `n` ended: what of its tree still lives is a leftover. Kill
         them (the default, as most runners do) or keep them as a sibling slot that lives on
         (frozen in other commands' regions) until they end. Either way the slot number is
-        not handed out while one of them lives."""
+        not handed out while one of them lives. `slot`: that command's Slot (nothing is done
+        if the number went to another command meanwhile)."""
         with self.lock:
             s = self.slots.get(n)
-        if s is None:
+        if s is None or (slot is not None and s is not slot):
             return {"leftovers": [], "action": "none"}
         found = self._group_pids(s, deep=True)
         info = [{"pid": p, "cmd": procfs.cmdline(p, 200) or "?"} for p in found]
@@ -2023,13 +2029,45 @@ class Daemon:
             r.cancelled = True
             r.ended.set()
             r.granted.set()
+        lost = None
         with self.lock:
             n = owned["guardian"]
             if n is not None and n in self.slots:
-                self.slots[n].guardian_connected = False  # released when its processes are gone
+                # Closed without a release: the guardian died (SIGKILL, e.g. `timeout -s KILL`)
+                # and nobody watches its command any more.
+                lost = self.slots[n] if self.slots[n].guardian_connected else None
+                self.slots[n].guardian_connected = False
             n = owned["slot"]
             if n is not None and n in self.slots and self.slots[n].kind == "auto":
                 self._release(n, "owner-exit")
+        if lost is not None:
+            self._guardian_lost(lost, "its connection closed without a release")
+
+    def _guardian_lost(self, s: Slot, why: str) -> None:
+        """A `krex run` guardian died before its command ended: end the command as a leftover
+        is ended (its whole tree, killed), journal it, and free the slot (once its last
+        process is gone: the reaper frees a slot whose kill failed)."""
+        out = self._leftovers(s.slot, "kill", s)
+        log.warning(
+            "slot %d: guardian pid %d died (%s); its command was %s: %s",
+            s.slot, s.guardian_pid, why, out["action"], [x["pid"] for x in out["leftovers"]],
+        )
+        rec = {
+            "ts": time.time(),
+            "event": "guardian-lost",
+            "gpu": s.gpu,
+            "slot": s.slot,
+            "guardian_pid": s.guardian_pid,
+            "why": why,
+            "action": out["action"],  # killed, kill-failed, or none (nothing of it was left)
+            "processes": out["leftovers"],
+        }
+        if out.get("alive"):
+            rec["alive"] = out["alive"]
+        self._journal(rec)
+        with self.lock:  # (the reaper may have freed it once its processes were gone)
+            if self.slots.get(s.slot) is s and out["action"] in ("none", "killed"):
+                self._release(s.slot, "guardian-lost")
 
     # ------------------------------------------------------------- handlers
     # One per request op of KREX_OPS (HANDLERS, through @handles); each gets the connection,

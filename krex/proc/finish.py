@@ -31,19 +31,22 @@ def main(argv: list[str]) -> int:
         region_tally,
         release_notes,
     )
-    from krex.proc.launcher import _journal_regions, _write_report, journal_cut_region
+    from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe, journal_cut_region
 
     slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
 
+    def say(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    said = dropped_on_broken_pipe(say)
+
     def notify(text: str) -> None:
         if quiet != "1":
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+            said(text)
 
     def warn(what: str, e: Exception) -> None:
-        sys.stderr.write(
-            f"krex: warning: {what} ({type(e).__name__}: {e}); its regions are not known to be clean\n"
-        )
+        said(f"krex: warning: {what} ({type(e).__name__}: {e}); its regions are not known to be clean")
         report["report_error"] = f"{what}: {type(e).__name__}: {e}"
 
     report: dict[str, Any] = {"slot": int(slot), "gpu": int(gpu)}
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> int:
         try:
             _write_report(report_path, {**report, "exit_status": int(status)})
         except KrexError as e:
-            sys.stderr.write(f"krex: error: {e}\n  fix: {e.fix}\n")
+            said(f"krex: error: {e}\n  fix: {e.fix}")
             return RUN_FAILURE
     return int(status)
 

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 # Imports inside functions keep `krex run`'s start-up short (issue 11): every module
 # loaded here is paid by every command.
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# SIGCONT too: `timeout` sends SIGTERM then SIGCONT, and a command that stopped itself must
+# resume to act on the SIGTERM.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCONT)
 
 # KREX_RUN_TRACE=1: the guardian's steps as CLOCK_MONOTONIC stamps, written to stderr at exit
 # by the console script (scripts/run_breakdown.py reads them). Off: one lookup, no cost.
@@ -96,6 +98,9 @@ class Launch:
     # blocked in the shim, where a Python command cannot run its SIGINT handler).
     still_warm: Callable[[], bool] | None = None
     warm_kill_s: float = 1.0  # KREX_WARM_KILL_NS: after a stop signal, SIGKILL it if still warm
+    # Under the SIGSTOP freezer: whether krexd holds the command stopped now (a region of
+    # another command); a forwarded SIGCONT would thaw it, so it waits for krexd's thaw.
+    held_stopped: Callable[[], bool] | None = None
 
 
 def _on_terminal() -> bool:
@@ -151,7 +156,10 @@ def _spawn_and_wait(
 
     def forward(signum: int, _frame: object) -> None:
         pid = child.pid if child is not None else (born[0] if born else None)
-        if pid is not None and not doomed and launch.still_warm is not None and launch.still_warm():
+        if signum == signal.SIGCONT and launch.held_stopped is not None and launch.held_stopped():
+            return
+        stops = signum != signal.SIGCONT
+        if stops and pid is not None and not doomed and launch.still_warm is not None and launch.still_warm():
             doomed.append(threading.Timer(launch.warm_kill_s, kill_if_warm, (pid,)))
             doomed[0].daemon = True
             doomed[0].start()
@@ -535,6 +543,8 @@ def run_guarded(
         if joined is not None:
             joined.start()
         launch = Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in)
+        if backend == "signal":
+            launch.held_stopped = lambda: _signal_group_frozen(group_path)
         warm_seg = None
         if adm.get("warm"):  # the segment, to tell whether it still waits for its slot
             from krex.native import lib
@@ -695,6 +705,20 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
         for d in procfs.descendants([pid], procfs.proc_table()) - {pid}:
             with contextlib.suppress(OSError):
                 os.kill(d, signal.SIGCONT)
+
+
+def _signal_group_frozen(path: str) -> bool:
+    """Whether the SIGSTOP freezer's state file says krexd holds the group stopped (unreadable:
+    taken as held, so a forwarded SIGCONT never thaws a sibling inside a region)."""
+    import json
+
+    try:
+        with open(path) as f:
+            return bool(json.load(f).get("frozen", False))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _can_join(group_path: str) -> bool:
@@ -863,6 +887,23 @@ def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float
 # ------------------------------------------------------------------- `krex run` as a function
 
 
+def dropped_on_broken_pipe(notify: Callable[[str], None]) -> Callable[[str], None]:
+    """`notify`, dropping its notes once their reader is gone (`krex run ... 2>&1 | head -1`:
+    EPIPE): the command's status and report matter more than notes nobody reads."""
+    gone = False
+
+    def say(text: str) -> None:
+        nonlocal gone
+        if gone:
+            return
+        try:
+            notify(text)
+        except BrokenPipeError:
+            gone = True
+
+    return say
+
+
 def _error_json(e: Exception) -> dict[str, str]:
     return {"kind": type(e).__name__, "message": str(e), "fix": str(getattr(e, "fix", ""))}
 
@@ -936,6 +977,7 @@ def _run_command(
     keep_leftovers: bool,
     notify: Callable[[str], None],
 ) -> tuple[int, dict[str, object] | None]:
+    notify = dropped_on_broken_pipe(notify)
     if report:
         _check_report_path(report)
     resolve_command(cmd)  # fail on a bad command before touching anything

@@ -203,6 +203,106 @@ def test_leftovers_are_killed_or_kept_with_the_python_guardians_words(kx: Krex) 
         assert ("keep running as a sibling" if keep else "were killed") in words["native"], words
 
 
+@pytest.mark.parametrize("guardian", list(GUARDIANS))
+def test_a_sigkilled_guardians_command_is_ended_journaled_and_its_slot_freed(kx: Krex, guardian: str) -> None:
+    """`timeout -s KILL krex run ...` (or Python's subprocess.run(timeout=...)) kills the
+    guardian alone: krexd sees its connection close without a release and ends the command as
+    it ends a leftover (its whole tree, a child that left the process group included), journals
+    it and frees the slot. Before, the command ran on in its slot with nobody watching."""
+    kx.start_daemon(slots=2)
+    pids = kx.out / "pids"
+    code = f"sleep 300 & setsid sleep 301 & echo $$ $! > {pids}.tmp; mv {pids}.tmp {pids}; wait"
+    p = kx.run_argv("cmd", ["sh", "-c", code], env_extra=GUARDIANS[guardian])
+    kx.wait(pids.exists, 30, "the command to start")
+    tree = [int(x) for x in pids.read_text().split()]
+    slot = kx.status()["slots"][0]["slot"]
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    kx.wait(lambda: not any(_alive(x) for x in tree), 30, "krexd to end the command of a killed guardian")
+    kx.wait(lambda: kx.status()["slots"] == [], 30, "the slot to be freed")
+    ev = [r for r in kx.journal() if r.get("event") == "guardian-lost"]
+    assert len(ev) == 1 and ev[0]["slot"] == slot and ev[0]["guardian_pid"] == p.pid, ev
+    assert ev[0]["action"] == "killed" and {x["pid"] for x in ev[0]["processes"]} >= set(tree), ev
+    table = kx.krex("journal")
+    assert table.returncode == 0 and f"guardian pid {p.pid} of slot {slot} died" in table.stdout, table.stdout
+
+
+@pytest.mark.parametrize("guardian", list(GUARDIANS))
+def test_notes_into_a_closed_stderr_pipe_lose_neither_the_report_nor_the_status(
+    kx: Krex, tmp_path: Path, guardian: str
+) -> None:
+    """`krex run ... 2>&1 | head -0`: the reader of stderr is gone before the guardian's notes
+    (the simulated-GPU notice, the leftovers). The notes are dropped; the command still runs,
+    the report is written and the command's status returned (once: 141, SIGPIPE)."""
+    kx.start_daemon()
+    rep = tmp_path / "r.json"
+    p = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", "sh", "-c", "sleep 2 & exit 3"],
+        env=kx.env(**GUARDIANS[guardian]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert p.stderr is not None
+    p.stderr.close()  # before anything was written
+    assert p.wait(60) == 3
+    r = json.loads(rep.read_text())
+    assert r["exit_status"] == 3 and r["leftovers_action"] == "killed", r
+
+
+@pytest.mark.parametrize("guardian", list(GUARDIANS))
+def test_the_guardian_stays_killable_after_its_command(kx: Krex, tmp_path: Path, guardian: str) -> None:
+    """A `--report` FIFO nobody reads blocks the guardian after its command ended: SIGTERM and
+    SIGINT still end it (once only SIGKILL did: the native guardian kept them blocked)."""
+    kx.start_daemon()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        fifo = tmp_path / f"r-{sig.name}.fifo"
+        os.mkfifo(fifo)
+        p = subprocess.Popen(
+            [*KREX, "run", "--device", "sim", "--report", str(fifo), "--", "true"],
+            env=kx.env(**GUARDIANS[guardian]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        kx.popens.append(p)
+        kx.wait(lambda: kx.status()["slots"] == [], 30, "the command to end and its slot to be released")
+        time.sleep(0.3)  # the guardian is in its open() of the FIFO
+        assert p.poll() is None, p.returncode
+        os.kill(p.pid, sig)
+        try:
+            rc = p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"{sig.name} did not end the guardian") from None
+        assert rc in (-sig, 128 + sig, 130), rc
+
+
+@pytest.mark.parametrize("guardian", list(GUARDIANS))
+def test_sigcont_reaches_a_command_that_stopped_itself(kx: Krex, guardian: str) -> None:
+    """`timeout 2 krex run -- CMD` where CMD stopped itself: timeout sends SIGTERM then SIGCONT
+    to the guardian, which forwards both, so the command resumes and ends (before, SIGCONT was
+    not forwarded and the command stayed stopped for good)."""
+    kx.start_daemon()
+    p = subprocess.Popen(
+        ["timeout", "2", *KREX, "run", "--device", "sim", "--", "sh", "-c", "kill -STOP $$; exit 0"],
+        env=kx.env(**GUARDIANS[guardian]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )
+    kx.popens.append(p)
+    try:
+        rc = p.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("the self-stopped command never resumed") from None
+    assert rc == 124, rc  # timeout's own: it had to send SIGTERM
+    kx.wait(lambda: kx.status()["slots"] == [], 10, "the slot to be released")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_a_cut_region_is_noted(kx: Krex) -> None:
     kx.start_daemon(max_region=0.5)
     code = "import time, krex\nwith krex.region():\n    time.sleep(1.5)\n"
@@ -390,13 +490,13 @@ def test_reports_count_every_region_though_the_journal_rotated(
     out, under both guardians."""
     plain_env = kx.env
     monkeypatch.setattr(kx, "env", lambda **extra: plain_env(KREX_JOURNAL_MAX_BYTES="32768", **extra))
-    kx.start_daemon(max_region=0.05)
+    kx.start_daemon(max_region=1.0)
     code = (
         "import sys, time, krex\n"
         "for i in range(1210):\n"
         "    with krex.region():\n"
         "        if i in (3, 1205):\n"
-        "            time.sleep(0.12)\n"  # cut by --max-region: flagged
+        "            time.sleep(1.5)\n"  # cut by --max-region: flagged
         "sys.exit(2)\n"
     )
     r = reports(kx, tmp_path, *MARK_THEN_PY, code, rc=2)
