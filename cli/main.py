@@ -494,7 +494,8 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
     )
     for r in recs:
         if r.get("event"):  # not a region: something krexd did to a command
-            click.echo(f"{r.get('guardian_pid', 0):>8} {r.get('gpu', 0):>3} {r.get('slot', 0):>4}  {_event_line(r)}")
+            who = f"{r.get('guardian_pid', 0):>8} {r.get('gpu', 0):>3} {r.get('slot', 0):>4}"
+            click.echo(f"{who}  {_event_line(r)}")
             continue
         note = r.get("end", "")
         if r.get("contaminated"):
