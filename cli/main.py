@@ -440,6 +440,11 @@ def daemon_status(as_json: bool) -> None:
     if "idle_exit_s" in d:
         idle = "never" if d["idle_exit_s"] is None else f"{d['idle_exit_s']:g} s"
         click.echo(f"  exits when idle for: {idle}; log {d.get('log', '-')}")
+    if d.get("lend_cores_off"):
+        click.echo(f"  lend_cores: off ({d['lend_cores_off']})")
+    elif "lend_cores" in d:
+        watched = "counted" if d.get("region_core_watched") else "not counted"
+        click.echo(f"  lend_cores: {d['lend_cores']}; siblings' time on a region core is {watched}")
     for line in _partition_lines(st["partition"]):
         click.echo("  " + line)
 

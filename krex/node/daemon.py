@@ -40,7 +40,7 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs
+from krex.node import config, coretime, cpus, freezepolicy, freezer, journal, optin, procfs
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard
@@ -394,6 +394,18 @@ class Daemon:
         freezer.leave_slot_groups()
         self.freezer = freezer.detect(cfg.freezer, root_name=freezer.root_name_for(self.shm_name))
         self.partition = cpus.partition(cpus.discover(), self.info.count, self.info.numa or None)
+        # Whether the time siblings' processes spend on a region core can be counted
+        # (coretime: per slot cgroup v2, perf events); None if so, else why not.
+        self.core_watch_off = coretime.available(
+            self.freezer.root if self.freezer.name == "cgroup2" else None,
+            next((c for sl in self.partition.slices for c in sl.reserved), 0),
+        )
+        self.lend_off_why: str | None = None
+        if self.core_watch_off and cfg.lend_cores != "off" and not self.partition.degraded:
+            # Lent, a region core could run a sibling's process that ends before any audit
+            # sees it: never unflagged, so not lent where that time cannot be counted.
+            self.lend_off_why = f"region cores are not lent: {self.core_watch_off}"
+            cfg.lend_cores = "off"
         self.slots: dict[int, Slot] = {}
         self.queues: dict[int, collections.deque[Region]] = {
             g: collections.deque() for g in range(self.info.count)
@@ -692,6 +704,10 @@ class Daemon:
             "; ".join(f"gpu {sl.gpu}: shared {sl.shared}, region {sl.reserved}" for sl in part.slices),
             f"; DEGRADED: {part.reason}" if part.degraded else "",
         )
+        if self.lend_off_why:
+            log.warning("%s; set lend_cores = \"off\" to silence this", self.lend_off_why)
+        elif self.core_watch_off:
+            log.info("region cores: siblings' time on them is not counted (%s)", self.core_watch_off)
         log.info(
             "recovery: %d group(s) thawed, %d gate(s) reopened, %d record(s) reaped, %d slot(s) adopted",
             rec["thawed"],
@@ -1332,6 +1348,7 @@ class Daemon:
         fz: _FreezePlan | None = None
         sib_procs: set[tuple[int, int, int]] = set()
         sib_at_grant: set[tuple[int, int, int]] = set()
+        core_watch: dict[Slot, list[coretime.CoreWatch]] = {}
         try:
             # Taken as the gate closes: a sibling that starts or ends its GPU work from here
             # on can overlap the region (sibling-context), entry included.
@@ -1487,6 +1504,8 @@ class Daemon:
             t["pin_s"] = time.monotonic() - t2
             reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
             reasons.extend(self._settle(gpu, req.slot, ended_ns, t, ended_settle))
+            core_watch, more = self._watch_region_core(gpu, req, frozen, reserved)
+            reasons.extend(more)
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
                 "ok": True,
@@ -1547,6 +1566,7 @@ class Daemon:
                 )
             t_end_ns = time.monotonic_ns()
             region_s = time.monotonic() - t_grant
+            reasons.extend(self._region_core_time(core_watch, reserved))
             sib_procs_end = self._sibling_gpu_procs(gpu, req.slot)  # first: the timing is over
             if adaptive and owner is not None and region_s > 0:
                 owner.last_rate = (self.seg.slot_submits(req.slot) - sub0) / region_s
@@ -1583,6 +1603,9 @@ class Daemon:
                     )
                 )
         finally:
+            for ws in core_watch.values():  # (entry failed after they started)
+                for w in ws:
+                    w.close()
             if fz is not None:
                 fz.unboost()  # (the drain raised)
             if old_aff is not None:
@@ -1747,6 +1770,59 @@ class Daemon:
                     out.append(("freeze-failed", f"slot {s.slot} (threads pinned to the region core) did not "
                                  f"freeze: {e}"))
         return out
+
+    def _watch_region_core(
+        self, gpu: int, req: Region, frozen: list[Slot], reserved: list[int]
+    ) -> tuple[dict[Slot, list[coretime.CoreWatch]], list[tuple[str, str]]]:
+        """At the grant: start counting the time each running sibling's processes (its slot's
+        cgroup, every process that comes and goes in it) spend on the region core. Where
+        that cannot be counted the region says so if a running sibling might use the core
+        (lent, or a degraded partition that shares it)."""
+        with self.lock:
+            running = [
+                s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot and s not in frozen
+            ]
+        if not running or not reserved:
+            return {}, []
+        if self.core_watch_off:
+            if self.cfg.lend_cores != "off" and not self.partition.degraded:
+                return {}, [("region-core", f"the running siblings' time on the region core cannot be "
+                             f"counted ({self.core_watch_off})")]
+            return {}, []
+        out: dict[Slot, list[coretime.CoreWatch]] = {}
+        failed: list[str] = []
+        for s in running:
+            try:
+                out[s] = coretime.watch(s.group.path, reserved)
+            except (KrexError, OSError) as e:
+                with self.lock:
+                    if s.slot in self.slots:  # (a slot released meanwhile has nothing left to run)
+                        failed.append(f"slot {s.slot}: {e}")
+        if not failed:
+            return out, []
+        return out, [("region-core", "the time some running siblings spend on the region core cannot be "
+                      f"counted: {'; '.join(failed)}")]
+
+    def _region_core_time(
+        self, watches: dict[Slot, list[coretime.CoreWatch]], reserved: list[int]
+    ) -> list[tuple[str, str]]:
+        """At the region's end: a running sibling whose processes ran on the region core while
+        the region did (one that pinned itself there after the move, a child it started that
+        did and ended meanwhile) shared it with the measuring thread."""
+        found = []
+        for s, ws in list(watches.items()):
+            used = [w.stop() for w in ws]
+            ns = sum(u.ns for u in used)
+            if ns:
+                pids = sorted({p for u in used for p in u.pids})
+                found.append(f"slot {s.slot} {ns / 1e6:.2f} ms (pids {pids[:8] or 'not sampled'})")
+        watches.clear()
+        if not found:
+            return []
+        core = cpus.format_cpulist(reserved)
+        return [("region-core", f"processes of running siblings ran on the region core {core} during the "
+                 f"region: {', '.join(found)} (those ended by its end included); they shared it with the "
+                 "measuring thread")]
 
     def _audit_region_core(
         self, req: Region, at_close: list[Slot], frozen: list[Slot], reserved: list[int]
@@ -2552,6 +2628,8 @@ class Daemon:
                     "max_region_s": self.cfg.max_region_s,
                     "freeze_policy": self.cfg.freeze_policy,
                     "lend_cores": self.cfg.lend_cores,
+                    "lend_cores_off": self.lend_off_why,
+                    "region_core_watched": self.core_watch_off is None,
                     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # -5 wanted with lend_cores all
                     "queue_cap_ms": self.cfg.queue_cap_ms,
                     "idle_exit_s": self.cfg.idle_exit_s,
