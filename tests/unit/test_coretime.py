@@ -13,6 +13,7 @@ import pytest
 
 from krex.node import coretime
 
+
 def _v2_root() -> str | None:
     for line in Path("/proc/self/mounts").read_text().splitlines():
         parts = line.split()
