@@ -2684,8 +2684,12 @@ LOG_FORMAT = "%(asctime)s.%(msecs)03d krexd[%(process)d] %(levelname)s %(message
 
 def setup_logging(level: str) -> None:
     """krexd's log: timestamps and pids on stderr, which an on-demand or background
-    daemon has redirected to krexd.log. Only the ``krex`` logger; never the root's."""
+    daemon has redirected to krexd.log. Only the ``krex`` logger; never the root's. A
+    handler the CLI put there (`krex daemon start --foreground` runs krexd in its own
+    process) goes: it would write every line a second time."""
     lg = logging.getLogger("krex")
+    for h in [h for h in lg.handlers if getattr(h, "_krex_cli", False)]:
+        lg.removeHandler(h)
     if not any(getattr(h, "_krexd", False) for h in lg.handlers):
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))
