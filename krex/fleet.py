@@ -481,8 +481,10 @@ def check_node_root(node_root: str | Path, create: bool) -> None:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UsageError(f"--node-root {node_root}: cannot make the directory ({e.strerror})",
-                             "give a directory you may write, e.g. one made by mktemp -d /tmp/kx-XXXX") from None
+            raise UsageError(
+                f"--node-root {node_root}: cannot make the directory ({e.strerror})",
+                "give a directory you may write, e.g. one made by mktemp -d /tmp/kx-XXXX",
+            ) from None
     if not root.is_dir():
         raise UsageError(f"--node-root {node_root} is not a directory",
                          "give the --node-root the fleet ran with (it holds one KREX world per node)")

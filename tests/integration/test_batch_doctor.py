@@ -363,7 +363,8 @@ def test_parse_commands() -> None:
     # A UTF-8 byte order mark (as some editors save) is not part of the first command.
     cmds = parse_commands("\ufeffecho a\necho b\n", "f")
     assert [c.line for c in cmds] == ["echo a", "echo b"], cmds
-    assert parse_commands('\ufeff[["python", "b.py"]]', "f.json", force_json=True)[0].argv == ["python", "b.py"]
+    cmds = parse_commands('\ufeff[["python", "b.py"]]', "f.json", force_json=True)
+    assert cmds[0].argv == ["python", "b.py"]
 
 
 def test_percentile_and_summarize() -> None:
