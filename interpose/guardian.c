@@ -280,6 +280,15 @@ static int utf8_ok(const unsigned char *p) {
 static int env_needs_python(void) {
     const char *t = getenv("KREX_RUN_TRACE"), *a = getenv("KREX_AUTO_REGION");
     if (t && *t) return 1; /* the step stamps (launcher.TRACE) */
+    /* A chunk size the shim will not take as given: Python warns (launcher.chunk_setting_note,
+     * krex_chunk_bytes's rule). Only "0" or digits at or above the minimum stay here. */
+    const char *ck = getenv("KREX_COPY_CHUNK_BYTES");
+    if (ck && *ck) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(ck, &end, 10);
+        if (*ck < '0' || *ck > '9' || errno || *end || (v && v < KREX_COPY_CHUNK_MIN_BYTES)) return 1;
+    }
     /* A value krexd could not take as it is (Python escapes what is not UTF-8), or one so
      * long that its notes and report, escaped twice, could outgrow a reply frame. */
     return a && (strlen(a) > 4096 || !utf8_ok((const unsigned char *)a));

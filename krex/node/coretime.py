@@ -24,7 +24,7 @@ import platform
 import struct
 from dataclasses import dataclass, field
 
-from krex.errors import KrexError
+from krex.errors import KrexError, PermissionDenied, error_kind
 
 __all__ = ["CoreWatch", "Usage", "available", "watch"]
 
@@ -82,13 +82,14 @@ def _open(cgroup_dir: str, cpu: int, sample: bool) -> int:
     finally:
         os.close(cg)
     if fd < 0:
-        why = {
-            errno.EACCES: "not permitted (needs root, CAP_PERFMON or kernel.perf_event_paranoid <= 0)",
-            errno.EPERM: "not permitted (needs root, CAP_PERFMON or kernel.perf_event_paranoid <= 0)",
-            errno.EBADF: "not a cgroup v2 directory",
-            errno.ENOSYS: "the kernel has no perf events",
-        }.get(err, os.strerror(err))
-        raise KrexError(f"cannot count CPU {cpu} time of cgroup {cgroup_dir}: {why}", "")
+        kind = error_kind(err)
+        words = {errno.EBADF: "not a cgroup v2 directory", errno.ENOSYS: "the kernel has no perf events"}
+        why = (
+            "not permitted (needs root, CAP_PERFMON or kernel.perf_event_paranoid <= 0)"
+            if kind is PermissionDenied
+            else words.get(err, os.strerror(err))
+        )
+        raise kind(f"cannot count CPU {cpu} time of cgroup {cgroup_dir}: {why}", "")
     return int(fd)
 
 

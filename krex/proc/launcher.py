@@ -887,6 +887,25 @@ def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float
 # ------------------------------------------------------------------- `krex run` as a function
 
 
+def chunk_setting_note(value: str) -> str | None:
+    """The warning for a KREX_COPY_CHUNK_BYTES the shim will not take as given (its rule,
+    krex_chunk_bytes: not a byte count gets the default, below the minimum gets the minimum;
+    each process flags `chunk-setting`), else None."""
+    if not value:
+        return None
+    from krex.native import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    how = lib.krex_chunk_bytes(value.encode(errors="surrogateescape"), out)
+    if how == lib.KREX_CHUNK_BAD:
+        return (f"krex: warning: KREX_COPY_CHUNK_BYTES={value!r} is not a byte count (0 turns splitting "
+                f"off): the default {lib.KREX_COPY_CHUNK_BYTES} is used")
+    if how == lib.KREX_CHUNK_CLAMPED:
+        return (f"krex: warning: KREX_COPY_CHUNK_BYTES={value} is below the smallest chunk, "
+                f"KREX_COPY_CHUNK_MIN_BYTES ({lib.KREX_COPY_CHUNK_MIN_BYTES}): that is used")
+    return None
+
+
 def dropped_on_broken_pipe(notify: Callable[[str], None]) -> Callable[[str], None]:
     """`notify`, dropping its notes once their reader is gone (`krex run ... 2>&1 | head -1`:
     EPIPE): the command's status and report matter more than notes nobody reads."""
@@ -981,6 +1000,9 @@ def _run_command(
     if report:
         _check_report_path(report)
     resolve_command(cmd)  # fail on a bad command before touching anything
+    note = chunk_setting_note(os.environ.get("KREX_COPY_CHUNK_BYTES", ""))
+    if note:
+        notify(note)
     if no_daemon:
         kind, count = discover_kind(device)
         if gpu is not None and not 0 <= gpu < count:
