@@ -15,20 +15,27 @@ void *krex_real[KREX_N_IDS][KREX_NSLOT];
 uint32_t krex_real_gen; /* atomic: bumped as a real pointer is stored (vendor_sym's fallback reads them) */
 
 typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn g_real_dlsym; /* atomic */
-/* Our own dlsym, by a hidden name: a reference to "dlsym" could bind to libc's. */
+typedef void *(*dlvsym_fn)(void *, const char *, const char *);
+static dlsym_fn g_real_dlsym;   /* atomic */
+static dlvsym_fn g_real_dlvsym; /* atomic */
+/* Our own dlsym and dlvsym, by hidden names: a reference to "dlsym" could bind to libc's. */
 extern void *krex_self_dlsym(void *, const char *) __attribute__((visibility("hidden")));
+extern void *krex_self_dlvsym(void *, const char *, const char *) __attribute__((visibility("hidden")));
+static dlvsym_fn real_dlvsym_fn(void);
 
 /* glibc's dlsym by version: 2.34 moved it into libc; before that its base version
  * is the architecture's first glibc (2.2.5 x86_64, 2.17 aarch64, 2.0 i386, 2.3
- * ppc64, 2.4 arm, 2.27 riscv64, 2.36 loongarch64). dlvsym itself is not ours. */
+ * ppc64, 2.4 arm, 2.27 riscv64, 2.36 loongarch64). Through glibc's own dlvsym: a call
+ * of "dlvsym" from here would reach ours. */
 KREX_NO_SANITIZE static void *libc_by_version(const char *name) {
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0",
                                            "GLIBC_2.3",  "GLIBC_2.4",   "GLIBC_2.27", "GLIBC_2.36",
                                            "GLIBC_2.1",  "GLIBC_2.29",  "GLIBC_2.35", NULL};
+    dlvsym_fn v = real_dlvsym_fn();
+    if (!v) return NULL;
     for (int i = 0; versions[i]; i++) {
-        void *p = dlvsym(RTLD_NEXT, name, versions[i]);
-        if (p && p != (void *)krex_self_dlsym) return p;
+        void *p = v(RTLD_NEXT, name, versions[i]);
+        if (p && p != (void *)krex_self_dlsym && p != (void *)krex_self_dlvsym) return p;
     }
     return NULL;
 }
@@ -123,6 +130,20 @@ KREX_NO_SANITIZE static void *dlsym_from_elf(void) {
     struct elf_find f = {"dlsym", NULL};
     dl_iterate_phdr(elf_find_cb, &f);
     return f.addr != (void *)krex_self_dlsym ? f.addr : NULL;
+}
+
+/* glibc's own dlvsym: the default-versioned "dlvsym" of libc's (or libdl's) dynamic symbol
+ * table (ours, exported, would answer any call of it by name). */
+KREX_NO_SANITIZE static dlvsym_fn real_dlvsym_fn(void) {
+    dlvsym_fn fn = __atomic_load_n(&g_real_dlvsym, ACQUIRE);
+    if (UNLIKELY(!fn)) {
+        struct elf_find f = {"dlvsym", NULL};
+        dl_iterate_phdr(elf_find_cb, &f);
+        if (!f.addr || f.addr == (void *)krex_self_dlvsym) return NULL;
+        fn = (dlvsym_fn)f.addr;
+        __atomic_store_n(&g_real_dlvsym, fn, RELEASE);
+    }
+    return fn;
 }
 
 KREX_NO_SANITIZE static dlsym_fn find_real_dlsym(void) {
@@ -303,8 +324,16 @@ void *krex_resolve(int id, int k) {
     return p;
 }
 
-/* RTLD_NEXT relative to `caller`: real dlsym would take the caller to be us. */
-KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *name) {
+/* `name` in `h` (of `version`, NULL: dlsym's default) through glibc's own functions. */
+KREX_NO_SANITIZE static void *real_lookup(void *h, const char *name, const char *version) {
+    if (!version) return real_dlsym(h, name);
+    dlvsym_fn v = real_dlvsym_fn();
+    return v ? v(h, name, version) : NULL;
+}
+
+/* RTLD_NEXT relative to `caller`: real dlsym would take the caller to be us. `version`:
+ * dlvsym's (NULL for dlsym). */
+KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *name, const char *version) {
     Dl_info info;
     struct link_map *self = NULL;
     dladdr1((void *)krex_shim_active, &info, (void **)&self, RTLD_DL_LINKMAP);
@@ -323,33 +352,45 @@ KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *na
         if (!l->l_name || !l->l_name[0]) continue;
         void *h = o(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue;
-        p = real_dlsym(h, name);
+        p = real_lookup(h, name, version);
         c(h);
     }
     if (p || !self_after) return p;
     /* Then us (what we export), then everything after us: plain RTLD_NEXT from here. */
     int id = krex_find(name);
     if (id >= 0) return krex_wrappers[id][0];
-    return real_dlsym(RTLD_NEXT, name);
+    return real_lookup(RTLD_NEXT, name, version);
 }
 
-KREX_EXPORT KREX_NO_SANITIZE void *dlsym(void *handle, const char *name) {
+/* dlsym and dlvsym: the real lookup, relative to the real caller for RTLD_NEXT; a table
+ * entry's pointer comes back bound to its wrapper. */
+KREX_NO_SANITIZE static void *lookup(void *handle, const char *name, const char *version, void *ret) {
     void *p;
     if (handle == RTLD_NEXT) {
         Dl_info info;
         struct link_map *lm = NULL;
         p = NULL;
-        if (dladdr1(__builtin_return_address(0), &info, (void **)&lm, RTLD_DL_LINKMAP) && lm)
-            p = dlsym_next(lm, name);
+        if (dladdr1(ret, &info, (void **)&lm, RTLD_DL_LINKMAP) && lm) p = dlsym_next(lm, name, version);
     } else {
-        p = real_dlsym(handle, name);
+        p = real_lookup(handle, name, version);
     }
     if (!p || !mode_on()) return p;
     int id = krex_find(name);
     return id < 0 ? p : krex_bind(id, p);
 }
+
+KREX_EXPORT KREX_NO_SANITIZE void *dlsym(void *handle, const char *name) {
+    return lookup(handle, name, NULL, __builtin_return_address(0));
+}
+
+/* NVIDIA's and AMD's libraries version their symbols (cudaLaunchKernel@@libcudart.so.13):
+ * a dlvsym() lookup must not reach an ungated entry point either. */
+KREX_EXPORT KREX_NO_SANITIZE void *dlvsym(void *handle, const char *name, const char *version) {
+    return lookup(handle, name, version, __builtin_return_address(0));
+}
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpragmas"
 #pragma GCC diagnostic ignored "-Wmissing-attributes" /* glibc's nonnull/leaf on dlsym: irrelevant here */
 void *krex_self_dlsym(void *, const char *) __attribute__((alias("dlsym")));
+void *krex_self_dlvsym(void *, const char *, const char *) __attribute__((alias("dlvsym")));
 #pragma GCC diagnostic pop
