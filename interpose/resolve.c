@@ -71,16 +71,49 @@ KREX_NO_SANITIZE static uint32_t elf_gnu_hash(const char *s) {
     return h;
 }
 
+/* String tests of our own: this runs inside a sanitizer runtime's start-up too, whose
+ * strcmp/strstr interceptors do not work yet. */
+KREX_NO_SANITIZE static int prefix_at(const char *s, const char *p) {
+    while (*p && *s == *p) s++, p++;
+    return *p == 0;
+}
+
+KREX_NO_SANITIZE static int same_str(const char *a, const char *b) {
+    while (*a && *a == *b) a++, b++;
+    return *a == *b;
+}
+
+KREX_NO_SANITIZE static int is_libc(const char *n) {
+    if (!n) return 0;
+    if (prefix_at(n, "libc.so")) return 1;
+    for (; *n; n++)
+        if (prefix_at(n, "/libc.so") || prefix_at(n, "/libdl.so")) return 1;
+    return 0;
+}
+
+/* The default-versioned f->name in the object loaded at `base` with dynamic section `dyn`. */
+KREX_NO_SANITIZE static int elf_find_in(ElfW(Addr) base, const ElfW(Dyn) *dyn, struct elf_find *f);
+
 KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
     struct elf_find *f = data;
-    const char *n = info->dlpi_name;
-    if (!n || (!strstr(n, "/libc.so") && !strstr(n, "/libdl.so") && strncmp(n, "libc.so", 7) != 0)) return 0;
+    if (!is_libc(info->dlpi_name)) return 0;
     const ElfW(Dyn) *dyn = NULL;
     for (int i = 0; i < info->dlpi_phnum; i++)
         if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
             dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
-    if (!dyn) return 0;
+    return dyn ? elf_find_in(info->dlpi_addr, dyn, f) : 0;
+}
+
+/* The same through the loader's list of objects (_r_debug), which no sanitizer intercepts:
+ * our dlvsym answers a sanitizer runtime's own start-up lookups, before its dl_iterate_phdr
+ * interceptor works. */
+KREX_NO_SANITIZE static void elf_find_rdebug(struct elf_find *f) {
+    for (struct link_map *l = _r_debug.r_map; l; l = l->l_next)
+        if (is_libc(l->l_name) && l->l_ld && elf_find_in(l->l_addr, l->l_ld, f)) return;
+}
+
+KREX_NO_SANITIZE static int elf_find_in(ElfW(Addr) base, const ElfW(Dyn) *dyn, struct elf_find *f) {
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
     const uint32_t *gnu = NULL, *sysv = NULL;
@@ -88,7 +121,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
     for (; dyn->d_tag != DT_NULL; dyn++) {
         /* Most ports relocate these to addresses; a few (RISC-V, MIPS) keep offsets. */
         ElfW(Addr) v = dyn->d_un.d_ptr;
-        if (v < info->dlpi_addr) v += info->dlpi_addr;
+        if (v < base) v += base;
         switch (dyn->d_tag) {
         case DT_SYMTAB: symtab = (const ElfW(Sym) *)v; break;
         case DT_STRTAB: strtab = (const char *)v; break;
@@ -100,7 +133,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
     }
     if (!symtab || !strtab) return 0;
 #define ELF_MATCH(i)                                                                             \
-    (symtab[i].st_shndx != SHN_UNDEF && strcmp(strtab + symtab[i].st_name, f->name) == 0 &&     \
+    (symtab[i].st_shndx != SHN_UNDEF && same_str(strtab + symtab[i].st_name, f->name) &&         \
      (!versym || !(versym[i] & 0x8000)))
     if (gnu) {
         uint32_t nb = gnu[0], off = gnu[1], bloom = gnu[2];
@@ -110,7 +143,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
         for (uint32_t i = nb ? buckets[h % nb] : 0; i >= off && i != 0; i++) {
             uint32_t h2 = chain[i - off];
             if ((h | 1) == (h2 | 1) && ELF_MATCH(i)) {
-                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                f->addr = (void *)(base + symtab[i].st_value);
                 return 1;
             }
             if (h2 & 1) break;
@@ -118,7 +151,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
     } else if (sysv) {
         for (uint32_t i = 0; i < sysv[1]; i++)
             if (ELF_MATCH(i)) {
-                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                f->addr = (void *)(base + symtab[i].st_value);
                 return 1;
             }
     }
@@ -138,7 +171,7 @@ KREX_NO_SANITIZE static dlvsym_fn real_dlvsym_fn(void) {
     dlvsym_fn fn = __atomic_load_n(&g_real_dlvsym, ACQUIRE);
     if (UNLIKELY(!fn)) {
         struct elf_find f = {"dlvsym", NULL};
-        dl_iterate_phdr(elf_find_cb, &f);
+        elf_find_rdebug(&f);
         if (!f.addr || f.addr == (void *)krex_self_dlvsym) return NULL;
         fn = (dlvsym_fn)f.addr;
         __atomic_store_n(&g_real_dlvsym, fn, RELEASE);
