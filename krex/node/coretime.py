@@ -22,6 +22,7 @@ import mmap
 import os
 import platform
 import struct
+import threading
 from dataclasses import dataclass, field
 
 from krex.errors import KrexError, PermissionDenied, error_kind
@@ -36,7 +37,7 @@ _PERF_FLAG_PID_CGROUP = 1 << 2
 _PERF_FLAG_FD_CLOEXEC = 1 << 3
 _ATTR_DISABLED = 1 << 0
 _ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7: every field we set is in the first 64 bytes
-_IOC_ENABLE, _IOC_DISABLE = 0x2400, 0x2401
+_IOC_ENABLE, _IOC_DISABLE, _IOC_RESET = 0x2400, 0x2401, 0x2403
 _RECORD_SAMPLE = 9
 SAMPLE_NS = 100_000  # one sample per 0.1 ms a watched process runs on the core
 _DATA_PAGES = 16  # 64 KiB of samples: 4096 of them, 0.4 s on the core, names enough
@@ -94,50 +95,95 @@ def _open(cgroup_dir: str, cpu: int, sample: bool) -> int:
 
 
 class CoreWatch:
-    """One counter: the time the processes of `cgroup_dir` run on `cpu`, from now to stop()."""
+    """One counter: the time the processes of `cgroup_dir` run on `cpu` between start() and
+    stop(). Opened once per slot and kept (opening costs a region's entry 0.1-0.5 ms per
+    counter; starting and stopping, two ioctls); close() when the slot goes."""
 
     def __init__(self, cgroup_dir: str, cpu: int) -> None:
         self.cpu = cpu
         self.fd = _open(cgroup_dir, cpu, sample=True)
         self.ring: mmap.mmap | None = None
+        self.lock = threading.Lock()
+        self.running = False
+        self.doomed = False  # close() came while it ran: stop() closes it
         try:
             # Writable: the kernel then stops at a full buffer instead of overwriting.
             self.ring = mmap.mmap(self.fd, (1 + _DATA_PAGES) * mmap.PAGESIZE)
         except OSError:
             self.ring = None  # counted all the same, only not named
-        fcntl.ioctl(self.fd, _IOC_ENABLE, 0)
+
+    def start(self) -> None:
+        with self.lock:
+            if self.fd < 0:
+                raise KrexError("the region core's counter was closed", "")
+            self._skip_samples()
+            fcntl.ioctl(self.fd, _IOC_RESET, 0)
+            fcntl.ioctl(self.fd, _IOC_ENABLE, 0)
+            self.running = True
 
     def stop(self) -> Usage:
-        """Stop counting and read it; closes the counter."""
+        """Stop counting; what it counted since start()."""
         use = Usage(self.cpu)
-        try:
-            fcntl.ioctl(self.fd, _IOC_DISABLE, 0)
-            raw = os.read(self.fd, 8)
-            use.ns = struct.unpack("Q", raw)[0] if len(raw) == 8 else 0
-            if self.ring is not None:
-                use.pids = self._sampled()
-        finally:
-            self.close()
+        with self.lock:
+            if self.fd < 0:
+                return use
+            try:
+                fcntl.ioctl(self.fd, _IOC_DISABLE, 0)
+                raw = os.read(self.fd, 8)
+                use.ns = struct.unpack("Q", raw)[0] if len(raw) == 8 else 0
+                if self.ring is not None:
+                    use.pids = self._sampled()
+            finally:
+                self.running = False
+                if self.doomed:
+                    self._close()
         return use
 
-    def _sampled(self) -> set[int]:
+    def _data(self) -> tuple[int, int, int, int]:
         assert self.ring is not None
         head = struct.unpack_from("Q", self.ring, 1024)[0]  # perf_event_mmap_page.data_head
-        off, size = struct.unpack_from("QQ", self.ring, 1040)  # data_offset, data_size
+        tail = struct.unpack_from("Q", self.ring, 1032)[0]  # .data_tail (ours to advance)
+        off, size = struct.unpack_from("QQ", self.ring, 1040)  # .data_offset, .data_size
         if not size:  # a kernel before 4.1: the data starts at the second page
             off, size = mmap.PAGESIZE, _DATA_PAGES * mmap.PAGESIZE
-        end, pos, out = min(head, size), 0, set()
-        while pos + 8 <= end:
-            kind, _misc, length = struct.unpack_from("IHH", self.ring, off + pos)
+        return head, tail, off, size
+
+    def _skip_samples(self) -> None:
+        if self.ring is not None:
+            head = self._data()[0]
+            struct.pack_into("Q", self.ring, 1032, head)
+
+    def _sampled(self) -> set[int]:
+        """The pids of the samples since the last read (the ring wraps); marks them read."""
+        assert self.ring is not None
+        head, tail, off, size = self._data()
+        n = min(head - tail, size)
+        start = (head - n) % size
+        if start + n <= size:
+            buf = self.ring[off + start:off + start + n]
+        else:
+            buf = self.ring[off + start:off + size] + self.ring[off:off + (start + n - size)]
+        struct.pack_into("Q", self.ring, 1032, head)
+        pos, out = 0, set()
+        while pos + 8 <= len(buf):
+            kind, _misc, length = struct.unpack_from("IHH", buf, pos)
             if length < 8:
                 break
-            if kind == _RECORD_SAMPLE and length >= 16:
-                pid, _tid = struct.unpack_from("II", self.ring, off + pos + 8)
+            if kind == _RECORD_SAMPLE and length >= 16 and pos + 16 <= len(buf):
+                pid, _tid = struct.unpack_from("II", buf, pos + 8)
                 out.add(int(pid))
             pos += length
         return out
 
     def close(self) -> None:
+        """Close it now, or, while it counts a region, once that region's stop() has read it."""
+        with self.lock:
+            if self.running:
+                self.doomed = True
+            else:
+                self._close()
+
+    def _close(self) -> None:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -147,7 +193,7 @@ class CoreWatch:
 
 
 def watch(cgroup_dir: str, cpus: list[int]) -> list[CoreWatch]:
-    """A started CoreWatch per CPU of `cpus` for the processes of `cgroup_dir`. Raises
+    """A CoreWatch (not started) per CPU of `cpus` for the processes of `cgroup_dir`. Raises
     KrexError (what is missing) when they cannot be counted; none is left open then."""
     out: list[CoreWatch] = []
     try:

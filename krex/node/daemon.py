@@ -207,6 +207,9 @@ class Slot:
     simulated: bool = False
     # The native guardian's KREX_AUTO_REGION (its admit): the release's notes and report.
     auto_value: str = ""
+    # Its processes' time on its GPU's region core, counted in other commands' regions
+    # (coretime; opened at its first such region, closed with the slot).
+    core_watch: list[coretime.CoreWatch] | None = None
 
 
 @dataclass
@@ -1100,6 +1103,8 @@ class Daemon:
             s = self.slots.pop(n, None)
             if s is None:
                 return
+            for w in s.core_watch or []:  # (one a region still counts closes after its stop)
+                w.close()
             log.info("slot %d on gpu %d released (%s, %s pid %d)", n, s.gpu, reason, s.kind, s.guardian_pid)
             for r in self.current.values():
                 if r is not None and r.slot == n and not r.ended.is_set():
@@ -1605,7 +1610,7 @@ class Daemon:
         finally:
             for ws in core_watch.values():  # (entry failed after they started)
                 for w in ws:
-                    w.close()
+                    w.stop()
             if fz is not None:
                 fz.unboost()  # (the drain raised)
             if old_aff is not None:
@@ -1793,7 +1798,11 @@ class Daemon:
         failed: list[str] = []
         for s in running:
             try:
-                out[s] = coretime.watch(s.group.path, reserved)
+                if s.core_watch is None:
+                    s.core_watch = coretime.watch(s.group.path, reserved)
+                for w in s.core_watch:
+                    w.start()
+                out[s] = s.core_watch
             except (KrexError, OSError) as e:
                 with self.lock:
                     if s.slot in self.slots:  # (a slot released meanwhile has nothing left to run)

@@ -40,6 +40,7 @@ def test_short_lived_children_on_the_cpu_are_counted_and_named_others_not() -> N
         cpu, other = sorted(os.sched_getaffinity(0))[-1], sorted(os.sched_getaffinity(0))[0]
         assert coretime.available(str(cg), cpu) is None
         ws = coretime.watch(str(cg), [cpu])
+        ws[0].start()
         code = (
             "import os, sys, time\n"
             f"os.sched_setaffinity(0, {{{other}}})\n"
@@ -62,5 +63,10 @@ def test_short_lived_children_on_the_cpu_are_counted_and_named_others_not() -> N
         use = ws[0].stop()
         assert 0.06e9 <= use.ns < 0.09e9, use.ns  # 3 x 20 ms on `cpu`, not the 100 ms on `other`
         assert pids <= use.pids, (pids, use.pids)
+        # Kept for the next region: counted from its start again, with only its samples.
+        ws[0].start()
+        assert ws[0].stop().ns < 0.01e9
+        ws[0].close()
+        assert ws[0].stop().ns == 0 and ws[0].fd == -1
     finally:
         cg.rmdir()
