@@ -321,6 +321,9 @@ def build_native(outdir: str | os.PathLike[str], strip: bool = False) -> list[Pa
             str(out / "libcudart.so.13"),
             f"{sim}/sim_api.c",
             "-Wl,-soname,libcudart.so.13",
+            # NVIDIA's libcudart versions its symbols (cudaLaunchKernel@@libcudart.so.13): a
+            # dlvsym() lookup must find them here too (the shim's dlvsym is tested on it).
+            f"-Wl,--version-script={sim}/cudart.map",
             *common,
             "-l:libcuda.so.1",
         ]
@@ -334,6 +337,7 @@ def build_native(outdir: str | os.PathLike[str], strip: bool = False) -> list[Pa
             str(out / "libamdhip64.so"),
             f"{sim}/sim_api.c",
             "-Wl,-soname,libamdhip64.so",
+            f"-Wl,--version-script={sim}/hip.map",  # as AMD's (hipMalloc@@hip_4.2)
             *common,
         ]
     )

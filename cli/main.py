@@ -459,6 +459,11 @@ def daemon_status(as_json: bool) -> None:
     if "idle_exit_s" in d:
         idle = "never" if d["idle_exit_s"] is None else f"{d['idle_exit_s']:g} s"
         click.echo(f"  exits when idle for: {idle}; log {d.get('log', '-')}")
+    if d.get("lend_cores_off"):
+        click.echo(f"  lend_cores: off ({d['lend_cores_off']})")
+    elif "lend_cores" in d:
+        watched = "counted" if d.get("region_core_watched") else "not counted"
+        click.echo(f"  lend_cores: {d['lend_cores']}; siblings' time on a region core is {watched}")
     for line in _partition_lines(st["partition"]):
         click.echo("  " + line)
 
@@ -517,6 +522,10 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
     )
     ms = ("queue_wait_s", "entry_s", "drain_s", "freeze_s", "pin_s", "region_s")
     for r in recs:
+        if r.get("event"):  # not a region: something krexd did to a command
+            who = f"{jr.when(r)} {r.get('guardian_pid', 0):>8} {r.get('gpu', 0):>3} {r.get('slot', 0):>4}"
+            click.echo(f"{who}  {_event_line(r)}")
+            continue
         click.echo(
             row.format(
                 jr.when(r),
@@ -532,6 +541,17 @@ def journal(last: int, as_json: bool, fleet: bool, address: str | None, node_roo
         )
         if r.get("contaminated"):
             click.echo(f"{'':<14} CONTAMINATED: " + "; ".join(r.get("reasons", [])))
+
+
+def _event_line(r: dict[str, Any]) -> str:
+    if r.get("event") == "guardian-lost":
+        procs = r.get("processes") or []
+        what = ", ".join(str(x.get("pid")) for x in procs[:8] if isinstance(x, dict)) or "none left"
+        return (
+            f"EVENT: guardian pid {r.get('guardian_pid')} of slot {r.get('slot')} died ({r.get('why')}); "
+            f"its command was {r.get('action')} (pids {what})"
+        )
+    return f"EVENT: {r.get('event')}"
 
 
 register_extra(cli)

@@ -291,6 +291,15 @@ static int utf8_ok(const unsigned char *p) {
 static int env_needs_python(void) {
     const char *t = getenv("KREX_RUN_TRACE"), *a = getenv("KREX_AUTO_REGION");
     if (t && *t) return 1; /* the step stamps (launcher.TRACE) */
+    /* A chunk size the shim will not take as given: Python warns (launcher.chunk_setting_note,
+     * krex_chunk_bytes's rule). Only "0" or digits at or above the minimum stay here. */
+    const char *ck = getenv("KREX_COPY_CHUNK_BYTES");
+    if (ck && *ck) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(ck, &end, 10);
+        if (*ck < '0' || *ck > '9' || errno || *end || (v && v < KREX_COPY_CHUNK_MIN_BYTES)) return 1;
+    }
     /* A value krexd could not take as it is (Python escapes what is not UTF-8), or one so
      * long that its notes and report, escaped twice, could outgrow a reply frame. */
     return a && (strlen(a) > 4096 || !utf8_ok((const unsigned char *)a));
@@ -1157,7 +1166,8 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
                 /* A terminal's signal (SI_KERNEL) went to our whole group, the command included. */
                 if (si.ssi_signo != SIGCHLD && !(g_shared_group && si.ssi_code == SI_KERNEL))
                     signal_command(pid, (int)si.ssi_signo);
-                if (si.ssi_signo != SIGCHLD && !kill_at && still_warm(a, c))
+                /* SIGCONT (after `timeout`'s SIGTERM, or `kill -CONT`) resumes; it stops nothing. */
+                if (si.ssi_signo != SIGCHLD && si.ssi_signo != SIGCONT && !kill_at && still_warm(a, c))
                     kill_at = now_ns() + KREX_WARM_KILL_NS;
             }
         }
@@ -1323,7 +1333,7 @@ static int run(struct opts *o) {
      * blocked before the handler goes, so none can kill us in between. */
     sigset_t fwd;
     sigemptyset(&fwd);
-    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCONT, SIGCHLD}; /* launcher.FORWARDED + SIGCHLD */
     for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
     sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
     if (int_set) sigaction(SIGINT, &old_int, NULL);
@@ -1434,6 +1444,16 @@ static int run(struct opts *o) {
             status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         }
     }
+    /* The command has ended: nothing is left to forward to, and the guardian must stay
+     * killable while it releases and writes the report (a --report FIFO nobody reads blocks
+     * its open). Signals still pending were the command's: dropped, then the mask goes back. */
+    if (sfd >= 0) {
+        struct signalfd_siginfo si;
+        while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
+        }
+        close(sfd);
+    }
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
 
     int auto_full = auto_dir && dir_has_entries(auto_dir);
     if (lo.happened) { /* the finisher removes a full one after reading it */
@@ -1477,22 +1497,7 @@ static int run(struct opts *o) {
     print_notes(jget(r, "notes"));
     if (o->report) {
         const char *body = jstr(r, "report_json");
-        const struct jv *whole = jget(r, "report_regions");
-        if (body && whole && whole->t == J_BOOL && !whole->b) {
-            /* krexd's report without its regions (too many for one reply): the finisher adds
-             * them from the journal, up to this release, and writes the report once. It gets
-             * the text through a memory file: the --report path is written, never read back. */
-            int mfd = (int)syscall(SYS_memfd_create, "krex-report", 0);
-            size_t n = strlen(body);
-            if (mfd >= 0 && write(mfd, body, n) == (ssize_t)n) {
-                static char path[64];
-                snprintf(path, sizeof path, "/proc/self/fd/%d", mfd);
-                lo.why = "";
-                lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
-                finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, path, 1);
-            }
-            /* (no memory file: the report goes without its regions, as krexd made it) */
-        } else if (!body) { /* krexd released the slot but sent no report: the finisher makes it */
+        if (!body) { /* krexd released the slot but sent no report (no record of it left): the finisher makes it */
             lo.why = "";
             lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
             finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, base_released.p, 1);
@@ -1514,6 +1519,10 @@ int main(int argc, char **argv) {
     struct sigaction sa;
     g_chld_ign = sigaction(SIGCHLD, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN;
     signal(SIGCHLD, SIG_DFL);
+    /* Notes to a stderr whose reader is gone (`krex run ... 2>&1 | head -1`) must not kill the
+     * guardian: the command's status and report matter more. The command gets SIGPIPE's
+     * default back (child()), and Python, where we hand over, ignores it too. */
+    signal(SIGPIPE, SIG_IGN);
     g_shared_group = isatty(0) && tcgetpgrp(0) == getpgrp();
     /* `krex --entry PYTHON ENTRY-ARGS...`: krex.runner's guardian (bench, batch); what this
      * file does not run itself goes to `PYTHON -m krex.proc.launcher ENTRY-ARGS...`. */

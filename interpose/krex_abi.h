@@ -84,6 +84,9 @@
 /* It may queue GPU work through a path the hooks do not count: a CUDA runtime linked into
  * the executable or exported by a loaded library other than libcudart. Never quiet. */
 #define KREX_PF_UNSEEN 2048
+/* KREX_COPY_CHUNK_BYTES was not a byte count, or below KREX_COPY_CHUNK_MIN_BYTES: not taken
+ * as given (krex_chunk_bytes). */
+#define KREX_PF_CHUNK_SETTING 4096
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
@@ -102,8 +105,15 @@
  * gated call costs ~5 ns: the split adds nothing measurable to a large copy. A process
  * may override it once, at load, with KREX_COPY_CHUNK_BYTES (0: never split). */
 #define KREX_COPY_CHUNK_BYTES 67108864
-/* The smallest chunk an override may ask for. */
-#define KREX_COPY_CHUNK_MIN_BYTES 4096
+/* The smallest chunk an override may ask for: smaller ones are taken as this (at 4 KiB a
+ * 300 MB copy became 73,000 calls and ran 15x slower; at 1 MiB, 300 calls of 20-40 us). */
+#define KREX_COPY_CHUNK_MIN_BYTES 1048576
+/* krex_chunk_bytes(): how it took a KREX_COPY_CHUNK_BYTES value: as given; CLAMPED, below
+ * KREX_COPY_CHUNK_MIN_BYTES (that minimum); BAD, not a byte count (a sign, a unit, garbage:
+ * the default). */
+#define KREX_CHUNK_OK 0
+#define KREX_CHUNK_CLAMPED 1
+#define KREX_CHUNK_BAD 2
 
 /* Bounded queues (pace.c). A region's entry waits for the work siblings had queued when
  * the gate closed (the drain): on the H200 up to 0.52 s. So while other commands share its

@@ -26,6 +26,21 @@ uint64_t krex_now_ns(void) {
 
 uint64_t krex_shm_size(void) { return sizeof(struct krex_shm); }
 
+int krex_chunk_bytes(const char *text, uint64_t *out) {
+    *out = KREX_COPY_CHUNK_BYTES;
+    if (!text || *text < '0' || *text > '9') return KREX_CHUNK_BAD; /* strtoull takes "-1" */
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (errno || *end) return KREX_CHUNK_BAD;
+    if (v == 0) {
+        *out = UINT64_MAX;
+        return KREX_CHUNK_OK;
+    }
+    *out = v < KREX_COPY_CHUNK_MIN_BYTES ? KREX_COPY_CHUNK_MIN_BYTES : v;
+    return v < KREX_COPY_CHUNK_MIN_BYTES ? KREX_CHUNK_CLAMPED : KREX_CHUNK_OK;
+}
+
 static uint64_t fnv(uint64_t h, uint64_t v) {
     for (int i = 0; i < 8; i++) {
         h ^= (v >> (8 * i)) & 0xff;

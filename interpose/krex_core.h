@@ -98,6 +98,10 @@ uint64_t krex_pid_start_ticks(int64_t pid);
 int krex_futex_wait(uint32_t *addr, uint32_t expected, uint64_t timeout_ns);
 int krex_futex_wake(uint32_t *addr);
 uint32_t krex_load32(uint32_t *addr);
+/* KREX_COPY_CHUNK_BYTES as the shim takes it: *out the chunk size (UINT64_MAX: never split,
+ * for "0"); KREX_CHUNK_OK, _CLAMPED (below the minimum: the minimum) or _BAD (not a decimal
+ * byte count, e.g. "-1": the default). One rule for the shim and `krex run`'s warning. */
+int krex_chunk_bytes(const char *text, uint64_t *out);
 /* CDEF-END */
 
 #endif

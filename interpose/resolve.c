@@ -15,20 +15,27 @@ void *krex_real[KREX_N_IDS][KREX_NSLOT];
 uint32_t krex_real_gen; /* atomic: bumped as a real pointer is stored (vendor_sym's fallback reads them) */
 
 typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn g_real_dlsym; /* atomic */
-/* Our own dlsym, by a hidden name: a reference to "dlsym" could bind to libc's. */
+typedef void *(*dlvsym_fn)(void *, const char *, const char *);
+static dlsym_fn g_real_dlsym;   /* atomic */
+static dlvsym_fn g_real_dlvsym; /* atomic */
+/* Our own dlsym and dlvsym, by hidden names: a reference to "dlsym" could bind to libc's. */
 extern void *krex_self_dlsym(void *, const char *) __attribute__((visibility("hidden")));
+extern void *krex_self_dlvsym(void *, const char *, const char *) __attribute__((visibility("hidden")));
+static dlvsym_fn real_dlvsym_fn(void);
 
 /* glibc's dlsym by version: 2.34 moved it into libc; before that its base version
  * is the architecture's first glibc (2.2.5 x86_64, 2.17 aarch64, 2.0 i386, 2.3
- * ppc64, 2.4 arm, 2.27 riscv64, 2.36 loongarch64). dlvsym itself is not ours. */
+ * ppc64, 2.4 arm, 2.27 riscv64, 2.36 loongarch64). Through glibc's own dlvsym: a call
+ * of "dlvsym" from here would reach ours. */
 KREX_NO_SANITIZE static void *libc_by_version(const char *name) {
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0",
                                            "GLIBC_2.3",  "GLIBC_2.4",   "GLIBC_2.27", "GLIBC_2.36",
                                            "GLIBC_2.1",  "GLIBC_2.29",  "GLIBC_2.35", NULL};
+    dlvsym_fn v = real_dlvsym_fn();
+    if (!v) return NULL;
     for (int i = 0; versions[i]; i++) {
-        void *p = dlvsym(RTLD_NEXT, name, versions[i]);
-        if (p && p != (void *)krex_self_dlsym) return p;
+        void *p = v(RTLD_NEXT, name, versions[i]);
+        if (p && p != (void *)krex_self_dlsym && p != (void *)krex_self_dlvsym) return p;
     }
     return NULL;
 }
@@ -64,16 +71,49 @@ KREX_NO_SANITIZE static uint32_t elf_gnu_hash(const char *s) {
     return h;
 }
 
+/* String tests of our own: this runs inside a sanitizer runtime's start-up too, whose
+ * strcmp/strstr interceptors do not work yet. */
+KREX_NO_SANITIZE static int prefix_at(const char *s, const char *p) {
+    while (*p && *s == *p) s++, p++;
+    return *p == 0;
+}
+
+KREX_NO_SANITIZE static int same_str(const char *a, const char *b) {
+    while (*a && *a == *b) a++, b++;
+    return *a == *b;
+}
+
+KREX_NO_SANITIZE static int is_libc(const char *n) {
+    if (!n) return 0;
+    if (prefix_at(n, "libc.so")) return 1;
+    for (; *n; n++)
+        if (prefix_at(n, "/libc.so") || prefix_at(n, "/libdl.so")) return 1;
+    return 0;
+}
+
+/* The default-versioned f->name in the object loaded at `base` with dynamic section `dyn`. */
+KREX_NO_SANITIZE static int elf_find_in(ElfW(Addr) base, const ElfW(Dyn) *dyn, struct elf_find *f);
+
 KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
     struct elf_find *f = data;
-    const char *n = info->dlpi_name;
-    if (!n || (!strstr(n, "/libc.so") && !strstr(n, "/libdl.so") && strncmp(n, "libc.so", 7) != 0)) return 0;
+    if (!is_libc(info->dlpi_name)) return 0;
     const ElfW(Dyn) *dyn = NULL;
     for (int i = 0; i < info->dlpi_phnum; i++)
         if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
             dyn = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
-    if (!dyn) return 0;
+    return dyn ? elf_find_in(info->dlpi_addr, dyn, f) : 0;
+}
+
+/* The same through the loader's list of objects (_r_debug), which no sanitizer intercepts:
+ * our dlvsym answers a sanitizer runtime's own start-up lookups, before its dl_iterate_phdr
+ * interceptor works. */
+KREX_NO_SANITIZE static void elf_find_rdebug(struct elf_find *f) {
+    for (struct link_map *l = _r_debug.r_map; l; l = l->l_next)
+        if (is_libc(l->l_name) && l->l_ld && elf_find_in(l->l_addr, l->l_ld, f)) return;
+}
+
+KREX_NO_SANITIZE static int elf_find_in(ElfW(Addr) base, const ElfW(Dyn) *dyn, struct elf_find *f) {
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
     const uint32_t *gnu = NULL, *sysv = NULL;
@@ -81,7 +121,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
     for (; dyn->d_tag != DT_NULL; dyn++) {
         /* Most ports relocate these to addresses; a few (RISC-V, MIPS) keep offsets. */
         ElfW(Addr) v = dyn->d_un.d_ptr;
-        if (v < info->dlpi_addr) v += info->dlpi_addr;
+        if (v < base) v += base;
         switch (dyn->d_tag) {
         case DT_SYMTAB: symtab = (const ElfW(Sym) *)v; break;
         case DT_STRTAB: strtab = (const char *)v; break;
@@ -93,7 +133,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
     }
     if (!symtab || !strtab) return 0;
 #define ELF_MATCH(i)                                                                             \
-    (symtab[i].st_shndx != SHN_UNDEF && strcmp(strtab + symtab[i].st_name, f->name) == 0 &&     \
+    (symtab[i].st_shndx != SHN_UNDEF && same_str(strtab + symtab[i].st_name, f->name) &&         \
      (!versym || !(versym[i] & 0x8000)))
     if (gnu) {
         uint32_t nb = gnu[0], off = gnu[1], bloom = gnu[2];
@@ -103,7 +143,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
         for (uint32_t i = nb ? buckets[h % nb] : 0; i >= off && i != 0; i++) {
             uint32_t h2 = chain[i - off];
             if ((h | 1) == (h2 | 1) && ELF_MATCH(i)) {
-                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                f->addr = (void *)(base + symtab[i].st_value);
                 return 1;
             }
             if (h2 & 1) break;
@@ -111,7 +151,7 @@ KREX_NO_SANITIZE static int elf_find_cb(struct dl_phdr_info *info, size_t size, 
     } else if (sysv) {
         for (uint32_t i = 0; i < sysv[1]; i++)
             if (ELF_MATCH(i)) {
-                f->addr = (void *)(info->dlpi_addr + symtab[i].st_value);
+                f->addr = (void *)(base + symtab[i].st_value);
                 return 1;
             }
     }
@@ -123,6 +163,20 @@ KREX_NO_SANITIZE static void *dlsym_from_elf(void) {
     struct elf_find f = {"dlsym", NULL};
     dl_iterate_phdr(elf_find_cb, &f);
     return f.addr != (void *)krex_self_dlsym ? f.addr : NULL;
+}
+
+/* glibc's own dlvsym: the default-versioned "dlvsym" of libc's (or libdl's) dynamic symbol
+ * table (ours, exported, would answer any call of it by name). */
+KREX_NO_SANITIZE static dlvsym_fn real_dlvsym_fn(void) {
+    dlvsym_fn fn = __atomic_load_n(&g_real_dlvsym, ACQUIRE);
+    if (UNLIKELY(!fn)) {
+        struct elf_find f = {"dlvsym", NULL};
+        elf_find_rdebug(&f);
+        if (!f.addr || f.addr == (void *)krex_self_dlvsym) return NULL;
+        fn = (dlvsym_fn)f.addr;
+        __atomic_store_n(&g_real_dlvsym, fn, RELEASE);
+    }
+    return fn;
 }
 
 KREX_NO_SANITIZE static dlsym_fn find_real_dlsym(void) {
@@ -303,8 +357,16 @@ void *krex_resolve(int id, int k) {
     return p;
 }
 
-/* RTLD_NEXT relative to `caller`: real dlsym would take the caller to be us. */
-KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *name) {
+/* `name` in `h` (of `version`, NULL: dlsym's default) through glibc's own functions. */
+KREX_NO_SANITIZE static void *real_lookup(void *h, const char *name, const char *version) {
+    if (!version) return real_dlsym(h, name);
+    dlvsym_fn v = real_dlvsym_fn();
+    return v ? v(h, name, version) : NULL;
+}
+
+/* RTLD_NEXT relative to `caller`: real dlsym would take the caller to be us. `version`:
+ * dlvsym's (NULL for dlsym). */
+KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *name, const char *version) {
     Dl_info info;
     struct link_map *self = NULL;
     dladdr1((void *)krex_shim_active, &info, (void **)&self, RTLD_DL_LINKMAP);
@@ -323,33 +385,45 @@ KREX_NO_SANITIZE static void *dlsym_next(struct link_map *caller, const char *na
         if (!l->l_name || !l->l_name[0]) continue;
         void *h = o(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue;
-        p = real_dlsym(h, name);
+        p = real_lookup(h, name, version);
         c(h);
     }
     if (p || !self_after) return p;
     /* Then us (what we export), then everything after us: plain RTLD_NEXT from here. */
     int id = krex_find(name);
     if (id >= 0) return krex_wrappers[id][0];
-    return real_dlsym(RTLD_NEXT, name);
+    return real_lookup(RTLD_NEXT, name, version);
 }
 
-KREX_EXPORT KREX_NO_SANITIZE void *dlsym(void *handle, const char *name) {
+/* dlsym and dlvsym: the real lookup, relative to the real caller for RTLD_NEXT; a table
+ * entry's pointer comes back bound to its wrapper. */
+KREX_NO_SANITIZE static void *lookup(void *handle, const char *name, const char *version, void *ret) {
     void *p;
     if (handle == RTLD_NEXT) {
         Dl_info info;
         struct link_map *lm = NULL;
         p = NULL;
-        if (dladdr1(__builtin_return_address(0), &info, (void **)&lm, RTLD_DL_LINKMAP) && lm)
-            p = dlsym_next(lm, name);
+        if (dladdr1(ret, &info, (void **)&lm, RTLD_DL_LINKMAP) && lm) p = dlsym_next(lm, name, version);
     } else {
-        p = real_dlsym(handle, name);
+        p = real_lookup(handle, name, version);
     }
     if (!p || !mode_on()) return p;
     int id = krex_find(name);
     return id < 0 ? p : krex_bind(id, p);
 }
+
+KREX_EXPORT KREX_NO_SANITIZE void *dlsym(void *handle, const char *name) {
+    return lookup(handle, name, NULL, __builtin_return_address(0));
+}
+
+/* NVIDIA's and AMD's libraries version their symbols (cudaLaunchKernel@@libcudart.so.13):
+ * a dlvsym() lookup must not reach an ungated entry point either. */
+KREX_EXPORT KREX_NO_SANITIZE void *dlvsym(void *handle, const char *name, const char *version) {
+    return lookup(handle, name, version, __builtin_return_address(0));
+}
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpragmas"
 #pragma GCC diagnostic ignored "-Wmissing-attributes" /* glibc's nonnull/leaf on dlsym: irrelevant here */
 void *krex_self_dlsym(void *, const char *) __attribute__((alias("dlsym")));
+void *krex_self_dlvsym(void *, const char *, const char *) __attribute__((alias("dlvsym")));
 #pragma GCC diagnostic pop

@@ -431,11 +431,15 @@ __attribute__((constructor)) static void krex_init(void) {
     g_chunk_bytes = KREX_COPY_CHUNK_BYTES;
     const char *ck = getenv("KREX_COPY_CHUNK_BYTES");
     if (ck && *ck) {
-        char *end;
-        errno = 0;
-        unsigned long long v = strtoull(ck, &end, 10);
-        if (errno || *end) klog("KREX_COPY_CHUNK_BYTES=%s is not a byte count; using %d", ck, KREX_COPY_CHUNK_BYTES);
-        else g_chunk_bytes = v == 0 ? UINT64_MAX : v < KREX_COPY_CHUNK_MIN_BYTES ? KREX_COPY_CHUNK_MIN_BYTES : v;
+        uint64_t v;
+        int how = krex_chunk_bytes(ck, &v);
+        g_chunk_bytes = v;
+        if (how != KREX_CHUNK_OK) set_flag(KREX_PF_CHUNK_SETTING); /* recorded at registration */
+        if (how == KREX_CHUNK_BAD)
+            klog("KREX_COPY_CHUNK_BYTES=%s is not a byte count; using %d", ck, KREX_COPY_CHUNK_BYTES);
+        else if (how == KREX_CHUNK_CLAMPED)
+            klog("KREX_COPY_CHUNK_BYTES=%s is below %d; using %d", ck, KREX_COPY_CHUNK_MIN_BYTES,
+                 KREX_COPY_CHUNK_MIN_BYTES);
     }
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     __atomic_store_n(&g_mode, MODE_ON, RELAXED);

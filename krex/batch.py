@@ -117,6 +117,7 @@ def _from_json(data: Any, source: str) -> list[BatchCommand]:
 def parse_commands(text: str, source: str = "<input>", force_json: bool = False) -> list[BatchCommand]:
     """Parse batch input (see the module docstring). Raises UsageError when no command is in it,
     or when it holds a NUL byte (a binary file; no argv can carry one)."""
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark (some editors save one) is no command
     if "\0" in text:
         no = text[: text.index("\0")].count("\n") + 1
         raise UsageError(f"{source}: line {no} holds a NUL byte: this is not a text file of commands",
@@ -354,13 +355,15 @@ def _prepare_dir(out_dir: Path) -> None:
         if any(out_dir.iterdir()):
             raise UsageError(f"--out {out_dir} is not empty",
                              "choose a new directory (or leave --out away for ./krex-batch-<timestamp>/)")
+    # A bad --out is a usage error (exit 2), whatever the errno: the argument is what to change.
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise PermissionDenied(f"cannot create the output directory {out_dir}: {e.strerror}",
-                               "choose a writable --out") from e
+        raise UsageError(f"--out {out_dir}: cannot make the directory ({e.strerror})",
+                         "give a directory you may write, e.g. --out ./results") from None
     if not os.access(out_dir, os.W_OK):
-        raise PermissionDenied(f"the output directory {out_dir} is not writable", "choose a writable --out")
+        raise UsageError(f"--out {out_dir}: the directory is not writable",
+                         "give a directory you may write, e.g. --out ./results")
 
 
 def _write_json(path: Path, data: Any) -> None:

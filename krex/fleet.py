@@ -99,6 +99,12 @@ INSTALL_FIX = ("install Ray beside KREX on the driver and every node: pip instal
                "(or pip install ray)")
 TAIL_BYTES = 64 * 1024
 GRACE_S = runner.GRACE_S  # after a cancel: how long running commands get before their tasks are killed
+# How long the driver tries to reach a Ray cluster's GCS before it gives up and says why (Ray's
+# own connect retries ran for minutes without a word).
+CONNECT_TIMEOUT_S = 10.0
+CONNECT_FIX = ("start the head with `ray start --head` (it prints the address to give), check the host "
+               "and port (`ray status` on a cluster node shows them), or leave --address out to start "
+               "a local one-node cluster")
 NODES_REFRESH_S = 2.0
 # Set by Ray in every worker; a command under `krex batch` would not have them
 # (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
@@ -432,6 +438,60 @@ def corpus_commands(manifest: str | None, device: str, quick: bool = False,
             for i, w in enumerate(wl, 1)]
 
 
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise NotFound, naming the address and the fix, unless something accepts connections at
+    the GCS address `address` stands for (host:port; 'auto': the cluster this machine last
+    joined) within `timeout_s`. 'local' and Ray client addresses (ray://) are Ray's to check."""
+    if address == "local" or address.startswith("ray://"):
+        return
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # Ray's own resolution
+
+        resolved = canonicalize_bootstrap_address(address)
+    except ImportError:
+        resolved = address if address != "auto" else None
+    except Exception as e:  # noqa: BLE001 - a malformed address, an unreadable address file
+        raise NotFound(f"cannot reach the Ray cluster at {address}: {e}", CONNECT_FIX) from None
+    if resolved is None:
+        raise NotFound(f"cannot reach the Ray cluster at {address}: no running Ray cluster was found "
+                       "on this machine", CONNECT_FIX)
+    host, _, port = resolved.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--address {address}: not host:port", "give e.g. --address 10.0.0.5:6379")
+    deadline = time.monotonic() + timeout_s
+    why = "no answer"
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, min(
+                    2.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+        if time.monotonic() + 0.5 >= deadline:
+            break
+        time.sleep(0.5)
+    via = f" ({resolved})" if resolved != address else ""
+    raise NotFound(f"cannot reach the Ray cluster at {address}{via}: {why}, for {timeout_s:g} s",
+                   CONNECT_FIX)
+
+
+def check_node_root(node_root: str | Path, create: bool) -> None:
+    """--node-root: a directory (made if `create`, for a fleet run; an existing one for the
+    journals of a fleet that ran with it), else a UsageError naming it and why."""
+    root = Path(node_root)
+    if create:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(
+                f"--node-root {node_root}: cannot make the directory ({e.strerror})",
+                "give a directory you may write, e.g. one made by mktemp -d /tmp/kx-XXXX",
+            ) from None
+    if not root.is_dir():
+        raise UsageError(f"--node-root {node_root} is not a directory",
+                         "give the --node-root the fleet ran with (it holds one KREX world per node)")
+
+
 def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, float], int] | None) -> bool:
     """Connect to Ray. Returns True if we did (and must disconnect)."""
     import logging
@@ -439,6 +499,8 @@ def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, flo
     if ray.is_initialized():
         return False
     kw: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "krex"}
+    if address:
+        check_reachable(address)
     try:
         if address:
             ray.init(address=address, **kw)
@@ -490,7 +552,7 @@ def run_fleet(commands: Sequence[BatchCommand], cfg: FleetConfig, out_dir: Path 
         raise UsageError("no commands to run", "give a batch file or --corpus")
     local = None if cfg.address else node_resources(cfg.device, cfg.slots_per_gpu)
     if cfg.node_root is not None:
-        Path(cfg.node_root).mkdir(parents=True, exist_ok=True)
+        check_node_root(cfg.node_root, create=True)
         node_world("0" * 56, cfg.node_root)  # a too-long root fails here, not on every node
     out = (Path(out_dir) if out_dir is not None else default_out_dir()).absolute()
     _prepare_dir(out)
@@ -791,6 +853,8 @@ def gather_journals(address: str | None, node_root: str | None = None, last: int
                     since: float | None = None) -> list[NodeJournal]:
     """`krex journal --fleet`: connect to the Ray cluster at `address` (default: $RAY_ADDRESS,
     else 'auto', the cluster this machine belongs to) and read every KREX node's journal."""
+    if node_root is not None:
+        check_node_root(node_root, create=False)
     ray = import_ray()
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
     connected = _connect(ray, addr, None)

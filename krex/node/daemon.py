@@ -41,7 +41,7 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import config, cpus, freezepolicy, freezer, journal, optin, procfs, regionqueue
+from krex.node import config, coretime, cpus, freezepolicy, freezer, journal, optin, procfs, regionqueue
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.segguard import Expected, SegmentGuard, remove_world
@@ -57,7 +57,9 @@ from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encod
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
 HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
-RELEASE_MAX_RECORDS = 1000  # a slot's region records kept for its `release` reply
+# A slot's region records kept for its report (the `release` reply); its tally counts every
+# region, and the report says how many it does not list.
+RELEASE_MAX_RECORDS = 1000
 
 log = logging.getLogger("krex.node.daemon")  # not __name__: it runs as __main__ under -m
 # A request handler: (daemon, connection, peer pid from SO_PEERCRED, request, the connection's
@@ -110,6 +112,16 @@ def _peer_groups(pid: int, gid: int) -> set[int]:
     """The peer's primary and supplementary groups (SO_PEERCRED has only the primary)."""
     st = _status_fields(pid)
     return {gid, *st.get("Gid", []), *st.get("Groups", [])}
+
+
+def _fit(records: list[dict[str, Any]], budget: int) -> int:
+    """How many of `records`, from the first, fit in `budget` bytes of JSON."""
+    total = 2
+    for i, r in enumerate(records):
+        total += len(json.dumps(r, default=str)) + 2
+        if total > budget:
+            return i
+    return len(records)
 
 
 def _roots(pids: Iterable[int]) -> dict[int, int]:
@@ -193,11 +205,15 @@ class Slot:
     last_rate: float | None = None  # submissions per second of its last region (adaptive policy)
     generation: int = 0  # the segment's slot generation when this slot was claimed
     last_deep_scan: float = 0.0
-    # Its regions' journal records, for the guardian's report (the `release` reply), so the
-    # guardian never reads the whole journal; None once there are too many to send.
-    records: list[dict[str, Any]] | None = field(default_factory=list)
-    # optin.region_tally of all its regions (kept past `records`' limit): the release's notes.
+    # Its regions' records, for the guardian's report (the `release` reply): krexd's own
+    # record of the command, never read back from a journal that may have rotated. The
+    # first RELEASE_MAX_RECORDS are kept; those past it are counted in `records_dropped`.
+    records: list[dict[str, Any]] = field(default_factory=list)
+    records_dropped: int = 0
+    # optin.region_tally of all its regions (kept past `records`' limit): the release's notes
+    # and the report's counts; optin.auto_labels of all its regions: the auto_region counts.
     tally: dict[str, Any] = field(default_factory=dict)
+    auto_labels: dict[str, int] = field(default_factory=dict)
     # For the native guardian's report (`release` with "report": true): its admit's wait
     # and whether it runs on the simulated device.
     admission_wait_s: float = 0.0
@@ -210,6 +226,9 @@ class Slot:
     # Where its group went (below the caller's cgroup, or a fallback and why): the admit's
     # notes, the report and, for a fallback, its regions' records.
     placement: freezer.Placement | None = None
+    # Its processes' time on its GPU's region core, counted in other commands' regions
+    # (coretime; opened at its first such region, closed with the slot).
+    core_watch: list[coretime.CoreWatch] | None = None
 
 
 @dataclass
@@ -398,6 +417,18 @@ class Daemon:
         freezer.leave_slot_groups()
         self.freezer = freezer.detect(cfg.freezer, root_name=freezer.root_name_for(self.shm_name))
         self.partition = cpus.partition(cpus.discover(), self.info.count, self.info.numa or None)
+        # Whether the time siblings' processes spend on a region core can be counted
+        # (coretime: per slot cgroup v2, perf events); None if so, else why not.
+        self.core_watch_off = coretime.available(
+            self.freezer.root if self.freezer.name == "cgroup2" else None,
+            next((c for sl in self.partition.slices for c in sl.reserved), 0),
+        )
+        self.lend_off_why: str | None = None
+        if self.core_watch_off and cfg.lend_cores != "off" and not self.partition.degraded:
+            # Lent, a region core could run a sibling's process that ends before any audit
+            # sees it: never unflagged, so not lent where that time cannot be counted.
+            self.lend_off_why = f"region cores are not lent: {self.core_watch_off}"
+            cfg.lend_cores = "off"
         self.slots: dict[int, Slot] = {}
         # Each GPU's queued regions, in the order they get the GPU (fair between tenants by
         # default: krex/node/regionqueue.py).
@@ -701,6 +732,10 @@ class Daemon:
             "; ".join(f"gpu {sl.gpu}: shared {sl.shared}, region {sl.reserved}" for sl in part.slices),
             f"; DEGRADED: {part.reason}" if part.degraded else "",
         )
+        if self.lend_off_why:
+            log.warning("%s; set lend_cores = \"off\" to silence this", self.lend_off_why)
+        elif self.core_watch_off:
+            log.info("region cores: siblings' time on them is not counted (%s)", self.core_watch_off)
         log.info(
             "recovery: %d group(s) thawed, %d gate(s) reopened, %d record(s) reaped, %d slot(s) adopted",
             rec["thawed"],
@@ -952,6 +987,11 @@ class Daemon:
                         dead = not lib.krex_pid_alive(s.guardian_pid, 0)
                     elif not s.guardian_connected:
                         dead = not self._group_pids(s, deep=self._deep_scan_due(s))
+                    elif s.kind == "run" and not lib.krex_pid_alive(s.guardian_pid, 0):
+                        # Gone while its connection stays open (a descriptor some other
+                        # process still holds): as if the connection had closed.
+                        s.guardian_connected = False
+                        self.pool.submit(self._guardian_lost, s, f"pid {s.guardian_pid} is gone")
                     if dead:
                         self._release(s.slot, "owner-gone")
                 self._remove_released()
@@ -1037,14 +1077,15 @@ class Daemon:
         s.last_deep_scan = now
         return True
 
-    def _leftovers(self, n: int, policy: str) -> dict[str, Any]:
+    def _leftovers(self, n: int, policy: str, slot: Slot | None = None) -> dict[str, Any]:
         """The command of slot `n` ended: what of its tree still lives is a leftover. Kill
         them (the default, as most runners do) or keep them as a sibling slot that lives on
         (frozen in other commands' regions) until they end. Either way the slot number is
-        not handed out while one of them lives."""
+        not handed out while one of them lives. `slot`: that command's Slot (nothing is done
+        if the number went to another command meanwhile)."""
         with self.lock:
             s = self.slots.get(n)
-        if s is None:
+        if s is None or (slot is not None and s is not slot):
             return {"leftovers": [], "action": "none"}
         found = self._group_pids(s, deep=True)
         info = [{"pid": p, "cmd": procfs.cmdline(p, 200) or "?"} for p in found]
@@ -1103,6 +1144,8 @@ class Daemon:
             s = self.slots.pop(n, None)
             if s is None:
                 return
+            for w in s.core_watch or []:  # (one a region still counts closes after its stop)
+                w.close()
             log.info("slot %d on gpu %d released (%s, %s pid %d)", n, s.gpu, reason, s.kind, s.guardian_pid)
             for r in self.current.values():
                 if r is not None and r.slot == n and not r.ended.is_set():
@@ -1377,6 +1420,7 @@ class Daemon:
         fz: _FreezePlan | None = None
         sib_procs: set[tuple[int, int, int]] = set()
         sib_at_grant: set[tuple[int, int, int]] = set()
+        core_watch: dict[Slot, list[coretime.CoreWatch]] = {}
         try:
             # Taken as the gate closes: a sibling that starts or ends its GPU work from here
             # on can overlap the region (sibling-context), entry included.
@@ -1532,6 +1576,8 @@ class Daemon:
             t["pin_s"] = time.monotonic() - t2
             reasons.extend(self._trust_checks(gpu, req, t_entry_ns))
             reasons.extend(self._settle(gpu, req.slot, ended_ns, t, ended_settle))
+            core_watch, more = self._watch_region_core(gpu, req, frozen, reserved)
+            reasons.extend(more)
             t["entry_s"] = time.monotonic() - t0
             req.grant = {
                 "ok": True,
@@ -1593,6 +1639,7 @@ class Daemon:
                 )
             t_end_ns = time.monotonic_ns()
             region_s = time.monotonic() - t_grant
+            reasons.extend(self._region_core_time(core_watch, reserved))
             sib_procs_end = self._sibling_gpu_procs(gpu, req.slot)  # first: the timing is over
             if adaptive and owner is not None and region_s > 0:
                 owner.last_rate = (self.seg.slot_submits(req.slot) - sub0) / region_s
@@ -1629,6 +1676,9 @@ class Daemon:
                     )
                 )
         finally:
+            for ws in core_watch.values():  # (entry failed after they started)
+                for w in ws:
+                    w.stop()
             if fz is not None:
                 fz.unboost()  # (the drain raised)
             if old_aff is not None:
@@ -1701,12 +1751,13 @@ class Daemon:
             rec["cgroup_fallback"] = owner_slot.placement.note.removeprefix("krex: warning: ")
         req.record = rec
         if owner_slot is not None:
-            optin.region_tally([rec], owner_slot.tally)
-        if owner_slot is not None and owner_slot.records is not None:
-            if len(owner_slot.records) < RELEASE_MAX_RECORDS:
-                owner_slot.records.append(rec)
-            else:  # too many for one reply: the guardian reads the journal instead
-                owner_slot.records = None
+            with self.lock:  # read by the release's reply
+                optin.region_tally([rec], owner_slot.tally)
+                optin.auto_labels([rec], owner_slot.auto_labels)
+                if len(owner_slot.records) < RELEASE_MAX_RECORDS:
+                    owner_slot.records.append(rec)
+                else:  # counted (tally), not listed: bounded memory per slot
+                    owner_slot.records_dropped += 1
         self._log_region(rec)
         self._journal(rec)
 
@@ -1796,6 +1847,63 @@ class Daemon:
                     out.append(("freeze-failed", f"slot {s.slot} (threads pinned to the region core) did not "
                                  f"freeze: {e}"))
         return out
+
+    def _watch_region_core(
+        self, gpu: int, req: Region, frozen: list[Slot], reserved: list[int]
+    ) -> tuple[dict[Slot, list[coretime.CoreWatch]], list[tuple[str, str]]]:
+        """At the grant: start counting the time each running sibling's processes (its slot's
+        cgroup, every process that comes and goes in it) spend on the region core. Where
+        that cannot be counted the region says so if a running sibling might use the core
+        (lent, or a degraded partition that shares it)."""
+        with self.lock:
+            running = [
+                s for s in self.slots.values() if s.gpu == gpu and s.slot != req.slot and s not in frozen
+            ]
+        if not running or not reserved:
+            return {}, []
+        if self.core_watch_off:
+            if self.cfg.lend_cores != "off" and not self.partition.degraded:
+                return {}, [("region-core", f"the running siblings' time on the region core cannot be "
+                             f"counted ({self.core_watch_off})")]
+            return {}, []
+        out: dict[Slot, list[coretime.CoreWatch]] = {}
+        failed: list[str] = []
+        for s in running:
+            try:
+                if s.core_watch is None:
+                    s.core_watch = coretime.watch(s.group.path, reserved)
+                for w in s.core_watch:
+                    w.start()
+                out[s] = s.core_watch
+            except (KrexError, OSError) as e:
+                with self.lock:
+                    if s.slot in self.slots:  # (a slot released meanwhile has nothing left to run)
+                        failed.append(f"slot {s.slot}: {e}")
+        if not failed:
+            return out, []
+        return out, [("region-core", "the time some running siblings spend on the region core cannot be "
+                      f"counted: {'; '.join(failed)}")]
+
+    def _region_core_time(
+        self, watches: dict[Slot, list[coretime.CoreWatch]], reserved: list[int]
+    ) -> list[tuple[str, str]]:
+        """At the region's end: a running sibling whose processes ran on the region core while
+        the region did (one that pinned itself there after the move, a child it started that
+        did and ended meanwhile) shared it with the measuring thread."""
+        found = []
+        for s, ws in list(watches.items()):
+            used = [w.stop() for w in ws]
+            ns = sum(u.ns for u in used)
+            if ns:
+                pids = sorted({p for u in used for p in u.pids})
+                found.append(f"slot {s.slot} {ns / 1e6:.2f} ms (pids {pids[:8] or 'not sampled'})")
+        watches.clear()
+        if not found:
+            return []
+        core = cpus.format_cpulist(reserved)
+        return [("region-core", f"processes of running siblings ran on the region core {core} during the "
+                 f"region: {', '.join(found)} (those ended by its end included); they shared it with the "
+                 "measuring thread")]
 
     def _audit_region_core(
         self, req: Region, at_close: list[Slot], frozen: list[Slot], reserved: list[int]
@@ -2078,13 +2186,45 @@ class Daemon:
             r.cancelled = True
             r.ended.set()
             r.granted.set()
+        lost = None
         with self.lock:
             n = owned["guardian"]
             if n is not None and n in self.slots:
-                self.slots[n].guardian_connected = False  # released when its processes are gone
+                # Closed without a release: the guardian died (SIGKILL, e.g. `timeout -s KILL`)
+                # and nobody watches its command any more.
+                lost = self.slots[n] if self.slots[n].guardian_connected else None
+                self.slots[n].guardian_connected = False
             n = owned["slot"]
             if n is not None and n in self.slots and self.slots[n].kind == "auto":
                 self._release(n, "owner-exit")
+        if lost is not None:
+            self._guardian_lost(lost, "its connection closed without a release")
+
+    def _guardian_lost(self, s: Slot, why: str) -> None:
+        """A `krex run` guardian died before its command ended: end the command as a leftover
+        is ended (its whole tree, killed), journal it, and free the slot (once its last
+        process is gone: the reaper frees a slot whose kill failed)."""
+        out = self._leftovers(s.slot, "kill", s)
+        log.warning(
+            "slot %d: guardian pid %d died (%s); its command was %s: %s",
+            s.slot, s.guardian_pid, why, out["action"], [x["pid"] for x in out["leftovers"]],
+        )
+        rec = {
+            "ts": time.time(),
+            "event": "guardian-lost",
+            "gpu": s.gpu,
+            "slot": s.slot,
+            "guardian_pid": s.guardian_pid,
+            "why": why,
+            "action": out["action"],  # killed, kill-failed, or none (nothing of it was left)
+            "processes": out["leftovers"],
+        }
+        if out.get("alive"):
+            rec["alive"] = out["alive"]
+        self._journal(rec)
+        with self.lock:  # (the reaper may have freed it once its processes were gone)
+            if self.slots.get(s.slot) is s and out["action"] in ("none", "killed"):
+                self._release(s.slot, "guardian-lost")
 
     # ------------------------------------------------------------- handlers
     # One per request op of KREX_OPS (HANDLERS, through @handles); each gets the connection,
@@ -2177,12 +2317,13 @@ class Daemon:
     ) -> None:
         """The native guardian's `--report` (optin.run_report), as JSON text it writes as it
         is, adding its exit status: `report_json`, in place of `regions` (not twice in one
-        frame). Where the regions do not fit in the reply, the report goes without them
-        (`report_regions` false) and that guardian's finisher reads them from the journal."""
-        regs = out.pop("regions", None)
+        frame). Where the listed regions do not fit in the reply, the list is shortened (the
+        later ones go) and `regions_dropped` counts them: the counts still cover every region."""
+        regs: list[dict[str, Any]] = out.pop("regions", None) or []
+        dropped = int(out.get("regions_dropped") or 0)
 
-        def text(with_regions: bool) -> str:
-            rel = {**out, "regions": regs} if with_regions else out
+        def text(n: int) -> str:
+            rel = {**out, "regions": regs[:n], "regions_dropped": dropped + len(regs) - n}
             rep = optin.run_report(
                 s.slot, s.gpu, s.admission_wait_s, self.info.kind, s.simulated, counters, rel
             )
@@ -2190,15 +2331,13 @@ class Daemon:
                 rep["auto_region"] = auto
             return json.dumps(rep, indent=2, default=str)
 
-        body = text(regs is not None)
+        n = len(regs)
+        body = text(n)
         # The reply as it will be encoded (the text escaped once more), with room to spare.
-        if (
-            regs is not None
-            and len(json.dumps({**out, "report_json": body}, default=str)) > MAX_FRAME * 3 // 4
-        ):
-            body, regs = text(False), None
+        while n and len(json.dumps({**out, "report_json": body}, default=str)) > MAX_FRAME * 3 // 4:
+            n = n * 3 // 4
+            body = text(n)
         out["report_json"] = body
-        out["report_regions"] = regs is not None
 
     def _release_notes(
         self,
@@ -2218,7 +2357,9 @@ class Daemon:
         report: dict[str, Any] = dict(s.tally) or optin.region_tally([])
 
         def read(d: Path | None) -> None:  # d None: no status to read (the value alone)
-            report["auto_region"] = optin.auto_region_report(value, d, s.records or [], remove=False, uid=uid)
+            report["auto_region"] = optin.auto_region_report(
+                value, d, [], remove=False, uid=uid, labels=dict(s.auto_labels)
+            )
             if auto is not None:
                 auto.update(report["auto_region"])
 
@@ -2285,9 +2426,11 @@ class Daemon:
         return {"ok": True}
 
     def _slot_regions(self, s: Slot) -> dict[str, Any]:
-        """The `release` reply's `regions`: the slot's journal records, once a region it
-        still had (ended by the release) is recorded. Left out when there were too many,
-        or the region does not finish in time: the guardian then reads the journal."""
+        """The `release` reply's regions, from krexd's own record of the command (never the
+        journal), once a region it still had (ended by the release) is recorded: `regions`
+        (the first ones, as many as krexd keeps and half a frame holds), `regions_dropped`
+        (how many more there were), `region_tally` (the counts over all of them) and, for a
+        region that did not finish in time, `regions_unfinished` (it is journaled later)."""
         with self.lock:
             cur = [r for r in self.current.values() if r is not None and r.slot == s.slot]
         pending = [r for r in cur if r.ended.is_set()]
@@ -2296,10 +2439,18 @@ class Daemon:
         out: dict[str, Any] = {}
         if self.journal_error:
             out["journal_error"] = self.journal_error
-        regs = s.records
-        done = all(r.released.is_set() for r in pending)
-        if regs is not None and done and len(json.dumps(regs, default=str)) < MAX_FRAME // 2:
-            out["regions"] = list(regs)
+        with self.lock:
+            regs, dropped = list(s.records), s.records_dropped
+            tally = {**s.tally, "region_flags": dict(s.tally.get("region_flags") or {})}
+        listed = _fit(regs, MAX_FRAME // 2)
+        out["regions"] = regs[:listed]
+        out["regions_dropped"] = dropped + len(regs) - listed
+        out["regions_cap"] = RELEASE_MAX_RECORDS
+        out["region_tally"] = tally or optin.region_tally([])
+        out["region_auto_labels"] = dict(s.auto_labels)
+        unfinished = sum(1 for r in pending if not r.released.is_set())
+        if unfinished:
+            out["regions_unfinished"] = unfinished
         return out
 
     def _slot_for(self, pid: int, msg: dict[str, Any], owned: dict[str, Any]) -> Slot:
@@ -2573,6 +2724,8 @@ class Daemon:
                     "max_region_s": self.cfg.max_region_s,
                     "freeze_policy": self.cfg.freeze_policy,
                     "lend_cores": self.cfg.lend_cores,
+                    "lend_cores_off": self.lend_off_why,
+                    "region_core_watched": self.core_watch_off is None,
                     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # -5 wanted with lend_cores all
                     "queue_cap_ms": self.cfg.queue_cap_ms,
                     "idle_exit_s": self.cfg.idle_exit_s,
@@ -2633,8 +2786,12 @@ LOG_FORMAT = "%(asctime)s.%(msecs)03d krexd[%(process)d] %(levelname)s %(message
 
 def setup_logging(level: str) -> None:
     """krexd's log: timestamps and pids on stderr, which an on-demand or background
-    daemon has redirected to krexd.log. Only the ``krex`` logger; never the root's."""
+    daemon has redirected to krexd.log. Only the ``krex`` logger; never the root's. A
+    handler the CLI put there (`krex daemon start --foreground` runs krexd in its own
+    process) goes: it would write every line a second time."""
     lg = logging.getLogger("krex")
+    for h in [h for h in lg.handlers if getattr(h, "_krex_cli", False)]:
+        lg.removeHandler(h)
     if not any(getattr(h, "_krexd", False) for h in lg.handlers):
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S"))

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from krex.errors import KrexError, NotFound
+from krex.errors import KrexError, NotFound, error_kind
 from krex.paths import open_private
 
 DEFAULT_MAX_BYTES = 16 << 20
+_READ_FIX = ("run as krexd's user, or as a member of the group it shares its state with "
+             "(krexd's `group` setting)")
 KEEP = 2  # rotated files kept: journal.jsonl.1, journal.jsonl.2
 
 
@@ -93,7 +95,7 @@ def _read_file(p: Path, out: deque[dict[str, Any]], res: Read) -> None:
             f"the journal {p} is a directory, not a file", f"remove or rename {p}; krexd recreates it"
         ) from None
     except OSError as e:
-        raise KrexError(f"cannot read the journal {p}: {e.strerror}", "check its permissions") from e
+        raise error_kind(e)(f"cannot read the journal {p}: {e.strerror}", _READ_FIX) from None
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -115,7 +117,11 @@ def read_counted(path: Path, last: int | None = None) -> Read:
     """Records of `path` and its rotated files, oldest first; bad lines are counted
     in `skipped`. Raises NotFound when there is no journal at all."""
     files = [rotated(path, n) for n in range(KEEP, 0, -1)] + [path]
-    if not any(f.exists() for f in files):
+    try:
+        present = [f for f in files if os.path.lexists(f) or f.exists()]
+    except OSError as e:  # its directory is not ours to read (another user's shared daemon)
+        raise error_kind(e)(f"cannot read the journal {path}: {e.strerror}", _READ_FIX) from None
+    if not present:
         raise NotFound(
             f"no journal at {path}: no region has run yet",
             "run a command that marks a region, e.g. krex run -- python bench.py",

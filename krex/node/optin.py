@@ -164,9 +164,20 @@ def run_report(
         out["cgroup"] = rel["cgroup"]
     if isinstance(rel.get("regions"), list):
         out["regions"] = [r for r in rel["regions"] if isinstance(r, dict)]
+        # krexd lists the first regions (up to its cap and what one reply holds): how many
+        # more there were, said openly; the counts below cover them all.
+        out["regions_dropped"] = int(str(rel.get("regions_dropped") or 0))
+        out["regions_cap"] = rel.get("regions_cap")
+        if rel.get("regions_unfinished"):
+            out["regions_unfinished"] = rel["regions_unfinished"]
         if rel.get("journal_error"):
             out["journal_error"] = str(rel["journal_error"])
-        region_tally(out["regions"], out)
+        tally = rel.get("region_tally")
+        if isinstance(tally, dict):
+            region_tally([], out)
+            out.update({k: tally[k] for k in TALLY_KEYS if k in tally})
+        else:
+            region_tally(out["regions"], out)
     return out
 
 
@@ -188,6 +199,10 @@ def inductor_path(label: object) -> str | None:
     return "fallback" if label.endswith(":whole") else "hook"
 
 
+# The report's counts (region_tally's keys).
+TALLY_KEYS = ("region_count", "contaminated_regions", "cut_regions", "region_flags", "region_wait_s")
+
+
 def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report's region counts (region_count, contaminated_regions, cut_regions,
     region_flags, region_wait_s, inductor_regions: Inductor's autotuning regions per path)
@@ -204,8 +219,11 @@ def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None 
         t["contaminated_regions"] += 1 if r.get("contaminated") else 0
         t["cut_regions"] += 1 if r.get("cut") else 0
         fl = r.get("flags")
-        for f in fl if isinstance(fl, list) else []:
-            t["region_flags"][str(f)] = t["region_flags"].get(str(f), 0) + 1
+        flags = [str(f) for f in fl] if isinstance(fl, list) else []
+        if r.get("contaminated") and not flags:  # never "not clean ()": its end, else unflagged
+            flags = [str(r.get("end") or "unflagged")]
+        for f in flags:
+            t["region_flags"][f] = t["region_flags"].get(f, 0) + 1
         t["region_wait_s"] = round(t["region_wait_s"] + float(str(r.get("queue_wait_s", 0))), 6)
         path = inductor_path(r.get("label"))
         if path is not None:
@@ -272,7 +290,12 @@ def _read_status(d: Path, name: str, uid: int | None) -> Any:
 
 
 def auto_region_report(
-    value: str, d: Path | None, regs: list[dict[str, Any]], remove: bool = True, uid: int | None = None
+    value: str,
+    d: Path | None,
+    regs: list[dict[str, Any]],
+    remove: bool = True,
+    uid: int | None = None,
+    labels: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Which KREX_AUTO_REGION targets were wrapped (whole-call fallbacks included) and how
     many regions each made, merged over every process of the command. `d` None: no process
@@ -318,24 +341,39 @@ def auto_region_report(
             "wrapped": sorted(n for n, t in targets.items() if t["state"] in ("wrapped", "whole")),
         },
         regs,
+        labels,
     )
 
 
-def auto_region_counted(auto: dict[str, Any], regs: list[dict[str, Any]]) -> dict[str, Any]:
-    """`auto` (auto_region_report's) with its region counts made from `regs`: also what the
-    native guardian's finisher does to krexd's report, when krexd's reply could not hold
-    the regions and the journal has them."""
-    per: dict[str, int] = {}
+def auto_labels(regs: Iterable[Mapping[str, Any]], into: dict[str, int] | None = None) -> dict[str, int]:
+    """How many regions each automatic label ("auto:TARGET", "auto:TARGET:whole") made, added
+    to `into` (krexd keeps one per slot: its counts cover regions its list leaves out)."""
+    per = into if into is not None else {}
     for r in regs:
         label = str(r.get("label") or "")
         if label.startswith("auto:"):
-            name = label[5:].removesuffix(":whole")
-            per[name] = per.get(name, 0) + 1
+            per[label] = per.get(label, 0) + 1
+    return per
+
+
+def auto_region_counted(
+    auto: dict[str, Any], regs: list[dict[str, Any]], labels: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """`auto` (auto_region_report's) with its region counts made from `labels` (auto_labels'
+    counts, krexd's over every region of the command) or else from `regs`: also what the
+    native guardian's finisher does to krexd's report when krexd went away."""
+    counts = labels if labels is not None else auto_labels(regs)
+    per: dict[str, int] = {}
+    whole = 0
+    for label, n in counts.items():
+        name = label[5:].removesuffix(":whole")
+        per[name] = per.get(name, 0) + int(n)
+        whole += int(n) if label.endswith(":whole") else 0
     for t in auto.get("targets") or []:
         if isinstance(t, dict):
             t["regions"] = per.get(str(t.get("target")), 0)
     auto["auto_regions"] = sum(per.values())
-    auto["whole_call_regions"] = sum(1 for r in regs if str(r.get("label") or "").endswith(":whole"))
+    auto["whole_call_regions"] = whole
     return auto
 
 

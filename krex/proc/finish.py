@@ -5,16 +5,15 @@ does then (launcher.run_guarded): journal the region the loss cut, read this slo
 regions from the journal, print the same notes (krex.node.optin) and exit with the
 command's status.
 
-It also ends a native `krex run --report` whose krexd answered with a report without its
-regions (too many for one reply; the guardian passes it in a memory file): WHY ""
-(krexd did not go away), QUIET 1 (krexd's notes were printed). Either way the report gets
-the regions from the journal.
+It also ends a native `krex run --report` whose krexd released the slot without a report
+(it had no record of the slot left): WHY "" (krexd did not go away), QUIET 1 (krexd's notes
+were printed). Either way krexd's own record of the command is gone, so the regions come
+from the journal, and the report says when that may have rotated past the command's start.
 
 argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
 (REGION_S < 0: the loss cut no region of ours; AUTO_DIR "": none to read; REPORT "": none;
-BASE: the admission as JSON when krexd sent no report ("released": it did release the
-slot), else a file holding krexd's report without its regions. After a release, LOST_TS is
-when the guardian asked for it: the journal's regions are read up to then)."""
+BASE: the admission as JSON ("released": krexd did release the slot). After a release,
+LOST_TS is when the guardian asked for it: the journal's regions are read up to then)."""
 
 from __future__ import annotations
 
@@ -27,25 +26,27 @@ from typing import Any
 def main(argv: list[str]) -> int:
     from krex.errors import RUN_FAILURE, KrexError
     from krex.node.optin import (
-        auto_region_counted,
         auto_region_kept,
         auto_region_report,
         region_tally,
         release_notes,
     )
-    from krex.proc.launcher import _journal_regions, _write_report, journal_cut_region
+    from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe, journal_cut_region
 
     slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
 
+    def say(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    said = dropped_on_broken_pipe(say)
+
     def notify(text: str) -> None:
         if quiet != "1":
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+            said(text)
 
     def warn(what: str, e: Exception) -> None:
-        sys.stderr.write(
-            f"krex: warning: {what} ({type(e).__name__}: {e}); its regions are not known to be clean\n"
-        )
+        said(f"krex: warning: {what} ({type(e).__name__}: {e}); its regions are not known to be clean")
         report["report_error"] = f"{what}: {type(e).__name__}: {e}"
 
     report: dict[str, Any] = {"slot": int(slot), "gpu": int(gpu)}
@@ -72,10 +73,7 @@ def main(argv: list[str]) -> int:
             report.update(region_tally(regs))
         # KREX_AUTO_REGION as the guardian was given it (this process inherits its environment).
         auto_value = os.environ.get("KREX_AUTO_REGION", "").strip()
-        if isinstance(report.get("auto_region"), dict) and not auto_dir:
-            # krexd's (it read the status directory; its reply had no room for the regions).
-            report["auto_region"] = auto_region_counted(report["auto_region"], report["regions"])
-        elif auto_dir or auto_value:
+        if auto_dir or auto_value:
             auto = auto_region_report(auto_value, Path(auto_dir) if auto_dir else None, report["regions"])
             if auto_region_kept(auto):
                 report["auto_region"] = auto
@@ -87,7 +85,7 @@ def main(argv: list[str]) -> int:
         try:
             _write_report(report_path, {**report, "exit_status": int(status)})
         except KrexError as e:
-            sys.stderr.write(f"krex: error: {e}\n  fix: {e.fix}\n")
+            said(f"krex: error: {e}\n  fix: {e.fix}")
             return RUN_FAILURE
     return int(status)
 
@@ -96,8 +94,6 @@ def _released(base: str) -> bool:
     """Whether krexd released the slot before this ran (LOST_TS is then the release)."""
     import json
 
-    if not base.startswith("{"):
-        return bool(base)
     try:
         return bool(json.loads(base).get("released"))
     except ValueError:
@@ -108,8 +104,7 @@ def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
     """The report before its regions. BASE "{...}": the admission (krexd sent no report: it
     went away, failed the release or sent none), with the gate counters read from the segment
     as the Python guardian reads them, unless the slot may have been released already
-    ("released": its records may be gone or another command's). BASE a path: krexd's report without its
-    regions (a descriptor the guardian wrote it to). Else a bare one."""
+    ("released": its records may be gone or another command's). Else a bare one."""
     import json
 
     from krex.errors import KrexError
@@ -131,12 +126,6 @@ def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
         if adm.get("released"):
             rep["counters_unknown"] = "krexd released the slot first: its gate counters may be gone"
         return rep
-    if base:
-        with open(base) as f:
-            got = json.load(f)
-        if not isinstance(got, dict):
-            raise ValueError("krexd's report is not a JSON object")
-        return got
     return {"slot": slot, "gpu": gpu}
 
 

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 # Imports inside functions keep `krex run`'s start-up short (issue 11): every module
 # loaded here is paid by every command.
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# SIGCONT too: `timeout` sends SIGTERM then SIGCONT, and a command that stopped itself must
+# resume to act on the SIGTERM.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCONT)
 
 # KREX_RUN_TRACE=1: the guardian's steps as CLOCK_MONOTONIC stamps, written to stderr at exit
 # by the console script (scripts/run_breakdown.py reads them). Off: one lookup, no cost.
@@ -96,6 +98,9 @@ class Launch:
     # blocked in the shim, where a Python command cannot run its SIGINT handler).
     still_warm: Callable[[], bool] | None = None
     warm_kill_s: float = 1.0  # KREX_WARM_KILL_NS: after a stop signal, SIGKILL it if still warm
+    # Under the SIGSTOP freezer: whether krexd holds the command stopped now (a region of
+    # another command); a forwarded SIGCONT would thaw it, so it waits for krexd's thaw.
+    held_stopped: Callable[[], bool] | None = None
 
 
 def _on_terminal() -> bool:
@@ -151,7 +156,10 @@ def _spawn_and_wait(
 
     def forward(signum: int, _frame: object) -> None:
         pid = child.pid if child is not None else (born[0] if born else None)
-        if pid is not None and not doomed and launch.still_warm is not None and launch.still_warm():
+        if signum == signal.SIGCONT and launch.held_stopped is not None and launch.held_stopped():
+            return
+        stops = signum != signal.SIGCONT
+        if stops and pid is not None and not doomed and launch.still_warm is not None and launch.still_warm():
             doomed.append(threading.Timer(launch.warm_kill_s, kill_if_warm, (pid,)))
             doomed[0].daemon = True
             doomed[0].start()
@@ -543,6 +551,8 @@ def run_guarded(
         if joined is not None:
             joined.start()
         launch = Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in)
+        if backend == "signal":
+            launch.held_stopped = lambda: _signal_group_frozen(group_path)
         warm_seg = None
         if adm.get("warm"):  # the segment, to tell whether it still waits for its slot
             from krex.native import lib
@@ -584,16 +594,17 @@ def run_guarded(
         mark("released")
         dev = str(adm.get("device") or device)
         report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
-        if "regions" in report:
+        labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
+        if "regions" in report:  # krexd's own record of the command
             regs: list[dict[str, Any]] = report["regions"]
-        else:  # no reply (the daemon is gone: the guardian may have journaled), or too many
+        else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
             regs = _journal_regions(slot, t_start, report, notify)
             report["regions"] = regs
             report.update(region_tally(regs))
         if guardian.events:
             report["daemon_events"] = guardian.events
         if auto_dir is not None:
-            auto = auto_region_report(auto_value, auto_dir, regs)
+            auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
             if auto_region_kept(auto):
                 report["auto_region"] = auto
     # The same notes krexd renders for the native guardian (optin.release_notes).
@@ -612,18 +623,31 @@ def _journal_regions(
     notify: Callable[[str], None],
     t_end: float | None = None,
 ) -> list[dict[str, Any]]:
-    """This slot's regions since `t_start` (and up to `t_end`), read from the journal."""
+    """This slot's regions since `t_start` (and up to `t_end`), read from the journal: only
+    when krexd went away with its own record of the command. Where the journal has rotated
+    past `t_start` (its oldest record is later), regions may be missing: the report says so
+    (`regions_incomplete`)."""
     from krex import paths
     from krex.node import journal
 
     try:
-        jr = journal.read_counted(paths.journal_path())
+        path = paths.journal_path()
+        jr = journal.read_counted(path)
         if jr.skipped:
             report["journal_skipped_lines"] = jr.skipped
+        oldest = min((float(r["ts"]) for r in jr.records), default=None)
+        if journal.rotated(path, journal.KEEP).exists() and oldest is not None and oldest > t_start:
+            report["regions_incomplete"] = (
+                f"krexd went away, and the journal {path} has rotated since the command started: "
+                "regions it ran before "
+                f"{time.strftime('%H:%M:%S', time.localtime(oldest))} are not listed or counted"
+            )
+            notify(f"krex: warning: {report['regions_incomplete']}")
         return [
             r
             for r in jr.records
             if r.get("owner_slot") == slot
+            and "event" not in r
             and t_start <= float(r["ts"]) <= (t_end if t_end is not None else 1e300)
         ]
     except NotFound:
@@ -694,6 +718,20 @@ def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None
         for d in procfs.descendants([pid], procfs.proc_table()) - {pid}:
             with contextlib.suppress(OSError):
                 os.kill(d, signal.SIGCONT)
+
+
+def _signal_group_frozen(path: str) -> bool:
+    """Whether the SIGSTOP freezer's state file says krexd holds the group stopped (unreadable:
+    taken as held, so a forwarded SIGCONT never thaws a sibling inside a region)."""
+    import json
+
+    try:
+        with open(path) as f:
+            return bool(json.load(f).get("frozen", False))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _can_join(group_path: str) -> bool:
@@ -855,6 +893,7 @@ def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float
         "end": "daemon-lost",
         "contaminated": True,
         "reasons": [f"{why} during the region after {age:.3f} s: from then on it was not exclusive"],
+        "flags": ["daemon-lost"],
         "region_s": round(age, 6),
         "recorded_by": "guardian",
     }
@@ -863,6 +902,42 @@ def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float
 
 
 # ------------------------------------------------------------------- `krex run` as a function
+
+
+def chunk_setting_note(value: str) -> str | None:
+    """The warning for a KREX_COPY_CHUNK_BYTES the shim will not take as given (its rule,
+    krex_chunk_bytes: not a byte count gets the default, below the minimum gets the minimum;
+    each process flags `chunk-setting`), else None."""
+    if not value:
+        return None
+    from krex.native import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    how = lib.krex_chunk_bytes(value.encode(errors="surrogateescape"), out)
+    if how == lib.KREX_CHUNK_BAD:
+        return (f"krex: warning: KREX_COPY_CHUNK_BYTES={value!r} is not a byte count (0 turns splitting "
+                f"off): the default {lib.KREX_COPY_CHUNK_BYTES} is used")
+    if how == lib.KREX_CHUNK_CLAMPED:
+        return (f"krex: warning: KREX_COPY_CHUNK_BYTES={value} is below the smallest chunk, "
+                f"KREX_COPY_CHUNK_MIN_BYTES ({lib.KREX_COPY_CHUNK_MIN_BYTES}): that is used")
+    return None
+
+
+def dropped_on_broken_pipe(notify: Callable[[str], None]) -> Callable[[str], None]:
+    """`notify`, dropping its notes once their reader is gone (`krex run ... 2>&1 | head -1`:
+    EPIPE): the command's status and report matter more than notes nobody reads."""
+    gone = False
+
+    def say(text: str) -> None:
+        nonlocal gone
+        if gone:
+            return
+        try:
+            notify(text)
+        except BrokenPipeError:
+            gone = True
+
+    return say
 
 
 def _error_json(e: Exception) -> dict[str, str]:
@@ -942,9 +1017,13 @@ def _run_command(
     notify: Callable[[str], None],
     tenant: str | None = None,
 ) -> tuple[int, dict[str, object] | None]:
+    notify = dropped_on_broken_pipe(notify)
     if report:
         _check_report_path(report)
     resolve_command(cmd)  # fail on a bad command before touching anything
+    note = chunk_setting_note(os.environ.get("KREX_COPY_CHUNK_BYTES", ""))
+    if note:
+        notify(note)
     if no_daemon:
         kind, count = discover_kind(device)
         if gpu is not None and not 0 <= gpu < count:

@@ -5,7 +5,9 @@
  *   table_driver run PATHS [threads]   call each reachable entry via each path;
  *                                      "threads": one thread per call, all at once
  *
- * PATHS is a comma list of: direct dlsym gpa gpa_pt gpa1 cudart_ep cudart_ep_pt hip_gpa hip_gpa_pt
+ * PATHS is a comma list of: direct dlsym dlvsym gpa gpa_pt gpa1 cudart_ep cudart_ep_pt hip_gpa hip_gpa_pt
+ * (dlvsym: the versioned lookup, with the version node NVIDIA's and AMD's libraries name;
+ * the simulated ones define no versions, which glibc's dlvsym accepts for any)
  * Each call prints {"name","path","rc","hash","t0","t1","tid"}; the simulated GPU
  * records the hash of the arguments it received, so the two can be compared. */
 #define _GNU_SOURCE
@@ -65,6 +67,7 @@ static void *const direct[KREX_N_IDS] = {
 };
 
 static const char *soname[KREX_N_APIS] = {"libcudart.so.13", "libcuda.so.1", "libamdhip64.so"};
+static const char *version_node[KREX_N_APIS] = {"libcudart.so.13", "libcuda.so.1", "hip_4.2"};
 
 static int is_gated(int id) { return krex_entries[id].cls < KREX_NGATED; }
 
@@ -93,10 +96,10 @@ static int resolve(int id, const char *path, void **fp) {
         *fp = direct[id];
         return 1;
     }
-    if (!strcmp(path, "dlsym")) {
+    if (!strcmp(path, "dlsym") || !strcmp(path, "dlvsym")) {
         void *h = dlopen(soname[e->api], RTLD_NOW);
         if (!h) return 0;
-        *fp = dlsym(h, e->name);
+        *fp = path[2] == 'v' ? dlvsym(h, e->name, version_node[e->api]) : dlsym(h, e->name);
         return *fp != NULL;
     }
     int pt = strstr(path, "_pt") != NULL;
@@ -147,7 +150,7 @@ int main(int argc, char **argv) {
     if (us) sim_us = (unsigned)atoi(us);
     sim_samples_init();
     if (argc >= 2 && !strcmp(argv[1], "list")) {
-        const char *paths[] = {"direct", "dlsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt",
+        const char *paths[] = {"direct", "dlsym", "dlvsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt",
                                "hip_gpa", "hip_gpa_pt"};
         for (int i = 0; i < KREX_N_IDS; i++) {
             if (!krex_entries[i].name || !is_gated(i)) continue;
@@ -166,8 +169,8 @@ int main(int argc, char **argv) {
     }
     int threaded = argc >= 4 && !strcmp(argv[3], "threads");
     const char *only = argc >= 5 ? argv[4] : NULL;
-    static struct job jobs[KREX_N_IDS * 9];
-    static pthread_t tids[KREX_N_IDS * 9];
+    static struct job jobs[KREX_N_IDS * 10];
+    static pthread_t tids[KREX_N_IDS * 10];
     int n = 0;
     char *paths = strdup(argv[2]);
     for (char *p = strtok(paths, ","); p; p = strtok(NULL, ",")) {

@@ -30,7 +30,9 @@ from krex.node.shm import ProcInfo, Segment
 REPO = Path(__file__).resolve().parents[2]
 INTERPOSE = REPO / "interpose"
 C_DIR = REPO / "tests" / "c"
-ALL_PATHS = ("direct", "dlsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt", "hip_gpa", "hip_gpa_pt")
+ALL_PATHS = (
+    "direct", "dlsym", "dlvsym", "gpa", "gpa_pt", "gpa1", "cudart_ep", "cudart_ep_pt", "hip_gpa", "hip_gpa_pt"
+)
 CC = os.environ.get("CC", "gcc")
 CXX = os.environ.get("CXX", "g++")
 sys.path.insert(0, str(REPO))

@@ -355,7 +355,9 @@ def test_batch_starts_a_daemon_with_the_slots_it_needs(krex_env: dict[str, str],
     assert _status(env)["slots_per_gpu"] == [1]
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "jobs0", "device", "badjson", "notlist", "outbusy"])
+@pytest.mark.parametrize(
+    "case", ["missing", "empty", "jobs0", "device", "badjson", "notlist", "outbusy", "outproc", "outfile"]
+)
 def test_batch_bad_input(krex_env: dict[str, str], tmp_path: Path, case: str) -> None:
     good = tmp_path / "good.txt"
     good.write_text("true\n")
@@ -370,6 +372,11 @@ def test_batch_bad_input(krex_env: dict[str, str], tmp_path: Path, case: str) ->
         "badjson": (["BAD.json", "-j", "1"], 2, "is not valid JSON"),
         "notlist": (["NOTLIST.json", "-j", "1"], 2, "is not an argv list"),
         "outbusy": ([str(good), "-j", "1", "--device", "sim", "--out", str(busy)], 2, "is not empty"),
+        # A directory nobody can make there: the path and why, a usage error (once 4, "not found").
+        "outproc": ([str(good), "-j", "1", "--device", "sim", "--out", "/proc/x"], 2,
+                    "--out /proc/x: cannot make the directory (No such file or directory)"),
+        "outfile": ([str(good), "-j", "1", "--device", "sim", "--out", str(good / "sub")], 2,
+                    f"--out {good / 'sub'}: cannot make the directory (Not a directory)"),
     }[case]
     (tmp_path / "EMPTY").write_text("# nothing but comments\n\n   \n")
     (tmp_path / "BAD.json").write_text('[["a", ')
@@ -399,6 +406,11 @@ def test_parse_commands() -> None:
         parse_commands('[["a"], []]', "f")
     with pytest.raises(UsageError):
         parse_commands("not json", "f.json", force_json=True)
+    # A UTF-8 byte order mark (as some editors save) is not part of the first command.
+    cmds = parse_commands("\ufeffecho a\necho b\n", "f")
+    assert [c.line for c in cmds] == ["echo a", "echo b"], cmds
+    cmds = parse_commands('\ufeff[["python", "b.py"]]', "f.json", force_json=True)
+    assert cmds[0].argv == ["python", "b.py"]
 
 
 def test_percentile_and_summarize() -> None:

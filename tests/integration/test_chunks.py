@@ -20,7 +20,7 @@ from helpers import REPO, Harness, clean_env, wait_until
 
 from krex.native import lib
 
-CHUNK = 65536
+CHUNK = 1 << 20  # KREX_COPY_CHUNK_MIN_BYTES: the smallest the shim takes
 BYTES = 5 * CHUNK + 1004  # not a multiple of any chunk: a short last chunk
 
 
@@ -52,6 +52,51 @@ def test_split_calls_leave_the_same_bytes(harness: Harness, chunk: int) -> None:
         want = _chunks(c, chunk) if chunk else 1
         got = len(_ops_during(h, pid, c))
         assert got == want, f"{c['name']}: {got} gated submissions, want {want} (one per chunk)"
+
+
+@pytest.mark.parametrize("value", ["-1", "1", "12x"])
+def test_a_chunk_size_that_is_no_byte_count_or_too_small_is_flagged_and_not_taken(
+    harness: Harness, value: str
+) -> None:
+    """KREX_COPY_CHUNK_BYTES=-1 once meant "never split" (strtoull wraps it), =1 made every
+    copy thousands of calls: a value that is not a byte count gets the default, one below
+    KREX_COPY_CHUNK_MIN_BYTES gets that minimum, and the process record says so
+    (`chunk-setting`), never silently."""
+    h = harness
+    assert lib.KREX_COPY_CHUNK_MIN_BYTES >= 1 << 20  # =1 must not make a copy thousands of calls
+    nbytes = 2 * lib.KREX_COPY_CHUNK_MIN_BYTES + 1004
+    slot = h.claim()
+    c = h.run("chunks", ["run", str(nbytes), "cudaMemcpy"],
+              h.env(slot, KREX_SIM_MOVE_BYTES="1", KREX_COPY_CHUNK_BYTES=value))
+    assert c.popen.returncode == 0, c.stderr
+    (call,) = [d for d in c.lines if d.get("name") == "cudaMemcpy"]
+    want = 3 if value == "1" else 1  # the minimum; the default (64 MiB) for the rest
+    assert call["ok"] == 1 and len(_ops_during(h, c.pid, call)) == want
+    a = h.spawn("actor", ["k:1", "line"], h.env(h.claim(), KREX_COPY_CHUNK_BYTES=value))
+    a.expect(lambda d: d["act"] == "k", 30, "the registering kernel")
+    p = h.proc(a.pid)
+    assert p is not None and "chunk-setting" in p.flags, p
+    a.send()
+    assert a.wait(30) == 0
+
+
+@pytest.mark.parametrize("guardian", ["native", "python"])
+@pytest.mark.parametrize("value", ["-1", "1"])
+def test_krex_run_warns_of_a_chunk_size_it_will_not_take(tmp_path: Path, value: str, guardian: str) -> None:
+    """Both guardians (the native one hands such a value to the Python one) say what the
+    shim will use instead."""
+    from helpers import private_world
+    from test_regions import KREX
+
+    env = {**private_world("chunk"), "KREX_COPY_CHUNK_BYTES": value}
+    if guardian == "python":
+        env["KREX_NATIVE_OFF"] = "1"
+    p = subprocess.run([*KREX, "run", "--device", "sim", "--", "true"],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    subprocess.run([*KREX, "daemon", "stop"], env=env, capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    want = "is not a byte count" if value == "-1" else "is below the smallest chunk"
+    assert "krex: warning: KREX_COPY_CHUNK_BYTES=" in p.stderr and want in p.stderr, p.stderr
 
 
 def test_names_every_required_entry(harness: Harness) -> None:

@@ -786,7 +786,10 @@ def _kill_daemon_mid_region(kx: Krex) -> dict[str, int]:
     d = kx.start_daemon(slots=8)
     _hold_with_siblings(kx, "h1", "h2", "h3")
     hp = {h: kx.progress(h)[2] for h in ("h1", "h2", "h3")}
+    # krexd is stopped first: a live one would end h3's command as its guardian died.
+    os.kill(d.pid, signal.SIGSTOP)
     kx.cmds["h3"].popen.kill()
+    kx.cmds["h3"].popen.wait(5)
     d.kill()
     d.wait(5)
     t_kill = time.monotonic()

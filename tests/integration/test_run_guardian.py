@@ -173,3 +173,23 @@ def test_journal_command(env: dict[str, str]) -> None:
         "siblings_frozen",
     ):
         assert k in recs[0]
+
+
+def test_a_foreground_daemon_logs_each_line_once(env: dict[str, str]) -> None:
+    """`krex daemon start --foreground` logs through krexd's handler alone (the CLI's handler
+    on the same logger wrote every line a second time)."""
+    p = subprocess.Popen(
+        [*KREX, "daemon", "start", "--foreground", "--device", "sim"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: krex(env, "daemon", "status").returncode == 0, 30, "the daemon to start")
+        assert krex(env, "daemon", "stop").returncode == 0
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    started = [x for x in err.splitlines() if " started: pid " in x]
+    assert len(started) == 1, err[-3000:]
+    assert err.count("krexd stopping") == 1, err[-3000:]

@@ -556,6 +556,18 @@ def test_outsiders_are_refused(shared: Shared) -> None:
     assert f"uid {o.uid}" in reply["error"]
 
 
+def test_an_outsiders_journal_is_a_clear_permission_error(shared: Shared) -> None:
+    """A user who may not read the shared state directory gets what is wrong and the fix,
+    never a traceback (once a PermissionError from looking for the journal files)."""
+    o = shared.users.outsider
+    assert shared.kx.krex("run", "--device", "sim", "--", "true").returncode == 0
+    for args in (["journal"], ["journal", "--json"]):
+        p = shared.krex_as(o, *args)
+        assert p.returncode == 4, (p.returncode, p.stderr)
+        assert "cannot read the journal" in p.stderr and "fix:" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr, p.stderr
+
+
 def _member_sibling(shared: Shared, code: str, *args: str, **env: str) -> subprocess.Popen[str]:
     """`krex run` of `python -c CODE ARGS` as the group member, on the shared daemon."""
     return subprocess.Popen(

@@ -137,3 +137,54 @@ def test_summary_counts_each_command_once_on_its_final_node() -> None:
     assert sum(r["commands"] for r in rows.values()) == s["ran"]
     assert sum(r["regions"] for r in rows.values()) == s["regions"]
     assert s["dispatch_s"]["count"] == 3 and s["dispatch_s"]["max_s"] == pytest.approx(0.75)
+
+
+# ----------------------------------------------------------------- bad cluster addresses and roots
+
+def _krex(*args: str, tmp_path: Path, timeout: float = 90) -> tuple[int, str, float]:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-c", "import sys; from krex.cli.main import main; sys.exit(main())", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KREX_", "RAY_"))}
+    env["KREX_STATE_DIR"] = str(tmp_path / "state")
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return p.returncode, p.stderr, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("what", ["fleet", "journal"])
+def test_an_address_where_no_ray_cluster_answers_fails_soon_saying_how_to_fix_it(
+    tmp_path: Path, what: str
+) -> None:
+    """Once Ray retried for over 400 s without a word; now a bounded wait (CONNECT_TIMEOUT_S)
+    and an error that names the address and the fix."""
+    pytest.importorskip("ray")
+    from krex.fleet import CONNECT_TIMEOUT_S
+
+    (tmp_path / "cmds.txt").write_text("true\n")
+    args = (
+        ["fleet", "--address", "127.0.0.1:1", "--out", str(tmp_path / "out"), str(tmp_path / "cmds.txt")]
+        if what == "fleet"
+        else ["journal", "--fleet", "--address", "127.0.0.1:1"]
+    )
+    rc, err, took = _krex(*args, tmp_path=tmp_path)
+    assert rc == 3, err[-2000:]
+    assert "cannot reach the Ray cluster at 127.0.0.1:1" in err and "fix:" in err, err
+    assert "ray start --head" in err, err
+    assert "Traceback" not in err and took < CONNECT_TIMEOUT_S + 30, took
+
+
+@pytest.mark.parametrize("what", ["fleet", "journal"])
+def test_a_node_root_that_cannot_be_a_directory_is_a_clear_usage_error(tmp_path: Path, what: str) -> None:
+    (tmp_path / "cmds.txt").write_text("true\n")
+    args = (
+        ["fleet", "--node-root", "/proc/x", "--out", str(tmp_path / "out"), str(tmp_path / "cmds.txt")]
+        if what == "fleet"
+        else ["journal", "--fleet", "--node-root", "/proc/x"]
+    )
+    rc, err, _ = _krex(*args, tmp_path=tmp_path)
+    assert rc == 2, err[-2000:]
+    assert "--node-root /proc/x" in err and "fix:" in err and "Traceback" not in err, err

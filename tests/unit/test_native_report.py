@@ -1,6 +1,6 @@
-"""The native guardian's report when krexd cannot send it whole (krex/node/daemon.py
-`_report_json`, krex/proc/finish.py `_base_report`): without the regions past the reply's
-size, and made from the admission when krexd sent none."""
+"""The native guardian's report (krex/node/daemon.py `_report_json`, krex/proc/finish.py
+`_base_report`): its region list shortened to what one reply holds, saying how many it
+leaves out, with counts over every region; made from the admission when krexd sent none."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from krex.node.daemon import Daemon, Slot
+from krex.node import optin
+from krex.node.daemon import Daemon, Slot, _fit
 from krex.proc.finish import _base_report
 from krex.protocol import MAX_FRAME, encode_reply
 
@@ -29,7 +30,11 @@ def _reply(n_regions: int, pad: int) -> dict[str, Any]:
     s = Slot(3, 0, "run", 1, group=None)  # type: ignore[arg-type]
     s.admission_wait_s, s.simulated = 0.25, True
     regs = [{"label": "x" * pad, "contaminated": i == 0, "queue_wait_s": 0.001} for i in range(n_regions)]
-    out: dict[str, Any] = {"leftovers": [], "action": "none", "regions": regs, "notes": []}
+    tally = optin.region_tally(regs)
+    out: dict[str, Any] = {
+        "leftovers": [], "action": "none", "regions": regs, "regions_dropped": 5, "regions_cap": 1000,
+        "region_tally": {**tally, "region_count": tally["region_count"] + 5}, "notes": [],
+    }
     fake = SimpleNamespace(info=SimpleNamespace(kind="sim"))
     Daemon._report_json(fake, s, COUNTERS, out, {})  # type: ignore[arg-type]
     return out
@@ -38,8 +43,9 @@ def _reply(n_regions: int, pad: int) -> dict[str, Any]:
 def test_a_report_that_fits_carries_its_regions_and_replaces_them_in_the_reply() -> None:
     out = _reply(2, 10)
     rep = json.loads(out["report_json"])
-    assert out["report_regions"] is True and "regions" not in out
-    assert rep["region_count"] == 2 and rep["contaminated_regions"] == 1 and len(rep["regions"]) == 2
+    assert "regions" not in out
+    assert rep["region_count"] == 7 and rep["contaminated_regions"] == 1 and len(rep["regions"]) == 2
+    assert rep["regions_dropped"] == 5 and rep["regions_cap"] == 1000
     assert (
         rep["slot"] == 3
         and rep["admission_wait_s"] == 0.25
@@ -48,10 +54,12 @@ def test_a_report_that_fits_carries_its_regions_and_replaces_them_in_the_reply()
     )
 
 
-def test_regions_too_large_for_one_reply_are_left_to_the_journal() -> None:
+def test_regions_too_large_for_one_reply_are_listed_in_part_and_counted_in_full() -> None:
     out = _reply(400, MAX_FRAME // 500)  # ~0.8 MiB of regions
     rep = json.loads(out["report_json"])
-    assert out["report_regions"] is False and "regions" not in rep and "region_count" not in rep
+    n = len(rep["regions"])
+    assert 0 < n < 400 and rep["regions_dropped"] == 405 - n, rep["regions_dropped"]
+    assert rep["region_count"] == 405 and rep["contaminated_regions"] == 1
     assert len(encode_reply("release", {"ok": True, **out})) < MAX_FRAME
     assert rep["gate_blocks"] == 1 and rep["leftovers_action"] == "none"
 
@@ -60,17 +68,14 @@ def test_the_most_regions_a_slot_keeps_fit_in_one_encoded_reply() -> None:
     """What _slot_regions lets through (just under half a frame of records) is sent whole:
     the report's text, escaped once more in the reply, still fits one frame."""
     pad = 200
-    one = len(json.dumps({"label": "x" * pad, "contaminated": False, "queue_wait_s": 0.001}))
-    n = (MAX_FRAME // 2) // (one + 2) - 1
+    one = {"label": "x" * pad, "contaminated": False, "queue_wait_s": 0.001}
+    n = _fit([one] * 100000, MAX_FRAME // 2)
     out = _reply(n, pad)
-    assert out["report_regions"] is True and json.loads(out["report_json"])["region_count"] == n
+    assert json.loads(out["report_json"])["regions_dropped"] == 5
     assert len(encode_reply("release", {"ok": True, **out})) < MAX_FRAME
 
 
-def test_the_finisher_starts_from_krexds_report_or_from_the_admission(tmp_path: Path) -> None:
-    f = tmp_path / "krexd.json"
-    f.write_text(json.dumps({"slot": 3, "gpu": 0, "gate_blocks": 4}))
-    assert _base_report(3, 0, str(f)) == {"slot": 3, "gpu": 0, "gate_blocks": 4}
+def test_the_finisher_starts_from_the_admission() -> None:
     adm = {"admission_wait_s": 0.5, "device": "gpu", "simulated": False, "shm": "/krex-no-such-segment"}
     rep = _base_report(3, 0, json.dumps(adm))
     assert rep["admission_wait_s"] == 0.5 and rep["device"] == "gpu" and rep["simulated"] is False
@@ -79,9 +84,8 @@ def test_the_finisher_starts_from_krexds_report_or_from_the_admission(tmp_path: 
     rep = _base_report(3, 0, json.dumps({**adm, "released": True}))
     assert "counters_unknown" in rep and "gate_blocks" not in rep
     assert _base_report(3, 0, "") == {"slot": 3, "gpu": 0}
-    f.write_text("[1, 2]")
     with pytest.raises(ValueError):
-        _base_report(3, 0, str(f))
+        _base_report(3, 0, "{not json")
 
 
 def test_after_a_release_the_finisher_counts_only_this_commands_regions(
@@ -112,3 +116,28 @@ def test_after_a_release_the_finisher_counts_only_this_commands_regions(
     rep = json.loads(report.read_text())
     assert [r["ts"] for r in rep["regions"]] == [110.0, 130.0] and "counters_unknown" not in rep
     assert [e["event"] for e in rep["daemon_events"]] == ["daemon-lost"]
+
+
+def test_regions_read_from_a_journal_rotated_past_the_start_say_they_may_be_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """krexd went away (its record of the command with it): the journal is all there is,
+    and where it rotated past the command's start the report and the notes say so."""
+    from krex.node import journal as jr
+    from krex.proc import finish
+
+    journal = tmp_path / "journal.jsonl"
+    monkeypatch.setenv("KREX_JOURNAL", str(journal))
+    for t in (120.0, 130.0, 140.0):  # the regions before 120 went with the rotation
+        jr.append(journal, {"owner_slot": 3, "ts": t, "contaminated": False}, limit=60)
+    assert jr.rotated(journal, jr.KEEP).exists()
+    report = tmp_path / "r.json"
+    adm = {"admission_wait_s": 0.1, "device": "sim", "simulated": True, "shm": "/krex-none"}
+    argv = ["3", "0", "100.0", "0", "1", "-1", "150.0", "0", "krexd exited", "", str(report), json.dumps(adm)]
+    assert finish.main(argv) == 0
+    rep = json.loads(report.read_text())
+    assert "has rotated since the command started" in rep["regions_incomplete"], rep
+    assert "has rotated since the command started" in capsys.readouterr().err
+    argv[2] = "125.0"  # started after the oldest record left: nothing is missing
+    assert finish.main(argv) == 0
+    assert "regions_incomplete" not in json.loads(report.read_text())
