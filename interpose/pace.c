@@ -18,10 +18,9 @@
  * waits behind all of it, and `s` is about n times a submission's own GPU time. So with the
  * budget as the cap, each process keeps about budget/n of its own work queued and the GPU
  * about the budget; no count of submitters is needed. With a budget, a process whose two
- * check intervals of work are already more than that (2 x s x every > budget, or s not
- * measured yet) waits after recording until the event it just recorded has finished (the
- * floor): it never has more than one interval in flight while it submits, and always that
- * one.
+ * check intervals of work are already more than that (2 x s x every > budget) waits after
+ * recording until the event it just recorded has finished (the floor): it never has more
+ * than one interval in flight while it submits, and always that one.
  * The same `s` spaces the checks (KREX_PACE_EVERY submissions at most, 1 for kernels that
  * each take a quarter of the cap; 1 while `s` is unknown under a budget).
  * A region about to begin (krex_pending: another command's BEGIN queued, or announced):
@@ -207,8 +206,10 @@ static void pace_locked(int variant, CUstream stream, uint64_t cap_ns, int budge
     int waited = 0;
     /* After a check a process has up to `most` events pending and then submits one interval
      * more: under a budget, `most` leaves room for that interval, and where two intervals of
-     * its work are more than its share (or its `s` is unknown) it takes the floor instead. */
-    int floor = pend != 0 || (budget && (!g_s_ns || 2 * g_s_ns * g_every > cap_ns));
+     * its work are more than its share it takes the floor instead. Before `s` is known, two
+     * events (of one submission each under a budget) may be pending: a process's first
+     * submissions still overlap its host work. */
+    int floor = pend != 0 || (budget && g_s_ns && 2 * g_s_ns * g_every > cap_ns);
     unsigned most = !g_s_ns  ? PACE_COLD_PENDING
                     : budget ? clampu(cap_ns / (g_s_ns * g_every) - 1, 1, PACE_RING - 1)
                              : clampu(cap_ns / (g_s_ns * g_every), 1, PACE_RING - 1);

@@ -21,17 +21,18 @@ Precedence: command line > environment > config file > defaults. The config file
   lend_cores       KREX_LEND_CORES        --lend-cores       off, region or all: commands may also run on
                                                              their GPU's region core (and the housekeeping
                                                              core) while no region needs it
-  drain_budget_ms  KREX_DRAIN_BUDGET_MS   --drain-budget     while commands share a GPU, the GPU work (ms) all of
-                                                             them together may keep queued, each its share: what
-                                                             a region's entry drains (default 4); 0: each
+  drain_budget_ms  KREX_DRAIN_BUDGET_MS   --drain-budget     while commands share a GPU, the GPU work (ms) all
+                                                             of them together may keep queued, each its share:
+                                                             what a region's entry drains (default 4); 0: each
                                                              command by queue_cap_ms instead
-  queue_cap_ms     KREX_QUEUE_CAP_MS                         with no drain budget: how long (ms) the GPU work a
-                                                             command has queued may wait before its next
-                                                             submissions wait for it; 0: unbounded
-  early_shrink     KREX_EARLY_SHRINK                         on (default) or off: while a region is queued or
-                                                             announced (an automatic region's target entered),
-                                                             siblings' queues shrink and their context, module
-                                                             and memory calls wait for its gate
+  queue_cap_ms     KREX_QUEUE_CAP_MS                         with no drain budget: how long (ms) the GPU
+                                                             work a command has queued may wait before its
+                                                             next submissions wait for it; 0: unbounded
+  early_shrink     KREX_EARLY_SHRINK                         on (default) or off: while a region is queued
+                                                             or announced (an automatic region's target is
+                                                             entered), siblings' queues shrink and their
+                                                             context, module and memory calls wait for
+                                                             its gate
   helper_nice      KREX_HELPER_NICE                          the nice krexd lends the threads a region's drain
                                                              waits for: drain helpers, and a thread inside
                                                              a context, module or memory call (root; 0: off)

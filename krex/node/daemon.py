@@ -1711,7 +1711,8 @@ class Daemon:
         their stamps): each slot's stamp carries its own time, sized by the bytes freed where
         the shim could ask the driver, else KREX_FREE_SETTLE_NS (krex_settle_until)."""
         latest = ffi.new("uint64_t *")
-        until = int(lib.krex_settle_until(self.seg.raw, gpu, owner_slot, self._owner_gen(owner_slot), 0, latest))
+        gen = self._owner_gen(owner_slot)
+        until = int(lib.krex_settle_until(self.seg.raw, gpu, owner_slot, gen, 0, latest))
         return until, int(latest[0])
 
     def _running_pids(self, at_close: list[Slot], frozen: list[Slot]) -> dict[Slot, list[int]]:

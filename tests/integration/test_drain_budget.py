@@ -17,7 +17,6 @@ from helpers import Harness, read_jsonl, victims
 from test_regions import Krex, kx
 
 from krex.native import ffi, lib
-from krex.node.shm import Segment
 
 __all__ = ["kx"]  # the fixture, used by name
 
@@ -119,7 +118,9 @@ def _pending(h: Harness, word: str, slot: int) -> None:
 
 
 @pytest.mark.parametrize("word", ["pending_slots", "soon_slots"])
-def test_a_life_call_waits_while_another_commands_region_is_about_to_begin(harness: Harness, word: str) -> None:
+def test_a_life_call_waits_while_another_commands_region_is_about_to_begin(
+    harness: Harness, word: str
+) -> None:
     """A sibling's cudaMalloc begun while another command's region is queued (or announced)
     waits, as at a closed gate: when that gate closes it parks there, and it reaches the
     GPU only after the region. Without the word it runs at once."""
@@ -223,7 +224,10 @@ def test_a_sized_free_settles_for_its_size_and_any_other_for_the_fixed_time(harn
     h = harness
     owner = h.claim()
     gib = 1 << 30
-    cases = {"free": (4 * gib, 4 * lib.KREX_SETTLE_NS_PER_GB), "freeasync": (4 * gib, lib.KREX_FREE_SETTLE_NS)}
+    cases = {
+        "free": (4 * gib, 4 * lib.KREX_SETTLE_NS_PER_GB),
+        "freeasync": (4 * gib, lib.KREX_FREE_SETTLE_NS),
+    }
     for act, (size, want_ns) in cases.items():
         sib = h.claim()
         c = h.spawn("actor", ["k:1", "sync", f"malloc:{size}", act, "line"], h.env(sib))
@@ -233,7 +237,9 @@ def test_a_sized_free_settles_for_its_size_and_any_other_for_the_fixed_time(harn
         gen = int(h.seg.raw.slots[owner].generation)
         until = int(lib.krex_settle_until(h.seg.raw, 0, owner, gen, 0, latest))
         got = until - int(latest[0])
-        assert abs(got - want_ns) <= 2_000_000, f"{act}: settles {got / 1e6:.1f} ms after its stamp, not {want_ns / 1e6:.1f}"
+        assert abs(got - want_ns) <= 2_000_000, (
+            f"{act}: settles {got / 1e6:.1f} ms after its stamp, not {want_ns / 1e6:.1f}"
+        )
         assert int(latest[0]) >= d["t0"], d
         h.seg.raw.gpus[0].slot_free_ns[sib] = 0  # the next case alone
         h.seg.raw.gpus[0].slot_free_until_ns[sib] = 0
