@@ -97,18 +97,22 @@ def test_a_region_queued_behind_another_closes_on_empty_sibling_queues(kx: Krex,
     parked at the first gate are held through its hand-over to the queued one (early
     shrinking on), so the queued region's drain waits for nothing; without it they submit
     while krexd passes from one region to the next, and the next region drains that."""
-    kx.start_daemon(slots=8, env_extra={"KREX_DRAIN_BUDGET_MS": "0", "KREX_EARLY_SHRINK": early})
+    # `gpu`: no gateable sibling is frozen, so each owner's BEGIN arrives during the other's region.
+    env = {"KREX_DRAIN_BUDGET_MS": "0", "KREX_EARLY_SHRINK": early, "KREX_FREEZE_POLICY": "gpu"}
+    kx.start_daemon(slots=8, env_extra=env)
     _hammers(kx, 3)
     loop = ["begin", "sleep:40", "end", "sleep:3"] * 12
     recs = _regions(kx, {"a": loop, "b": loop})
     queued = [r for r in recs if r["queue_wait_s"] >= 0.005]
-    assert len(queued) >= 4, f"too few regions queued behind another: {[r['queue_wait_s'] for r in recs]}"
+    assert len(queued) >= 5, f"too few regions queued behind another: {[r['queue_wait_s'] for r in recs]}"
     left = _left_at_close(kx, queued)
-    med = statistics.median(left)
     if early == "off":
-        assert med > 1.0, f"without early shrinking only {med:.2f} ms was left: the test proves nothing"
+        med = statistics.median(left)
+        assert med > 2.0, f"without early shrinking a median {med:.2f} ms was left: the test proves nothing"
     else:
-        assert med <= 1.0, f"queued regions' gates closed on {med:.2f} ms of siblings' work: {left}"
+        assert max(left) <= KERNEL_US / 1e3, (
+            f"queued regions' gates closed on up to {max(left):.2f} ms of siblings' work: {left}"
+        )
         held = sum(p.held for p in kx.snapshot().procs)
         assert held > 0, "no sibling call was held for a queued region"
 
