@@ -9,8 +9,8 @@ or krexd configurations, side by side in one run.
 
 Each build or configuration gets a world of its own (state directory, segment, simulated
 device, krexd), so a daemon already running on the machine is never touched. `--config
-NAME=VAR=VALUE,...` is this interpreter's build with krexd started under those variables
-(`budget=` with none: the defaults). Per world, sibling count (`--siblings 7,15`: C=8 and
+NAME=VAR=VALUE,...` is one build (`--python`, default this interpreter) with krexd started
+under those variables (`budget=` with none: the defaults). Per world, sibling count (`--siblings 7,15`: C=8 and
 C=16 with the measuring command) and sibling kind it starts N siblings under `krex run
 --device D`, then one measuring command under `krex run` that enters `krex.region()` R
 times around a short GPU operation, each after `--warmup` operations outside it (as a
@@ -198,12 +198,12 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def worlds_for(a: argparse.Namespace, out: Path, slots: int) -> list[World]:
-    """One world per --build (its interpreter) and per --config (this interpreter, krexd's
+    """One world per --build (its interpreter) and per --config (--python, krexd's
     environment as given); this interpreter's defaults when neither is given."""
     worlds = [World(name, py, a.device, out, slots, "lat") for name, py in (b.split("=", 1) for b in a.build)]
     for c in a.config:
         name, _, spec = c.partition("=")
-        w = World(name, sys.executable, a.device, out, slots, "lat")
+        w = World(name, a.python, a.device, out, slots, "lat")
         for kv in filter(None, spec.split(",")):
             k, eq, v = kv.partition("=")
             if not eq or not k.startswith("KREX_"):
@@ -220,6 +220,8 @@ def main() -> None:
                     help="a build to measure (its interpreter); default: this one")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=KREX_VAR=VALUE,...",
                     help="this build with krexd under these variables (NAME= alone: its defaults)")
+    ap.add_argument("--python", default=sys.executable, metavar="PYTHON",
+                    help="the interpreter (build) the --config worlds run; default: this one")
     ap.add_argument("--siblings", default="8", help="sibling counts, e.g. 7,15 (C = siblings + 1)")
     ap.add_argument("--regions", type=int, default=100, help="regions per measurement")
     ap.add_argument("--kinds", default="idle,hammer", help="idle, hammer, life (comma-separated)")
