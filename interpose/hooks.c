@@ -41,14 +41,15 @@
 #define KREX_LIFE_CALL(fname, name, k, params, args, before, after) \
     KREX_RET fname params {                                        \
         KREX_GET_FN(name, k)                                       \
+        krex_life_defer();                                         \
         int krex_counted = krex_enter(KREX_CLS_LIFE);              \
         uint32_t krex_lt = krex_counted ? krex_life_thread() : 0;  \
         before;                                                    \
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
-        krex_life_free(KREX_ID_##name, krex_a0, 0);                \
+        uint64_t krex_fs = krex_life_free(KREX_ID_##name, krex_a0, 0, 0); \
         krex_life_ordered(KREX_ID_##name, 0);                      \
         KREX_RET krex_rc = fn args;                                \
-        krex_life_free(KREX_ID_##name, krex_a0, 1);                \
+        krex_life_free(KREX_ID_##name, krex_a0, 1, krex_fs);       \
         krex_life_thread_end(krex_lt);                             \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
         krex_life_ordered(KREX_ID_##name, 1);                      \
@@ -214,7 +215,8 @@ static int cmp_ids(const void *a, const void *b) {
 }
 
 /* LIFE rows that free GPU memory, by name: 2 for a *Free* (its first argument is the
- * pointer: NULL frees nothing, cudaFree(NULL) is the idiom that makes a context), 1 for a
+ * pointer: NULL frees nothing, cudaFree(NULL) is the idiom that makes a context), 3 for
+ * those of them whose allocation the driver can size (cudaFree, cuMemFree), 1 for a
  * release, unmap, unload, reset, destroy or pool trim. */
 unsigned char krex_frees[KREX_N_IDS];
 /* LIFE calls that are stream-ordered (cuMemAllocAsync, cudaFreeAsync, hipMallocFromPoolAsync:
@@ -229,6 +231,9 @@ void krex_hooks_init(void) {
         for (unsigned w = 0; w < sizeof free_words / sizeof *free_words; w++)
             if (strstr(krex_entries[i].name, free_words[w])) krex_frees[i] = 1;
         if (strstr(krex_entries[i].name, "Free")) krex_frees[i] = 2;
+        if (!strcmp(krex_entries[i].name, "cudaFree") || !strcmp(krex_entries[i].name, "cuMemFree_v2") ||
+            !strcmp(krex_entries[i].name, "cuMemFree"))
+            krex_frees[i] = 3;
         krex_ordered[i] = krex_entries[i].cls == KREX_CLS_LIFE && strstr(krex_entries[i].name, "Async") != NULL;
     }
     qsort(g_sorted, (size_t)g_nsorted, sizeof(int), cmp_ids);

@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 6
+#define KREX_ABI_VERSION 7
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -126,6 +126,26 @@
 #define KREX_PACE_EVERY 8
 #define KREX_QUEUE_CAP_MS 15
 #define KREX_PACE_GIVEUP_MS 2000
+/* The drain budget (pace.c, krexd's `drain_budget_ms`; 0: the per-process cap above). On a
+ * GPU shared by n submitting processes, time-sliced or run in order, a process's queued work
+ * runs at about 1/n of the GPU, so the time its oldest unfinished work has waited, and the
+ * wall time per submission it measures, both already count everyone's queue: bounding them
+ * by the budget keeps each process's own queue near budget/n, its share, and the whole GPU's
+ * near the budget. Where even one check interval of a process's work is more than its share
+ * (a kernel longer than budget/n), it waits for that work before it returns to submit more:
+ * at most one interval of its work in flight, never none. */
+#define KREX_DRAIN_BUDGET_MS 4
+/* A region about to begin on a GPU (krex_gpu.pending_slots, soon_slots): siblings' queues
+ * shrink before its gate closes. While another command's region is queued (BEGIN sent, gate
+ * not yet its), a sibling's pacing check and its LIFE calls (contexts, modules, device
+ * memory) wait until that gate closes, and a call parked at the gate that opens with such a
+ * region still queued keeps waiting for it; while another command said a region comes soon
+ * (an automatic region's target entered, krex.region.soon()), a sibling's pacing check
+ * waits until its own queued work has finished and its LIFE calls wait as above. Each wait
+ * lasts at most KREX_PENDING_HOLD_MS per call (a stale word slows, never stops), and a
+ * hint lapses KREX_SOON_MS after it was given unless the region's BEGIN comes first. */
+#define KREX_PENDING_HOLD_MS 50
+#define KREX_SOON_MS 200
 
 /* Timing constants: the ONE home of each. The shim (C) and krexd and its clients
  * (Python, through cffi) both read them from here; nothing restates a value.
@@ -179,7 +199,10 @@
  * held (NVML's last figure for it), at least KREX_SETTLE_MIN_NS, instead of
  * KREX_FREE_SETTLE_NS: the H200 cleared freed memory at 2.5 ms/GB, and an exit left at most
  * 5 ms of it after the reap for 16 GB, 115 ms for 64 GB (docs/results/h200/settle). A
- * process NVML never reported keeps KREX_FREE_SETTLE_NS. */
+ * process NVML never reported keeps KREX_FREE_SETTLE_NS. The same rate sizes a free whose
+ * bytes the shim can ask the driver for (cudaFree, cuMemFree, hipFree of an allocation's
+ * base: its address range), from the end of the call; every other freeing call keeps
+ * KREX_FREE_SETTLE_NS. */
 #define KREX_SETTLE_NS_PER_GB 3000000
 #define KREX_SETTLE_MIN_NS 5000000
 /* A guardian that gets a stop signal (SIGINT, SIGTERM, ...) while its command still waits
@@ -237,7 +260,8 @@
     X(END, 8, none, krex_rep_end)                             \
     X(STATUS, 9, none, none)                                  \
     X(SHUTDOWN, 10, none, none)                               \
-    X(EVENT, 11, none, none)
+    X(EVENT, 11, none, none)                                  \
+    X(SOON, 12, none, none)
 /* C: enum krex_op { KREX_OP_NONE = 0, KREX_OP_HELLO = 1, ... }. cffi gets the same
  * names as constants, from krex_build.py's reading of the rows above. */
 #define KREX_OP_ENUM_(name, code, req, rep) KREX_OP_##name = code,
@@ -322,6 +346,16 @@ struct krex_gpu {
     uint32_t drain_full;            /* set by krexd before a drain request: 1 = every sibling with
                                      * a context drains, quiet or not (policy `all`); 0 = one quiet
                                      * since its last full drain owes none (krex_proc_quiet) */
+    uint32_t budget_us;             /* pace.c: the GPU's drain budget, set by krexd while 2 or more
+                                     * commands share this GPU (0: queue_cap_us per process) */
+    uint32_t pad0;
+    uint64_t pending_slots;         /* bit s: slot s asked for a region that does not hold the gate
+                                     * yet (krexd; KREX_PENDING_HOLD_MS) */
+    uint64_t soon_slots;            /* bit s: slot s said a region comes soon (krexd, KREX_SOON_MS) */
+    uint64_t slot_free_until_ns[64]; /* per slot: until when the GPU may still clear memory its
+                                     * processes freed (the stamp plus the time its size takes at
+                                     * KREX_SETTLE_NS_PER_GB, or KREX_FREE_SETTLE_NS when unsized);
+                                     * an atomic max, made with slot_free_ns */
     uint64_t reserved[5];
 };
 
@@ -376,6 +410,10 @@ struct krex_proc {
                                      * stream, so they count with the gated submissions */
     uint64_t paced;                 /* pace.c: times a thread waited for its queued work */
     uint64_t paced_ns;
+    uint64_t held;                  /* times a call waited for another command's region about to
+                                     * begin (shim.c, krex_hold_pending: pacing checks, LIFE calls,
+                                     * a gate that opened with one queued) */
+    uint64_t held_ns;
     uint32_t life_tid;              /* a thread inside a LIFE call, the last to begin one (0: none,
                                      * that one ended, or not in krexd's pid namespace): krexd lends
                                      * it priority while a region's drain waits for that call */

@@ -510,14 +510,46 @@ int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t ow
     return n;
 }
 
-/* A process of `slot` freed GPU memory, or is about to (its exit): raise the slot's stamp. */
-void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen) {
+static void atomic_max_u64(uint64_t *w, uint64_t v) {
+    uint64_t cur = __atomic_load_n(w, SEQ);
+    while (cur < v && !__atomic_compare_exchange_n(w, &cur, v, 0, SEQ, SEQ)) {
+    }
+}
+
+/* A process of `slot` freed GPU memory, or is about to (its exit): raise the slot's stamp,
+ * and the time until which the GPU may still clear that memory (`settle_ns` from now:
+ * sized by the bytes freed where known, else KREX_FREE_SETTLE_NS). The deadline first: a
+ * reader that sees the new stamp sees a deadline at least as late. */
+void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen, uint64_t settle_ns) {
     if (gpu < 0 || gpu >= KREX_MAX_GPUS || slot < 0 || slot >= KREX_MAX_SLOTS) return;
     __atomic_store_n(&shm->gpus[gpu].slot_free_gen[slot], gen, SEQ); /* before the time: seen with it */
-    uint64_t now = krex_now_ns(), cur = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[slot], SEQ);
-    while (cur < now &&
-           !__atomic_compare_exchange_n(&shm->gpus[gpu].slot_free_ns[slot], &cur, now, 0, SEQ, SEQ)) {
+    uint64_t now = krex_now_ns();
+    atomic_max_u64(&shm->gpus[gpu].slot_free_until_ns[slot], now + settle_ns);
+    atomic_max_u64(&shm->gpus[gpu].slot_free_ns[slot], now);
+}
+
+/* The latest time until which the GPU may still clear memory that `gpu`'s other slots
+ * freed (0: none), from the stamps made at or after `since_ns`; *latest gets the newest
+ * such stamp. A deadline older than its stamp (never set: a segment's first stamp of a
+ * slot) or more than a settle time plus an hour of bytes after it is damage: read as the
+ * stamp plus KREX_FREE_SETTLE_NS. The owner's own command's frees are skipped as in
+ * krex_recent_frees. */
+uint64_t krex_settle_until(struct krex_shm *shm, int gpu, int owner_slot, uint64_t owner_gen, uint64_t since_ns,
+                           uint64_t *latest) {
+    uint64_t until = 0, newest = 0, now = krex_now_ns();
+    const uint64_t most = (uint64_t)KREX_FREE_SETTLE_NS + 3600ull * 1000000000ull;
+    for (int s = 0; s < KREX_MAX_SLOTS; s++) {
+        uint64_t t = __atomic_load_n(&shm->gpus[gpu].slot_free_ns[s], SEQ);
+        if (t > now + 1000000000ull) t = now; /* damage, as krex_recent_frees reads it */
+        if (t == 0 || t < since_ns) continue;
+        if (s == owner_slot && __atomic_load_n(&shm->gpus[gpu].slot_free_gen[s], SEQ) == owner_gen) continue;
+        uint64_t u = __atomic_load_n(&shm->gpus[gpu].slot_free_until_ns[s], SEQ);
+        if (u < t || u - t > most) u = t + (uint64_t)KREX_FREE_SETTLE_NS;
+        if (u > until) until = u;
+        if (t > newest) newest = t;
     }
+    if (latest) *latest = newest;
+    return until;
 }
 
 /* Threads of non-owner slots on this GPU that are inside a gated call. Dead
@@ -806,7 +838,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);
     memcpy(p->submits, fresh.submits, sizeof p->submits);
     p->blocked = p->blocked_ns = p->fail_opens = p->drains = 0;
-    p->paced = p->paced_ns = 0;
+    p->paced = p->paced_ns = p->held = p->held_ns = 0;
     p->drain_partial = 0;
     p->captures = 0;
     p->helper_tid = 0;

@@ -78,7 +78,9 @@ int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids,
                    int max);
 int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t owner_gen, uint64_t since_ns,
                       int32_t *slots, uint64_t *ago_ns, int max);
-void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen);
+void krex_note_free(struct krex_shm *shm, int gpu, int slot, uint64_t gen, uint64_t settle_ns);
+uint64_t krex_settle_until(struct krex_shm *shm, int gpu, int owner_slot, uint64_t owner_gen, uint64_t since_ns,
+                           uint64_t *latest);
 int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot);
 uint64_t krex_proc_submits(struct krex_proc *p);
 int krex_proc_quiet(struct krex_proc *p);

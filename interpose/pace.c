@@ -1,5 +1,6 @@
 /* Bounded queues: while other commands share its GPU, a process keeps no more GPU work
- * queued than the GPU gets through in about `queue_cap_us` (krex_abi.h).
+ * queued than its share of the GPU's drain budget (`budget_us`, krex_abi.h), or, with no
+ * budget published, than the GPU gets through in about `queue_cap_us` (a cap per process).
  *
  * Why: a region's entry waits for the work siblings had queued when its gate closed (the
  * drain); on the H200 a sibling's queue held up to 0.52 s of it. The gate cannot shorten
@@ -13,13 +14,24 @@
  *   - more events are pending than fit in the cap, at `s`, the wall time the GPU took per
  *     submission between two completions it was seen reach while the queue stayed busy
  *     (two, before any was seen: a burst of launches is bounded before the first result).
+ * On a GPU shared by n submitting processes both measures count everyone's work: an event
+ * waits behind all of it, and `s` is about n times a submission's own GPU time. So with the
+ * budget as the cap, each process keeps about budget/n of its own work queued and the GPU
+ * about the budget; no count of submitters is needed. With a budget, a process whose two
+ * check intervals of work are already more than that (2 x s x every > budget) waits after
+ * recording until the event it just recorded has finished (the floor): it never has more
+ * than one interval in flight while it submits, and always that one.
  * The same `s` spaces the checks (KREX_PACE_EVERY submissions at most, 1 for kernels that
- * each take a quarter of the cap). Nothing is reordered or dropped; a thread only submits
- * later. Skipped when fewer than two commands share the GPU (cap 0), the gate is closed (by
- * a region of ours, which must never be slowed, or of another command, whose drain empties
- * the queue anyway), a graph capture runs in the process (an event would join the graph),
- * the call was nested, or the call is HIP's (its event calls would set the error
- * hipGetLastError reports).
+ * each take a quarter of the cap; 1 while `s` is unknown under a budget).
+ * A region about to begin (krex_pending: another command's BEGIN queued, or announced):
+ * announced, the check takes the floor above whatever the cap; queued, it then also waits
+ * until that region's gate has closed (krex_hold_pending, at most KREX_PENDING_HOLD_MS),
+ * so the gate closes on short queues. Nothing is reordered or dropped; a thread only
+ * submits later. Skipped when no command shares the GPU (cap and budget 0), the gate is
+ * closed (by a region of ours, which must never be slowed, or of another command, whose
+ * drain empties the queue anyway), a graph capture runs in the process (an event would join
+ * the graph), the call was nested, or the call is HIP's (its event calls would set the
+ * error hipGetLastError reports).
  *
  * Every vendor call here is the driver's real one (never a wrapper), in relaxed capture
  * mode, so another thread's capture is not invalidated, and none touches the CUDA
@@ -46,7 +58,9 @@ typedef int (*fn_xmode)(CUstreamCaptureMode *);
 #define PACE_COLD_PENDING 2        /* events pending before any completion was timed */
 #define PACE_POLL_NS 100000        /* how often a waiting thread looks again */
 
-__thread unsigned t_pace __attribute__((tls_model("initial-exec")));
+/* A thread's first counted submission is checked: a process new to a shared GPU (its `s`
+ * unknown) must not queue a whole interval of kernels before its first check. */
+__thread unsigned t_pace __attribute__((tls_model("initial-exec"))) = KREX_PACE_EVERY - 1;
 
 struct pace_ev {
     pace_event ev;
@@ -120,47 +134,91 @@ static int oldest_done(void) { return g_pfn.evquery(g_ring[g_head].ev) != PACE_N
 
 /* The oldest event was seen to finish at `t` (a poll found it pending just before). With
  * the last such completion, and the queue busy between them (this event was recorded
- * before that one finished), that is the wall time of the submissions in between. */
+ * before that one finished), that is the wall time of the submissions in between. One
+ * recorded after that completion (nothing of ours was queued before the submissions it
+ * covers: the floor) took from its record to `t` for those: a lower bound of theirs. */
 static void timed_completion(uint64_t t) {
     const struct pace_ev *e = &g_ring[g_head];
-    if (g_done_t && e->t <= g_done_t && e->subs > g_done_subs && t > g_done_t) {
-        uint64_t s = (t - g_done_t) / (e->subs - g_done_subs);
-        g_s_ns = g_s_ns ? (g_s_ns + s) / 2 : s;
-    }
+    uint64_t s = 0;
+    if (g_done_t && e->t <= g_done_t && e->subs > g_done_subs && t > g_done_t)
+        s = (t - g_done_t) / (e->subs - g_done_subs);
+    else if (g_done_t && e->t > g_done_t && e->subs > g_done_subs && t > e->t)
+        s = (t - e->t) / (e->subs - g_done_subs);
+    if (s) g_s_ns = g_s_ns ? (g_s_ns + s) / 2 : s;
     g_done_t = t;
     g_done_subs = e->subs;
 }
 
 static unsigned clampu(uint64_t v, unsigned lo, unsigned hi) { return v < lo ? lo : v > hi ? hi : (unsigned)v; }
 
-static void pace_locked(int variant, CUstream stream, uint64_t cap_ns) {
+/* Wait, polling the oldest event, until `done` says so or the ring is empty; a completion
+ * seen as it happens is timed. 0, or 1 when KREX_PACE_GIVEUP_MS ran out (pacing is off). */
+static int wait_ring(uint64_t t0, uint64_t *now, int *waited, unsigned most, uint64_t cap_ns) {
+    int polled = 0; /* the oldest was pending at the last look */
+    for (;;) {
+        if (!g_n || (g_n < most && *now - g_ring[g_head].t <= cap_ns)) return 0;
+        if (oldest_done()) {
+            if (polled) timed_completion(*now);
+            ring_pop();
+            polled = 0;
+            continue;
+        }
+        if (*now - t0 >= (uint64_t)KREX_PACE_GIVEUP_MS * 1000000ull) {
+            klog("pacing off: queued work did not finish in %d ms (it may wait for the host)", KREX_PACE_GIVEUP_MS);
+            __atomic_store_n(&g_pace_off, 1, RELAXED);
+            set_flag(KREX_PF_PACE_OFF);
+            return 1;
+        }
+        *waited = polled = 1;
+        struct timespec ts = {0, PACE_POLL_NS};
+        nanosleep(&ts, NULL);
+        *now = krex_now_ns();
+    }
+}
+
+/* Record an event after the work this thread just submitted (none: not ours to pace, or a
+ * capture under way on the stream). */
+static void record(int variant, CUstream stream) {
+    CUcontext ctx = NULL;
+    int capturing = 0;
+    if (__atomic_load_n(&g_pace_off, RELAXED) || g_n >= PACE_RING || g_pfn.ctxcur(&ctx) != CUDA_SUCCESS || !ctx)
+        return;
+    if (stream == NULL && variant == KREX_VAR_PT) stream = PACE_PER_THREAD;
+    /* This stream capturing (begun by another thread just now): the event would join it. */
+    if (g_pfn.capq(stream, &capturing) != CUDA_SUCCESS || capturing) return;
+    pace_event ev = pool_take(ctx);
+    if (ev && g_pfn.evrec(ev, stream) == CUDA_SUCCESS) {
+        g_ring[(g_head + g_n) % PACE_RING] = (struct pace_ev){ev, ctx, krex_now_ns(), proc_submits()};
+        g_n++;
+    } else if (ev) {
+        g_pfn.evdel(ev); /* another context's stream, or a broken one: not ours to pace */
+    }
+}
+
+/* `budget`: cap_ns is the GPU's drain budget (else a cap per process); `pend`: krex_pending(). */
+static void pace_locked(int variant, CUstream stream, uint64_t cap_ns, int budget, int pend) {
     pace_fns();
     if (__atomic_load_n(&g_pace_off, RELAXED)) return;
     CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
     if (g_pfn.xmode) g_pfn.xmode(&mode);
     while (g_n && oldest_done()) ring_pop();
     uint64_t t0 = krex_now_ns(), now = t0;
-    int waited = 0, polled = 0; /* polled: the oldest was pending at the last look */
-    for (;;) {
-        unsigned most = g_s_ns ? clampu(cap_ns / (g_s_ns * g_every), 1, PACE_RING - 1) : PACE_COLD_PENDING;
-        if (!g_n || (g_n < most && now - g_ring[g_head].t <= cap_ns)) break;
-        if (oldest_done()) {
-            if (polled) timed_completion(now);
-            ring_pop();
-            polled = 0;
-            continue;
-        }
-        if (now - t0 >= (uint64_t)KREX_PACE_GIVEUP_MS * 1000000ull) {
-            klog("pacing off: queued work did not finish in %d ms (it may wait for the host)", KREX_PACE_GIVEUP_MS);
-            __atomic_store_n(&g_pace_off, 1, RELAXED);
-            set_flag(KREX_PF_PACE_OFF);
-            break;
-        }
-        waited = polled = 1;
-        struct timespec ts = {0, PACE_POLL_NS};
-        nanosleep(&ts, NULL);
-        now = krex_now_ns();
-    }
+    int waited = 0;
+    /* After a check a process has up to `most` events pending and then submits one interval
+     * more: under a budget, `most` leaves room for that interval, and where two intervals of
+     * its work are more than its share it takes the floor instead. Before `s` is known, two
+     * events (of one submission each under a budget) may be pending: a process's first
+     * submissions still overlap its host work. */
+    int floor = pend != 0 || (budget && g_s_ns && 2 * g_s_ns * g_every > cap_ns);
+    unsigned most = !g_s_ns  ? PACE_COLD_PENDING
+                    : budget ? clampu(cap_ns / (g_s_ns * g_every) - 1, 1, PACE_RING - 1)
+                             : clampu(cap_ns / (g_s_ns * g_every), 1, PACE_RING - 1);
+    int off = floor ? 0 : wait_ring(t0, &now, &waited, most, cap_ns);
+    /* Checks spaced so that what a thread queues between two stays under a quarter cap. */
+    unsigned every = g_s_ns ? clampu(cap_ns / (4 * g_s_ns), 1, KREX_PACE_EVERY) : budget ? 1 : KREX_PACE_EVERY;
+    __atomic_store_n(&g_every, every, RELAXED);
+    if (!off) record(variant, stream);
+    if (!off && floor) wait_ring(t0, &now, &waited, 1, 0); /* until all of ours, this one too, is done */
     if (waited) {
         struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
         if (p) {
@@ -168,25 +226,9 @@ static void pace_locked(int variant, CUstream stream, uint64_t cap_ns) {
             __atomic_fetch_add(&p->paced_ns, now - t0, RELAXED);
         }
     }
-    /* Checks spaced so that what a thread queues between two stays under a quarter cap. */
-    unsigned every = g_s_ns ? clampu(cap_ns / (4 * g_s_ns), 1, KREX_PACE_EVERY) : KREX_PACE_EVERY;
-    __atomic_store_n(&g_every, every, RELAXED);
-    CUcontext ctx = NULL;
-    int capturing = 0;
-    if (!__atomic_load_n(&g_pace_off, RELAXED) && g_n < PACE_RING && g_pfn.ctxcur(&ctx) == CUDA_SUCCESS && ctx) {
-        if (stream == NULL && variant == KREX_VAR_PT) stream = PACE_PER_THREAD;
-        /* This stream capturing (begun by another thread just now): the event would join it. */
-        if (g_pfn.capq(stream, &capturing) == CUDA_SUCCESS && !capturing) {
-            pace_event ev = pool_take(ctx);
-            if (ev && g_pfn.evrec(ev, stream) == CUDA_SUCCESS) {
-                g_ring[(g_head + g_n) % PACE_RING] = (struct pace_ev){ev, ctx, krex_now_ns(), proc_submits()};
-                g_n++;
-            } else if (ev) {
-                g_pfn.evdel(ev); /* another context's stream, or a broken one: not ours to pace */
-            }
-        }
-    }
     if (g_pfn.xmode) g_pfn.xmode(&mode); /* back to the thread's own mode */
+    /* A region queued: wait for its gate to close, as a call parked at it would. */
+    if (pend & KREX_PEND_QUEUED) krex_hold_pending(KREX_PEND_QUEUED, krex_now_ns());
 }
 
 void krex_pace(int id, const void *stream) {
@@ -198,10 +240,16 @@ void krex_pace(int id, const void *stream) {
     if (e->api == KREX_API_HIP || !shm || !gate || g_gpu < 0 || g_gpu >= KREX_MAX_GPUS || t_depth != 0 ||
         __atomic_load_n(&g_pace_off, RELAXED) || __atomic_load_n(&g_captures, RELAXED) != 0)
         return;
-    uint64_t cap_ns = (uint64_t)__atomic_load_n(&shm->gpus[g_gpu].queue_cap_us, RELAXED) * 1000ull;
-    if (cap_ns == 0 || __atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN) return;
-    if (pthread_mutex_trylock(&g_pace_lock) != 0) return; /* another thread paces for us */
-    pace_locked(e->variant, (CUstream)(uintptr_t)stream, cap_ns);
+    uint64_t budget_ns = (uint64_t)__atomic_load_n(&shm->gpus[g_gpu].budget_us, RELAXED) * 1000ull;
+    uint64_t cap_ns = budget_ns ? budget_ns : (uint64_t)__atomic_load_n(&shm->gpus[g_gpu].queue_cap_us, RELAXED) * 1000ull;
+    if (__atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN) return;
+    int pend = krex_pending();
+    if (cap_ns == 0 && !pend) return;
+    if (pthread_mutex_trylock(&g_pace_lock) != 0) { /* another thread paces for us */
+        if (pend & KREX_PEND_QUEUED) krex_hold_pending(KREX_PEND_QUEUED, krex_now_ns());
+        return;
+    }
+    pace_locked(e->variant, (CUstream)(uintptr_t)stream, cap_ns, budget_ns != 0, pend);
     pthread_mutex_unlock(&g_pace_lock);
 }
 
@@ -212,7 +260,7 @@ void krex_pace_after_fork(void) {
     g_head = g_n = g_npool = 0;
     __atomic_store_n(&g_every, KREX_PACE_EVERY, RELAXED);
     g_s_ns = g_done_t = g_done_subs = 0;
-    t_pace = 0;
+    t_pace = KREX_PACE_EVERY - 1;
 }
 
 /* For tests: pacing is on in this process (0: gave up, or the driver lacks event calls). */

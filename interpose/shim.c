@@ -100,8 +100,60 @@ int krex_wait_gate(uint32_t w) {
             break;
         }
     }
+    /* The gate opened with another command's region queued behind the one that ended: its
+     * gate closes next, and what we submitted now its entry would drain first. */
+    if (!failed) krex_hold_pending(KREX_PEND_QUEUED, krex_now_ns());
     if (g_proc) __atomic_fetch_add(&g_proc->blocked_ns, krex_now_ns() - t0, __ATOMIC_RELAXED);
     return failed;
+}
+
+/* ------------------------------------------------- a region about to begin */
+
+/* Other commands' regions about to begin on our GPU (krex_abi.h, KREX_PENDING_HOLD_MS):
+ * KREX_PEND_QUEUED while one is queued, KREX_PEND_SOON while one was announced; 0 when
+ * krexd's heartbeat is stale (nobody would clear the words). Slow paths only. */
+int krex_pending(void) {
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    if (!shm || g_gpu < 0 || g_gpu >= KREX_MAX_GPUS) return 0;
+    uint64_t mine = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
+    struct krex_gpu *g = &shm->gpus[g_gpu];
+    int r = 0;
+    if (__atomic_load_n(&g->pending_slots, RELAXED) & ~mine) r |= KREX_PEND_QUEUED;
+    if (__atomic_load_n(&g->soon_slots, RELAXED) & ~mine) r |= KREX_PEND_SOON;
+    if (r && krex_heartbeat_stale(shm, krex_now_ns(), 1)) return 0;
+    return r;
+}
+
+#define PEND_POLL_NS 500000ull /* neither a gate's close nor krexd's clearing of the words wakes a futex */
+
+/* Wait while krex_pending() says one of `what` and the gate is open, at most
+ * KREX_PENDING_HOLD_MS after `t0` (a stale word slows, never stops). Counted in the
+ * process record (`held`, `held_ns`) when it waited. */
+void krex_hold_pending(int what, uint64_t t0) {
+    uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
+    if (!gate) return;
+    const uint64_t most = (uint64_t)KREX_PENDING_HOLD_MS * 1000000ull;
+    uint64_t now = krex_now_ns(), start = now;
+    while ((krex_pending() & what) && __atomic_load_n(gate, __ATOMIC_SEQ_CST) == KREX_GATE_OPEN && now - t0 < most) {
+        uint64_t left = most - (now - t0);
+        krex_futex_wait(gate, KREX_GATE_OPEN, left < PEND_POLL_NS ? left : PEND_POLL_NS);
+        now = krex_now_ns();
+    }
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p && now > start + PEND_POLL_NS / 2) {
+        __atomic_fetch_add(&p->held, 1, RELAXED);
+        __atomic_fetch_add(&p->held_ns, now - start, RELAXED);
+    }
+}
+
+/* Before a LIFE call: a context, module or memory call begun while another command's region
+ * is about to begin may still run when its gate closes, and the gate cannot stop it midway
+ * (krexd freezes its process, and the drain waits behind the driver lock it holds). So it
+ * waits, as at a closed gate, until that gate has closed (then it parks there), the region
+ * was dropped, or KREX_PENDING_HOLD_MS passed. A nested call is covered by the outer one. */
+void krex_life_defer(void) {
+    if (t_depth != 0 || !__atomic_load_n(&g_fast.gate, ACQUIRE) || !krex_pending()) return;
+    krex_hold_pending(KREX_PEND_QUEUED | KREX_PEND_SOON, krex_now_ns());
 }
 
 /* ------------------------------------------------------------ the exit hold */
@@ -123,28 +175,62 @@ static void exit_hold(void) {
     if (g_life_gen != g_fork_gen || g_life_pid != getpid() || t_depth != 0 ||
         !__atomic_load_n(&g_fast.gate, ACQUIRE))
         return;
+    krex_life_defer();
     int tok = krex_enter(KREX_CLS_LIFE); /* parks while another command's region runs */
     if (g_fast.life_inflight == g_fast.inflight) {
         /* No record: the count went to the slot's shared counter, which krexd waits for;
          * held for good it would stall every region while the command lives. */
         krex_leave(tok, KREX_CLS_LIFE);
-        krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen);
+        krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, KREX_FREE_SETTLE_NS);
         return;
     }
     /* The count stays held (krexd freezes a process inside a LIFE call before a region),
      * but not the depth: the GPU calls this exit still makes (vendor teardown, exit
      * handlers registered before ours) must stay gated, not pass as nested. */
     t_depth--;
-    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen); /* its teardown frees all its GPU memory */
+    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, KREX_FREE_SETTLE_NS); /* its teardown frees all its memory */
 }
 
-void krex_life_free(int id, uintptr_t arg0, int end) {
-    if (!krex_frees[id] || (krex_frees[id] != 1 && arg0 == 0) || !__atomic_load_n(&g_fast.gate, ACQUIRE)) return;
-    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen); /* seq_cst: a later grant's read sees it */
+typedef int (*fn_addr_range)(uint64_t *, size_t *, uint64_t);
+typedef int (*fn_xmode_t)(CUstreamCaptureMode *);
+
+/* How long the GPU may clear the memory a free of device pointer `ptr` hands back: its
+ * allocation's size (the driver's cuMemGetAddressRange_v2, the real one, in relaxed capture
+ * mode so another thread's capture is not invalidated) at KREX_SETTLE_NS_PER_GB, at least
+ * KREX_SETTLE_MIN_NS; KREX_FREE_SETTLE_NS when the driver cannot tell (no such call, not an
+ * allocation's base, a capture under way in this process). The scrub runs on the driver's
+ * own copy-engine channel after the call returns (docs/architecture.md), so no sync of ours
+ * orders it: only its size bounds it. */
+static uint64_t free_settle_ns(uintptr_t ptr) {
+    static fn_addr_range range;
+    static fn_xmode_t xmode;
+    static int looked;
+    if (!__atomic_load_n(&looked, ACQUIRE)) {
+        range = (fn_addr_range)vendor_sym(KREX_API_DRIVER, "cuMemGetAddressRange_v2");
+        xmode = (fn_xmode_t)vendor_sym(KREX_API_DRIVER, "cuThreadExchangeStreamCaptureMode");
+        __atomic_store_n(&looked, 1, RELEASE);
+    }
+    if (!range || __atomic_load_n(&g_captures, RELAXED) != 0) return KREX_FREE_SETTLE_NS;
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (xmode) xmode(&mode);
+    uint64_t base = 0;
+    size_t size = 0;
+    int rc = range(&base, &size, (uint64_t)ptr);
+    if (xmode) xmode(&mode);
+    if (rc != 0 || base != (uint64_t)ptr || size == 0) return KREX_FREE_SETTLE_NS;
+    uint64_t ns = (uint64_t)((double)size * KREX_SETTLE_NS_PER_GB / (1024.0 * 1024.0 * 1024.0));
+    return ns < KREX_SETTLE_MIN_NS ? KREX_SETTLE_MIN_NS : ns;
+}
+
+uint64_t krex_life_free(int id, uintptr_t arg0, int end, uint64_t settle_ns) {
+    if (!krex_frees[id] || (krex_frees[id] != 1 && arg0 == 0) || !__atomic_load_n(&g_fast.gate, ACQUIRE)) return 0;
+    if (!end) settle_ns = krex_frees[id] == 3 ? free_settle_ns(arg0) : KREX_FREE_SETTLE_NS;
+    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, settle_ns); /* seq_cst: a later grant's read sees it */
     /* Counted from the first stamp to after the second: krexd, freezing us in between (right
      * after the driver freed), knows a free ended with no stamp of its end yet. */
     struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
     if (p) __atomic_add_fetch(&p->free_inflight, end ? (uint32_t)-1 : 1u, __ATOMIC_SEQ_CST);
+    return settle_ns;
 }
 
 /* A stream-ordered LIFE call counts twice (as it starts and as it ends), so a last exit

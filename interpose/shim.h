@@ -50,8 +50,15 @@ void krex_exit_redrain(void);                /* drain.c: after such a call past 
 uint32_t krex_life_thread(void);             /* a LIFE call passed the gate: record its thread */
 void krex_life_thread_end(uint32_t tid);     /* ... and ended: unrecord it (if still the one) */
 void krex_life_done(void);                   /* a LIFE call succeeded: arm the exit hold */
-void krex_life_free(int id, uintptr_t arg0, int end); /* LIFE call `id` (first argument arg0): a free? stamp it
-                                                      * (end 0: before the driver call, 1: after it) */
+/* LIFE call `id` (first argument arg0): a free? stamp it (end 0: before the driver call, which
+ * returns the settle time it stamped; end 1: after it, with that time). */
+uint64_t krex_life_free(int id, uintptr_t arg0, int end, uint64_t settle_ns);
+/* Another command's region is about to begin on our GPU (shim.c): */
+#define KREX_PEND_QUEUED 1 /* ... its BEGIN is queued */
+#define KREX_PEND_SOON 2   /* ... it was announced */
+int krex_pending(void);
+void krex_hold_pending(int what, uint64_t t0); /* wait while one of `what` and the gate is open (bounded) */
+void krex_life_defer(void);                    /* before a LIFE call: that wait, for both */
 
 KREX_NO_SANITIZE static inline int mode_on(void) { return __atomic_load_n(&g_mode, RELAXED) == MODE_ON; }
 
@@ -69,7 +76,8 @@ void *krex_next_sym(const char *name);
 void *krex_resolve(int id, int k);
 
 /* hooks.c: the wrappers generated from the api_*.def tables. */
-extern unsigned char krex_frees[]; /* by entry id: 2 a *Free* (NULL: none), 1 another freeing LIFE call */
+extern unsigned char krex_frees[]; /* by entry id: 3 a Free of a device allocation the driver can size,
+                                    * 2 another *Free* (NULL: none), 1 another freeing LIFE call */
 extern unsigned char krex_ordered[]; /* by entry id: 1 a stream-ordered LIFE call */
 extern void *const krex_wrappers[KREX_N_IDS][KREX_NSLOT];
 void krex_hooks_init(void);

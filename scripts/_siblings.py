@@ -50,11 +50,12 @@ def sync():
 """
 
 
-def measure_code(warm: str, pause_s: float) -> str:
+def measure_code(warm: str, pause_s: float, before: str = "pass") -> str:
     """The measuring command's loop (after a prelude defining short_op and sync): argv[1]
     regions around short_op, each row the client's entry time and the grant's steps, as one
-    JSON list on stdout. `warm` runs once first; `pause_s` lets the siblings run between."""
-    return MEASURE.replace("WARM", warm).replace("PAUSE", repr(pause_s))
+    JSON list on stdout. `warm` runs once first; `pause_s` lets the siblings run between;
+    `before` (one statement) runs before each region, outside it (a benchmark's warm-up)."""
+    return MEASURE.replace("WARM", warm).replace("PAUSE", repr(pause_s)).replace("BEFORE", before)
 
 
 MEASURE = r"""
@@ -63,13 +64,15 @@ n = int(sys.argv[1])
 WARM
 rows = []
 for _ in range(n):
+    BEFORE
     t0 = time.perf_counter()
     with krex.region() as r:
         t1 = time.perf_counter()
         short_op(); sync()
     g = r.grant or {}
     rows.append({"client_s": t1 - t0, **{k: v for k, v in g.items() if k.endswith("_s") or k.startswith("wait_")
-                                          or k in ("contaminated", "drained", "flags", "drain_slow", "drain_waited_on", "lent_priority")}})
+                                          or k in ("contaminated", "drained", "flags", "drain_slow", "drain_waited_on", "lent_priority",
+                                                   "freeze_why")}})
     time.sleep(PAUSE)
 print(json.dumps(rows))
 """

@@ -381,6 +381,15 @@ EXPORT CUresult cuCtxGetCurrent(CUcontext *c) {
          : simgpu_ctx_active(d) ? (CUcontext)(void *)&g_primary[d] : NULL;
     return 0;
 }
+/* What the shim asks before a free, to size its settle time (shim.c, free_settle_ns). */
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    void *b = NULL;
+    size_t n = 0;
+    if (simgpu_alloc_range((const void *)(uintptr_t)p, &b, &n) != 0) return 1; /* CUDA_ERROR_INVALID_VALUE */
+    if (base) *base = (CUdeviceptr)(uintptr_t)b;
+    if (size) *size = n;
+    return 0;
+}
 struct sim_cu_event { uint64_t t; };
 EXPORT CUresult cuEventCreate(void **e, unsigned int flags) {
     (void)flags;

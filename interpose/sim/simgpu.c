@@ -263,17 +263,51 @@ EXPORT int simgpu_moves_bytes(void) { return g_move_bytes; }
 /* "Device" memory: host pages of their own (mmap), a size header in front. Not malloc: a
  * program (or the tables' test driver) that never frees its device memory is no host
  * leak, as on a real GPU, and a leak checker must not say so. */
+/* The live allocations, so that cuMemGetAddressRange answers for them and never reads
+ * memory behind a pointer it did not hand out (beyond SIM_ALLOCS of them: not found). */
+#define SIM_ALLOCS 4096
+static struct { void *p; size_t n; } g_allocs[SIM_ALLOCS];
+static pthread_mutex_t g_alloc_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* NORESERVE: a test may "allocate" far more than the machine has; untouched, it costs nothing. */
 EXPORT void *simgpu_alloc(size_t n) {
     size_t len = n + 64; /* the header keeps the pointer 64-byte aligned */
-    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return NULL;
     *(size_t *)m = len;
+    pthread_mutex_lock(&g_alloc_lock);
+    for (int i = 0; i < SIM_ALLOCS; i++)
+        if (!g_allocs[i].p) {
+            g_allocs[i].p = (char *)m + 64;
+            g_allocs[i].n = n;
+            break;
+        }
+    pthread_mutex_unlock(&g_alloc_lock);
     return (char *)m + 64;
 }
 EXPORT void simgpu_free(void *p) {
     if (!p) return;
+    pthread_mutex_lock(&g_alloc_lock);
+    for (int i = 0; i < SIM_ALLOCS; i++)
+        if (g_allocs[i].p == p) g_allocs[i].p = NULL;
+    pthread_mutex_unlock(&g_alloc_lock);
     char *m = (char *)p - 64;
     munmap(m, *(size_t *)m);
+}
+/* The allocation that holds `p`: 0 and its base and size, else 1 (not one of ours). */
+EXPORT int simgpu_alloc_range(const void *p, void **base, size_t *size) {
+    int rc = 1;
+    pthread_mutex_lock(&g_alloc_lock);
+    for (int i = 0; i < SIM_ALLOCS && rc; i++) {
+        const char *b = (const char *)g_allocs[i].p;
+        if (b && (const char *)p >= b && (const char *)p < b + (g_allocs[i].n ? g_allocs[i].n : 1)) {
+            *base = (void *)b;
+            *size = g_allocs[i].n;
+            rc = 0;
+        }
+    }
+    pthread_mutex_unlock(&g_alloc_lock);
+    return rc;
 }
 
 /* KREX_SIM_LIFE_MS: a module load spends that long on the host inside the call (a PTX

@@ -28,6 +28,7 @@ int simgpu_gated_rc(void);                       /* a gated call's: KREX_SIM_RC[
 int simgpu_moves_bytes(void);                    /* KREX_SIM_MOVE_BYTES: copies move bytes */
 void *simgpu_alloc(size_t n);                   /* "device" memory (mmap'd host pages) */
 void simgpu_free(void *p);                       /* ... and back (NULL: nothing) */
+int simgpu_alloc_range(const void *p, void **base, size_t *size); /* its allocation: 0, else 1 */
 void simgpu_life_host_time(void);               /* KREX_SIM_LIFE_MS: a module load's host time */
 uint64_t simgpu_now(void);
 void simgpu_sleep_until(uint64_t t);

@@ -21,9 +21,18 @@ Precedence: command line > environment > config file > defaults. The config file
   lend_cores       KREX_LEND_CORES        --lend-cores       off, region or all: commands may also run on
                                                              their GPU's region core (and the housekeeping
                                                              core) while no region needs it
-  queue_cap_ms     KREX_QUEUE_CAP_MS                         while commands share a GPU, how long (ms) the GPU
+  drain_budget_ms  KREX_DRAIN_BUDGET_MS   --drain-budget     while commands share a GPU, the GPU work (ms) all
+                                                             of them together may keep queued, each its share:
+                                                             what a region's entry drains (default 4); 0: each
+                                                             command by queue_cap_ms instead
+  queue_cap_ms     KREX_QUEUE_CAP_MS                         with no drain budget: how long (ms) the GPU
                                                              work a command has queued may wait before its
                                                              next submissions wait for it; 0: unbounded
+  early_shrink     KREX_EARLY_SHRINK                         on (default) or off: while a region is queued
+                                                             or announced (an automatic region's target is
+                                                             entered), siblings' queues shrink and their
+                                                             context, module and memory calls wait for
+                                                             its gate
   helper_nice      KREX_HELPER_NICE                          the nice krexd lends the threads a region's drain
                                                              waits for: drain helpers, and a thread inside
                                                              a context, module or memory call (root; 0: off)
@@ -154,8 +163,14 @@ class Config:
     # H200 it made more commands a minute than "off" at C=8 and 16, with every band's p95
     # inflation lower (docs/results/h200/final6/).
     lend_cores: str = "all"
-    # Bounded queues (interpose/pace.c): a region's entry drains what siblings queued.
+    # Bounded queues (interpose/pace.c): a region's entry drains what siblings queued. The
+    # budget bounds all of it on a GPU (each command its share); 0 falls back to a cap per
+    # command, queue_cap_ms.
+    drain_budget_ms: float = float(lib.KREX_DRAIN_BUDGET_MS)
     queue_cap_ms: float = float(lib.KREX_QUEUE_CAP_MS)
+    # A region queued or announced shrinks siblings' queues and holds their LIFE calls before
+    # its gate closes (krex_abi.h, KREX_PENDING_HOLD_MS).
+    early_shrink: bool = True
     # A region's entry waits for every sibling's drain helper to answer; at nice 0 on a full
     # node a helper sat runnable behind its own command's CPU-bound threads (H200, the
     # CPU-heavy family). krexd (root) renices each helper once, at its first region, and
@@ -198,6 +213,8 @@ class Key:
             return "[" + "|".join(self.choices) + "]"
         if self.name.endswith("_s"):
             return "SECONDS"
+        if self.name.endswith("_ms"):
+            return "MS"
         return "N" if self.name == "slots_per_gpu" else self.name.upper()
 
     def help_text(self) -> str:
@@ -236,8 +253,13 @@ KEYS = (
     Key("lend_cores", "lend_cores", "KREX_LEND_CORES", _lend, "off, region or all (0/1 also read)",
         "--lend-cores", "commands may also run on their GPU's region core (region) and the housekeeping "
         "core (all) while no region needs them", ("off", "region", "all")),
+    Key("drain_budget_ms", "drain_budget", "KREX_DRAIN_BUDGET_MS", _num(0, 60000),
+        "milliseconds, e.g. 4, or 0 for a cap per command (queue_cap)", "--drain-budget",
+        "the GPU work (ms) all commands on a GPU together may keep queued, each its share: what a "
+        "region's entry drains; 0: a cap per command (queue_cap)"),
     Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
         "milliseconds, e.g. 20, or 0 for none"),
+    Key("early_shrink", "early_shrink", "KREX_EARLY_SHRINK", _bool, "on or off (yes/no, 1/0)"),
     Key("helper_nice", "helper_nice", "KREX_HELPER_NICE", _num(-20, 0, True), "a whole number -20..0"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),

@@ -44,6 +44,7 @@ from krex.native import ffi, lib
 from krex.node import config, coretime, cpus, freezepolicy, freezer, journal, optin, procfs, regionqueue
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
+from krex.node.pending import Pending
 from krex.node.segguard import Expected, SegmentGuard, remove_world
 from krex.node.shm import (
     HEARTBEAT_TIMEOUT_S,
@@ -444,6 +445,8 @@ class Daemon:
         self.regions_done = 0
         self.last_busy = time.monotonic()
         self.seg: Segment
+        # Regions queued or announced, published so that siblings' queues shrink early.
+        self.pending = Pending(lambda: self.seg, self.info.count, cfg.early_shrink)
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
         self.inspector = freezepolicy.Inspector()
@@ -718,7 +721,9 @@ class Daemon:
             "freeze_timeout_s": c.freeze_timeout_s,
             "drain_timeout_s": c.drain_timeout_s,
             "lend_cores": c.lend_cores,
+            "drain_budget_ms": c.drain_budget_ms,
             "queue_cap_ms": c.queue_cap_ms,
+            "early_shrink": c.early_shrink,
             "log_level": c.log_level,
         }
         log.info(
@@ -904,6 +909,7 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - the watch must never stop the heartbeat
                 log.error("segment check failed: %s: %s", type(e).__name__, e)
             self._check_fail_opens()  # n_gpus word loads; a snapshot only when one rose
+            self.pending.expire()
             self._last_beat = last
             time.sleep(HEARTBEAT_S)
             now = time.monotonic()
@@ -1163,6 +1169,7 @@ class Daemon:
                 # empty, so no group is left in the caller's job or pod cgroup.
                 self._unremoved[s.group.path] = s.group
             self.seg.release_slot(n)
+            self.pending.drop_slot(n)
             self._publish_queue_caps()
             self._promote()
             self.changed.notify_all()
@@ -1184,13 +1191,19 @@ class Daemon:
                 del self._unremoved[path]
 
     def _publish_queue_caps(self) -> None:
-        """Pacing (interpose/pace.c) bounds each command's queued GPU work, which a region's
-        entry must drain, while two or more commands share a GPU; alone, nothing waits for it."""
+        """Pacing (interpose/pace.c) bounds the queued GPU work a region's entry must drain,
+        while two or more commands share a GPU (alone, nothing waits for it): all of it by the
+        GPU's drain budget, each command its share, or, with no budget, each command's by
+        queue_cap_ms."""
         cap_us = int(self.cfg.queue_cap_ms * 1000)
+        budget_us = int(self.cfg.drain_budget_ms * 1000)
         with self.lock:
             per_gpu = collections.Counter(s.gpu for s in self.slots.values())
         for g in range(self.seg.n_gpus):
-            self.seg.raw.gpus[g].queue_cap_us = cap_us if per_gpu[g] >= 2 else 0
+            shared = per_gpu[g] >= 2
+            # The budget first: a shim that reads it never falls back to the cap meanwhile.
+            self.seg.raw.gpus[g].budget_us = budget_us if shared else 0
+            self.seg.raw.gpus[g].queue_cap_us = cap_us if shared else 0
 
     def _slot_of_pid(self, pid: int) -> Slot | None:
         """The slot a process belongs to: its cgroup, else its ancestry."""
@@ -1401,6 +1414,7 @@ class Daemon:
         with self.lock:  # held on to: `release` may drop the slot before the record is made
             owner_slot = self.slots.get(req.slot)
         word = self._acquire_gate(gpu, req)
+        self.pending.unqueue(req)  # its gate is closed (or it was dropped): siblings park there now
         if word is None:  # the owner left while queued, or the daemon stops
             req.granted.set()
             return
@@ -1805,12 +1819,24 @@ class Daemon:
         after setting some up, at or after `since_ns` (CLOCK_MONOTONIC, as krex_now_ns). The
         stamps outlive those processes and commands; the owner's slot counts when the stamp is
         of another command that had its number before."""
-        with self.lock:
-            s = self.slots.get(owner_slot)
-        gen = s.generation if s is not None else int(self.seg.raw.slots[owner_slot].generation)
+        gen = self._owner_gen(owner_slot)
         slots, ago = ffi.new("int32_t[64]"), ffi.new("uint64_t[64]")
         n = min(int(lib.krex_recent_frees(self.seg.raw, gpu, owner_slot, gen, since_ns, slots, ago, 64)), 64)
         return [(int(slots[i]), int(ago[i])) for i in range(n)]
+
+    def _owner_gen(self, owner_slot: int) -> int:
+        with self.lock:
+            s = self.slots.get(owner_slot)
+        return s.generation if s is not None else int(self.seg.raw.slots[owner_slot].generation)
+
+    def _settle_until(self, gpu: int, owner_slot: int) -> tuple[int, int]:
+        """(until when the GPU may still clear memory other commands freed, the newest of
+        their stamps): each slot's stamp carries its own time, sized by the bytes freed where
+        the shim could ask the driver, else KREX_FREE_SETTLE_NS (krex_settle_until)."""
+        latest = ffi.new("uint64_t *")
+        gen = self._owner_gen(owner_slot)
+        until = int(lib.krex_settle_until(self.seg.raw, gpu, owner_slot, gen, 0, latest))
+        return until, int(latest[0])
 
     def _running_pids(self, at_close: list[Slot], frozen: list[Slot]) -> dict[Slot, list[int]]:
         """The processes of the commands that were on the GPU as the gate closed, still live
@@ -1932,17 +1958,17 @@ class Daemon:
         ended_settle_ns: int | None = None,
     ) -> list[tuple[str, str]]:
         """The driver clears freed memory on the GPU after the freeing call returned (or the
-        process ended): wait until KREX_FREE_SETTLE_NS has passed since the latest free of
-        another command, and since `ended_ns` (siblings seen gone during entry) until
+        process ended), on a copy-engine channel of its own that no drain orders: wait until
+        each other command's latest free may be cleared (its stamp's own time: the bytes it
+        freed at KREX_SETTLE_NS_PER_GB where the shim could size it, else
+        KREX_FREE_SETTLE_NS), and since `ended_ns` (siblings seen gone during entry) until
         `ended_settle_ns` (sized by the memory they held, Attestor.settle_ns) or else the
-        same fixed time. Then flag `recent-free` only for frees made meanwhile (no sibling
-        can free through a gated call now: a path the gate does not see)."""
+        fixed time. Then flag `recent-free` only for frees made meanwhile (no sibling can
+        free through a gated call now: a path the gate does not see)."""
         settle = int(lib.KREX_FREE_SETTLE_NS)
         t0 = time.monotonic_ns()
-        recent = self._frees_since(gpu, owner_slot, t0 - settle)
-        stamps = [t0 - ago for _s, ago in recent]
-        latest = max([ended_ns, *stamps])
-        until = max((s + settle for s in stamps), default=0)
+        until, newest = self._settle_until(gpu, owner_slot)
+        latest = max(ended_ns, newest)
         if ended_ns:
             after_end = settle if ended_settle_ns is None else ended_settle_ns
             until = max(until, ended_ns + after_end)
@@ -2407,6 +2433,19 @@ class Daemon:
     ) -> dict[str, Any]:
         return self._begin(pid, msg, owned)
 
+    @handles("soon")
+    def _op_soon(
+        self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The caller's command says a region comes soon (an automatic region's target was
+        entered; its warm-up runs first): siblings' queues start shrinking now. A process of
+        no command gets no slot for it."""
+        with self.lock:
+            s = self._slot_of_pid(pid)
+        if s is None or s.warm:
+            return {"ok": True, "soon": False}
+        return {"ok": True, "soon": self.pending.announce(s.gpu, s.slot)}
+
     @handles("end")
     def _op_end(
         self, conn: socket.socket, pid: int, msg: dict[str, Any], owned: dict[str, Any]
@@ -2666,11 +2705,15 @@ class Daemon:
             raise NotFound(f"thread {tid} of pid {pid} ended while its command waited pre-warmed", "")
         req = Region(s.slot, s.gpu, pid, tid, t_request, label=label, tenant=s.tenant)
         owned["region"] = req
-        if not self._enter_inline(s.gpu, req):
-            with self.lock:
-                self.queues[s.gpu].push(req)
-                self.changed.notify_all()
-        req.granted.wait()
+        self.pending.queue(req, s.gpu, s.slot)
+        try:
+            if not self._enter_inline(s.gpu, req):
+                with self.lock:
+                    self.queues[s.gpu].push(req)
+                    self.changed.notify_all()
+            req.granted.wait()
+        finally:
+            self.pending.unqueue(req)
         if req.cancelled:
             if self.stop.is_set():
                 raise DaemonLost("region cancelled: the daemon is stopping", "run again; it starts on demand")
@@ -2727,7 +2770,9 @@ class Daemon:
                     "lend_cores_off": self.lend_off_why,
                     "region_core_watched": self.core_watch_off is None,
                     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # -5 wanted with lend_cores all
+                    "drain_budget_ms": self.cfg.drain_budget_ms,
                     "queue_cap_ms": self.cfg.queue_cap_ms,
+                    "early_shrink": self.cfg.early_shrink,
                     "idle_exit_s": self.cfg.idle_exit_s,
                     "log": str(paths.state_dir() / "krexd.log"),
                     "settings_from": self.cfg.sources,

@@ -128,6 +128,8 @@ def gate_counters(procs: Iterable[Any]) -> dict[str, Any]:
         "fail_opens": sum(p.fail_opens for p in ps),
         "paced": sum(p.paced for p in ps),
         "paced_ms": round(sum(p.paced_ms for p in ps), 3),
+        "held": sum(p.held for p in ps),
+        "held_ms": round(sum(p.held_ms for p in ps), 3),
         "submits": {k: sum(p.submits[k] for p in ps) for k in ps[0].submits} if ps else {},
     }
 

@@ -119,6 +119,8 @@ class ProcInfo:
     flags: list[str] = field(default_factory=list)
     paced: int = 0  # times a thread waited for its own queued work (pace.c)
     paced_ms: float = 0.0
+    held: int = 0  # times a call waited for another command's region about to begin (shim.c)
+    held_ms: float = 0.0
     quiet: bool = False  # nothing queued since its last full drain: a drain skips it
 
 
@@ -336,6 +338,8 @@ class Segment:
                     flags=flags,
                     paced=int(r.paced),
                     paced_ms=int(r.paced_ns) / 1e6,
+                    held=int(r.held),
+                    held_ms=int(r.held_ns) / 1e6,
                     quiet=bool(lib.krex_proc_quiet(ffi.addressof(p.procs, i))),
                 )
             )

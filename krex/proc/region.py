@@ -108,6 +108,25 @@ def _begin(msg: dict[str, Any]) -> dict[str, Any]:
         return dict(_get_client().request(msg))
 
 
+def soon() -> bool:
+    """Tell krexd that a region of this command comes soon (an automatic region's target was
+    entered and runs its warm-up first): the other commands on the GPU start shrinking their
+    queued work now, so the region's gate closes on short queues (docs/architecture.md).
+    Only a hint, lapsing after KREX_SOON_MS: it never delays this command and never raises.
+    False outside KREX, inside a region, while another thread's region is under way, or when
+    krexd could not be told."""
+    if not under_krex() or getattr(_local, "depth", 0) > 0 or _fork_word:
+        return False
+    if not _proc_lock.acquire(blocking=False):  # another thread's region: its BEGIN has said it
+        return False
+    try:
+        return bool(_get_client().request({"op": "soon"}).get("soon"))
+    except (KrexError, OSError):
+        return False
+    finally:
+        _proc_lock.release()
+
+
 class RegionWarning(RuntimeWarning):
     """A region ended that KREX cannot vouch for: cut by --max-region, or flagged."""
 

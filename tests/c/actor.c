@@ -7,7 +7,10 @@
  *              (asynchronous: it returns at once, the kernel ends US later)
  *   kn:N:US    N such launches back to back (one line, at the end)
  *   copy:N     a synchronous N-byte cudaMemcpy: inside a gated call for N ns
- *   malloc     cudaMalloc (not gated; creates a context in the simulator)
+ *   malloc     cudaMalloc of 64 bytes (a LIFE call; creates a context in the simulator)
+ *   malloc:N   cudaMalloc of N bytes (the simulator maps them without reserving memory)
+ *   free       cudaFree of the last malloc's pointer
+ *   freeasync  cudaFreeAsync of the last malloc's pointer on the NULL stream
  *   sync       cudaDeviceSynchronize
  *   fork       fork(); the child runs the remaining actions too, as "child"
  *   sigwait    wait for SIGUSR1 (blocked from the start, so none is lost)
@@ -42,12 +45,15 @@
 extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
                                     size_t sharedMem, cudaStream_t stream);
 extern cudaError_t cudaMalloc(void **p, size_t n);
+extern cudaError_t cudaFree(void *p);
+extern cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
 extern cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind);
 extern cudaError_t cudaDeviceSynchronize(void);
 extern cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode);
 extern cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
 
 static const char *role = "parent";
+static void *last_alloc; /* malloc's, for free */
 
 static unsigned long long now_ns(void) {
     struct timespec ts;
@@ -103,9 +109,14 @@ int main(int argc, char **argv) {
             static char buf[16]; /* the simulator moves no bytes: any pointers do */
             rc = cudaMemcpy(buf, buf + 8, (size_t)strtoull(a + 5, NULL, 10), cudaMemcpyHostToHost);
             report("copy", rc, t0, now_ns());
-        } else if (!strcmp(a, "malloc")) {
-            void *p = NULL;
-            rc = cudaMalloc(&p, 64);
+        } else if (!strcmp(a, "malloc") || !strncmp(a, "malloc:", 7)) {
+            rc = cudaMalloc(&last_alloc, a[6] == ':' ? (size_t)strtoull(a + 7, NULL, 10) : 64);
+            report("malloc", rc, t0, now_ns());
+        } else if (!strcmp(a, "free")) {
+            rc = cudaFree(last_alloc);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "freeasync")) {
+            rc = cudaFreeAsync(last_alloc, NULL);
             report(a, rc, t0, now_ns());
         } else if (!strcmp(a, "sync")) {
             rc = cudaDeviceSynchronize();

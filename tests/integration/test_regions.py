@@ -242,7 +242,12 @@ class Krex:
 
     # ------------------------------------------------------------- daemon
     def start_daemon(
-        self, *, freezer_name: str | None = None, max_region: float | None = None, slots: int = 8
+        self,
+        *,
+        freezer_name: str | None = None,
+        max_region: float | None = None,
+        slots: int = 8,
+        env_extra: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         args = [sys.executable, "-m", "krex.node.daemon", "--device", "sim", "--slots-per-gpu", str(slots)]
         if freezer_name:
@@ -253,7 +258,12 @@ class Krex:
         log = open(self.state / "test-daemon.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             p = subprocess.Popen(
-                args, env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+                args,
+                env=self.env(**(env_extra or {})),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         finally:
             log.close()

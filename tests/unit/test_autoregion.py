@@ -1255,3 +1255,20 @@ def test_real_triton_and_torch_on_a_gpu(tmp_path: Path) -> None:
     for meth in ("timeit", "blocked_autorange"):
         assert out[meth]["inside"] == out[meth]["n"] and out[meth]["before"] > 0
     assert set(out["status"].values()) == {"wrapped"}
+
+
+def test_entering_a_target_announces_its_region_before_the_warm_up(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outermost call of a wrapped target says a region comes soon (krexd shrinks the
+    siblings' queues during the warm-up), once, before anything of the harness runs."""
+    import krex.proc.autoregion.core as core
+
+    monkeypatch.setattr(core, "soon", lambda: sandbox.log.append("soon"))
+    autoregion.install("do_bench")
+    import triton.testing as tt
+
+    sandbox.reset()
+    tt.do_bench(sandbox.fn(), warmup=10, rep=20)
+    before, _inside, _after = sandbox.between()
+    assert before[0] == "soon" and sandbox.log.count("soon") == 1, sandbox.log

@@ -338,7 +338,7 @@ def test_the_settle_after_an_exit_is_sized_by_the_memory_nvml_gave(tmp_path: Pat
 
 
 def _settle_daemon() -> Any:
-    return SimpleNamespace(_frees_since=lambda *a: [])
+    return SimpleNamespace(_frees_since=lambda *a: [], _settle_until=lambda *a: (0, 0))
 
 
 def test_the_settle_waits_the_sized_time_after_an_end_and_the_fixed_one_without() -> None:

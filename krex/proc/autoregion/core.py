@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any
 
 import krex
+from krex.proc.region import soon
 
 ENV_VAR = "KREX_AUTO_REGION"
 
@@ -320,6 +321,10 @@ def _make_wrapper(t: Target, func: Callable[..., Any], body: Body) -> Callable[.
         stack = getattr(_tls, "targets", None)
         if stack is None:
             stack = _tls.targets = []
+        if not stack:
+            # Its warm-up runs before the region: siblings' queues start shrinking now, so
+            # that the region's gate closes on short ones (a hint krexd lets lapse).
+            soon()
         stack.append(t)  # the region this call opens is labelled with its target
         try:
             if t.name in _whole:

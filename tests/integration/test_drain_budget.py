@@ -1,0 +1,282 @@
+"""The drain budget and early shrinking (interpose/pace.c, shim.c, krex/node/pending.py):
+what siblings leave queued when a region's gate closes, measured in simulated-GPU time from
+the simulator's trace (the work they had submitted before the close that was still to run
+after it), never by wall-clock deadlines. Each test runs the case without the mechanism
+beside the one with it, so the bound it asserts is the mechanism's, not the simulator's."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import pytest
+from helpers import Harness, read_jsonl, victims
+from test_regions import Krex, kx
+
+from krex.native import ffi, lib
+
+__all__ = ["kx"]  # the fixture, used by name
+
+root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: krexd's cgroups")
+
+KERNEL_US = 300
+BUDGET_MS = lib.KREX_DRAIN_BUDGET_MS
+
+
+def _close_ns(rec: dict[str, Any]) -> int:
+    """When a region's gate closed: its grant less the entry steps after the gate's CAS."""
+    return int(rec["t_grant_ns"] - (rec["entry_s"] - rec["block_s"]) * 1e9)
+
+
+def _left_at_close(kx: Krex, recs: list[dict[str, Any]]) -> list[float]:
+    """For each region, the ms of other commands' kernels submitted before its gate closed
+    that still ran after it (0: none): what its drain had to wait for."""
+    ops = [e for e in read_jsonl(kx.trace) if e.get("ev") == "op" and e["cls"] == lib.KREX_CLS_KERNEL]
+    out = []
+    for r in recs:
+        c = _close_ns(r)
+        ends = [o["end"] for o in ops if o["submit"] < c and o["slot"] != r["owner_slot"]]
+        out.append(max(0.0, (max(ends, default=c) - c) / 1e6))
+    return out
+
+
+def _hammers(kx: Krex, n: int, us: int = KERNEL_US) -> None:
+    actor = str(victims()["actor"])
+    for i in range(n):
+        kx.run_argv(f"hammer{i}", [actor, "k:1", "sync", f"kn:1000000:{us}"])
+    kx.wait(lambda: len(kx.status()["slots"]) == n, 60, "the hammers' slots")
+    kx.wait(lambda: sum(1 for p in kx.snapshot().procs if p.has_ctx) >= n, 60, "the hammers' first kernels")
+    time.sleep(0.5)  # past their first pacing checks
+
+
+def _regions(kx: Krex, owners: dict[str, list[str]], timeout: float = 120) -> list[dict[str, Any]]:
+    """Run each owner (actor ACTIONS under krex run), wait for them, return their regions."""
+    actor = str(victims()["actor"])
+    for name, actions in owners.items():
+        kx.run_argv(name, [actor, "k:1", "sync", *actions])
+    for name in owners:
+        rc = kx.cmds[name].popen.wait(timeout)
+        assert rc == 0, kx.cmds[name].output()[-1500:]
+    slots = {int(r["owner_slot"]) for r in kx.journal()}
+    assert slots, "no region was journalled"
+    return [r for r in kx.journal() if "t_grant_ns" in r]
+
+
+@root
+@pytest.mark.parametrize("budget_ms", [str(BUDGET_MS), "0"])
+def test_the_budget_bounds_what_all_hammering_siblings_leave_for_a_drain(kx: Krex, budget_ms: str) -> None:
+    """Six siblings launch 0.3 ms kernels back to back. With krexd's drain budget (default),
+    what they leave queued at a region's gate close stays near the budget plus at most a
+    kernel each (their floor); with a cap per command instead (budget 0, the 15 ms
+    KREX_QUEUE_CAP_MS), each keeps up to a cap's worth and more, and the drain grows with
+    their number."""
+    n = 6
+    kx.start_daemon(slots=n + 2, env_extra={"KREX_DRAIN_BUDGET_MS": budget_ms, "KREX_EARLY_SHRINK": "off"})
+    _hammers(kx, n)
+    recs = _regions(kx, {"owner": ["sleep:100", "begin", "end"] * 14})
+    left = _left_at_close(kx, recs)[2:]  # the first two: the hammers may still be cold
+    med = statistics.median(left)
+    bound = BUDGET_MS + n * KERNEL_US / 1e3 + 2.0
+    if budget_ms == "0":
+        assert med > bound, f"a cap per command left only {med:.1f} ms at the close: the test proves nothing"
+    else:
+        assert med <= bound, (
+            f"with a {budget_ms} ms budget, {n} siblings left a median {med:.1f} ms of work at the gate's "
+            f"close (bound {bound:.1f} ms): {[round(x, 1) for x in left]}"
+        )
+    assert not any("drain-timeout" in r.get("flags", []) for r in recs)
+
+
+@root
+@pytest.mark.parametrize("early", ["on", "off"])
+def test_a_region_queued_behind_another_closes_on_empty_sibling_queues(kx: Krex, early: str) -> None:
+    """Two commands take regions in turn, so each often waits behind the other's. Siblings
+    parked at the first gate are held through its hand-over to the queued one (early
+    shrinking on), so the queued region's drain waits for nothing; without it they submit
+    while krexd passes from one region to the next, and the next region drains that."""
+    # `gpu`: no gateable sibling is frozen, so each owner's BEGIN arrives during the other's region.
+    env = {"KREX_DRAIN_BUDGET_MS": "0", "KREX_EARLY_SHRINK": early, "KREX_FREEZE_POLICY": "gpu"}
+    kx.start_daemon(slots=8, env_extra=env)
+    _hammers(kx, 3)
+    loop = ["begin", "sleep:40", "end", "sleep:3"] * 12
+    recs = _regions(kx, {"a": loop, "b": loop})
+    queued = [r for r in recs if r["queue_wait_s"] >= 0.005]
+    assert len(queued) >= 5, f"too few regions queued behind another: {[r['queue_wait_s'] for r in recs]}"
+    left = _left_at_close(kx, queued)
+    if early == "off":
+        med = statistics.median(left)
+        assert med > 2.0, f"without early shrinking a median {med:.2f} ms was left: the test proves nothing"
+    else:
+        assert max(left) <= KERNEL_US / 1e3, (
+            f"queued regions' gates closed on up to {max(left):.2f} ms of siblings' work: {left}"
+        )
+        held = sum(p.held for p in kx.snapshot().procs)
+        assert held > 0, "no sibling call was held for a queued region"
+
+
+def _pending(h: Harness, word: str, slot: int) -> None:
+    setattr(h.seg.raw.gpus[0], word, 1 << slot)
+
+
+@pytest.mark.parametrize("word", ["pending_slots", "soon_slots"])
+def test_a_life_call_waits_while_another_commands_region_is_about_to_begin(
+    harness: Harness, word: str
+) -> None:
+    """A sibling's cudaMalloc begun while another command's region is queued (or announced)
+    waits, as at a closed gate: when that gate closes it parks there, and it reaches the
+    GPU only after the region. Without the word it runs at once."""
+    h = harness
+    h.seg.set_daemon(os.getpid(), heartbeat_timeout_s=60)
+    owner, sib = h.claim(), h.claim()
+    c = h.spawn("actor", ["k:1", "sync", "line", "malloc", "line", "malloc", "line"], h.env(sib))
+    c.expect(lambda d: d["act"] == "sync", 30, "registration")
+
+    c.send()  # no region about to begin: at once
+    m = c.expect(lambda d: d["act"] == "malloc", 10, "the first malloc")
+    assert m["rc"] == 0 and (m["t1"] - m["t0"]) / 1e9 < 0.04, m
+
+    _pending(h, word, owner)
+    c.send()
+    time.sleep(0.02)  # the malloc is waiting now
+    h.seg.close_gate(0, owner_slot=owner, holder=lib.KREX_HOLDER_REGION)  # the region's gate
+    h.seg.raw.gpus[0].pending_slots = h.seg.raw.gpus[0].soon_slots = 0  # as krexd does once it closed
+    assert h.seg.wait_inflight(0, owner, timeout=5).ok
+    time.sleep(0.2)
+    t_open = time.monotonic_ns()
+    h.seg.open_gate(0)
+    m = c.expect(lambda d: d["act"] == "malloc", 10, "the second malloc")
+    assert m["rc"] == 0, m
+    mallocs = [o for o in h.ops(c.pid) if o["api"] == "cudaMalloc"]
+    assert mallocs[-1]["submit"] >= t_open, (
+        f"the malloc reached the GPU {(t_open - mallocs[-1]['submit']) / 1e6:.1f} ms before the region's "
+        "gate opened"
+    )
+    p = h.proc(c.pid)
+    assert p is not None and p.held >= 1, p
+
+
+def test_a_wait_for_a_region_about_to_begin_is_bounded(harness: Harness) -> None:
+    """A pending word nobody clears (krexd hung with a fresh heartbeat, or a bug) slows a
+    sibling's LIFE call by KREX_PENDING_HOLD_MS, never stops it."""
+    h = harness
+    h.seg.set_daemon(os.getpid(), heartbeat_timeout_s=60)
+    owner, sib = h.claim(), h.claim()
+    _pending(h, "pending_slots", owner)
+    c = h.spawn("actor", ["k:1", "sync", "malloc", "malloc", "line"], h.env(sib))
+    ms = [c.expect(lambda d: d["act"] == "malloc", 10, "a malloc") for _ in range(2)]
+    hold_s = lib.KREX_PENDING_HOLD_MS / 1e3
+    for m in ms:
+        assert hold_s * 0.9 <= (m["t1"] - m["t0"]) / 1e9 <= hold_s + 0.5, m
+
+
+def test_a_pacing_check_waits_for_a_queued_regions_gate(harness: Harness) -> None:
+    """A sibling that keeps launching while another command's region is queued stops at its
+    next pacing check, with nothing of its own left queued, until that gate closes: the
+    gate then closes on an empty queue."""
+    h = harness
+    h.seg.set_daemon(os.getpid(), heartbeat_timeout_s=60)
+    h.seg.raw.gpus[0].budget_us = BUDGET_MS * 1000
+    owner, sib = h.claim(), h.claim()
+    c = h.spawn("actor", ["k:1", "sync", f"kn:100000:{KERNEL_US}", "line"], h.env(sib))
+    c.expect(lambda d: d["act"] == "sync", 30, "registration")
+    time.sleep(0.3)
+    _pending(h, "pending_slots", owner)
+    time.sleep(0.03)  # within the hold: the sibling waits at its check
+    t_close = time.monotonic_ns()
+    h.seg.close_gate(0, owner_slot=owner, holder=lib.KREX_HOLDER_REGION)
+    h.seg.raw.gpus[0].pending_slots = 0
+    assert h.seg.wait_inflight(0, owner, timeout=5).ok
+    ends = [o["end"] for o in h.ops(c.pid, life=False) if o["submit"] < t_close]
+    left_ms = max(0, max(ends) - t_close) / 1e6
+    assert left_ms <= KERNEL_US / 1e3, f"{left_ms:.2f} ms of the sibling's work was queued at the close"
+    h.seg.open_gate(0)
+
+
+@root
+def test_soon_marks_the_slot_until_the_hint_lapses(kx: Krex) -> None:
+    """krex.proc.region.soon() (an automatic region's target entered) sets its command's bit
+    in the GPU's soon_slots; krexd clears it KREX_SOON_MS later."""
+    kx.start_daemon(slots=4)
+    code = (
+        "import os, sys, time, krex.proc.region as r\n"
+        "from krex.node.shm import Segment\n"
+        "slot = int(os.environ['KREX_SLOT'])\n"
+        "with Segment.attach(os.environ['KREX_SHM']) as s:\n"
+        "    ok = r.soon(); t0 = time.monotonic()\n"
+        "    bit = lambda: int(s.raw.gpus[0].soon_slots) >> slot & 1\n"
+        "    was = bit()\n"
+        "    while bit() and time.monotonic() - t0 < 5: time.sleep(0.005)\n"
+        "    print('SOON', ok, was, round(time.monotonic() - t0, 3), flush=True)\n"
+    )
+    kx.run_argv("hint", [sys.executable, "-c", code])
+    assert kx.cmds["hint"].popen.wait(60) == 0, kx.cmds["hint"].output()
+    words = kx.cmds["hint"].output().split("SOON ")[-1].split()
+    assert words[:2] == ["True", "1"], kx.cmds["hint"].output()
+    lapse_s = float(words[2])
+    assert lib.KREX_SOON_MS / 1e3 * 0.9 <= lapse_s <= lib.KREX_SOON_MS / 1e3 + 0.5, lapse_s
+
+
+def test_a_sized_free_settles_for_its_size_and_any_other_for_the_fixed_time(harness: Harness) -> None:
+    """The driver clears freed memory on its own copy-engine channel after the free returns,
+    at ~2.5 ms/GB on the H200 (docs/results/h200/settle). A cudaFree of an allocation's base
+    is stamped with the time its size takes (KREX_SETTLE_NS_PER_GB, at least
+    KREX_SETTLE_MIN_NS); a free the shim cannot size (stream-ordered) keeps
+    KREX_FREE_SETTLE_NS."""
+    h = harness
+    owner = h.claim()
+    gib = 1 << 30
+    cases = {
+        "free": (4 * gib, 4 * lib.KREX_SETTLE_NS_PER_GB),
+        "freeasync": (4 * gib, lib.KREX_FREE_SETTLE_NS),
+    }
+    for act, (size, want_ns) in cases.items():
+        sib = h.claim()
+        c = h.spawn("actor", ["k:1", "sync", f"malloc:{size}", act, "line"], h.env(sib))
+        d = c.expect(lambda d, act=act: d["act"] == act, 10, act)
+        assert d["rc"] == 0, d
+        latest = ffi.new("uint64_t *")
+        gen = int(h.seg.raw.slots[owner].generation)
+        until = int(lib.krex_settle_until(h.seg.raw, 0, owner, gen, 0, latest))
+        got = until - int(latest[0])
+        assert abs(got - want_ns) <= 2_000_000, (
+            f"{act}: settles {got / 1e6:.1f} ms after its stamp, not {want_ns / 1e6:.1f}"
+        )
+        assert int(latest[0]) >= d["t0"], d
+        h.seg.raw.gpus[0].slot_free_ns[sib] = 0  # the next case alone
+        h.seg.raw.gpus[0].slot_free_until_ns[sib] = 0
+
+
+@root
+@pytest.mark.parametrize("act", ["free", "freeasync"])
+def test_a_region_after_a_small_sized_free_waits_its_size_not_the_fixed_settle(kx: Krex, act: str) -> None:
+    """A sibling frees 256 MiB just before a region's BEGIN: the grant waits the few ms that
+    size takes to clear (cudaFree), or the fixed KREX_FREE_SETTLE_NS when the shim cannot
+    size the free (cudaFreeAsync); flagged neither way."""
+    kx.start_daemon(slots=4)
+    actor = str(victims()["actor"])
+    from helpers import Child
+
+    env = kx.env()
+    krex_run = [sys.executable, "-m", "krex.cli.main", "run", "--device", "sim", "--"]
+    sib = Child([*krex_run, actor, "k:1", "sync", f"malloc:{256 << 20}", "line", act, "line"], env)
+    own = Child([*krex_run, actor, "k:1", "sync", "line", "begin", "end", "line"], env)
+    try:
+        sib.expect(lambda d: d["act"] == "malloc", 60, "the sibling's malloc")
+        own.expect(lambda d: d["act"] == "sync", 60, "the owner's start")
+        sib.send()
+        sib.expect(lambda d: d["act"] == act, 10, "the free")
+        own.send()
+        own.expect(lambda d: d["act"] == "end", 30, "the region")
+        rec = kx.journal()[-1]
+        if act == "free":
+            assert rec["settle_s"] <= 0.03, f"a 256 MiB cudaFree made the grant wait {rec['settle_s']:.3f} s"
+        else:
+            assert rec["settle_s"] >= 0.03, f"an unsized free was waited out only {rec['settle_s']:.3f} s"
+        assert "recent-free" not in rec["flags"], rec
+    finally:
+        for c in (sib, own):
+            c.close_stdin()
+            c.wait(30)
