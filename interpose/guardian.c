@@ -604,10 +604,78 @@ static int dir_trusted(const char *sock, int explicit_, uid_t *dir_uid) {
     return !(st.st_mode & (explicit_ ? S_IWOTH : S_IWOTH | S_IWGRP));
 }
 
+/* A segment shrunk under us (`truncate -s 0` by anyone who may write it) faults every
+ * read past its new end with SIGBUS. The handler maps the file again at the same address
+ * once its size is back (krexd and every shim give it back when they touch it), else zero
+ * pages, which read as "no daemon" (heartbeat unknown: the process state still tells a
+ * stopped krexd); the watch loop maps the file again later (seg_remap). */
+#define SEG_MAPS 4
+static struct {
+    void *addr;
+    char path[160];
+} g_maps[SEG_MAPS];
+static volatile sig_atomic_t g_seg_zeroed;
+
+static int map_file_at(void *base, const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return 0;
+    struct stat st;
+    void *m = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct krex_shm))
+        m = mmap(base, sizeof(struct krex_shm), PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+    close(fd);
+    return m != MAP_FAILED;
+}
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+    (void)uc;
+    int saved = errno;
+    char *a = si->si_addr;
+    for (int i = 0; si->si_code > 0 && i < SEG_MAPS; i++) {
+        char *base = g_maps[i].addr;
+        if (!base || a < base || a >= base + sizeof(struct krex_shm)) continue;
+        if (!map_file_at(base, g_maps[i].path)) {
+            mmap(base, sizeof(struct krex_shm), PROT_READ, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            g_seg_zeroed = 1;
+        }
+        errno = saved;
+        return;
+    }
+    signal(sig, SIG_DFL); /* not ours: what SIGBUS would have done */
+    if (si->si_code <= 0) raise(sig);
+    errno = saved;
+}
+
+static void seg_guard(void *m, const char *path) {
+    static int installed;
+    if (!installed) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_sigbus;
+        sa.sa_flags = SA_SIGINFO | SA_RESTART;
+        sigfillset(&sa.sa_mask);
+        installed = sigaction(SIGBUS, &sa, NULL) == 0;
+    }
+    for (int i = 0; i < SEG_MAPS; i++)
+        if (!g_maps[i].addr) {
+            snprintf(g_maps[i].path, sizeof g_maps[i].path, "%s", path);
+            g_maps[i].addr = m;
+            return;
+        }
+}
+
+/* After a fault found no file to map: try again (the watch loop, every poll). */
+static void seg_remap(void) {
+    if (!g_seg_zeroed) return;
+    g_seg_zeroed = 0;
+    for (int i = 0; i < SEG_MAPS; i++)
+        if (g_maps[i].addr && !map_file_at(g_maps[i].addr, g_maps[i].path)) g_seg_zeroed = 1;
+}
+
 /* The segment read-only, for krexd's heartbeat and gates (krex_abi.h's layout). */
 static const struct krex_shm *seg_map(const char *name) {
-    char path[256];
-    if (!name || name[0] != '/' || strchr(name + 1, '/')) return NULL;
+    char path[160];
+    if (!name || name[0] != '/' || strchr(name + 1, '/') || strlen(name) > 100) return NULL;
     snprintf(path, sizeof path, "/dev/shm%s", name);
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return NULL;
@@ -617,8 +685,11 @@ static const struct krex_shm *seg_map(const char *name) {
         m = mmap(NULL, sizeof(struct krex_shm), PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED) return NULL;
+    seg_guard(m, path); /* before the first read: the file may shrink at any time */
     const struct krex_shm *s = m;
     if (s->hdr.magic != KREX_MAGIC || s->hdr.abi_version != KREX_ABI_VERSION) {
+        for (int i = 0; i < SEG_MAPS; i++)
+            if (g_maps[i].addr == m) g_maps[i].addr = NULL;
         munmap(m, sizeof(struct krex_shm));
         return NULL;
     }
@@ -1152,6 +1223,7 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
         if (w == pid) return status;
         if (r > 0 && pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) daemon_lost(a, c, pid, lo);
         if (lo->happened) continue;
+        seg_remap();
         double age = heartbeat_age(c);
         if (age > KREX_HEARTBEAT_TIMEOUT_NS / 1e9 && !stale) {
             stale = 1;

@@ -796,7 +796,8 @@ class Daemon:
             with contextlib.suppress(KrexError):
                 s.group.thaw()
                 s.group.remove()  # thaws; never kills, keeps a group that still has processes
-        self.seg.raw.hdr.daemon_pid = 0
+        with self.lock:  # after any segment check under way (it would put our pid back)
+            self.seg.raw.hdr.daemon_pid = 0
         wd = getattr(self, "_watchdog", None)
         if wd is not None:
             wd.terminate()
@@ -887,6 +888,8 @@ class Daemon:
     def _guard_tick(self) -> list[str]:
         """Check the segment; on trouble repair it and record an incident. Returns the problems."""
         with self.lock:
+            if self.stop.is_set():
+                return []  # shutdown clears the header's daemon pid: not an incident
             exp = self._expected()
             problems = self.guard.check(exp)
             if not problems:
