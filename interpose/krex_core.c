@@ -2,6 +2,7 @@
  * lives inline in shim_fastpath.h and only touches words this file sets up. */
 #define _GNU_SOURCE
 #include "krex_core.h"
+#include "krex_env.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -202,6 +203,11 @@ static void guard_remove(void *p) {
 }
 
 uint64_t krex_seg_restores(void) { return __atomic_load_n(&g_seg_restores, SEQ); }
+
+const char *krex_daemon_env_names(void) { return KREX_DAEMON_ENV; }
+const char *krex_daemon_cmd_head(void) { return KREX_DAEMON_CMD_HEAD; }
+const char *krex_daemon_cmd_module(void) { return KREX_DAEMON_CMD_MODULE; }
+const char *krex_shell_safe(void) { return KREX_SHELL_SAFE; }
 
 static uint64_t random_u64(void) {
     uint64_t v = 0;
