@@ -86,7 +86,18 @@ static int conn_try(void) {
     memset(&a, 0, sizeof a);
     a.sun_family = AF_UNIX;
     memcpy(a.sun_path, g_sock_path, strlen(g_sock_path) + 1); /* length checked at init */
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) return fd;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+        /* Only a daemon run by us or by root (client.py _check_daemon_identity): another
+         * user's would learn our regions and hand us its answers. */
+        struct ucred cr = {0, (uid_t)-1, (gid_t)-1};
+        socklen_t len = sizeof cr;
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && (cr.uid == 0 || cr.uid == geteuid()))
+            return fd;
+        klog("refusing the daemon at %s: it runs as uid %d, neither as us (uid %d) nor as root", g_sock_path,
+             (int)cr.uid, (int)geteuid());
+        close(fd);
+        return -EACCES;
+    }
     int e = errno;
     close(fd);
     return -e;

@@ -30,6 +30,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <glob.h>
 #include <limits.h>
 #include <poll.h>
 #include <sched.h>
@@ -50,6 +51,7 @@
 #include <unistd.h>
 
 #include "krex_abi.h"
+#include "krex_env.h"
 
 extern char **environ;
 
@@ -579,6 +581,107 @@ static long long jint(const struct jv *obj, const char *key, long long lo, long 
     return (long long)v->num;
 }
 
+/* ------------------------------------------------------------------ our own installation */
+
+/* What this guardian gives a command to load comes from its own installation, whatever
+ * krexd answers (krex_env.h): the shim, the hook directory and the simulated GPU of the
+ * krex/_lib directory this executable belongs to, and KREX_DAEMON_CMD only with a Python
+ * of its own directory (krex/node/optin.py own_env is the Python guardian's copy). */
+static struct {
+    char lib[PATH_MAX];     /* krex/_lib */
+    char shim[PATH_MAX];    /* krex/_lib/libkrex_interpose.so */
+    char hook[PATH_MAX];    /* krex/proc/_hook */
+    char pydir[2][PATH_MAX]; /* where a Python of ours lives: beside us, KREX_PYTHON's */
+} g_own;
+
+/* Ours or root's, and writable by nobody else: nothing another user could swap. */
+static int owned_safely(const char *path, int dir) {
+    struct stat st;
+    if (stat(path, &st) || (dir ? !S_ISDIR(st.st_mode) : !S_ISREG(st.st_mode))) return 0;
+    return (st.st_uid == 0 || st.st_uid == geteuid()) && !(st.st_mode & (S_IWGRP | S_IWOTH));
+}
+
+static int lib_dir_ok(const char *dir) {
+    char shim[PATH_MAX + 32];
+    snprintf(shim, sizeof shim, "%s/libkrex_interpose.so", dir);
+    return owned_safely(dir, 1) && owned_safely(shim, 0);
+}
+
+static void dir_of(const char *path, char *out, size_t n) {
+    char tmp[PATH_MAX];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    char *slash = strrchr(tmp, '/');
+    if (slash) *(slash == tmp ? slash + 1 : slash) = 0;
+    if (!realpath(slash ? tmp : ".", out)) out[0] = 0;
+    (void)n;
+}
+
+/* The krex/_lib this executable belongs to: its own directory (krex/_lib/krex), the
+ * site-packages beside the bin/ it was installed into, or the tree it was built in (an
+ * editable install's bin/krex). 0 when none is found: Python's guardian runs instead. */
+static int own_install(void) {
+    char exe[PATH_MAX], exedir[PATH_MAX], found[PATH_MAX] = "";
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (len <= 0) return 0;
+    exe[len] = 0;
+    dir_of(exe, exedir, sizeof exedir);
+    if (!exedir[0]) return 0;
+    if (lib_dir_ok(exedir)) snprintf(found, sizeof found, "%s", exedir);
+    const char *pats[] = {"%s/../lib*/python3*/site-packages/krex/_lib", "%s/../lib*/python3*/dist-packages/krex/_lib"};
+    for (size_t i = 0; !found[0] && i < sizeof pats / sizeof *pats; i++) {
+        char pat[PATH_MAX + 64];
+        snprintf(pat, sizeof pat, pats[i], exedir);
+        glob_t g;
+        if (glob(pat, 0, NULL, &g) == 0)
+            for (size_t k = 0; !found[0] && k < g.gl_pathc; k++)
+                if (lib_dir_ok(g.gl_pathv[k])) snprintf(found, sizeof found, "%s", g.gl_pathv[k]);
+        globfree(&g);
+    }
+#ifdef KREX_BUILT_LIB_DIR
+    if (!found[0] && lib_dir_ok(KREX_BUILT_LIB_DIR)) snprintf(found, sizeof found, "%s", KREX_BUILT_LIB_DIR);
+#endif
+    if (!found[0] || !realpath(found, g_own.lib)) return 0;
+    snprintf(g_own.shim, sizeof g_own.shim, "%.*s/libkrex_interpose.so", PATH_MAX - 32, g_own.lib);
+    char hook[PATH_MAX + 32];
+    snprintf(hook, sizeof hook, "%s/../proc/_hook", g_own.lib);
+    if (!realpath(hook, g_own.hook)) return 0;
+    snprintf(g_own.pydir[0], PATH_MAX, "%s", exedir);
+    const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
+    if (py && py[0] == '/') dir_of(py, g_own.pydir[1], PATH_MAX);
+    return 1;
+}
+
+/* krexd's KREX_DAEMON_CMD in the one form it writes, with a Python of ours (krex_env.h). */
+static int daemon_cmd_ok(const char *v) {
+    size_t h = strlen(KREX_DAEMON_CMD_HEAD), m = strlen(KREX_DAEMON_CMD_MODULE);
+    if (strncmp(v, KREX_DAEMON_CMD_HEAD, h) || v[h] != '/') return 0;
+    const char *py = v + h;
+    size_t n = strspn(py, KREX_SHELL_SAFE);
+    const char *rest = py + n;
+    if (strncmp(rest, KREX_DAEMON_CMD_MODULE, m) || (rest[m] && rest[m] != ' ')) return 0;
+    for (const char *p = rest + m; *p; p++)
+        if (*p != ' ' && !strchr(KREX_SHELL_SAFE, *p)) return 0;
+    char path[PATH_MAX], dir[PATH_MAX];
+    if (n >= sizeof path) return 0;
+    memcpy(path, py, n);
+    path[n] = 0;
+    dir_of(path, dir, sizeof dir);
+    for (int i = 0; i < 2; i++)
+        if (dir[0] && g_own.pydir[i][0] && !strcmp(dir, g_own.pydir[i])) return 1;
+    return 0;
+}
+
+static int daemon_env_name(const char *name) {
+    size_t n = strlen(name);
+    for (const char *p = KREX_DAEMON_ENV; *p;) {
+        size_t k = strcspn(p, " ");
+        if (k == n && !strncmp(p, name, n)) return 1;
+        p += k;
+        while (*p == ' ') p++;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ the daemon's socket */
 
 struct conn {
@@ -624,10 +727,78 @@ static int dir_trusted(const char *sock, int explicit_, uid_t *dir_uid) {
     return !(st.st_mode & (explicit_ ? S_IWOTH : S_IWOTH | S_IWGRP));
 }
 
+/* A segment shrunk under us (`truncate -s 0` by anyone who may write it) faults every
+ * read past its new end with SIGBUS. The handler maps the file again at the same address
+ * once its size is back (krexd and every shim give it back when they touch it), else zero
+ * pages, which read as "no daemon" (heartbeat unknown: the process state still tells a
+ * stopped krexd); the watch loop maps the file again later (seg_remap). */
+#define SEG_MAPS 4
+static struct {
+    void *addr;
+    char path[160];
+} g_maps[SEG_MAPS];
+static volatile sig_atomic_t g_seg_zeroed;
+
+static int map_file_at(void *base, const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return 0;
+    struct stat st;
+    void *m = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct krex_shm))
+        m = mmap(base, sizeof(struct krex_shm), PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+    close(fd);
+    return m != MAP_FAILED;
+}
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+    (void)uc;
+    int saved = errno;
+    char *a = si->si_addr;
+    for (int i = 0; si->si_code > 0 && i < SEG_MAPS; i++) {
+        char *base = g_maps[i].addr;
+        if (!base || a < base || a >= base + sizeof(struct krex_shm)) continue;
+        if (!map_file_at(base, g_maps[i].path)) {
+            mmap(base, sizeof(struct krex_shm), PROT_READ, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            g_seg_zeroed = 1;
+        }
+        errno = saved;
+        return;
+    }
+    signal(sig, SIG_DFL); /* not ours: what SIGBUS would have done */
+    if (si->si_code <= 0) raise(sig);
+    errno = saved;
+}
+
+static void seg_guard(void *m, const char *path) {
+    static int installed;
+    if (!installed) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_sigbus;
+        sa.sa_flags = SA_SIGINFO | SA_RESTART;
+        sigfillset(&sa.sa_mask);
+        installed = sigaction(SIGBUS, &sa, NULL) == 0;
+    }
+    for (int i = 0; i < SEG_MAPS; i++)
+        if (!g_maps[i].addr) {
+            snprintf(g_maps[i].path, sizeof g_maps[i].path, "%s", path);
+            g_maps[i].addr = m;
+            return;
+        }
+}
+
+/* After a fault found no file to map: try again (the watch loop, every poll). */
+static void seg_remap(void) {
+    if (!g_seg_zeroed) return;
+    g_seg_zeroed = 0;
+    for (int i = 0; i < SEG_MAPS; i++)
+        if (g_maps[i].addr && !map_file_at(g_maps[i].addr, g_maps[i].path)) g_seg_zeroed = 1;
+}
+
 /* The segment read-only, for krexd's heartbeat and gates (krex_abi.h's layout). */
 static const struct krex_shm *seg_map(const char *name) {
-    char path[256];
-    if (!name || name[0] != '/' || strchr(name + 1, '/')) return NULL;
+    char path[160];
+    if (!name || name[0] != '/' || strchr(name + 1, '/') || strlen(name) > 100) return NULL;
     snprintf(path, sizeof path, "/dev/shm%s", name);
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return NULL;
@@ -637,8 +808,11 @@ static const struct krex_shm *seg_map(const char *name) {
         m = mmap(NULL, sizeof(struct krex_shm), PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED) return NULL;
+    seg_guard(m, path); /* before the first read: the file may shrink at any time */
     const struct krex_shm *s = m;
     if (s->hdr.magic != KREX_MAGIC || s->hdr.abi_version != KREX_ABI_VERSION) {
+        for (int i = 0; i < SEG_MAPS; i++)
+            if (g_maps[i].addr == m) g_maps[i].addr = NULL;
         munmap(m, sizeof(struct krex_shm));
         return NULL;
     }
@@ -713,8 +887,8 @@ static int daemon_connect(struct conn *c) {
         close(fd);
         return -1;
     }
-    if (cr.uid != geteuid() && cr.uid != 0 && !(explicit_ && cr.uid == dir_uid)) {
-        close(fd); /* a socket planted by someone else: Python refuses it with the reason */
+    if (cr.uid != geteuid() && cr.uid != 0) {
+        close(fd); /* another user's daemon: Python refuses it with the reason */
         return -1;
     }
     c->fd = fd;
@@ -920,16 +1094,25 @@ static const char *env_get(char **envp, size_t n, const char *name) { /* the las
     return v;
 }
 
-/* Our environment plus krexd's env_prepend and env_set (launcher: apply_env). */
+/* Our environment plus krexd's env_prepend and env_set (launcher: apply_env), as
+ * krex_env.h lets a guardian take them: every path to code is our own installation's. */
 static char **command_env(const struct admission *a, const char *auto_dir) {
     size_t n = 0;
     while (environ[n]) n++;
     char **envp = calloc(n + 1, sizeof *envp);
     if (!envp) _exit(EXIT_KREX);
     memcpy(envp, environ, n * sizeof *envp);
-    for (struct jv *k = a->env_prepend->kid; k; k = k->next)
-        env_put(&envp, &n, k->key, prepend(env_get(envp, n, k->key), k->kid->s, k->kid->next->s));
-    for (struct jv *k = a->env_set->kid; k; k = k->next) env_put(&envp, &n, k->key, k->s);
+    envp[n] = NULL;
+    env_put(&envp, &n, "LD_PRELOAD", prepend(env_get(envp, n, "LD_PRELOAD"), g_own.shim, ": "));
+    for (struct jv *k = a->env_prepend->kid; k; k = k->next) {
+        const char *own = !strcmp(k->key, "PYTHONPATH")        ? g_own.hook
+                          : !strcmp(k->key, "LD_LIBRARY_PATH") ? g_own.lib
+                                                               : NULL;
+        if (own) env_put(&envp, &n, k->key, prepend(env_get(envp, n, k->key), own, ":"));
+    }
+    for (struct jv *k = a->env_set->kid; k; k = k->next)
+        if (daemon_env_name(k->key) || (!strcmp(k->key, "KREX_DAEMON_CMD") && daemon_cmd_ok(k->s)))
+            env_put(&envp, &n, k->key, k->s);
     /* Processes that use KREX_AUTO_REGION (ours, or set by the command) leave their status here. */
     if (auto_dir) env_put(&envp, &n, "KREX_AUTO_STATUS_DIR", auto_dir);
     /* For tests: proof that this guardian, not the Python one, ran the command. */
@@ -1181,6 +1364,7 @@ static int wait_command(const struct admission *a, struct conn *c, pid_t pid, in
         if (w == pid) return status;
         if (r > 0 && pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) daemon_lost(a, c, pid, lo);
         if (lo->happened) continue;
+        seg_remap();
         double age = heartbeat_age(c);
         if (age > KREX_HEARTBEAT_TIMEOUT_NS / 1e9 && !stale) {
             stale = 1;
@@ -1303,7 +1487,7 @@ static int run(struct opts *o) {
                   sigaction(SIGINT, &on_int, NULL) == 0;
     struct conn c;
     memset(&c, 0, sizeof c);
-    if (daemon_connect(&c)) fallback();
+    if (!own_install() || daemon_connect(&c)) fallback();
 
     struct buf req = {0};
     buf_str(&req, "{\"guardian\":\"native\",\"gpu\":");

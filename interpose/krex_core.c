@@ -2,6 +2,7 @@
  * lives inline in shim_fastpath.h and only touches words this file sets up. */
 #define _GNU_SOURCE
 #include "krex_core.h"
+#include "krex_env.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -73,19 +74,155 @@ uint32_t krex_shm_verify(struct krex_shm *shm, uint32_t n_gpus) {
     return bad;
 }
 
-/* The controller rewrites a damaged header from its own copy of the fixed fields. */
-void krex_hdr_restore(struct krex_shm *shm, uint32_t n_gpus, uint64_t instance, uint64_t created_ns,
-                      uint64_t heartbeat_timeout_ns) {
+/* The controller rewrites a damaged header, every field, from its own copy `want` (the
+ * header as it last read it whole): the pid and heartbeat that guardians, the watchdog and
+ * shims judge krexd by among them. The beat is now (the caller is krexd, alive); the magic
+ * is published last and the check recomputed, as at creation. */
+void krex_hdr_restore(struct krex_shm *shm, const struct krex_header *want) {
     struct krex_header *h = &shm->hdr;
+    __atomic_store_n(&h->magic, 0u, SEQ);
     h->abi_version = KREX_ABI_VERSION;
-    h->n_gpus = n_gpus;
+    h->n_gpus = want->n_gpus;
+    __atomic_store_n(&h->flags, want->flags & ~(uint32_t)KREX_HF_RESTORED, SEQ);
     h->size = sizeof(struct krex_shm);
-    h->instance = instance;
-    h->created_ns = created_ns;
-    h->heartbeat_timeout_ns = heartbeat_timeout_ns;
+    __atomic_store_n(&h->daemon_pid, want->daemon_pid, SEQ);
+    h->heartbeat_timeout_ns = want->heartbeat_timeout_ns;
+    h->created_ns = want->created_ns;
+    __atomic_store_n(&h->proc_overflows, want->proc_overflows, SEQ);
+    h->instance = want->instance;
+    h->pidns = want->pidns;
+    memset(h->reserved, 0, sizeof h->reserved);
+    __atomic_store_n(&h->heartbeat_ns, krex_now_ns(), SEQ);
     __atomic_store_n(&h->magic, (uint32_t)KREX_MAGIC, SEQ);
     h->check = krex_hdr_check(shm);
 }
+
+/* ------------------------------------------------------- a truncated segment
+ * Anyone who may write the segment may also shrink it (`truncate -s 0`): every later
+ * access to a page past the new end raises SIGBUS, which kills krexd, guardians and the
+ * commands. Each mapping krex_shm_open makes is therefore registered here with a
+ * descriptor of its own, and a SIGBUS handler gives the file its size back (the pages
+ * come back zeroed) and lets the access complete; it sets KREX_HF_RESTORED so krexd
+ * reports the incident, flags the region and repairs what the zeroes damaged. A mapping
+ * whose file cannot be restored (descriptor closed by the application, another object
+ * now) gets private zero pages instead: that process is detached from the segment, and
+ * krexd flags regions while it lives (it lived through an incident). A SIGBUS anywhere
+ * else goes to the handler installed before ours, or kills as it would have.
+ * Nothing here is on the submission fast path: the handler runs only on a fault. */
+#define SEG_GUARDS 64
+struct seg_guard {
+    void *addr; /* published last (release), cleared first */
+    int fd;
+    dev_t dev;
+    ino_t ino;
+    char path[96];
+};
+static struct seg_guard g_guards[SEG_GUARDS];
+static struct sigaction g_bus_prev;
+static int g_bus_installed; /* 0 no, 1 being installed, 2 installed */
+static uint64_t g_seg_restores; /* faults this process resolved */
+
+static int guard_fix_fd(int fd, const struct seg_guard *g) {
+    struct stat st;
+    return fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == g->dev && st.st_ino == g->ino &&
+           ftruncate(fd, (off_t)sizeof(struct krex_shm)) == 0;
+}
+
+static void chain_sigbus(int sig, siginfo_t *si, void *uc) {
+    const struct sigaction *p = &g_bus_prev;
+    if (p->sa_flags & SA_SIGINFO) {
+        if (p->sa_sigaction) p->sa_sigaction(sig, si, uc);
+        return;
+    }
+    if (p->sa_handler != SIG_DFL && p->sa_handler != SIG_IGN) {
+        p->sa_handler(sig);
+        return;
+    }
+    /* The default action: for a fault the access runs again and dies of it; for a sent
+     * signal, raise it again (blocked until we return). */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGBUS, &dfl, NULL);
+    if (si->si_code <= 0) raise(SIGBUS);
+}
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+    int saved = errno;
+    char *a = si->si_addr;
+    for (int i = 0; si->si_code > 0 && i < SEG_GUARDS; i++) {
+        struct seg_guard *g = &g_guards[i];
+        char *base = __atomic_load_n(&g->addr, __ATOMIC_ACQUIRE);
+        if (!base || base == (char *)1 || a < base || a >= base + sizeof(struct krex_shm)) continue;
+        int fixed = guard_fix_fd(g->fd, g);
+        if (!fixed && g->path[0]) {
+            int fd = open(g->path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+            fixed = guard_fix_fd(fd, g);
+            if (fd >= 0) close(fd);
+        }
+        if (fixed)
+            __atomic_or_fetch(&((struct krex_shm *)base)->hdr.flags, (uint32_t)KREX_HF_RESTORED, SEQ);
+        else
+            mmap(base, sizeof(struct krex_shm), PROT_READ | PROT_WRITE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS,
+                 -1, 0);
+        __atomic_add_fetch(&g_seg_restores, 1, SEQ);
+        errno = saved;
+        return;
+    }
+    chain_sigbus(sig, si, uc);
+    errno = saved;
+}
+
+static void guard_install(void) {
+    int expect = 0;
+    if (!__atomic_compare_exchange_n(&g_bus_installed, &expect, 1, 0, SEQ, SEQ)) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_ONSTACK;
+    sigfillset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &g_bus_prev);
+    __atomic_store_n(&g_bus_installed, 2, SEQ);
+}
+
+/* Keep `fd` for the mapping at `p` (0), or -1 when every guard is taken (the caller
+ * closes it; that mapping is then unguarded). */
+static int guard_add(void *p, int fd, const struct stat *st, const char *name) {
+    for (int i = 0; i < SEG_GUARDS; i++) {
+        struct seg_guard *g = &g_guards[i];
+        void *none = NULL;
+        /* Reserve the entry with a sentinel, fill it, then publish the address. */
+        if (!__atomic_compare_exchange_n(&g->addr, &none, (void *)1, 0, SEQ, SEQ)) continue;
+        g->fd = fd;
+        g->dev = st->st_dev;
+        g->ino = st->st_ino;
+        snprintf(g->path, sizeof g->path, "/dev/shm%s", name[0] == '/' ? name : "");
+        if (name[0] != '/' || strchr(name + 1, '/')) g->path[0] = 0;
+        guard_install();
+        __atomic_store_n(&g->addr, p, __ATOMIC_RELEASE);
+        return 0;
+    }
+    return -1;
+}
+
+static void guard_remove(void *p) {
+    for (int i = 0; i < SEG_GUARDS; i++) {
+        struct seg_guard *g = &g_guards[i];
+        if (__atomic_load_n(&g->addr, SEQ) != p) continue;
+        int fd = g->fd;
+        g->fd = -1;
+        __atomic_store_n(&g->addr, NULL, SEQ);
+        close(fd);
+        return;
+    }
+}
+
+uint64_t krex_seg_restores(void) { return __atomic_load_n(&g_seg_restores, SEQ); }
+
+const char *krex_daemon_env_names(void) { return KREX_DAEMON_ENV; }
+const char *krex_daemon_cmd_head(void) { return KREX_DAEMON_CMD_HEAD; }
+const char *krex_daemon_cmd_module(void) { return KREX_DAEMON_CMD_MODULE; }
+const char *krex_shell_safe(void) { return KREX_SHELL_SAFE; }
 
 static uint64_t random_u64(void) {
     uint64_t v = 0;
@@ -205,11 +342,12 @@ struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *er
         return NULL;
     }
     void *p = mmap(NULL, sizeof(struct krex_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
     if (p == MAP_FAILED) {
         *err = errno;
+        close(fd);
         return NULL;
     }
+    if (guard_add(p, fd, &st, name)) close(fd);
     struct krex_shm *shm = p;
     if (fresh) {
         /* ftruncate zero-fills; publish magic last so attachers never see half a header. */
@@ -229,7 +367,7 @@ struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *er
         /* The check is stored right after the magic: give it the same moment. */
         for (int i = 0; i < 100 && krex_shm_verify(shm, 0) == KREX_BAD_CHECK; i++) usleep(1000);
         if (krex_shm_verify(shm, 0) != 0) {
-            munmap(p, sizeof(struct krex_shm));
+            krex_shm_close(p);
             *err = EPROTO;
             return NULL;
         }
@@ -239,7 +377,9 @@ struct krex_shm *krex_shm_open(const char *name, int create, int n_gpus, int *er
 }
 
 void krex_shm_close(struct krex_shm *shm) {
-    if (shm) munmap(shm, sizeof(struct krex_shm));
+    if (!shm) return;
+    guard_remove(shm);
+    munmap(shm, sizeof(struct krex_shm));
 }
 
 int krex_shm_unlink(const char *name) { return shm_unlink(name) == 0 ? 0 : errno; }

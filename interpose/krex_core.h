@@ -15,8 +15,16 @@ uint64_t krex_shm_size(void);
 /* Integrity: the header's fixed fields carry a check, each process record one too. */
 uint64_t krex_hdr_check(struct krex_shm *shm);
 uint32_t krex_shm_verify(struct krex_shm *shm, uint32_t n_gpus);
-void krex_hdr_restore(struct krex_shm *shm, uint32_t n_gpus, uint64_t instance, uint64_t created_ns,
-                      uint64_t heartbeat_timeout_ns);
+void krex_hdr_restore(struct krex_shm *shm, const struct krex_header *want);
+/* SIGBUS faults on a truncated segment this process resolved (krex_core.c). */
+uint64_t krex_seg_restores(void);
+/* krex_env.h's rule for what a guardian takes from krexd: the data variables (space
+ * separated), KREX_DAEMON_CMD's fixed head and module, and the characters its Python
+ * path and arguments may hold. */
+const char *krex_daemon_env_names(void);
+const char *krex_daemon_cmd_head(void);
+const char *krex_daemon_cmd_module(void);
+const char *krex_shell_safe(void);
 uint32_t krex_proc_check(struct krex_proc *p);
 int krex_proc_audit(struct krex_shm *shm, uint32_t n_gpus, int *bad, int max_bad);
 int krex_proc_why(struct krex_shm *shm, struct krex_proc *p, uint32_t n_gpus);

@@ -276,19 +276,18 @@ class FrameReader:
         self.replies = replies
         self.buf = b""
 
-    def _need(self) -> int | None:
-        """Bytes the frame at the head of the buffer has in all, once its header is in."""
+    def _frame_len(self) -> int | None:
+        """Bytes the frame at the head of the buffer has in all, once its header is in;
+        ProtocolError when that header makes the stream unreadable."""
         if len(self.buf) < HDR_SIZE:
             return None
         h = ffi.cast(f"{HDR} *", ffi.from_buffer(self.buf[:HDR_SIZE]))
         if int(h.magic) != lib.KREX_WIRE_MAGIC:
-            self.buf = b""
             raise ProtocolError(
                 f"not a KREX frame (magic 0x{int(h.magic):08x}); a client of another version?", fatal=True
             )
         total = int(h.body_len) + int(h.json_len)
         if total > MAX_FRAME:
-            self.buf = b""
             op = BY_CODE.get(int(h.op))
             raise ProtocolError(
                 f"message longer than {MAX_FRAME} bytes",
@@ -297,14 +296,38 @@ class FrameReader:
             )
         return HDR_SIZE + total
 
+    def _need(self) -> int | None:
+        try:
+            return self._frame_len()
+        except ProtocolError:
+            self.buf = b""
+            raise
+
+    def ready(self) -> bool:
+        """Is a whole frame buffered, or a header that ends the stream (so `buffered`
+        has something to say without reading)?"""
+        try:
+            need = self._frame_len()
+        except ProtocolError:
+            return True
+        return need is not None and len(self.buf) >= need
+
+    def buffered(self) -> Message | None:
+        """The next frame if it is already buffered, else None; never reads. Raises
+        ProtocolError as read_message does."""
+        need = self._need()
+        if need is None or len(self.buf) < need:
+            return None
+        frame, self.buf = self.buf[:need], self.buf[need:]
+        return decode(frame, self.replies)
+
     def read_message(self) -> Message | None:
         """Next frame, or None at EOF between frames. Raises ProtocolError for an
         unusable frame (consumed, so the next read gets the next one)."""
         while True:
-            need = self._need()
-            if need is not None and len(self.buf) >= need:
-                frame, self.buf = self.buf[:need], self.buf[need:]
-                return decode(frame, self.replies)
+            m = self.buffered()
+            if m is not None:
+                return m
             chunk = self.sock.recv(65536)
             if not chunk:
                 if self.buf:

@@ -30,6 +30,7 @@ import pwd
 import queue
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -41,7 +42,18 @@ from krex import paths
 from krex.device.gpus import GpuInfo, discover
 from krex.errors import Busy, DaemonLost, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import ffi, lib
-from krex.node import config, coretime, cpus, freezepolicy, freezer, journal, optin, procfs, regionqueue
+from krex.node import (
+    config,
+    conns,
+    coretime,
+    cpus,
+    freezepolicy,
+    freezer,
+    journal,
+    optin,
+    procfs,
+    regionqueue,
+)
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.pending import Pending
@@ -54,7 +66,7 @@ from krex.node.shm import (
     heartbeat_stale,
     pid_namespace,
 )
-from krex.protocol import MAX_FRAME, REQUESTS, FrameReader, ProtocolError, encode_reply, int_field, peer_cred
+from krex.protocol import MAX_FRAME, REQUESTS, ProtocolError, encode_reply, int_field
 
 # One home for each timing constant: the ABI header (interpose/krex_abi.h).
 HEARTBEAT_S = lib.KREX_HEARTBEAT_INTERVAL_NS / 1e9
@@ -178,8 +190,11 @@ def _check_own_tree(child: int, peer: int, uid: int) -> None:
     )
 
 
-# How long a connection thread waits for another connection before it ends (seconds).
+# How long a connection thread waits for another request to serve before it ends (seconds).
 CONN_THREAD_IDLE_S = 30.0
+# A reply or event a client does not read for this long ends its connection (seconds).
+SEND_TIMEOUT_S = 30
+_SNDTIMEO = struct.pack("ll", SEND_TIMEOUT_S, 0)  # struct timeval
 # krexd starts a new watchdog at most this often (seconds).
 WATCHDOG_RESTART_S = 2.0
 
@@ -456,8 +471,10 @@ class Daemon:
         self._boost_lock = threading.Lock()
         self._boost_ok = True  # False once a renice was refused (not root): not tried again
         self.attestor = Attestor.for_device(self.info.kind, self.info.physical)
-        self._conns: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+        self._conns: queue.SimpleQueue[conns.Conn] = queue.SimpleQueue()
         self._idle_threads = 0  # connection threads waiting on _conns
+        self._loop = conns.ConnLoop(self._role, self._hand_over, {0, os.geteuid()}, self.share_gid)
+        self.fault: str | None = None  # why krexd stopped without being asked to
         self._idle_lock = threading.Lock()
         self._opt_in: dict[str, tuple[dict[str, str], dict[str, list[str]]]] = {}  # per kind
         # The deep leftover scan reads every process's environment: 16 releases at once
@@ -671,6 +688,7 @@ class Daemon:
             if keep:
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(0, keep)
+        conns.raise_fd_limit()
         self._open_segment()
         self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
@@ -775,44 +793,63 @@ class Daemon:
             log.error("cannot start the watchdog: %s; guardians still thaw their own commands", e)
 
     def serve_forever(self) -> None:
+        """Serve until asked to stop. Whatever else ends the loop is a fault: krexd then
+        stops as for a stop request (regions end and are journaled, siblings thaw) and
+        `run` exits non-zero, so a supervisor (systemd's Restart=on-failure) restarts it."""
         assert self._server is not None
-        self._server.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except TimeoutError:
-                self._check_socket()
-                continue
-            except OSError:
-                break
-            self._hand_over(conn)
-        self.shutdown()
+        try:
+            self._loop.run(self.stop, lambda: self._server, self._check_socket, self._relisten)
+        except conns.LoopFailed as e:
+            self.fault = f"krexd stopped serving: {e}"
+            log.error("%s", self.fault)
+        except BaseException as e:  # noqa: BLE001 - a bug: stop cleanly, and say so
+            self.fault = f"krexd stopped serving: {type(e).__name__}: {e}"
+            log.exception("%s", self.fault)
+            if not isinstance(e, Exception):
+                self.stop_reason = self.stop_reason or self.fault
+        finally:
+            if self.fault:
+                self.stop_reason = self.fault
+            self.shutdown()
+            self._loop.close()
 
-    def _hand_over(self, conn: socket.socket) -> None:
-        """Serve a connection on an idle connection thread, else on a new one. A thread
-        waits CONN_THREAD_IDLE_S for another connection once its own has ended: starting
-        a thread for each was 6% of krexd's time per command (16 at once, 16 cores), on
-        the thread that accepts."""
+    def _relisten(self) -> None:
+        """The listening socket failed: bind a new one (the lock says the path is ours)."""
+        try:
+            new = self._listen()
+        except KrexError as e:
+            log.error("cannot make a new listening socket: %s", e)
+            return
+        old, self._server = self._server, new
+        if old is not None:
+            with contextlib.suppress(OSError):
+                old.close()
+
+    def _hand_over(self, c: conns.Conn) -> None:
+        """Serve a connection's request on an idle connection thread, else on a new one. A
+        thread waits CONN_THREAD_IDLE_S for another request once it handed its connection
+        back: starting a thread for each was 6% of krexd's time per command (16 at once,
+        16 cores), on the thread that accepts."""
         with self._idle_lock:
             if self._idle_threads:
                 self._idle_threads -= 1
-                self._conns.put(conn)
+                self._conns.put(c)
                 return
-        threading.Thread(target=self._conn_thread, args=(conn,), daemon=True).start()
+        threading.Thread(target=self._conn_thread, args=(c,), daemon=True).start()
 
-    def _conn_thread(self, conn: socket.socket) -> None:
+    def _conn_thread(self, c: conns.Conn) -> None:
         while True:
-            self._client(conn)
+            self._serve(c)
             with self._idle_lock:
                 self._idle_threads += 1
             try:
-                conn = self._conns.get(timeout=CONN_THREAD_IDLE_S)
+                c = self._conns.get(timeout=CONN_THREAD_IDLE_S)
             except queue.Empty:
                 with self._idle_lock:
                     # A connection handed over just now (under this lock) is served; else
                     # this thread leaves, counted out under the same lock.
                     try:
-                        conn = self._conns.get_nowait()
+                        c = self._conns.get_nowait()
                     except queue.Empty:
                         self._idle_threads -= 1
                         return
@@ -832,7 +869,6 @@ class Daemon:
             log.error("socket %s vanished and cannot be re-created: %s", self.sock_path, e)
             self._sock_ino = ino  # do not retry every 0.2 s
             return
-        new.settimeout(0.2)
         assert self._server is not None
         self._server.close()
         self._server = new
@@ -862,7 +898,8 @@ class Daemon:
             with contextlib.suppress(KrexError):
                 s.group.thaw()
                 s.group.remove()  # thaws; never kills, keeps a group that still has processes
-        self.seg.raw.hdr.daemon_pid = 0
+        with self.lock:  # after any segment check under way (it would put our pid back)
+            self.seg.raw.hdr.daemon_pid = 0
         wd = getattr(self, "_watchdog", None)
         if wd is not None:
             wd.terminate()
@@ -962,6 +999,8 @@ class Daemon:
     def _guard_tick(self) -> list[str]:
         """Check the segment; on trouble repair it and record an incident. Returns the problems."""
         with self.lock:
+            if self.stop.is_set():
+                return []  # shutdown clears the header's daemon pid: not an incident
             exp = self._expected()
             problems = self.guard.check(exp)
             if not problems:
@@ -2136,66 +2175,71 @@ class Daemon:
             return "member"
         return None
 
-    def _client(self, conn: socket.socket) -> None:
-        pid, uid, gid = peer_cred(conn)
-        reader = FrameReader(conn, replies=False)
-        owned: dict[str, Any] = {"region": None, "slot": None, "guardian": None, "uid": uid}
+    def _serve(self, c: conns.Conn) -> None:
+        """Serve the requests `c` has sent, on this thread; then hand it back to the loop to
+        wait for its next one, or, at its end, undo what it owned and close it."""
+        conn = c.sock
+        keep = False
         try:
-            owned["role"] = self._role(pid, uid, gid)
-            if owned["role"] is None:
-                conn.sendall(
-                    encode_reply(
-                        "none",
-                        _error(
-                            PermissionDenied(
-                                f"permission denied: uid {uid} is neither this daemon's user nor a member "
-                                f"of its group (gid {self.share_gid})",
-                                "ask its owner to add you to that group, or run your own daemon",
-                            )
-                        ),
-                    )
-                )
-                return
+            # Blocking, with a kernel send timeout: a Python socket timeout would make
+            # every recv poll first, _peer_closed's MSG_DONTWAIT peek included.
+            conn.setblocking(True)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _SNDTIMEO)
             while not self.stop.is_set():
                 try:
-                    m = reader.read_message()
+                    m = c.reader.buffered()
                 except ProtocolError as e:
                     conn.sendall(encode_reply(e.op, _error(e)))
                     if e.fatal:
                         return
                     continue
-                except OSError:
-                    return
                 if m is None:
+                    if c.eof and c.reader.buf:
+                        got, c.reader.buf = len(c.reader.buf), b""
+                        cut = ProtocolError(f"truncated frame ({got} bytes, then end of stream)", fatal=True)
+                        conn.sendall(encode_reply(cut.op, _error(cut)))
+                    keep = not c.eof
                     return
-                msg = m.to_dict()
-                try:
-                    reply = HANDLERS[m.op.name](self, conn, pid, msg, owned)
-                except KrexError as e:
-                    reply = _error(e)
-                except Exception as e:  # noqa: BLE001 - a bad request must never kill its connection thread
-                    log.error("request %.200r from pid %d failed: %s: %s", msg, pid, type(e).__name__, e)
-                    reply = {
-                        "ok": False,
-                        "error": f"internal error: {type(e).__name__}: {e}",
-                        "kind": "KrexError",
-                        "fix": "see krexd.log",
-                    }
-                if reply is not None:
-                    try:
-                        try:
-                            frame = encode_reply(m.op.code, reply)
-                        except KrexError as e:  # a reply that does not fit its fixed body: a bug, said so
-                            log.error("reply to %s for pid %d cannot be sent: %s", m.op.name, pid, e)
-                            frame = encode_reply(m.op.code, _error(e))
-                        conn.sendall(frame)
-                    finally:
-                        self._after_reply(owned)
+                c.spoke = True
+                self._handle(c, m)
         except OSError:
             pass
         finally:
-            self._disconnect(pid, owned)
-            conn.close()
+            if keep and not self.stop.is_set():
+                self._loop.give_back(c)
+            else:
+                self._disconnect(c.pid, c.owned)
+                with contextlib.suppress(OSError):
+                    conn.close()
+                self._loop.forget(c)
+
+    def _handle(self, c: conns.Conn, m: Any) -> None:
+        """One request of `c`: its handler, then its reply."""
+        conn, pid, owned = c.sock, c.pid, c.owned
+        msg = m.to_dict()
+        try:
+            reply = HANDLERS[m.op.name](self, conn, pid, msg, owned)
+        except KrexError as e:
+            reply = _error(e)
+        except Exception as e:  # noqa: BLE001 - a bad request must never kill its connection thread
+            log.error("request %.200r from pid %d failed: %s: %s", msg, pid, type(e).__name__, e)
+            reply = {
+                "ok": False,
+                "error": f"internal error: {type(e).__name__}: {e}",
+                "kind": "KrexError",
+                "fix": "see krexd.log",
+            }
+        if reply is None:
+            return
+        try:
+            try:
+                frame = encode_reply(m.op.code, reply)
+            except KrexError as e:  # a reply that does not fit its fixed body: a bug, said so
+                log.error("reply to %s for pid %d cannot be sent: %s", m.op.name, pid, e)
+                frame = encode_reply(m.op.code, _error(e))
+            conn.sendall(frame)
+        finally:
+            self._after_reply(owned)
 
     @staticmethod
     def _after_reply(owned: dict[str, Any]) -> None:
@@ -2780,6 +2824,7 @@ class Daemon:
                     "journal_error": self.journal_error,
                     "group": self.share_gid,
                     "stalls": len(self.stalls),
+                    "connections": self._loop.stats(),
                 },
                 "partition": self.partition.to_json(),
                 "segment": self.guard.to_json(),
@@ -2906,6 +2951,8 @@ def run(cfg: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     d.serve_forever()
+    if d.fault:  # not asked to stop: a non-zero status, so a supervisor restarts it
+        raise KrexError(d.fault, "see krexd.log; a new krexd starts on demand (systemd: Restart=on-failure)")
 
 
 def _redirect_output(logfile: Path) -> None:

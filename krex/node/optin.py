@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import krex
-from krex.native import shim_path, sim_dir
+from krex.native import ffi, lib, shim_path, sim_dir
 
 # An env_prepend entry's separators: ld.so splits LD_PRELOAD at spaces too.
 _SEPS = {"LD_PRELOAD": ": "}
@@ -60,6 +60,50 @@ def prepend(old: str, value: str, seps: str) -> str:
     for s in seps:
         parts = [q for p in parts for q in p.split(s)]
     return ":".join([value, *(p for p in parts if p and p != value)])
+
+
+def _names(f: Any) -> str:
+    return str(ffi.string(f()).decode())
+
+
+def daemon_cmd_ok(value: str, python_dirs: Iterable[str]) -> bool:
+    """Is `value` a KREX_DAEMON_CMD in the one form krexd writes, with a Python of one of
+    `python_dirs` (interpose/krex_env.h; guardian.c's daemon_cmd_ok is the same test)?"""
+    head, module, safe = (
+        _names(f) for f in (lib.krex_daemon_cmd_head, lib.krex_daemon_cmd_module, lib.krex_shell_safe)
+    )
+    if not value.startswith(head + "/"):
+        return False
+    rest = value[len(head):]
+    n = len(rest) - len(rest.lstrip(safe))
+    py, rest = rest[:n], rest[n:]
+    if not rest.startswith(module) or rest[len(module):len(module) + 1] not in ("", " "):
+        return False
+    if set(rest[len(module):]) - set(safe + " "):
+        return False
+    here = os.path.realpath(os.path.dirname(py))
+    return any(here == os.path.realpath(d) for d in python_dirs)
+
+
+def own_env(
+    put: Mapping[str, Any], pre: Mapping[str, Any]
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """What a guardian takes from krexd's admit reply (env_set `put`, env_prepend `pre`):
+    this installation's shim always, its hook and simulated-GPU directories where krexd
+    asks for those variables, the data variables of krex_env.h, and KREX_DAEMON_CMD only
+    with this Python. Whatever else krexd answers is left out: a daemon never chooses the
+    code a command loads (guardian.c's command_env applies the same rule)."""
+    import sys
+
+    names = set(_names(lib.krex_daemon_env_names).split())
+    out = {k: v for k, v in put.items() if k in names and isinstance(v, str)}
+    cmd = put.get("KREX_DAEMON_CMD")
+    if isinstance(cmd, str) and daemon_cmd_ok(cmd, [os.path.dirname(sys.executable)]):
+        out["KREX_DAEMON_CMD"] = cmd
+    own = {"PYTHONPATH": hook_dir, "LD_LIBRARY_PATH": sim_dir}
+    ours = {"LD_PRELOAD": [str(shim_path()), _SEPS["LD_PRELOAD"]]}
+    ours.update({k: [str(f()), _SEPS.get(k, ":")] for k, f in own.items() if k in pre})
+    return out, ours
 
 
 def apply_env(env: dict[str, str], put: Mapping[str, str], pre: Mapping[str, list[str]]) -> None:

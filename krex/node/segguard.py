@@ -115,14 +115,28 @@ class SegmentGuard:
         self.seg = seg
         self.name = seg.name
         self.n_gpus = n_gpus
+        self.pid = pid
         self.lock = threading.Lock()
         h = seg.raw.hdr
         self.instance = int(h.instance)
         self.created_ns = int(h.created_ns)
         self.heartbeat_timeout_ns = heartbeat_timeout_ns
         self.pidns = pid_namespace()  # what set_daemon publishes (the same process)
+        # The whole header as krexd set it up (after set_daemon): a repair writes back every
+        # field from here. Its counters follow the segment's while the header reads sound.
+        self.want = ffi.new("struct krex_header *")
+        ffi.memmove(self.want, ffi.addressof(h), ffi.sizeof("struct krex_header"))
+        self.want.n_gpus = n_gpus
+        self.want.daemon_pid = pid
+        self.want.pidns = self.pidns
+        self.want.heartbeat_timeout_ns = heartbeat_timeout_ns
+        self.want.flags &= ~lib.KREX_HF_RESTORED
+        self.size = int(lib.krex_shm_size())
         self.path = shm_path(self.name)
-        st = os.stat(self.path)
+        # Our own descriptor of the segment: its size is checked, and given back, through it
+        # whatever its name now leads to.
+        self.fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
         self.ino = (st.st_dev, st.st_ino)
         self.pin = f"{self.path}.krexpin-{pid}"
         for old in glob.glob(glob.escape(self.path) + ".krexpin-*"):  # pins of daemons that died
@@ -142,6 +156,8 @@ class SegmentGuard:
         if self.pin:
             with contextlib.suppress(OSError):
                 os.unlink(self.pin)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
     # ------------------------------------------------------------------ checks
     def _name_state(self) -> str:
@@ -153,6 +169,32 @@ class SegmentGuard:
             return f"unreadable ({e.strerror})"
         return "ok" if (st.st_dev, st.st_ino) == self.ino else "replaced"
 
+    def _file_size(self) -> int:
+        try:
+            return os.fstat(self.fd).st_size
+        except OSError:
+            return self.size
+
+    def _header_problems(self) -> list[str]:
+        """Which header fields do not read as krexd wrote them (every field but the beat)."""
+        h = self.seg.raw.hdr
+        bad = int(lib.krex_shm_verify(self.seg.raw, self.n_gpus))
+        what = [n for b, n in BAD_NAMES.items() if bad & b]
+        w = self.want
+        for name, ok in (
+            ("instance", int(h.instance) == self.instance),
+            ("pid namespace", int(h.pidns) == self.pidns),
+            ("daemon pid", int(h.daemon_pid) == self.pid),
+            ("heartbeat timeout", int(h.heartbeat_timeout_ns) == int(w.heartbeat_timeout_ns)),
+            ("flags", not int(h.flags) & ~lib.KREX_HF_PROCS_FULL),
+            # Shims only ever add to it: less than krexd last read is damage.
+            ("overflow count", int(w.proc_overflows) <= int(h.proc_overflows) < 1 << 40),
+            ("reserved words", not any(int(h.reserved[i]) for i in range(len(h.reserved)))),
+        ):
+            if not ok:
+                what.append(name)
+        return what
+
     def check(self, expected: Expected) -> list[str]:
         """Problems found now (empty when all is well). Cheap enough for every grant."""
         out: list[str] = []
@@ -163,16 +205,25 @@ class SegmentGuard:
             out.append(f"segment {self.name} now names another object than krexd's")
         elif ns != "ok":
             out.append(f"segment {self.name} is {ns}")
+        size = self._file_size()
+        if size < self.size:
+            # Before anything reads it: a page past the end would fault (the SIGBUS guard
+            # would give the size back too, but then only the flag below tells why).
+            out.append(f"segment {self.name} was truncated to {size} of {self.size} bytes")
+            self._restore_size()
         raw = self.seg.raw
-        bad = int(lib.krex_shm_verify(raw, self.n_gpus))
-        pidns_bad = int(raw.hdr.pidns) != self.pidns
-        if bad or int(raw.hdr.instance) != self.instance or pidns_bad:
-            what = [n for b, n in BAD_NAMES.items() if bad & b]
-            if int(raw.hdr.instance) != self.instance:
-                what.append("instance")
-            if pidns_bad:
-                what.append("pid namespace")
+        if int(raw.hdr.flags) & lib.KREX_HF_RESTORED:
+            out.append(
+                f"segment {self.name} was truncated (truncate -s?); a process that touched it "
+                "gave it its size back, zero-filled"
+            )
+        what = self._header_problems()
+        if what:
             out.append(f"segment header damaged ({', '.join(what)})")
+        else:
+            # Sound: follow the counters shims add to, for a later repair.
+            self.want.proc_overflows = int(raw.hdr.proc_overflows)
+            self.want.flags = int(raw.hdr.flags) & lib.KREX_HF_PROCS_FULL
         for g, ok in expected.gates.items():
             w = int(raw.gpus[g].gate)
             if not self._gate_ok(w, ok, expected.owner.get(g, -1)):
@@ -221,12 +272,12 @@ class SegmentGuard:
             actions.append(self._relink())
         elif ns == "replaced":
             actions.append(self._reclaim())
-        if int(lib.krex_shm_verify(raw, self.n_gpus)) or int(raw.hdr.instance) != self.instance:
-            lib.krex_hdr_restore(raw, self.n_gpus, self.instance, self.created_ns, self.heartbeat_timeout_ns)
-            actions.append("header rewritten from krexd's copy")
-        if int(raw.hdr.pidns) != self.pidns:
-            raw.hdr.pidns = self.pidns
-            actions.append("pid namespace rewritten from krexd's copy")
+        if self._file_size() < self.size:
+            actions.append(self._restore_size())
+        fields = self._header_problems()
+        if fields or int(raw.hdr.flags) & lib.KREX_HF_RESTORED:
+            lib.krex_hdr_restore(raw, self.want)
+            actions.append(f"header rewritten from krexd's copy ({', '.join(fields) or 'flags'})")
         for g, ok in expected.gates.items():
             w = int(raw.gpus[g].gate)
             if self._gate_ok(w, ok, expected.owner.get(g, -1)):
@@ -271,6 +322,14 @@ class SegmentGuard:
             self.incidents.append(inc)
             del self.incidents[:-20]
         return inc
+
+    def _restore_size(self) -> str:
+        try:
+            os.ftruncate(self.fd, self.size)
+        except OSError as e:
+            self.lost = f"segment {self.name} was truncated and its size cannot be given back: {e.strerror}"
+            return f"size not restored: {e.strerror}"
+        return f"size restored to {self.size} bytes (the lost part reads as zeroes)"
 
     def _relink(self) -> str:
         if not self.pin:

@@ -204,23 +204,24 @@ def _connect(p: Path) -> socket.socket:
 
 
 def _check_daemon_identity(s: socket.socket, p: Path) -> None:
-    """Talk only to a daemon run by us, by root, or (for a socket the user named)
-    by the owner of the socket's directory: a socket planted by someone else would
-    hand us a segment and a cgroup of theirs."""
-    _, uid, _ = peer_cred(s)
+    """Talk only to a daemon run by us or by root. Another user's daemon (a socket in a
+    directory of theirs that KREX_STATE_DIR or KREX_SOCKET names, or one planted) would
+    hand us a segment and a cgroup of its choosing."""
+    pid, uid, _ = peer_cred(s)
     if uid in (os.geteuid(), 0):
         return
-    try:
-        dir_uid = os.stat(p.parent).st_uid
-    except OSError:
-        dir_uid = -1
-    if paths.explicit() and uid == dir_uid:
-        return
     s.close()
+    try:
+        import pwd
+
+        who = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, ImportError):
+        who = f"uid {uid}"
     raise PermissionDenied(
-        f"the socket {p} is served by uid {uid}, not by you, root or the owner of {p.parent}: "
-        "refusing to talk to it",
-        "remove it, or set KREX_STATE_DIR to a directory of your own",
+        f"the KREX daemon at {p} (pid {pid}) runs as {who}, neither as you (uid {os.geteuid()}) nor as "
+        "root: refusing to talk to it (another user's daemon would choose what your commands run with)",
+        "use your own daemon (unset KREX_STATE_DIR and KREX_SOCKET, or point them at a directory of "
+        "yours), or a daemon run by root and shared with your group (`krex daemon start --group G` as root)",
     )
 
 

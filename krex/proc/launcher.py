@@ -438,7 +438,7 @@ def run_guarded(
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
     with a daemon running, no GPU discovery happens here (connect_daemon)."""
-    from krex.node.optin import apply_env, queue_note, start_notes
+    from krex.node.optin import apply_env, own_env, queue_note, start_notes
     from krex.node.shm import Segment
 
     mark("imported")
@@ -490,7 +490,7 @@ def run_guarded(
     for line in notes:
         notify(line)
     env = dict(os.environ)
-    apply_env(env, put, pre)
+    apply_env(env, *own_env(put, pre))  # our installation's code, whatever krexd answered
 
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
     # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command

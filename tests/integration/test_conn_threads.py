@@ -1,6 +1,7 @@
-"""krexd serves each connection on a thread of its own, and keeps a thread whose
-connection ended for the next one (starting one per connection was a share of each
-`krex run`'s admission): reused, never shared by two live connections."""
+"""krexd serves requests on connection threads that it keeps for the next requests
+(starting one per connection was a share of each `krex run`'s admission), and a
+connection holds no thread between its requests: it waits in krexd's selector
+(krex/node/conns.py)."""
 
 from __future__ import annotations
 
@@ -30,18 +31,37 @@ def _close(conns: list[Client]) -> None:
         c.close()
 
 
-def test_connection_threads_are_kept_and_serve_the_next_connections(kx: Krex) -> None:
+def test_connection_threads_are_kept_and_serve_the_next_requests(kx: Krex) -> None:
     d = kx.start_daemon()
-    conns = _open(kx, 8)
-    busy = _tasks(d.pid)
-    _close(conns)
+    _close(_open(kx, 1))
     time.sleep(0.3)
-    # Idle, they wait for the next connections (they used to end with their connection).
-    assert _tasks(d.pid) == busy
+    base = _tasks(d.pid)
+    _close(_open(kx, 8))
+    time.sleep(0.3)
+    warm = _tasks(d.pid)
+    assert len(warm) <= len(base) + 8, (len(warm), len(base))
     for _ in range(3):
         _close(_open(kx, 8))
         time.sleep(0.3)
-        assert _tasks(d.pid) == busy, "new threads for connections while as many were idle"
+        now = _tasks(d.pid)
+        # Kept threads serve the next connections: no new thread per connection.
+        assert len(now) <= len(warm) + 2, f"{len(now)} threads after a round (was {len(warm)})"
+
+
+def test_open_connections_between_requests_hold_no_thread(kx: Krex) -> None:
+    d = kx.start_daemon()
+    _close(_open(kx, 1))  # krexd's own threads are all up, and one connection thread
+    time.sleep(0.3)
+    base = len(_tasks(d.pid))
+    conns = _open(kx, 40)
+    try:
+        time.sleep(0.3)
+        # Before (a thread per connection): 40 more threads while they stay open.
+        assert len(_tasks(d.pid)) <= base + 4, (len(_tasks(d.pid)), base)
+        for c in conns:  # each still answered on its own connection
+            assert c.request({"op": "hello"})["ok"]
+    finally:
+        _close(conns)
 
 
 def test_connections_open_at_once_each_get_a_thread(kx: Krex) -> None:

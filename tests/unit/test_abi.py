@@ -172,7 +172,7 @@ def test_constants_used_by_the_c_side_exist_in_python() -> None:
     for f in (*SHIM_FILES, "krex_core.c"):
         used |= set(re.findall(r"\bKREX_[A-Z][A-Z0-9_]*\b", code(f)))
     local: set[str] = set()
-    for f in (*SHIM_FILES, "krex_tables.h", "krex_cuda_types.h"):
+    for f in (*SHIM_FILES, "krex_tables.h", "krex_cuda_types.h", "krex_env.h"):
         text = code(f)
         local |= set(re.findall(r"#define\s+(KREX_\w+)", text))
         for body in re.findall(r"\benum\s+\w+\s*\{(.*?)\}", text, flags=re.S):

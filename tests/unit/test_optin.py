@@ -53,3 +53,62 @@ def test_inductor_regions_are_told_apart_by_their_labels() -> None:
     assert tally["inductor_regions"] == {"hook": 1, "fallback": 1}
     notes = optin.inductor_notes(tally)
     assert "1 region(s) through KREX's fallback wrapper" in notes[0] and "hook" in notes[1]
+
+
+def _daemon_env(kind: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """What krexd's _command_env sends for a slot, without a daemon."""
+    from types import SimpleNamespace
+
+    from krex.node.daemon import Daemon
+
+    info = SimpleNamespace(kind=kind, visible_token=lambda g: str(g), physical=[0])
+    fake = SimpleNamespace(_opt_in={}, shm_name="/krex-t", sock_path="/tmp/k/krexd.sock", info=info)
+    slot = SimpleNamespace(slot=3, generation=7)
+    return Daemon._command_env(fake, slot, 0, "auto")  # type: ignore[arg-type]
+
+
+def test_krexd_sends_only_what_a_guardian_takes() -> None:
+    """interpose/krex_env.h is the list both guardians keep; krexd sends nothing else,
+    so nothing it sends is dropped on the way (a variable added to _command_env must be
+    added there too)."""
+    import os
+    import sys
+
+    for kind in ("sim", "gpu", "amd"):
+        put, pre = _daemon_env(kind)
+        own_put, own_pre = optin.own_env(put, pre)
+        assert own_put == put, set(put) ^ set(own_put)
+        assert own_pre == pre, (own_pre, pre)
+        assert optin.daemon_cmd_ok(put["KREX_DAEMON_CMD"], [os.path.dirname(sys.executable)])
+
+
+def test_own_env_keeps_only_this_installations_code() -> None:
+    import os
+    import sys
+
+    from krex.native import shim_path, sim_dir
+
+    here = os.path.dirname(sys.executable)
+    put = {
+        "KREX_SLOT": "1",
+        "KREX_PYTHON": "/evil/python",
+        "BASH_ENV": "/evil/env",
+        "KREX_DAEMON_CMD": "touch /tmp/x",
+        "CUDA_VISIBLE_DEVICES": 5,  # not a string: dropped
+    }
+    pre = {"LD_PRELOAD": ["/evil.so", ": "], "PYTHONPATH": ["/evil", ":"], "LD_AUDIT": ["/evil.so", ":"]}
+    own_put, own_pre = optin.own_env(put, pre)
+    assert own_put == {"KREX_SLOT": "1"}
+    assert own_pre == {"LD_PRELOAD": [str(shim_path()), ": "], "PYTHONPATH": [str(optin.hook_dir()), ":"]}
+    assert optin.own_env({}, {"LD_LIBRARY_PATH": ["/evil", ":"]})[1]["LD_LIBRARY_PATH"][0] == str(sim_dir())
+    ok = f"exec env -u LD_PRELOAD {sys.executable} -m krex.node.daemon --device sim --on-demand"
+    assert optin.daemon_cmd_ok(ok, [here])
+    for bad in (
+        ok.replace(sys.executable, "/usr/local/evil/python3"),  # another Python's directory
+        ok + "; touch /tmp/x",
+        ok + " $(touch /tmp/x)",
+        ok.replace(" -m krex.node.daemon", " -m evil"),
+        ok.replace("exec env -u LD_PRELOAD ", "exec env LD_PRELOAD=/evil.so "),
+        "exec env -u LD_PRELOAD python3 -m krex.node.daemon",  # not an absolute path
+    ):
+        assert not optin.daemon_cmd_ok(bad, [here]), bad
