@@ -6,11 +6,12 @@ drain it. Before a region's grant (`queued_work`):
   - on the simulated GPU the device model's timeline says when all queued work ends (its
     shared `busy_until`, per device): the region waits until then, at most the drain
     timeout, else it is flagged;
-  - with NVML (a real NVIDIA GPU) a process that NVML does not list on the GPU holds no
-    context there, so it has no work queued; one that NVML lists is flagged: when its work
-    ends is not known;
-  - with neither (NVML unavailable or failing, or listing pids that are not krexd's), the
-    region is flagged for every unheld process.
+  - with NVML (a real NVIDIA GPU; on the simulated one too when a test fakes NVML, after
+    the wait above) a process that NVML does not list on the GPU holds no context there,
+    so it has no work queued; one that NVML lists is flagged, idle or not: when its work
+    ends cannot be known;
+  - on a real GPU without NVML (unavailable or failing, or listing pids that are not
+    krexd's), the region is flagged for every unheld process.
 Every flag names the processes and why the gate does not hold them."""
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ def queued_work(
             ], time.monotonic() - t0
         if until > now:
             time.sleep((until - now) / 1e9)
-        return [], time.monotonic() - t0
+        if attestor.nvml is None:
+            return [], time.monotonic() - t0
+    return _nvml_check(attestor, gpu, unheld, who), time.monotonic() - t0
+
+
+def _nvml_check(attestor: Attestor, gpu: int, unheld: Mapping[int, tuple[int, str]], who: str) -> list[tuple[str, str]]:
     listed = attestor.listed(gpu)
     if listed is None:
         why = attestor.note or "NVML did not answer"
@@ -103,12 +109,10 @@ def queued_work(
                 f"sibling processes the gate does not hold ({who}) may have GPU work queued that KREX cannot "
                 f"drain, and whether they hold a context on GPU {gpu} cannot be told ({why})",
             )
-        ], time.monotonic() - t0
+        ]
     if not listed:
-        return [], time.monotonic() - t0  # no process holds a context on the GPU: nothing queued
+        return []  # no process holds a context on the GPU: nothing of theirs is queued
     on_gpu = {p: v for p, v in unheld.items() if p in listed}
-    if not on_gpu and attestor.pids_local:
-        return [], time.monotonic() - t0  # NVML's pids are ours, and none of theirs is listed
     if on_gpu:
         return [
             (
@@ -116,11 +120,13 @@ def queued_work(
                 f"sibling processes the gate does not hold hold a context on GPU {gpu} (NVML), and KREX cannot "
                 f"drain what they queued before their freeze: {describe(on_gpu)}",
             )
-        ], time.monotonic() - t0
+        ]
+    if attestor.pids_local:
+        return []  # NVML's pids are krexd's, and none of theirs is listed
     return [
         (
             FLAG,
             f"sibling processes the gate does not hold ({who}) may have GPU work queued, and NVML's pids "
-            "cannot be matched to krexd's (another pid namespace?)",
+            "cannot be matched to krexd's yet (another pid namespace?)",
         )
-    ], time.monotonic() - t0
+    ]

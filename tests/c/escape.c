@@ -3,6 +3,7 @@
  *
  *   escape MODE SECONDS US DEPTH [ARG]
  *
+ * Prints {"pid", "mode"} first (each image: a re-exec prints again).
  * Queues DEPTH kernels of US simulated microseconds back to back, then waits for them,
  * over and over for SECONDS seconds: a deep queue, so work it queued before a freeze
  * runs on after it. MODE:
@@ -45,6 +46,7 @@ int main(int argc, char **argv) {
     double seconds = atof(argv[2]);
     unsigned us = (unsigned)strtoul(argv[3], NULL, 10), depth = (unsigned)strtoul(argv[4], NULL, 10);
     const char *arg = argc > 5 ? argv[5] : NULL;
+    printf("{\"pid\": %d, \"mode\": \"%s\"}\n", (int)getpid(), mode);
     if (!strcmp(mode, "plain")) return hammer(seconds, us, depth);
     if (!strcmp(mode, "setuid")) {
         unsigned id = arg ? (unsigned)strtoul(arg, NULL, 10) : 65534;

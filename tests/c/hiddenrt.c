@@ -5,8 +5,8 @@
  *
  *   hiddenrt SECONDS US DEPTH
  *
- * Queues DEPTH kernels of US simulated microseconds, waits for them, over and over for
- * SECONDS seconds (escape.c's loop). */
+ * Prints {"pid", "mode"} first, then queues DEPTH kernels of US simulated microseconds,
+ * waits for them, over and over for SECONDS seconds (escape.c's loop). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +33,7 @@ int main(int argc, char **argv) {
     }
     double seconds = atof(argv[1]);
     unsigned us = (unsigned)strtoul(argv[2], NULL, 10), depth = (unsigned)strtoul(argv[3], NULL, 10);
+    printf("{\"pid\": %d, \"mode\": \"hidden\"}\n", (int)getpid());
     void *pfn = NULL;
     if (simgpu_cu_gpa("cuLaunchKernel", &pfn, 0) != 0 || !pfn) {
         fprintf(stderr, "hiddenrt: no cuLaunchKernel\n");

@@ -139,6 +139,36 @@ class ChaosResult:
         return d
 
 
+def open_world(kx: Any, victims: dict[str, Path]) -> None:
+    """What escaping siblings need from a test's KREX world (test_regions.Krex): their
+    executables, its output folder and the simulator's trace reachable by another user
+    (the other-user and setuid kinds run as OTHER_UID)."""
+    for d in {victims["escape"].parent, kx.base}:
+        os.chmod(d, 0o755)
+    os.chmod(kx.out, 0o777)
+    kx.trace.touch()
+    os.chmod(kx.trace, 0o666)
+
+
+def escape_argv(kind: str, victims: dict[str, Path], seconds: float, us: int, depth: int, arg: str = "") -> list[str]:
+    """The command line of an escaping sibling of `kind` (ESCAPES), or of "held": the same
+    program with nothing taken away. `arg`: the re-exec's delay in ms."""
+    load = [f"{seconds:.2f}", str(us), str(depth)]
+    esc = str(victims["escape"])
+    plain = [esc, "plain", *load]
+    return {
+        "held": plain,
+        "inactive-shim": ["env", "-u", "KREX_SHM", *plain],
+        "bad-slot": ["env", "KREX_SLOT=x", *plain],
+        "other-user": ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *plain],
+        "setuid": [esc, "setuid", *load, str(OTHER_UID)],
+        "reexec": [esc, "reexec", *load, arg or "600"],
+        "dlmopen": [esc, "dlmopen", *load, str(victims["libnsgpu"])],
+        "static-runtime": [str(victims["hiddenrt"]), *load],
+        "no-shim": ["env", "-u", "LD_PRELOAD", *plain],
+    }[kind]
+
+
 def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -182,19 +212,13 @@ class Chaos:
             self._prepare_escapes()
 
     def _prepare_escapes(self) -> None:
-        """What the escaping siblings need: their executables, and a trace and a world
-        another user can reach (the other-user and setuid kinds run as OTHER_UID)."""
         from helpers import victims
 
         unknown = set(self.cfg.escapes) - set(ESCAPES)
         if unknown:
             raise ValueError(f"unknown escaping sibling kinds {sorted(unknown)}; known: {', '.join(ESCAPES)}")
         self.victims = victims()
-        for d in {self.victims["escape"].parent, self.kx.base}:
-            os.chmod(d, 0o755)
-        os.chmod(self.kx.out, 0o777)
-        self.kx.trace.touch()
-        os.chmod(self.kx.trace, 0o666)
+        open_world(self.kx, self.victims)
 
     # ------------------------------------------------------------------ commands
     def _spawn(self, kind: str) -> None:
@@ -239,22 +263,9 @@ class Chaos:
         self.res.commands[kind] += 1
 
     def _escape_argv(self, kind: str) -> list[str]:
-        """The command line of an escaping sibling of `kind` (ESCAPES)."""
-        c, v = self.cfg, self.victims
-        secs = f"{self.rng.uniform(2, 6):.2f}"
-        load = [secs, str(c.escape_us), str(c.escape_depth)]
-        esc = str(v["escape"])
-        plain = [esc, "plain", *load]
-        return {
-            "inactive-shim": ["env", "-u", "KREX_SHM", *plain],
-            "bad-slot": ["env", "KREX_SLOT=x", *plain],
-            "other-user": ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *plain],
-            "setuid": [esc, "setuid", *load, str(OTHER_UID)],
-            "reexec": [esc, "reexec", *load, str(self.rng.choice([300, 600, 900]))],
-            "dlmopen": [esc, "dlmopen", *load, str(v["libnsgpu"])],
-            "static-runtime": [str(v["hiddenrt"]), *load],
-            "no-shim": ["env", "-u", "LD_PRELOAD", *plain],
-        }[kind]
+        c = self.cfg
+        arg = {"reexec": str(self.rng.choice([300, 600, 900]))}.get(kind, "")
+        return escape_argv(kind, self.victims, self.rng.uniform(2, 6), c.escape_us, c.escape_depth, arg)
 
     def _reap(self) -> None:
         for c in list(self.cmds):
