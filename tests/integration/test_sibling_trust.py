@@ -97,18 +97,16 @@ def test_only_proven_siblings_count_as_held(kx: Krex, policy: str) -> None:
     for k in kinds:
         _start(kx, v, k, "200")
     pids = {k: _pid(kx, k, 2 if k == "reexec" else 1) for k in kinds}
-    slots = {k: _slot_of(kx, pids[k]) for k in ("held", "setuid", "reexec", "no-shim", "static-runtime")}
+    slots = {k: _slot_of(kx, pids[k]) for k in kinds if k != "bad-slot"}
     time.sleep(1.0)  # the dlmopen (after 300 ms) and every first kernel are done
     ready = _hold(kx, "a")
     g = ready["grant"]
-    unheld = {p: w for p, _slot, w in g["unheld"]}
+    for k in slots:
+        assert (slots[k] in g["frozen_slots"]) == (k not in ("held", "setuid") or policy == "all"), (k, g)
+    unheld = {p: w for p, _slot, w in g.get("unheld", [])}
     for k, why in WHY.items():
-        assert pids[k] in unheld and why in unheld[pids[k]], (k, pids[k], g["unheld"])
+        assert pids[k] in unheld and why in unheld[pids[k]], (k, pids[k], g.get("unheld"))
     assert pids["held"] not in unheld and pids["setuid"] not in unheld, g["unheld"]
-    for k in ("reexec", "no-shim", "static-runtime"):
-        assert slots[k] in g["frozen_slots"], (k, g)
-    if policy == "gpu":
-        assert slots["held"] not in g["frozen_slots"] and slots["setuid"] not in g["frozen_slots"], g
     rec = _end(kx, "a", ready["pid"])
     assert "unheld-sibling" not in rec["flags"], rec["reasons"]
 
@@ -126,13 +124,13 @@ def test_nvml_decides_what_an_unheld_siblings_work_means(kx: Krex) -> None:
     sib = _pid(kx, "inactive-shim")
     ready = _hold(kx, "a")  # NVML lists nobody: clean
     rec = _end(kx, "a", ready["pid"])
-    assert sib in [p for p, _s, _w in rec["unheld"]] and not rec["contaminated"], rec["reasons"]
+    assert not rec["contaminated"], rec["reasons"]
     tmp = nvml.with_suffix(".tmp")
     tmp.write_text(json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib])]}))
     tmp.replace(nvml)
     ready = _hold(kx, "b")
-    assert "unheld-sibling" in ready["grant"]["flags"], ready["grant"]
     rec = _end(kx, "b", ready["pid"])
+    assert "unheld-sibling" in ready["grant"]["flags"], (ready["grant"]["flags"], rec["reasons"])
     text = " ".join(rec["reasons"])
     assert f"pid {sib}" in text and "KREX_SHM not set" in text and "hold a context" in text, rec["reasons"]
     assert [f for f in rec["attest"]["foreign"] if f["pid"] == sib], rec["attest"]  # not counted as known
@@ -150,7 +148,7 @@ def test_a_held_sibling_that_execs_without_the_shim_during_a_region_flags_it(kx:
     time.sleep(0.5)
     ready = _hold(kx, "a")
     g = ready["grant"]
-    assert g["frozen_slots"] == [] and g["unheld"] == [], g  # held as the region began
+    assert g["frozen_slots"] == [] and not g.get("unheld"), g  # held as the region began
     kx.wait(lambda: _pid(kx, "reexec", 2) == sib, 10, "the re-exec")
     time.sleep(0.2)
     rec = _end(kx, "a", ready["pid"])
