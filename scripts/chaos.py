@@ -35,7 +35,9 @@ def matrix(a: argparse.Namespace) -> int:
     kinds = [k for k in a.escapes.split(",") if k]
     policies = [p for p in a.policies.split(",") if p]
     rows = []
-    print("| sibling kind | policy | owner regions | clean | false clean (owner) | false clean (journal) | sibling ops |")
+    print(
+        "| sibling kind | policy | owner regions | clean | false clean (owner) | false clean (journal) | sibling ops |"
+    )
     print("|---|---|---|---|---|---|---|")
     for kind in kinds:
         for pol in policies:
@@ -47,8 +49,11 @@ def matrix(a: argparse.Namespace) -> int:
                 "regions", "clean", "false_clean_count", "journal_false_clean_count", "journal_regions")},
                 "sibling_ops": d["escape_ops"].get(kind, 0)})  # fmt: skip
             r = rows[-1]
-            print(f"| {kind} | {pol} | {r['regions']} | {r['clean']} | {r['false_clean_count']} | "
-                  f"{r['journal_false_clean_count']}/{r['journal_regions']} | {r['sibling_ops']} |", flush=True)
+            print(
+                f"| {kind} | {pol} | {r['regions']} | {r['clean']} | {r['false_clean_count']} | "
+                f"{r['journal_false_clean_count']}/{r['journal_regions']} | {r['sibling_ops']} |",
+                flush=True,
+            )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0 if all(r["false_clean_count"] == 0 and r["journal_false_clean_count"] == 0 for r in rows) else 1
@@ -62,14 +67,19 @@ def main() -> int:
     ap.add_argument("--owners", type=int, default=3, help="owner commands at once")
     ap.add_argument("--hammers", type=int, default=1, help="sibling hammer commands at once")
     ap.add_argument("--fault-every", type=float, default=1.0, help="mean seconds between faults")
-    ap.add_argument("--faults", default=",".join(ALL_FAULTS), help="comma-separated subset of " + ",".join(ALL_FAULTS))
+    ap.add_argument(
+        "--faults", default=",".join(ALL_FAULTS), help="comma-separated subset of " + ",".join(ALL_FAULTS)
+    )
     ap.add_argument("--out", default=str(ROOT / "docs/results/sim/chaos"))
     ap.add_argument("--escapes", default="", help="escaping sibling kinds to mix in, comma-separated subset of "
                     + ",".join(ESCAPES) + " ('all': every one)")  # fmt: skip
     ap.add_argument("--policies", default="", help="run once per freeze policy, comma-separated subset of "
                     + ",".join(POLICIES) + " ('all': every one); default: the test default")  # fmt: skip
-    ap.add_argument("--matrix", action="store_true",
-                    help="instead: each --escapes kind under each --policies policy, --seconds each (default 8)")
+    ap.add_argument(
+        "--matrix",
+        action="store_true",
+        help="instead: each --escapes kind under each --policies policy, --seconds each (default 8)",
+    )
     ap.add_argument("--json-out", default="", help="with --matrix: write the table's rows here as JSON")
     a = ap.parse_args()
     a.escapes = ",".join(ESCAPES) if a.escapes == "all" else a.escapes
@@ -92,7 +102,9 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     d = res.to_json()
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
     d["meta"] = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
         "commit": rev.stdout.strip(),

@@ -191,5 +191,7 @@ class Attestor:
                     )
                 )
             else:
-                reasons.append(("foreign-process", f"pid {f['pid']} ({f['cmd']}) used GPU {gpu} outside KREX"))
+                reasons.append(
+                    ("foreign-process", f"pid {f['pid']} ({f['cmd']}) used GPU {gpu} outside KREX")
+                )
         return out, reasons

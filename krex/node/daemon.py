@@ -396,7 +396,8 @@ class Daemon:
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
         self.inspector = freezepolicy.Inspector()
-        self._seg_id: tuple[int, tuple[int, int] | None] | None = None  # (address, its freezepolicy.segment_id)
+        # (the segment's address, its freezepolicy.segment_id): read once per segment
+        self._seg_id: tuple[int, tuple[int, int] | None] | None = None
         # (pid, start time, helper tid) reniced to helper_nice: the start time tells a reused
         # pid apart (its new helper is reniced too)
         self._boosted: set[tuple[int, int, int]] = set()
@@ -1718,7 +1719,9 @@ class Daemon:
         theirs the gate does not hold now (one that exec'd without the shim, or started
         during the region) may have run GPU work inside it."""
         with self.lock:
-            running = [s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s]
+            running = [
+                s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s
+            ]
         bad: dict[int, tuple[int, str]] = {}
         for s in running:
             for pid, v in freezepolicy.classify(self._group_pids(s), self.inspector, self._slot_ref(s)):

@@ -252,7 +252,9 @@ class Inspector:
             error="" if env is not None else "cannot read its environment",
             # Not mapped yet, maybe: a process right after its exec, before its loader ran
             # (the shim attaches in its constructor when KREX_SHM and KREX_SLOT are set).
-            final=env is not None and shim and (bool(segs) or not (env.get(b"KREX_SHM") and env.get(b"KREX_SLOT"))),
+            final=env is not None
+            and shim
+            and (bool(segs) or not (env.get(b"KREX_SHM") and env.get(b"KREX_SLOT"))),
         )
 
     def _static_cudart(self, pid: int, exe: str) -> bool:
@@ -295,7 +297,9 @@ def judge(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef, shim_name: 
         return Verdict(True)
     if facts.static_cudart:
         return Verdict(
-            False, f"{name} links the CUDA runtime statically and made no hooked call: nothing drains it", unheld=True
+            False,
+            f"{name} links the CUDA runtime statically and made no hooked call: nothing drains it",
+            unheld=True,
         )
     env = facts.env
     shm = env.get(b"KREX_SHM")
@@ -308,7 +312,9 @@ def judge(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef, shim_name: 
             return Verdict(False, f"{name}: its shim is inactive (no KREX_SLOT, no KREX_SOCKET)", unheld=True)
     elif slot != str(ref.slot).encode():
         return Verdict(
-            False, f"{name}: KREX_SLOT={slot.decode(errors='replace')!r}, not its command's slot {ref.slot}", unheld=True
+            False,
+            f"{name}: KREX_SLOT={slot.decode(errors='replace')!r}, not its command's slot {ref.slot}",
+            unheld=True,
         )
     elif env.get(b"KREX_SLOT_GEN") != str(ref.generation).encode():
         gen = env.get(b"KREX_SLOT_GEN")

@@ -16,6 +16,7 @@ Every flag names the processes and why the gate does not hold them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
@@ -58,10 +59,8 @@ def sim_models(pids: list[int], sim_shm_of: Callable[[int], str | None]) -> set[
         if name:
             names.add(name)
         else:
-            try:
+            with contextlib.suppress(OSError):
                 names.add(f"/krex-sim-{os.stat(f'/proc/{pid}').st_uid}")
-            except OSError:
-                pass
     return names
 
 
@@ -89,7 +88,8 @@ def queued_work(
                 (
                     FLAG,
                     f"sibling processes the gate does not hold ({who}) had {((until - now) / 1e6):.0f} ms of "
-                    f"work queued on the simulated GPU, past the drain timeout {bound_s:g}s: it ran into the region",
+                    f"work queued on the simulated GPU, past the drain timeout {bound_s:g}s: it ran into the "
+                    "region",
                 )
             ], time.monotonic() - t0
         if until > now:
@@ -99,7 +99,9 @@ def queued_work(
     return _nvml_check(attestor, gpu, unheld, who), time.monotonic() - t0
 
 
-def _nvml_check(attestor: Attestor, gpu: int, unheld: Mapping[int, tuple[int, str]], who: str) -> list[tuple[str, str]]:
+def _nvml_check(
+    attestor: Attestor, gpu: int, unheld: Mapping[int, tuple[int, str]], who: str
+) -> list[tuple[str, str]]:
     listed = attestor.listed(gpu)
     if listed is None:
         why = attestor.note or "NVML did not answer"
@@ -117,8 +119,8 @@ def _nvml_check(attestor: Attestor, gpu: int, unheld: Mapping[int, tuple[int, st
         return [
             (
                 FLAG,
-                f"sibling processes the gate does not hold hold a context on GPU {gpu} (NVML), and KREX cannot "
-                f"drain what they queued before their freeze: {describe(on_gpu)}",
+                f"sibling processes the gate does not hold have a context on GPU {gpu} (NVML), and KREX "
+                f"cannot drain what they queued before their freeze: {describe(on_gpu)}",
             )
         ]
     if attestor.pids_local:

@@ -71,7 +71,9 @@ def _compile(src: Path, out: Path) -> None:
     shape = ["-shared", "-fPIC"] if src.stem.startswith("lib") else ["-no-pie"]
     # KREX_TEST_NO_CUDART: no libcudart in DT_NEEDED, as a statically linked CUDA runtime
     # has; it reaches the simulated device through libcuda and the device model only.
-    gpu = ["-lcuda", "-lkrexsim"] if "KREX_TEST_NO_CUDART" in text else ["-lcudart", "-lcuda", "-l:libamdhip64.so"]
+    gpu = ["-lcudart", "-lcuda", "-l:libamdhip64.so"]
+    if "KREX_TEST_NO_CUDART" in text:
+        gpu = ["-lcuda", "-lkrexsim"]
     cmd = [
         CC,
         "-O0",

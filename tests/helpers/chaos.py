@@ -150,7 +150,9 @@ def open_world(kx: Any, victims: dict[str, Path]) -> None:
     os.chmod(kx.trace, 0o666)
 
 
-def escape_argv(kind: str, victims: dict[str, Path], seconds: float, us: int, depth: int, arg: str = "") -> list[str]:
+def escape_argv(
+    kind: str, victims: dict[str, Path], seconds: float, us: int, depth: int, arg: str = ""
+) -> list[str]:
     """The command line of an escaping sibling of `kind` (ESCAPES), or of "held": the same
     program with nothing taken away. `arg`: the re-exec's delay in ms."""
     load = [f"{seconds:.2f}", str(us), str(depth)]
@@ -533,12 +535,22 @@ def summary_table(res: ChaosResult) -> str:
         ("FALSE CLEAN (owner view)", d["false_clean_count"]),
         ("FALSE CLEAN (journal)", d["journal_false_clean_count"]),
         *(
-            [("  by whose work was inside", ", ".join(f"{k} {v}" for k, v in sorted(d["false_clean_by_kind"].items())))]
+            [
+                (
+                    "  by whose work was inside",
+                    ", ".join(f"{k} {v}" for k, v in sorted(d["false_clean_by_kind"].items())),
+                )
+            ]
             if d["false_clean_by_kind"]
             else []
         ),
         *(
-            [("escaping siblings' operations", ", ".join(f"{k} {v}" for k, v in sorted(d["escape_ops"].items())))]
+            [
+                (
+                    "escaping siblings' operations",
+                    ", ".join(f"{k} {v}" for k, v in sorted(d["escape_ops"].items())),
+                )
+            ]
             if d["escape_ops"] or d["config"].get("escapes")
             else []
         ),

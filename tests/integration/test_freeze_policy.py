@@ -438,7 +438,9 @@ def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
     code = (_ATTACHED + f"import ctypes, sys, time; sys.stdin.readline(); ctypes.CDLL({str(lib)!r}); "
             "print('ok', flush=True); time.sleep(30)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
     try:
         time.sleep(0.3)
         ins = freezepolicy.Inspector(shim_name=lib.name)
