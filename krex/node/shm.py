@@ -34,6 +34,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_STALE_SLOT: "stale-slot",
     lib.KREX_PF_PACE_OFF: "pace-off",
     lib.KREX_PF_UNSEEN: "unseen-runtime",
+    lib.KREX_PF_FOREIGN_NS: "foreign-namespace",
 }
 
 
