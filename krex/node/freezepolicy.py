@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from krex.device import elfcheck
-from krex.native import lib
+from krex.native import ffi, lib
 from krex.node import procfs
 
 POLICIES = ("all", "gpu", "adaptive")
@@ -75,6 +75,7 @@ ENV_KEYS = (b"KREX_SHM", b"KREX_SLOT", b"KREX_SLOT_GEN", b"KREX_SOCKET", b"KREX_
 # (the loader of a process that just exec'd): such facts are read again after this long.
 RECHECK_S = 0.5
 
+_HELD, _NONE = int(lib.KREX_TRUST_HELD), int(lib.KREX_TRUST_NONE)  # read once: cffi lookups cost
 RECORD_WHY = {
     int(lib.KREX_TRUST_FILLING): "its process record is being written",
     int(lib.KREX_TRUST_DAMAGED): "its process record is damaged",
@@ -123,6 +124,7 @@ class SlotRef:
 
 
 _PENDING = Facts(error="not inspected yet (now queued)", final=False)
+_HELD_VERDICT = Verdict(True)
 
 
 class Inspector:
@@ -208,10 +210,10 @@ class Inspector:
         if got is None:
             return None, False
         st, exe, facts, read = got
-        code = int(lib.KREX_TRUST_NONE)
-        if ref.raw is not None:
-            code = int(lib.krex_proc_trust(ref.raw, pid, st.start, ref.slot, ref.generation))
-        return judge(pid, os.path.basename(exe), code, facts, ref, self.shim_name), read
+        code = _NONE
+        if ref.raw is not None:  # the record first: one pass over shared memory
+            code = lib.krex_proc_trust(ref.raw, pid, st.start, ref.slot, ref.generation)
+        return judge(pid, exe, code, facts, ref, self.shim_name), read
 
     def seen(self, pid: int) -> bool:
         """Whether some facts for this pid are cached (any image) and none have gone stale."""
@@ -271,67 +273,75 @@ class Inspector:
 
 def judge(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef, shim_name: str = SHIM_NAME) -> Verdict:
     """A process's verdict from its record's answer (`code`, krex_proc_trust) and the facts
-    of its image, against its command's slot `ref` (module docstring)."""
-    name = f"pid {pid} ({exe})"
-    held = code == int(lib.KREX_TRUST_HELD)
-    if not held and code != int(lib.KREX_TRUST_NONE):
-        return Verdict(False, f"{name}: {RECORD_WHY.get(code, f'its record says {code}')}", unheld=True)
+    of its image (`exe`: its executable), against its command's slot `ref` (module
+    docstring). The held cases first and without building a reason: this runs for every
+    sibling process of every region."""
+    held = code == _HELD
+    env = facts.env
+    if held:
+        if facts.shim and not (facts.error or facts.twice or facts.static_cudart):
+            return _HELD_VERDICT
+    elif code == _NONE and (
+        facts.shim
+        and not (facts.error or facts.twice or facts.static_cudart)
+        and env.get(b"KREX_SHM") == ref.shm_name.encode()
+        and (
+            env.get(b"KREX_SLOT") == str(ref.slot).encode()
+            and env.get(b"KREX_SLOT_GEN") == str(ref.generation).encode()
+            or not env.get(b"KREX_SLOT")
+            and bool(env.get(b"KREX_SOCKET"))
+        )
+        and ref.seg_id is not None
+        and ref.seg_id in facts.segments
+    ):
+        return _HELD_VERDICT
+    return Verdict(False, *_unheld_why(pid, exe, code, facts, ref))
+
+
+def _unheld_why(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef) -> tuple[str, bool]:
+    """(why the process is not held, whether it is unheld: False for a held record whose
+    executable links the CUDA runtime statically, or not inspected yet: frozen, drained)."""
+    name = f"pid {pid} ({os.path.basename(exe)})"
+    held = code == _HELD
+    if not held and code != _NONE:
+        return f"{name}: {RECORD_WHY.get(code, f'its record says {code}')}", True
     if facts is _PENDING and held:
         # Gated and drained by its record; only its executable (a static runtime) and a
-        # second namespace by another way than dlmopen are not known yet: frozen till then.
-        return Verdict(False, f"{name}: not inspected yet (now queued)")
+        # second namespace made by another way than dlmopen are not known yet.
+        return f"{name}: not inspected yet (now queued)", False
     if facts.error:
-        return Verdict(False, f"{name}: {facts.error}", unheld=True)
+        return f"{name}: {facts.error}", True
     if facts.twice:
-        return Verdict(
-            False,
-            f"{name} maps {', '.join(facts.twice)} at two bases: GPU calls from another link-map "
-            "namespace (dlmopen) pass no hook",
-            unheld=True,
+        return (
+            f"{name} maps {', '.join(facts.twice)} at two bases: GPU calls from another link-map namespace "
+            "(dlmopen) pass no hook",
+            True,
         )
     if not facts.shim:
-        return Verdict(False, f"{name} runs without the KREX shim", unheld=True)
-    if held:
-        if facts.static_cudart:
-            return Verdict(False, f"{name} links the CUDA runtime statically")
-        return Verdict(True)
+        return f"{name} runs without the KREX shim", True
     if facts.static_cudart:
-        return Verdict(
-            False,
-            f"{name} links the CUDA runtime statically and made no hooked call: nothing drains it",
-            unheld=True,
-        )
+        if held:
+            return f"{name} links the CUDA runtime statically", False
+        return f"{name} links the CUDA runtime statically and made no hooked call: nothing drains it", True
     env = facts.env
     shm = env.get(b"KREX_SHM")
     if shm != ref.shm_name.encode():
         what = "not set" if shm is None else f"{shm.decode(errors='replace')!r}, not this krexd's segment"
-        return Verdict(False, f"{name}: its shim is inactive (KREX_SHM {what})", unheld=True)
+        return f"{name}: its shim is inactive (KREX_SHM {what})", True
     slot = env.get(b"KREX_SLOT")
     if not slot:
         if not env.get(b"KREX_SOCKET"):
-            return Verdict(False, f"{name}: its shim is inactive (no KREX_SLOT, no KREX_SOCKET)", unheld=True)
+            return f"{name}: its shim is inactive (no KREX_SLOT, no KREX_SOCKET)", True
     elif slot != str(ref.slot).encode():
-        return Verdict(
-            False,
-            f"{name}: KREX_SLOT={slot.decode(errors='replace')!r}, not its command's slot {ref.slot}",
-            unheld=True,
-        )
-    elif env.get(b"KREX_SLOT_GEN") != str(ref.generation).encode():
-        gen = env.get(b"KREX_SLOT_GEN")
-        return Verdict(
-            False,
-            f"{name}: KREX_SLOT_GEN={gen.decode(errors='replace') if gen else '(unset)'} is not its slot's "
-            f"generation {ref.generation}",
-            unheld=True,
-        )
-    if ref.seg_id is None or ref.seg_id not in facts.segments:
-        return Verdict(
-            False,
-            f"{name} has not attached krexd's segment (another user, or started before the segment was "
-            "made): its calls pass the gate",
-            unheld=True,
-        )
-    return Verdict(True)
+        return f"{name}: KREX_SLOT={slot.decode(errors='replace')!r}, not its command's slot {ref.slot}", True
+    elif (gen := env.get(b"KREX_SLOT_GEN")) != str(ref.generation).encode():
+        shown = gen.decode(errors="replace") if gen else "(unset)"
+        return f"{name}: KREX_SLOT_GEN={shown} is not its slot's generation {ref.generation}", True
+    return (
+        f"{name} has not attached krexd's segment (another user, or started before the segment was made): "
+        "its calls pass the gate",
+        True,
+    )
 
 
 def _mapped(maps: bytes) -> tuple[set[tuple[int, int]], dict[str, int]]:
@@ -410,13 +420,34 @@ def classify(
     """The processes of one sibling command that the gate does not hold, with why. `inline`:
     a budget (one number, spent as used) of images not inspected yet that may be inspected
     now; past it such an image is judged unheld unless its record holds it (Inspector).
-    None: no limit."""
-    out: list[tuple[int, Verdict]] = []
+    None: no limit. Their records are read in one pass (krex_proc_trust_n)."""
+    got: list[tuple[int, procfs.Stat, str, Facts]] = []
     for pid in pids:
-        v, read = inspector._verdict(pid, ref, inline is None or inline[0] > 0)
-        if inline is not None and read:
+        g = inspector._facts(pid, inline is None or inline[0] > 0)
+        if g is None:
+            continue
+        if inline is not None and g[3]:
             inline[0] -= 1
-        if v is not None and not v.gateable:
+        got.append((pid, g[0], g[1], g[2]))
+    if not got:
+        return []
+    if ref.raw is None:
+        codes: Any = [_NONE] * len(got)
+    else:
+        codes = ffi.new("int32_t[]", len(got))
+        lib.krex_proc_trust_n(
+            ref.raw,
+            ffi.new("int64_t[]", [g[0] for g in got]),
+            ffi.new("uint64_t[]", [g[1].start for g in got]),
+            len(got),
+            ref.slot,
+            ref.generation,
+            codes,
+        )
+    out: list[tuple[int, Verdict]] = []
+    for i, (pid, _st, exe, facts) in enumerate(got):
+        v = judge(pid, exe, codes[i], facts, ref, inspector.shim_name)
+        if not v.gateable:
             out.append((pid, v))
     return out
 
