@@ -15,7 +15,9 @@
  *            pid and start time, no shim
  *   dlmopen  load the library ARG in a link-map namespace of its own (dlmopen with
  *            LM_ID_NEWLM, after 300 ms) and queue the kernels through its nsgpu_run,
- *            whose calls go to that namespace's own CUDA runtime */
+ *            whose calls go to that namespace's own CUDA runtime. With a 7th argument
+ *            "raw": one kernel through the base namespace first (it registers), then
+ *            libc's own dlmopen, looked up past the shim's hook */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -67,8 +69,16 @@ int main(int argc, char **argv) {
         return 3;
     }
     if (!strcmp(mode, "dlmopen")) {
+        void *(*open_ns)(Lmid_t, const char *, int) = dlmopen;
+        if (argc > 6 && !strcmp(argv[6], "raw")) {
+            launch(us);
+            cudaDeviceSynchronize();
+            void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+            open_ns = libc ? (void *(*)(Lmid_t, const char *, int))dlsym(libc, "dlmopen") : NULL;
+            if (!open_ns) return 3;
+        }
         usleep(300000);
-        void *h = arg ? dlmopen(LM_ID_NEWLM, arg, RTLD_NOW | RTLD_LOCAL) : NULL;
+        void *h = arg ? open_ns(LM_ID_NEWLM, arg, RTLD_NOW | RTLD_LOCAL) : NULL;
         int (*run)(double, unsigned, unsigned) = h ? (int (*)(double, unsigned, unsigned))dlsym(h, "nsgpu_run") : NULL;
         if (!run) {
             fprintf(stderr, "escape: dlmopen %s: %s\n", arg ? arg : "(none)", dlerror());

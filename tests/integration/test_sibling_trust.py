@@ -225,3 +225,19 @@ def test_the_shim_attaches_at_load_and_flags_a_gpu_library_in_another_namespace(
             return any(int(r.pid) == sib and int(r.flags) & lib.KREX_PF_FOREIGN_NS for r in s.raw.procs)
 
     kx.wait(flagged, 10, "the dlmopen'd process's record, flagged")
+
+
+def test_the_drain_helper_flags_a_namespace_made_past_the_dlmopen_hook(kx: Krex) -> None:
+    """A registered process that loads the CUDA runtime into a namespace of its own through
+    libc's dlmopen, looked up past the shim's hook: its drain helper finds the library in
+    the loader's namespace list between drains, and the record gets KREX_PF_FOREIGN_NS."""
+    v = _world(kx, KREX_FREEZE_POLICY="gpu")
+    kx.start_daemon(slots=3)
+    kx.run_argv("raw", [str(v["escape"]), "dlmopen", "60", "20", "1", str(v["libnsgpu"]), "raw"])
+    sib = _pid(kx, "raw")
+
+    def flags() -> int:
+        with Segment.attach(kx.shm) as s:
+            return next((int(r.flags) for r in s.raw.procs if int(r.pid) == sib), 0)
+
+    kx.wait(lambda: flags() & lib.KREX_PF_FOREIGN_NS, 10, "the helper to flag the namespace")
