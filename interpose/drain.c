@@ -187,8 +187,49 @@ static void note_unseen_runtime(void) {
         set_flag(KREX_PF_UNSEEN);
 }
 
+/* A GPU driver or runtime library, by its file name (the real ones and the simulated
+ * ones share these names). */
+static int is_gpu_lib(const char *path) {
+    if (!path) return 0;
+    const char *b = strrchr(path, '/');
+    b = b ? b + 1 : path;
+    return !strncmp(b, "libcuda.so", 10) || !strncmp(b, "libcudart.so", 12) || !strncmp(b, "libamdhip64.so", 14);
+}
+
+/* Whether the link-map namespace of handle `h` holds a GPU driver or runtime library. */
+int krex_ns_has_gpu(void *h) {
+    struct link_map *lm = NULL;
+    if (dlinfo(h, RTLD_DI_LINKMAP, &lm) != 0 || !lm) return 0;
+    while (lm->l_prev) lm = lm->l_prev;
+    for (; lm; lm = lm->l_next)
+        if (is_gpu_lib(lm->l_name)) return 1;
+    return 0;
+}
+
+/* The loader's debugger interface lists every namespace (dl_iterate_phdr only the
+ * caller's): r_version 2 (glibc 2.35 on) chains one r_debug per namespace, the base one
+ * first. Declared here so that an older glibc's headers build it too. */
+struct krex_r_debug_ns {
+    struct r_debug base;
+    struct krex_r_debug_ns *r_next;
+};
+
+/* A GPU library in a namespace other than the base one (a dlmopen that did not pass our
+ * hook): flag the process (KREX_PF_FOREIGN_NS). */
+static void note_foreign_ns(void) {
+    struct krex_r_debug_ns *d = (struct krex_r_debug_ns *)&_r_debug;
+    if (d->base.r_version < 2) return;
+    for (d = d->r_next; d; d = d->base.r_version >= 2 ? d->r_next : NULL)
+        for (struct link_map *lm = d->base.r_map; lm; lm = lm->l_next)
+            if (is_gpu_lib(lm->l_name)) {
+                set_flag(KREX_PF_FOREIGN_NS);
+                return;
+            }
+}
+
 /* Between drains, every KREX_HELPER_RECHECK_NS: a library loaded since (dlopen) that
- * exports a CUDA runtime makes the process unseen before its next drain can skip it. */
+ * exports a CUDA runtime makes the process unseen before its next drain can skip it, and
+ * a GPU library loaded into another namespace marks it as one the gate does not hold. */
 static unsigned long long g_loaded_seen[2]; /* the loader's counters check_loaded last saw */
 
 static void check_loaded(void) {
@@ -199,6 +240,7 @@ static void check_loaded(void) {
     seen[0] = v[0];
     seen[1] = v[1];
     note_unseen_runtime();
+    note_foreign_ns();
 }
 
 static void drain_fns(void) {

@@ -88,6 +88,28 @@
  * as given (krex_chunk_bytes). */
 #define KREX_PF_CHUNK_SETTING 4096
 
+/* A GPU driver or runtime library is loaded in a link-map namespace other than the base
+ * one (dlmopen): calls made there pass no hook, and its contexts are not the ones the
+ * drain helper synchronises. krexd does not count the process as held by the gate. */
+#define KREX_PF_FOREIGN_NS 8192
+
+/* krex_proc_trust(): whether a process's record proves that the gate holds it. HELD: a
+ * sealed record of this process, under the asked slot and generation, its drain helper
+ * alive, no GPU library in a foreign namespace. NONE: no record (no gated call yet).
+ * FILLING: being written or freed right now. DAMAGED: it fails its check. OTHER_SLOT:
+ * under another command's slot. STALE: under an earlier generation of the slot.
+ * NO_HELPER: its drain helper has not started (or cannot be named). EXECD: its helper is
+ * gone while it lives (it exec'd). FOREIGN_NS: KREX_PF_FOREIGN_NS. */
+#define KREX_TRUST_HELD 0
+#define KREX_TRUST_NONE 1
+#define KREX_TRUST_FILLING 2
+#define KREX_TRUST_DAMAGED 3
+#define KREX_TRUST_OTHER_SLOT 4
+#define KREX_TRUST_STALE 5
+#define KREX_TRUST_NO_HELPER 6
+#define KREX_TRUST_EXECD 7
+#define KREX_TRUST_FOREIGN_NS 8
+
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
 /* Someone shrank the segment file and a process that then touched it gave the file its
@@ -420,7 +442,8 @@ struct krex_proc {
     uint32_t life_tid;              /* a thread inside a LIFE call, the last to begin one (0: none,
                                      * that one ended, or not in krexd's pid namespace): krexd lends
                                      * it priority while a region's drain waits for that call */
-    uint32_t pad1;
+    uint32_t slot_gen;              /* low 32 bits of the slot generation it registered under
+                                     * (its command's): krex_proc_trust compares it */
 };
 
 struct krex_shm {

@@ -535,6 +535,47 @@ static int image_gone(struct krex_proc *p, int64_t pid) {
     return access(path, F_OK) != 0 && errno == ENOENT;
 }
 
+/* What record `p`, found for process `pid`, proves (krex_proc_trust). */
+static int trust_code(struct krex_shm *shm, struct krex_proc *p, int64_t pid, int slot, uint64_t generation) {
+    if (__atomic_load_n(&p->check, SEQ) == 0) return KREX_TRUST_FILLING;
+    if (krex_proc_why(shm, p, shm->hdr.n_gpus)) return KREX_TRUST_DAMAGED;
+    int32_t s = __atomic_load_n(&p->slot, SEQ);
+    if (s == KREX_PROC_STALE) return KREX_TRUST_STALE;
+    if (s != slot) return KREX_TRUST_OTHER_SLOT;
+    if (__atomic_load_n(&p->slot_gen, SEQ) != (uint32_t)generation) return KREX_TRUST_STALE;
+    if (__atomic_load_n(&p->helper_tid, SEQ) == 0) return KREX_TRUST_NO_HELPER;
+    if (image_gone(p, pid)) return KREX_TRUST_EXECD;
+    if (__atomic_load_n(&p->flags, SEQ) & KREX_PF_FOREIGN_NS) return KREX_TRUST_FOREIGN_NS;
+    return KREX_TRUST_HELD;
+}
+
+/* Whether the record of process `pid` (started at `start_ticks`) proves that the gate of
+ * slot `slot`, generation `generation`, holds it (KREX_TRUST_HELD), or why not. */
+int krex_proc_trust(struct krex_shm *shm, int64_t pid, uint64_t start_ticks, int slot, uint64_t generation) {
+    int32_t code = KREX_TRUST_NONE;
+    krex_proc_trust_n(shm, &pid, &start_ticks, 1, slot, generation, &code);
+    return code;
+}
+
+/* krex_proc_trust for the `n` processes of one slot at once, into codes[]: one pass over
+ * the records (and, for each record found, one access() of its helper thread), cheap
+ * enough for every sibling process of every region (krexd's freeze policy reads it
+ * before anything else). */
+void krex_proc_trust_n(struct krex_shm *shm, const int64_t *pids, const uint64_t *starts, int n, int slot,
+                       uint64_t generation, int32_t *codes) {
+    for (int k = 0; k < n; k++) codes[k] = KREX_TRUST_NONE;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0) continue;
+        for (int k = 0; k < n; k++) {
+            if (pids[k] != pid) continue;
+            if (p->start_ticks == starts[k]) codes[k] = trust_code(shm, p, pid, slot, generation);
+            break;
+        }
+    }
+}
+
 /* A record of another command's process on `gpu` (or of a slot handed on, whose GPU is
  * not known): its pid, else 0. */
 static int64_t sibling_pid(struct krex_proc *p, int gpu, int owner_slot) {
@@ -982,6 +1023,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->drain_partial = 0;
     p->captures = 0;
     p->helper_tid = 0;
+    p->slot_gen = 0; /* the registering shim stores its command's generation next */
     __atomic_store_n(&p->check, krex_proc_check(p), SEQ); /* last: the record is whole now */
 }
 

@@ -97,6 +97,9 @@ void krex_slot_release(struct krex_shm *shm, int slot);
 /* Pre-warmed starts: set or clear a slot's `warm` (clearing wakes its waiting processes). */
 void krex_slot_set_warm(struct krex_shm *shm, int slot, int warm);
 int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid);
+int krex_proc_trust(struct krex_shm *shm, int64_t pid, uint64_t start_ticks, int slot, uint64_t generation);
+void krex_proc_trust_n(struct krex_shm *shm, const int64_t *pids, const uint64_t *starts, int n, int slot,
+                       uint64_t generation, int32_t *codes);
 int krex_proc_reap(struct krex_shm *shm);
 void krex_proc_check_restore(struct krex_proc *p, uint32_t c);
 void krex_slot_note_unrecorded(struct krex_slot *sl, int64_t pid);

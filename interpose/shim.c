@@ -9,6 +9,7 @@
  * threads, no output, dlsym returns real pointers.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -388,6 +389,9 @@ static int register_now(void) {
         struct krex_proc *p = &g_shm->procs[idx];
         __atomic_or_fetch(&p->flags, __atomic_load_n(&g_pending_flags, RELAXED), RELAXED);
         __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
+        /* The command's generation: krexd holds a process to its slot's gate only while its
+         * record names the slot's current one (krex_proc_trust). */
+        __atomic_store_n(&p->slot_gen, (uint32_t)g_stamp_gen, __ATOMIC_SEQ_CST);
         __atomic_store_n(&g_proc, p, RELEASE);
         g_fast.inflight = &p->inflight;
         g_fast.life_inflight = &p->life_inflight;
@@ -529,6 +533,38 @@ __attribute__((constructor)) static void krex_init(void) {
     }
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     __atomic_store_n(&g_mode, MODE_ON, RELAXED);
+    /* Attach now, with the credentials the process was started with: a process that drops
+     * them later (setuid) still reaches the segment, and krexd sees the mapping in
+     * /proc/PID/maps, its proof that this process's first gated call will register and
+     * wait at the gate. One that cannot attach (another user) shows no mapping: krexd
+     * freezes its command's slot. A self-registering process attaches once krexd has
+     * given it a slot (krexd may have to be started first). */
+    if (!g_need_selfreg) attach_shm();
+}
+
+/* dlmopen: a GPU library loaded into a link-map namespace other than the base one is
+ * called through that namespace's own symbols, which no hook of ours (preloaded into the
+ * base namespace only) sees, and its contexts are not the ones the drain helper
+ * synchronises. Such a process registers at once, flagged KREX_PF_FOREIGN_NS: krexd does
+ * not count it as held by the gate. (The drain helper also looks for such libraries
+ * between drains, for a dlmopen that did not come through here.) */
+typedef void *(*dlmopen_fn)(Lmid_t, const char *, int);
+
+KREX_EXPORT void *dlmopen(Lmid_t lmid, const char *file, int mode) {
+    static dlmopen_fn real;
+    dlmopen_fn r = __atomic_load_n(&real, ACQUIRE);
+    if (!r) {
+        r = (dlmopen_fn)krex_next_sym("dlmopen");
+        __atomic_store_n(&real, r, RELEASE);
+    }
+    if (!r) return NULL;
+    void *h = r(lmid, file, mode);
+    if (h && lmid != LM_ID_BASE && mode_on() && krex_ns_has_gpu(h)) {
+        set_flag(KREX_PF_FOREIGN_NS);
+        if (!__atomic_load_n(&g_fast.gate, ACQUIRE)) krex_register(); /* takes the pending flag along */
+        klog("a GPU library was loaded into another link-map namespace (dlmopen %s)", file ? file : "-");
+    }
+    return h;
 }
 
 /* Exposed for tests and `krex doctor`: is this process under KREX? */

@@ -86,6 +86,7 @@ void *krex_bind(int id, void *realp);
 KREX_NO_SANITIZE int krex_find(const char *name);
 
 /* drain.c: context and capture tracking, and the drain helper thread. */
+int krex_ns_has_gpu(void *h); /* the link-map namespace of handle h holds a GPU library */
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
 void krex_ctx_add(void *ctx);

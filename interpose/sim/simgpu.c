@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -91,7 +92,11 @@ static struct sim_dev_shm *dev_shm(void) {
         const char *n = getenv("KREX_SIM_SHM");
         if (n && *n) snprintf(name, sizeof name, "%s", n);
         else snprintf(name, sizeof name, "/krex-sim-%d", (int)getuid());
-        int fd = shm_open(name, O_RDWR | O_CREAT, 0660);
+        int fd = shm_open(name, O_RDWR | O_CREAT, 0666);
+        /* The node's GPU serves every user's processes (as /dev/nvidia* does): a process of
+         * another user, or one that dropped root, shares this timeline too. Only its
+         * creator can widen the mode past the umask; for the others this fails harmlessly. */
+        if (fd >= 0) (void)fchmod(fd, 0666);
         if (fd >= 0 && ftruncate(fd, sizeof(struct sim_dev_shm)) == 0) {
             void *p = mmap(NULL, sizeof(struct sim_dev_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
             if (p != MAP_FAILED) g_dev = p;

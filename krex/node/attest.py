@@ -68,6 +68,18 @@ class Attestor:
         self._note_memory(listed)
         return {p for p in listed if self._ended(p)}
 
+    def listed(self, gpu: int) -> set[int] | None:
+        """The pids NVML lists on `gpu` now (compute and graphics: the processes with a
+        context there); None when there is no NVML or it did not answer."""
+        if self.nvml is None:
+            return None
+        try:
+            mem = self.nvml.process_memory(self.physical[gpu] if gpu < len(self.physical) else gpu)
+        except Exception:  # noqa: BLE001 - NVML errors must never fail a region
+            return None
+        self._note_memory(mem)
+        return set(mem)
+
     def _note_memory(self, mem: dict[int, int | None]) -> None:
         now = time.monotonic()
         for p, b in mem.items():
@@ -129,9 +141,16 @@ class Attestor:
             return {"error": f"{type(e).__name__}: {e}"}
 
     def judge(
-        self, gpu: int, entry: dict[str, Any], exit_: dict[str, Any], known: Callable[[], set[int]]
+        self,
+        gpu: int,
+        entry: dict[str, Any],
+        exit_: dict[str, Any],
+        known: Callable[[], set[int]],
+        unheld: dict[int, str] | None = None,
     ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-        """(the record's "attest" object, reasons as (flag, text))."""
+        """(the record's "attest" object, reasons as (flag, text)). `unheld`: sibling
+        processes the gate does not hold (pid -> why): never counted as known, so NVML
+        listing one flags the region as work KREX did not hold."""
         if self.nvml is None:
             return {"nvml": self.note or "unavailable"}, []
         reasons: list[tuple[str, str]] = []
@@ -154,12 +173,25 @@ class Attestor:
             )
         seen = sorted(set(entry.get("procs") or []) | set(exit_.get("procs") or []))
         foreign: list[dict[str, Any]] = []
+        unheld = unheld or {}
         if seen:
             ours = known()
             self.pids_local = self.pids_local or bool(ours.intersection(seen))
+            ours -= set(unheld)
             foreign = [{"pid": p, "cmd": _cmd(p)} for p in seen if p not in ours]
         out["gpu_processes"] = len(seen)
         out["foreign"] = foreign
         for f in foreign:
-            reasons.append(("foreign-process", f"pid {f['pid']} ({f['cmd']}) used GPU {gpu} outside KREX"))
+            if f["pid"] in unheld:
+                reasons.append(
+                    (
+                        "unheld-sibling",
+                        f"pid {f['pid']} ({f['cmd']}), a sibling's process the gate does not hold "
+                        f"({unheld[f['pid']]}), held a context on GPU {gpu} during the region",
+                    )
+                )
+            else:
+                reasons.append(
+                    ("foreign-process", f"pid {f['pid']} ({f['cmd']}) used GPU {gpu} outside KREX")
+                )
         return out, reasons

@@ -54,6 +54,7 @@ from krex.node import (
     procfs,
     regionqueue,
 )
+from krex.node import unheld as unheldwork
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
 from krex.node.pending import Pending
@@ -308,9 +309,11 @@ class _FreezePlan:
         self.boosted: list[tuple[int, int, int]] = []  # (pid, tid, old nice) lent priority by _plan
         self.lent: list[list[int]] = []  # [pid, tid] of each, for the region's record
         self.draining = True  # until unboost: a plan made after the drain lends nothing
+        self.unheld: dict[int, tuple[int, str]] = {}  # sibling pids the gate does not hold: (slot, why)
 
     def _plan(self, siblings: list[Slot]) -> None:
-        policy, chosen, why = self.d._freeze_choice(self.owner, siblings)
+        policy, chosen, why, unheld = self.d._freeze_choice(self.owner, siblings)
+        self.unheld.update(unheld)
         chosen, why = list(chosen), list(why)
         # Read after the gate closed: a LIFE call (context, module, device memory) begun
         # since parks at the gate, so one read finds every one the gate cannot stop.
@@ -465,6 +468,8 @@ class Daemon:
         self._server: socket.socket | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="freeze")
         self.inspector = freezepolicy.Inspector()
+        # (the segment's address, its freezepolicy.segment_id): read once per segment
+        self._seg_id: tuple[int, tuple[int, int] | None] | None = None
         # (pid, start time, helper tid) reniced to helper_nice: the start time tells a reused
         # pid apart (its new helper is reniced too)
         self._boosted: set[tuple[int, int, int]] = set()
@@ -1082,7 +1087,7 @@ class Daemon:
                         if self.stop.is_set():
                             return
                         if not self.inspector.seen(pid):
-                            self.inspector.verdict(pid)
+                            self.inspector.facts(pid)
             except Exception:  # noqa: BLE001 - an inspection that failed is retried by the next region
                 log.exception("inspector")
 
@@ -1418,25 +1423,39 @@ class Daemon:
                 continue
         return None
 
-    def _freeze_choice(self, owner: Slot | None, siblings: list[Slot]) -> tuple[str, list[Slot], list[str]]:
-        """(effective policy, the siblings to freeze, why each one under `gpu`)."""
+    def _freeze_choice(
+        self, owner: Slot | None, siblings: list[Slot]
+    ) -> tuple[str, list[Slot], list[str], dict[int, tuple[int, str]]]:
+        """(effective policy, the siblings to freeze, why each one under `gpu`, the sibling
+        processes the gate does not hold: pid -> (slot, why)). The processes are judged
+        under every policy: under `all` the unheld ones are frozen with the rest, and their
+        queued work is still not KREX's to drain (_unheld_work)."""
         chosen = (owner.freeze if owner else None) or self.cfg.freeze_policy
         policy = freezepolicy.effective(chosen, owner.last_rate if owner else None)
-        if policy == "all":
-            return policy, list(siblings), []
         out: list[Slot] = []
         why: list[str] = []
+        unheld: dict[int, tuple[int, str]] = {}
         inline = [freezepolicy.INSPECT_INLINE]  # shared by all siblings of this region
         for s in siblings:
+            bad = freezepolicy.classify(self._group_pids(s), self.inspector, self._slot_ref(s), inline)
+            unheld.update((pid, (s.slot, v.why)) for pid, v in bad if v.unheld)
             if s.kind == "orphan":  # registered in a segment krexd replaced: no gate holds them
                 out.append(s)
                 why.append(f"slot {s.slot}: processes of a command from before krexd restarted")
-                continue
-            bad = freezepolicy.ungateable(self._group_pids(s), self.inspector, inline)
-            if bad:
+            elif bad:
                 out.append(s)
-                why.append(f"slot {s.slot}: " + "; ".join(bad[:3]))
-        return policy, out, why
+                why.append(f"slot {s.slot}: " + "; ".join(v.why for _p, v in bad[:3]))
+        if policy == "all":
+            return policy, list(siblings), [], unheld
+        return policy, out, why, unheld
+
+    def _slot_ref(self, s: Slot) -> freezepolicy.SlotRef:
+        """What the processes of slot `s` are judged against (freezepolicy.judge)."""
+        raw = self.seg.raw
+        addr = int(ffi.cast("uintptr_t", raw))
+        if self._seg_id is None or self._seg_id[0] != addr:  # read once per segment krexd maps
+            self._seg_id = (addr, freezepolicy.segment_id(addr))
+        return freezepolicy.SlotRef(s.slot, s.generation, self.shm_name, self._seg_id[1], raw)
 
     def _region_steps(self, gpu: int, req: Region) -> Generator[None, None, None]:
         """The region protocol for one request. Yields once, right after the grant: the
@@ -1590,6 +1609,13 @@ class Daemon:
                     if not gone:
                         reasons.append(("freeze-failed", f"slot {s.slot} did not freeze: {e}"))
             t["freeze_s"] = time.monotonic() - t1  # what the freeze added after the drain
+            # What the siblings the gate does not hold queued before their freeze: no drain
+            # reaches it. Waited for where the device shows it, else flagged (unheld.py).
+            more, t["unheld_wait_s"] = unheldwork.queued_work(
+                self.info.kind, self.attestor, gpu, self._phys(gpu), fz.unheld, self.cfg.drain_timeout_s,
+                self._sim_shm_of,
+            )  # fmt: skip
+            reasons.extend(more)
             # A sibling already inside the kernel's exit cannot be frozen, and its contexts'
             # teardown runs on the GPU: wait for it to be gone, so it ends before the grant.
             t3 = time.monotonic()
@@ -1652,6 +1678,8 @@ class Daemon:
                 "evicted_threads": len(evicted.moved) if evicted is not None else 0,
                 "running_slots": sorted(s.slot for s in set(running_all) - set(frozen)),
                 "freeze_why": why,
+                # Sibling processes the gate does not hold (all frozen): [pid, slot, why].
+                "unheld": [[p, sl, w] for p, (sl, w) in sorted(fz.unheld.items())[:8]],
                 "reserved_cpus": reserved,
                 "contaminated": bool(reasons),
                 "reasons": [text for _f, text in reasons],
@@ -1708,7 +1736,11 @@ class Daemon:
             reasons.extend(self._trust_checks(gpu, req, t_grant_ns))
             attest_exit = self.attestor.sample(gpu)
             attest, more = self.attestor.judge(
-                gpu, attest_entry, attest_exit, lambda: _same_processes(known_at_entry) | self._known_pids()
+                gpu,
+                attest_entry,
+                attest_exit,
+                lambda: _same_processes(known_at_entry) | self._known_pids(),
+                {p: w for p, (_sl, w) in fz.unheld.items()},
             )
             reasons.extend(more)
             skip = own_at_entry | self._own_pids(req) | {f["pid"] for f in attest.get("foreign") or []}
@@ -1773,6 +1805,8 @@ class Daemon:
                 reasons.append(
                     ("gate-lost", f"the gate of GPU {gpu} no longer held this region's word at its end")
                 )
+            if fz is not None and t_end_ns:  # after the gate opened: the next region need not wait
+                reasons.extend(self._unheld_at_end(fz, frozen))
             reasons = list(dict.fromkeys(reasons))  # the end-of-region checks may repeat the grant's
             if not req.granted.is_set():  # failed before the grant: tell the owner why
                 req.grant = {"ok": False, "error": "region setup failed", "reasons": [x for _f, x in reasons]}
@@ -1846,6 +1880,38 @@ class Daemon:
                 rec.get("region_s", 0.0),
                 rec.get("siblings_frozen", 0),
             )
+
+    def _phys(self, gpu: int) -> int:
+        return self.info.physical[gpu] if gpu < len(self.info.physical) else gpu
+
+    def _sim_shm_of(self, pid: int) -> str | None:
+        """The simulated device a process uses (its KREX_SIM_SHM), where krexd read it."""
+        f = self.inspector.facts(pid, inspect=False)
+        v = f.env.get(b"KREX_SIM_SHM") if f is not None else None
+        return v.decode(errors="replace") if v else None
+
+    def _unheld_at_end(self, fz: _FreezePlan, frozen: list[Slot]) -> list[tuple[str, str]]:
+        """The siblings a region did not freeze, judged again at its end: a process of
+        theirs the gate does not hold now (one that exec'd without the shim, or started
+        during the region) may have run GPU work inside it."""
+        with self.lock:
+            running = [
+                s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s
+            ]
+        bad: dict[int, tuple[int, str]] = {}
+        for s in running:
+            for pid, v in freezepolicy.classify(self._group_pids(s), self.inspector, self._slot_ref(s)):
+                if v.unheld:
+                    bad[pid] = (s.slot, v.why)
+        if not bad:
+            return []
+        return [
+            (
+                unheldwork.FLAG,
+                f"at the region's end, sibling processes the gate does not hold ran in commands it did not "
+                f"freeze ({unheldwork.describe(bad)}): GPU work of theirs may have run inside it",
+            )
+        ]
 
     def _trust_checks(self, gpu: int, req: Region, since_ns: int) -> list[tuple[str, str]]:
         """Run before the grant and again at the region's end: the segment is krexd's own and

@@ -48,6 +48,11 @@ class Stat:
     threads: int = 1
     cpu_ticks: int = 0  # user + system CPU time, clock ticks
     flags: int = 0  # the kernel's PF_* flags (PF_EXITING: inside its exit)
+    # Where its stack, heap, arguments and environment start (fields 28, 47, 48, 51): an
+    # exec lays them out afresh (randomised, and sized by the new arguments and
+    # environment), so they tell one image of a pid from the next. Zeros where /proc hides
+    # them (a process not ours to trace).
+    image: tuple[int, ...] = ()
 
 
 def parse_stat(text: str, pid: int) -> Stat | None:
@@ -63,6 +68,7 @@ def parse_stat(text: str, pid: int) -> Stat | None:
         threads=int(rest[17]),
         cpu_ticks=int(rest[11]) + int(rest[12]),
         flags=int(rest[6]),
+        image=(int(rest[25]), int(rest[44]), int(rest[45]), int(rest[48])) if len(rest) > 48 else (),
     )
 
 

@@ -92,14 +92,21 @@ def _compile(src: Path, out: Path) -> None:
         srcs.append(str(INTERPOSE / "krex_core.c"))
     # A victim that stands in for libc functions the shim calls must export them.
     extra = ["-rdynamic"] if "KREX_TEST_RDYNAMIC" in text else []
+    # lib*.c: a shared library (libNAME.so) for a victim to load.
     # -no-pie: static sample buffers sit at the same address in every run, so
     # argument hashes (which include pointer values) compare across processes.
+    shape = ["-shared", "-fPIC"] if src.stem.startswith("lib") else ["-no-pie"]
+    # KREX_TEST_NO_CUDART: no libcudart in DT_NEEDED, as a statically linked CUDA runtime
+    # has; it reaches the simulated device through libcuda and the device model only.
+    gpu = ["-lcudart", "-lcuda", "-l:libamdhip64.so"]
+    if "KREX_TEST_NO_CUDART" in text:
+        gpu = ["-lcuda", "-lkrexsim"]
     cmd = [
         CC,
         "-O0",
         "-g",
         "-Wall",
-        "-no-pie",
+        *shape,
         *extra,
         f"-I{INTERPOSE}",
         "-o",
@@ -107,15 +114,17 @@ def _compile(src: Path, out: Path) -> None:
         *srcs,
         f"-L{LIB_DIR}",
         f"-Wl,-rpath,{LIB_DIR}",
-        "-lcudart",
-        "-lcuda",
-        "-l:libamdhip64.so",
+        *gpu,
         "-lpthread",
         "-ldl",
     ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+
+
+def _built_name(src: Path) -> str:
+    return src.stem + ".so" if src.stem.startswith("lib") else src.stem
 
 
 def victims() -> dict[str, Path]:
@@ -131,9 +140,9 @@ def victims() -> dict[str, Path]:
             srcs = sorted(C_DIR.glob("*.c"))
             cpp = sorted(C_DIR.glob("*.cpp"))
             with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
-                list(ex.map(lambda s: _compile(s, outdir / s.stem), srcs))
+                list(ex.map(lambda s: _compile(s, outdir / _built_name(s)), srcs))
                 built = list(ex.map(lambda s: _compile_cpp(s, outdir / s.stem), cpp))
-            _victims = {s.stem: outdir / s.stem for s in srcs}
+            _victims = {s.stem: outdir / _built_name(s) for s in srcs}
             _victims.update({s.stem: outdir / s.stem for s, ok in zip(cpp, built, strict=True) if ok})
         return _victims
 

@@ -8,7 +8,14 @@ without asking KREX):
             --max-region on purpose (they must come back cut);
   leftover  an owner started as `sh -c 'hammer & exec owner'`: the hammer outlives
             the command (killed by krex run, or kept with --keep-leftovers);
-  hammer    cp_worker.py hammer: a sibling that submits all the time.
+  hammer    cp_worker.py hammer: a sibling that submits all the time;
+  escape    a sibling of one of the ESCAPES kinds: a process in its command that the gate
+            cannot hold, each queueing kernels in deep batches (tests/c/escape.c,
+            tests/c/hiddenrt.c): its shim inactive (`env -u KREX_SHM`), a bad KREX_SLOT,
+            another user (setpriv), a setuid() drop in the program, a re-exec of itself
+            without LD_PRELOAD, GPU calls from a library loaded with dlmopen (a link-map
+            namespace of its own), a statically linked CUDA runtime, no shim at all
+            (`env -u LD_PRELOAD`).
 Faults, one every `fault_every` seconds on average: pause/resume (krex.node.control),
 SIGKILL of an owner or of a hammer, SIGKILL of krexd and a restart, random bytes
 over part of the segment, unlink of the segment's name.
@@ -41,6 +48,19 @@ from typing import Any
 from helpers import read_jsonl
 
 ALL_FAULTS = ("pause", "kill-owner", "kill-sibling", "kill-daemon", "overwrite", "unlink")
+ESCAPES = (
+    "inactive-shim",
+    "bad-slot",
+    "other-user",
+    "setuid",
+    "reexec",
+    "dlmopen",
+    "static-runtime",
+    "no-shim",
+)
+POLICIES = ("gpu", "all", "adaptive")
+# The unprivileged user the other-user and setuid siblings run as.
+OTHER_UID = 65534
 
 
 @dataclass
@@ -61,6 +81,11 @@ class ChaosConfig:
     fault_every: float = 1.0
     faults: tuple[str, ...] = ALL_FAULTS
     slots: int = 8
+    escapes: tuple[str, ...] = ()  # kinds of escaping siblings (ESCAPES), taken in turn
+    escape_at_once: int = 1  # escaping sibling commands at once (when `escapes`)
+    escape_us: int = 200  # their kernels' length
+    escape_depth: int = 20  # kernels they queue before each wait
+    freeze: str = ""  # krexd's freeze policy (KREX_FREEZE_POLICY); "": the test default
 
 
 @dataclass
@@ -93,6 +118,8 @@ class ChaosResult:
     ops: int = 0
     daemon_tracebacks: int = 0
     kept: str = ""  # where the evidence of a failed run was copied
+    escape_ops: Counter[str] = field(default_factory=Counter)  # kind -> its operations in the trace
+    false_clean_by_kind: Counter[str] = field(default_factory=Counter)  # kind whose work was inside
 
     @property
     def ok(self) -> bool:
@@ -100,7 +127,7 @@ class ChaosResult:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("commands", "faults", "flags"):
+        for k in ("commands", "faults", "flags", "escape_ops", "false_clean_by_kind"):
             d[k] = dict(getattr(self, k))
         d["false_clean"] = self.false_clean[:20]
         d["journal_false_clean"] = self.journal_false_clean[:20]
@@ -110,6 +137,38 @@ class ChaosResult:
         d["ok"] = self.ok
         d["device"] = "simulated GPU (krex/_lib): proves logic, never performance"
         return d
+
+
+def open_world(kx: Any, victims: dict[str, Path]) -> None:
+    """What escaping siblings need from a test's KREX world (test_regions.Krex): their
+    executables, its output folder and the simulator's trace reachable by another user
+    (the other-user and setuid kinds run as OTHER_UID)."""
+    for d in {victims["escape"].parent, kx.base}:
+        os.chmod(d, 0o755)
+    os.chmod(kx.out, 0o777)
+    kx.trace.touch()
+    os.chmod(kx.trace, 0o666)
+
+
+def escape_argv(
+    kind: str, victims: dict[str, Path], seconds: float, us: int, depth: int, arg: str = ""
+) -> list[str]:
+    """The command line of an escaping sibling of `kind` (ESCAPES), or of "held": the same
+    program with nothing taken away. `arg`: the re-exec's delay in ms."""
+    load = [f"{seconds:.2f}", str(us), str(depth)]
+    esc = str(victims["escape"])
+    plain = [esc, "plain", *load]
+    return {
+        "held": plain,
+        "inactive-shim": ["env", "-u", "KREX_SHM", *plain],
+        "bad-slot": ["env", "KREX_SLOT=x", *plain],
+        "other-user": ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *plain],
+        "setuid": [esc, "setuid", *load, str(OTHER_UID)],
+        "reexec": [esc, "reexec", *load, arg or "600"],
+        "dlmopen": [esc, "dlmopen", *load, str(victims["libnsgpu"])],
+        "static-runtime": [str(victims["hiddenrt"]), *load],
+        "no-shim": ["env", "-u", "LD_PRELOAD", *plain],
+    }[kind]
 
 
 def _state(pid: int) -> str:
@@ -141,12 +200,27 @@ class Chaos:
         # A daemon that a client starts on demand (after a kill) gets the test's settings too.
         base_env = self.kx.env
         settings = {"KREX_MAX_REGION": str(cfg.max_region), "KREX_SLOTS_PER_GPU": str(cfg.slots)}
+        if cfg.freeze:
+            settings["KREX_FREEZE_POLICY"] = cfg.freeze
         self.kx.env = lambda **extra: base_env(**settings, **extra)  # type: ignore[method-assign]
         self.cmds: list[Cmd] = []
         self.done: list[Cmd] = []
         self.n = 0
         self.res = ChaosResult(asdict(cfg), 0.0)
         self.log = log or (lambda _m: None)
+        self.tag_kind: dict[str, str] = {}  # command tag -> its kind (escape kinds by name)
+        self.n_escapes = 0
+        if cfg.escapes:
+            self._prepare_escapes()
+
+    def _prepare_escapes(self) -> None:
+        from helpers import victims
+
+        unknown = set(self.cfg.escapes) - set(ESCAPES)
+        if unknown:
+            raise ValueError(f"unknown escaping sibling kinds {sorted(unknown)}; known: {', '.join(ESCAPES)}")
+        self.victims = victims()
+        open_world(self.kx, self.victims)
 
     # ------------------------------------------------------------------ commands
     def _spawn(self, kind: str) -> None:
@@ -159,7 +233,12 @@ class Chaos:
             "--cut-s", str(c.cut_s), "--pause-ms", str(self.rng.choice([0, 2, 10])),
         ]  # fmt: skip
         run = [*self.KREX, "run", "--device", "sim"]
-        if kind == "hammer":
+        if kind == "escape":
+            kind = self.cfg.escapes[self.n_escapes % len(self.cfg.escapes)]
+            self.n_escapes += 1
+            argv = [*run, "--", *self._escape_argv(kind)]
+            self.tag_kind[tag] = kind
+        elif kind == "hammer":
             argv = [*run, "--", py, str(self.WORKER), "hammer", out, "--name", tag, "--us", str(c.kernel_us),
                     "--seconds", str(self.rng.uniform(2, 8))]  # fmt: skip
         elif kind == "owner":
@@ -182,8 +261,13 @@ class Chaos:
         finally:
             logf.close()
         self.kx.popens.append(p)
-        self.cmds.append(Cmd(tag, kind, p, time.monotonic()))
+        self.cmds.append(Cmd(tag, "escape" if tag in self.tag_kind else kind, p, time.monotonic()))
         self.res.commands[kind] += 1
+
+    def _escape_argv(self, kind: str) -> list[str]:
+        c = self.cfg
+        arg = {"reexec": str(self.rng.choice([300, 600, 900]))}.get(kind, "")
+        return escape_argv(kind, self.victims, self.rng.uniform(2, 6), c.escape_us, c.escape_depth, arg)
 
     def _reap(self) -> None:
         for c in list(self.cmds):
@@ -231,7 +315,7 @@ class Chaos:
         return self._kill_worker(("owner", "leftover", "keep-leftover"))
 
     def _f_kill_sibling(self) -> bool:
-        return self._kill_worker(("hammer",))
+        return self._kill_worker(("hammer", "escape"))
 
     def _daemon_pid(self) -> int:
         lock = self.kx.sock.with_suffix(".lock")
@@ -322,14 +406,17 @@ class Chaos:
                     self._spawn(kind)
                 while len(self._running("hammer")) < cfg.hammers:
                     self._spawn("hammer")
-                if now >= next_fault:
+                while cfg.escapes and len(self._running("escape")) < cfg.escape_at_once:
+                    self._spawn("escape")
+                if cfg.faults and now >= next_fault:
                     self._fault()
                     next_fault = time.monotonic() + self.rng.expovariate(1 / cfg.fault_every)
                 time.sleep(0.02)
             # Let the running commands finish (no new ones, no more faults).
             deadline = time.monotonic() + 120
             while (
-                self._running("owner", "leftover", "keep-leftover", "hammer") and time.monotonic() < deadline
+                self._running("owner", "leftover", "keep-leftover", "hammer", "escape")
+                and time.monotonic() < deadline
             ):
                 self._reap()
                 time.sleep(0.1)
@@ -357,6 +444,9 @@ class Chaos:
         starts = [o["start"] for o in ops]
         max_len = max((o["end"] - o["start"] for o in ops), default=0)
         pid_tag = {o["pid"]: o["tag"] for o in ops}
+        for o in ops:
+            if o["tag"] in self.tag_kind:
+                self.res.escape_ops[self.tag_kind[o["tag"]]] += 1
 
         def foreign(tag: str, a: int, b: int) -> list[dict[str, Any]]:
             """Operations of other commands that executed inside [a, b]."""
@@ -380,6 +470,8 @@ class Chaos:
                     self.res.clean += 1
                     if bad:
                         o = bad[0]
+                        for k in {self.tag_kind.get(b["tag"], "other") for b in bad}:
+                            self.res.false_clean_by_kind[k] += 1
                         self.res.false_clean.append(
                             f"{tag} region {r['i']} [{r['t_grant']}, {r['t_end']}] clean, yet {len(bad)} "
                             f"op(s) of others ran inside, e.g. {o['tag']} pid {o['pid']} {o['api']} "
@@ -442,6 +534,26 @@ def summary_table(res: ChaosResult) -> str:
         ("journal regions (daemon view)", f"{d['journal_regions']} ({d['journal_clean']} clean)"),
         ("FALSE CLEAN (owner view)", d["false_clean_count"]),
         ("FALSE CLEAN (journal)", d["journal_false_clean_count"]),
+        *(
+            [
+                (
+                    "  by whose work was inside",
+                    ", ".join(f"{k} {v}" for k, v in sorted(d["false_clean_by_kind"].items())),
+                )
+            ]
+            if d["false_clean_by_kind"]
+            else []
+        ),
+        *(
+            [
+                (
+                    "escaping siblings' operations",
+                    ", ".join(f"{k} {v}" for k, v in sorted(d["escape_ops"].items())),
+                )
+            ]
+            if d["escape_ops"] or d["config"].get("escapes")
+            else []
+        ),
         ("operations in the trace", d["ops"]),
         ("daemon tracebacks", d["daemon_tracebacks"]),
         ("verdict", "PASS" if d["ok"] else "FAIL"),

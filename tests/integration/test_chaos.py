@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.chaos import ChaosConfig, run_chaos, summary_table
+from helpers.chaos import ESCAPES, POLICIES, ChaosConfig, run_chaos, summary_table
 
 pytestmark = [
     pytest.mark.cgroup,
@@ -28,3 +28,33 @@ def test_chaos_no_region_is_ever_falsely_clean() -> None:
     assert res.regions >= 200 and res.clean > 0 and res.flagged > 0, res.to_json()
     assert len(res.faults) >= 4, res.faults
     assert res.long_regions > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("kind", ESCAPES)
+def test_chaos_escaping_sibling_never_runs_inside_a_clean_region(kind: str, policy: str) -> None:
+    """Owners take regions beside a sibling command with a process the gate cannot hold
+    (helpers/chaos.py, ESCAPES), under each freeze policy; no faults. Every region the
+    owners saw clean, and every journal record that says clean, has no operation of
+    that sibling inside it."""
+    res = run_chaos(
+        ChaosConfig(
+            seconds=8,
+            seed=int(os.environ.get("KREX_CHAOS_SEED", "11")),
+            owners=2,
+            hammers=0,
+            faults=(),
+            cut_p=0.0,
+            leftover_p=0.0,
+            escapes=(kind,),
+            freeze=policy,
+        )
+    )
+    print(summary_table(res))
+    assert res.false_clean == [], (len(res.false_clean), res.false_clean[:3])
+    assert res.journal_false_clean == [], (len(res.journal_false_clean), res.journal_false_clean[:3])
+    assert res.daemon_tracebacks == 0
+    # Not vacuous: the owners took regions while the sibling ran its kernels.
+    assert res.regions >= 20, res.to_json()
+    assert res.escape_ops[kind] > 100, res.to_json()

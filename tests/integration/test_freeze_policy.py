@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_regions import KREX, WORKER, Krex, foreign_ops, inside, intervals_disjoint, kx, owner_intervals
@@ -155,11 +156,14 @@ def test_unknown_freeze_policy_is_a_usage_error(kx: Krex) -> None:
 
 
 def test_inspector_verdicts(tmp_path: Path) -> None:
-    """With the shim mapped: gateable; without: not; a static CUDA runtime: not."""
+    """What a process's image shows (its maps, executable, environment), and the verdict
+    against a slot whose segment it never attached: the shim mapped but inactive (no
+    KREX_SHM) is not held, nor is a process without the shim, nor a static CUDA runtime."""
     from krex.native import shim_path
     from krex.node import freezepolicy
 
     ins = freezepolicy.Inspector()
+    ref = freezepolicy.SlotRef(3, 7, "/krex-no-such-segment", None)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     wait = [sys.executable, "-c", "import sys; sys.stdin.read()"]
     with_shim = subprocess.Popen(wait, env=dict(env, LD_PRELOAD=str(shim_path())), stdin=subprocess.PIPE)
@@ -176,16 +180,39 @@ def test_inspector_verdicts(tmp_path: Path) -> None:
         import time
 
         time.sleep(0.5)  # let the loader map the preloaded shim
-        assert ins.verdict(with_shim.pid) == freezepolicy.Verdict(True)
-        v = ins.verdict(without.pid)
-        assert v is not None and not v.gateable and "without the KREX shim" in v.why
-        v = ins.verdict(static.pid)
-        assert v is not None and not v.gateable and "statically" in v.why
+        f = ins.facts(with_shim.pid)
+        assert f is not None and f.shim and not f.static_cudart and f.env.get(b"KREX_SHM") is None, f
+        v = ins.verdict(with_shim.pid, ref)
+        assert v is not None and not v.gateable and v.unheld and "shim is inactive" in v.why, v
+        v = ins.verdict(without.pid, ref)
+        assert v is not None and not v.gateable and v.unheld and "without the KREX shim" in v.why, v
+        v = ins.verdict(static.pid, ref)
+        assert v is not None and not v.gateable and v.unheld and "statically" in v.why, v
     finally:
         for p in (with_shim, without, static):
             p.kill()
             p.wait()
-    assert ins.verdict(with_shim.pid) is None  # gone
+    assert ins.verdict(with_shim.pid, ref) is None  # gone
+
+
+# A child that looks like a process of slot 3 (generation 7) whose shim attached the segment
+# /krex-fp-test-PID: the environment the shim reads, and that file mapped (as the shim maps
+# krexd's). "The shim" is named by the test (a library the child maps).
+_ATTACHED = (
+    "import mmap, os; fd = os.open('/dev/shm/' + os.environ['KREX_SHM'].lstrip('/'), os.O_RDWR); "
+    "_m = mmap.mmap(fd, 4096); "
+)
+
+
+def _attached_ref(name: str) -> tuple[dict[str, str], Any]:
+    from krex.node import freezepolicy
+
+    path = Path("/dev/shm") / name.lstrip("/")
+    path.write_bytes(b"\0" * 4096)
+    st = path.stat()
+    env = dict(os.environ, KREX_SHM=name, KREX_SLOT="3", KREX_SLOT_GEN="7")
+    env.pop("LD_PRELOAD", None)
+    return env, freezepolicy.SlotRef(3, 7, name, (st.st_dev, st.st_ino))
 
 
 def test_adaptive_resolves_by_launch_rate() -> None:
@@ -349,37 +376,40 @@ def test_a_signal_handler_on_a_thread_parked_at_the_gate_is_held_too(kx: Krex, b
 
 
 def test_a_region_never_waits_to_inspect_a_new_process() -> None:
-    """Asked by a region (inspect=False), a process not inspected yet reads as one the gate
-    cannot hold (its slot is frozen: the safe side) and is queued; the inspector thread's
-    inspect_pending then gives its real verdict, which the next region reads from the cache
-    without reading the process's maps again."""
+    """Asked by a region (inspect=False), a process not inspected yet (and with no record)
+    reads as one the gate does not hold (its slot is frozen: the safe side) and is queued;
+    the inspector thread's inspect_pending then reads its image, which the next region
+    reads from the cache without reading the process's maps again."""
     import time
 
     from krex.node import freezepolicy
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    name = f"/krex-fp-test-{os.getpid()}"
+    env, ref = _attached_ref(name)
+    code = _ATTACHED + "import time; time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     try:
         time.sleep(0.3)
         ins = freezepolicy.Inspector(shim_name="libc.so")  # mapped by every Python process
-        v = ins.verdict(proc.pid, inspect=False)
-        assert v is not None and not v.gateable and "not inspected yet" in v.why, v
+        v = ins.verdict(proc.pid, ref, inspect=False)
+        assert v is not None and not v.gateable and v.unheld and "not inspected yet" in v.why, v
         assert ins.wanted.is_set() and not ins.seen(proc.pid)
-        assert freezepolicy.ungateable([proc.pid], ins, [0])  # no inline budget left: frozen
+        assert freezepolicy.ungateable([proc.pid], ins, ref, [0])  # no inline budget left: frozen
         assert ins.inspect_pending() == 1
         assert ins.seen(proc.pid)
         reads: list[int] = []
         real = ins._inspect
         ins._inspect = lambda pid, exe: reads.append(pid) or real(pid, exe)  # type: ignore[method-assign]
-        assert ins.verdict(proc.pid, inspect=False) == freezepolicy.Verdict(True)
+        assert ins.verdict(proc.pid, ref, inspect=False) == freezepolicy.Verdict(True)
         budget = [0]
-        assert freezepolicy.ungateable([proc.pid], ins, budget) == [] and budget == [0]
+        assert freezepolicy.ungateable([proc.pid], ins, ref, budget) == [] and budget == [0]
         assert reads == [], "a region's verdict read the maps again"
         # A budget is spent only on processes whose maps are read.
-        fresh = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        fresh = subprocess.Popen([sys.executable, "-c", code], env=env)
         try:
             time.sleep(0.3)
             budget = [1]
-            assert freezepolicy.ungateable([proc.pid, fresh.pid], ins, budget) == [] and budget == [0]
+            assert freezepolicy.ungateable([proc.pid, fresh.pid], ins, ref, budget) == [] and budget == [0]
             assert reads == [fresh.pid]
         finally:
             fresh.kill()
@@ -387,7 +417,7 @@ def test_a_region_never_waits_to_inspect_a_new_process() -> None:
     finally:
         proc.kill()
         proc.wait()
-
+        Path("/dev/shm" + name).unlink(missing_ok=True)
 
 
 def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
@@ -395,69 +425,72 @@ def test_a_process_seen_before_its_loader_mapped_the_shim_is_read_again(
 ) -> None:
     """A "runs without the shim" verdict may only mean the process had not mapped it yet
     (inspected right after exec): it goes stale after RECHECK_S, `seen` says so (the
-    inspector thread reads it again), and the next verdict sees the shim. A process with a
-    gateable verdict is not read again."""
+    inspector thread reads it again), and the next verdict sees the shim. A process the
+    gate holds is not read again."""
     import time
 
     from krex.node import freezepolicy
 
     monkeypatch.setattr(freezepolicy, "RECHECK_S", 0.2)
+    name = f"/krex-fp-late-{os.getpid()}"
+    env, ref = _attached_ref(name)
     lib = tmp_path / "libkrexlate.so"
     src = tmp_path / "late.c"
     src.write_text("int krex_late(void) { return 1; }\n")
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    code = (f"import ctypes, sys, time; sys.stdin.readline(); ctypes.CDLL({str(lib)!r}); "
+    code = (_ATTACHED + f"import ctypes, sys, time; sys.stdin.readline(); ctypes.CDLL({str(lib)!r}); "
             "print('ok', flush=True); time.sleep(30)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
     try:
         time.sleep(0.3)
         ins = freezepolicy.Inspector(shim_name=lib.name)
-        v = ins.verdict(proc.pid)
+        v = ins.verdict(proc.pid, ref)
         assert v is not None and not v.gateable and "without the KREX shim" in v.why
         assert ins.seen(proc.pid)
-        assert ins.verdict(proc.pid, inspect=False) == v  # fresh: from the cache
+        assert ins.verdict(proc.pid, ref, inspect=False) == v  # fresh: from the cache
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == b"ok\n"
         time.sleep(0.25)
         assert not ins.seen(proc.pid), "a stale verdict must be read again by the inspector thread"
-        v = ins.verdict(proc.pid, inspect=False)  # a region past its budget: queued, slot frozen
+        v = ins.verdict(proc.pid, ref, inspect=False)  # a region past its budget: queued, slot frozen
         assert v is not None and "not inspected yet" in v.why
         assert ins.inspect_pending() == 1
         assert ins.seen(proc.pid)
-        assert ins.verdict(proc.pid, inspect=False) == freezepolicy.Verdict(True)
+        assert ins.verdict(proc.pid, ref, inspect=False) == freezepolicy.Verdict(True)
         time.sleep(0.25)
-        assert ins.seen(proc.pid), "a gateable verdict does not go stale"
+        assert ins.seen(proc.pid), "a held process's facts do not go stale"
     finally:
         proc.kill()
         proc.wait()
-    # A process seen before it exec'd is seen again after (its old verdict's key is gone),
-    # and the stale verdict of a process that ended is forgotten.
+    # A process seen before it exec'd is seen again after (its old image's key is gone),
+    # and the stale facts of a process that ended are forgotten.
     execs = subprocess.Popen(["sh", "-c", f"read x; exec {sys.executable} -c \"{code}\""],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
         time.sleep(0.3)
-        v = ins.verdict(execs.pid)
+        v = ins.verdict(execs.pid, ref)
         assert v is not None and not v.gateable, v
         assert execs.stdin is not None and execs.stdout is not None
         execs.stdin.write(b"exec\ngo\n")
         execs.stdin.flush()
         assert execs.stdout.readline() == b"ok\n"
-        time.sleep(0.25)
-        assert not ins.seen(execs.pid)
-        assert ins.verdict(execs.pid) == freezepolicy.Verdict(True) and ins.seen(execs.pid)
+        assert ins.verdict(execs.pid, ref) == freezepolicy.Verdict(True) and ins.seen(execs.pid)
         without = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         time.sleep(0.3)
-        v = ins.verdict(without.pid)
+        v = ins.verdict(without.pid, ref)
         assert v is not None and not v.gateable and without.pid in ins._recheck
         without.kill()
         without.wait()
         ins.inspect_pending()
-        assert without.pid not in ins._recheck, "an ended process's stale verdict is forgotten"
+        assert without.pid not in ins._recheck, "an ended process's stale facts are forgotten"
     finally:
         execs.kill()
         execs.wait()
+        Path("/dev/shm" + name).unlink(missing_ok=True)
 
 
 # A sibling with one thread that either pins itself to CPU argv[2] alone (what OpenMP's

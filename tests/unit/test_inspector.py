@@ -15,6 +15,9 @@ from helpers import wait_until
 
 from krex.node import freezepolicy, procfs
 
+# A slot of no segment: no record can hold a process, and no maps can show an attached shim.
+REF = freezepolicy.SlotRef(0, 1, "/krex-no-such-segment", None)
+
 _ZOMBIE_LEADER = r"""
 import ctypes, os, sys, threading, time
 threading.Thread(target=time.sleep, args=(60,)).start()
@@ -35,9 +38,9 @@ def test_a_zombie_not_reaped_yet_is_gone_not_a_reason_to_freeze() -> None:
     try:
         wait_until(lambda: _state(p.pid) == "Z", 10, "the child to be a zombie")
         insp = freezepolicy.Inspector()
-        assert insp.verdict(p.pid) is None
-        assert freezepolicy.ungateable([p.pid], insp) == []
-        assert freezepolicy.ungateable([p.pid], insp, [0]) == []  # no inline budget either
+        assert insp.verdict(p.pid, REF) is None
+        assert freezepolicy.ungateable([p.pid], insp, REF) == []
+        assert freezepolicy.ungateable([p.pid], insp, REF, [0]) == []  # no inline budget either
     finally:
         p.wait()
 
@@ -51,7 +54,7 @@ def test_a_zombie_leader_whose_thread_runs_on_still_freezes_its_slot() -> None:
         wait_until(lambda: _state(p.pid) == "Z", 10, "the leader to be a zombie")
         st = procfs.pid_stat(p.pid)
         assert st is not None and st.threads > 1
-        why = freezepolicy.ungateable([p.pid], freezepolicy.Inspector())
+        why = freezepolicy.ungateable([p.pid], freezepolicy.Inspector(), REF)
         assert len(why) == 1 and "cannot be read" in why[0], why
     finally:
         p.kill()
@@ -62,7 +65,7 @@ def test_a_live_process_without_the_shim_freezes_its_slot() -> None:
     p = subprocess.Popen(["sleep", "30"])
     try:
         time.sleep(0.05)
-        why = freezepolicy.ungateable([p.pid], freezepolicy.Inspector())
+        why = freezepolicy.ungateable([p.pid], freezepolicy.Inspector(), REF)
         assert len(why) == 1 and "without the KREX shim" in why[0], why
     finally:
         p.kill()
@@ -102,10 +105,10 @@ def test_an_unreadable_executable_of_a_live_process_freezes_its_slot(
         time.sleep(0.05)
         insp = freezepolicy.Inspector(shim_name="libc.so.6")  # sleep maps libc: "has the shim"
         if seen:
-            v = insp.verdict(p.pid)
-            assert v is not None and v.gateable, v
+            f = insp.facts(p.pid)
+            assert f is not None and f.shim, f
         _exiting(monkeypatch, p.pid, exiting)
-        why = freezepolicy.ungateable([p.pid], insp)
+        why = freezepolicy.ungateable([p.pid], insp, REF)
         assert len(why) == 1 and "cannot be read" in why[0], why
     finally:
         p.kill()
