@@ -27,9 +27,11 @@ test: ## Run the whole test suite (unit + integration; gpu tests skip without a 
 sanitize: ## The shim and the C tests built with ThreadSanitizer and AddressSanitizer, run against krexd (simulated GPU)
 	$(PY) scripts/sanitize.py
 
-lint: ## ruff + mypy
-	$(VENV)/bin/ruff check krex cli tests scripts krex_build.py setup.py
+lint: ## ruff + mypy + the code's shape (module, class, function sizes) + news fragments
+	$(VENV)/bin/ruff check krex cli tests scripts benchmarks krex_build.py setup.py
 	$(VENV)/bin/mypy krex cli
+	$(PY) scripts/internal/check_shape.py
+	$(PY) scripts/internal/changelog.py --check
 
 bench: ## Gate fast-path cost, then krex bench --quick (simulated GPU without a GPU; real numbers need one)
 	$(PY) scripts/fastpath/run.py 5

@@ -18,7 +18,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MODULE_MAX, CLASS_MAX, FUNCTION_MAX = 900, 600, 100
 # part -> its size (lines) as this check came in: splitting them is pending work.
-CEILINGS: dict[str, int] = {}
+CEILINGS: dict[str, int] = {
+    "krex/node/daemon.py": 3063,
+    "krex/node/daemon.py:Daemon": 2519,
+    "krex/node/daemon.py:_region_steps": 390,
+    "krex/proc/launcher.py": 1133,
+    "krex/proc/launcher.py:run_guarded": 189,
+    "krex/bench/run.py:run_bench": 402,
+    "krex/bench/summary.py:compute_summary": 329,
+    "krex/bench/summary.py:render_summary_md": 279,
+    "krex/fleet.py:_drive": 183,
+    "cli/bench_cmd.py:bench": 221,
+    "cli/main.py:status": 115,
+    "interpose/guardian.c": 1725,
+    "interpose/krex_core.c": 1098,
+}
 
 
 def parts() -> list[tuple[str, str, int]]:
