@@ -362,10 +362,12 @@ def build_guardian(out: str | os.PathLike[str], strip: bool = False) -> Path:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = [f for f in cflags(strip) if f not in ("-fPIC", "-fvisibility=hidden")]
-    # Where an in-place build keeps the shim: an editable install's bin/krex (a copy) finds
-    # its own installation there (guardian.c own_install; a wheel's finds site-packages).
+    # Only a build into this checkout's own krex/_lib (an editable install, `make native`)
+    # names that directory: its bin/krex (a copy) finds its own installation there
+    # (guardian.c own_install). Every other build, a wheel's above all, names no build path
+    # (a wheel's guardian finds site-packages), so two builds give the same bytes.
     built = str((ROOT / "krex" / "_lib").resolve())
-    if not set(built) & set('"\\\n'):
+    if path.resolve().parent == Path(built) and not set(built) & set('"\\\n'):
         flags.append(f'-DKREX_BUILT_LIB_DIR="{built}"')
     _cc([*flags, "-std=gnu11", f"-I{INTERPOSE}", "-o", str(path), str(INTERPOSE / "guardian.c")])
     return path

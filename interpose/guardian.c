@@ -658,6 +658,8 @@ static int daemon_cmd_ok(const char *v) {
     const char *py = v + h;
     size_t n = strspn(py, KREX_SHELL_SAFE);
     const char *rest = py + n;
+    size_t sp = strlen(KREX_DAEMON_CMD_SAFE_PATH);
+    if (!strncmp(rest, KREX_DAEMON_CMD_SAFE_PATH, sp) && rest[sp] == ' ') rest += sp;
     if (strncmp(rest, KREX_DAEMON_CMD_MODULE, m) || (rest[m] && rest[m] != ' ')) return 0;
     for (const char *p = rest + m; *p; p++)
         if (*p != ' ' && !strchr(KREX_SHELL_SAFE, *p)) return 0;

@@ -222,6 +222,7 @@ uint64_t krex_seg_restores(void) { return __atomic_load_n(&g_seg_restores, SEQ);
 const char *krex_daemon_env_names(void) { return KREX_DAEMON_ENV; }
 const char *krex_daemon_cmd_head(void) { return KREX_DAEMON_CMD_HEAD; }
 const char *krex_daemon_cmd_module(void) { return KREX_DAEMON_CMD_MODULE; }
+const char *krex_daemon_cmd_safe_path(void) { return KREX_DAEMON_CMD_SAFE_PATH; }
 const char *krex_shell_safe(void) { return KREX_SHELL_SAFE; }
 
 static uint64_t random_u64(void) {

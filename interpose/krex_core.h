@@ -24,6 +24,7 @@ uint64_t krex_seg_restores(void);
 const char *krex_daemon_env_names(void);
 const char *krex_daemon_cmd_head(void);
 const char *krex_daemon_cmd_module(void);
+const char *krex_daemon_cmd_safe_path(void);
 const char *krex_shell_safe(void);
 uint32_t krex_proc_check(struct krex_proc *p);
 int krex_proc_audit(struct krex_shm *shm, uint32_t n_gpus, int *bad, int max_bad);

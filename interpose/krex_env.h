@@ -17,6 +17,9 @@
     "KREX_SHM KREX_SOCKET KREX_DEVICE KREX_SLOT KREX_GPU KREX_SLOT_GEN CUDA_VISIBLE_DEVICES HIP_VISIBLE_DEVICES"
 #define KREX_DAEMON_CMD_HEAD "exec env -u LD_PRELOAD "
 #define KREX_DAEMON_CMD_MODULE " -m krex.node.daemon"
+/* Between the Python and the module where that Python takes it (3.11+): the current
+ * directory stays off the module path (krex/pystart.py). */
+#define KREX_DAEMON_CMD_SAFE_PATH " -P"
 /* The characters shlex.join leaves unquoted ([\w@%+=:,./-] in ASCII). */
 #define KREX_SHELL_SAFE "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_@%+=:,./-"
 

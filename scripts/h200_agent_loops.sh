@@ -13,7 +13,7 @@ REPO=$PWD; O=${OUT:-/tmp/krex-out}; mkdir -p "$O"
 if [ ! -d /tmp/krexpkg/krex ]; then  # (benchmarks/h200_env.sh builds this checkout there instead)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/krexpkg \
-    .whl-new/krex-*.whl > "$O/install.log" 2>&1 || { tail -20 "$O/install.log"; exit 1; }
+    .whl-new/krex_gpu-*.whl > "$O/install.log" 2>&1 || { tail -20 "$O/install.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/krexpkg:/tmp/site PYTHONUNBUFFERED=1 KREX_STATE_DIR=/tmp/krexstate-agent
 KREX=(python3 -m krex.cli.main)

@@ -7,7 +7,7 @@ set -uo pipefail
 REPO=$PWD; O=${OUT:-/tmp/krex-out}; mkdir -p "$O"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/krexpkg \
-  .whl-new/krex-*.whl > "$O/install.log" 2>&1 || { tail -20 "$O/install.log"; exit 1; }
+  .whl-new/krex_gpu-*.whl > "$O/install.log" 2>&1 || { tail -20 "$O/install.log"; exit 1; }
 export PYTHONPATH=/tmp/krexpkg:/tmp/site PYTHONUNBUFFERED=1 KREX_STATE_DIR=/tmp/krexstate-dlvsym
 cd /tmp
 OUT="$O" timeout 300 python3 "$REPO/scripts/gpu_dlvsym.py" --device gpu 2>&1 | tee "$O/gpu_dlvsym.log"

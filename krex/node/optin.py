@@ -77,6 +77,9 @@ def daemon_cmd_ok(value: str, python_dirs: Iterable[str]) -> bool:
     rest = value[len(head):]
     n = len(rest) - len(rest.lstrip(safe))
     py, rest = rest[:n], rest[n:]
+    safe_path = _names(lib.krex_daemon_cmd_safe_path)
+    if rest.startswith(safe_path + " "):
+        rest = rest[len(safe_path):]
     if not rest.startswith(module) or rest[len(module):len(module) + 1] not in ("", " "):
         return False
     if set(rest[len(module):]) - set(safe + " "):
@@ -246,7 +249,9 @@ def inductor_path(label: object) -> str | None:
 
 
 # The report's counts (region_tally's keys).
-TALLY_KEYS = ("region_count", "contaminated_regions", "cut_regions", "region_flags", "region_wait_s")
+TALLY_KEYS = (
+    "region_count", "contaminated_regions", "cut_regions", "region_flags", "region_wait_s", "inductor_regions"
+)
 
 
 def region_tally(regs: Iterable[Mapping[str, Any]], into: dict[str, Any] | None = None) -> dict[str, Any]:
