@@ -35,6 +35,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_PACE_OFF: "pace-off",
     lib.KREX_PF_UNSEEN: "unseen-runtime",
     lib.KREX_PF_FOREIGN_NS: "foreign-namespace",
+    lib.KREX_PF_IN_EXIT: "in-exit",
 }
 
 
