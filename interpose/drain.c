@@ -487,7 +487,11 @@ static void stop_helper(void) {
     /* Unnamed first: a helper that is gone while the process lives must not read as an
      * exec (other threads may still submit while the process exits). */
     struct krex_proc *rec = __atomic_load_n(&g_proc, ACQUIRE);
-    if (rec) __atomic_store_n(&rec->helper_tid, 0, __ATOMIC_SEQ_CST);
+    if (rec) {
+        /* Flagged before: krexd reads a helper gone without the flag as one never started. */
+        __atomic_or_fetch(&rec->flags, KREX_PF_IN_EXIT, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&rec->helper_tid, 0, __ATOMIC_SEQ_CST);
+    }
     __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_futex_wake(&shm->gpus[g_gpu].drain_seq); /* others just re-check */
     struct timespec ts;

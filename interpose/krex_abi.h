@@ -92,6 +92,9 @@
  * one (dlmopen): calls made there pass no hook, and its contexts are not the ones the
  * drain helper synchronises. krexd does not count the process as held by the gate. */
 #define KREX_PF_FOREIGN_NS 8192
+/* Inside its exit handler (the shim's, atexit): its drain helper was stopped on purpose,
+ * its last drain runs or ran, and its calls still pass the gate. */
+#define KREX_PF_IN_EXIT 16384
 
 /* krex_proc_trust(): whether a process's record proves that the gate holds it. HELD: a
  * sealed record of this process, under the asked slot and generation, its drain helper

@@ -544,9 +544,14 @@ static int trust_code(struct krex_shm *shm, struct krex_proc *p, int64_t pid, in
     if (s == KREX_PROC_STALE) return KREX_TRUST_STALE;
     if (s != slot) return KREX_TRUST_OTHER_SLOT;
     if (__atomic_load_n(&p->slot_gen, SEQ) != (uint32_t)generation) return KREX_TRUST_STALE;
-    if (__atomic_load_n(&p->helper_tid, SEQ) == 0) return KREX_TRUST_NO_HELPER;
-    if (image_gone(p, pid)) return KREX_TRUST_EXECD;
-    if (__atomic_load_n(&p->flags, SEQ) & KREX_PF_FOREIGN_NS) return KREX_TRUST_FOREIGN_NS;
+    uint32_t flags = __atomic_load_n(&p->flags, SEQ);
+    /* At exit the shim stops its helper on purpose (flagged first): still gated, drained. */
+    if (__atomic_load_n(&p->helper_tid, SEQ) == 0) {
+        if (!(flags & KREX_PF_IN_EXIT)) return KREX_TRUST_NO_HELPER;
+    } else if (image_gone(p, pid)) {
+        return KREX_TRUST_EXECD;
+    }
+    if (flags & KREX_PF_FOREIGN_NS) return KREX_TRUST_FOREIGN_NS;
     return KREX_TRUST_HELD;
 }
 

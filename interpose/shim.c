@@ -11,12 +11,15 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -313,6 +316,37 @@ struct krex_shm *attach_shm(void) {
 
 static int register_now(void);
 
+/* The attach at load, from our constructor: system calls only, so that no function a
+ * program interposes (shm_open, mmap, a sanitizer's) runs inside our constructor, before
+ * its own. Attach only, and only a whole segment nobody else may open: anything unusual
+ * (missing, "others" may open it, too small, its header not verified) is left to the
+ * attach at the first gated call, with its full checks (krex_shm_open). */
+static struct krex_shm *attach_at_load(const char *name) {
+    char path[sizeof g_shm_name + 16];
+    const char *n = name[0] == '/' ? name + 1 : name;
+    size_t len = strlen(n);
+    if (!len || memchr(n, '/', len) || len + 10 > sizeof path) return NULL;
+    memcpy(path, "/dev/shm/", 9);
+    memcpy(path + 9, n, len + 1);
+    /* Every argument as a long: syscall() reads whole registers, and an int's upper half is
+     * not defined (an mmap offset of garbage maps past the end: SIGBUS). */
+    long fd = syscall(SYS_openat, (long)AT_FDCWD, path, (long)(O_RDWR | O_CLOEXEC | O_NOFOLLOW), 0L);
+    if (fd < 0) return NULL;
+    struct stat st;
+    long p = -1;
+    if (syscall(SYS_fstat, fd, &st) == 0 && S_ISREG(st.st_mode) && !(st.st_mode & 0007) &&
+        (uint64_t)st.st_size >= sizeof(struct krex_shm))
+        p = syscall(SYS_mmap, 0L, (long)sizeof(struct krex_shm), (long)(PROT_READ | PROT_WRITE), (long)MAP_SHARED,
+                    fd, 0L);
+    syscall(SYS_close, fd);
+    if (p == -1) return NULL;
+    if (krex_shm_verify((struct krex_shm *)p, 0) != 0) {
+        syscall(SYS_munmap, p, (long)sizeof(struct krex_shm));
+        return NULL;
+    }
+    return (struct krex_shm *)p;
+}
+
 /* A pre-warmed command (krexd's `prewarm`) was started before a slot freed up, so its
  * imports and CPU set-up overlap the running commands; its first gated call waits here
  * until krexd gives it the slot. Inside the registration, signals blocked (a handler's GPU
@@ -539,7 +573,11 @@ __attribute__((constructor)) static void krex_init(void) {
      * wait at the gate. One that cannot attach (another user) shows no mapping: krexd
      * freezes its command's slot. A self-registering process attaches once krexd has
      * given it a slot (krexd may have to be started first). */
-    if (!g_need_selfreg) attach_shm();
+    if (!g_need_selfreg) {
+        struct krex_shm *shm = attach_at_load(g_shm_name), *none = NULL;
+        if (shm && !__atomic_compare_exchange_n(&g_shm, &none, shm, 0, RELEASE, RELAXED))
+            syscall(SYS_munmap, shm, (long)sizeof(struct krex_shm));
+    }
 }
 
 /* dlmopen: a GPU library loaded into a link-map namespace other than the base one is

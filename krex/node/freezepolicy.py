@@ -5,7 +5,8 @@ A sibling process is HELD by the gate only when it is proven to be, by one of:
   - its record: a live, sealed process record in krexd's segment (pid and start time
     match, its check valid), registered under the slot of the command whose tree it is in
     and that slot's current generation, its drain helper thread still a thread of it (an
-    exec ends that thread: every exec is caught), and no GPU driver or runtime library
+    exec ends that thread: every exec is caught; one its own exit handler stopped,
+    KREX_PF_IN_EXIT, still holds), and no GPU driver or runtime library
     loaded in another link-map namespace (KREX_PF_FOREIGN_NS, set by the shim's dlmopen
     hook and its helper); or
   - for a process that made no gated call yet (no record): its maps and environment show
@@ -76,6 +77,8 @@ ENV_KEYS = (b"KREX_SHM", b"KREX_SLOT", b"KREX_SLOT_GEN", b"KREX_SOCKET", b"KREX_
 RECHECK_S = 0.5
 
 _HELD, _NONE = int(lib.KREX_TRUST_HELD), int(lib.KREX_TRUST_NONE)  # read once: cffi lookups cost
+# What an exit does to a record that held: its helper thread ends, its executable stops reading.
+_EXIT_CODES = (_HELD, int(lib.KREX_TRUST_EXECD), int(lib.KREX_TRUST_NO_HELPER))
 RECORD_WHY = {
     int(lib.KREX_TRUST_FILLING): "its process record is being written",
     int(lib.KREX_TRUST_DAMAGED): "its process record is damaged",
@@ -213,7 +216,7 @@ class Inspector:
         code = _NONE
         if ref.raw is not None:  # the record first: one pass over shared memory
             code = lib.krex_proc_trust(ref.raw, pid, st.start, ref.slot, ref.generation)
-        return judge(pid, exe, code, facts, ref, self.shim_name), read
+        return judge(pid, exe, code, facts, ref, self.shim_name, bool(st.flags & procfs.PF_EXITING)), read
 
     def seen(self, pid: int) -> bool:
         """Whether some facts for this pid are cached (any image) and none have gone stale."""
@@ -271,11 +274,21 @@ class Inspector:
         return self._static[key]
 
 
-def judge(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef, shim_name: str = SHIM_NAME) -> Verdict:
+def judge(
+    pid: int,
+    exe: str,
+    code: int,
+    facts: Facts,
+    ref: SlotRef,
+    shim_name: str = SHIM_NAME,
+    exiting: bool = False,
+) -> Verdict:
     """A process's verdict from its record's answer (`code`, krex_proc_trust) and the facts
     of its image (`exe`: its executable), against its command's slot `ref` (module
     docstring). The held cases first and without building a reason: this runs for every
-    sibling process of every region."""
+    sibling process of every region. `exiting`: inside its exit (PF_EXITING): a registered
+    one whose helper or executable is gone is frozen, not unheld: its gated work was
+    drained, and its teardown is waited for as every exit is (daemon.py, _await_exits)."""
     held = code == _HELD
     env = facts.env
     if held:
@@ -295,7 +308,10 @@ def judge(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef, shim_name: 
         and ref.seg_id in facts.segments
     ):
         return _HELD_VERDICT
-    return Verdict(False, *_unheld_why(pid, exe, code, facts, ref))
+    why, unheld = _unheld_why(pid, exe, code, facts, ref)
+    if unheld and exiting and code in _EXIT_CODES and (code != _HELD or facts.error):
+        return Verdict(False, f"{why} (inside its exit)")
+    return Verdict(False, why, unheld)
 
 
 def _unheld_why(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef) -> tuple[str, bool]:
@@ -445,8 +461,8 @@ def classify(
             codes,
         )
     out: list[tuple[int, Verdict]] = []
-    for i, (pid, _st, exe, facts) in enumerate(got):
-        v = judge(pid, exe, codes[i], facts, ref, inspector.shim_name)
+    for i, (pid, st, exe, facts) in enumerate(got):
+        v = judge(pid, exe, codes[i], facts, ref, inspector.shim_name, bool(st.flags & procfs.PF_EXITING))
         if not v.gateable:
             out.append((pid, v))
     return out

@@ -36,6 +36,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_UNSEEN: "unseen-runtime",
     lib.KREX_PF_CHUNK_SETTING: "chunk-setting",
     lib.KREX_PF_FOREIGN_NS: "foreign-namespace",
+    lib.KREX_PF_IN_EXIT: "in-exit",
 }
 
 

@@ -176,7 +176,9 @@ def test_a_signal_during_registration_neither_hangs_nor_slips_through(
     (the round trip to krexd, or the segment attach under the registration lock). Before,
     its call either re-entered the registration it had interrupted and waited for itself
     forever, or passed as a nested call, ungated. Registration now runs with signals
-    blocked: the handler runs right after it, as a gated call."""
+    blocked: the handler runs right after it, as a gated call. Under `krex run` the shim
+    attached the segment at load, with system calls only: the program's own shm_open never
+    runs, so nothing is left to interrupt there (and nothing runs inside our constructor)."""
     kx.start_daemon(slots=3)
     argv = [str(bins["selfsig"]), mode, arm]
     if under == "run":  # a slot from `krex run`: only the attach is left to interrupt
@@ -196,6 +198,9 @@ def test_a_signal_during_registration_neither_hangs_nor_slips_through(
         pytest.fail(f"the process hangs in its registration ({mode}, signal at {arm})")
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     reg = next(x for x in lines if "registered" in x)
+    if under == "run" and arm == "shm":
+        assert reg["fired"] == 0 and reg["registered"] == 0 and p.returncode == 0, (lines, err[-2000:])
+        return
     assert reg["fired"] == 1, f"the signal never fired inside the registration: this proves nothing {lines}"
     assert reg["registered"] == 0 and p.returncode == 0, (lines, err[-2000:])
     done = next(x for x in lines if "done" in x)
