@@ -415,14 +415,15 @@ def test_journal_replaced_by_a_directory_is_not_fatal(krex_env: dict[str, str], 
 
 
 def test_journal_rotates_by_size_and_readers_see_across_rotation(krex_env: dict[str, str]) -> None:
-    env = dict(krex_env, KREX_JOURNAL_MAX_BYTES="1000")  # about two records
+    # About two records (each about 1 KB: the grant's timings, flags and the command line).
+    env = dict(krex_env, KREX_JOURNAL_MAX_BYTES="2500")
     code = "import krex\nfor _ in range(12):\n    with krex.region():\n        pass\n"
     p = krex(env, "run", "--device", "sim", "--", sys.executable, "-c", code, timeout=120)
     assert p.returncode == 0, p.stderr
     state = Path(env["KREX_STATE_DIR"])
     files = [state / "journal.jsonl", state / "journal.jsonl.1", state / "journal.jsonl.2"]
     assert all(f.exists() for f in files), list(state.iterdir())
-    assert all(f.stat().st_size <= 1000 for f in files), [f.stat().st_size for f in files]
+    assert all(f.stat().st_size <= 2500 for f in files), [f.stat().st_size for f in files]
     assert not (state / "journal.jsonl.3").exists()
     recs = json.loads(krex(env, "journal", "-n", "1000", "--json").stdout)
     assert 3 <= len(recs) < 12 and recs == sorted(recs, key=lambda r: r["ts"])
