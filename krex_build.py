@@ -356,19 +356,23 @@ def build_native(outdir: str | os.PathLike[str], strip: bool = False) -> list[Pa
     return sorted(out.iterdir())
 
 
-def build_guardian(out: str | os.PathLike[str], strip: bool = False) -> Path:
+def build_guardian(out: str | os.PathLike[str], strip: bool = False, lib_dir: Path | None = None) -> Path:
     """The native `krex` command (interpose/guardian.c: `krex run` without Python, and a
-    hand-over to the Python CLI for everything else): one C file, libc only."""
+    hand-over to the Python CLI for everything else): one C file, libc only.
+
+    lib_dir names the krex/_lib it serves when no site-packages holds one: an editable
+    install's bin/krex and `make native` (guardian.c own_install). A wheel's guardian finds
+    site-packages, so its build names no path and two builds give the same bytes."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     flags = [f for f in cflags(strip) if f not in ("-fPIC", "-fvisibility=hidden")]
-    # Only a build into this checkout's own krex/_lib (an editable install, `make native`)
-    # names that directory: its bin/krex (a copy) finds its own installation there
-    # (guardian.c own_install). Every other build, a wheel's above all, names no build path
-    # (a wheel's guardian finds site-packages), so two builds give the same bytes.
     built = str((ROOT / "krex" / "_lib").resolve())
-    if path.resolve().parent == Path(built) and not set(built) & set('"\\\n'):
-        flags.append(f'-DKREX_BUILT_LIB_DIR="{built}"')
+    if lib_dir is None and path.resolve().parent == Path(built):
+        lib_dir = Path(built)
+    # (A directory with a quote, backslash or newline is not named: that guardian hands
+    # every command to the Python one, which finds its package itself.)
+    if lib_dir is not None and not set(str(lib_dir.resolve())) & set('"\\\n'):
+        flags.append(f'-DKREX_BUILT_LIB_DIR="{lib_dir.resolve()}"')
     _cc([*flags, "-std=gnu11", f"-I{INTERPOSE}", "-o", str(path), str(INTERPOSE / "guardian.c")])
     return path
 

@@ -62,11 +62,15 @@ class BuildScripts(build_scripts):
     a Python start), built here; where it cannot be built, the Python front door. (Not a
     console_scripts entry: that would overwrite it.)"""
 
+    editable_mode = False  # set by setuptools' editable_wheel (pip install -e)
+
     def run(self) -> None:
         self.mkpath(self.build_dir)
         out = Path(self.build_dir) / "krex"
+        # An editable install's bin/krex serves the checkout's krex/_lib (no site-packages copy).
+        lib_dir = Path("krex/_lib").resolve() if self.editable_mode else None
         try:
-            krex_build.build_guardian(out, strip=True)
+            krex_build.build_guardian(out, strip=True, lib_dir=lib_dir)
         except Exception as e:  # noqa: BLE001 - any failure: the Python one
             print(f"setup.py: native krex not built ({e}); installing the Python krex", file=sys.stderr)
             out.write_text(PY_KREX.format(python=self.executable))

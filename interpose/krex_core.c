@@ -205,6 +205,11 @@ static int guard_add(void *p, int fd, const struct stat *st, const char *name) {
     return -1;
 }
 
+void krex_shm_guard(struct krex_shm *shm, int fd, const char *name) {
+    struct stat st;
+    if (fstat(fd, &st) != 0 || guard_add(shm, fd, &st, name)) close(fd);
+}
+
 static void guard_remove(void *p) {
     for (int i = 0; i < SEG_GUARDS; i++) {
         struct seg_guard *g = &g_guards[i];

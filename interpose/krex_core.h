@@ -118,4 +118,9 @@ uint32_t krex_load32(uint32_t *addr);
 int krex_chunk_bytes(const char *text, uint64_t *out);
 /* CDEF-END */
 
+/* The shim's attach at load maps the segment with system calls only (shim.c
+ * attach_at_load); its first gated call hands that mapping and its descriptor here, to
+ * the SIGBUS guard krex_shm_open gives every other mapping. Takes fd (closed on failure). */
+void krex_shm_guard(struct krex_shm *shm, int fd, const char *name);
+
 #endif

@@ -321,6 +321,8 @@ static int register_now(void);
  * its own. Attach only, and only a whole segment nobody else may open: anything unusual
  * (missing, "others" may open it, too small, its header not verified) is left to the
  * attach at the first gated call, with its full checks (krex_shm_open). */
+static int g_load_fd = -1; /* attach_at_load's descriptor, until guard_load_mapping */
+
 static struct krex_shm *attach_at_load(const char *name) {
     char path[sizeof g_shm_name + 16];
     const char *n = name[0] == '/' ? name + 1 : name;
@@ -338,13 +340,27 @@ static struct krex_shm *attach_at_load(const char *name) {
         (uint64_t)st.st_size >= sizeof(struct krex_shm))
         p = syscall(SYS_mmap, 0L, (long)sizeof(struct krex_shm), (long)(PROT_READ | PROT_WRITE), (long)MAP_SHARED,
                     fd, 0L);
-    syscall(SYS_close, fd);
-    if (p == -1) return NULL;
-    if (krex_shm_verify((struct krex_shm *)p, 0) != 0) {
-        syscall(SYS_munmap, p, (long)sizeof(struct krex_shm));
+    if (p == -1 || krex_shm_verify((struct krex_shm *)p, 0) != 0) {
+        if (p != -1) syscall(SYS_munmap, p, (long)sizeof(struct krex_shm));
+        syscall(SYS_close, fd);
         return NULL;
     }
+    /* Kept for the SIGBUS guard, installed at the first gated call (guard_load_mapping):
+     * sigaction is one of the functions a sanitizer interposes. */
+    __atomic_store_n(&g_load_fd, (int)fd, RELEASE);
     return (struct krex_shm *)p;
+}
+
+/* The attach at load's mapping gets krex_shm_open's SIGBUS guard (a segment truncated
+ * by a group member: the access completes on the restored file instead of killing us).
+ * Until then, between load and the first gated call, only the constructor's own reads
+ * touched it. Once; the slow path. */
+static void guard_load_mapping(void) {
+    int fd = __atomic_exchange_n(&g_load_fd, -1, __ATOMIC_ACQ_REL);
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    if (fd < 0) return;
+    if (shm) krex_shm_guard(shm, fd, g_shm_name);
+    else close(fd);
 }
 
 /* A pre-warmed command (krexd's `prewarm`) was started before a slot freed up, so its
@@ -402,6 +418,7 @@ static int register_now(void) {
         __atomic_store_n(&g_mode, MODE_OFF, RELAXED);
         return 0;
     }
+    guard_load_mapping();
     warm_wait(); /* before the gate is published: no thread of ours passes meanwhile */
     pthread_mutex_lock(&g_reg_lock);
     if (g_fast.gate || !mode_on()) goto out;
@@ -575,8 +592,11 @@ __attribute__((constructor)) static void krex_init(void) {
      * given it a slot (krexd may have to be started first). */
     if (!g_need_selfreg) {
         struct krex_shm *shm = attach_at_load(g_shm_name), *none = NULL;
-        if (shm && !__atomic_compare_exchange_n(&g_shm, &none, shm, 0, RELEASE, RELAXED))
+        if (shm && !__atomic_compare_exchange_n(&g_shm, &none, shm, 0, RELEASE, RELAXED)) {
             syscall(SYS_munmap, shm, (long)sizeof(struct krex_shm));
+            int fd = __atomic_exchange_n(&g_load_fd, -1, __ATOMIC_ACQ_REL);
+            if (fd >= 0) syscall(SYS_close, (long)fd);
+        }
     }
 }
 

@@ -36,8 +36,8 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_UNSEEN: "unseen-runtime",
     lib.KREX_PF_CHUNK_SETTING: "chunk-setting",
     lib.KREX_PF_FOREIGN_NS: "foreign-namespace",
-    lib.KREX_PF_IN_EXIT: "in-exit",
 }
+# KREX_PF_IN_EXIT is a state, not a problem: a process inside its exit handlers (ProcInfo.exiting).
 
 
 def pid_namespace() -> int:
@@ -124,6 +124,7 @@ class ProcInfo:
     held: int = 0  # times a call waited for another command's region about to begin (shim.c)
     held_ms: float = 0.0
     quiet: bool = False  # nothing queued since its last full drain: a drain skips it
+    exiting: bool = False  # its exit handlers stopped the shim's helper (KREX_PF_IN_EXIT)
 
 
 @dataclass
@@ -343,6 +344,7 @@ class Segment:
                     held=int(r.held),
                     held_ms=int(r.held_ns) / 1e6,
                     quiet=bool(lib.krex_proc_quiet(ffi.addressof(p.procs, i))),
+                    exiting=bool(r.flags & lib.KREX_PF_IN_EXIT),
                 )
             )
         return Snapshot(
