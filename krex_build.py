@@ -35,9 +35,11 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent
 INTERPOSE = ROOT / "interpose"
+# The core: krex._native and the shim both link it (so do test victims that use it).
+CORE_SOURCES = ("krex_core.c", "seg_guard.c")
 # libkrex_interpose.so: the shim's parts (interpose/shim.h says what each holds) and the core.
 SHIM_SOURCES = (
-    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", "krex_core.c"
+    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", *CORE_SOURCES
 )
 # The build directory never lands in what is built (debug info, __FILE__): two builds of the
 # same sources from different directories give the same bytes.
@@ -129,7 +131,7 @@ ffibuilder.cdef(cdef_text())
 ffibuilder.set_source(
     "krex._native",
     '#include "krex_core.h"\n' + LAYOUT_C + OPS_C,
-    sources=[os.path.relpath(INTERPOSE / "krex_core.c", ROOT)],
+    sources=[os.path.relpath(INTERPOSE / f, ROOT) for f in CORE_SOURCES],
     include_dirs=[os.path.relpath(INTERPOSE, ROOT)],
     extra_compile_args=["-O2"],
 )
@@ -387,8 +389,8 @@ def build_cffi_inplace() -> Path:
     ffibuilder.emit_c_code(str(src))
     out = ROOT / "krex" / "_native.abi3.so"
     inc = sysconfig.get_paths()["include"]
-    core = str(INTERPOSE / "krex_core.c")
-    _cc([*CFLAGS, "-shared", f"-I{inc}", f"-I{INTERPOSE}", "-o", str(out), str(src), core])
+    core = [str(INTERPOSE / f) for f in CORE_SOURCES]
+    _cc([*CFLAGS, "-shared", f"-I{inc}", f"-I{INTERPOSE}", "-o", str(out), str(src), *core])
     return out
 
 

@@ -116,7 +116,7 @@
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
 /* Someone shrank the segment file and a process that then touched it gave the file its
- * size back (krex_core.c's SIGBUS guard): krexd reports it as an incident. */
+ * size back (seg_guard.c's SIGBUS guard): krexd reports it as an incident. */
 #define KREX_HF_RESTORED 2
 
 /* krex_shm_verify(): what is wrong with a segment's header (a bit mask). */

@@ -16,7 +16,7 @@ uint64_t krex_shm_size(void);
 uint64_t krex_hdr_check(struct krex_shm *shm);
 uint32_t krex_shm_verify(struct krex_shm *shm, uint32_t n_gpus);
 void krex_hdr_restore(struct krex_shm *shm, const struct krex_header *want);
-/* SIGBUS faults on a truncated segment this process resolved (krex_core.c). */
+/* SIGBUS faults on a truncated segment this process resolved (seg_guard.c). */
 uint64_t krex_seg_restores(void);
 /* krex_env.h's rule for what a guardian takes from krexd: the data variables (space
  * separated), KREX_DAEMON_CMD's fixed head and module, and the characters its Python
@@ -122,5 +122,7 @@ int krex_chunk_bytes(const char *text, uint64_t *out);
  * attach_at_load); its first gated call hands that mapping and its descriptor here, to
  * the SIGBUS guard krex_shm_open gives every other mapping. Takes fd (closed on failure). */
 void krex_shm_guard(struct krex_shm *shm, int fd, const char *name);
+/* Drop the guard of a mapping about to be unmapped (closes its descriptor). */
+void krex_shm_unguard(struct krex_shm *shm);
 
 #endif

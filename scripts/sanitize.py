@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from krex.native import LIB_DIR  # noqa: E402 - after the path set-up
 from krex.node.freezer import remove_leftovers  # noqa: E402
-from krex_build import SHIM_SOURCES  # noqa: E402
+from krex_build import CORE_SOURCES, SHIM_SOURCES  # noqa: E402
 
 SANITIZERS = {
     "thread": ("libtsan.so", "TSAN_OPTIONS", "halt_on_error=1 exitcode=66 second_deadlock_stack=1"),
@@ -65,7 +65,8 @@ def build(san: str, out: Path, shim_src: Path = INTERPOSE) -> dict[str, Path]:
     bins = {"shim": shim}
     for name in ("stress", "actor", "table_driver"):
         src = TESTS_C / f"{name}.c"
-        srcs = [str(src)] + ([str(INTERPOSE / "krex_core.c")] if "krex_now_ns" in src.read_text() else [])
+        core = [str(INTERPOSE / f) for f in CORE_SOURCES] if "krex_now_ns" in src.read_text() else []
+        srcs = [str(src), *core]
         exe = out / name
         cc([*flags, f"-I{INTERPOSE}", "-o", str(exe), *srcs,
             f"-L{LIB_DIR}", f"-Wl,-rpath,{LIB_DIR}", "-lcudart", "-lcuda", "-l:libamdhip64.so", "-lpthread",

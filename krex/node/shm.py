@@ -38,6 +38,7 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_FOREIGN_NS: "foreign-namespace",
 }
 # KREX_PF_IN_EXIT is a state, not a problem: a process inside its exit handlers (ProcInfo.exiting).
+PROC_STATE_BITS = {lib.KREX_PF_IN_EXIT: "exiting"}
 
 
 def pid_namespace() -> int:

@@ -36,10 +36,10 @@ ALL_PATHS = (
 CC = os.environ.get("CC", "gcc")
 CXX = os.environ.get("CXX", "g++")
 sys.path.insert(0, str(REPO))
-from krex_build import SHIM_SOURCES  # noqa: E402 - the build's list, not a copy
+from krex_build import CORE_SOURCES, SHIM_SOURCES  # noqa: E402 - the build's lists, not copies
 
 # The shim's own files: its headers and its parts (the shared core aside).
-SHIM_FILES = ("shim.h", "shim_fastpath.h", *(f for f in SHIM_SOURCES if f != "krex_core.c"))
+SHIM_FILES = ("shim.h", "shim_fastpath.h", *(f for f in SHIM_SOURCES if f not in CORE_SOURCES))
 
 
 def shim_text() -> str:
@@ -89,7 +89,7 @@ def _compile(src: Path, out: Path) -> None:
     text = src.read_text()
     srcs = [str(src)]
     if "krex_now_ns" in text:
-        srcs.append(str(INTERPOSE / "krex_core.c"))
+        srcs += [str(INTERPOSE / f) for f in CORE_SOURCES]
     # A victim that stands in for libc functions the shim calls must export them.
     extra = ["-rdynamic"] if "KREX_TEST_RDYNAMIC" in text else []
     # lib*.c: a shared library (libNAME.so) for a victim to load.

@@ -8,10 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CC, INTERPOSE, REPO, SHIM_FILES
+from helpers import CC, CORE_SOURCES, INTERPOSE, REPO, SHIM_FILES
 
 from krex.native import ffi, lib
-from krex.node.shm import CLASS_NAMES, HOLDER_NAMES, PROC_FLAG_NAMES
+from krex.node.shm import CLASS_NAMES, HOLDER_NAMES, PROC_FLAG_NAMES, PROC_STATE_BITS
 
 STRUCTS = (
     "krex_header",
@@ -169,7 +169,7 @@ def test_constants_used_by_the_c_side_exist_in_python() -> None:
         return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
 
     used: set[str] = set()
-    for f in (*SHIM_FILES, "krex_core.c"):
+    for f in (*SHIM_FILES, *CORE_SOURCES):
         used |= set(re.findall(r"\bKREX_[A-Z][A-Z0-9_]*\b", code(f)))
     local: set[str] = set()
     for f in (*SHIM_FILES, "krex_tables.h", "krex_cuda_types.h", "krex_env.h"):
@@ -193,7 +193,9 @@ def test_python_name_tables_cover_constants() -> None:
     holders = {v for k, v in ABI_DEFINES.items() if k.startswith("KREX_HOLDER_")}
     assert set(HOLDER_NAMES) == holders
     flags = {v for k, v in ABI_DEFINES.items() if k.startswith("KREX_PF_")}
-    assert set(PROC_FLAG_NAMES) == flags
+    # Every KREX_PF_* bit is either a problem flag (named in reports) or a state, never both.
+    assert not set(PROC_FLAG_NAMES) & set(PROC_STATE_BITS)
+    assert set(PROC_FLAG_NAMES) | set(PROC_STATE_BITS) == flags
     classes = sorted(v for k, v in ABI_DEFINES.items() if k.startswith("KREX_CLS_"))
     assert len(set(classes)) == len(classes), "two KREX_CLS_* share a value"
     assert list(range(lib.KREX_NGATED)) == [
