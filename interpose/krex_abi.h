@@ -54,7 +54,7 @@
 
 /* API classes: which counter a call bumps. Only the first KREX_NGATED are gated. LIFE
  * calls (contexts, modules, device memory) run no kernel but still work the GPU (an H200
- * measured a 42% slower GEMM while siblings loaded modules, docs/results/h200/lifecycle):
+ * measured a 42% slower GEMM while siblings loaded modules, docs/results/lifecycle-calls/):
  * they park at a closed gate like a submission, and are counted in `life_inflight`, not
  * `inflight`, because krexd freezes a process inside one rather than waiting it out (a
  * context takes 100+ ms to make, a PTX module seconds to JIT). */
@@ -218,7 +218,7 @@
  * none of them; they are here so that every timing constant has one home. */
 /* The driver clears freed GPU memory on the GPU after the freeing call has returned (an
  * H200 kernel ran 13% slower while siblings freed 4 GB at a time, its regions gated and
- * clean: docs/results/h200/lifecycle), and the exit of a process with GPU state frees all
+ * clean: docs/results/lifecycle-calls/), and the exit of a process with GPU state frees all
  * of it. Nothing says when that clearing ends, so a region granted within this long of a
  * sibling's free or exit is flagged `recent-free`. Not measured: 4 GB cleared at the
  * ~3 TB/s that slowdown implies takes ~1.3 ms; 100 ms covers ~300 GB. */
@@ -226,7 +226,7 @@
 /* After a sibling process ended during a region's entry, krexd waits this long per GB it
  * held (NVML's last figure for it), at least KREX_SETTLE_MIN_NS, instead of
  * KREX_FREE_SETTLE_NS: the H200 cleared freed memory at 2.5 ms/GB, and an exit left at most
- * 5 ms of it after the reap for 16 GB, 115 ms for 64 GB (docs/results/h200/settle). A
+ * 5 ms of it after the reap for 16 GB, 115 ms for 64 GB (docs/results/free-settle/). A
  * process NVML never reported keeps KREX_FREE_SETTLE_NS. The same rate sizes a free whose
  * bytes the shim can ask the driver for (cudaFree, cuMemFree, hipFree of an allocation's
  * base: its address range), from the end of the call; every other freeing call keeps

@@ -10,7 +10,7 @@ flagged. Zero false "clean" is the pass mark.
     sudo .venv/bin/python scripts/chaos.py --regions 10000       # ~10 min on 2 cores
 
     sudo .venv/bin/python scripts/chaos.py --regions 3500 --escapes all --policies all \\
-        --out docs/results/chaos                                  # escaping siblings too
+        --out /tmp/chaos-escapes                                  # escaping siblings too
     sudo .venv/bin/python scripts/chaos.py --matrix             # each escaping kind x policy
 
 Needs root (real cgroups). Writes summary.json and summary.md to --out (default

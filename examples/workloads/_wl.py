@@ -18,7 +18,7 @@ Knobs (environment; `krex bench --reference-rep-ms` sets them for its reference 
   KREX_WL_REP_MS     timed-loop budget in ms (default 100, like do_bench's rep)
   KREX_WL_WARMUP_MS  warm-up budget in ms (default 25)
   KREX_WL_REGION     "0": run the timed loop outside any region, even under KREX (what
-                     scripts/lone_region.py compares a region against; with
+                     benchmarks/lone_region.py compares a region against; with
                      KREX_AUTO_REGION=0 for the commands timed through automatic regions)
 """
 

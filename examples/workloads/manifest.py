@@ -159,9 +159,9 @@ def _gpu() -> list[dict[str, Any]]:
     for k in range(5):
         # matmul-k: bf16 1024 x 1024 x K, K = 131072 + 2048 k (steps of 1.56 %), fixed 128x256
         # tiling: 32 tiles, so 32 of the 132 SMs each run one long K loop and the time is
-        # exactly proportional to K. A full-GPU bf16 GEMM (8192^2 x K) was tried first: near
-        # peak it is power-limited and varied by 5-15 % between native runs, so it could
-        # not follow K (docs/results/h200/bench-quick).
+        # exactly proportional to K. A full-GPU bf16 GEMM (8192^2 x K) near peak is
+        # power-limited and varies by 5-15 % between native runs, so it could
+        # not follow K.
         kk = 131072 + 2048 * k
         out.append(
             _cmd(

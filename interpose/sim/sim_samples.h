@@ -16,7 +16,7 @@
 #define SIM_FIXED_NS 10000ull
 #define SIM_NULL_STREAM ((const void *)0)
 /* LIFE calls (contexts, modules, device memory) occupy the simulated GPU this long: on an
- * H200 a sibling loading modules made a GEMM 42% slower (docs/results/h200/lifecycle). */
+ * H200 a sibling loading modules made a GEMM 42% slower (docs/results/lifecycle-calls/). */
 #define SIM_LIFE_NS 500000ull
 
 static inline const void *sim_cfg_stream_cu(const CUlaunchConfig *c) { return c ? (const void *)c->hStream : 0; }

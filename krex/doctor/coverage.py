@@ -5,7 +5,7 @@ per-class counters (read from this process's record in the segment) are
 compared with what CUPTI (through torch.profiler) saw execute in the same
 window. Graph replays count as graph launches; their kernels are matched
 against (replays x kernels captured). Used by `krex doctor --gpu` and by
-scripts/h200_dataplane.sh."""
+benchmarks/h200_dataplane.sh."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCONT)
 
 # KREX_RUN_TRACE=1: the guardian's steps as CLOCK_MONOTONIC stamps, written to stderr at exit
-# by the console script (scripts/run_breakdown.py reads them). Off: one lookup, no cost.
+# by the console script (benchmarks/run_breakdown.py reads them). Off: one lookup, no cost.
 TRACE: list[tuple[str, int]] | None = [] if os.environ.get("KREX_RUN_TRACE") else None
 
 

@@ -69,7 +69,7 @@ def _chain() -> None:
 # Inductor times its autotuning candidates outside any region; a candidate whose benchmark
 # waited at a closed gate (another command's region) looks slow, and Inductor builds
 # another kernel. H200: 5 of 12 runs of a 0.29 ms torch.compile'd layer norm + GELU built
-# one 22% slower; 0 of 12 with these regions (docs/results/h200/autotune).
+# one 22% slower; 0 of 12 with these regions (docs/results/autotune-regions/).
 _INDUCTOR = "torch._inductor.runtime.benchmarking"
 
 
@@ -120,7 +120,7 @@ def _main() -> None:
                 autoregion.install(value)
                 # A harness's own target (do_bench, kernelbench) does not cover autotuning:
                 # H200, cpu-heavy family with KREX_AUTO_REGION=do_bench, 2 of 12 krex runs
-                # built a kernel 16.6% slower (docs/results/h200/final3). "0" turns it off.
+                # built a kernel 16.6% slower (docs/results/autotune-regions/). "0" turns it off.
                 named = any(e.get("builtin") == "inductor" for e in autoregion.status())
                 if os.environ.get("KREX_SHM") and not named:
                     _implicit_inductor()
