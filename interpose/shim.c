@@ -203,7 +203,7 @@ typedef int (*fn_xmode_t)(CUstreamCaptureMode *);
  * mode so another thread's capture is not invalidated) at KREX_SETTLE_NS_PER_GB, at least
  * KREX_SETTLE_MIN_NS; KREX_FREE_SETTLE_NS when the driver cannot tell (no such call, not an
  * allocation's base, a capture under way in this process). The scrub runs on the driver's
- * own copy-engine channel after the call returns (docs/architecture.md), so no sync of ours
+ * own copy-engine channel after the call returns (docs/design/control-plane.md), so no sync of ours
  * orders it: only its size bounds it. */
 static uint64_t free_settle_ns(uintptr_t ptr) {
     static fn_addr_range range;

@@ -111,7 +111,8 @@ def _begin(msg: dict[str, Any]) -> dict[str, Any]:
 def soon() -> bool:
     """Tell krexd that a region of this command comes soon (an automatic region's target was
     entered and runs its warm-up first): the other commands on the GPU start shrinking their
-    queued work now, so the region's gate closes on short queues (docs/architecture.md).
+    queued work now, so the region's gate closes on short queues (docs/design/data-plane.md,
+    early shrink).
     Only a hint, lapsing after KREX_SOON_MS: it never delays this command and never raises.
     False outside KREX, inside a region, while another thread's region is under way, or when
     krexd could not be told."""
@@ -259,8 +260,8 @@ class region:  # noqa: N801 - reads like a keyword at call sites
         """Take the process lock, waiting for another thread's region to end. If that region's
         thread sits in one of threading's waits for _HANG_WARN_S meanwhile, it may be waiting
         for this very thread (`with krex.region(): pool.submit(timed).result()`), which never
-        ends: say so once, with the way out. (Running inside its region instead was tried and
-        was silently wrong: docs/architecture.md.)"""
+        ends: say so once, with the way out. (Running inside its region instead would be silently
+        wrong: docs/design/region-api.md.)"""
         t0 = time.monotonic()
         if _proc_lock.acquire(timeout=_HANG_WARN_S):  # the common case: one blocking wait
             return
