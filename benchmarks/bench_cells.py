@@ -1,4 +1,4 @@
-"""Per-cell table of a krex bench results directory, for issue 11's notes: throughput against
+"""Per-cell table of a krex bench results directory: throughput against
 the unprotected cell of the same C, region entry (all regions and one family), flagged
 regions and why, and how long pre-warmed commands waited for their slot.
 
@@ -160,7 +160,7 @@ def slow_entries(dirs: list[Path], loaded: list[tuple[Cells, Runs]], limit_s: fl
 def tables(cells: Cells, runs: Runs, family: str) -> None:
     cpm = {k: c["n_runs"] / c["makespan_s"] * 60 for k, c in cells.items() if c["makespan_s"] > 0}
     # node busy: the cores' busy share over the cell; krexd CPU: krexd's own CPU seconds (with
-    # its watchdog) over the cell (cells.jsonl of a bench since session 28; "-" before).
+    # its watchdog) over the cell ("-" where cells.jsonl has no such field).
     print("| cell | runs | failed | makespan s | cmds/min | vs unprotected-C | node busy | krexd CPU s |")
     print("|---|---|---|---|---|---|---|---|")
     for k, c in cells.items():

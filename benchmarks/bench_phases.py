@@ -1,4 +1,4 @@
-"""Where a krex bench cell's time goes, summed over its commands (issue 11's breakdown).
+"""Where a krex bench cell's time goes, summed over its commands.
 
     python3 benchmarks/bench_phases.py [--waves] RESULTS_DIR [RESULTS_DIR ...]
 

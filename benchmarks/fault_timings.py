@@ -1,4 +1,4 @@
-"""Recovery timings for issue 10 (faults), on the simulated GPU in private KREX worlds.
+"""Recovery timings after faults, on the simulated GPU in private KREX worlds.
 
     cd <checkout> && PYTHONPATH=. python benchmarks/fault_timings.py      # root (cgroups)
 

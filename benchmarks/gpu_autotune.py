@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does Inductor pick a slower kernel when its autotuning runs under KREX? (issue 11, item 4)
+"""Does Inductor pick a slower kernel when its autotuning runs under KREX?
 
 In the H200 bench, compiled-norm-gelu measured either 0.293 ms (every native run) or
 0.3655 ms, to four digits in three cells: a different kernel, not a disturbed timing. Inductor

@@ -1,4 +1,4 @@
-"""Issue 3 on a real GPU: timing fidelity of concurrent commands, with and without KREX,
+"""On a real GPU: timing fidelity of concurrent commands, with and without KREX,
 and region-entry latency with idle and busy siblings. Prints JSON; the summary table last."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Are a command's imports slower under `krex run` than bare, N commands at once? (issue 11)
+"""Are a command's imports slower under `krex run` than bare, N commands at once?
 
-In the corpus runs of session 30 krex-8's summed import phase was 19-39 s (0.5-1 s a command)
+In whole-corpus runs krex-8's summed import phase was 19-39 s (0.5-1 s a command)
 longer than unprotected-8's, while krex-16's was shorter than unprotected-16's. This
 experiment times the same child both ways, side by side: each round starts --n copies at
 once, bare (`python3 child`), with only the shim preloaded

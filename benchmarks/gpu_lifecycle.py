@@ -1,8 +1,8 @@
-"""Does GPU work that passes through no gated call disturb a region? (issue 11, `gpu` policy)
+"""Does GPU work that passes through no gated call disturb a region? (the `gpu` policy)
 
 Under `--freeze gpu` a sibling keeps running through a region and parks at the gate only
-when it submits a kernel, copy or memset. The goal run (docs/results/lifecycle-calls/) saw four
-regions read clean but 15-23% slow that way. This experiment needs no KREX: one owner times
+when it submits a kernel, copy or memset. Without LIFE-call gating, regions
+read clean but 15-23% slow that way (docs/results/lifecycle-calls/). This experiment needs no KREX: one owner times
 three kernels with CUDA events while 7 siblings do one thing each, with no kernel at all:
 
   idle      nothing (run first and last: the noise floor)

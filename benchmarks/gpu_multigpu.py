@@ -1,4 +1,4 @@
-"""Issue 13 on a machine with several GPUs (run by benchmarks/h200_multigpu.sh).
+"""KREX on a machine with several GPUs (run by benchmarks/h200_multigpu.sh).
 
 Steps (each writes $OUT/<step>.json; a short table is printed last):
   independence  regions on GPU 0 while a hammer runs on GPU 1, both under `krex run`:

@@ -1,4 +1,4 @@
-"""How long does a GPU stay slower after another process frees memory or exits? (issue 11)
+"""How long does a GPU stay slower after another process frees memory or exits?
 
 krexd flags a region `recent-free` when it is granted within KREX_FREE_SETTLE_NS of another
 command's free or exit (the driver scrubs freed memory on the GPU after the call returned),

@@ -1,4 +1,4 @@
-"""Issue 11.4 on the H200: why short torch.compile kernels inflate under krex at C >= 8.
+"""On the H200: why short torch.compile kernels inflate under krex at C >= 8.
 
 One owner (a torch.compile'd layer-norm + GELU over 4096x4096 fp32, about 0.05-0.13 ms)
 times 100 trials with CUDA events inside each of 5 regions. Siblings run under `krex run`.

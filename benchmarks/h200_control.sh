@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 2+3 on the H200: install as a wheel would, re-check coverage (graph capture + drain),
+# On the H200: install as a wheel would, re-check coverage (graph capture + drain),
 # pause/resume, fast path, freezer on pure cgroup v2, then fidelity and region-entry latency.
 set -uo pipefail
 REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; export OUT=/tmp/krexlogs; mkdir -p "$OUT" "$FINAL"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 2 on the H200: build, coverage vs CUPTI, pause demo, fast-path cost.
+# On the H200: build, coverage vs CUPTI, pause demo, fast-path cost.
 # Run from the repo root on the device machine; logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/krex-out}; mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 on the H200: `krex fleet` on a one-node Ray cluster against `krex batch` on the same
+# On the H200: `krex fleet` on a one-node Ray cluster against `krex batch` on the same
 # commands (trivial `true` commands serial and 16 at a time; the GPU corpus's quick subset at 8):
 # the per-command cost Ray adds, its one-off start, throughput, and the commands' own measured ms.
 # The image has no Ray and nothing can be downloaded there: first run benchmarks/fleet_wheels.sh here

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 11 on the H200, one device call (carry .whl .whl-new): what `krex run` adds with 16
+# On the H200, one device call (carry .whl .whl-new): what `krex run` adds with 16
 # commands starting at once, the native guardian against the Python one (KREX_NATIVE_OFF=1,
 # the same install), then one krex-8@gpu cell of the quick corpus to see `sibling-context`
-# flag the regions that the goal run (docs/results/lifecycle-calls/) measured slow but clean.
+# flag regions that run slow while siblings start or end their GPU contexts (docs/results/lifecycle-calls/).
 # Everything comes back in $OUT. Build the wheel of this tree first, here:
 #   rm -rf .whl-new && python3 -m pip wheel -q --no-deps -w .whl-new .
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13 on a machine with 2+ H200s, in one device call (carry .whl: cffi, pycparser,
+# KREX on a machine with 2+ H200s, in one device call (carry .whl: cffi, pycparser,
 # posix_ipc cp312 wheels). Topology and the partition krex doctor chose, per-GPU independence
 # (time series + PNG), context creation with 8/16/32 commands at once, then krex bench with C
 # commands per GPU on one GPU against all GPUs. Everything lands in $OUT (multigpu.tgz + tables).

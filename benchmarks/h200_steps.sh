@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11 on the H200, resumable across device calls (carry .whl and h200run/). STEPS, in the
+# Measurement steps on the H200, resumable across device calls (carry .whl and h200run/). STEPS, in the
 # order given: topo (CPU topology), short (the short-kernel experiment), settle (benchmarks/gpu_settle.py),
 # pacing (benchmarks/gpu_pacing.py: bounded queues on and off),
 # autotune (benchmarks/gpu_autotune.py),
@@ -12,7 +12,7 @@
 #   keeps one build across device calls while the tree moves on)
 #   KREX_BENCH_DIR (default /tmp/krexbench: a second directory for a second corpus)
 set -uo pipefail
-REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; L=/tmp/i11; B=${KREX_BENCH_DIR:-/tmp/krexbench}; mkdir -p "$L" "$FINAL"
+REPO=$PWD; FINAL=${OUT:-/tmp/krex-out}; L=/tmp/h200-steps; B=${KREX_BENCH_DIR:-/tmp/krexbench}; mkdir -p "$L" "$FINAL"
 trap 'cp /tmp/krexstate/krexd.log "$L/" 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$L" . ; [ -d $B ] && tar czf "$FINAL/bench.tgz" -C $B .' EXIT
 if [ ! -d /tmp/krexpkg/krex ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 12 on the H200, in one device call (about 3-5 minutes): the zig-built (glibc 2.17)
+# On the H200, in one device call (about 3-5 minutes): the zig-built (glibc 2.17)
 # shim and extension on the real CUDA stack, discovery, and the harness integrations.
-#   1. install KREX as h200_eval.sh does (carry .whl/: setuptools, cffi and, to build with
+#   1. install KREX as h200_steps.sh does (carry .whl/: setuptools, cffi and, to build with
 #      zig as the wheel does, a ziglang wheel; without it gcc builds and the table says so)
 #   2. krex doctor: which discovery backend answered, the shim's highest GLIBC_ symbol
 #   3. Inductor max-autotune of one matmul with KREX_AUTO_REGION=inductor under krex run:
@@ -15,7 +15,7 @@ if [ ! -d /tmp/krexpkg/krex ]; then
   PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/krexpkg . \
     > "$OUTD/install.log" 2>&1 || { tail -20 "$OUTD/install.log"; exit 1; }
 fi
-export PYTHONPATH=/tmp/krexpkg:/tmp/site KREX_STATE_DIR=/tmp/krexstate12 KREX_SHM=/krex-i12 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/krexpkg:/tmp/site KREX_STATE_DIR=/tmp/krexstate-wheel KREX_SHM=/krex-wheel PYTHONUNBUFFERED=1
 KREX="python3 -m krex.cli.main"
 cd /tmp
 TOOL=$(PYTHONPATH=/tmp/site:$REPO python3 -c 'import krex_build as k; t=k.toolchain(); print(t.kind, " ".join(t.cc[2:]) or t.cc[0])')

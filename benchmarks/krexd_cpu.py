@@ -1,4 +1,4 @@
-"""Where krexd's CPU goes per `krex run` (issue 11, item 3): an isolated daemon, waves of N
+"""Where krexd's CPU goes per `krex run`: an isolated daemon, waves of N
 `krex -q run --device DEVICE -- python -c pass` started at once, and krexd's user and system
 CPU per command from /proc, split into its long-lived threads and the rest (connection
 threads that ended). With --py-spy, py-spy records krexd meanwhile (--gil: only the thread

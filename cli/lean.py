@@ -4,7 +4,7 @@ native guardian (interpose/guardian.c), which runs the common `krex run` itself 
 bin/krex calls main() here directly.
 
 `krex run` starts once per benchmarked command, so its start-up is paid by every
-command (issue 11). This module parses `krex [-v|-q] run [OPTIONS] [--] CMD...` by hand
+command. This module parses `krex [-v|-q] run [OPTIONS] [--] CMD...` by hand
 and imports only what the guardian needs (no click, no bench, no other command);
 anything it does not take plainly (help, --version, another command, an option it
 does not know, a value click would refuse) goes to the click CLI (`krex.cli.main`)

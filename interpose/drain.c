@@ -440,7 +440,7 @@ static void *krex_helper(void *arg) {
  * stopped beating is waited for. Regions that follow at once (others' back-to-back regions,
  * the gate never seen open) are waited for only KREX_EXIT_WAIT_NS more: then the exit goes
  * on, and krexd flags the region it falls in (the helper's end reads as a new image) rather
- * than the exit starving (an adversarial review held one 8 s). The gate word is a futex,
+ * than the exit starving (unbounded, back-to-back regions held one 8 s). The gate word is a futex,
  * woken at every opening, so a gap between two regions is seen when there is one. */
 static void wait_out_region(struct krex_shm *shm) {
     uint32_t *gate = __atomic_load_n(&g_fast.gate, __ATOMIC_ACQUIRE);

@@ -1,4 +1,4 @@
-/* guardian.c: the native `krex` command (issue 11: a Python guardian costs every
+/* guardian.c: the native `krex` command (a Python guardian would cost every
  * benchmarked command ~125 ms of interpreter start and imports).
  *
  * It runs the common case itself:

@@ -687,7 +687,7 @@ static int drain_scan(struct krex_shm *shm, int gpu, int owner_slot, uint32_t se
             if ((int32_t)(__atomic_load_n(&p->drain_ack, SEQ) - seq) >= 0) continue;
             /* Nothing queued since its last full drain (a sibling in its CPU work, or exiting
              * after a last drain, its helper gone): nothing owed. No wake-up of its helper to
-             * wait for: under a loaded CPU that alone took tens of ms (H200, final4). */
+             * wait for: under a loaded CPU that alone took tens of ms on the H200. */
             if ((__atomic_load_n(&p->exit_drained, SEQ) || !__atomic_load_n(&shm->gpus[gpu].drain_full, SEQ)) &&
                 krex_proc_quiet(p))
                 continue; /* (an exit's last drain counts even for a full drain: no helper is left to ask) */

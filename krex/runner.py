@@ -81,7 +81,7 @@ def guardian_argv(
     entry = [*runopts.to_argv(runopts.ENTRY, values), "--", *cmd]
     native = native_guardian()
     # The native guardian (interpose/guardian.c) runs the common case without a Python start
-    # per command (about 0.2 s a command under load on the H200, session 31) and hands every
+    # per command (about 0.2 s a command under load on the H200) and hands every
     # other case to `python -m krex.proc.launcher` with these same options: only for this
     # interpreter, whose krex is the one it was built with (another may have none, or another).
     same = _same_python(python)

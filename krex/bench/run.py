@@ -695,7 +695,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         compilers' caches of every code path the corpus takes. With one command only, the
         first cell paid for the rest: on a freshly started H200 the first cell's (krex-8) first
         eight commands ran 17% longer than the next cell's (unprotected-8), where on a warm one
-        krex-8's ran 15% shorter (session 31)."""
+        krex-8's ran 15% shorter."""
         firsts: dict[str, Workload] = {}
         for w in sorted(workloads, key=lambda w: w.est_wall_s):
             firsts.setdefault(w.family or str(w.script), w)

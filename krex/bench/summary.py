@@ -20,7 +20,7 @@ __all__ = ["GOAL_THROUGHPUT", "PAPER", "SIM_LABEL", "compute_summary", "json_saf
 
 SIM_LABEL = "SIMULATED GPU - logic demo, not performance evidence"
 
-# The paper's figures (arXiv:2609.30057, NVIDIA H20) and our goals (issue 4).
+# The paper's figures (arXiv:2609.30057, NVIDIA H20) and our goals for them.
 PAPER: dict[str, Any] = {
     "throughput_ratio": 3.4,
     "native_cpm": 16.0,

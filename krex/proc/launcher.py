@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from krex.node.shm import Segment
     from krex.proc.client import Client
 
-# Imports inside functions keep `krex run`'s start-up short (issue 11): every module
+# Imports inside functions keep `krex run`'s start-up short: every module
 # loaded here is paid by every command.
 
 # SIGCONT too: `timeout` sends SIGTERM then SIGCONT, and a command that stopped itself must
