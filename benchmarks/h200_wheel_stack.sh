@@ -23,7 +23,7 @@ GLIBC=$(readelf -V /tmp/krexpkg/krex/_lib/libkrex_interpose.so | grep -o 'GLIBC_
 $KREX doctor --json > "$OUTD/doctor.json" 2> "$OUTD/doctor.err"
 GPUS=$(python3 -c 'import json,sys; c={x["name"]:x for x in json.load(open(sys.argv[1]))["checks"]}["gpus"]; print(c["status"], c["finding"][:70])' "$OUTD/doctor.json")
 
-cat > /tmp/i12_inductor.py <<'PY'
+cat > /tmp/wheel_inductor.py <<'PY'
 import json, torch, torch._inductor.config as cfg
 from krex.proc import autoregion
 from torch._inductor.runtime import benchmarking as b
@@ -34,7 +34,7 @@ f(a); torch.cuda.synchronize()
 st = [e for e in autoregion.status() if e["builtin"] == "inductor"]
 print("STATUS " + json.dumps({"torch": torch.__version__, "hook": hasattr(b, "set_gpu_benchmark_lock_context"), "status": st}))
 PY
-KREX_AUTO_REGION=inductor timeout 300 $KREX run --device gpu --report "$OUTD/inductor.json" -- python3 /tmp/i12_inductor.py \
+KREX_AUTO_REGION=inductor timeout 300 $KREX run --device gpu --report "$OUTD/inductor.json" -- python3 /tmp/wheel_inductor.py \
   > "$OUTD/inductor.out" 2> "$OUTD/inductor.err"; IRC=$?
 IND=$(python3 - "$OUTD" <<'PY'
 import json, sys
@@ -49,13 +49,13 @@ except Exception as e:
 PY
 )
 if python3 -c 'import pytest_benchmark' 2>/dev/null; then
-  mkdir -p /tmp/i12pb && cat > /tmp/i12pb/test_pb.py <<'PY'
+  mkdir -p /tmp/wheel_pytest_bench && cat > /tmp/wheel_pytest_bench/test_pb.py <<'PY'
 import torch
 def test_mm(benchmark):
     a = torch.randn(4096, 4096, device="cuda")
     benchmark(lambda: (a @ a, torch.cuda.synchronize()))
 PY
-  (cd /tmp/i12pb && timeout 180 $KREX run --device gpu --report "$OUTD/pytest.json" -- python3 -m pytest -q -p no:cacheprovider test_pb.py > "$OUTD/pytest.out" 2>&1)
+  (cd /tmp/wheel_pytest_bench && timeout 180 $KREX run --device gpu --report "$OUTD/pytest.json" -- python3 -m pytest -q -p no:cacheprovider test_pb.py > "$OUTD/pytest.out" 2>&1)
   PB=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("regions", len(r["regions"]), "exit", r["exit_status"])' "$OUTD/pytest.json" 2>&1)
 else
   PB="pytest-benchmark not installed here"

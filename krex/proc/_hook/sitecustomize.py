@@ -120,7 +120,7 @@ def _main() -> None:
                 autoregion.install(value)
                 # A harness's own target (do_bench, kernelbench) does not cover autotuning:
                 # H200, cpu-heavy family with KREX_AUTO_REGION=do_bench, 2 of 12 krex runs
-                # built a kernel 16.6% slower (docs/results/autotune-regions/). "0" turns it off.
+                # built a kernel 16.6% slower (the cause: docs/results/autotune-regions/). "0" turns it off.
                 named = any(e.get("builtin") == "inductor" for e in autoregion.status())
                 if os.environ.get("KREX_SHM") and not named:
                     _implicit_inductor()
