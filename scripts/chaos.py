@@ -14,7 +14,7 @@ flagged. Zero false "clean" is the pass mark.
     sudo .venv/bin/python scripts/chaos.py --matrix             # each escaping kind x policy
 
 Needs root (real cgroups). Writes summary.json and summary.md to --out (default
-docs/results/sim/chaos/) and prints the table last (one per --policies policy). The engine is
+docs/results/chaos/) and prints the table last (one per --policies policy). The engine is
 tests/helpers/chaos.py; `make test` runs a 35-second variant of it
 (tests/integration/test_chaos.py). The simulated GPU proves logic, never performance."""
 
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument(
         "--faults", default=",".join(ALL_FAULTS), help="comma-separated subset of " + ",".join(ALL_FAULTS)
     )
-    ap.add_argument("--out", default=str(ROOT / "docs/results/sim/chaos"))
+    ap.add_argument("--out", default=str(ROOT / "docs/results/chaos"))
     ap.add_argument("--escapes", default="", help="escaping sibling kinds to mix in, comma-separated subset of "
                     + ",".join(ESCAPES) + " ('all': every one)")  # fmt: skip
     ap.add_argument("--policies", default="", help="run once per freeze policy, comma-separated subset of "
