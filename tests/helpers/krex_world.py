@@ -379,13 +379,13 @@ class Krex:
     def touch(self, name: str, suffix: str = "stop") -> None:
         (self.out / f"{name}.{suffix}").write_text("")
 
-
     def stop_all(self, *names: str) -> None:
         """Ask these commands to stop, then wait for each to exit cleanly."""
         for h in names:
             self.touch(h)
         for h in names:
             assert self.cmds[h].wait(30) == 0, self.cmds[h].output()
+
     def progress(self, name: str) -> tuple[int, int, int]:
         """(counter, monotonic ns of the last bump, pid) of a hammer."""
         data = (self.out / f"{name}.progress").read_bytes()
