@@ -26,7 +26,8 @@ from typing import Any
 ROOT = Path.cwd()
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
-from test_regions import KREX, WORKER, Cmd, Krex, _hold_with_siblings, frozen_reason  # noqa: E402
+from helpers.krex_world import KREX, WORKER, Cmd, Krex, frozen_reason  # noqa: E402
+from helpers.krex_world import hold_with_siblings as _hold_with_siblings  # noqa: E402
 
 from krex.native import LIB_DIR, lib, shim_path  # noqa: E402
 from krex.node.shm import Segment  # noqa: E402

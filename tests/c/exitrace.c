@@ -1,4 +1,4 @@
-/* Victim (found by an adversarial review): a thread's async copy is counted by the shim (krex_enter bumps
+/* Victim: a thread's async copy is counted by the shim (krex_enter bumps
  * `submits`) before the driver call, which spends host time (KREX_SIM_MOVE_BYTES=1: the
  * bytes move on the host first, as a real pageable H2D copy stages them) before the work is
  * queued. The main thread calls exit() meanwhile: stop_helper reads `before` (including the

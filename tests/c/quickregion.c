@@ -1,4 +1,4 @@
-/* Victim (found by an adversarial review): takes a region at once after its start (a C benchmark whose
+/* Victim: takes a region at once after its start (a C benchmark whose
  * first thing is a timed region), one 2 ms kernel inside. Prints {"pid","t_main","t_begin",
  * "begin","end"} as JSON lines on stdout. */
 #define _GNU_SOURCE

@@ -1,4 +1,4 @@
-/* Victim (found by an adversarial review): the main thread leaves with pthread_exit (the
+/* Victim: the main thread leaves with pthread_exit (the
  * leader is then a zombie, /proc/PID/stat says 'Z'), another thread goes on using the GPU.
  *
  *   zleader DIR NAME US

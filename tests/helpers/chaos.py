@@ -140,7 +140,7 @@ class ChaosResult:
 
 
 def open_world(kx: Any, victims: dict[str, Path]) -> None:
-    """What escaping siblings need from a test's KREX world (test_regions.Krex): their
+    """What escaping siblings need from a test's KREX world (helpers.krex_world.Krex): their
     executables, its output folder and the simulator's trace reachable by another user
     (the other-user and setuid kinds run as OTHER_UID)."""
     for d in {victims["escape"].parent, kx.base}:
@@ -191,7 +191,7 @@ def _children(pid: int) -> list[int]:
 class Chaos:
     def __init__(self, cfg: ChaosConfig, log: Any = None) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-        from test_regions import KREX, WORKER, Krex
+        from helpers.krex_world import KREX, WORKER, Krex
 
         self.KREX, self.WORKER = KREX, WORKER
         self.cfg = cfg

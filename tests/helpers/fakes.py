@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
+from typing import Any
 
 FAKE_AMDSMI = '''
 """A fake amdsmi (the real call shapes: handles, dicts, BDF strings)."""
@@ -88,3 +90,44 @@ def gpu_benchmark_lock(fn):
             return fn(*args, **kwargs)
     return wrapper
 """
+
+
+def fake_module(name: str, **attrs: Any) -> types.ModuleType:
+    """A module named `name` holding `attrs`, to put in sys.modules."""
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    return m
+
+
+def fake_cuda_driver(names: list[str], init_err: int = 0) -> types.ModuleType:
+    """cuda.bindings.driver: every call returns (CUresult, values...)."""
+
+    class CUresult(int):
+        CUDA_SUCCESS: Any = None
+
+    CUresult.CUDA_SUCCESS = CUresult(0)
+
+    def cuInit(flags: int) -> tuple[Any]:
+        return (CUresult(init_err),)
+
+    def cuDeviceGetCount() -> tuple[Any, int]:
+        return CUresult(0), len(names)
+
+    def cuDeviceGet(i: int) -> tuple[Any, int]:
+        return CUresult(0), 100 + i
+
+    def cuDeviceGetName(n: int, dev: int) -> tuple[Any, bytes]:
+        return CUresult(0), names[dev - 100].encode().ljust(n, b"\0")
+
+    def cuDeviceGetPCIBusId(n: int, dev: int) -> tuple[Any, bytes]:
+        return CUresult(0), b"0000:3b:00.0\0"
+
+    return fake_module(
+        "cuda.bindings.driver",
+        CUresult=CUresult,
+        cuInit=cuInit,
+        cuDeviceGetCount=cuDeviceGetCount,
+        cuDeviceGet=cuDeviceGet,
+        cuDeviceGetName=cuDeviceGetName,
+        cuDeviceGetPCIBusId=cuDeviceGetPCIBusId,
+    )

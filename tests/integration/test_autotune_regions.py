@@ -1,5 +1,5 @@
 """Inductor's autotuning benchmarks get regions of their own under KREX without any
-setting (issue 11, item 4): on the H200, a torch.compile'd kernel whose autotuning ran
+setting: on the H200, a torch.compile'd kernel whose autotuning ran
 outside regions was built 22% slower in 5 of 12 runs, in 0 of 12 with them
 (docs/results/h200/autotune). Real `krex run`, real krexd, the simulated GPU; torch is a
 fake package (the control flow of torch/_inductor/runtime/benchmarking.py, as in
@@ -127,18 +127,17 @@ def test_outside_krex_the_hook_does_nothing(fake_torch: Path) -> None:
     assert p.returncode == 0 and p.stdout.split() == ["True", "False"], (p.stdout, p.stderr)
 
 
-# ---------------------------------------------------------------- an adversarial review's cases
-# Each failed on the first version of the implicit target (5e37bf1): it must never break a
-# program nor wait for a region of its own command.
+# ---------------------------------------------------------------- the implicit target breaks nothing
+# The implicit target must never break a program nor wait for a region of its own command.
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 # The user's command holds its own region and, inside it, runs a worker process of the
 # same command (Inductor's autotune_in_subproc / a compile worker / a user's subprocess)
-# whose code calls Inductor's benchmarker. Before 5e37bf1 the worker's benchmark just ran
-# (same slot: the gate is the command's own). Now it asks krexd for a region of its own,
-# which queues behind the parent's region; the parent waits for the worker: deadlock
-# until --max-region (60 s default) cuts the user's region.
+# whose code calls Inductor's benchmarker. Without the implicit target the worker's benchmark
+# just runs (same slot: the gate is the command's own). With it, a worker that asked krexd for
+# a region of its own would queue behind the parent's region while the parent waits for the
+# worker: a deadlock until --max-region (60 s default) cuts the user's region.
 PARENT = """
 import subprocess, sys, time
 import krex
@@ -202,7 +201,7 @@ def test_a_benchmark_inside_its_commands_own_region_does_not_hang(
 
 
 def test_krex_auto_region_0_control(krex_env: dict[str, str], fake_torch: Path) -> None:
-    """Control: with KREX_AUTO_REGION=0 (the pre-5e37bf1 behaviour) the worker finishes."""
+    """Control: with KREX_AUTO_REGION=0 (no implicit target) the worker finishes."""
     e = dict(krex_env, PYTHONPATH=str(fake_torch), KREX_AUTO_REGION="0")
     p = subprocess.run(
         [*KREX, "run", "--device", "sim", "--", sys.executable, "-c", textwrap.dedent(PARENT), str(HELPERS),
@@ -228,7 +227,7 @@ def test_autotuning_in_a_pid_namespace_of_its_own_is_not_broken(
     krex_env: dict[str, str], fake_torch: Path
 ) -> None:
     """A command that runs its Python in a pid namespace of its own (a container runtime,
-    `unshare -p`): KREX_AUTO_REGION=0 (the behaviour before 5e37bf1) works; the implicit
+    `unshare -p`): KREX_AUTO_REGION=0 (no implicit target) works; the implicit
     target must not make the user's autotuning fail."""
     off = _in_pidns(krex_env, fake_torch, "0")
     assert off.returncode == 0 and "done" in off.stdout, off.stderr[-2000:]
@@ -241,7 +240,7 @@ def test_a_target_that_never_engaged_is_still_warned_about(
 ) -> None:
     """KREX_AUTO_REGION=do_bench, but the harness never calls triton.testing.do_bench (its own
     copy, a fork): its timings had no region, and `krex run` says so even though Inductor's
-    implicit autotuning regions were made (adversarial review 5)."""
+    implicit autotuning regions were made."""
     e = dict(krex_env, PYTHONPATH=str(fake_torch), KREX_AUTO_REGION="do_bench")
     rep = tmp_path / "report.json"
     p = subprocess.run(

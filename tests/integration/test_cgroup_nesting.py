@@ -8,7 +8,7 @@ is what the limit follows), the job's kill (cgroup.kill, or killing every pid of
 subtree), a region's freeze of it as a sibling, krexd's recovery of its group after a
 restart, and a visible fallback where krexd cannot make a group below the caller.
 
-Each test has a private daemon (the `kx` harness of test_regions.py) started from the
+Each test has a private daemon (the `kx` fixture, helpers/krex_world.py) started from the
 test's own cgroup (outside the job), as a node-wide krexd would be.
 """
 
@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_regions import CG1, CG2, KREX, WORKER, Cmd, Krex, alive, frozen_reason, kx
-
-__all__ = ["kx"]  # the fixture, used by name
+from helpers.krex_world import CG1, CG2, KREX, WORKER, Cmd, Krex, alive, frozen_reason
 
 pytestmark = [
     pytest.mark.cgroup,

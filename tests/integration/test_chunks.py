@@ -86,7 +86,7 @@ def test_krex_run_warns_of_a_chunk_size_it_will_not_take(tmp_path: Path, value: 
     """Both guardians (the native one hands such a value to the Python one) say what the
     shim will use instead."""
     from helpers import private_world
-    from test_regions import KREX
+    from helpers.krex_world import KREX
 
     env = {**private_world("chunk"), "KREX_COPY_CHUNK_BYTES": value}
     if guardian == "python":

@@ -8,11 +8,9 @@ from __future__ import annotations
 import os
 import time
 
-from test_regions import Krex, kx
+from helpers.krex_world import Krex
 
 from krex.proc.client import Client
-
-__all__ = ["kx"]  # the fixture, used by name
 
 
 def _tasks(pid: int) -> set[int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from helpers import wait_until
-from test_regions import Krex, _hold_with_siblings, frozen_reason
+from helpers.krex_world import Krex, frozen_reason, hold_with_siblings
 
 from krex.node import conns
 
@@ -84,7 +84,7 @@ def _alive(d: subprocess.Popen[bytes]) -> str:
 def test_a_silent_flood_under_a_low_descriptor_limit_stops_neither_krexd_nor_its_region(kx: Krex) -> None:
     d = kx.start_daemon(slots=3)
     resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (1024, 1024))
-    ready = _hold_with_siblings(kx, "h1")
+    ready = hold_with_siblings(kx, "h1")
     base = _threads(d.pid)
     state = _flood(kx, 20, 60, "silent")  # 1,200 connections that never send a byte
     time.sleep(1.0)
@@ -200,7 +200,7 @@ def test_krexd_that_stops_serving_for_good_exits_non_zero_and_journals_the_regio
     kx.popens.append(d)
     kx.daemon = d
     wait_until(lambda: kx.sock.exists(), 20, "the patched daemon")
-    ready = _hold_with_siblings(kx, "h1")
+    ready = hold_with_siblings(kx, "h1")
     trigger.write_text("")  # every accept fails from now on, on every new socket too
     deadline = time.monotonic() + 60
     while d.poll() is None and time.monotonic() < deadline:

@@ -14,10 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_regions import KREX, Krex
-
-__all__ = ["kx"]  # the fixture, used by name
-from test_regions import kx  # noqa: E402,F401
+from helpers.krex_world import KREX, Krex
 
 from krex import pystart
 from krex.proc.client import daemon_alive

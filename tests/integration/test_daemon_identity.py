@@ -21,15 +21,14 @@ from pathlib import Path
 
 import pytest
 from helpers import clean_env, wait_until
-from test_regions import KREX
-from test_security import REPO, User, Users, krex_argv, user_env, user_python, users, world_dir
+from helpers.krex_world import KREX
+from helpers.users import REPO, User, Users, krex_argv, user_env, user_python, world_dir
 
 from krex.native import LIB_DIR, shim_path
 from krex.node.optin import hook_dir
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates users and runs as them")
 
-__all__ = ["users"]  # the fixture, used by name
 
 FAKE = REPO / "tests" / "helpers" / "fake_daemon.py"
 EVIL_C = r"""

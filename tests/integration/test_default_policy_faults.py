@@ -1,6 +1,6 @@
 """The default freeze policy (`gpu`) under krexd faults: a sibling is left running and parked
 at the gate, not frozen. The fault tests of test_faults.py pin `all` (TEST_POLICY); these run
-the default. From an adversarial review of 328fe3f."""
+the default."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import signal
 import time
 
 import pytest
-from test_regions import Krex, frozen_reason, kx
-
-__all__ = ["kx"]  # the fixture, used by name
+from helpers.krex_world import Krex, frozen_reason
 
 
 @pytest.mark.parametrize("how", ["sigstop", "killpg"])

@@ -115,8 +115,8 @@ def test_a_library_loaded_below_its_link_address_does_not_crash_a_drain(
     harness: Harness, tmp_path: Path
 ) -> None:
     """The helper reads loaded objects' DT_SONAME: one loaded below the address it was
-    linked at (its load bias wraps) must be read where it is, not at base + pointer
-    (adversarial review: SIGSEGV in the helper, the command killed)."""
+    linked at (its load bias wraps) must be read where it is, not at base + pointer: read
+    at the wrong place it is a SIGSEGV in the helper, and the command is killed."""
     import subprocess
     import sys
 
@@ -339,8 +339,8 @@ os.waitpid(pid, 0)
 def test_a_fork_child_of_a_process_with_a_runtime_the_hooks_cannot_see_is_flagged_too(
     harness: Harness, tmp_path: Path
 ) -> None:
-    """The child's record is new: its helper looks at what is loaded again (found by a
-    review of the change: the loader's counters it inherited made it skip the look)."""
+    """The child's record is new: its helper looks at what is loaded again (the loader's
+    counters it inherited from its parent must not make it skip the look)."""
     import subprocess
     import sys
 

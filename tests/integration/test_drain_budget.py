@@ -14,11 +14,9 @@ from typing import Any
 
 import pytest
 from helpers import Harness, read_jsonl, victims
-from test_regions import Krex, kx
+from helpers.krex_world import Krex
 
 from krex.native import ffi, lib
-
-__all__ = ["kx"]  # the fixture, used by name
 
 root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: krexd's cgroups")
 

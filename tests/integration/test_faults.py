@@ -1,7 +1,7 @@
-"""Issue 10, faults: a KREX failure never kills, hangs or loses a user's work.
+"""Faults: a KREX failure never kills, hangs or loses a user's work.
 
 Each test reproduces one fault on the simulated GPU in an isolated KREX world
-(the `kx` fixture of test_regions.py, or `krex_env`): the daemon stopped or killed
+(the `kx` fixture of conftest.py, or `krex_env`): the daemon stopped or killed
 inside a region, a hung (SIGSTOPped) daemon, an interrupted pause, a deleted
 socket and racing daemon starts, a broken journal, bad input, `./prog`, and the
 exit status that `krex run` reserves for its own failures. No timed asserts:
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from helpers import wait_until
-from test_regions import KREX, WORKER, Cmd, Krex, _backend_or_skip, _hold_with_siblings, frozen_reason
+from helpers.krex_world import KREX, WORKER, Cmd, Krex, backend_or_skip, frozen_reason, hold_with_siblings
 
 from krex.native import LIB_DIR, ffi, lib, shim_path
 from krex.node import procfs
@@ -59,7 +59,7 @@ def no_traceback(p: subprocess.CompletedProcess[str]) -> None:
     assert "Traceback" not in p.stderr + p.stdout, p.stderr[-3000:]
 
 
-# ============================================================ 1. the daemon goes away inside a region
+# ============================================================ the daemon goes away inside a region
 
 
 def _c_owner(kx: Krex, bins: dict[str, Path]) -> subprocess.Popen[str]:
@@ -145,7 +145,7 @@ def test_c_owner_survives_losing_the_daemon_inside_its_region(
 @pytest.mark.parametrize("how", ["stop", "sigkill"])
 def test_python_owner_survives_losing_the_daemon_inside_its_region(kx: Krex, how: str) -> None:
     d = kx.start_daemon(slots=3)
-    ready = _hold_with_siblings(kx, "h1")
+    ready = hold_with_siblings(kx, "h1")
     if how == "stop":
         assert kx.krex("daemon", "stop").returncode == 0
     else:
@@ -164,12 +164,12 @@ def test_python_owner_survives_losing_the_daemon_inside_its_region(kx: Krex, how
     assert kx.advances("h1", timeout=30)
 
 
-# ============================================================ 2. a hung daemon
+# ============================================================ a hung daemon
 
 
 def test_hung_daemon_neither_freezes_siblings_nor_hangs_clients(kx: Krex) -> None:
     d = kx.start_daemon(slots=3)
-    _hold_with_siblings(kx, "h1")
+    hold_with_siblings(kx, "h1")
     h1 = kx.progress("h1")[2]
     os.kill(d.pid, signal.SIGSTOP)
     t_stop = time.monotonic()
@@ -256,7 +256,7 @@ def test_watchdog_thaws_a_sibling_that_has_no_guardian(kx: Krex, how: str) -> No
 
 def test_a_region_that_spans_a_daemon_stall_is_contaminated(kx: Krex) -> None:
     d = kx.start_daemon(slots=3)
-    _hold_with_siblings(kx, "h1")
+    hold_with_siblings(kx, "h1")
     os.kill(d.pid, signal.SIGSTOP)
     h1 = kx.progress("h1")[2]
     wait_until(lambda: frozen_reason(h1) is None, 30, "h1's guardian to thaw it")
@@ -270,7 +270,7 @@ def test_a_region_that_spans_a_daemon_stall_is_contaminated(kx: Krex) -> None:
     assert "did not beat" in kx.daemon_log(), kx.daemon_log()[-2000:]
 
 
-# ============================================================ 3. an interrupted pause
+# ============================================================ an interrupted pause
 
 
 def _straggler(seg: Segment) -> subprocess.Popen[bytes]:
@@ -308,7 +308,7 @@ def test_interrupted_pause_reopens_the_gate(krex_env: dict[str, str], sig: int) 
         seg.close()
 
 
-# ============================================================ 4. a deleted socket, racing starts
+# ============================================================ a deleted socket, racing starts
 
 
 def test_deleted_socket_is_recreated_and_stop_finds_the_daemon(kx: Krex) -> None:
@@ -352,7 +352,7 @@ def test_concurrent_daemon_starts_report_the_one_that_runs(kx: Krex) -> None:
         assert kx.krex("daemon", "stop").returncode == 0, attempt
 
 
-# ============================================================ 5. the journal
+# ============================================================ the journal
 
 
 BAD_LINES = [b"[1,2,3]\n", b'"str"\n', b'{"ts":"x"}\n', b"\xff\xfe{not utf-8}\n", b"{torn", b"\n"]
@@ -429,7 +429,7 @@ def test_journal_rotates_by_size_and_readers_see_across_rotation(krex_env: dict[
     assert 3 <= len(recs) < 12 and recs == sorted(recs, key=lambda r: r["ts"])
 
 
-# ============================================================ 6. bad input
+# ============================================================ bad input
 
 
 def test_report_into_a_missing_directory_is_refused_before_running(
@@ -594,7 +594,7 @@ def test_malformed_socket_messages_get_an_error_reply(kx: Krex) -> None:
     assert "Traceback" not in log, log[-3000:]
 
 
-# ============================================================ 7. ./prog
+# ============================================================ ./prog
 
 
 def test_run_a_relative_path_with_a_slash(krex_env: dict[str, str], tmp_path: Path) -> None:
@@ -622,7 +622,7 @@ def test_run_a_relative_path_with_a_slash(krex_env: dict[str, str], tmp_path: Pa
     assert "ran y" in next((tmp_path / "out").glob("cmd-*.stdout")).read_text()
 
 
-# ============================================================ 8. exit 125
+# ============================================================ exit 125
 
 
 @pytest.mark.parametrize(
@@ -661,7 +661,7 @@ def test_a_guardian_killed_while_its_command_waits_before_exec_leaves_no_process
     """Under SIGSTOP freezing the command waits before exec until krexd has its pid. If
     the guardian dies in that wait (here: SIGKILL while a slow krexd has not answered), the
     waiting child must end too, not stay forever as a pre-exec copy of the guardian."""
-    _backend_or_skip(kx, "signal")
+    backend_or_skip(kx, "signal")
     kx.start_daemon(slots=3, freezer_name="signal")
     slow = (
         "import sys, time, krex.proc.launcher as L; serve = L._DaemonJoin._serve;"
@@ -686,7 +686,7 @@ def test_a_guardian_killed_while_its_command_waits_before_exec_leaves_no_process
 def test_a_command_from_before_krexd_restarted_on_a_fresh_segment_is_frozen_and_keeps_its_slot(
     kx: Krex, policy: str
 ) -> None:
-    """Found by the chaos test: the segment's name unlinked and krexd killed before it linked
+    """The segment's name unlinked and krexd killed before it linked
     it again, the next krexd makes a fresh segment and adopts no slot. A command still running
     from before is registered in the old segment, whose gate nobody closes: it must not pass
     a new command's regions. Before, the new command got its slot number (and its group, so

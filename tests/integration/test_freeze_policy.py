@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_regions import KREX, WORKER, Krex, foreign_ops, inside, intervals_disjoint, kx, owner_intervals
-
-__all__ = ["kx"]  # the fixture, used by name
+from helpers.krex_world import KREX, WORKER, Krex, foreign_ops, inside, intervals_disjoint, owner_intervals
+from helpers.sibling_scripts import HELPER_NICE_SIBLING
 
 pytestmark = [
     pytest.mark.cgroup,
@@ -620,31 +619,6 @@ def test_a_thread_started_inside_a_region_does_not_keep_the_region_core(
         assert g["inside"] == g["reserved"], g
         assert g["after"] == res["start"], g
     assert res["regions"][1]["reasons"] == [], res["regions"][1]
-
-
-# A sibling that launches one simulated kernel (so it has a drain helper and is a GPU sibling),
-# makes argv[3], waits for argv[2], then writes its helper thread's nice value to argv[1].
-HELPER_NICE_SIBLING = textwrap.dedent(
-    """
-    import ctypes, json, os, sys, time
-    class Dim3(ctypes.Structure):
-        _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
-    rt = ctypes.CDLL("libcudart.so.13")
-    vp = ctypes.c_void_p
-    rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
-    fn = ctypes.cast(rt.cudaDeviceSynchronize, vp)
-    assert rt.cudaLaunchKernel(fn, Dim3(10, 1, 1), Dim3(1, 1, 1), None, 0, None) == 0
-    rt.cudaDeviceSynchronize()
-    open(sys.argv[3], "w").close()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    tasks = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
-    nice = {c: os.getpriority(os.PRIO_PROCESS, int(t)) for t, c in tasks.items() if c == "krex-drain"}
-    nice["main"] = os.getpriority(os.PRIO_PROCESS, os.getpid())
-    json.dump(nice, open(sys.argv[1], "w"))
-    """
-)
 
 
 @pytest.mark.parametrize("setting", ["default", "0", "-3"])

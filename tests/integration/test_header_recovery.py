@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from test_regions import Krex, _hold_with_siblings, frozen_reason
+from helpers.krex_world import Krex, frozen_reason, hold_with_siblings
 
 from krex.native import ffi, lib
 from krex.node.shm import Segment
@@ -51,7 +51,7 @@ def _damage_header(kx: Krex, seed: int) -> None:
 
 def _thaw_after_sigstop(kx: Krex, d_pid: int) -> float:
     """Seconds from SIGSTOP of krexd until a frozen sibling runs again."""
-    _hold_with_siblings(kx, "h1")
+    hold_with_siblings(kx, "h1")
     h1 = kx.progress("h1")[2]
     os.kill(d_pid, signal.SIGSTOP)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""The native `krex` (interpose/guardian.c, issue 11): `krex run` without a Python
+"""The native `krex` (interpose/guardian.c): `krex run` without a Python
 start, with the Python guardian's behaviour.
 
 Each test runs the installed `krex` (the native one) against a private daemon, and
@@ -20,9 +20,7 @@ from typing import Any
 
 import pytest
 from helpers import REPO
-from test_regions import KREX, Krex, frozen_reason, kx
-
-__all__ = ["kx"]  # the fixture, used by name
+from helpers.krex_world import KREX, Krex, frozen_reason
 
 from krex.native import ffi, lib
 from krex.proc import runopts
@@ -721,7 +719,7 @@ def test_an_exec_error_after_admission_has_the_python_guardians_words(kx: Krex, 
     assert kx.status()["slots"] == []  # both released their slot
 
 
-# ------------------------------------------------------------ found by the adversary round
+# ------------------------------------------------------------ what the caller hands the guardian
 
 
 @pytest.mark.parametrize("guardian", GUARDIANS)

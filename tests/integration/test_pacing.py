@@ -12,12 +12,10 @@ import time
 
 import pytest
 from helpers import Child, Harness
-from test_regions import Krex, kx
+from helpers.krex_world import Krex
 
 from krex.native import lib
 from krex.node.shm import Segment
-
-__all__ = ["kx"]  # the fixture, used by name
 
 KERNEL_US = 5_000  # 5 ms simulated kernels
 CAP_MS = 15

@@ -1,4 +1,4 @@
-"""Pre-warmed starts (krexd's `prewarm`, issue 11 item 5): with every slot busy, up to
+"""Pre-warmed starts (krexd's `prewarm`): with every slot busy, up to
 `prewarm` more commands per GPU start at once, run their CPU phase, and wait at their
 first GPU call (or region) until a slot frees up. Real krexd, real `krex run`, the
 simulated GPU; and the faults: the waiting command killed, krexd killed or stopped
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_run_guardian import krex, status, wait_for
+from helpers.krex_cli import krex, status, wait_for
 
 KREX = [sys.executable, "-m", "krex.cli.main"]
 VICTIM = str(Path(__file__).resolve().parents[1] / "helpers" / "warm_victim.py")
@@ -205,7 +205,7 @@ def test_prewarm_setting_is_checked_and_shown(krex_env: dict[str, str]) -> None:
     assert "pre-warmed starts per GPU 3" in st.stdout, st.stdout
 
 
-# ---------------------------------------------------------------- after the adversarial review
+# ---------------------------------------------------------------- a waiting pre-warmed command
 
 
 def test_ctrl_c_stops_a_prewarmed_python_command(krex_env: dict[str, str], tmp_path: Path) -> None:

@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from test_regions import Krex, kx
+from helpers.krex_world import Krex
 
 from krex.native import lib
 from krex.node.shm import Segment
-
-__all__ = ["kx"]  # the fixture, used by name
 
 
 def test_lost_claim_races_leave_no_record_that_reads_as_damaged(bins: dict[str, Path]) -> None:

@@ -14,31 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.krex_cli import KREX, krex, status, wait_for
 
-KREX = [sys.executable, "-m", "krex.cli.main"]
 NVCC = shutil.which("nvcc") or next(iter(sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
 
 
 @pytest.fixture
 def env(krex_env: dict[str, str]) -> dict[str, str]:
     return krex_env
-
-
-def krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def status(env: dict[str, str]) -> dict[str, object]:
-    return json.loads(krex(env, "status", "--json").stdout)
-
-
-def wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    t = time.monotonic() + timeout
-    while time.monotonic() < t:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_daemon_start_status_stop_and_already_running(env: dict[str, str]) -> None:

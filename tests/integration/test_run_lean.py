@@ -1,4 +1,4 @@
-"""The lean `krex run` (issue 11): the console script's `run` loads neither click nor GPU
+"""The lean `krex run`: the console script's `run` loads neither click nor GPU
 discovery when a daemon answers, and the report's regions come from krexd's `release`
 reply (equal to what it journaled), also when the command dies inside its region."""
 
@@ -159,10 +159,10 @@ def test_more_regions_than_one_reply_holds_are_counted_and_the_rest_said(
     assert r["regions"] == journal(env)[:n]
 
 
-# Modules `krex run` must not load (issue 11: each was on its path once and cost every command
-# milliseconds): the CLI and GPU discovery, psutil, krexd's argparse, shutil (which, rmtree),
-# tempfile, glob; with the command cloned into its cgroup v2 slot also the Popen fallback
-# (subprocess) and the freezer's preexec join.
+# Modules `krex run` must not load (each would cost every command milliseconds at its start):
+# the CLI and GPU discovery, psutil, krexd's argparse, shutil (which, rmtree), tempfile, glob;
+# with the command cloned into its cgroup v2 slot also the Popen fallback (subprocess) and the
+# freezer's preexec join.
 NEVER = {"click", "psutil", "krex.cli.main", "krex.device.gpus", "argparse", "shutil", "tempfile", "glob"}
 CLONED = {"subprocess", "krex.node.freezer"}
 

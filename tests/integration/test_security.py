@@ -1,10 +1,10 @@
-"""Issue 10, security on a shared node, with real users and groups (created here
+"""Security on a shared node, with real users and groups (created here
 with useradd/groupadd; skipped only when not root, and CI runs as root):
 
-  9  another user squats the default state directory /tmp/krex-<uid> with symlinks
-  10 another user squats the victim's shared-memory segment
-  11 a permitted peer puts someone else's pid into its slot (signal freezer)
-  12 a daemon shared with a group: who may run, pause and stop
+  - another user squats the default state directory /tmp/krex-<uid> with symlinks
+  - another user squats the victim's shared-memory segment
+  - a permitted peer puts someone else's pid into its slot (signal freezer)
+  - a daemon shared with a group: who may run, pause and stop
 
 The sharing model (docs/architecture.md, threat model): the daemon's user and root
 may do everything; members of the daemon's group (primary or supplementary) may run
@@ -14,171 +14,28 @@ refused by the socket and segment modes and by the daemon."""
 from __future__ import annotations
 
 import contextlib
-import grp
 import json
 import os
-import pwd
 import shutil
-import stat
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import clean_env, wait_until
-from test_regions import Krex, proc_state
+from helpers import wait_until
+from helpers.krex_world import Krex, proc_state
+from helpers.users import REPO, User, Users, as_user, krex_argv, user_env, user_python, world_dir
 
-import krex
 from krex.node.shm import Segment
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates users, groups and daemons")
 
-# The checkout whose krex is under test (what other users' processes must import).
-REPO = Path(krex.__file__).resolve().parents[1]
 WARM_VICTIM = REPO / "tests" / "helpers" / "warm_victim.py"
 
-
-@dataclass
-class User:
-    name: str
-    uid: int
-    gid: int
-    groups: list[int]
-
-
-@dataclass
-class Users:
-    group: str
-    gid: int
-    member: User  # in the group as a supplementary group
-    primary: User  # the group is its primary group
-    outsider: User  # not in the group
-    attacker: User  # not in the group either; plants things for the others
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[Users]:
-    if not shutil.which("useradd") or not shutil.which("groupadd"):
-        pytest.skip("useradd/groupadd are not installed")
-    tag = f"{os.getpid() % 100000}"
-    group = f"kxg{tag}"
-    names = {k: f"kx{k[0]}{tag}" for k in ("member", "primary", "outsider", "attacker")}
-    created: list[str] = []
-    try:
-        subprocess.run(["groupadd", group], check=True, capture_output=True)
-        gid = grp.getgrnam(group).gr_gid
-        base = ["useradd", "-M", "-N", "-d", "/nonexistent", "-s", "/usr/sbin/nologin"]
-        subprocess.run([*base, "-G", group, names["member"]], check=True, capture_output=True)
-        created.append(names["member"])
-        subprocess.run([*base, "-g", group, names["primary"]], check=True, capture_output=True)
-        created.append(names["primary"])
-        for k in ("outsider", "attacker"):
-            subprocess.run([*base, names[k]], check=True, capture_output=True)
-            created.append(names[k])
-
-        def user(n: str) -> User:
-            pw = pwd.getpwnam(n)
-            return User(n, pw.pw_uid, pw.pw_gid, os.getgrouplist(n, pw.pw_gid))
-
-        yield Users(group, gid, *(user(names[k]) for k in ("member", "primary", "outsider", "attacker")))
-    finally:
-        for n in created:
-            with contextlib.suppress(KeyError):  # what their krex left: state and freezer dirs
-                shutil.rmtree(f"/tmp/krex-{pwd.getpwnam(n).pw_uid}", ignore_errors=True)
-            subprocess.run(["userdel", n], capture_output=True)
-        subprocess.run(["groupdel", group], capture_output=True)
-
-
-def as_user(
-    u: User, args: list[str], env: dict[str, str], timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    """Run `args` as `u`, with exactly the groups the user database gives it."""
-    return subprocess.run(
-        args,
-        env=env,
-        user=u.uid,
-        group=u.gid,
-        extra_groups=u.groups,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        cwd="/",
-    )
-
-
-def _others_may_run(path: str) -> bool:
-    p = Path(os.path.realpath(path))
-    if not p.is_file() or not p.stat().st_mode & stat.S_IXOTH:
-        return False
-    return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
-
-
-def _user_python() -> tuple[str, str]:
-    """An interpreter of this Python version that other users may run (the venv's may
-    live under root's 0700 home), and the site directory that holds KREX's dependencies."""
-    site_dir = sysconfig.get_paths()["purelib"]
-    ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    for c in (
-        sys.executable,
-        f"/usr/bin/python{ver}",
-        f"/usr/local/bin/python{ver}",
-        shutil.which(f"python{ver}"),
-    ):
-        if c and _others_may_run(c):
-            return c, site_dir
-    pytest.skip(f"no Python {ver} interpreter that other users may run (the test runs KREX as them)")
-
-
-def user_python() -> str:
-    return _user_python()[0]
-
-
-def krex_argv(*args: str) -> list[str]:
-    """`krex ARGS` as another user: the user's interpreter, KREX and its dependencies
-    on PYTHONPATH (user_env), and krex.cli mapped to the checkout's cli/ as the
-    installed package maps it."""
-    boot = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('krex.cli', {str(REPO / 'cli' / '__init__.py')!r}, "
-        f"submodule_search_locations=[{str(REPO / 'cli')!r}])\n"
-        "mod = importlib.util.module_from_spec(spec); sys.modules['krex.cli'] = mod\n"
-        "spec.loader.exec_module(mod)\n"
-        "from krex.cli.main import main\n"
-        "sys.exit(main())\n"
-    )
-    return [user_python(), "-c", boot, *args]
-
-
-def user_env(**extra: str) -> dict[str, str]:
-    e = clean_env()
-    for k in ("XDG_RUNTIME_DIR", "HOME", "PYTHONPATH"):
-        e.pop(k, None)
-    # Commands and daemons started from there import krex (and cffi) through PYTHONPATH.
-    e.update(
-        HOME="/tmp",
-        PYTHONUNBUFFERED="1",
-        PYTHONDONTWRITEBYTECODE="1",
-        PYTHONPATH=f"{REPO}{os.pathsep}{_user_python()[1]}",
-    )
-    e.update(extra)
-    return e
-
-
-def world_dir() -> Path:
-    """A temporary directory every test user may enter (pytest's tmp_path is 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="kxsec-"))
-    d.chmod(0o755)
-    return d
-
-
-# ===================================================================== 9. state-directory squatting
+# ===================================================================== state-directory squatting
 
 
 def _squat_state_dir(users: Users, mode: int) -> tuple[Path, list[Path]]:
@@ -274,7 +131,7 @@ def test_own_state_dir_writable_by_others_is_refused_and_symlinks_never_followed
         shutil.rmtree(base, ignore_errors=True)
 
 
-# ===================================================================== 10. segment squatting
+# ===================================================================== segment squatting
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o660])
@@ -325,7 +182,7 @@ def test_world_accessible_segment_is_refused_by_attachers(users: Users) -> None:
         Segment.unlink(name)
 
 
-# ===================================================================== 11. the signal freezer
+# ===================================================================== the signal freezer
 
 
 def _orphan_sleeper(u: User | None = None) -> int:
@@ -401,7 +258,7 @@ def test_signal_freezer_refuses_pids_outside_the_peers_tree(users: Users, who: s
         kx.cleanup()
 
 
-# ===================================================================== 12. group-shared daemons
+# ===================================================================== group-shared daemons
 
 
 class Shared:
@@ -602,7 +459,7 @@ def test_a_shared_daemon_renices_no_drain_helper_of_another_user(shared: Shared)
     user's: the record and the thread name are the command's to write, and a member must not
     win a thread of nice -10 by naming one krex-drain. (Priority lent during one drain to a
     thread inside a LIFE call is given back after it.)"""
-    from test_freeze_policy import HELPER_NICE_SIBLING
+    from helpers.sibling_scripts import HELPER_NICE_SIBLING
 
     out, done, ready = (shared.kx.out / n for n in ("sib.json", "sib.done", "sib.ready"))
     sib = _member_sibling(shared, HELPER_NICE_SIBLING, str(out), str(done), str(ready))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from test_regions import Krex, frozen_reason
+from helpers.krex_world import Krex, frozen_reason
 
 from krex.native import lib
 

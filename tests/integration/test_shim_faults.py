@@ -1,6 +1,6 @@
-"""Issue 10, item 13: the shim itself never kills, hangs or misleads its process.
+"""The shim itself never kills, hangs or misleads its process.
 
-The real shim and the simulated GPU, real krexd where the item needs one. The
+The real shim and the simulated GPU, real krexd where a test needs one. The
 gate's acquire load and the fork handlers are also checked under ThreadSanitizer
 and AddressSanitizer by `make sanitize` (scripts/sanitize.py, tests/c/stress.c)."""
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import CC, Harness, clean_env, shim_text, wait_until
-from test_regions import KREX, Krex
+from helpers.krex_world import KREX, Krex
 
 from krex import paths
 from krex.native import LIB_DIR, lib, shim_path

@@ -17,12 +17,10 @@ from typing import Any
 import pytest
 from helpers import victims
 from helpers.chaos import ESCAPES, escape_argv, open_world
-from test_regions import Krex, kx
+from helpers.krex_world import Krex
 
 from krex.native import ffi, lib
 from krex.node.shm import Segment
-
-__all__ = ["kx"]  # the fixture, used by name
 
 pytestmark = [
     pytest.mark.cgroup,

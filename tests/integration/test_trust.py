@@ -1,8 +1,8 @@
-"""The trust issue: a region is either really exclusive or flagged, never a silent "clean".
+"""Trust: a region is either really exclusive or flagged, never a silent "clean".
 
 Each test reproduces one way KREX could be made to call a region clean while it was
 not (or to keep quiet about it), in a private KREX world (the `kx` fixture of
-test_regions: own daemon, segment, simulated GPU, trace, cgroups), and checks the
+conftest.py: own daemon, segment, simulated GPU, trace, cgroups), and checks the
 simulated device's trace from outside."""
 
 from __future__ import annotations
@@ -19,7 +19,16 @@ from typing import Any
 
 import pytest
 from helpers import spawn_with_pid, victims
-from test_regions import KREX, WORKER, Krex, alive, foreign_ops, kx, owner_intervals
+from helpers.krex_world import (
+    KREX,
+    WORKER,
+    Krex,
+    alive,
+    foreign_ops,
+    frozen_reason,
+    owner_intervals,
+    proc_state,
+)
 
 from krex.native import lib
 from krex.node.shm import Segment
@@ -31,7 +40,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
 ]
 
-__all__ = ["kx"]  # the fixture, used by name
 
 
 def _run(
@@ -133,7 +141,6 @@ def _leftover_then_owner(kx: Krex, *run_args: str) -> tuple[dict[str, Any], dict
 
 
 def test_a_leftover_is_killed_reported_and_never_passes_the_next_owners_gate(kx: Krex) -> None:
-    from test_regions import foreign_ops, owner_intervals
 
     kx.start_daemon(slots=2)
     rep_a, res, lo_pid = _leftover_then_owner(kx)
@@ -142,14 +149,12 @@ def test_a_leftover_is_killed_reported_and_never_passes_the_next_owners_gate(kx:
     assert foreign_ops(iv, kx.ops()) == []
     assert [x["pid"] for x in rep_a["leftovers"]] == [lo_pid], rep_a
     assert rep_a["leftovers_action"] == "killed"
-    from test_regions import alive
 
     kx.wait(lambda: not alive(lo_pid), 10, "the leftover to die")
     assert all(r["grant"]["contaminated"] is False for r in res["regions"])
 
 
 def test_a_kept_leftover_is_a_frozen_sibling_and_keeps_its_slot(kx: Krex) -> None:
-    from test_regions import foreign_ops, owner_intervals
 
     kx.start_daemon(slots=3)
     rep_a, res, lo_pid = _leftover_then_owner(kx, "--keep-leftovers")
@@ -211,7 +216,6 @@ def test_a_leftover_that_left_the_slots_cgroup_is_found_by_its_environment(kx: K
     report = _report(rep)
     assert [x["pid"] for x in report["leftovers"]] == [pid], report
     assert report["leftovers_action"] == "killed"
-    from test_regions import alive
 
     kx.wait(lambda: not alive(pid), 10, "the escaped leftover to die")
 
@@ -240,7 +244,6 @@ def test_an_unlinked_segment_is_detected_relinked_and_flagged(kx: Krex, victim: 
     own = kx.run("own", "regions", "-n", "10", "--kernels", "2", "--us", "100", "--sleep-ms", "5")
     assert own.wait(120) == 0, own.output()
     res = kx.result("own")
-    from test_regions import foreign_ops, owner_intervals
 
     iv = owner_intervals(res)
     bad = foreign_ops(iv, kx.ops())
@@ -277,7 +280,6 @@ def test_random_bytes_over_the_segment_are_detected_repaired_and_flagged(kx: Kre
     assert rc == 0, own.output()[-2000:]
     res = kx.result("own")
     clean = [r for r in res["regions"] if r["summary"] and r["summary"].get("clean")]
-    from test_regions import foreign_ops, owner_intervals
 
     bad = foreign_ops(owner_intervals(res), kx.ops())
     assert not (bad and clean), f"{len(bad)} foreign submissions inside {len(clean)} clean regions"
@@ -726,7 +728,7 @@ def test_a_sibling_that_fails_open_during_a_region_flags_it(kx: Krex) -> None:
     kx.touch("sib")
 
 
-# ====================================================================== found by the chaos test
+# ========================================================= siblings around a region: LIFE calls, exits, frees
 
 
 def test_a_daemon_started_from_inside_a_command_does_not_live_in_its_slot_group(kx: Krex) -> None:
@@ -836,7 +838,6 @@ def test_a_gpu_policy_sibling_inside_a_slow_life_call_is_frozen_not_waited_for(k
     assert len(g["frozen_slots"]) == 1 and not g["contaminated"], g
     assert "context, module or device memory call" in " ".join(g["freeze_why"]), g["freeze_why"]
     assert g["entry_s"] < 2.0, g  # frozen at once, not waited for
-    from test_regions import proc_state
 
     assert kx.wait(lambda: proc_state(sib) in ("S", "D") and _frozen(sib), 5, "the frozen sibling")
     rec = _end_hold(kx, "a", ready["pid"])
@@ -917,7 +918,6 @@ def test_priority_is_lent_to_no_thread_that_has_left_its_life_call(kx: Krex) -> 
 
 
 def _frozen(pid: int) -> bool:
-    from test_regions import frozen_reason
 
     return frozen_reason(pid) is not None
 
@@ -1020,7 +1020,7 @@ def test_gpu_calls_of_exit_handlers_that_run_after_the_exit_hold_stay_gated(kx: 
     """atexit runs last-registered first: a handler registered before the first LIFE call
     runs after the exit hold. Its kernels (30 ms each, in a loop) must still wait at the
     closed gate; before, the hold left the thread's depth raised and they passed as nested
-    calls, running inside regions reported clean (found by an adversarial review)."""
+    calls, running inside regions reported clean."""
     if policy == "gpu":
         _fake_nvml_gpu_policy(kx)
     else:
@@ -1104,8 +1104,8 @@ def test_a_sibling_that_begins_its_exit_at_a_closed_gate_owes_no_drain(kx: Krex)
 def test_an_exit_is_not_starved_by_other_commands_back_to_back_regions(kx: Krex) -> None:
     """Two other commands take 30 ms regions one after another, so the gate may never be
     seen open: a sibling's exit waits out the region it meets, then at most
-    KREX_EXIT_WAIT_NS (0.25 s) more, and goes on. Before, it waited for the regions to stop
-    (an adversarial review held an exit 8 s). A region that the exit's last steps fall in is
+    KREX_EXIT_WAIT_NS (0.25 s) more, and goes on, never waiting for the regions to stop (an
+    exit held for seconds). A region that the exit's last steps fall in is
     flagged, never clean."""
     nvml = kx.out / "nvml.json"
     _write_atomic(nvml, json.dumps({"gpus": [{"name": "fake", "uuid": "GPU-fake", "procs": [],
@@ -1202,7 +1202,7 @@ def test_an_exit_waiting_out_a_region_goes_on_when_krexd_hangs(kx: Krex) -> None
 
 def test_a_region_in_a_child_forked_inside_a_region_runs_inside_it(kx: Krex) -> None:
     """A child forked inside a region, whose own region would queue behind its parent's
-    while the parent waits for it (a deadlock, found by adversarial review 4), runs its
+    while the parent waits for it (a deadlock), runs its
     region inside the parent's as a nested one while its command holds the gate; once the
     parent's region is over, a child's region is its own."""
     kx.start_daemon(slots=2)
@@ -1262,8 +1262,8 @@ def test_fork_workers_made_inside_a_region_later_take_regions_of_their_own(
     kx: Krex, tmp_path: Path, made: str
 ) -> None:
     """Workers forked inside a region run their regions inside it only while it lasts; once
-    it is over, their regions are their own and queue behind each other (adversarial review
-    5: a worker's region ran inside another worker's, neither flagged)."""
+    it is over, their regions are their own and queue behind each other (a
+    worker's region must never run inside another worker's, unflagged)."""
     kx.start_daemon(slots=2)
     p = _run(kx, "--", sys.executable, "-c", POOL, HELPERS, str(tmp_path), made, timeout=60)
     assert p.returncode == 0 and "done" in p.stdout, p.stderr[-2000:]
@@ -1327,8 +1327,8 @@ CMD2 = textwrap.dedent(
 
 def test_a_soft_region_across_another_commands_region_is_flagged(kx: Krex, tmp_path: Path) -> None:
     """A soft region that ran inside its command's region R1, across another command's
-    region and into its command's next region R2, is flagged `outlived` (adversarial review
-    5: the gate was its command's at both ends, so it read as fine)."""
+    region and into its command's next region R2, is flagged `outlived` (the
+    gate is its command's at both ends, so that alone would read as fine)."""
     kx.start_daemon(slots=3)
     t0 = str(time.monotonic() + 4.0)
     procs = [
@@ -1398,8 +1398,8 @@ def test_cudafree_of_null_is_no_recent_free(kx: Krex) -> None:
 @pytest.mark.parametrize("how", ["exit", "_exit"])
 def test_regions_right_after_a_sibling_command_ended_wait_for_its_memory(kx: Krex, how: str) -> None:
     """Its record and its slot are freed with it, and its teardown frees all its GPU memory:
-    the stamp lives per slot in the GPU's record, and the exit hold stamps it (found by an
-    adversarial review: regions granted a few ms after such an end read clean). A region
+    the stamp lives per slot in the GPU's record, and the exit hold stamps it (else regions
+    granted a few ms after such an end would read clean). A region
     asked for right after waits for it to settle, and is clean."""
     kx.start_daemon(slots=3)
     until = kx.out / "own.until"
@@ -1439,8 +1439,7 @@ def test_a_stale_process_inside_a_life_call_flags_the_region(kx: Krex, policy: s
     """A process of a slot handed on (KREX_PROC_STALE: an outlived command's, registered with
     an old slot generation) is inside a 4 s module load as a region's gate closes: it belongs
     to no command krexd can freeze, so the region is flagged `life-running`, under every
-    policy, with or without other siblings (found by an adversarial review: the scan ran only
-    under `gpu` with a running sibling)."""
+    policy, with or without other siblings (not only under `gpu` with a running sibling)."""
     from krex.native import LIB_DIR, shim_path
 
     if policy == "gpu":
@@ -1467,7 +1466,7 @@ def test_a_stale_process_inside_a_life_call_flags_the_region(kx: Krex, policy: s
     assert st.wait(30) == 0
 
 
-# ---------------------------------------------- the exit drain and the settle, second review
+# ---------------------------------------------- the exit drain and the settle
 
 
 def _owner_regions_after_sibling_acts(kx: Krex, start_file: str) -> tuple[dict[str, Any], list[Any]]:
@@ -1502,7 +1501,7 @@ def test_a_copy_counted_before_the_last_exit_drain_but_queued_after_it_is_never_
     """A submission is counted before the driver queues it. A thread inside such a call
     (a 512 MiB copy whose bytes move on the host first) while the main thread exits: the
     last drain at exit must not mark the record drained while that call is in flight, or
-    the copy runs inside a region reported clean (found by an adversarial review)."""
+    the copy runs inside a region reported clean."""
     _policy(kx, policy)
     argv = [str(victims()["exitrace"]), str(kx.out), "sib", str(512 << 20)]
     argv += ["nolife"] if life == "nolife" else []
@@ -1522,7 +1521,7 @@ def test_a_copy_counted_before_the_last_exit_drain_but_queued_after_it_is_never_
 def test_a_sibling_whose_main_thread_left_is_still_drained(kx: Krex, policy: str) -> None:
     """pthread_exit in main leaves the thread-group leader a zombie while the other threads
     use the GPU: such a process is alive (its queued kernel drained, its slot frozen), not
-    dead (found by an adversarial review)."""
+    dead."""
     _policy(kx, policy)
     kx.run_argv("sib", [str(victims()["zleader"]), str(kx.out), "sib", "500000"])
     sib = kx.result("sib", "ready", timeout=60)["pid"]
@@ -1537,7 +1536,7 @@ def test_a_sibling_whose_main_thread_left_is_still_drained(kx: Krex, policy: str
 def test_the_next_command_in_a_slot_number_waits_for_the_previous_ones_end(kx: Krex, how: str) -> None:
     """krexd hands a freed slot number to the next command in its queue: the end stamp of
     the command before it is another command's, and its region waits for it to settle
-    (the stamps carry their command's slot generation; found by an adversarial review)."""
+    (the stamps carry their command's slot generation)."""
     kx.start_daemon(slots=1)
     go = kx.out / "exit-now"
     hard = ["--hard-exit"] if how == "_exit" else []

@@ -13,9 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_regions import KREX, Krex, kx
-
-__all__ = ["kx"]  # the fixture, used by name
+from helpers.krex_world import KREX, Krex
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and a mount namespace"),

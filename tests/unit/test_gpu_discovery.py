@@ -100,7 +100,7 @@ def test_a_visible_list_that_selects_nothing_is_an_error_not_the_simulator(
 def test_cuda_python_serves_when_nvml_cannot(
     tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from test_gpus import fake_cuda_driver
+    from helpers.fakes import fake_cuda_driver
 
     monkeypatch.setenv("KREX_NVML_FAKE", _fake(tmp_path, {"error": "nvidia-ml-py is not installed"}))
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake_cuda_driver(["H200", "H200"]))

@@ -16,7 +16,7 @@ from krex.device import gpus
 from krex.errors import NotFound
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers.fakes import FAKE_AMDSMI  # noqa: E402
+from helpers.fakes import FAKE_AMDSMI, fake_cuda_driver, fake_module  # noqa: E402
 
 VIS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
@@ -40,12 +40,6 @@ def kfd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return n
 
 
-def _mod(name: str, **attrs: Any) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__dict__.update(attrs)
-    return m
-
-
 # ----------------------------------------------------------------------------- fakes
 
 
@@ -62,7 +56,7 @@ def fake_pynvml(names: list[str], init_error: bool = False) -> types.ModuleType:
         if init_error:
             raise _NVMLError("NVML Shared Library Not Found")
 
-    return _mod(
+    return fake_module(
         "pynvml",
         NVMLError=_NVMLError,
         nvmlInit=init,
@@ -71,40 +65,6 @@ def fake_pynvml(names: list[str], init_error: bool = False) -> types.ModuleType:
         nvmlDeviceGetHandleByIndex=lambda i: i,
         nvmlDeviceGetName=lambda h: names[h].encode(),
         nvmlDeviceGetPciInfo=lambda h: Pci(h),
-    )
-
-
-def fake_cuda_driver(names: list[str], init_err: int = 0) -> types.ModuleType:
-    """cuda.bindings.driver: every call returns (CUresult, values...)."""
-
-    class CUresult(int):
-        CUDA_SUCCESS: Any = None
-
-    CUresult.CUDA_SUCCESS = CUresult(0)
-
-    def cuInit(flags: int) -> tuple[Any]:
-        return (CUresult(init_err),)
-
-    def cuDeviceGetCount() -> tuple[Any, int]:
-        return CUresult(0), len(names)
-
-    def cuDeviceGet(i: int) -> tuple[Any, int]:
-        return CUresult(0), 100 + i
-
-    def cuDeviceGetName(n: int, dev: int) -> tuple[Any, bytes]:
-        return CUresult(0), names[dev - 100].encode().ljust(n, b"\0")
-
-    def cuDeviceGetPCIBusId(n: int, dev: int) -> tuple[Any, bytes]:
-        return CUresult(0), b"0000:3b:00.0\0"
-
-    return _mod(
-        "cuda.bindings.driver",
-        CUresult=CUresult,
-        cuInit=cuInit,
-        cuDeviceGetCount=cuDeviceGetCount,
-        cuDeviceGet=cuDeviceGet,
-        cuDeviceGetName=cuDeviceGetName,
-        cuDeviceGetPCIBusId=cuDeviceGetPCIBusId,
     )
 
 
@@ -132,14 +92,14 @@ def fake_hip(names: list[str]) -> types.ModuleType:
         props.pciBusID = 0x20 + i
         return (hipError_t(0),)
 
-    hip = _mod(
+    hip = fake_module(
         "hip.hip",
         hipError_t=hipError_t,
         hipDeviceProp_t=hipDeviceProp_t,
         hipGetDeviceCount=hipGetDeviceCount,
         hipGetDeviceProperties=hipGetDeviceProperties,
     )
-    return _mod("hip", hip=hip)
+    return fake_module("hip", hip=hip)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -223,7 +183,8 @@ def test_hip_python_when_amdsmi_fails(monkeypatch: pytest.MonkeyPatch, kfd: Path
 
 
 def test_broken_binding_never_breaks_discovery(monkeypatch: pytest.MonkeyPatch, kfd: Path) -> None:
-    bad = _mod("amdsmi", amdsmi_init=lambda: None, amdsmi_shut_down=lambda: None)  # no handles function
+    # no handles function
+    bad = fake_module("amdsmi", amdsmi_init=lambda: None, amdsmi_shut_down=lambda: None)
     monkeypatch.setitem(sys.modules, "amdsmi", bad)
     info, tried = gpus.discover_real()
     assert info is None and any(t.startswith("amdsmi: AttributeError") for t in tried)
@@ -249,7 +210,7 @@ def test_what_a_binding_prints_goes_to_stderr(
         os.write(1, b"from C\n")
         raise RuntimeError("AMDSMI_STATUS_DRIVER_NOT_LOADED")
 
-    monkeypatch.setitem(sys.modules, "amdsmi", _mod("amdsmi", amdsmi_init=init))
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_module("amdsmi", amdsmi_init=init))
     print("before")
     gpus.discover_real()
     print("after")

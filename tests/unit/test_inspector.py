@@ -99,7 +99,7 @@ def test_an_unreadable_executable_of_a_live_process_freezes_its_slot(
 ) -> None:
     """Inside its exit (PF_EXITING) or not, seen with the shim before or not: another thread
     may still hold its GPU files (exit_group leaves the leader a zombie first), and only the
-    slot's freeze waits for that thread to leave (adversarial review, session 29)."""
+    slot's freeze waits for that thread to leave."""
     p = subprocess.Popen(["sleep", "30"])
     try:
         time.sleep(0.05)

@@ -1,5 +1,5 @@
 """The layout's rules, read from the source: who may import whom, and one home for each
-helper and constant (issue 15). Each test names the file and line that broke the rule."""
+helper and constant. Each test names the file and line that broke the rule."""
 
 from __future__ import annotations
 
@@ -152,6 +152,16 @@ def test_process_side_never_imports_bench_batch_fleet_or_cli() -> None:
 
 def test_library_never_imports_the_cli() -> None:
     bad = _offenders(PY, re.compile(r"krex\.cli(\..*)?"))
+    assert not bad, bad
+
+
+def test_no_test_module_imports_another() -> None:
+    # What several test files share lives in tests/helpers (the Krex world, users, fakes) and
+    # their fixtures in a conftest.py: importing a test module runs its collection-time code
+    # and ties two files' tests together.
+    files = sorted(p for d in ("tests", "scripts", "benchmarks") for p in (ROOT / d).rglob("*.py"))
+    assert any(p.name == "test_regions.py" for p in files)
+    bad = _offenders(files, re.compile(r"test_\w*(\..*)?"))
     assert not bad, bad
 
 

@@ -274,8 +274,8 @@ def test_the_decorator_keeps_soft(krexd: FakeKrexd) -> None:
 def test_an_interrupt_that_lands_as_the_lock_is_taken_leaves_no_lock(krexd: FakeKrexd) -> None:
     """Ctrl-C handled on another thread does not interrupt the main thread's wait for the
     lock: the main thread takes it when thread A's region ends, and the KeyboardInterrupt
-    is raised right after the acquire returns (adversarial review 4; _thread.interrupt_main
-    trips the same flag as a real signal)."""
+    is raised right after the acquire returns (_thread.interrupt_main trips the same flag as
+    a real signal)."""
     a_in = threading.Event()
 
     def thread_a() -> None:
@@ -324,7 +324,7 @@ def test_a_soft_region_inside_another_processs_region_is_flagged_when_a_new_one_
 ) -> None:
     """Inside region R1 of another process of its command; R1 ends, another command's region
     runs, R2 of its command begins: at the end the gate is its command's again, but under
-    another word (epoch), so it is flagged (adversarial review 5)."""
+    another word (epoch), so it is flagged."""
     gate = {"word": (7 << 8) | 3}
     monkeypatch.setattr(R, "_our_gate_word", lambda: gate["word"])
     with warnings.catch_warnings(record=True):
@@ -342,7 +342,7 @@ def test_a_soft_region_inside_another_processs_region_is_flagged_when_a_new_one_
 def test_a_soft_region_that_looks_right_after_the_grant_is_not_flagged_outlived(krexd: FakeKrexd) -> None:
     """Another thread's region is paused right after it marks itself granted (a thread switch
     there): a soft region that looks then runs inside it, and is not flagged `outlived` while
-    that region still runs (adversarial review 6: the grant's number was bumped after)."""
+    that region still runs (the grant's number is bumped after that mark)."""
     at_gap, go = threading.Event(), threading.Event()
     lines = Path(R.__file__).read_text().splitlines()
     after = 1 + next(i for i, s in enumerate(lines, 1) if s.strip() == "_granted_tid = threading.get_ident()")

@@ -147,7 +147,7 @@ def test_an_execd_process_is_a_start_even_without_nvml_listing_it() -> None:
     assert "started pid 10" in text
 
 
-# An adversarial review's cases (each failed on the first version of these rules).
+# Cases at the edges of these rules.
 
 
 def _learn_local(a: Attestor, known: set[int]) -> None:
