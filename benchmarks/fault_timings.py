@@ -2,7 +2,7 @@
 
     cd <checkout> && PYTHONPATH=. python benchmarks/fault_timings.py      # root (cgroups)
 
-Uses the test fixture of tests/integration/test_regions.py. Prints one JSON object:
+Uses the tests' KREX world (tests/helpers/krex_world.py). Prints one JSON object:
   sigkill_*    krexd SIGKILLed inside a region: sibling thawed / running again
   sigstop_*    krexd SIGSTOPped inside a region: sibling (guardian) and a
                self-registered sibling (watchdog) thawed; each client call's status
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path.cwd()
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+sys.path[:0] = [str(ROOT / "tests")]
 
 from helpers.krex_world import KREX, WORKER, Cmd, Krex, frozen_reason  # noqa: E402
 from helpers.krex_world import hold_with_siblings as _hold_with_siblings  # noqa: E402

@@ -1,6 +1,6 @@
 """Real-GPU checks (marker `gpu`): skipped where no NVIDIA GPU is visible.
 
-On the H200 these ran through scripts/h200_*.sh; results in docs/results/h200/."""
+On the H200 these run through benchmarks/h200_*.sh; results in docs/results/gate-coverage/."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Inductor's autotuning benchmarks get regions of their own under KREX without any
 setting: on the H200, a torch.compile'd kernel whose autotuning ran
 outside regions was built 22% slower in 5 of 12 runs, in 0 of 12 with them
-(docs/results/h200/autotune). Real `krex run`, real krexd, the simulated GPU; torch is a
+(docs/results/autotune-regions/). Real `krex run`, real krexd, the simulated GPU; torch is a
 fake package (the control flow of torch/_inductor/runtime/benchmarking.py, as in
 tests/unit/test_harnesses.py), its benchmark making one gated GPU call."""
 

@@ -596,11 +596,11 @@ def test_bench_compares_lent_cores_side_by_side(krex_env: dict[str, str], tmp_pa
 def test_lone_region_script_compares_region_no_region_and_native(
     krex_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """scripts/lone_region.py on the simulated GPU: each command alone, in a region, under
+    """benchmarks/lone_region.py on the simulated GPU: each command alone, in a region, under
     krex run with no region (KREX_AUTO_REGION=0, KREX_WL_REGION=0), and natively, for an
     automatic-region command (fused) and an explicit-region one; a second call with the same
     --out runs nothing more and prints the same table."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "lone_region.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "lone_region.py"
     out = tmp_path / "lone.jsonl"
     argv = [
         sys.executable,

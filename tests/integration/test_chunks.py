@@ -212,12 +212,12 @@ def test_inflight_wait_is_one_chunk(harness: Harness) -> None:
 
 def test_region_entry_bounded_under_krex_run(tmp_path: Path) -> None:
     """End to end: 2 siblings under `krex run --device sim` copying 256 MiB each way in a
-    loop, an owner taking regions (scripts/gpu_entry_copies.py, both cases)."""
+    loop, an owner taking regions (benchmarks/gpu_entry_copies.py, both cases)."""
     env = clean_env()
     r = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "gpu_entry_copies.py"),
+            str(REPO / "benchmarks" / "gpu_entry_copies.py"),
             "--device",
             "sim",
             "--siblings",

@@ -219,7 +219,7 @@ def test_soon_marks_the_slot_until_the_hint_lapses(kx: Krex) -> None:
 
 def test_a_sized_free_settles_for_its_size_and_any_other_for_the_fixed_time(harness: Harness) -> None:
     """The driver clears freed memory on its own copy-engine channel after the free returns,
-    at ~2.5 ms/GB on the H200 (docs/results/h200/settle). A cudaFree of an allocation's base
+    at ~2.5 ms/GB on the H200 (docs/results/free-settle/). A cudaFree of an allocation's base
     is stamped with the time its size takes (KREX_SETTLE_NS_PER_GB, at least
     KREX_SETTLE_MIN_NS); a free the shim cannot size (stream-ordered) keeps
     KREX_FREE_SETTLE_NS."""

@@ -973,7 +973,7 @@ def test_an_empty_device_is_refused_as_by_the_python_cli(kx: Krex) -> None:
 
 def test_krex_native_off_0_keeps_the_native_guardian(kx: Krex) -> None:
     """Set to 0 or empty, the switch is off: a script that writes KREX_NATIVE_OFF=$off measured
-    the Python guardian twice (scripts/run_overhead.py)."""
+    the Python guardian twice (benchmarks/run_overhead.py)."""
     kx.start_daemon()
     for off, want in (("0", "native"), ("", "native"), ("1", "1")):
         p = which_guardian(kx, KREX_NATIVE_OFF=off)

@@ -791,7 +791,7 @@ def test_an_outsider_reusing_the_pid_of_a_sibling_that_ended_in_the_region_is_fo
 
 # ------------------------------------------------- LIFE calls: contexts, modules, memory
 # On an H200 a sibling that only loads modules made a 5.7 ms GEMM 42% slower, and one that
-# allocates and frees 4 GB a bandwidth-bound kernel 13% slower (docs/results/h200/lifecycle),
+# allocates and frees 4 GB a bandwidth-bound kernel 13% slower (docs/results/lifecycle-calls/),
 # through no submission: under `--freeze gpu` such calls park at the gate like submissions;
 # one already under way when the gate closes gets its process frozen; an exit after one
 # (the teardown of its contexts) waits for the region to end.

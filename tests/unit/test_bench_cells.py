@@ -1,4 +1,4 @@
-"""scripts/bench_cells.py pools replicate directories: a cell's runs over its summed
+"""benchmarks/bench_cells.py pools replicate directories: a cell's runs over its summed
 makespans, node busy weighted by makespan, krexd CPU summed, entry quantiles over all
 regions."""
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cells.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cells.py"
 
 
 def _dir(root: Path, name: str, krex_runs: int, krex_span: float, busy: float, entries: list[float]) -> Path:

@@ -46,7 +46,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert values == {} and sources == {}
     cfg = config_from("sim", {})
     assert cfg == Config(device="sim")
-    assert cfg.freeze_policy == "gpu"  # most throughput, fewest flagged regions (docs/results/h200)
+    assert cfg.freeze_policy == "gpu"  # most throughput, fewest flagged (docs/results/freeze-policies/)
     values, sources = daemon_settings(on_demand=True)
     assert values == {"idle_exit_s": ON_DEMAND_IDLE_EXIT_S}
     assert sources == {"idle_exit_s": "on-demand default"}

@@ -133,9 +133,10 @@ def test_project_urls() -> None:
 # Every place a user reads how to install KREX, and every script that picks up a built wheel.
 _INSTALL_TEXTS = [
     ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs").rglob("*.md")),
     *sorted((ROOT / "docs" / "deploy").iterdir()),
     *sorted((ROOT / "scripts").glob("*.sh")),
+    *sorted((ROOT / "benchmarks").glob("*.sh")),
     *sorted((ROOT / "krex").rglob("*.py")),
     *sorted((ROOT / "cli").glob("*.py")),
     ROOT / "krex_build.py",

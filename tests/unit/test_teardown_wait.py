@@ -1,5 +1,5 @@
 """Two entry rules that keep regions under the `gpu` policy honest without flagging them in
-vain (H200, docs/results/h200/final): krexd waits while NVML still lists a process that has
+vain (H200, docs/results/freeze-policies/): krexd waits while NVML still lists a process that has
 ended (the driver tears its contexts down), and a newcomer that registered during a region
 counts as a start only if NVML lists it at the end. NVML is the fake of krex.device.nvml,
 a file the test rewrites; the processes are real."""
