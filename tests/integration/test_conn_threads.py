@@ -42,8 +42,10 @@ def test_connection_threads_are_kept_and_serve_the_next_requests(kx: Krex) -> No
         _close(_open(kx, 8))
         time.sleep(0.3)
         now = _tasks(d.pid)
-        # Kept threads serve the next connections: no new thread per connection.
-        assert len(now) <= len(warm) + 2, f"{len(now)} threads after a round (was {len(warm)})"
+        # Kept threads serve the next connections: no new thread per connection (8 a round
+        # would be). krexd's own short-lived workers (journal, inspection) may add a few
+        # while the machine is busy, hence the slack below one round's worth.
+        assert len(now) <= len(warm) + 4, f"{len(now)} threads after a round (was {len(warm)})"
 
 
 def test_open_connections_between_requests_hold_no_thread(kx: Krex) -> None:
