@@ -96,10 +96,27 @@ class Client:
                 f"check `krex status`; if it is stopped or hung, `kill -CONT {self.daemon_pid}` or "
                 "`krex daemon stop`",
             ) from None
-        except OSError:  # EPIPE, ECONNRESET: the daemon is gone (never a SIGPIPE: Python ignores it)
+        except OSError:  # EPIPE, ECONNRESET (never a SIGPIPE: Python ignores it)
+            # A refused connection gets its refusal and is closed before the request may be
+            # sent: the reason is waiting in the socket, and it, not "gone", is the answer.
+            refusal = self._pending_refusal()
+            if refusal is not None:
+                raise refusal from None
             raise DaemonLost(
                 f"the KREX daemon (pid {self.daemon_pid}) closed the connection", "check `krex daemon status`"
             ) from None
+
+    def _pending_refusal(self) -> KrexError | None:
+        """The error krexd sent before it closed this connection, if one is waiting."""
+        try:
+            self.sock.settimeout(0.05)
+            msg = self.reader.read()
+        except (OSError, KrexError):
+            return None
+        if not isinstance(msg, dict) or msg.get("ok", True):
+            return None
+        kind = _KINDS.get(str(msg.get("kind")), KrexError)
+        return kind(str(msg.get("error", "request refused")), str(msg.get("fix", "")))
 
     def _stuck(self, since: dict[str, float]) -> str | None:
         """Why the daemon will not answer (dead, stopped or hung past the heartbeat

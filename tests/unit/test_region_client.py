@@ -432,3 +432,28 @@ def test_a_region_waiting_for_a_busy_threads_region_does_not_warn(
             assert a_out.is_set()
     ta.join(5)
     assert r.grant is not None and not [x for x in w if "itself waiting" in str(x.message)]
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_refusal_sent_before_the_request_is_the_error_not_a_lost_daemon(refused: bool) -> None:
+    """krexd refuses a connection over its limits with a reply and closes it at once: the
+    request may then fail to send (EPIPE). The refusal waiting in the socket is the answer
+    (Busy, with its fix); only a close with nothing to say is a lost daemon."""
+    import socket
+
+    from krex.errors import DaemonLost
+    from krex.node.conns import _refusal
+    from krex.proc.client import Client
+
+    mine, krexd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if refused:
+        krexd.sendall(_refusal(Busy("pid 1 already holds 64 connections to krexd", "close some")))
+    krexd.close()
+    c = Client(mine)
+    want = Busy if refused else DaemonLost
+    with pytest.raises(want) as e:
+        c.request({"op": "hello"})
+    assert type(e.value) is want
+    if refused:
+        assert "64 connections" in str(e.value) and e.value.fix == "close some"
+    c.close()
