@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,16 +115,48 @@ def _on_terminal() -> bool:
 
 
 def _wait(pid: int) -> int:
-    """The command's shell-style exit status (128+N for a signal)."""
+    """The command's shell-style exit status (128+N for a signal).
+
+    A signal's Python handler runs only when the main thread runs bytecode, and a blocking
+    waitpid is interrupted only by a signal the kernel gives the main thread: one taken by
+    another thread of the guardian (its client, timers) waited, unforwarded, until the
+    command ended, and a command that had stopped itself never did. So the main thread
+    sleeps in select() on the signal wakeup fd, which the C-level handler writes on any
+    thread, and SIGCHLD (a no-op handler here, never ignored: that would reap the command)
+    wakes it when the command ends."""
+    import select
+
+    def reap(flags: int) -> int | None:
+        try:
+            done, st = os.waitpid(pid, flags)
+        except ChildProcessError:
+            raise KrexError(
+                "the command's exit status was lost (another process reaped it)",
+                "do not start krex run with SIGCHLD ignored",
+            ) from None
+        if not done:
+            return None
+        rc = os.waitstatus_to_exitcode(st)
+        return rc if rc >= 0 else 128 - rc
+
+    if threading.current_thread() is not threading.main_thread():
+        rc = reap(0)
+        assert rc is not None
+        return rc
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    old_chld = signal.signal(signal.SIGCHLD, lambda *_: None)
     try:
-        _, st = os.waitpid(pid, 0)
-    except ChildProcessError:
-        raise KrexError(
-            "the command's exit status was lost (another process reaped it)",
-            "do not start krex run with SIGCHLD ignored",
-        ) from None
-    rc = os.waitstatus_to_exitcode(st)
-    return rc if rc >= 0 else 128 - rc
+        while (rc := reap(os.WNOHANG)) is None:
+            select.select([r], [], [], 1.0)  # woken by any signal; the timeout is a backstop
+            with contextlib.suppress(BlockingIOError):
+                os.read(r, 512)
+        return rc
+    finally:
+        signal.signal(signal.SIGCHLD, old_chld)
+        signal.set_wakeup_fd(old_fd)
+        os.close(r)
+        os.close(w)
 
 
 def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None) -> int:
@@ -147,6 +179,10 @@ def _spawn_and_wait(
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
     doomed: list[threading.Timer] = []
+    # Signals that came after the handlers were set but before the command's pid was known
+    # (between fork and Popen's return): delivered once it is, never dropped (`timeout`'s
+    # SIGTERM and SIGCONT landing there left a self-stopped command stopped for good).
+    early: list[int] = []
 
     def kill_if_warm(pid: int) -> None:
         # Nothing of it reached the GPU yet: stopping it for good loses nothing.
@@ -163,27 +199,45 @@ def _spawn_and_wait(
             doomed.append(threading.Timer(launch.warm_kill_s, kill_if_warm, (pid,)))
             doomed[0].daemon = True
             doomed[0].start()
-        if pid is None or (shared and signum in (signal.SIGINT, signal.SIGQUIT)):
+        if shared and signum in (signal.SIGINT, signal.SIGQUIT):
             return  # sharing our group, the command got the terminal's Ctrl-C and Ctrl-\ too
+        if pid is None:
+            early.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
             (os.kill if shared else os.killpg)(pid, signum)
 
+    def started(pid: int) -> None:
+        # The forwarded signals were blocked from before the fork until the pid is known.
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if on_start:
+            on_start(pid)
+        while early:
+            forward(early.pop(0), None)
+
+    def child_signals() -> None:
+        # In the command, last before exec: the guardian's handlers go and its mask comes
+        # back. A signal forwarded before this waits (blocked) and then acts as on the
+        # command; caught by the guardian's handler copied into the child, it was lost.
+        for s in FORWARDED:
+            signal.signal(s, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
     if launch.cgroup is not None:
         old = {s: signal.signal(s, forward) for s in FORWARDED}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
-            pid = _clone_into_cgroup(launch, born, shared)
+            pid = _clone_into_cgroup(replace(launch, preexec=[*launch.preexec, child_signals]), born, shared)
             if pid is not None:
-                if on_start:
-                    on_start(pid)
+                started(pid)
                 return _wait(pid)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for s, h in old.items():
                 signal.signal(s, h)
         from krex.node.freezer import preexec_join
 
-        launch = Launch(
-            launch.cmd, launch.env, launch.slot, launch.gpu, [preexec_join(launch.cgroup), *launch.preexec]
-        )
+        launch = replace(launch, cgroup=None, preexec=[preexec_join(launch.cgroup), *launch.preexec])
 
     import subprocess  # only here: the clone above needs none of it
 
@@ -192,8 +246,10 @@ def _spawn_and_wait(
             os.setpgid(0, 0)  # own process group (Popen's process_group= needs Python 3.11)
         for fn in launch.preexec:
             fn()
+        child_signals()
 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         try:
             child = subprocess.Popen(launch.cmd, env=launch.env, preexec_fn=preexec)
@@ -204,11 +260,11 @@ def _spawn_and_wait(
                 f"cannot execute {launch.cmd[0]}: {e.strerror}",
                 "run it through its interpreter, or chmod +x it",
             ) from None
-        if on_start:
-            on_start(child.pid)
+        started(child.pid)
         rc = _wait(child.pid)
         child.returncode = rc  # reaped here: Popen must not wait for it again
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, h in old.items():
             signal.signal(s, h)
     return rc

@@ -218,7 +218,12 @@ def test_a_sigkilled_guardians_command_is_ended_journaled_and_its_slot_freed(kx:
     p.wait(10)
     kx.wait(lambda: not any(_alive(x) for x in tree), 30, "krexd to end the command of a killed guardian")
     kx.wait(lambda: kx.status()["slots"] == [], 30, "the slot to be freed")
-    ev = [r for r in kx.journal() if r.get("event") == "guardian-lost"]
+
+    def lost() -> list[dict[str, Any]]:
+        return [r for r in kx.journal() if r.get("event") == "guardian-lost"]
+
+    kx.wait(lambda: lost(), 10, "the journal's guardian-lost record")  # written after the slot is freed
+    ev = lost()
     assert len(ev) == 1 and ev[0]["slot"] == slot and ev[0]["guardian_pid"] == p.pid, ev
     assert ev[0]["action"] == "killed" and {x["pid"] for x in ev[0]["processes"]} >= set(tree), ev
     table = kx.krex("journal")
