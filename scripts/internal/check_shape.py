@@ -22,7 +22,6 @@ CEILINGS: dict[str, int] = {
     "krex/node/daemon.py": 3063,
     "krex/node/daemon.py:Daemon": 2519,
     "krex/node/daemon.py:_region_steps": 390,
-    "krex/proc/launcher.py": 1133,
     "krex/proc/launcher.py:run_guarded": 189,
     "krex/bench/run.py:run_bench": 402,
     "krex/bench/summary.py:compute_summary": 329,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from krex.errors import CommandNotFound, NotExecutable
-from krex.proc.launcher import Launch, _clone_into_cgroup, spawn_and_wait
+from krex.proc.spawn import Launch, _clone_into_cgroup, spawn_and_wait
 
 
 def _cgroup2_mount() -> Path | None:

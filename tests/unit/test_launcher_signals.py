@@ -14,7 +14,7 @@ import textwrap
 DRIVER = textwrap.dedent(
     """
     import os, signal, sys, threading, time
-    from krex.proc.launcher import Launch, spawn_and_wait
+    from krex.proc.spawn import Launch, spawn_and_wait
 
     def timeout_like():
         time.sleep(0.3)  # the child is forked and sleeping in its preexec
@@ -42,7 +42,7 @@ def test_signals_between_fork_and_the_known_pid_reach_the_command() -> None:
 OTHER_THREAD = textwrap.dedent(
     """
     import signal, threading, time
-    from krex.proc.launcher import Launch, spawn_and_wait
+    from krex.proc.spawn import Launch, spawn_and_wait
 
     other = threading.Thread(target=time.sleep, args=(60,), daemon=True)
     other.start()
