@@ -174,7 +174,7 @@ class Config:
     # A region's entry waits for every sibling's drain helper to answer; at nice 0 on a full
     # node a helper sat runnable behind its own command's CPU-bound threads (H200, the
     # CPU-heavy family). krexd (root) renices each helper once, at its first region, and
-    # lends it during a drain to a sibling's thread inside a LIFE call (daemon.py, _boost).
+    # lends it during a drain to a sibling's thread inside a LIFE call (regionchecks.py, _boost).
     helper_nice: int = -10
     # The order queued regions get the GPU: fair between tenants on exclusive time, or fifo.
     region_queue: str = regionqueue.DEFAULT
