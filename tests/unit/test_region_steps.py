@@ -397,3 +397,35 @@ def test_under_the_gpu_policy_a_quiet_sibling_runs_and_only_the_grant_says_so() 
     req.ended.set()
     list(steps)
     assert "freeze" not in _kinds(d) and d.journaled[0]["siblings_frozen"] == 0
+
+
+GRANT_KEYS = [
+    "ok", "gpu", "slot", "queue_wait_s", "block_s", "inflight_s", "drain_s", "freeze_s", "unheld_wait_s",
+    "exit_wait_s", "teardown_wait_s", "pin_s", "settle_s", "entry_s", "drained", "wait_inflight",
+    "wait_drain",
+    "frozen_slots", "freeze_policy", "frozen_early", "drain_slow", "drain_waited_on", "lent_priority",
+    "freeze_ms", "freeze_slow", "evicted_threads", "running_slots", "freeze_why", "unheld", "reserved_cpus",
+    "contaminated", "reasons", "flags", "freezer", "partition_degraded", "device", "label", "tenant",
+]  # fmt: skip
+RECORD_END_KEYS = ["region_s", "thaw_s", "end", "siblings_frozen", "t_grant_ns", "t_end_ns", "cut", "attest"]
+
+
+def test_the_grant_and_the_record_keep_their_keys_and_their_order() -> None:
+    """The wire's grant and the journal's line, key for key (readers, `krex journal` and
+    the reports, see them in this order)."""
+    d = FakeDaemon(siblings=1)
+    d.slots[0].placement = SimpleNamespace(note="krex: warning: placed at the root")  # type: ignore[assignment]
+    run, req = _region(d)
+    steps = run.steps()
+    next(steps)
+    assert list(req.grant) == GRANT_KEYS
+    d.extra["contexts"] = [("sibling-context", "a sibling started a context")]
+    req.ended.set()
+    list(steps)
+    (rec,) = d.journaled
+    head = ["ts", "gpu", "owner_slot", "owner_pid", "tid", "cmd"]
+    assert list(rec) == [*head, *GRANT_KEYS[2:], *RECORD_END_KEYS, "cgroup_fallback"]
+    assert rec["cgroup_fallback"] == "placed at the root"
+    # The grant's verdict in the record is the end's, in the grant's place.
+    assert not req.grant["contaminated"] and rec["contaminated"] and rec["flags"] == ["sibling-context"]
+    assert rec["slot"] == 0 and rec["queue_wait_s"] == req.grant["queue_wait_s"]
