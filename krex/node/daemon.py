@@ -18,9 +18,10 @@ out, or when the daemon stops (I4).
 
 The Daemon is built in layers, one module each (the list is krex/node/state.py's):
 the slots (slots.py), the background threads (loops.py), the checks around a region
-(regionchecks.py), the region protocol (region.py), the queues and GPU workers
-(regions.py), the guardians' requests (admission.py) and the server (server.py). This
-module starts and stops it, and answers `status`."""
+(regionchecks.py), the queues and GPU workers (regions.py: each region runs as a
+RegionRun, the protocol of region.py), the guardians' requests (admission.py) and the
+server (server.py); records.py defines what regions send and leave. This module starts
+and stops it, and answers `status`."""
 
 from __future__ import annotations
 

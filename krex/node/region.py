@@ -5,7 +5,7 @@ method per step, its state a RegionState):
       -> (wait for exiting ones) -> pin the measuring thread -> grant
   end  -> hold (END or --max-region) -> check -> unpin -> thaw -> open gate -> journal
 
-The grant (grant_reply) and the region's record (region_record) are made here, once."""
+What it sends and leaves, the grant and the region's record, are records.py's."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from krex.errors import Busy, KrexError
 from krex.native import ffi, lib
 from krex.node import coretime, cpus, optin, procfs
 from krex.node import unheld as unheldwork
+from krex.node.records import Grant, Reason, RegionRecord
 from krex.node.regionchecks import RegionChecks
 from krex.node.slots import RELEASE_MAX_RECORDS, Slot
 from krex.node.state import log
@@ -174,10 +175,7 @@ class RegionState:
     each step reads what the ones before it left here, and the end (unpin, thaw, open) puts
     back whatever the entry got to, whatever happened."""
 
-    # Each reason is (flag, text): the flag is a short code for machines (journal "flags"),
-    # the text says what happened. Any reason makes the region contaminated: never silently
-    # clean.
-    reasons: list[tuple[str, str]] = field(default_factory=list)
+    reasons: list[Reason] = field(default_factory=list)  # why it is contaminated (records.Reason)
     t: dict[str, float] = field(default_factory=dict)  # the grant's step times (seconds)
     t0: float = 0.0  # monotonic, as it left the queue
     t_entry_ns: int = 0
@@ -493,7 +491,32 @@ class RegionRun:
         st.core_watch, more = d._watch_region_core(gpu, req, st.frozen, st.reserved)
         st.reasons.extend(more)
         st.t["entry_s"] = time.monotonic() - st.t0
-        req.grant = grant_reply(d, gpu, req, st, fz)
+        req.grant = Grant(
+            gpu=gpu,
+            slot=req.slot,
+            times=st.t,
+            drained=st.drained,
+            waits=st.waits,
+            frozen_slots=[s.slot for s in st.frozen],
+            freeze_policy=fz.policy,
+            frozen_early=fz.early,
+            drain_slow=st.drain_slow,
+            drain_waited_on=st.waited_on,
+            lent_priority=fz.lent,
+            freeze_ms=st.freeze_ms,
+            freeze_slow=st.freeze_slow,
+            evicted_threads=len(st.evicted.moved) if st.evicted is not None else 0,
+            running_slots=sorted(s.slot for s in set(fz.siblings) - set(st.frozen)),
+            freeze_why=fz.why,
+            unheld=[[p, sl, w] for p, (sl, w) in sorted(fz.unheld.items())[:8]],
+            reserved_cpus=st.reserved,
+            reasons=list(st.reasons),
+            freezer=d.freezer.name,
+            partition_degraded=d.partition.degraded,
+            device=d.info.kind,
+            tenant=req.tenant,
+            label=req.label,
+        ).as_dict()
         st.fail_opens0 = int(d.seg.raw.gpus[gpu].fail_opens)
         st.t_grant = time.monotonic()
         owner = fz.owner
@@ -642,9 +665,29 @@ class RegionRun:
         """The region's record: for its owner's `end` reply, its command's report, the log
         and the journal."""
         d, req, st = self.d, self.req, self.st
-        rec = region_record(d, self.gpu, req, st)
-        req.record = rec
         owner_slot = st.owner_slot
+        placement = owner_slot.placement if owner_slot is not None else None
+        note = placement.note if placement is not None else ""
+        rec = RegionRecord(
+            ts=time.time(),
+            gpu=self.gpu,
+            owner_slot=req.slot,
+            owner_pid=req.pid,
+            tid=req.tid,
+            cmd=procfs.cmdline(req.pid, 200),
+            grant=req.grant,
+            region_s=st.region_s,
+            thaw_s=st.thaw_s,
+            end=req.end_reason or "end",
+            siblings_frozen=len(st.frozen),
+            t_grant_ns=st.t_grant_ns,
+            t_end_ns=st.t_end_ns,
+            cut=st.cut,
+            reasons=st.reasons,
+            attest=st.attest,
+            cgroup_fallback=note.removeprefix("krex: warning: ") if note else None,
+        ).as_dict()
+        req.record = rec
         if owner_slot is not None:
             with d.lock:  # read by the release's reply
                 optin.region_tally([rec], owner_slot.tally)
@@ -655,78 +698,6 @@ class RegionRun:
                     owner_slot.records_dropped += 1
         _log_region(rec)
         d._journal(rec)
-
-
-def grant_reply(
-    d: RegionChecks, gpu: int, req: Region, st: RegionState, fz: _FreezePlan
-) -> dict[str, Any]:
-    """The grant: `begin`'s reply, and the head of the region's record."""
-    grant = {
-        "ok": True,
-        "gpu": gpu,
-        "slot": req.slot,
-        **{k: round(v, 6) for k, v in st.t.items()},
-        "drained": st.drained,
-        **st.waits,  # how each wait ended: wake-ups versus re-checks without one
-        "frozen_slots": [s.slot for s in st.frozen],
-        "freeze_policy": fz.policy,
-        "frozen_early": fz.early,  # frozen while other siblings still drained
-        # What entry waited for: the last acks (pid, ms), where the siblings that owed one
-        # 25 ms in were, each freeze's time, and threads a slow one waited for.
-        "drain_slow": st.drain_slow,
-        "drain_waited_on": st.waited_on,
-        "lent_priority": fz.lent,
-        "freeze_ms": st.freeze_ms,
-        "freeze_slow": st.freeze_slow,
-        "evicted_threads": len(st.evicted.moved) if st.evicted is not None else 0,
-        "running_slots": sorted(s.slot for s in set(fz.siblings) - set(st.frozen)),
-        "freeze_why": fz.why,
-        # Sibling processes the gate does not hold (all frozen): [pid, slot, why].
-        "unheld": [[p, sl, w] for p, (sl, w) in sorted(fz.unheld.items())[:8]],
-        "reserved_cpus": st.reserved,
-        "contaminated": bool(st.reasons),
-        "reasons": [text for _f, text in st.reasons],
-        "flags": sorted({f for f, _t in st.reasons}),
-        "freezer": d.freezer.name,
-        "partition_degraded": d.partition.degraded,
-        "device": d.info.kind,
-    }
-    if req.label:
-        grant["label"] = req.label
-    grant["tenant"] = req.tenant
-    return grant
-
-
-def region_record(d: RegionChecks, gpu: int, req: Region, st: RegionState) -> dict[str, Any]:
-    """The region's record (the journal's line, `end`'s reply, the release's report): the
-    grant, then what the region's end found. The verdict at the end: the grant's reasons
-    plus what happened inside."""
-    rec = {
-        "ts": time.time(),
-        "gpu": gpu,
-        "owner_slot": req.slot,
-        "owner_pid": req.pid,
-        "tid": req.tid,
-        # The command that held it, for `krex journal` (None once its process is gone).
-        "cmd": procfs.cmdline(req.pid, 200),
-        **req.grant,
-        "region_s": round(st.region_s, 6),
-        "thaw_s": round(st.thaw_s, 6),
-        "end": req.end_reason or "end",
-        "siblings_frozen": len(st.frozen),
-        "t_grant_ns": st.t_grant_ns,
-        "t_end_ns": st.t_end_ns,
-        "cut": st.cut,
-        "contaminated": bool(st.reasons),
-        "reasons": [text for _f, text in st.reasons],
-        "flags": sorted({f for f, _t in st.reasons}),
-        "attest": st.attest,
-    }
-    rec.pop("ok", None)
-    owner_slot = st.owner_slot
-    if owner_slot is not None and owner_slot.placement is not None and owner_slot.placement.note:
-        rec["cgroup_fallback"] = owner_slot.placement.note.removeprefix("krex: warning: ")
-    return rec
 
 
 def _log_region(rec: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from krex.errors import DaemonLost, KrexError, NotFound
 from krex.native import lib
 from krex.node import coretime, cpus, freezer, procfs, regionqueue
+from krex.node.records import GuardianLost
 from krex.node.segguard import Expected
 from krex.node.state import DaemonState, log
 from krex.protocol import int_field
@@ -458,19 +459,10 @@ class Slots(DaemonState):
             "slot %d: guardian pid %d died (%s); its command was %s: %s",
             s.slot, s.guardian_pid, why, out["action"], [x["pid"] for x in out["leftovers"]],
         )
-        rec = {
-            "ts": time.time(),
-            "event": "guardian-lost",
-            "gpu": s.gpu,
-            "slot": s.slot,
-            "guardian_pid": s.guardian_pid,
-            "why": why,
-            "action": out["action"],  # killed, kill-failed, or none (nothing of it was left)
-            "processes": out["leftovers"],
-        }
-        if out.get("alive"):
-            rec["alive"] = out["alive"]
-        self._journal(rec)
+        lost = GuardianLost(
+            time.time(), s.gpu, s.slot, s.guardian_pid, why, out["action"], out["leftovers"], out.get("alive")
+        )
+        self._journal(lost.as_dict())
         with self.lock:  # (the reaper may have freed it once its processes were gone)
             if self.slots.get(s.slot) is s and out["action"] in ("none", "killed"):
                 self._release(s.slot, "guardian-lost")

@@ -4,8 +4,8 @@ filled by @handles), and the journal's writer.
 
 The Daemon is built in layers, each a class of its own module that may use those below it:
 DaemonState -> Slots (slots.py) -> Loops (loops.py) -> RegionChecks (regionchecks.py) ->
-RegionSteps (region.py) -> Regions (regions.py) -> Admission (admission.py) -> Server
-(server.py) -> Daemon (daemon.py)."""
+Regions (regions.py: it runs each region as a RegionRun of region.py, over the layers
+below) -> Admission (admission.py) -> Server (server.py) -> Daemon (daemon.py)."""
 
 from __future__ import annotations
 

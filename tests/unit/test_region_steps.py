@@ -429,3 +429,16 @@ def test_the_grant_and_the_record_keep_their_keys_and_their_order() -> None:
     # The grant's verdict in the record is the end's, in the grant's place.
     assert not req.grant["contaminated"] and rec["contaminated"] and rec["flags"] == ["sibling-context"]
     assert rec["slot"] == 0 and rec["queue_wait_s"] == req.grant["queue_wait_s"]
+
+
+def test_a_lost_guardians_journal_line() -> None:
+    from krex.node.records import GuardianLost
+
+    procs = [{"pid": 7, "cmd": "x"}]
+    line = GuardianLost(1.5, 0, 3, 99, "pid 99 is gone", "kill-failed", procs, [7]).as_dict()
+    assert line == {
+        "ts": 1.5, "event": "guardian-lost", "gpu": 0, "slot": 3, "guardian_pid": 99, "why": "pid 99 is gone",
+        "action": "kill-failed", "processes": procs, "alive": [7],
+    }  # fmt: skip
+    assert list(line) == ["ts", "event", "gpu", "slot", "guardian_pid", "why", "action", "processes", "alive"]
+    assert "alive" not in GuardianLost(1.5, 0, 3, 99, "gone", "killed", procs).as_dict()
