@@ -161,7 +161,7 @@ class Config:
     # core ("all"), while no region needs them; a region moves every thread but the
     # measuring one off the region core (cpus.evict). "all" by default: side by side on the
     # H200 it made more commands a minute than "off" at C=8 and 16, with every band's p95
-    # inflation lower (docs/results/h200/final6/).
+    # inflation lower (docs/results/lend-cores/).
     lend_cores: str = "all"
     # Bounded queues (interpose/pace.c): a region's entry drains what siblings queued. The
     # budget bounds all of it on a GPU (each command its share); 0 falls back to a cap per
@@ -174,7 +174,7 @@ class Config:
     # A region's entry waits for every sibling's drain helper to answer; at nice 0 on a full
     # node a helper sat runnable behind its own command's CPU-bound threads (H200, the
     # CPU-heavy family). krexd (root) renices each helper once, at its first region, and
-    # lends it during a drain to a sibling's thread inside a LIFE call (daemon.py, _boost).
+    # lends it during a drain to a sibling's thread inside a LIFE call (regionchecks.py, _boost).
     helper_nice: int = -10
     # The order queued regions get the GPU: fair between tenants on exclusive time, or fifo.
     region_queue: str = regionqueue.DEFAULT

@@ -25,17 +25,17 @@ procfs.Stat.image), at most INSPECT_INLINE new ones by a region itself.
 
 Every other process of a sibling's tree is UNHELD: its slot is frozen under every policy,
 and the region treats the work it may have queued before the freeze as work KREX cannot
-drain (daemon.py: `_unheld_work`): on the simulated GPU it waits until the device has
-run everything queued; on a GPU with NVML it flags the region when NVML lists such a
-process on the GPU (it holds a context); with neither it flags the region. At a region's
-end the processes of siblings it did not freeze are judged again, and any unheld one
-flags the region (it may have run during it).
+drain (unheld.py's `queued_work`, in region.py's freeze step): on the simulated GPU it
+waits until the device has run everything queued; on a GPU with NVML it flags the region
+when NVML lists such a process on the GPU (it holds a context); with neither it flags the
+region. At a region's end the processes of siblings it did not freeze are judged again,
+and any unheld one flags the region (it may have run during it).
 
 Policies:
   gpu       (the default) freeze only the siblings with a process the gate does not hold
             (above). Every other sibling keeps running on its own cores and parks at the
             gate if it submits. A sibling inside a context, module or device-memory call,
-            or in its exit after one, is frozen too (daemon.py's _FreezePlan).
+            or in its exit after one, is frozen too (region.py's _FreezePlan).
   all       freeze every sibling's whole tree (the paper's protocol).
   adaptive  `all` for a short, launch-bound region (the owner's previous region of this
             command submitted faster than ADAPTIVE_RATE per second, or it is the first
@@ -288,7 +288,7 @@ def judge(
     docstring). The held cases first and without building a reason: this runs for every
     sibling process of every region. `exiting`: inside its exit (PF_EXITING): a registered
     one whose helper or executable is gone is frozen, not unheld: its gated work was
-    drained, and its teardown is waited for as every exit is (daemon.py, _await_exits)."""
+    drained, and its teardown is waited for as every exit is (regionchecks.py, _await_exits)."""
     held = code == _HELD
     env = facts.env
     if held:

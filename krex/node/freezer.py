@@ -496,7 +496,7 @@ class _Cgroup2Group(_CgroupGroup):
 
     def _wait_events(self, want: str, deadline: float, freezing: bool = False) -> bool:
         # cgroup.events supports poll(POLLPRI), but the kernel sends that notification through
-        # a workqueue: it came 10-20 ms late in about one freeze in ten (scripts/freeze_latency.py:
+        # a workqueue: it came 10-20 ms late in about one freeze in ten (benchmarks/freeze_latency.py:
         # 8 groups, p90 11.6 ms woken by poll against 3.1 ms re-reading). So the file is re-read
         # every _REREAD_S for the first _REREAD_FOR_S (a freeze takes 1-3 ms), then polled.
         path = os.path.join(self.path, "cgroup.events")

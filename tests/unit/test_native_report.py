@@ -1,4 +1,4 @@
-"""The native guardian's report (krex/node/daemon.py `_report_json`, krex/proc/finish.py
+"""The native guardian's report (krex/node/admission.py `_report_json`, krex/proc/finish.py
 `_base_report`): its region list shortened to what one reply holds, saying how many it
 leaves out, with counts over every region; made from the admission when krexd sent none."""
 

@@ -36,7 +36,7 @@ class _Stub:
 
 def _patch(monkeypatch: Any, stub: _Stub) -> None:
     monkeypatch.setattr(
-        "krex.node.daemon.lib",
+        "krex.node.slots.lib",
         SimpleNamespace(
             KREX_MAX_SLOTS=lib.KREX_MAX_SLOTS,
             krex_slot_set_warm=lambda raw, n, w: stub.set_warm.append((n, w)),
