@@ -336,8 +336,10 @@ def _daemon_settings(f: Any) -> Any:
 
     for key in reversed(FLAGS):
         assert key.flag is not None  # FLAGS: the keys that have one
+        bare: dict[str, Any] = {"is_flag": False, "flag_value": key.bare} if key.bare is not None else {}
         f = click.option(
-            key.flag, key.name, type=_Setting(key), default=None, metavar=key.metavar(), help=key.help_text()
+            key.flag, key.name, type=_Setting(key), default=None, metavar=key.metavar(), help=key.help_text(),
+            **bare,
         )(f)
     return f
 

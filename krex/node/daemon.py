@@ -50,6 +50,7 @@ from krex.node import (
     freezepolicy,
     freezer,
     journal,
+    mps,
     optin,
     procfs,
     regionqueue,
@@ -421,6 +422,7 @@ class Daemon:
         self.started_at = time.time()
         self.pid = os.getpid()
         self.info: GpuInfo = discover(cfg.device)
+        self.mps = mps.Mps(cfg, self.info)  # checks only; its control daemons start in start()
         self.sock_path = paths.socket_path()
         self.journal_path = paths.journal_path()
         self.shm_name = cfg.shm_name or default_name()
@@ -694,6 +696,7 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(0, keep)
         conns.raise_fd_limit()
+        self.mps.start(lambda g: self.current.get(g) is not None)  # asked for and unavailable: no start
         self._open_segment()
         self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
@@ -733,9 +736,7 @@ class Daemon:
             self.freezer.name,
         )
         settings = {
-            "slots_per_gpu": c.slots_per_gpu
-            if c.slots_per_gpu
-            else [self.slots_per_gpu(g) for g in range(self.info.count)],
+            "slots_per_gpu": c.slots_per_gpu or [self.slots_per_gpu(g) for g in range(self.info.count)],
             "prewarm": c.prewarm,
             "max_region_s": c.max_region_s,
             "idle_exit_s": c.idle_exit_s if c.idle_exit_s is not None else "never",
@@ -764,13 +765,8 @@ class Daemon:
             log.warning("%s; set lend_cores = \"off\" to silence this", self.lend_off_why)
         elif self.core_watch_off:
             log.info("region cores: siblings' time on them is not counted (%s)", self.core_watch_off)
-        log.info(
-            "recovery: %d group(s) thawed, %d gate(s) reopened, %d record(s) reaped, %d slot(s) adopted",
-            rec["thawed"],
-            rec["reopened"],
-            rec["reaped"],
-            rec["adopted"],
-        )
+        log.info("recovery: %d group(s) thawed, %d gate(s) reopened, %d record(s) reaped, %d slot(s) adopted",
+                 rec["thawed"], rec["reopened"], rec["reaped"], rec["adopted"])
 
     def _read_fail_opens(self) -> list[int]:
         return [int(self.seg.raw.gpus[g].fail_opens) for g in range(self.seg.n_gpus)]
@@ -905,6 +901,7 @@ class Daemon:
                 s.group.remove()  # thaws; never kills, keeps a group that still has processes
         with self.lock:  # after any segment check under way (it would put our pid back)
             self.seg.raw.hdr.daemon_pid = 0
+        self.mps.stop()  # after every region ended: only the control daemons krexd started
         wd = getattr(self, "_watchdog", None)
         if wd is not None:
             wd.terminate()
@@ -1917,7 +1914,8 @@ class Daemon:
         """Run before the grant and again at the region's end: the segment is krexd's own and
         intact, and nothing that lived through an incident could have disturbed the region."""
         self._guard_tick()
-        return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
+        segment = [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
+        return segment + self.mps.flags(gpu, since_ns)
 
     def _frees_since(self, gpu: int, owner_slot: int, since_ns: int) -> list[tuple[int, int]]:
         """(slot, ns ago) of other commands' slots whose processes freed GPU memory, or exited
@@ -2737,6 +2735,7 @@ class Daemon:
         )
         if self.info.kind == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
             put["HIP_VISIBLE_DEVICES"] = str(self.info.physical[gpu])
+        put.update(self.mps.command_env(gpu))  # MPS pipe and log directories, the GPU's UUID
         return put, pre
 
     def _delegate_thaw(self, s: Slot, uid: int) -> None:
@@ -2928,6 +2927,7 @@ class Daemon:
                 "tenant_used_s": {str(g): q.shares() for g, q in self.queues.items()},
                 "slots_per_gpu": [self.slots_per_gpu(g) for g in range(self.info.count)],
                 "prewarm": self.cfg.prewarm,
+                "mps": self.mps.status(),
             }
 
 
