@@ -195,6 +195,8 @@ def status(as_json: bool) -> None:
         if g.lease_left_s is not None:
             state += f", lease {g.lease_left_s:.0f} s left"
         click.echo(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
+    for line in _mps_lines(live.get("mps") or {}):
+        click.echo(line)
     if live:
         click.echo(f"REGIONS ({len(live['regions'])})")
         for r in live["regions"]:
@@ -468,6 +470,18 @@ def daemon_status(as_json: bool) -> None:
         click.echo(f"  lend_cores: {d['lend_cores']}; siblings' time on a region core is {watched}")
     for line in _partition_lines(st["partition"]):
         click.echo("  " + line)
+
+
+def _mps_lines(mps: dict[str, Any]) -> list[str]:
+    """Each GPU's MPS control daemon (krex/node/mps.py): on, down, restarting or attached."""
+    if mps.get("mode", "off") == "off":
+        return []
+    out = [f"MPS ({'attached: krexd never stops it' if mps['mode'] == 'attach' else 'started by krexd'})"]
+    for m in mps.get("gpus", []):
+        line = f"  gpu {m['gpu']}: {m['state']}, pid {m.get('pid') or '-'}, pipe {m['pipe_dir']}"
+        line += f", restarted {m['restarts']}x" if m.get("restarts") else ""
+        out.append(line + (f"; last error: {m['error']}" if m.get("error") else ""))
+    return out
 
 
 def _partition_lines(part: dict[str, Any]) -> list[str]:

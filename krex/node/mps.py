@@ -50,6 +50,7 @@ log = logging.getLogger("krex.node.daemon")
 CONTROL_ENV = "KREX_MPS_CONTROL"  # names the control program (tests: a stand-in)
 CONTROL_BIN = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory, written by the control daemon
+START_LOG = "krex-start.log"  # what `<control> -d` printed, in the log directory
 CONTROL_PIPE = "control"  # the control daemon's named pipe in the pipe directory
 FLAG = "mps-server"
 START_WAIT_S = 10.0  # for `-d` to return and the pid file to name a live process
@@ -138,8 +139,12 @@ def _private_dir(p: Path) -> Path:
     return p
 
 
-def _text(out: bytes | None) -> str:
-    return " | ".join((out or b"").decode(errors="replace").strip().splitlines()[-3:])
+def _tail(p: Path) -> str:
+    try:
+        text = p.read_bytes()[-2000:].decode(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(text.strip().splitlines()[-3:])
 
 
 class Mps:
@@ -229,14 +234,20 @@ class Mps:
         _private_dir(m.pipe.parent)
         _private_dir(m.pipe)
         _private_dir(m.log_dir)
+        # Its output goes to a file, not a pipe: the daemonised child may keep the descriptors.
+        out_path = m.log_dir / START_LOG
         try:
-            p = subprocess.run([self._control, "-d"], env=self._env(m), stdin=subprocess.DEVNULL,
-                               capture_output=True, timeout=START_WAIT_S, start_new_session=True)
-        except (OSError, subprocess.TimeoutExpired) as e:
+            fd = paths.open_private(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                p = subprocess.run([self._control, "-d"], env=self._env(m), stdin=subprocess.DEVNULL,
+                                   stdout=fd, stderr=fd, timeout=START_WAIT_S, start_new_session=True)
+            finally:
+                os.close(fd)
+        except (OSError, KrexError, subprocess.TimeoutExpired) as e:
             raise self._failed(m, str(e)) from None
         if p.returncode != 0:
-            raise self._failed(m, f"`{self._control} -d` exited {p.returncode}: "
-                                  f"{_text(p.stderr) or _text(p.stdout) or 'no output'}")
+            said = _tail(out_path) or "no output"
+            raise self._failed(m, f"`{self._control} -d` exited {p.returncode}: {said}")
         deadline = time.monotonic() + START_WAIT_S
         while time.monotonic() < deadline:
             pid = _read_pid(m.pipe)
