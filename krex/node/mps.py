@@ -157,6 +157,7 @@ class Mps:
         self._stop = threading.Event()
         self._busy: Callable[[int], bool] = lambda _g: False
         self._control = ""
+        self._watcher: threading.Thread | None = None
         if self.mode == "off":
             return
         if cfg.mps_pipe_dir and cfg.mps == "off" and cfg.sources.get("mps", "default") != "default":
@@ -170,7 +171,8 @@ class Mps:
                 f"start krexd without --mps, or on a GPU (tests name a stand-in control program in "
                 f"{CONTROL_ENV})",
             )
-        self._control = _control_program()  # attached too: a stop by hand needs it, and it must exist
+        if self.mode == "own":
+            self._control = _control_program()
         uuids = _gpu_uuids(info)
         root = paths.state_dir() / "mps"
         for g in range(info.count):
@@ -202,7 +204,8 @@ class Mps:
             except MpsUnavailable:
                 self.stop()
                 raise
-        threading.Thread(target=self._watch, daemon=True, name="mps").start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="mps")
+        self._watcher.start()
 
     def _attach(self) -> None:
         m0 = next(iter(self.gpus.values()))
@@ -302,6 +305,8 @@ class Mps:
         self._stop.set()
         if self.mode != "own":
             return
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(START_WAIT_S + 2 * QUIT_WAIT_S)  # a restart under way ends first
         for m in self.gpus.values():
             with self._lock:
                 pid, ticks, m.state = m.pid, m.start_ticks, "down"
