@@ -195,8 +195,7 @@ def status(as_json: bool) -> None:
         if g.lease_left_s is not None:
             state += f", lease {g.lease_left_s:.0f} s left"
         click.echo(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
-    for line in _mps_lines(live.get("mps") or {}):
-        click.echo(line)
+    click.echo("".join(f"{line}\n" for line in _mps_lines(live.get("mps") or {})), nl=False)
     if live:
         click.echo(f"REGIONS ({len(live['regions'])})")
         for r in live["regions"]:
@@ -245,10 +244,7 @@ def status(as_json: bool) -> None:
         other = p.submits["memset"] + p.submits["graph"] + p.submits["prefetch"]
         click.echo(
             "  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10.1f} {:>5}  {}".format(
-                p.pid,
-                p.slot,
-                p.gpu,
-                p.inflight,
+                p.pid, p.slot, p.gpu, p.inflight,
                 p.submits["kernel"],
                 p.submits["copy"],
                 other,
