@@ -125,6 +125,16 @@ def _read_pid(pipe: Path) -> int | None:
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
+def _serves(pid: int, pipe: Path) -> bool:
+    """Was process `pid` started for the pipe directory `pipe` (its environment says so)?"""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in env.split(b"\0")
+
+
 def _private_dir(p: Path) -> Path:
     """Make `p` (0700, krexd's own) if needed and check it: never a planted link."""
     try:
@@ -201,7 +211,7 @@ class Mps:
             try:
                 for m in self.gpus.values():
                     self._start_one(m)
-            except MpsUnavailable:
+            except KrexError:
                 self.stop()
                 raise
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="mps")
@@ -297,7 +307,10 @@ class Mps:
         pid = _read_pid(pipe)
         if pid is not None and _alive(pid, 0):
             log.warning("MPS: stopping control daemon pid %d left by a previous krexd (%s)", pid, pipe)
-            self._quit(pipe, pid, int(lib.krex_pid_start_ticks(pid)), pipe.parent / "log")
+            # Signalled only if it is that control daemon: the pid may be another process's now.
+            mine = _serves(pid, pipe)
+            self._quit(pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
+                       pipe.parent / "log")
         shutil.rmtree(pipe, ignore_errors=True)
 
     def stop(self) -> None:
