@@ -195,6 +195,7 @@ def status(as_json: bool) -> None:
         if g.lease_left_s is not None:
             state += f", lease {g.lease_left_s:.0f} s left"
         click.echo(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
+    click.echo("".join(f"{line}\n" for line in _mps_lines(live.get("mps") or {})), nl=False)
     if live:
         click.echo(f"REGIONS ({len(live['regions'])})")
         for r in live["regions"]:
@@ -243,10 +244,7 @@ def status(as_json: bool) -> None:
         other = p.submits["memset"] + p.submits["graph"] + p.submits["prefetch"]
         click.echo(
             "  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10.1f} {:>5}  {}".format(
-                p.pid,
-                p.slot,
-                p.gpu,
-                p.inflight,
+                p.pid, p.slot, p.gpu, p.inflight,
                 p.submits["kernel"],
                 p.submits["copy"],
                 other,
@@ -336,8 +334,10 @@ def _daemon_settings(f: Any) -> Any:
 
     for key in reversed(FLAGS):
         assert key.flag is not None  # FLAGS: the keys that have one
+        bare: dict[str, Any] = {"is_flag": False, "flag_value": key.bare} if key.bare is not None else {}
         f = click.option(
-            key.flag, key.name, type=_Setting(key), default=None, metavar=key.metavar(), help=key.help_text()
+            key.flag, key.name, type=_Setting(key), default=None, metavar=key.metavar(), help=key.help_text(),
+            **bare,
         )(f)
     return f
 
@@ -466,6 +466,18 @@ def daemon_status(as_json: bool) -> None:
         click.echo(f"  lend_cores: {d['lend_cores']}; siblings' time on a region core is {watched}")
     for line in _partition_lines(st["partition"]):
         click.echo("  " + line)
+
+
+def _mps_lines(mps: dict[str, Any]) -> list[str]:
+    """Each GPU's MPS control daemon (krex/node/mps.py): on, down, restarting or attached."""
+    if mps.get("mode", "off") == "off":
+        return []
+    out = [f"MPS ({'attached: krexd never stops it' if mps['mode'] == 'attach' else 'started by krexd'})"]
+    for m in mps.get("gpus", []):
+        line = f"  gpu {m['gpu']}: {m['state']}, pid {m.get('pid') or '-'}, pipe {m['pipe_dir']}"
+        line += f", restarted {m['restarts']}x" if m.get("restarts") else ""
+        out.append(line + (f"; last error: {m['error']}" if m.get("error") else ""))
+    return out
 
 
 def _partition_lines(part: dict[str, Any]) -> list[str]:

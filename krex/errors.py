@@ -51,6 +51,11 @@ class DaemonLost(KrexError):
     """krexd closed the connection or went away in the middle of a request."""
 
 
+class MpsUnavailable(KrexError):
+    """krexd was asked for NVIDIA MPS and cannot start or attach to its control daemon:
+    it refuses to start rather than run without it."""
+
+
 class CommandNotFound(KrexError):
     exit_code = 127
 

@@ -204,6 +204,7 @@ class Admission(Regions):
         )
         if self.info.kind == "amd":  # HIP reads HIP_VISIBLE_DEVICES before CUDA_VISIBLE_DEVICES
             put["HIP_VISIBLE_DEVICES"] = str(self.info.physical[gpu])
+        put.update(self.mps.command_env(gpu))  # MPS pipe and log directories, the GPU's UUID
         return put, pre
 
     def _delegate_thaw(self, s: Slot, uid: int) -> None:

@@ -41,6 +41,11 @@ Precedence: command line > environment > config file > defaults. The config file
   region_queue     KREX_REGION_QUEUE      --region-queue     fair (default: tenants share exclusive GPU time
                                                              by weight) or fifo (first come, first served)
   tenant_weights   KREX_TENANT_WEIGHTS    --tenant-weights   NAME=WEIGHT,... for the fair queue (others: 1)
+  mps              KREX_MPS               --mps              off (default) or on: one NVIDIA MPS control
+                                                             daemon per GPU, started and stopped by krexd
+                                                             (krex/node/mps.py); a bare --mps means on
+  mps_pipe_dir     KREX_MPS_PIPE_DIR      --mps-pipe-dir     attach to the MPS control daemon already
+                                                             running at this pipe directory (never stopped)
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
   group            KREX_GROUP             --group            share the daemon with this group: members run
                                                              commands and pause, only its user or root stop it
@@ -134,6 +139,16 @@ def _weights(v: Any) -> str:
     return str(v).strip()
 
 
+MPS_MODES = ("off", "on")
+
+
+def _abs_dir(v: Any) -> str:
+    s = str(v).strip()
+    if not s.startswith("/") or any(c.isspace() for c in s):
+        raise ValueError("not an absolute path without spaces")
+    return s
+
+
 def _group(v: Any) -> str:
     s = str(v).strip()
     if not s or any(c.isspace() for c in s):
@@ -179,6 +194,10 @@ class Config:
     # The order queued regions get the GPU: fair between tenants on exclusive time, or fifo.
     region_queue: str = regionqueue.DEFAULT
     tenant_weights: str = ""  # NAME=WEIGHT,...: shares of exclusive time under `fair` (others: 1)
+    # NVIDIA MPS (krex/node/mps.py): "on" starts a control daemon per GPU; a pipe
+    # directory attaches to one krexd did not start, which it then never stops.
+    mps: str = "off"
+    mps_pipe_dir: str | None = None
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
@@ -197,6 +216,8 @@ class Key:
     flag: str | None = None  # the command-line option, None: file and environment only
     help: str = ""
     choices: tuple[str, ...] = ()
+    bare: str | None = None  # the value the flag alone (no value after it) means
+
 
     def default_text(self) -> str:
         """The default as help text shows it, from Config."""
@@ -205,7 +226,8 @@ class Key:
             return f"never; {ON_DEMAND_IDLE_EXIT_S:g} when started on demand"
         if default is None:
             return {"slots_per_gpu": "from the GPU's CPU slice", "freezer": "the first that works",
-                    "group": "your own group"}.get(self.name, "none")
+                    "group": "your own group",
+                    "mps_pipe_dir": "none: krexd starts its own"}.get(self.name, "none")
         return f"{default:g}" if isinstance(default, float) else str(default)
 
     def metavar(self) -> str:
@@ -270,6 +292,12 @@ KEYS = (
     Key("tenant_weights", "tenant_weights", "KREX_TENANT_WEIGHTS", _weights,
         "NAME=WEIGHT pairs, e.g. alice=2,bob=1", "--tenant-weights",
         "shares of exclusive GPU time per tenant under the fair queue (tenants not named: 1)"),
+    Key("mps", "mps", "KREX_MPS", _choice(MPS_MODES), "off or on", "--mps",
+        "NVIDIA MPS: one control daemon per GPU, started and stopped by krexd (--mps alone: on)",
+        MPS_MODES, bare="on"),
+    Key("mps_pipe_dir", "mps_pipe_dir", "KREX_MPS_PIPE_DIR", _abs_dir,
+        "the absolute pipe directory of a running MPS control daemon", "--mps-pipe-dir",
+        "attach to the MPS control daemon already running at this pipe directory (krexd never stops it)"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),
         "--log-level", "what krexd logs", LOG_LEVELS),
     Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon",
@@ -297,7 +325,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                 raise argparse.ArgumentTypeError(str(e)) from None
             return raw
 
-        ap.add_argument(k.flag, dest=k.name, type=conv, default=None, help=k.help_text(), metavar=k.metavar())
+        bare: dict[str, Any] = {"nargs": "?", "const": k.bare} if k.bare is not None else {}
+        ap.add_argument(
+            k.flag, dest=k.name, type=conv, default=None, help=k.help_text(), metavar=k.metavar(), **bare
+        )
 
 
 def overrides_from(ns: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from krex import paths
 from krex.device.gpus import discover
 from krex.errors import Busy, KrexError, NotFound, PermissionDenied, UsageError
 from krex.native import lib
-from krex.node import config, conns, coretime, cpus, freezepolicy, freezer, procfs, regionqueue
+from krex.node import config, conns, coretime, cpus, freezepolicy, freezer, mps, procfs, regionqueue
 from krex.node.admission import _fit
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
@@ -96,6 +96,7 @@ class Daemon(Server):
         self.started_at = time.time()
         self.pid = os.getpid()
         self.info = discover(cfg.device)
+        self.mps = mps.Mps(cfg, self.info)  # checks only; its control daemons start in start()
         self.sock_path = paths.socket_path()
         self.journal_path = paths.journal_path()
         self.shm_name = cfg.shm_name or default_name()
@@ -254,6 +255,7 @@ class Daemon(Server):
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(0, keep)
         conns.raise_fd_limit()
+        self.mps.start(lambda g: self.current.get(g) is not None)  # asked for and unavailable: no start
         self._open_segment()
         self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
@@ -379,6 +381,7 @@ class Daemon(Server):
                 s.group.remove()  # thaws; never kills, keeps a group that still has processes
         with self.lock:  # after any segment check under way (it would put our pid back)
             self.seg.raw.hdr.daemon_pid = 0
+        self.mps.stop()  # after every region ended: only the control daemons krexd started
         wd = getattr(self, "_watchdog", None)
         if wd is not None:
             wd.terminate()
@@ -475,6 +478,7 @@ class Daemon(Server):
                 "tenant_used_s": {str(g): q.shares() for g, q in self.queues.items()},
                 "slots_per_gpu": [self.slots_per_gpu(g) for g in range(self.info.count)],
                 "prewarm": self.cfg.prewarm,
+                "mps": self.mps.status(),
             }
 
 

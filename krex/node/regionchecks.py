@@ -110,9 +110,11 @@ class RegionChecks(Loops):
 
     def _trust_checks(self, gpu: int, req: Region, since_ns: int) -> list[tuple[str, str]]:
         """Run before the grant and again at the region's end: the segment is krexd's own and
-        intact, and nothing that lived through an incident could have disturbed the region."""
+        intact, nothing that lived through an incident could have disturbed the region, and
+        the GPU's MPS control daemon (when krexd runs one) did not die in it."""
         self._guard_tick()
-        return [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
+        segment = [("segment", text) for text in self.guard.flag(since_ns, self._own_pids(req))]
+        return segment + self.mps.flags(gpu, since_ns)
 
     def _frees_since(self, gpu: int, owner_slot: int, since_ns: int) -> list[tuple[int, int]]:
         """(slot, ns ago) of other commands' slots whose processes freed GPU memory, or exited

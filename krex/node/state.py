@@ -25,6 +25,7 @@ from krex.node import conns, cpus, freezepolicy, journal, procfs, regionqueue
 from krex.node.attest import Attestor
 from krex.node.config import Config
 from krex.node.freezer import Freezer, Group
+from krex.node.mps import Mps
 from krex.node.pending import Pending
 from krex.node.segguard import SegmentGuard
 from krex.node.shm import Segment
@@ -72,6 +73,7 @@ class DaemonState:
     started_at: float
     pid: int
     info: GpuInfo
+    mps: Mps  # the GPUs' MPS control daemons (off unless asked for)
     sock_path: Path
     journal_path: Path
     shm_name: str

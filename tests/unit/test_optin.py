@@ -62,7 +62,11 @@ def _daemon_env(kind: str) -> tuple[dict[str, str], dict[str, list[str]]]:
     from krex.node.daemon import Daemon
 
     info = SimpleNamespace(kind=kind, visible_token=lambda g: str(g), physical=[0])
-    fake = SimpleNamespace(_opt_in={}, shm_name="/krex-t", sock_path="/tmp/k/krexd.sock", info=info)
+    # With MPS on (krex/node/mps.py): the GPU's pipe and log directories and its UUID.
+    mps = SimpleNamespace(command_env=lambda g: {"CUDA_MPS_PIPE_DIRECTORY": f"/run/krex/mps/gpu{g}/pipe",
+                                                 "CUDA_MPS_LOG_DIRECTORY": f"/run/krex/mps/gpu{g}/log",
+                                                 "CUDA_VISIBLE_DEVICES": "GPU-0000"})
+    fake = SimpleNamespace(_opt_in={}, shm_name="/krex-t", sock_path="/tmp/k/krexd.sock", info=info, mps=mps)
     slot = SimpleNamespace(slot=3, generation=7)
     return Daemon._command_env(fake, slot, 0, "auto")  # type: ignore[arg-type]
 

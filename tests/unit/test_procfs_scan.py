@@ -129,7 +129,8 @@ def test_admission_env_is_made_once_per_kind_and_stays_each_slots_own(
 
     monkeypatch.setattr(optin, "opt_in_parts", counting)
     info = SimpleNamespace(kind="sim", physical=[0, 1], visible_token=lambda g: str(g))
-    d: Any = SimpleNamespace(_opt_in={}, shm_name="/krex-x", sock_path="/tmp/x.sock", info=info)
+    no_mps = SimpleNamespace(command_env=lambda g: {})  # MPS off (krex/node/mps.py)
+    d: Any = SimpleNamespace(_opt_in={}, shm_name="/krex-x", sock_path="/tmp/x.sock", info=info, mps=no_mps)
 
     def env(slot: int, gen: int, gpu: int, asked: str) -> tuple[dict[str, str], dict[str, list[str]]]:
         s = SimpleNamespace(slot=slot, generation=gen)

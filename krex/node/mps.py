@@ -1,0 +1,406 @@
+"""NVIDIA MPS (Multi-Process Service) for the time between regions: with `mps = "on"`
+krexd runs one MPS control daemon per GPU it manages, so its commands' kernels can run
+concurrently outside regions; with `mps_pipe_dir` it attaches to one it did not start.
+
+What krexd starts, it stops; what it did not start it never stops (attach mode). Per GPU N:
+
+- the control daemon runs as ``<control> -d`` (``nvidia-cuda-mps-control`` on PATH, or
+  $KREX_MPS_CONTROL) with CUDA_VISIBLE_DEVICES = the GPU's UUID if known (else its
+  physical index), CUDA_MPS_PIPE_DIRECTORY = <state dir>/mps/gpuN/pipe and
+  CUDA_MPS_LOG_DIRECTORY = <state dir>/mps/gpuN/log (made 0700 by krexd). The GPU's
+  compute mode is never changed.
+- its pid is read from ``nvidia-cuda-mps-control.pid`` in the pipe directory, where
+  the control daemon writes it (a stand-in control program must do the same).
+- a command admitted on GPU N gets the same pipe and log directories, and the GPU's UUID
+  as CUDA_VISIBLE_DEVICES where known (the MPS server renumbers indices; a UUID names
+  the same device in the server and in the client).
+- a clean stop sends ``quit`` to the control program with the same pipe directory, waits,
+  then SIGTERM and SIGKILL; a start first stops and clears what a previous krexd of the
+  same state directory left (the daemon lock says no other krexd uses it).
+
+A control daemon that dies is a fault: every region on its GPU at that moment, and every
+region that begins while it is down, is flagged `mps-server`. krexd starts a new one once
+no region holds the GPU (attached ones are not restarted: they are not krexd's)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from krex import paths
+from krex.errors import KrexError, MpsUnavailable
+from krex.native import lib
+
+if TYPE_CHECKING:
+    from krex.device.gpus import GpuInfo
+    from krex.node.config import Config
+
+log = logging.getLogger("krex.node.daemon")
+
+CONTROL_ENV = "KREX_MPS_CONTROL"  # names the control program (tests: a stand-in)
+CONTROL_BIN = "nvidia-cuda-mps-control"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory, written by the control daemon
+START_LOG = "krex-start.log"  # what `<control> -d` printed, in the log directory
+CONTROL_PIPE = "control"  # the control daemon's named pipe in the pipe directory
+FLAG = "mps-server"
+START_WAIT_S = 10.0  # for `-d` to return and the pid file to name a live process
+QUIT_WAIT_S = 5.0  # for `quit` to end it, before SIGTERM (then SIGKILL after as long again)
+WATCH_S = 0.2  # how often the watcher checks the control daemons
+RETRY_S = 5.0  # between restarts that failed
+
+
+@dataclass
+class GpuMps:
+    """One GPU's control daemon as krexd sees it."""
+
+    gpu: int
+    visible: str  # CUDA_VISIBLE_DEVICES for the control daemon
+    uuid: str | None  # the GPU's UUID (or MIG id), also given to commands; None: unknown
+    pipe: Path
+    log_dir: Path | None  # None: attached (its log directory is its starter's)
+    state: str = "down"  # on, down, restarting, attached
+    pid: int | None = None
+    start_ticks: int = 0  # the pid's start time: a reused pid is another process
+    restarts: int = 0
+    next_try: float = 0.0
+    # (down since, up again at or None) in time.monotonic_ns, newest last
+    down: list[list[int | None]] = field(default_factory=list)
+    error: str = ""
+
+
+def _gpu_uuids(info: GpuInfo) -> list[str | None]:
+    """Each managed GPU's UUID where the selection named it or NVML says it; else None."""
+    out: list[str | None] = []
+    for g in range(info.count):
+        tok = info.visible_token(g)
+        out.append(tok if tok.startswith(("GPU-", "MIG-")) else None)
+    if info.kind != "nvidia" or all(out):
+        return out
+    try:
+        from krex.device.nvml import FakeNvml, RealNvml, fake_path
+
+        fake = fake_path()
+        nv = FakeNvml(fake) if fake else RealNvml()
+        try:
+            return [u or nv.uuid(info.physical[g]) for g, u in enumerate(out)]
+        finally:
+            nv.close()
+    except Exception as e:  # noqa: BLE001 - no NVML: the physical index still names the GPU
+        log.info("MPS: GPU UUIDs unknown (%s): the control daemons get physical indices", e)
+        return out
+
+
+def _control_program() -> str:
+    raw = os.environ.get(CONTROL_ENV, "").strip()
+    found = shutil.which(raw or CONTROL_BIN)
+    if found is None:
+        what = f"{CONTROL_ENV}={raw!r}" if raw else f"{CONTROL_BIN} is not on PATH: it"
+        raise MpsUnavailable(
+            f"MPS was asked for, but {what} cannot be found or run",
+            f"install the NVIDIA driver's MPS tools ({CONTROL_BIN}) or put them on PATH, set "
+            f"{CONTROL_ENV} to the control program, or start krexd without --mps",
+        )
+    return found
+
+
+def _alive(pid: int | None, ticks: int) -> bool:
+    return pid is not None and bool(lib.krex_pid_alive(pid, ticks))
+
+
+def _read_pid(pipe: Path) -> int | None:
+    try:
+        raw = (pipe / PID_FILE).read_text().strip()
+    except OSError:
+        return None
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def _serves(pid: int, pipe: Path) -> bool:
+    """Was process `pid` started for the pipe directory `pipe` (its environment says so)?"""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in env.split(b"\0")
+
+
+def _private_dir(p: Path) -> Path:
+    """Make `p` (0700, krexd's own) if needed and check it: never a planted link."""
+    try:
+        p.mkdir(mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file or a dangling link: check_dir says which
+    except OSError as e:
+        raise MpsUnavailable(f"cannot create the MPS directory {p}: {e.strerror}",
+                             "set KREX_STATE_DIR to a writable directory") from e
+    paths.check_dir(p, "MPS directory")
+    os.chmod(p, 0o700, follow_symlinks=False)
+    return p
+
+
+def _tail(p: Path) -> str:
+    try:
+        text = p.read_bytes()[-2000:].decode(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(text.strip().splitlines()[-3:])
+
+
+class Mps:
+    """krexd's MPS control daemons: none (off), one per GPU of its own, or an attached one."""
+
+    def __init__(self, cfg: Config, info: GpuInfo) -> None:
+        self.mode = "attach" if cfg.mps_pipe_dir else ("own" if cfg.mps == "on" else "off")
+        self.gpus: dict[int, GpuMps] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._busy: Callable[[int], bool] = lambda _g: False
+        self._control = ""
+        self._watcher: threading.Thread | None = None
+        if self.mode == "off":
+            return
+        if cfg.mps_pipe_dir and cfg.mps == "off" and cfg.sources.get("mps", "default") != "default":
+            raise MpsUnavailable("mps is off but mps_pipe_dir names a control daemon to attach to",
+                                 "drop one of them (a pipe directory alone means attach)")
+        if info.kind == "amd":
+            raise MpsUnavailable("MPS is NVIDIA's: this node's GPUs are AMD", "start krexd without --mps")
+        if info.kind == "sim" and not os.environ.get(CONTROL_ENV):
+            raise MpsUnavailable(
+                "the simulated GPU has no MPS",
+                f"start krexd without --mps, or on a GPU (tests name a stand-in control program in "
+                f"{CONTROL_ENV})",
+            )
+        if self.mode == "own":
+            self._control = _control_program()
+        uuids = _gpu_uuids(info)
+        root = paths.state_dir() / "mps"
+        for g in range(info.count):
+            visible = uuids[g] or str(info.physical[g])
+            if self.mode == "attach":
+                assert cfg.mps_pipe_dir is not None
+                self.gpus[g] = GpuMps(g, visible, uuids[g], Path(cfg.mps_pipe_dir), None, "attached")
+            else:
+                base = root / f"gpu{g}"
+                self.gpus[g] = GpuMps(g, visible, uuids[g], base / "pipe", base / "log")
+
+    # ------------------------------------------------------------------ start and stop
+    def start(self, busy: Callable[[int], bool]) -> None:
+        """Start (or attach to) every GPU's control daemon, then watch them. ``busy(g)``:
+        a region holds GPU g now (no restart then). Raises MpsUnavailable, having stopped
+        what it started, when one cannot start."""
+        if self.mode == "off":
+            return
+        self._busy = busy
+        if self.mode == "attach":
+            self._attach()
+        else:
+            root = _private_dir(paths.state_dir() / "mps")
+            for d in sorted(root.glob("gpu*")):  # a previous krexd's, any GPU count
+                self._clear_stale(d / "pipe")
+            try:
+                for m in self.gpus.values():
+                    self._start_one(m)
+            except KrexError:
+                self.stop()
+                raise
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="mps")
+        self._watcher.start()
+
+    def _attach(self) -> None:
+        m0 = next(iter(self.gpus.values()))
+        pipe = m0.pipe
+        if not pipe.is_dir() or not (os.path.exists(pipe / CONTROL_PIPE) or _read_pid(pipe)):
+            raise MpsUnavailable(
+                f"no MPS control daemon at {pipe}: no {CONTROL_PIPE} pipe or {PID_FILE} there",
+                f"start one (CUDA_MPS_PIPE_DIRECTORY={pipe} {CONTROL_BIN} -d) or fix --mps-pipe-dir",
+            )
+        pid = _read_pid(pipe)
+        ticks = int(lib.krex_pid_start_ticks(pid)) if pid else 0
+        if pid is not None and not _alive(pid, ticks):
+            raise MpsUnavailable(f"the MPS control daemon at {pipe} (pid {pid}) is not running",
+                                 "start it again, or fix --mps-pipe-dir")
+        for m in self.gpus.values():
+            m.pid, m.start_ticks = pid, ticks
+        log.info("MPS: attached to the control daemon at %s (pid %s); krexd will not stop it",
+                 pipe, pid or "unknown: not watched")
+
+    def _env(self, m: GpuMps) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env.update(CUDA_VISIBLE_DEVICES=m.visible, CUDA_MPS_PIPE_DIRECTORY=str(m.pipe))
+        if m.log_dir is not None:
+            env["CUDA_MPS_LOG_DIRECTORY"] = str(m.log_dir)
+        return env
+
+    def _start_one(self, m: GpuMps) -> None:
+        assert m.log_dir is not None
+        _private_dir(m.pipe.parent)
+        _private_dir(m.pipe)
+        _private_dir(m.log_dir)
+        # Its output goes to a file, not a pipe: the daemonised child may keep the descriptors.
+        out_path = m.log_dir / START_LOG
+        try:
+            fd = paths.open_private(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                p = subprocess.run([self._control, "-d"], env=self._env(m), stdin=subprocess.DEVNULL,
+                                   stdout=fd, stderr=fd, timeout=START_WAIT_S, start_new_session=True)
+            finally:
+                os.close(fd)
+        except (OSError, KrexError, subprocess.TimeoutExpired) as e:
+            raise self._failed(m, str(e)) from None
+        if p.returncode != 0:
+            said = _tail(out_path) or "no output"
+            raise self._failed(m, f"`{self._control} -d` exited {p.returncode}: {said}")
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline:
+            pid = _read_pid(m.pipe)
+            if pid is not None and _alive(pid, 0):
+                with self._lock:
+                    m.pid, m.start_ticks, m.state, m.error = pid, int(lib.krex_pid_start_ticks(pid)), "on", ""
+                log.info("MPS: gpu %d: control daemon pid %d (CUDA_VISIBLE_DEVICES=%s, pipe %s)",
+                         m.gpu, pid, m.visible, m.pipe)
+                return
+            time.sleep(0.02)
+        raise self._failed(m, f"no live pid in {m.pipe / PID_FILE} {START_WAIT_S:g} s after `-d`")
+
+    def _failed(self, m: GpuMps, why: str) -> MpsUnavailable:
+        return MpsUnavailable(
+            f"cannot start the MPS control daemon for GPU {m.gpu}: {why}",
+            f"see {m.log_dir}/control.log; check `{self._control}` runs (the NVIDIA driver's MPS), "
+            "or start krexd without --mps",
+        )
+
+    def _quit(self, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
+        """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+        if log_dir is not None:
+            env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run([self._control], input=b"quit\n", env=env, capture_output=True,
+                           timeout=QUIT_WAIT_S)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            deadline = time.monotonic() + QUIT_WAIT_S
+            while _alive(pid, ticks) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not _alive(pid, ticks):
+                return
+            assert pid is not None
+            log.warning("MPS: control daemon pid %d did not quit: sending %s", pid, sig.name)
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+
+    def _clear_stale(self, pipe: Path) -> None:
+        """Stop and clear what a previous krexd of this state directory left in `pipe`."""
+        if not pipe.is_dir() or pipe.is_symlink():
+            return
+        pid = _read_pid(pipe)
+        if pid is not None and _alive(pid, 0):
+            log.warning("MPS: stopping control daemon pid %d left by a previous krexd (%s)", pid, pipe)
+            # Signalled only if it is that control daemon: the pid may be another process's now.
+            mine = _serves(pid, pipe)
+            self._quit(pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
+                       pipe.parent / "log")
+        shutil.rmtree(pipe, ignore_errors=True)
+
+    def stop(self) -> None:
+        """Stop the control daemons krexd started (never an attached one)."""
+        self._stop.set()
+        if self.mode != "own":
+            return
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(START_WAIT_S + 2 * QUIT_WAIT_S)  # a restart under way ends first
+        for m in self.gpus.values():
+            with self._lock:
+                pid, ticks, m.state = m.pid, m.start_ticks, "down"
+            if pid is not None and _alive(pid, ticks):
+                self._quit(m.pipe, pid, ticks, m.log_dir)
+                log.info("MPS: gpu %d: control daemon pid %d stopped", m.gpu, pid)
+
+    # ----------------------------------------------------------------- faults
+    def _check(self, m: GpuMps) -> None:
+        """Mark `m` down if its control daemon died (call with self._lock)."""
+        if m.state in ("on", "attached") and m.pid is not None and not _alive(m.pid, m.start_ticks):
+            m.down.append([time.monotonic_ns(), None])
+            del m.down[:-32]
+            log.warning("MPS: gpu %d: control daemon pid %d died; regions on this GPU are flagged %s%s",
+                        m.gpu, m.pid, FLAG, "" if m.state == "attached" else " until it runs again")
+            m.state = "down"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            with self._lock:
+                todo = []
+                for m in self.gpus.values():
+                    self._check(m)
+                    if (self.mode == "own" and m.state == "down" and time.monotonic() >= m.next_try
+                            and not self._busy(m.gpu)):
+                        m.state = "restarting"
+                        todo.append(m)
+            for m in todo:
+                self._restart(m)
+
+    def _restart(self, m: GpuMps) -> None:
+        log.info("MPS: gpu %d: no region holds the GPU: starting a new control daemon", m.gpu)
+        self._clear_stale(m.pipe)
+        try:
+            self._start_one(m)
+        except (KrexError, OSError) as e:
+            with self._lock:
+                m.state, m.error, m.next_try = "down", str(e), time.monotonic() + RETRY_S
+            log.error("MPS: gpu %d: %s (trying again in %g s)", m.gpu, e, RETRY_S)
+            return
+        with self._lock:
+            m.restarts += 1
+            if m.down and m.down[-1][1] is None:
+                m.down[-1][1] = time.monotonic_ns()
+
+    def flags(self, gpu: int, since_ns: int) -> list[tuple[str, str]]:
+        """[(FLAG, why)] if GPU `gpu`'s control daemon was down at any time since `since_ns`
+        (time.monotonic_ns): a region's clients then ran without their MPS server."""
+        m = self.gpus.get(gpu)
+        if m is None:
+            return []
+        with self._lock:
+            self._check(m)  # a death the watcher has not seen yet
+            hit = [d for d in m.down if d[1] is None or d[1] >= since_ns]
+        if not hit:
+            return []
+        return [(FLAG, f"the MPS control daemon of GPU {gpu} (pipe {m.pipe}) died or was down during "
+                       "the region: its MPS server and clients may have failed or run without MPS")]
+
+    # ---------------------------------------------------------------- commands
+    def command_env(self, gpu: int) -> dict[str, str]:
+        """The MPS variables of a command admitted on GPU `gpu` (none with MPS off)."""
+        m = self.gpus.get(gpu)
+        if m is None:
+            return {}
+        out = {"CUDA_MPS_PIPE_DIRECTORY": str(m.pipe)}
+        if m.log_dir is not None:
+            out["CUDA_MPS_LOG_DIRECTORY"] = str(m.log_dir)
+        if m.uuid:
+            out["CUDA_VISIBLE_DEVICES"] = m.uuid
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """For `krex status`: the mode and each GPU's control daemon."""
+        with self._lock:
+            return {
+                "mode": self.mode,
+                "gpus": [
+                    {"gpu": m.gpu, "state": m.state, "pid": m.pid, "pipe_dir": str(m.pipe),
+                     "log_dir": str(m.log_dir) if m.log_dir else None, "visible": m.visible,
+                     "restarts": m.restarts, "error": m.error}
+                    for m in self.gpus.values()
+                ],
+            }

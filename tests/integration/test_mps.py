@@ -1,0 +1,274 @@
+"""NVIDIA MPS under krexd (krex/node/mps.py), with real processes on the simulated GPU and
+a stand-in control program named by KREX_MPS_CONTROL: krexd starts one control daemon per
+GPU with that GPU's variables, hands its commands the pipe directory, quits it on a clean
+stop, flags a region whose control daemon died `mps-server` and starts a new one once no
+region holds the GPU, refuses to start when it cannot have MPS, and never stops a control
+daemon it attached to.
+
+The stand-in keeps to what krexd relies on: `-d` daemonises and writes the daemon's pid
+to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as nvidia-cuda-mps-control
+does) and creates the `control` pipe's name there; without `-d` it reads a command on
+stdin, and `quit` ends the daemon. It records its environment and each command in
+$FAKE_MPS_RECORD."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="Linux only"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
+]
+
+_KREX = Path(sys.executable).with_name("krex")
+KREX = [str(_KREX)] if _KREX.exists() else [sys.executable, "-m", "krex.cli.main"]
+PID_FILE = "nvidia-cuda-mps-control.pid"
+
+FAKE_CONTROL = '''\
+import json, os, signal, sys, time
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+rec = os.environ["FAKE_MPS_RECORD"]
+
+
+def note(line):
+    with open(os.path.join(rec, "events.log"), "a") as f:
+        f.write(line + "\\n")
+
+
+if sys.argv[1:] == ["-d"]:
+    if os.environ.get("FAKE_MPS_FAIL"):
+        sys.stderr.write("fake MPS: cannot open the GPU\\n")
+        sys.exit(1)
+    if os.fork():
+        sys.exit(0)  # `-d` returns at once; the daemon lives on
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    pid = os.getpid()
+    keep = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+    with open(os.path.join(rec, f"start-{pid}.json"), "w") as f:
+        json.dump({"pid": pid, "t": time.time(), **{k: os.environ.get(k) for k in keep}}, f)
+    open(os.path.join(pipe, "control"), "w").close()
+    with open(os.path.join(pipe, "pid.tmp"), "w") as f:
+        f.write(str(pid))
+    os.rename(os.path.join(pipe, "pid.tmp"), os.path.join(pipe, "nvidia-cuda-mps-control.pid"))
+
+    def bye(*_):
+        for name in ("nvidia-cuda-mps-control.pid", "control"):
+            try:
+                os.unlink(os.path.join(pipe, name))
+            except OSError:
+                pass
+        note(f"exit {pid}")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, bye)
+    while True:
+        signal.pause()
+else:
+    cmd = sys.stdin.read().strip()
+    note(f"command {cmd} {pipe}")
+    if cmd == "quit":
+        with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid")) as f:
+            os.kill(int(f.read()), signal.SIGTERM)
+'''
+
+
+def _fake(tmp: Path) -> tuple[Path, Path]:
+    prog = tmp / "fake-mps-control"
+    prog.write_text(f"#!{sys.executable}\n{FAKE_CONTROL}")
+    prog.chmod(0o755)
+    rec = tmp / "mps-record"
+    rec.mkdir()
+    return prog, rec
+
+
+def _env(krex_env: dict[str, str], prog: Path, rec: Path) -> dict[str, str]:
+    return dict(krex_env, KREX_MPS_CONTROL=str(prog), FAKE_MPS_RECORD=str(rec))
+
+
+def _krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _starts(rec: Path) -> list[dict[str, Any]]:
+    return sorted((json.loads(p.read_text()) for p in rec.glob("start-*.json")), key=lambda r: r["t"])
+
+
+def _events(rec: Path) -> list[str]:
+    p = rec / "events.log"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+def _mps_status(env: dict[str, str]) -> dict[str, Any]:
+    p = _krex(env, "status", "--json")
+    assert p.returncode == 0, p.stderr
+    return dict(json.loads(p.stdout)["daemon"]["mps"])
+
+
+def _wait(cond: Any, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_start_makes_private_dirs_and_a_control_daemon_per_gpu_that_commands_use_and_stop_quits(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    state = Path(env["KREX_STATE_DIR"])
+    p = _krex(env, "daemon", "start", "--device", "sim", "--mps")
+    assert p.returncode == 0, p.stderr
+    pipe, logd = state / "mps" / "gpu0" / "pipe", state / "mps" / "gpu0" / "log"
+    for d in (state / "mps", state / "mps" / "gpu0", pipe, logd):
+        assert d.is_dir() and (d.stat().st_mode & 0o777) == 0o700, d
+    (start,) = _starts(rec)
+    assert start["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+    assert start["CUDA_MPS_LOG_DIRECTORY"] == str(logd)
+    assert start["CUDA_VISIBLE_DEVICES"] == "0"  # the simulated GPU has no UUID: its index
+    assert int((pipe / PID_FILE).read_text()) == start["pid"] and _alive(start["pid"])
+    st = _mps_status(env)
+    assert st["mode"] == "own" and st["gpus"][0]["state"] == "on" and st["gpus"][0]["pid"] == start["pid"]
+    shown = _krex(env, "status")
+    assert f"gpu 0: on, pid {start['pid']}, pipe {pipe}" in shown.stdout, shown.stdout
+
+    run = _krex(env, "run", "--device", "sim", "--", "sh", "-c",
+                'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY"')
+    assert run.returncode == 0, run.stderr
+    assert f"pipe={pipe} log={logd}" in run.stdout, run.stdout
+
+    stop = _krex(env, "daemon", "stop")
+    assert stop.returncode == 0, stop.stderr
+    _wait(lambda: not _alive(start["pid"]), "the control daemon to quit")
+    assert f"command quit {pipe}" in _events(rec) and f"exit {start['pid']}" in _events(rec)
+
+
+def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_region(
+    krex_env: dict[str, str], tmp_path: Path, bins: dict[str, Path]
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    p = _krex(env, "daemon", "start", "--device", "sim", "--mps", "on")
+    assert p.returncode == 0, p.stderr
+    (first,) = _starts(rec)
+    actor = [str(bins["actor"]), "begin", "line", "end"]  # the region lasts until a line comes
+    cmd = subprocess.Popen([*KREX, "run", "--device", "sim", "--", *actor], env=env, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert cmd.stdout is not None and cmd.stdin is not None
+        line = cmd.stdout.readline()
+        while line and '"act":"begin"' not in line:  # the actor's start line comes first
+            line = cmd.stdout.readline()
+        assert '"rc":0' in line, line
+        os.kill(first["pid"], signal.SIGKILL)
+        _wait(lambda: _mps_status(env)["gpus"][0]["state"] == "down", "krexd to see it down")
+        time.sleep(0.5)  # several watcher rounds: no restart while the region holds the GPU
+        assert len(_starts(rec)) == 1 and _mps_status(env)["gpus"][0]["state"] == "down"
+        cmd.stdin.write("go\n")
+        cmd.stdin.flush()
+        _out, err = cmd.communicate(timeout=60)
+        assert cmd.returncode == 0, err
+    finally:
+        if cmd.poll() is None:
+            cmd.kill()
+    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
+    (region,) = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x]
+    assert "mps-server" in region["flags"] and region["contaminated"], region
+    _wait(lambda: len(_starts(rec)) == 2 and _mps_status(env)["gpus"][0]["state"] == "on", "the restart")
+    second = _starts(rec)[1]
+    assert second["pid"] != first["pid"] and _alive(second["pid"])
+    st = _mps_status(env)["gpus"][0]
+    assert st["pid"] == second["pid"] and st["restarts"] == 1
+    # A region after the restart is clean of it.
+    run = _krex(env, "run", "--device", "sim", "--", str(bins["actor"]), "begin", "end")
+    assert run.returncode == 0, run.stderr
+    last = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x][-1]
+    assert "mps-server" not in last["flags"], last
+    assert _krex(env, "daemon", "stop").returncode == 0
+    _wait(lambda: not _alive(second["pid"]), "the new control daemon to quit")
+
+
+def test_a_control_daemon_that_cannot_start_fails_the_daemon_start_with_the_reason(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = dict(_env(krex_env, prog, rec), FAKE_MPS_FAIL="1")
+    p = _krex(env, "daemon", "start", "--device", "sim", "--mps")
+    assert p.returncode != 0
+    assert "cannot start the MPS control daemon for GPU 0" in p.stderr, p.stderr
+    assert "fake MPS: cannot open the GPU" in p.stderr and "without --mps" in p.stderr, p.stderr
+    assert _krex(env, "daemon", "status").returncode == 3  # no krexd runs
+    assert not _starts(rec)
+
+
+def test_an_attached_control_daemon_is_used_and_never_stopped(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    pipe = tmp_path / "their-mps"
+    pipe.mkdir(mode=0o700)
+    theirs = dict(env, CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    assert subprocess.run([str(prog), "-d"], env=theirs, timeout=30).returncode == 0
+    _wait(lambda: (pipe / PID_FILE).exists(), "their control daemon")
+    pid = int((pipe / PID_FILE).read_text())
+    try:
+        p = _krex(env, "daemon", "start", "--device", "sim", "--mps-pipe-dir", str(pipe))
+        assert p.returncode == 0, p.stderr
+        st = _mps_status(env)
+        assert st["mode"] == "attach" and st["gpus"][0]["state"] == "attached" and st["gpus"][0]["pid"] == pid
+        run = _krex(env, "run", "--device", "sim", "--", "sh", "-c", 'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY"')
+        assert run.returncode == 0 and f"pipe={pipe}" in run.stdout, (run.stdout, run.stderr)
+        assert _krex(env, "daemon", "stop").returncode == 0
+        time.sleep(0.3)
+        assert _alive(pid) and not any(e.startswith("command quit") for e in _events(rec)), _events(rec)
+        assert len(_starts(rec)) == 1  # krexd started none of its own
+    finally:
+        os.kill(pid, signal.SIGTERM)
+
+
+def test_mps_on_the_simulated_gpu_without_a_control_program_is_refused(krex_env: dict[str, str]) -> None:
+    env = {k: v for k, v in krex_env.items() if k != "KREX_MPS_CONTROL"}
+    p = _krex(env, "daemon", "start", "--device", "sim", "--mps")
+    assert p.returncode != 0
+    assert "the simulated GPU has no MPS" in p.stderr and "without --mps" in p.stderr, p.stderr
+
+
+def test_a_stale_control_daemon_of_a_previous_krexd_is_stopped_at_start(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    (first,) = _starts(rec)
+    daemon_pid = json.loads(_krex(env, "status", "--json").stdout)["daemon"]["daemon"]["pid"]
+    os.kill(daemon_pid, signal.SIGKILL)  # krexd dies: its control daemon lives on
+    _wait(lambda: not _alive(daemon_pid), "krexd to die")
+    assert _alive(first["pid"])
+    p = _krex(env, "daemon", "start", "--device", "sim", "--mps")
+    assert p.returncode == 0, p.stderr
+    _wait(lambda: not _alive(first["pid"]), "the stale control daemon to be stopped")
+    assert len(_starts(rec)) == 2 and _mps_status(env)["gpus"][0]["state"] == "on"
+    assert _krex(env, "daemon", "stop").returncode == 0
