@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from krex import paths
 from krex.errors import KrexError, MpsUnavailable
 from krex.native import lib
+from krex.node import procfs
 
 if TYPE_CHECKING:
     from krex.device.gpus import GpuInfo
@@ -378,6 +379,24 @@ class Mps:
             return []
         return [(FLAG, f"the MPS control daemon of GPU {gpu} (pipe {m.pipe}) died or was down during "
                        "the region: its MPS server and clients may have failed or run without MPS")]
+
+    def servers(self) -> set[int]:
+        """The processes below the control daemons in use (the MPS servers they start): they
+        hold the GPU context of every client, so NVML lists them beside the clients; they
+        are KREX's own, not foreign work (a client's own pid is judged as any process's)."""
+        with self._lock:
+            roots = [m.pid for m in self.gpus.values()
+                     if m.pid is not None and m.state in ("on", "attached") and _alive(m.pid, m.start_ticks)]
+        out: set[int] = set()
+        todo = list(roots)
+        while todo:
+            kids = procfs.children(todo.pop())
+            if kids is None:  # no /proc/PID/task/*/children: one scan of /proc
+                return procfs.descendants(roots, procfs.proc_table()) - set(roots)
+            new = set(kids) - out
+            out |= new
+            todo.extend(new)
+        return out
 
     # ---------------------------------------------------------------- commands
     def command_env(self, gpu: int) -> dict[str, str]:

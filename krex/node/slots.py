@@ -476,6 +476,7 @@ class Slots(DaemonState):
             pids.update(self._group_pids(s))
         for n in {int(lib.KREX_PROC_STALE), *range(lib.KREX_MAX_SLOTS)}:
             pids.update(self.seg.slot_pids(n))
+        pids.update(self.mps.servers())  # MPS servers hold their clients' contexts
         return pids
 
     def _expected(self) -> Expected:

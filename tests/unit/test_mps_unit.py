@@ -4,6 +4,8 @@ gets, and which regions a control daemon's time down flags `mps-server`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -91,3 +93,39 @@ def test_a_region_is_flagged_when_the_control_daemon_was_down_at_any_time_since_
     m.gpus[0].down.append([now - 500, None])  # down now
     assert [f for f, _t in m.flags(0, now)] == [mps.FLAG]
     assert m.flags(1, 0) == []  # another GPU's control daemon is another matter
+
+
+def test_the_mps_servers_below_a_control_daemon_in_use_count_as_krexs_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NVML lists the MPS server (it holds every client's context) beside the clients: the
+    processes below a control daemon in use are KREX's own, or every region under MPS is
+    flagged foreign-process (seen on an H100). A control daemon that is down owns nothing."""
+    import subprocess
+    import sys
+
+    from krex.native import lib
+
+    monkeypatch.setenv("KREX_MPS_CONTROL", "true")
+    m = mps.Mps(Config(device="sim", mps="on"), _sim(1))
+    # A stand-in control daemon with a server child that has a child of its own.
+    sleeper = "import time; time.sleep(60)"
+    server = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]); {sleeper}"
+    control = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {server!r}]); {sleeper}"
+    ctl = subprocess.Popen([sys.executable, "-c", control])
+    below: set[int] = set()
+    try:
+        g = m.gpus[0]
+        g.pid, g.start_ticks, g.state = ctl.pid, int(lib.krex_pid_start_ticks(ctl.pid)), "on"
+        deadline = time.monotonic() + 10
+        while len(m.servers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        below = m.servers()
+        assert len(below) == 2 and ctl.pid not in below, below
+        g.state = "down"
+        assert m.servers() == set()
+    finally:
+        for pid in (ctl.pid, *below):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        ctl.wait()

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# MPS under krexd on one real GPU, one device call (carry .whl), about 4 minutes:
+#  1. `krex daemon start --mps`: the control daemon krexd starts (its pid file, its pipe dir)
+#     and `krex status`'s MPS lines;
+#  2. a torch command under `krex run`, timing in a region: an MPS client (the server holds
+#     the context), the region clean, the MPS variables it was given;
+#  3. context creation with 8, 16 and 32 processes starting at once, without MPS and as
+#     clients of the control daemon krexd started: seconds to the first finished kernel
+#     (p50, max) and GPU memory per process;
+#  4. `krex daemon stop`: the control daemon gone with it.
+# Everything comes back in $OUT; the last lines are the table (docs/results/mps/).
+set -uo pipefail
+REPO=$PWD; O=${OUT:-/tmp/krex-out}; mkdir -p "$O"
+. benchmarks/h200_env.sh || exit 1
+export KREX_STATE_DIR=/tmp/krexstate-mps
+KREX=(python3 -m krex.cli.main)
+cd /tmp
+command -v nvidia-cuda-mps-control || { echo "no nvidia-cuda-mps-control"; exit 1; }
+
+echo "== 1. krex daemon start --mps"
+timeout 60 "${KREX[@]}" daemon start --device gpu --mps --slots-per-gpu 4 > "$O/start.log" 2>&1
+echo "rc=$?"; tail -3 "$O/start.log"
+"${KREX[@]}" status --json > "$O/status.json" 2>&1
+PIPE=$(python3 -c "import json; d=json.load(open('$O/status.json')); print(d['daemon']['mps']['gpus'][0]['pipe_dir'])")
+python3 -c "import json; print(json.load(open('$O/status.json'))['daemon']['mps'])"
+ls -la "$PIPE" > "$O/pipe.txt"; cat "$O/pipe.txt"
+
+echo "== 2. a region under MPS"
+cat > /tmp/mps_region.py <<'EOF'
+import json, os, subprocess, torch, krex
+a = torch.randn(4096, 4096, device="cuda"); torch.cuda.synchronize()
+with krex.region() as r:
+    for _ in range(50):
+        b = a @ a
+    torch.cuda.synchronize()
+smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout.splitlines()[-6:]
+print(json.dumps({"clean": r.clean, "flags": r.flags, "pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
+                  "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "smi": smi}))
+EOF
+timeout 90 "${KREX[@]}" run --device gpu -- python3 /tmp/mps_region.py > "$O/region.json" 2> "$O/region.log"
+echo "rc=$?"; cat "$O/region.json"; tail -3 "$O/region.log"
+"${KREX[@]}" journal --json > "$O/journal.json" 2>/dev/null || "${KREX[@]}" journal > "$O/journal.txt" 2>&1
+
+echo "== 3. context creation, N at once"
+cat > /tmp/ctx.py <<'EOF'
+import json, os, sys, time
+import torch
+base = sys.argv[1]
+open(f"{base}.{os.getpid()}.ready", "w").close()
+while not os.path.exists(base + ".go"):
+    time.sleep(0.001)
+t = time.time(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+print(json.dumps({"pid": os.getpid(), "ctx_s": time.time() - t}), flush=True)
+while not os.path.exists(base + ".end"):
+    time.sleep(0.01)
+EOF
+python3 - "$PIPE" "$O" <<'EOF'
+import glob, json, os, statistics, subprocess, sys, time
+pipe, out = sys.argv[1], sys.argv[2]
+def used_mib():
+    r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                       capture_output=True, text=True)
+    return float(r.stdout.split()[0])
+rows = []
+for mode in ("plain", "mps"):
+    for n in (8, 16, 32):
+        base = f"/tmp/ctx-{mode}-{n}"
+        for f in glob.glob(base + "*"):
+            os.unlink(f)
+        env = dict(os.environ)
+        env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+        if mode == "mps":
+            env["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+        idle = used_mib()
+        ps = [subprocess.Popen([sys.executable, "/tmp/ctx.py", base], env=env, stdout=subprocess.PIPE, text=True)
+              for _ in range(n)]
+        t0 = time.time()
+        while len(glob.glob(base + ".*.ready")) < n and time.time() - t0 < 60:
+            time.sleep(0.01)
+        open(base + ".go", "w").close()
+        got = []
+        for p in ps:
+            line = p.stdout.readline()
+            if line:
+                got.append(json.loads(line)["ctx_s"])
+        time.sleep(0.5)
+        mem = (used_mib() - idle) / n
+        open(base + ".end", "w").close()
+        for p in ps:
+            p.wait(30)
+        row = {"mode": mode, "n": n, "ok": len(got), "ctx_p50_s": round(statistics.median(got), 3) if got else None,
+               "ctx_max_s": round(max(got), 3) if got else None, "mib_per_process": round(mem, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+json.dump(rows, open(out + "/contexts.json", "w"), indent=1)
+EOF
+
+echo "== 4. krex daemon stop"
+CPID=$(python3 -c "import json; print(json.load(open('$O/status.json'))['daemon']['mps']['gpus'][0]['pid'])")
+timeout 60 "${KREX[@]}" daemon stop; echo "rc=$?"
+sleep 1
+if kill -0 "$CPID" 2>/dev/null; then echo "control daemon $CPID still running"; else echo "control daemon $CPID gone"; fi
+ls "$PIPE" 2>&1 | head -3
+echo "== table"
+python3 - "$O" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1] + "/contexts.json"))
+print("| processes at once | plain: ctx p50 / max s | MiB each | MPS: ctx p50 / max s | MiB each |")
+print("|---|---|---|---|---|")
+for n in (8, 16, 32):
+    p = next(r for r in rows if r["mode"] == "plain" and r["n"] == n)
+    m = next(r for r in rows if r["mode"] == "mps" and r["n"] == n)
+    print(f"| {n} | {p['ctx_p50_s']} / {p['ctx_max_s']} ({p['ok']} ok) | {p['mib_per_process']} | "
+          f"{m['ctx_p50_s']} / {m['ctx_max_s']} ({m['ok']} ok) | {m['mib_per_process']} |")
+EOF
