@@ -142,6 +142,11 @@ def _weights(v: Any) -> str:
 MPS_MODES = ("off", "on")
 
 
+def _on_off(v: Any) -> str:
+    """off or on, read as the other yes/no settings are (yes/no, true/false, 1/0, a TOML bool)."""
+    return "on" if _bool(v) else "off"
+
+
 def _abs_dir(v: Any) -> str:
     s = str(v).strip()
     if not s.startswith("/") or any(c.isspace() for c in s):
@@ -292,7 +297,7 @@ KEYS = (
     Key("tenant_weights", "tenant_weights", "KREX_TENANT_WEIGHTS", _weights,
         "NAME=WEIGHT pairs, e.g. alice=2,bob=1", "--tenant-weights",
         "shares of exclusive GPU time per tenant under the fair queue (tenants not named: 1)"),
-    Key("mps", "mps", "KREX_MPS", _choice(MPS_MODES), "off or on", "--mps",
+    Key("mps", "mps", "KREX_MPS", _on_off, "off or on (yes/no, 1/0 also read)", "--mps",
         "NVIDIA MPS: one control daemon per GPU, started and stopped by krexd (--mps alone: on)",
         MPS_MODES, bare="on"),
     Key("mps_pipe_dir", "mps_pipe_dir", "KREX_MPS_PIPE_DIR", _abs_dir,

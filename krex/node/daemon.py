@@ -256,7 +256,11 @@ class Daemon(Server):
                     os.sched_setaffinity(0, keep)
         conns.raise_fd_limit()
         self.mps.start(lambda g: self.current.get(g) is not None)  # asked for and unavailable: no start
-        self._open_segment()
+        try:
+            self._open_segment()
+        except BaseException:
+            self.mps.stop()  # a start that fails leaves no control daemon behind
+            raise
         self.seg.fixed_gpus = self.info.count
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
         self._fail_opens = self._read_fail_opens()

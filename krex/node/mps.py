@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -58,6 +59,11 @@ START_WAIT_S = 10.0  # for `-d` to return and the pid file to name a live proces
 QUIT_WAIT_S = 5.0  # for `quit` to end it, before SIGTERM (then SIGKILL after as long again)
 WATCH_S = 0.2  # how often the watcher checks the control daemons
 RETRY_S = 5.0  # between restarts that failed
+# A control daemon that dies within FAST_DEATH_S of its start is restarted after a delay
+# that doubles with each such death (up to BACKOFF_MAX_S): no restart storm.
+FAST_DEATH_S = 10.0
+BACKOFF_MAX_S = 60.0
+PID_MAX = 4194304  # the kernel's PID_MAX_LIMIT: a larger number names no process
 
 
 @dataclass
@@ -77,6 +83,8 @@ class GpuMps:
     # (down since, up again at or None) in time.monotonic_ns, newest last
     down: list[list[int | None]] = field(default_factory=list)
     error: str = ""
+    started_at: float = 0.0  # time.monotonic() of the last start
+    fast_deaths: int = 0  # deaths in a row within FAST_DEATH_S of their start
 
 
 def _gpu_uuids(info: GpuInfo) -> list[str | None]:
@@ -119,11 +127,24 @@ def _alive(pid: int | None, ticks: int) -> bool:
 
 
 def _read_pid(pipe: Path) -> int | None:
+    """The pid in the pipe directory's pid file: a regular file (never a FIFO or a link,
+    which would block or lead elsewhere) holding a number that can name a process other
+    than init and krexd itself."""
     try:
-        raw = (pipe / PID_FILE).read_text().strip()
+        fd = os.open(pipe / PID_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, 32).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not raw.isdigit() or not 1 < int(raw) <= PID_MAX or int(raw) == os.getpid():
+        return None
+    return int(raw)
 
 
 def _serves(pid: int, pipe: Path) -> bool:
@@ -134,6 +155,21 @@ def _serves(pid: int, pipe: Path) -> bool:
     except OSError:
         return False
     return f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in env.split(b"\0")
+
+
+def _is_control(pid: int, names: set[str]) -> bool:
+    """Is `pid` a control daemon: run by root or krexd's user, its program (argv[0], or the
+    script an interpreter runs, argv[1]) one of `names`? A pid file is anyone's word; a
+    command (whose environment also names the pipe directory) or init is never one."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid not in (0, os.geteuid()):
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    progs = [os.path.basename(a.decode(errors="replace")) for a in argv[:2]]
+    return bool(set(progs) & names)
 
 
 def _private_dir(p: Path) -> Path:
@@ -168,6 +204,10 @@ class Mps:
         self._stop = threading.Event()
         self._busy: Callable[[int], bool] = lambda _g: False
         self._control = ""
+        # The program names a control daemon's process may carry (_is_control).
+        self._names = {CONTROL_BIN}
+        if os.environ.get(CONTROL_ENV, "").strip():
+            self._names.add(os.path.basename(os.environ[CONTROL_ENV].strip()))
         self._watcher: threading.Thread | None = None
         if self.mode == "off":
             return
@@ -208,7 +248,8 @@ class Mps:
         else:
             root = _private_dir(paths.state_dir() / "mps")
             for d in sorted(root.glob("gpu*")):  # a previous krexd's, any GPU count
-                self._clear_stale(d / "pipe")
+                if not d.is_symlink() and d.is_dir():  # a planted link: _private_dir refuses it
+                    self._clear_stale(d / "pipe")
             try:
                 for m in self.gpus.values():
                     self._start_one(m)
@@ -221,15 +262,26 @@ class Mps:
     def _attach(self) -> None:
         m0 = next(iter(self.gpus.values()))
         pipe = m0.pipe
-        if not pipe.is_dir() or not (os.path.exists(pipe / CONTROL_PIPE) or _read_pid(pipe)):
+        try:
+            st = os.lstat(pipe)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+            raise MpsUnavailable(
+                f"{pipe} is not a directory of root's or krexd's user: its control daemon's word "
+                "cannot be trusted (a link, another user's, or missing)",
+                "point --mps-pipe-dir at the pipe directory of a control daemon root or you started",
+            )
+        if not (os.path.exists(pipe / CONTROL_PIPE) or _read_pid(pipe)):
             raise MpsUnavailable(
                 f"no MPS control daemon at {pipe}: no {CONTROL_PIPE} pipe or {PID_FILE} there",
                 f"start one (CUDA_MPS_PIPE_DIRECTORY={pipe} {CONTROL_BIN} -d) or fix --mps-pipe-dir",
             )
         pid = _read_pid(pipe)
         ticks = int(lib.krex_pid_start_ticks(pid)) if pid else 0
-        if pid is not None and not _alive(pid, ticks):
-            raise MpsUnavailable(f"the MPS control daemon at {pipe} (pid {pid}) is not running",
+        if pid is not None and not (_alive(pid, ticks) and _is_control(pid, self._names)):
+            raise MpsUnavailable(f"the MPS control daemon at {pipe} (pid {pid}) is not running, or "
+                                 f"pid {pid} is not a control daemon of root or krexd's user",
                                  "start it again, or fix --mps-pipe-dir")
         for m in self.gpus.values():
             m.pid, m.start_ticks = pid, ticks
@@ -265,9 +317,10 @@ class Mps:
         deadline = time.monotonic() + START_WAIT_S
         while time.monotonic() < deadline:
             pid = _read_pid(m.pipe)
-            if pid is not None and _alive(pid, 0):
+            if pid is not None and _alive(pid, 0) and _is_control(pid, self._names):
                 with self._lock:
                     m.pid, m.start_ticks, m.state, m.error = pid, int(lib.krex_pid_start_ticks(pid)), "on", ""
+                    m.started_at = time.monotonic()
                 log.info("MPS: gpu %d: control daemon pid %d (CUDA_VISIBLE_DEVICES=%s, pipe %s)",
                          m.gpu, pid, m.visible, m.pipe)
                 return
@@ -308,8 +361,9 @@ class Mps:
         pid = _read_pid(pipe)
         if pid is not None and _alive(pid, 0):
             log.warning("MPS: stopping control daemon pid %d left by a previous krexd (%s)", pid, pipe)
-            # Signalled only if it is that control daemon: the pid may be another process's now.
-            mine = _serves(pid, pipe)
+            # Signalled only if it is that control daemon: the pid may be another process's
+            # now, and a command krexd admitted carries the same pipe directory.
+            mine = _serves(pid, pipe) and _is_control(pid, self._names)
             self._quit(pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
                        pipe.parent / "log")
         shutil.rmtree(pipe, ignore_errors=True)
@@ -327,6 +381,9 @@ class Mps:
             if pid is not None and _alive(pid, ticks):
                 self._quit(m.pipe, pid, ticks, m.log_dir)
                 log.info("MPS: gpu %d: control daemon pid %d stopped", m.gpu, pid)
+            elif pid is None and os.path.exists(m.pipe / CONTROL_PIPE):
+                # A start that never got a pid it could trust may still have left a daemon.
+                self._quit(m.pipe, None, 0, m.log_dir)
 
     # ----------------------------------------------------------------- faults
     def _check(self, m: GpuMps) -> None:
@@ -334,6 +391,10 @@ class Mps:
         if m.state in ("on", "attached") and m.pid is not None and not _alive(m.pid, m.start_ticks):
             m.down.append([time.monotonic_ns(), None])
             del m.down[:-32]
+            now = time.monotonic()
+            m.fast_deaths = m.fast_deaths + 1 if now - m.started_at < FAST_DEATH_S else 0
+            if m.fast_deaths:
+                m.next_try = now + min(BACKOFF_MAX_S, RETRY_S * 2 ** (m.fast_deaths - 1))
             log.warning("MPS: gpu %d: control daemon pid %d died; regions on this GPU are flagged %s%s",
                         m.gpu, m.pid, FLAG, "" if m.state == "attached" else " until it runs again")
             m.state = "down"
@@ -344,12 +405,25 @@ class Mps:
                 todo = []
                 for m in self.gpus.values():
                     self._check(m)
+                    if self.mode == "attach" and m.state == "down":
+                        self._reattach(m)
                     if (self.mode == "own" and m.state == "down" and time.monotonic() >= m.next_try
                             and not self._busy(m.gpu)):
                         m.state = "restarting"
                         todo.append(m)
             for m in todo:
                 self._restart(m)
+
+    def _reattach(self, m: GpuMps) -> None:
+        """An attached control daemon its owner started again: watch the new one (call with
+        self._lock). Regions while none ran stay flagged."""
+        pid = _read_pid(m.pipe)
+        if pid is None or pid == m.pid or not _is_control(pid, self._names):
+            return
+        m.pid, m.start_ticks, m.state = pid, int(lib.krex_pid_start_ticks(pid)), "attached"
+        if m.down and m.down[-1][1] is None:
+            m.down[-1][1] = time.monotonic_ns()
+        log.info("MPS: gpu %d: attached to the control daemon's new pid %d", m.gpu, pid)
 
     def _restart(self, m: GpuMps) -> None:
         log.info("MPS: gpu %d: no region holds the GPU: starting a new control daemon", m.gpu)

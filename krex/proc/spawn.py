@@ -60,8 +60,9 @@ def _wait(pid: int) -> int:
     another thread of the guardian (its client, timers) waited, unforwarded, until the
     command ended, and a command that had stopped itself never did. So the main thread
     sleeps in select() on the signal wakeup fd, which the C-level handler writes on any
-    thread, and SIGCHLD (a no-op handler here, never ignored: that would reap the command)
-    wakes it when the command ends."""
+    thread, and SIGCHLD (a no-op handler here, never ignored: that would reap the command;
+    unblocked here, whatever mask the caller gave us) wakes it when the command ends. The
+    bytes a caller's own wakeup fd would have got (an event loop's) are passed on to it."""
     import select
 
     def reap(flags: int) -> int | None:
@@ -77,20 +78,21 @@ def _wait(pid: int) -> int:
         rc = os.waitstatus_to_exitcode(st)
         return rc if rc >= 0 else 128 - rc
 
-    if threading.current_thread() is not threading.main_thread():
-        rc = reap(0)
-        assert rc is not None
-        return rc
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     old_chld = signal.signal(signal.SIGCHLD, lambda *_: None)
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     try:
         while (rc := reap(os.WNOHANG)) is None:
             select.select([r], [], [], 1.0)  # woken by any signal; the timeout is a backstop
             with contextlib.suppress(BlockingIOError):
-                os.read(r, 512)
+                got = os.read(r, 512)
+                if old_fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.write(old_fd, got)
         return rc
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         signal.signal(signal.SIGCHLD, old_chld)
         signal.set_wakeup_fd(old_fd)
         os.close(r)
@@ -157,12 +159,16 @@ def _spawn_and_wait(
         # In the command, last before exec: the guardian's handlers go and its mask comes
         # back. A signal forwarded before this waits (blocked) and then acts as on the
         # command; caught by the guardian's handler copied into the child, it was lost.
-        for s in FORWARDED:
+        for s in caught:
             signal.signal(s, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
+    # A signal the caller ignores (nohup's SIGHUP, a background job's SIGINT) stays ignored,
+    # by the guardian and by the command, as the bare command would have it.
+    caught = [s for s in FORWARDED if signal.getsignal(s) != signal.SIG_IGN]
+
     if launch.cgroup is not None:
-        old = {s: signal.signal(s, forward) for s in FORWARDED}
+        old = {s: signal.signal(s, forward) for s in caught}
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             pid = _clone_into_cgroup(replace(launch, preexec=[*launch.preexec, child_signals]), born, shared)
@@ -186,7 +192,7 @@ def _spawn_and_wait(
             fn()
         child_signals()
 
-    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    old = {s: signal.signal(s, forward) for s in caught}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         try:

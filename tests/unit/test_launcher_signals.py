@@ -77,3 +77,44 @@ def _run(driver: str) -> None:
         raise AssertionError("the command never resumed: the guardian's signals were lost") from None
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-1] == "143", (r.stdout, r.stderr)
+
+
+def test_a_caller_that_blocks_sigchld_still_gets_the_end_at_once() -> None:
+    """The wait is woken by SIGCHLD: a caller's blocked SIGCHLD (inherited) must not leave
+    the guardian to its 1 s backstop."""
+    driver = textwrap.dedent(
+        """
+        import signal, time
+        from krex.proc.spawn import Launch, spawn_and_wait
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        t = time.monotonic()
+        rc = spawn_and_wait(Launch(["sleep", "0.05"], {"PATH": "/usr/bin:/bin"}, 0, 0))
+        print(rc, round(time.monotonic() - t, 3))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=30)
+    rc, took = r.stdout.split()
+    assert rc == "0" and float(took) < 0.5, (r.stdout, r.stderr)
+
+
+def test_a_signal_the_caller_ignores_stays_ignored_for_the_command() -> None:
+    """nohup's SIGHUP: ignored by the caller, so ignored by the command (as bare) and not
+    forwarded as a kill."""
+    driver = textwrap.dedent(
+        """
+        import os, signal, threading, time
+        from krex.proc.spawn import Launch, spawn_and_wait
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        def hup():
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGHUP)
+        threading.Thread(target=hup, daemon=True).start()
+        cmd = ["sh", "-c", "grep SigIgn /proc/self/status; sleep 0.6; echo survived"]
+        print(spawn_and_wait(Launch(cmd, {"PATH": "/usr/bin:/bin"}, 0, 0)))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=30)
+    lines = r.stdout.split("\n")
+    ign = int(lines[0].split()[1], 16)
+    assert ign & (1 << (signal.SIGHUP - 1)), r.stdout
+    assert "survived" in r.stdout and lines[-2] == "0", (r.stdout, r.stderr)

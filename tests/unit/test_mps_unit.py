@@ -129,3 +129,82 @@ def test_the_mps_servers_below_a_control_daemon_in_use_count_as_krexs_own(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         ctl.wait()
+
+
+def test_a_pid_file_is_read_only_when_it_can_name_a_control_daemon(tmp_path: Path) -> None:
+    """The pid file is anyone's word who can write the pipe directory: a FIFO (which would
+    block krexd), a link, a number past the kernel's pid range, init or krexd's own pid is
+    no pid at all."""
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    f = pipe / mps.PID_FILE
+    for text, want in (("4242\n", 4242), ("1", None), (str(os.getpid()), None),
+                       ("99999999999999999999", None), ("garbage", None), ("", None)):
+        f.write_text(text)
+        assert mps._read_pid(pipe) == want, text
+    f.unlink()
+    os.mkfifo(f)
+    assert mps._read_pid(pipe) is None  # returns at once: never waits for a writer
+    f.unlink()
+    (tmp_path / "elsewhere").write_text("4242")
+    f.symlink_to(tmp_path / "elsewhere")
+    assert mps._read_pid(pipe) is None
+
+
+def test_a_command_that_carries_the_pipe_directory_is_no_control_daemon(tmp_path: Path) -> None:
+    """A command krexd admitted has CUDA_MPS_PIPE_DIRECTORY too: only a process running the
+    control program (argv[0], or the script an interpreter runs) counts as a control daemon,
+    so a stale pid file that names a command never gets it signalled."""
+    import subprocess
+    import sys
+
+    pipe = tmp_path / "pipe"
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    cmd = subprocess.Popen(["sleep", "30"], env=env)
+    prog = tmp_path / "fake-control"
+    prog.write_text("import time; time.sleep(30)\n")
+    ctl = subprocess.Popen([sys.executable, str(prog), "-d"], env=env)
+    try:
+        time.sleep(0.2)
+        names = {mps.CONTROL_BIN, "fake-control"}
+        assert mps._serves(cmd.pid, pipe) and not mps._is_control(cmd.pid, names)
+        assert mps._is_control(ctl.pid, names)
+        assert not mps._is_control(1, names)
+    finally:
+        for p in (cmd, ctl):
+            p.kill()
+            p.wait()
+
+
+def test_attaching_trusts_only_a_directory_of_root_or_krexds_user_and_a_real_control_pid(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KREX_MPS_CONTROL", "true")
+    pipe = tmp_path / "their-pipe"
+    pipe.mkdir()
+    (pipe / mps.CONTROL_PIPE).write_text("")
+    (pipe / mps.PID_FILE).write_text("1")  # init's pid: would make every process "known"
+    m = mps.Mps(Config(device="sim", mps_pipe_dir=str(pipe)), _sim(1))
+    m._attach()  # pid 1 is refused as a pid, so there is none to watch...
+    assert m.gpus[0].pid is None and m.servers() == set()  # ...and nothing counts as MPS's own
+    os.chown(pipe, 65534, 65534)  # another user's directory
+    with pytest.raises(MpsUnavailable, match="cannot be trusted"):
+        m._attach()
+
+
+def test_a_control_daemon_that_keeps_dying_at_once_is_restarted_ever_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No restart storm: each death within FAST_DEATH_S of its start doubles the wait."""
+    monkeypatch.setenv("KREX_MPS_CONTROL", "true")
+    m = mps.Mps(Config(device="sim", mps="on"), _sim(1))
+    g = m.gpus[0]
+    waits = []
+    for _ in range(6):
+        g.state, g.pid, g.start_ticks, g.started_at = "on", 2**22, 0, time.monotonic()
+        now = time.monotonic()
+        with m._lock:
+            m._check(g)
+        assert g.state == "down"
+        waits.append(round(g.next_try - now))
+    assert waits == [5, 10, 20, 40, 60, 60], waits
