@@ -111,11 +111,7 @@ def spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None = None
         signal.signal(signal.SIGCHLD, old_chld)
 
 
-def _spawn_and_wait(
-    launch: Launch,
-    on_start: Callable[[int], None] | None,
-    shared: bool,
-) -> int:
+def _spawn_and_wait(launch: Launch, on_start: Callable[[int], None] | None, shared: bool) -> int:
     child: subprocess.Popen[bytes] | None = None
     born: list[int] = []  # a pid from _clone_into_cgroup
     doomed: list[threading.Timer] = []
