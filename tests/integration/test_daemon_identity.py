@@ -219,7 +219,10 @@ def test_the_shim_never_registers_with_another_users_daemon(users: Users, fake_b
         KREX_LOG="1",
     )
     code = "import ctypes; ctypes.CDLL('libcudart.so.13').cudaFree(None); print('done')"
-    p = _as(victim, [user_python(), "-c", code], env)
+    try:
+        p = _as(victim, [user_python(), "-c", code], env)
+    finally:  # the simulated GPU's segment the victim's process made
+        Path("/dev/shm" + env["KREX_SIM_SHM"]).unlink(missing_ok=True)
     assert p.returncode == 0 and "done" in p.stdout, (p.stdout, p.stderr)
     # Before: ['register'] (the shim asked the fake for a slot).
     assert not fake_b.frames_from(victim.uid), fake_b.frames()
