@@ -106,6 +106,10 @@ CONNECT_FIX = ("start the head with `ray start --head` (it prints the address to
                "and port (`ray status` on a cluster node shows them), or leave --address out to start "
                "a local one-node cluster")
 NODES_REFRESH_S = 2.0
+# A node whose attempts were lost without a NodeDiedError naming it (a worker crash first)
+# may be dead while the GCS still lists it: its health checks notice within seconds. At the
+# end the summary waits up to this long for the GCS to say, not to call a dead node alive.
+LOST_CONFIRM_S = 30.0
 # Set by Ray in every worker; a command under `krex batch` would not have them
 # (OMP_NUM_THREADS=1 would change a CPU-threaded benchmark).
 # RAY_AUTH_TOKEN: the cluster's secret (token authentication), never a benchmark's business.
@@ -526,6 +530,19 @@ def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dic
     return out
 
 
+def _final_nodes(ray: Any, dead: set[str], lost_log: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The nodes alive at the end. One that lost attempts and is still listed gets up to
+    LOST_CONFIRM_S for the GCS's health checks to notice it died."""
+    alive = _alive_nodes(ray, dead)
+    suspects = {str(x["node_id"]) for x in lost_log if x.get("node_id")} & set(alive)
+    until = time.monotonic() + LOST_CONFIRM_S
+    while suspects and time.monotonic() < until:
+        time.sleep(0.5)
+        alive = _alive_nodes(ray, dead)
+        suspects &= set(alive)
+    return alive
+
+
 def _lost_errors(ray: Any) -> tuple[type[BaseException], ...]:
     return tuple(t for t in (getattr(ray.exceptions, n, None) for n in LOST_ERRORS) if isinstance(t, type))
 
@@ -735,7 +752,7 @@ def _drive(ray: Any, commands: Sequence[BatchCommand], cfg: FleetConfig, out: Pa
                                 "lost_attempts": retry.get(cmd.index, [])}
             _write_json(out / f"cmd-{cmd.index:0{width}d}.json", {**res.to_json(), **extra[cmd.index]})
         all_results.append(res)
-    final_nodes = _alive_nodes(ray, dead)
+    final_nodes = _final_nodes(ray, dead, lost_log)
     journals = gather_journals_connected(ray, cfg.node_root, since=started_wall - 5.0,
                                          nodes=[n for n in seen if n in final_nodes])
     with open(out / "journal.jsonl", "w") as f:

@@ -332,7 +332,9 @@ def test_fleet_runs_every_command_once_per_node_exclusive(fleet: Fleet, tmp_path
     # that made no LIFE call has no exit hold, and a process already exiting in the kernel
     # cannot be frozen. Flagged, never silently clean; anything else is a failure.
     flagged = [reg for r in results for reg in r["report"]["regions"] if reg.get("contaminated")]
-    assert all(set(reg.get("flags") or ["?"]) == {"sibling-context"} for reg in flagged), flagged
+    assert all(set(reg.get("flags") or ["?"]) == {"sibling-context"} for reg in flagged), [
+        (reg.get("flags"), reg.get("reasons")) for reg in flagged
+    ]
     assert s["regions"] == n * rounds and s["contaminated_regions"] == len(flagged) <= 2, flagged
     assert s["reruns"] == 0 and s["lost_nodes"] == [] and s["jobs"] == 4
     rows = {row["node_id"]: row for row in s["nodes"]}

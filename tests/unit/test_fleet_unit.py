@@ -188,3 +188,26 @@ def test_a_node_root_that_cannot_be_a_directory_is_a_clear_usage_error(tmp_path:
     rc, err, _ = _krex(*args, tmp_path=tmp_path)
     assert rc == 2, err[-2000:]
     assert "--node-root /proc/x" in err and "fix:" in err and "Traceback" not in err, err
+
+
+def test_a_node_that_lost_attempts_is_given_time_to_be_seen_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attempts lost with a worker crash that names node b, while the GCS still lists b as
+    alive (its health checks have not noticed yet): the summary waits for the GCS rather
+    than calling b alive. A node that lost nothing is not waited for."""
+    from krex import fleet
+
+    monkeypatch.setattr(fleet.time, "sleep", lambda _s: None)
+
+    class FakeRay:
+        calls = 0
+
+        def nodes(self) -> list[dict[str, object]]:
+            FakeRay.calls += 1
+            res = {fleet.RESOURCE: 2, "GPU": 1}
+            return [{"NodeID": "a" * 16, "Alive": True, "Resources": res},
+                    {"NodeID": "b" * 16, "Alive": FakeRay.calls < 4, "Resources": res}]
+
+    lost = [{"index": 3, "attempt": 1, "node_id": "b" * 16, "error": "WorkerCrashedError", "message": ""}]
+    assert set(fleet._final_nodes(FakeRay(), set(), lost)) == {"a" * 16}
+    FakeRay.calls = 0
+    assert set(fleet._final_nodes(FakeRay(), set(), [])) == {"a" * 16, "b" * 16}
