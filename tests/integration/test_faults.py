@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,6 @@ from krex.node.shm import Segment
 from krex.protocol import FrameReader, encode
 
 HB_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
-
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
 
 
 def krex(env: dict[str, str], *args: str, timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ pytestmark = [
 
 HB_TIMEOUT_S = lib.KREX_HEARTBEAT_TIMEOUT_NS / 1e9
 HDR_FIELDS = [f for f, _ in ffi.typeof("struct krex_header").fields]
-
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
 
 
 def _header(seg: Segment) -> dict[str, object]:

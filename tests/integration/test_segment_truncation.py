@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,6 @@ pytestmark = [
 
 GUARDIANS = {"native": {}, "python": {"KREX_NATIVE_OFF": "1"}}
 SIZE = int(lib.krex_shm_size())
-
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
 
 
 def _died(kx: Krex, d_pid: int) -> str:

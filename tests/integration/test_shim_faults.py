@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,6 @@ from krex.node.shm import Segment
 from krex.proc.envvars import opt_in_env
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def kx() -> Iterator[Krex]:
-    k = Krex()
-    try:
-        yield k
-    finally:
-        k.cleanup()
 
 
 # ----------------------------------------------------------------- graph captures
