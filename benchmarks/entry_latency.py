@@ -23,7 +23,9 @@ an older build unchanged.
 
 On `--device sim` the siblings drive the simulated GPU through ctypes (a hammer queues
 four 500-us kernels and synchronises, in a loop; a `life` sibling also allocates and frees
-device memory each time round); on `--device gpu` they use torch (a hammer multiplies
+device memory each time round; a `long` sibling queues four 3-ms kernels); on `--device gpu`
+they use torch (a `long` sibling multiplies 16384x16384 bf16 matrices, about 12 ms each on
+an H200; a hammer multiplies
 8192x8192 bf16 matrices, as benchmarks/gpu_fidelity.py does; a `life` sibling also allocates
 a tensor of a new size and empties torch's cache, i.e. cudaMalloc and cudaFree). Simulated
 numbers show logic and relative cost only, never GPU performance. `life_frz` counts the
@@ -63,6 +65,12 @@ x = torch.randn(1 << 20, device="cuda")
 def hammer_step():
     a @ a
     c.mul_(1.0001)
+big = None
+def long_step():
+    global big
+    if big is None:
+        big = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    big @ big
 def short_op():
     x.mul_(1.0)
 def warm_op():
@@ -82,6 +90,8 @@ _SIM_OPS = r"""
 rt.cudaFree.argtypes = [vp]
 def hammer_step():
     kernel(500)
+def long_step():
+    kernel(3000)
 def short_op():
     kernel(100)
 def warm_op():
@@ -99,7 +109,7 @@ def burner():
     while time.time() < stop:
         x += 1
 warm()
-if KIND in ("hammer", "life") and burn:
+if KIND in ("hammer", "life", "long") and burn:
     threading.Thread(target=burner, daemon=True).start()
 open(ready, "w").write("ready")
 while time.time() < stop:
@@ -108,6 +118,10 @@ while time.time() < stop:
             hammer_step()
         if KIND == "life":
             life_step()
+        sync()
+    elif KIND == "long":
+        for _ in range(4):
+            long_step()
         sync()
     else:
         time.sleep(0.5)
@@ -224,7 +238,7 @@ def main() -> None:
                     help="the interpreter (build) the --config worlds run; default: this one")
     ap.add_argument("--siblings", default="8", help="sibling counts, e.g. 7,15 (C = siblings + 1)")
     ap.add_argument("--regions", type=int, default=100, help="regions per measurement")
-    ap.add_argument("--kinds", default="idle,hammer", help="idle, hammer, life (comma-separated)")
+    ap.add_argument("--kinds", default="idle,hammer", help="idle, hammer, life, long (comma-separated)")
     ap.add_argument("--warmup", type=int, default=3, help="operations before each region, outside it")
     ap.add_argument("--rounds", type=int, default=1, help="rounds, each measuring every world once")
     ap.add_argument("--burn", choices=("auto", "on", "off"), default="auto",

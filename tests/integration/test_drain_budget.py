@@ -6,6 +6,7 @@ beside the one with it, so the bound it asserts is the mechanism's, not the simu
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import sys
@@ -41,10 +42,14 @@ def _left_at_close(kx: Krex, recs: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def _hammers(kx: Krex, n: int, us: int = KERNEL_US) -> None:
+def _hammers(kx: Krex, n: int, us: int = KERNEL_US, hold_ms: int = 0) -> None:
+    """n siblings launching `us` kernels back to back; with `hold_ms`, each waits that long
+    after its first kernel, so that none starts its stream while alone on the GPU (a command
+    alone is not paced: it could queue all its kernels before the next one arrives)."""
     actor = str(victims()["actor"])
+    hold = [f"sleep:{hold_ms}"] if hold_ms else []
     for i in range(n):
-        kx.run_argv(f"hammer{i}", [actor, "k:1", "sync", f"kn:1000000:{us}"])
+        kx.run_argv(f"hammer{i}", [actor, "k:1", "sync", *hold, f"kn:1000000:{us}"])
     kx.wait(lambda: len(kx.status()["slots"]) == n, 60, "the hammers' slots")
     kx.wait(lambda: sum(1 for p in kx.snapshot().procs if p.has_ctx) >= n, 60, "the hammers' first kernels")
     time.sleep(0.5)  # past their first pacing checks
@@ -88,6 +93,52 @@ def test_the_budget_bounds_what_all_hammering_siblings_leave_for_a_drain(kx: Kre
             f"close (bound {bound:.1f} ms): {[round(x, 1) for x in left]}"
         )
     assert not any("drain-timeout" in r.get("flags", []) for r in recs)
+
+
+LONG_US = 3000  # each kernel longer than a sibling's share of the budget: they are on the floor
+
+
+@root
+@pytest.mark.parametrize("tokens", [str(lib.KREX_PACE_TOKENS), "0"])
+def test_long_work_takes_turns_so_a_drain_does_not_grow_with_the_siblings(kx: Krex, tokens: str) -> None:
+    """Six siblings launch 3 ms kernels, each longer than its share of the 4 ms budget, so
+    each keeps one at a time in flight (the floor). Taking turns (default), at most
+    `pace_tokens` of those are queued on the GPU at once, and a region's gate closes on about
+    that many kernels; without turns (0) it closes on about one per sibling, six."""
+    n, k = 6, int(tokens)
+    kx.start_daemon(slots=n + 2, env_extra={"KREX_PACE_TOKENS": tokens, "KREX_EARLY_SHRINK": "off"})
+    _hammers(kx, n, LONG_US, hold_ms=2000)
+    time.sleep(2.5)  # past their hold: all of them launching
+    recs = _regions(kx, {"owner": ["sleep:100", "begin", "end"] * 12})
+    left = _left_at_close(kx, recs)[2:]
+    med = statistics.median(left)
+    # The turns' bound: `k` kernels, plus slack for leases lapsing on a loaded machine (a
+    # holder's renewal comes from a CPU the simulator shares).
+    bound = k * LONG_US / 1e3 + LONG_US / 1e3 + 1.0
+    if k == 0:
+        assert med > (n - 1) * LONG_US / 1e3 - 2.0, (
+            f"without turns only {med:.1f} ms were left at the close: the test proves nothing ({left})"
+        )
+    else:
+        assert med <= bound, (
+            f"with {k} turns, {n} siblings of {LONG_US} us kernels left a median {med:.1f} ms at the "
+            f"gate's close (bound {bound:.1f} ms): {[round(x, 1) for x in left]}"
+        )
+        assert not any("drain-timeout" in r.get("flags", []) for r in recs)
+    print(f"turns {k}: left at close median {med:.1f} ms, {[round(x, 1) for x in left]}; "
+          f"flags {[r.get('flags') for r in recs if r.get('flags')]}")
+    # Taking turns starves no sibling and leaves the GPU no idler: between the first and the
+    # last region, every sibling ran kernels, the fewest at least a fifth of the most, and
+    # siblings' kernels kept the simulated GPU busy (regions and their entries aside).
+    ops = [e for e in read_jsonl(kx.trace) if e.get("ev") == "op" and e["cls"] == lib.KREX_CLS_KERNEL]
+    t0, t1 = _close_ns(recs[2]), _close_ns(recs[-1])
+    mine = [o for o in ops if t0 <= o["end"] <= t1 and o["slot"] != recs[0]["owner_slot"]]
+    per = collections.Counter(o["slot"] for o in mine)
+    busy = len(mine) * LONG_US * 1e3 / (t1 - t0)
+    print(f"turns {k}: kernels per sibling {sorted(per.values())}, siblings' kernels {busy:.0%} of the time")
+    fair = len(per) == n and min(per.values()) * 5 >= max(per.values())
+    assert fair, f"kernels per sibling slot: {dict(per)}"
+    assert busy >= 0.6, f"siblings' kernels ran only {busy:.0%} of the time between the regions"
 
 
 @root
