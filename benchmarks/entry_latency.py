@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -112,7 +113,11 @@ warm()
 if KIND in ("hammer", "life", "long") and burn:
     threading.Thread(target=burner, daemon=True).start()
 open(ready, "w").write("ready")
+rate, steps, t_log = open(ready + ".rate", "w"), 0, 0.0
 while time.time() < stop:
+    if time.time() >= t_log:  # (wall time, steps so far): the siblings' throughput meanwhile
+        rate.write(f"{time.time()} {steps}\n"); rate.flush(); t_log = time.time() + 0.5
+    steps += 1
     if KIND in ("hammer", "life"):
         for _ in range(4):
             hammer_step()
@@ -174,15 +179,35 @@ def measure(
     sibs = siblings(w, kind, k, 900, burn)
     try:
         opts = ("--freeze", freeze) if freeze else ()
+        t0 = time.time()
         p = w.run(measure_source(w.device, warmup), str(n), log=f"measure-{kind}-{k}.log", opts=opts)
         stdout, _ = p.communicate(timeout=540)
+        t1 = time.time()
     finally:
         stop_all(sibs)
     lines = [x for x in stdout.splitlines() if x.startswith("[")]
     if p.returncode != 0 or not lines:
         raise SystemExit(f"{w.name}: the measuring command failed (rc {p.returncode}); see {w.dir}")
     rows: list[dict[str, Any]] = json.loads(lines[-1])
+    rate = sibling_rate([w.dir / f"ready-{kind}-{i}.rate" for i in range(k)], t0, t1)
+    for r in rows:
+        r["sibling_steps_s"] = rate
     return rows
+
+
+def sibling_rate(files: list[Path], t0: float, t1: float) -> float:
+    """The siblings' steps per second together while the measuring command ran (each
+    logs its count every 0.5 s): what the regions and pacing left them."""
+    total = 0.0
+    for f in files:
+        try:
+            pts = [tuple(map(float, ln.split())) for ln in f.read_text().splitlines() if ln.strip()]
+        except (OSError, ValueError):
+            continue
+        inside = [(t, n) for t, n in pts if t0 <= t <= t1]
+        if len(inside) >= 2:
+            total += (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+    return total
 
 
 LIFE_WHY = "inside a context, module or device memory call"
@@ -198,6 +223,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "max_ms": max(cl) if cl else float("nan"),
         "contaminated": sum(1 for r in rows if r.get("contaminated")),
         "life_frz": sum(1 for r in rows if any(LIFE_WHY in w for w in r.get("freeze_why") or [])),
+        "sib_steps_s": statistics.median([r.get("sibling_steps_s", math.nan) for r in rows]) if rows else math.nan,
     }
     for s in STEPS:
         xs = [1e3 * (r.get(s) or 0.0) for r in rows]
@@ -275,14 +301,14 @@ def main() -> None:
           f"freeze {a.freeze or 'default'}, warm-up {a.warmup} "
           f"(client ms; steps: median ms / p99 ms); rows in {out}/entry_latency.json")
     hdr = f"{'world/kind/C':<24}{'n':>5}{'p50':>8}{'p95':>8}{'p99':>8}{'max':>8}  " + "  ".join(
-        f"{s[:-2]:>13}" for s in STEPS) + "  contam  life_frz  waits(to/wk)"
+        f"{s[:-2]:>13}" for s in STEPS) + "  contam  life_frz  waits(to/wk)  sib_steps/s"
     print(hdr)
     for key, s in summary.items():
         steps = "  ".join(f"{s[f'{x[:-2]}_p50']:>6.2f}/{s[f'{x[:-2]}_p99']:<6.2f}" for x in STEPS)
         waits = "/".join(
             f"{s.get(f'{k}_timeouts', '-')}:{s.get(f'{k}_wakeups', '-')}" for k in ("wait_inflight", "wait_drain"))
         print(f"{key:<24}{s['n']:>5}{s['p50_ms']:>8.2f}{s['p95_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['max_ms']:>8.2f}  "
-              f"{steps}  {s['contaminated']:>6}  {s['life_frz']:>8}  {waits}")
+              f"{steps}  {s['contaminated']:>6}  {s['life_frz']:>8}  {waits:>12}  {s['sib_steps_s']:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -172,8 +172,9 @@
  * keep it busy while a third waits its turn. A turn is a word (holder pid << 40 | lease end
  * in us of CLOCK_MONOTONIC, mod 2^40), leased KREX_TURN_LEASE_US at a time and renewed while
  * its holder waits for its own work: a holder that dies, is frozen or stops submitting loses
- * it within a lease. A process waits at most KREX_TURN_WAIT_MS for one, then goes on
- * without (slower to drain once, never stuck). */
+ * it within a lease (a word whose lease ends further off than two leases is no holder's). A
+ * command whose own region is announced or queued takes none. A process waits at most
+ * KREX_TURN_WAIT_MS for one, then goes on without (slower to drain once, never stuck). */
 #define KREX_PACE_TOKENS 2
 #define KREX_TURNS_MAX 4
 #define KREX_TURN_LEASE_US 2000

@@ -35,7 +35,8 @@
  *
  * Long work takes turns (krex_abi.h, KREX_PACE_TOKENS): on the floor under a budget, a
  * process returns to submit its next interval only once it holds one of the GPU's turns, so
- * what a drain waits for is at most that many long intervals, not one per sibling.
+ * what a drain waits for is at most that many long intervals, not one per sibling. A command
+ * whose own region is announced or queued skips them (its warm-up precedes the region).
  *
  * Every vendor call here is the driver's real one (never a wrapper), in relaxed capture
  * mode, so another thread's capture is not invalidated, and none touches the CUDA
@@ -168,9 +169,10 @@ static uint64_t turn_word(uint64_t now_ns) {
     return g_turn_pid << 40 | ((now_ns / 1000 + KREX_TURN_LEASE_US) & TURN_MASK);
 }
 
-/* A turn word whose lease has ended (mod 2^40 us: the difference's top bit says which way). */
+/* A turn word whose lease has ended (mod 2^40 us), or that no holder could have written
+ * (a lease ending more than two leases from now: a stray write, never waited for). */
 static int turn_lapsed(uint64_t w, uint64_t now_ns) {
-    return w == 0 || (((w & TURN_MASK) - now_ns / 1000) & TURN_MASK) >> 39;
+    return w == 0 || ((w & TURN_MASK) - now_ns / 1000 & TURN_MASK) > 2 * KREX_TURN_LEASE_US;
 }
 
 /* Renew the lease of the turn we hold while our own work runs (a holder that stops
@@ -286,7 +288,12 @@ static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstrea
     int had = g_turn != NULL;
     turn_release();
     if (__atomic_load_n(&g_pace_off, RELAXED)) off = 1;
-    if (!off && floor && budget) {
+    /* A command whose own region is announced or queued skips the turns: its warm-up comes
+     * just before it takes the whole GPU anyway, and waiting behind every sibling would only
+     * delay the region. */
+    uint64_t me = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
+    int own = (__atomic_load_n(&g->soon_slots, RELAXED) | __atomic_load_n(&g->pending_slots, RELAXED)) & me ? 1 : 0;
+    if (!off && floor && budget && !own) {
         if (had) {
             struct timespec ts = {0, 2 * PACE_POLL_NS};
             nanosleep(&ts, NULL);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import statistics
 import sys
 import time
@@ -166,6 +167,49 @@ def test_a_region_queued_behind_another_closes_on_empty_sibling_queues(kx: Krex,
         )
         held = sum(p.held for p in kx.snapshot().procs)
         assert held > 0, "no sibling call was held for a queued region"
+
+
+def _kernels_per_s(h: Harness, pid: int, secs: float) -> float:
+    """Kernels process `pid` submitted per second over the next `secs` (the trace)."""
+    t0 = time.monotonic_ns()
+    time.sleep(secs)
+    t1 = time.monotonic_ns()
+    ops = [e for e in read_jsonl(h.trace_path) if e.get("ev") == "op" and e["cls"] == lib.KREX_CLS_KERNEL]
+    return sum(1 for o in ops if o["pid"] == pid and t0 <= o["submit"] <= t1) / secs
+
+
+@pytest.mark.parametrize("holder", ["stopped", "stray"])
+def test_a_turn_nobody_renews_never_holds_long_work_back(harness: Harness, holder: str) -> None:
+    """Long work takes one turn here (pace_tokens 1). A holder stopped with SIGSTOP (as a
+    frozen or dead one) stops renewing its lease, and a word no holder could have written
+    (a lease days ahead) is not a lease: either way the other command keeps launching its
+    3 ms kernels at the simulated GPU's pace, instead of waiting KREX_TURN_WAIT_MS each."""
+    h = harness
+    h.seg.set_daemon(os.getpid(), heartbeat_timeout_s=60)
+    g = h.seg.raw.gpus[0]
+    g.budget_us, g.pace_tokens = BUDGET_MS * 1000, 1
+    a, b = h.claim(), h.claim()
+    kn = f"kn:100000:{LONG_US}"
+    cb = h.spawn("actor", ["k:1", "sync", kn, "line"], h.env(b))
+    cb.expect(lambda d: d["act"] == "sync", 30, "registration")
+    if holder == "stopped":
+        ca = h.spawn("actor", ["k:1", "sync", kn, "line"], h.env(a))
+        ca.expect(lambda d: d["act"] == "sync", 30, "registration")
+        time.sleep(0.5)
+        shared = _kernels_per_s(h, cb.pid, 1.0)
+        os.kill(ca.pid, signal.SIGSTOP)
+    else:
+        shared = float("nan")
+        now_us = time.monotonic_ns() // 1000
+        g.turns[0] = (1 << 40) | ((now_us + 10**10) & ((1 << 40) - 1))
+    try:
+        time.sleep(0.1)
+        rate = _kernels_per_s(h, cb.pid, 1.0)
+    finally:
+        if holder == "stopped":
+            os.kill(ca.pid, signal.SIGCONT)
+    # Waiting out KREX_TURN_WAIT_MS per kernel would allow 5 a second; the device allows 333.
+    assert rate >= 100, f"{rate:.0f} kernels/s with the {holder} turn (sharing the turn: {shared:.0f}/s)"
 
 
 def _pending(h: Harness, word: str, slot: int) -> None:
