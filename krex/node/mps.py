@@ -87,7 +87,7 @@ class GpuMps:
     fast_deaths: int = 0  # deaths in a row within FAST_DEATH_S of their start
 
 
-def _gpu_uuids(info: GpuInfo) -> list[str | None]:
+def gpu_uuids(info: GpuInfo) -> list[str | None]:
     """Each managed GPU's UUID where the selection named it or NVML says it; else None."""
     out: list[str | None] = []
     for g in range(info.count):
@@ -109,7 +109,7 @@ def _gpu_uuids(info: GpuInfo) -> list[str | None]:
         return out
 
 
-def _control_program() -> str:
+def control_program() -> str:
     raw = os.environ.get(CONTROL_ENV, "").strip()
     found = shutil.which(raw or CONTROL_BIN)
     if found is None:
@@ -120,6 +120,14 @@ def _control_program() -> str:
             f"{CONTROL_ENV} to the control program, or start krexd without --mps",
         )
     return found
+
+
+def control_names() -> set[str]:
+    """The program names a control daemon's process may carry (_is_control)."""
+    names = {CONTROL_BIN}
+    if os.environ.get(CONTROL_ENV, "").strip():
+        names.add(os.path.basename(os.environ[CONTROL_ENV].strip()))
+    return names
 
 
 def _alive(pid: int | None, ticks: int) -> bool:
@@ -172,7 +180,7 @@ def _is_control(pid: int, names: set[str]) -> bool:
     return bool(set(progs) & names)
 
 
-def _private_dir(p: Path) -> Path:
+def private_dir(p: Path) -> Path:
     """Make `p` (0700, krexd's own) if needed and check it: never a planted link."""
     try:
         p.mkdir(mode=0o700, exist_ok=True)
@@ -194,6 +202,75 @@ def _tail(p: Path) -> str:
     return " | ".join(text.strip().splitlines()[-3:])
 
 
+class StartFailed(Exception):
+    """Why `<control> -d` gave no control daemon (the caller words the error)."""
+
+
+def start_control(control: str, names: set[str], env: dict[str, str], pipe: Path, log_dir: Path) -> int:
+    """Run `<control> -d` with `env` (which names `pipe` and `log_dir`, both made already) and
+    wait for the control daemon's pid in `pipe`; its pid. Raises StartFailed with the reason."""
+    # Its output goes to a file, not a pipe: the daemonised child may keep the descriptors.
+    out_path = log_dir / START_LOG
+    try:
+        fd = paths.open_private(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            p = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL,
+                               stdout=fd, stderr=fd, timeout=START_WAIT_S, start_new_session=True)
+        finally:
+            os.close(fd)
+    except (OSError, KrexError, subprocess.TimeoutExpired) as e:
+        raise StartFailed(str(e)) from None
+    if p.returncode != 0:
+        said = _tail(out_path) or "no output"
+        raise StartFailed(f"`{control} -d` exited {p.returncode}: {said}")
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        pid = _read_pid(pipe)
+        if pid is not None and _alive(pid, 0) and _is_control(pid, names):
+            return pid
+        time.sleep(0.02)
+    raise StartFailed(f"no live pid in {pipe / PID_FILE} {START_WAIT_S:g} s after `-d`")
+
+
+def quit_control(control: str, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
+    """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+    if log_dir is not None:
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run([control], input=b"quit\n", env=env, capture_output=True, timeout=QUIT_WAIT_S)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + QUIT_WAIT_S
+        while _alive(pid, ticks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not _alive(pid, ticks):
+            return
+        assert pid is not None
+        log.warning("MPS: control daemon pid %d did not quit: sending %s", pid, sig.name)
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def clear_stale(control: str, names: set[str], pipe: Path, who: str) -> int | None:
+    """Stop the control daemon `who` left in `pipe` (its log directory beside it) and remove
+    the pipe directory; the pid it stopped, if any."""
+    if not pipe.is_dir() or pipe.is_symlink():
+        return None
+    pid = _read_pid(pipe)
+    if pid is not None and _alive(pid, 0):
+        log.warning("MPS: stopping control daemon pid %d left by %s (%s)", pid, who, pipe)
+        # Signalled only if it is that control daemon: the pid may be another process's
+        # now, and a command krexd admitted carries the same pipe directory.
+        mine = _serves(pid, pipe) and _is_control(pid, names)
+        quit_control(control, pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
+                     pipe.parent / "log")
+    else:
+        pid = None
+    shutil.rmtree(pipe, ignore_errors=True)
+    return pid
+
+
 class Mps:
     """krexd's MPS control daemons: none (off), one per GPU of its own, or an attached one."""
 
@@ -204,10 +281,7 @@ class Mps:
         self._stop = threading.Event()
         self._busy: Callable[[int], bool] = lambda _g: False
         self._control = ""
-        # The program names a control daemon's process may carry (_is_control).
-        self._names = {CONTROL_BIN}
-        if os.environ.get(CONTROL_ENV, "").strip():
-            self._names.add(os.path.basename(os.environ[CONTROL_ENV].strip()))
+        self._names = control_names()
         self._watcher: threading.Thread | None = None
         if self.mode == "off":
             return
@@ -223,8 +297,8 @@ class Mps:
                 f"{CONTROL_ENV})",
             )
         if self.mode == "own":
-            self._control = _control_program()
-        uuids = _gpu_uuids(info)
+            self._control = control_program()
+        uuids = gpu_uuids(info)
         root = paths.state_dir() / "mps"
         for g in range(info.count):
             visible = uuids[g] or str(info.physical[g])
@@ -246,9 +320,9 @@ class Mps:
         if self.mode == "attach":
             self._attach()
         else:
-            root = _private_dir(paths.state_dir() / "mps")
+            root = private_dir(paths.state_dir() / "mps")
             for d in sorted(root.glob("gpu*")):  # a previous krexd's, any GPU count
-                if not d.is_symlink() and d.is_dir():  # a planted link: _private_dir refuses it
+                if not d.is_symlink() and d.is_dir():  # a planted link: private_dir refuses it
                     self._clear_stale(d / "pipe")
             try:
                 for m in self.gpus.values():
@@ -297,35 +371,18 @@ class Mps:
 
     def _start_one(self, m: GpuMps) -> None:
         assert m.log_dir is not None
-        _private_dir(m.pipe.parent)
-        _private_dir(m.pipe)
-        _private_dir(m.log_dir)
-        # Its output goes to a file, not a pipe: the daemonised child may keep the descriptors.
-        out_path = m.log_dir / START_LOG
+        private_dir(m.pipe.parent)
+        private_dir(m.pipe)
+        private_dir(m.log_dir)
         try:
-            fd = paths.open_private(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                p = subprocess.run([self._control, "-d"], env=self._env(m), stdin=subprocess.DEVNULL,
-                                   stdout=fd, stderr=fd, timeout=START_WAIT_S, start_new_session=True)
-            finally:
-                os.close(fd)
-        except (OSError, KrexError, subprocess.TimeoutExpired) as e:
+            pid = start_control(self._control, self._names, self._env(m), m.pipe, m.log_dir)
+        except StartFailed as e:
             raise self._failed(m, str(e)) from None
-        if p.returncode != 0:
-            said = _tail(out_path) or "no output"
-            raise self._failed(m, f"`{self._control} -d` exited {p.returncode}: {said}")
-        deadline = time.monotonic() + START_WAIT_S
-        while time.monotonic() < deadline:
-            pid = _read_pid(m.pipe)
-            if pid is not None and _alive(pid, 0) and _is_control(pid, self._names):
-                with self._lock:
-                    m.pid, m.start_ticks, m.state, m.error = pid, int(lib.krex_pid_start_ticks(pid)), "on", ""
-                    m.started_at = time.monotonic()
-                log.info("MPS: gpu %d: control daemon pid %d (CUDA_VISIBLE_DEVICES=%s, pipe %s)",
-                         m.gpu, pid, m.visible, m.pipe)
-                return
-            time.sleep(0.02)
-        raise self._failed(m, f"no live pid in {m.pipe / PID_FILE} {START_WAIT_S:g} s after `-d`")
+        with self._lock:
+            m.pid, m.start_ticks, m.state, m.error = pid, int(lib.krex_pid_start_ticks(pid)), "on", ""
+            m.started_at = time.monotonic()
+        log.info("MPS: gpu %d: control daemon pid %d (CUDA_VISIBLE_DEVICES=%s, pipe %s)",
+                 m.gpu, pid, m.visible, m.pipe)
 
     def _failed(self, m: GpuMps, why: str) -> MpsUnavailable:
         return MpsUnavailable(
@@ -335,38 +392,11 @@ class Mps:
         )
 
     def _quit(self, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
-        """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
-        if log_dir is not None:
-            env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run([self._control], input=b"quit\n", env=env, capture_output=True,
-                           timeout=QUIT_WAIT_S)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            deadline = time.monotonic() + QUIT_WAIT_S
-            while _alive(pid, ticks) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if not _alive(pid, ticks):
-                return
-            assert pid is not None
-            log.warning("MPS: control daemon pid %d did not quit: sending %s", pid, sig.name)
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
+        quit_control(self._control, pipe, pid, ticks, log_dir)
 
     def _clear_stale(self, pipe: Path) -> None:
         """Stop and clear what a previous krexd of this state directory left in `pipe`."""
-        if not pipe.is_dir() or pipe.is_symlink():
-            return
-        pid = _read_pid(pipe)
-        if pid is not None and _alive(pid, 0):
-            log.warning("MPS: stopping control daemon pid %d left by a previous krexd (%s)", pid, pipe)
-            # Signalled only if it is that control daemon: the pid may be another process's
-            # now, and a command krexd admitted carries the same pipe directory.
-            mine = _serves(pid, pipe) and _is_control(pid, self._names)
-            self._quit(pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
-                       pipe.parent / "log")
-        shutil.rmtree(pipe, ignore_errors=True)
+        clear_stale(self._control, self._names, pipe, "a previous krexd")
 
     def stop(self) -> None:
         """Stop the control daemons krexd started (never an attached one)."""

@@ -5,11 +5,11 @@ stop, flags a region whose control daemon died `mps-server` and starts a new one
 region holds the GPU, refuses to start when it cannot have MPS, and never stops a control
 daemon it attached to.
 
-The stand-in keeps to what krexd relies on: `-d` daemonises and writes the daemon's pid
-to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as nvidia-cuda-mps-control
-does) and creates the `control` pipe's name there; without `-d` it reads a command on
-stdin, and `quit` ends the daemon. It records its environment and each command in
-$FAKE_MPS_RECORD."""
+The stand-in (tests/helpers/fake_mps.py) keeps to what krexd relies on: `-d` daemonises
+and writes the daemon's pid to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as
+nvidia-cuda-mps-control does) and creates the `control` pipe's name there; without `-d` it
+reads a command on stdin, and `quit` ends the daemon. It records its environment and each
+command in $FAKE_MPS_RECORD."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fake_mps import fake_control as _fake
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Linux only"),
@@ -32,68 +33,6 @@ pytestmark = [
 _KREX = Path(sys.executable).with_name("krex")
 KREX = [str(_KREX)] if _KREX.exists() else [sys.executable, "-m", "krex.cli.main"]
 PID_FILE = "nvidia-cuda-mps-control.pid"
-
-FAKE_CONTROL = '''\
-import json, os, signal, sys, time
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-rec = os.environ["FAKE_MPS_RECORD"]
-
-
-def note(line):
-    with open(os.path.join(rec, "events.log"), "a") as f:
-        f.write(line + "\\n")
-
-
-if sys.argv[1:] == ["-d"]:
-    if os.environ.get("FAKE_MPS_FAIL"):
-        sys.stderr.write("fake MPS: cannot open the GPU\\n")
-        sys.exit(1)
-    if os.fork():
-        sys.exit(0)  # `-d` returns at once; the daemon lives on
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    pid = os.getpid()
-    keep = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
-    with open(os.path.join(rec, f"start-{pid}.json"), "w") as f:
-        json.dump({"pid": pid, "t": time.time(), **{k: os.environ.get(k) for k in keep}}, f)
-    open(os.path.join(pipe, "control"), "w").close()
-    with open(os.path.join(pipe, "pid.tmp"), "w") as f:
-        f.write(str(pid))
-    os.rename(os.path.join(pipe, "pid.tmp"), os.path.join(pipe, "nvidia-cuda-mps-control.pid"))
-
-    def bye(*_):
-        for name in ("nvidia-cuda-mps-control.pid", "control"):
-            try:
-                os.unlink(os.path.join(pipe, name))
-            except OSError:
-                pass
-        note(f"exit {pid}")
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, bye)
-    while True:
-        signal.pause()
-else:
-    cmd = sys.stdin.read().strip()
-    note(f"command {cmd} {pipe}")
-    if cmd == "quit":
-        with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid")) as f:
-            os.kill(int(f.read()), signal.SIGTERM)
-'''
-
-
-def _fake(tmp: Path) -> tuple[Path, Path]:
-    prog = tmp / "fake-mps-control"
-    prog.write_text(f"#!{sys.executable}\n{FAKE_CONTROL}")
-    prog.chmod(0o755)
-    rec = tmp / "mps-record"
-    rec.mkdir()
-    return prog, rec
-
 
 def _env(krex_env: dict[str, str], prog: Path, rec: Path) -> dict[str, str]:
     return dict(krex_env, KREX_MPS_CONTROL=str(prog), FAKE_MPS_RECORD=str(rec))
