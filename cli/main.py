@@ -57,16 +57,20 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
 @click.option("--nvtx-region", default=None, metavar="PATTERN",
               help="also KREX_NVTX_REGION: NVTX ranges whose name matches PATTERN become regions")
-def env(device: str, export: bool, nvtx_region: str | None) -> None:
-    """Print the variables that opt a process into KREX."""
+@click.option("--gpu", "gpu", type=click.IntRange(min=0), default=0, show_default=True,
+              help="with krexd running MPS: the GPU whose MPS variables to print")
+def env(device: str, export: bool, nvtx_region: str | None, gpu: int) -> None:
+    """Print the variables that opt a process into KREX (and, while krexd runs MPS, the
+    MPS variables `krex run` gives a command on the GPU)."""
     from krex.device.gpus import discover, sim_gpu_count
     from krex.node.shm import default_name
-    from krex.proc.envvars import format_env, opt_in_env
+    from krex.proc.envvars import format_env, mps_env, opt_in_env
 
     kind = "sim" if device == "sim" else discover(device).kind
     if kind == "sim":
         sim_gpu_count()  # validates KREX_SIM_GPUS now rather than in every opted-in process
     out = opt_in_env("sim" if kind == "sim" else "gpu", default_name())
+    out.update(mps_env(gpu))
     if nvtx_region is not None:
         from krex.native import nvtx_path
 

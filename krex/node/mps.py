@@ -516,14 +516,17 @@ class Mps:
         return out
 
     def status(self) -> dict[str, Any]:
-        """For `krex status`: the mode and each GPU's control daemon."""
+        """For `krex status`: the mode and each GPU's control daemon (its pid only while it
+        runs: a control daemon down or restarting has none), and the MPS variables a command
+        on that GPU gets (`env`, as `krex run` and `krex env` give them)."""
         with self._lock:
             return {
                 "mode": self.mode,
                 "gpus": [
-                    {"gpu": m.gpu, "state": m.state, "pid": m.pid, "pipe_dir": str(m.pipe),
-                     "log_dir": str(m.log_dir) if m.log_dir else None, "visible": m.visible,
-                     "restarts": m.restarts, "error": m.error}
+                    {"gpu": m.gpu, "state": m.state, "pid": m.pid if m.state in ("on", "attached") else None,
+                     "pipe_dir": str(m.pipe), "log_dir": str(m.log_dir) if m.log_dir else None,
+                     "visible": m.visible, "restarts": m.restarts, "error": m.error,
+                     "env": self.command_env(m.gpu)}
                     for m in self.gpus.values()
                 ],
             }

@@ -97,6 +97,12 @@ def test_start_makes_private_dirs_and_a_control_daemon_per_gpu_that_commands_use
                 'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY"')
     assert run.returncode == 0, run.stderr
     assert f"pipe={pipe} log={logd}" in run.stdout, run.stdout
+    # A process that opts in with `krex env --export` gets the same MPS variables.
+    exported = _krex(env, "env", "--export", "--device", "sim")
+    assert exported.returncode == 0, exported.stderr
+    assert f"export CUDA_MPS_PIPE_DIRECTORY={pipe}" in exported.stdout.splitlines(), exported.stdout
+    assert f"export CUDA_MPS_LOG_DIRECTORY={logd}" in exported.stdout.splitlines(), exported.stdout
+    assert "CUDA_MPS" not in _krex(env, "env", "--export", "--device", "sim", "--gpu", "1").stdout
 
     stop = _krex(env, "daemon", "stop")
     assert stop.returncode == 0, stop.stderr
@@ -125,6 +131,9 @@ def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_
         _wait(lambda: _mps_status(env)["gpus"][0]["state"] == "down", "krexd to see it down")
         time.sleep(0.5)  # several watcher rounds: no restart while the region holds the GPU
         assert len(_starts(rec)) == 1 and _mps_status(env)["gpus"][0]["state"] == "down"
+        # Down: no pid (the dead one would read as running).
+        assert _mps_status(env)["gpus"][0]["pid"] is None
+        assert "gpu 0: down, pid -," in _krex(env, "status").stdout
         cmd.stdin.write("go\n")
         cmd.stdin.flush()
         _out, err = cmd.communicate(timeout=60)
