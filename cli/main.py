@@ -395,11 +395,12 @@ def daemon_stop() -> None:
 
     pid: int | None = None
     how = ""
+    extra_s = 0.0  # what krexd says its stop may take beyond 10 s (quitting MPS control daemons)
     try:
         c = Client.connect()
         pid = c.daemon_pid
         try:
-            c.request({"op": "shutdown"}, timeout=10.0)
+            extra_s = float(c.request({"op": "shutdown"}, timeout=10.0).get("stop_wait_s") or 0.0)
         finally:
             c.close()
     except Timeout as e:
@@ -411,11 +412,21 @@ def daemon_stop() -> None:
         how = " (its socket was missing; sent SIGTERM)"
     if how and pid is not None:
         _signal_daemon(pid)
-    for _ in range(200):
+    deadline = time.monotonic() + 10.0 + extra_s
+    while True:
         if pid is None or proc_state(pid) in (None, "Z", "X"):
             click.echo(f"krexd stopped (pid {pid}){how}")
             return
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
+    if extra_s:
+        raise Timeout(
+            f"krexd (pid {pid}) did not stop within {10.0 + extra_s:g} s{how}: it may still be stopping "
+            "its MPS control daemons",
+            f"see its log ({paths.log_path()}) and wait for it (`krex daemon status`); `kill -9 {pid}` "
+            "leaves its MPS control daemons running (a krexd started with --mps stops them)",
+        )
     raise Timeout(f"krexd (pid {pid}) did not stop within 10 s{how}", f"kill -9 {pid}")
 
 

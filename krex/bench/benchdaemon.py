@@ -12,9 +12,9 @@ from krex.worlds import daemon_status
 
 __all__ = ["running", "start", "started_note", "stop"]
 
-# How long a stop waits for krexd to exit: with MPS on it first quits its control daemons
-# (krex.node.mps.QUIT_WAIT_S and more each); a next start needs the old krexd gone.
-STOP_WAIT_S = 60.0
+# How long a stop waits for krexd to exit, beyond what krexd says its MPS control daemons'
+# quit may take: a next start needs the old krexd gone.
+STOP_WAIT_S = 10.0
 
 
 def running() -> dict[str, Any] | None:
@@ -38,16 +38,18 @@ def start(dev: str, slots: int, prewarm: int = 0, lend: str = "", mps: bool = Fa
 
 
 def stop() -> None:
-    """Ask the running daemon to shut down and wait (up to STOP_WAIT_S) until it has exited."""
+    """Ask the running daemon to shut down and wait until it has exited (up to STOP_WAIT_S and
+    what it says quitting its MPS control daemons may take)."""
     from krex.proc.client import Client, daemon_alive
 
+    extra_s = 0.0
     with contextlib.suppress(KrexError, OSError):
         c = Client.connect()
         try:
-            c.request({"op": "shutdown"})
+            extra_s = float(c.request({"op": "shutdown"}).get("stop_wait_s") or 0.0)
         finally:
             c.close()
-    deadline = time.monotonic() + STOP_WAIT_S
+    deadline = time.monotonic() + STOP_WAIT_S + extra_s
     while daemon_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
 

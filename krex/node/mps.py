@@ -415,6 +415,13 @@ class Mps:
                 # A start that never got a pid it could trust may still have left a daemon.
                 self._quit(m.pipe, None, 0, m.log_dir)
 
+    def stop_bound_s(self) -> float:
+        """The longest `stop` may take: a restart under way ends (the watcher's join), then
+        each control daemon krexd started gets `quit`, SIGTERM and SIGKILL, one after another."""
+        if self.mode != "own":
+            return 0.0
+        return START_WAIT_S + 2 * QUIT_WAIT_S + len(self.gpus) * 3 * QUIT_WAIT_S
+
     # ----------------------------------------------------------------- faults
     def _check(self, m: GpuMps) -> None:
         """Mark `m` down if its control daemon died (call with self._lock)."""

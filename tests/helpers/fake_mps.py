@@ -5,7 +5,8 @@ It keeps to what KREX relies on: `-d` daemonises and writes the daemon's pid to
 nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as nvidia-cuda-mps-control does) and
 creates the `control` pipe's name there; without `-d` it reads a command on stdin, and `quit`
 ends the daemon. It records in $FAKE_MPS_RECORD each daemon's start (start-PID.json: its pid
-and MPS variables) and each command and exit (events.log); FAKE_MPS_FAIL makes `-d` fail."""
+and MPS variables) and each command and exit (events.log); FAKE_MPS_FAIL makes `-d` fail,
+FAKE_MPS_IGNORE_TERM makes the daemon ignore `quit` and SIGTERM."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ if sys.argv[1:] == ["-d"]:
         note(f"exit {pid}")
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, bye)
+    # FAKE_MPS_IGNORE_TERM: a control daemon slow to quit (only SIGKILL ends it).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_MPS_IGNORE_TERM") else bye)
     while True:
         signal.pause()
 else:

@@ -220,3 +220,21 @@ def test_a_stale_control_daemon_of_a_previous_krexd_is_stopped_at_start(
     _wait(lambda: not _alive(first["pid"]), "the stale control daemon to be stopped")
     assert len(_starts(rec)) == 2 and _mps_status(env)["gpus"][0]["state"] == "on"
     assert _krex(env, "daemon", "stop").returncode == 0
+
+
+def test_daemon_stop_waits_while_krexd_stops_control_daemons_slow_to_quit(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two GPUs whose control daemons ignore `quit` and SIGTERM: krexd needs about 10 s for
+    each (its quit wait, then SIGTERM's, then SIGKILL); `krex daemon stop` waits for that
+    (krexd's shutdown reply says how long it may take) instead of giving up after 10 s."""
+    prog, rec = _fake(tmp_path)
+    env = dict(_env(krex_env, prog, rec), KREX_SIM_GPUS="2", FAKE_MPS_IGNORE_TERM="1")
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: len(_starts(rec)) == 2, "both control daemons")
+    t0 = time.monotonic()
+    stop = _krex(env, "daemon", "stop", timeout=120)
+    took = time.monotonic() - t0
+    assert stop.returncode == 0 and "krexd stopped" in stop.stdout, (stop.stdout, stop.stderr)
+    assert took > 15, took  # both control daemons' quit ran before krexd exited
+    assert not any(_alive(s["pid"]) for s in _starts(rec))
