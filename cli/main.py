@@ -485,14 +485,17 @@ def daemon_status(as_json: bool) -> None:
 
 def _mps_lines(mps: dict[str, Any]) -> list[str]:
     """Each GPU's MPS control daemon (krex/node/mps.py): on, down, restarting or attached."""
+    left = [f"MPS: control daemon pid {d['pid']} left by a previous krexd (pipe {d['pipe_dir']}) still runs "
+            f"for {len(d['clients'])} command(s) using it; a krexd started once they ended stops it"
+            for d in mps.get("left") or []]
     if mps.get("mode", "off") == "off":
-        return []
+        return left
     out = [f"MPS ({'attached: krexd never stops it' if mps['mode'] == 'attach' else 'started by krexd'})"]
     for m in mps.get("gpus", []):
         line = f"  gpu {m['gpu']}: {m['state']}, pid {m.get('pid') or '-'}, pipe {m['pipe_dir']}"
         line += f", restarted {m['restarts']}x" if m.get("restarts") else ""
         out.append(line + (f"; last error: {m['error']}" if m.get("error") else ""))
-    return out
+    return out + left
 
 
 def _partition_lines(part: dict[str, Any]) -> list[str]:

@@ -202,6 +202,14 @@ def _tail(p: Path) -> str:
     return " | ".join(text.strip().splitlines()[-3:])
 
 
+def _clients(pipe: Path, control_pid: int) -> set[int]:
+    """The processes whose environment names `pipe` as their MPS pipe directory, other than
+    the control daemon and the processes below it (its MPS servers): its clients."""
+    entry = f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode()
+    found = set(procfs.environ_scan(entry, [b"CUDA_MPS_PIPE_DIRECTORY"]))
+    return found - {control_pid, os.getpid()} - procfs.descendants([control_pid], procfs.proc_table())
+
+
 class StartFailed(Exception):
     """Why `<control> -d` gave no control daemon (the caller words the error)."""
 
@@ -238,8 +246,9 @@ def quit_control(control: str, pipe: Path, pid: int | None, ticks: int, log_dir:
     env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
     if log_dir is not None:
         env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run([control], input=b"quit\n", env=env, capture_output=True, timeout=QUIT_WAIT_S)
+    if control:  # none known (krexd without MPS of its own): the signals alone
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run([control], input=b"quit\n", env=env, capture_output=True, timeout=QUIT_WAIT_S)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         deadline = time.monotonic() + QUIT_WAIT_S
         while _alive(pid, ticks) and time.monotonic() < deadline:
@@ -283,6 +292,9 @@ class Mps:
         self._control = ""
         self._names = control_names()
         self._watcher: threading.Thread | None = None
+        # Control daemons a previous krexd started that this one, without MPS of its own,
+        # left running because commands still use them (status's `left`).
+        self.left: list[dict[str, Any]] = []
         if self.mode == "off":
             return
         if cfg.mps_pipe_dir and cfg.mps == "off" and cfg.sources.get("mps", "default") != "default":
@@ -314,6 +326,8 @@ class Mps:
         """Start (or attach to) every GPU's control daemon, then watch them. ``busy(g)``:
         a region holds GPU g now (no restart then). Raises MpsUnavailable, having stopped
         what it started, when one cannot start."""
+        if self.mode != "own":
+            self._left_behind()
         if self.mode == "off":
             return
         self._busy = busy
@@ -332,6 +346,35 @@ class Mps:
                 raise
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="mps")
         self._watcher.start()
+
+    def _left_behind(self) -> None:
+        """Without MPS of its own (off, attach), stop the control daemons a previous krexd of
+        this state directory started and left (it was killed): no region runs yet, and one
+        that no command uses (as an MPS client) serves nothing. One that commands still use
+        is left running for them, logged and shown in `krex status`."""
+        root = paths.state_dir() / "mps"
+        if root.is_symlink() or not root.is_dir():
+            return
+        ours = {m.pipe for m in self.gpus.values()}  # attached there on purpose: never stopped
+        control = ""
+        with contextlib.suppress(MpsUnavailable):
+            control = control_program()
+        for pipe in sorted(root.glob("gpu*/pipe")):
+            if pipe in ours or pipe.parent.is_symlink() or pipe.is_symlink() or not pipe.is_dir():
+                continue
+            pid = _read_pid(pipe)
+            if pid is None or not _alive(pid, 0):
+                continue
+            if not (_serves(pid, pipe) and _is_control(pid, self._names)):  # the pid is another's now
+                continue
+            clients = _clients(pipe, pid)
+            if not clients:
+                clear_stale(control, self._names, pipe, "a previous krexd (this one has no MPS of its own)")
+                continue
+            log.warning("MPS: control daemon pid %d left by a previous krexd (%s) still serves %d command(s) "
+                        "(pids %s): left running for them", pid, pipe, len(clients), sorted(clients)[:8])
+            self.left.append({"pid": pid, "ticks": int(lib.krex_pid_start_ticks(pid)), "pipe_dir": str(pipe),
+                              "clients": sorted(clients)})
 
     def _attach(self) -> None:
         m0 = next(iter(self.gpus.values()))
@@ -525,9 +568,14 @@ class Mps:
     def status(self) -> dict[str, Any]:
         """For `krex status`: the mode and each GPU's control daemon (its pid only while it
         runs: a control daemon down or restarting has none), and the MPS variables a command
-        on that GPU gets (`env`, as `krex run` and `krex env` give them)."""
+        on that GPU gets (`env`, as `krex run` and `krex env` give them); `left`, when a
+        previous krexd's control daemon still runs for its clients (see _left_behind)."""
         with self._lock:
+            self.left = [d for d in self.left if _alive(d["pid"], d["ticks"])]
+            left = [{k: v for k, v in d.items() if k != "ticks"} for d in self.left]
+            extra = {"left": left} if left else {}
             return {
+                **extra,
                 "mode": self.mode,
                 "gpus": [
                     {"gpu": m.gpu, "state": m.state, "pid": m.pid if m.state in ("on", "attached") else None,

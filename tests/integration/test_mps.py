@@ -238,3 +238,53 @@ def test_daemon_stop_waits_while_krexd_stops_control_daemons_slow_to_quit(
     assert stop.returncode == 0 and "krexd stopped" in stop.stdout, (stop.stdout, stop.stderr)
     assert took > 15, took  # both control daemons' quit ran before krexd exited
     assert not any(_alive(s["pid"]) for s in _starts(rec))
+
+
+def _killed_mps_krexd(env: dict[str, str], rec: Path) -> dict[str, Any]:
+    """Start krexd with --mps, SIGKILL it: its control daemon lives on; that daemon's start."""
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    (first,) = _starts(rec)
+    daemon_pid = json.loads(_krex(env, "status", "--json").stdout)["daemon"]["daemon"]["pid"]
+    os.kill(daemon_pid, signal.SIGKILL)
+    _wait(lambda: not _alive(daemon_pid), "krexd to die")
+    assert _alive(first["pid"])
+    return first
+
+
+def test_a_krexd_without_mps_stops_a_previous_krexds_control_daemon_no_command_uses(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    first = _killed_mps_krexd(env, rec)
+    assert _krex(env, "daemon", "start", "--device", "sim").returncode == 0  # without --mps
+    _wait(lambda: not _alive(first["pid"]), "the left control daemon to be stopped")
+    assert f"command quit {first['CUDA_MPS_PIPE_DIRECTORY']}" in _events(rec)
+    assert not Path(first["CUDA_MPS_PIPE_DIRECTORY"]).exists()
+    st = _mps_status(env)
+    assert st == {"mode": "off", "gpus": []}, st
+    assert "MPS" not in _krex(env, "status").stdout
+
+
+def test_a_krexd_without_mps_leaves_a_previous_krexds_control_daemon_its_commands_use(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    first = _killed_mps_krexd(env, rec)
+    pipe = first["CUDA_MPS_PIPE_DIRECTORY"]
+    client = subprocess.Popen(["sleep", "120"], env=dict(env, CUDA_MPS_PIPE_DIRECTORY=pipe))
+    try:
+        assert _krex(env, "daemon", "start", "--device", "sim").returncode == 0
+        time.sleep(0.3)
+        assert _alive(first["pid"]) and not any(e.startswith("command quit") for e in _events(rec))
+        (left,) = _mps_status(env)["left"]
+        assert left["pid"] == first["pid"] and left["pipe_dir"] == pipe and client.pid in left["clients"]
+        shown = _krex(env, "status").stdout
+        assert f"control daemon pid {first['pid']} left by a previous krexd (pipe {pipe})" in shown, shown
+    finally:
+        client.kill()
+        client.wait()
+        os.kill(first["pid"], signal.SIGTERM)
+    _wait(lambda: not _alive(first["pid"]), "the control daemon to end")
+    assert "left" not in _mps_status(env)  # gone: no longer shown
