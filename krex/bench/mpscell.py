@@ -28,7 +28,7 @@ from pathlib import Path
 
 from krex import paths
 from krex.bench.plan import Cell
-from krex.errors import KrexError, MpsUnavailable, UsageError
+from krex.errors import MpsUnavailable, UsageError
 from krex.node import mps
 
 __all__ = ["CellControl", "cell_control", "require_mps"]
@@ -86,8 +86,8 @@ class CellControl:
         self.names = mps.control_names()
         info = discover(device)
         uuids = mps.gpu_uuids(info)
-        # Pipe directories under KREX's state directory (short paths: the control pipe is a
-        # socket's name there), one set per bench process; logs beside the results.
+        # Pipe directories under KREX's state directory, as krexd's (a short path: MPS names
+        # its pipes under it), one set per bench process; logs beside the results.
         self.root = paths.ensure_state_dir() / f"bench-mps-{os.getpid()}"
         self.daemons: list[_Daemon] = []
         for g in gpus:
@@ -112,7 +112,8 @@ class CellControl:
             shutil.rmtree(d, ignore_errors=True)
 
     def start(self) -> None:
-        """Start every control daemon; on a failure, quit those started and raise KrexError."""
+        """Start every control daemon; on a failure (or an interrupt), quit those started and
+        raise."""
         self._clear_stale()
         try:
             mps.private_dir(self.root)
@@ -129,7 +130,7 @@ class CellControl:
                         f"see {d.log_dir}; check `{self.control}` runs (the NVIDIA driver's MPS), or {DROP}",
                     ) from None
                 d.ticks = int(self._lib.krex_pid_start_ticks(d.pid))
-        except KrexError:
+        except BaseException:
             self.stop()
             raise
 

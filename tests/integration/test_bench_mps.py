@@ -168,3 +168,44 @@ def test_bench_mps_modes_without_a_control_program_are_a_usage_error(
     assert p.returncode == 2, p.stderr
     assert "no-such-control" in p.stderr and "cannot be found" in p.stderr and "fix:" in p.stderr, p.stderr
     assert not out.exists()
+
+
+def test_the_cells_control_daemon_is_quit_when_the_bench_is_stopped_or_it_cannot_start(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """SIGTERM in the middle of an unprotected-mps cell (as `timeout` sends): the bench stops
+    its commands and quits the cell's control daemon before it exits. A control daemon that
+    cannot start fails the bench with the reason, and leaves nothing running."""
+    import signal
+
+    prog, rec = fake_control(tmp_path)
+    env = dict(krex_env, KREX_MPS_CONTROL=str(prog), FAKE_MPS_RECORD=str(rec))
+    args = [sys.executable, "-m", "krex.cli.main", "bench", "--device", "sim", "--corpus",
+            str(_corpus(tmp_path)), "--modes", "unprotected-mps", "--concurrency", "2", "--repeat", "20",
+            "--timeout", "60", "--no-plots"]
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([*args, "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        raw = out / "raw.jsonl"
+        deadline = time.monotonic() + 120
+        while not (raw.exists() and raw.read_text().count("\n") >= 2):  # the cell is under way
+            assert time.monotonic() < deadline and proc.poll() is None, "the cell did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    (start,) = [json.loads(f.read_text()) for f in rec.glob("start-*.json")]
+    events = (rec / "events.log").read_text().splitlines()
+    assert f"command quit {start['CUDA_MPS_PIPE_DIRECTORY']}" in events and not _alive(start["pid"]), events
+    assert not Path(start["CUDA_MPS_PIPE_DIRECTORY"]).exists()
+
+    failing = dict(env, FAKE_MPS_FAIL="1")
+    p = _krex(failing, *args[3:], "--repeat", "1", "--out", str(tmp_path / "failed"))
+    assert p.returncode != 0, p.stderr
+    assert "cannot start the MPS control daemon for the cell's GPU 0" in p.stderr, p.stderr
+    assert "fake MPS: cannot open the GPU" in p.stderr, p.stderr
+    assert len(list(rec.glob("start-*.json"))) == 1  # no second control daemon ever ran
