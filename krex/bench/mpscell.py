@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from krex import paths
+from krex.bench import benchdaemon
 from krex.bench.plan import Cell
 from krex.errors import MpsUnavailable, UsageError
 from krex.node import mps
@@ -167,6 +168,10 @@ def cell_control(cell: Cell, gpus: Sequence[int] | None, device: str, out_dir: P
     ctl.start()
     try:
         note(f"{cell.key}: MPS control daemons for this cell ({ctl.describe()}); quit after it")
+        st = benchdaemon.running()  # the bench's own MPS krexd is stopped before other cells
+        if st is not None and (st.get("mps") or {}).get("mode", "off") != "off":
+            note(f"{cell.key}: the running KREX daemon (pid {(st.get('daemon') or {}).get('pid')}) has MPS "
+                 "control daemons of its own on the GPU beside this cell's")
         yield ctl
     finally:
         ctl.stop()

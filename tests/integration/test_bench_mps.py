@@ -209,3 +209,18 @@ def test_the_cells_control_daemon_is_quit_when_the_bench_is_stopped_or_it_cannot
     assert "cannot start the MPS control daemon for the cell's GPU 0" in p.stderr, p.stderr
     assert "fake MPS: cannot open the GPU" in p.stderr, p.stderr
     assert len(list(rec.glob("start-*.json"))) == 1  # no second control daemon ever ran
+
+
+def test_an_unprotected_mps_cell_beside_a_running_krexd_with_mps_says_so(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = fake_control(tmp_path)
+    env = dict(krex_env, KREX_MPS_CONTROL=str(prog), FAKE_MPS_RECORD=str(rec))
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps", timeout=60).returncode == 0
+    out = tmp_path / "results"
+    p = _krex(env, "bench", "--device", "sim", "--corpus", str(_corpus(tmp_path)), "--modes",
+              "unprotected-mps", "--concurrency", "2", "--timeout", "60", "--no-plots", "--out", str(out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    notes = json.loads((out / "meta.json").read_text())["notes"]
+    assert any("has MPS control daemons of its own on the GPU beside this cell's" in n for n in notes), notes
+    assert len(list(rec.glob("start-*.json"))) == 2  # krexd's, and the cell's own
