@@ -13,7 +13,7 @@ from krex.bench import fidelity as fd
 from krex.bench import metrics as bm
 from krex.bench.corpus import Workload
 from krex.bench.headline import headline
-from krex.bench.plan import CONCURRENT, MODES, Cell
+from krex.bench.plan import CONCURRENT, KREX_MODES, MODES, Cell
 from krex.node.optin import INDUCTOR_PATHS
 
 __all__ = ["GOAL_THROUGHPUT", "PAPER", "SIM_LABEL", "compute_summary", "json_safe", "render_summary_md"]
@@ -345,7 +345,7 @@ def compute_summary(
     flag_scores: dict[str, Any] = {}
     nvml: dict[str, Any] = {}
     for k in keys:
-        if cell_rows[k]["mode"] != "krex":
+        if cell_rows[k]["mode"] not in KREX_MODES:
             continue
         rs = by_cell.get(k, [])
         entry[k] = fd.entry_stats(rs)
@@ -386,6 +386,38 @@ def compute_summary(
         "notes": list(dict.fromkeys(notes)),
         "paper": PAPER,
     }
+
+
+def _mps_throughput_md(s: dict[str, Any]) -> list[str]:
+    """The throughput of each krex-mps cell against both unprotected baselines of its C
+    (the headline's ``mps_throughput``); nothing when no MPS cell ran."""
+    rows = (s.get("headline") or {}).get("mps_throughput") or []
+    if not rows:
+        return []
+    out = [
+        "### Under NVIDIA MPS",
+        "",
+        "Each krex-mps cell against unprotected sharing of the same C, without and with MPS "
+        "(cmds/min; the ratio is krex-mps over the baseline).",
+        "",
+    ]
+    out += _table(
+        ["cell", "cmds/min", "unprotected", "cmds/min", "ratio", "unprotected-mps", "cmds/min", "ratio"],
+        [
+            [
+                r["cell"],
+                _num(r["cmds_per_min"], "{:.1f}"),
+                r.get("unprotected_cell") or "-",
+                _num(r.get("unprotected_cpm"), "{:.1f}"),
+                _num(r.get("vs_unprotected"), "{:.2f}x"),
+                r.get("unprotected_mps_cell") or "-",
+                _num(r.get("unprotected_mps_cpm"), "{:.1f}"),
+                _num(r.get("vs_unprotected_mps"), "{:.2f}x"),
+            ]
+            for r in rows
+        ],
+    )
+    return out + [""]
 
 
 def _workload_versions(recs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
@@ -506,7 +538,7 @@ def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
             for t in s.get("throughput", [])
         ],
     )
-    L += [""]
+    L += [""] + _mps_throughput_md(s)
 
     L += [
         "## Timing inflation against native-serial",
