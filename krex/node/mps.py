@@ -85,6 +85,10 @@ class GpuMps:
     error: str = ""
     started_at: float = 0.0  # time.monotonic() of the last start
     fast_deaths: int = 0  # deaths in a row within FAST_DEATH_S of their start
+    # The MPS servers below the control daemon (pid -> start ticks) as last seen, and those
+    # seen gone since, as (pid, time.monotonic_ns when noticed), newest last.
+    servers: dict[int, int] = field(default_factory=dict)
+    server_deaths: list[tuple[int, int]] = field(default_factory=list)
 
 
 def gpu_uuids(info: GpuInfo) -> list[str | None]:
@@ -280,6 +284,20 @@ def clear_stale(control: str, names: set[str], pipe: Path, who: str) -> int | No
     return pid
 
 
+def _below(root: int) -> set[int]:
+    """Every process below `root` (its children, theirs, ...)."""
+    out: set[int] = set()
+    todo = [root]
+    while todo:
+        kids = procfs.children(todo.pop())
+        if kids is None:  # no /proc/PID/task/*/children: one scan of /proc
+            return procfs.descendants([root], procfs.proc_table()) - {root}
+        new = set(kids) - out
+        out |= new
+        todo.extend(new)
+    return out
+
+
 class Mps:
     """krexd's MPS control daemons: none (off), one per GPU of its own, or an attached one."""
 
@@ -467,7 +485,9 @@ class Mps:
 
     # ----------------------------------------------------------------- faults
     def _check(self, m: GpuMps) -> None:
-        """Mark `m` down if its control daemon died (call with self._lock)."""
+        """Mark `m` down if its control daemon died, and note its MPS servers that are gone
+        (call with self._lock)."""
+        self._check_servers(m)
         if m.state in ("on", "attached") and m.pid is not None and not _alive(m.pid, m.start_ticks):
             m.down.append([time.monotonic_ns(), None])
             del m.down[:-32]
@@ -478,6 +498,23 @@ class Mps:
             log.warning("MPS: gpu %d: control daemon pid %d died; regions on this GPU are flagged %s%s",
                         m.gpu, m.pid, FLAG, "" if m.state == "attached" else " until it runs again")
             m.state = "down"
+
+    def _check_servers(self, m: GpuMps) -> None:
+        """An MPS server that exits takes its clients' GPU work with it (every client gets
+        an error): note each one seen gone, for the regions it cut (flags())."""
+        now = time.monotonic_ns()
+        for pid, ticks in list(m.servers.items()):
+            if not _alive(pid, ticks):
+                del m.servers[pid]
+                m.server_deaths.append((pid, now))
+                del m.server_deaths[:-32]
+                log.warning("MPS: gpu %d: MPS server pid %d exited; a region it cut is flagged %s",
+                            m.gpu, pid, FLAG)
+        if m.pid is not None and m.state in ("on", "attached") and _alive(m.pid, m.start_ticks):
+            for pid in _below(m.pid):
+                ticks = int(lib.krex_pid_start_ticks(pid))
+                if pid not in m.servers and _alive(pid, ticks):  # not an unreaped one, noted already
+                    m.servers[pid] = ticks
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_S):
@@ -529,10 +566,15 @@ class Mps:
         with self._lock:
             self._check(m)  # a death the watcher has not seen yet
             hit = [d for d in m.down if d[1] is None or d[1] >= since_ns]
-        if not hit:
-            return []
-        return [(FLAG, f"the MPS control daemon of GPU {gpu} (pipe {m.pipe}) died or was down during "
-                       "the region: its MPS server and clients may have failed or run without MPS")]
+            gone = [pid for pid, t in m.server_deaths if t >= since_ns]
+        out = []
+        if hit:
+            out.append((FLAG, f"the MPS control daemon of GPU {gpu} (pipe {m.pipe}) died or was down during "
+                              "the region: its MPS server and clients may have failed or run without MPS"))
+        if gone:
+            out.append((FLAG, f"the MPS server of GPU {gpu} (pid {', '.join(map(str, gone))}) exited during "
+                              "the region: its clients' GPU work, the region's own included, failed"))
+        return out
 
     def servers(self) -> set[int]:
         """The processes below the control daemons in use (the MPS servers they start): they
@@ -542,14 +584,8 @@ class Mps:
             roots = [m.pid for m in self.gpus.values()
                      if m.pid is not None and m.state in ("on", "attached") and _alive(m.pid, m.start_ticks)]
         out: set[int] = set()
-        todo = list(roots)
-        while todo:
-            kids = procfs.children(todo.pop())
-            if kids is None:  # no /proc/PID/task/*/children: one scan of /proc
-                return procfs.descendants(roots, procfs.proc_table()) - set(roots)
-            new = set(kids) - out
-            out |= new
-            todo.extend(new)
+        for r in roots:
+            out |= _below(r)
         return out
 
     # ---------------------------------------------------------------- commands

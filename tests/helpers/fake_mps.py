@@ -6,7 +6,8 @@ nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as nvidia-cuda-mps-contr
 creates the `control` pipe's name there; without `-d` it reads a command on stdin, and `quit`
 ends the daemon. It records in $FAKE_MPS_RECORD each daemon's start (start-PID.json: its pid
 and MPS variables) and each command and exit (events.log); FAKE_MPS_FAIL makes `-d` fail,
-FAKE_MPS_IGNORE_TERM makes the daemon ignore `quit` and SIGTERM."""
+FAKE_MPS_IGNORE_TERM makes the daemon ignore `quit` and SIGTERM, FAKE_MPS_SERVER gives the
+daemon a child standing in for its MPS server (recorded as server-PID)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,23 @@ if sys.argv[1:] == ["-d"]:
         f.write(str(pid))
     os.rename(os.path.join(pipe, "pid.tmp"), os.path.join(pipe, "nvidia-cuda-mps-control.pid"))
 
+    # FAKE_MPS_SERVER: an "MPS server" below the daemon (the real one starts one per user for
+    # its clients), recorded as server-PID; it ends with the daemon.
+    server = 0
+    if os.environ.get("FAKE_MPS_SERVER"):
+        server = os.fork()
+        if server == 0:
+            open(os.path.join(rec, f"server-{os.getpid()}"), "w").close()
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+            while True:
+                signal.pause()
+
     def bye(*_):
+        if server:
+            try:
+                os.kill(server, signal.SIGTERM)
+            except OSError:
+                pass
         for name in ("nvidia-cuda-mps-control.pid", "control"):
             try:
                 os.unlink(os.path.join(pipe, name))

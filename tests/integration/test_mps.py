@@ -158,6 +158,48 @@ def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_
     _wait(lambda: not _alive(second["pid"]), "the new control daemon to quit")
 
 
+def test_an_mps_server_that_exits_mid_region_flags_that_region_only(
+    krex_env: dict[str, str], tmp_path: Path, bins: dict[str, Path]
+) -> None:
+    """The MPS server holds every client's context: when it exits (killed, crashed), each
+    client's GPU work fails. A region it cut is flagged mps-server with the server's pid; the
+    control daemon lives on, and the next region is clean."""
+    prog, rec = _fake(tmp_path)
+    env = dict(_env(krex_env, prog, rec), FAKE_MPS_SERVER="1")
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps", "on").returncode == 0
+    _wait(lambda: list(rec.glob("server-*")), "the fake MPS server")
+    server = int(next(rec.glob("server-*")).name.split("-")[1])
+    time.sleep(0.5)  # the watcher has seen the server
+    actor = [str(bins["actor"]), "begin", "line", "end"]
+    cmd = subprocess.Popen([*KREX, "run", "--device", "sim", "--", *actor], env=env, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert cmd.stdout is not None and cmd.stdin is not None
+        line = cmd.stdout.readline()
+        while line and '"act":"begin"' not in line:
+            line = cmd.stdout.readline()
+        assert '"rc":0' in line, line
+        os.kill(server, signal.SIGKILL)
+        _wait(lambda: not _alive(server), "the server to die")
+        cmd.stdin.write("go\n")
+        cmd.stdin.flush()
+        _out, err = cmd.communicate(timeout=60)
+        assert cmd.returncode == 0, err
+    finally:
+        if cmd.poll() is None:
+            cmd.kill()
+    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
+    (region,) = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x]
+    assert "mps-server" in region["flags"] and region["contaminated"], region
+    assert any(f"pid {server}" in r for r in region.get("reasons", [])), region
+    assert _mps_status(env)["gpus"][0]["state"] == "on"  # the control daemon itself lives on
+    run = _krex(env, "run", "--device", "sim", "--", str(bins["actor"]), "begin", "end")
+    assert run.returncode == 0, run.stderr
+    last = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x][-1]
+    assert "mps-server" not in last["flags"], (last.get("reasons"), region.get("reasons"))
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
 def test_a_control_daemon_that_cannot_start_fails_the_daemon_start_with_the_reason(
     krex_env: dict[str, str], tmp_path: Path
 ) -> None:
