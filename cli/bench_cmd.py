@@ -20,6 +20,7 @@ from .progress import Progress, bar, fmt_s
 
 if TYPE_CHECKING:
     from krex.bench import BenchResult
+    from krex.bench.records import Summary
 
 __all__ = ["bench", "register"]
 
@@ -69,7 +70,7 @@ class _Progress:
         self.out.close()
 
 
-def _headline_text(summary: dict[str, Any]) -> str:
+def _headline_text(summary: Summary) -> str:
     goals = (summary.get("headline") or {}).get("goals") or []
     rows = [("cell", "metric", "goal", "paper (H20)", "ours", "met")] + [
         (g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
@@ -83,7 +84,7 @@ def _headline_text(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _throughput_text(summary: dict[str, Any]) -> str:
+def _throughput_text(summary: Summary) -> str:
     out = [f"{'cell':<16} {'runs':>5} {'failed':>6} {'makespan s':>10} {'cmds/min':>9} {'vs native':>9}"]
     for t in summary.get("throughput") or []:
         ratio = t["ratio"]

@@ -30,6 +30,7 @@ from .progress import fmt_s
 
 if TYPE_CHECKING:
     from krex.node.shm import Snapshot
+    from krex.protocol import StatusReply
 
 DEVICE = click.Choice(DEVICES)
 
@@ -189,7 +190,7 @@ def _status_gates(snap: Snapshot) -> list[str]:
     return out
 
 
-def _status_regions(live: dict[str, Any]) -> list[str]:
+def _status_regions(live: StatusReply) -> list[str]:
     out = [f"REGIONS ({len(live['regions'])})"]
     for r in live["regions"]:
         state = "granted" if r["granted"] else "entering"
@@ -209,7 +210,7 @@ def _status_regions(live: dict[str, Any]) -> list[str]:
     return out
 
 
-def _status_slots(snap: Snapshot, live: dict[str, Any]) -> list[str]:
+def _status_slots(snap: Snapshot, live: StatusReply) -> list[str]:
     out = [f"SLOTS ({len(snap.slots)})"]
     tenants = {d["slot"]: d.get("tenant") for d in live.get("slots") or []}
     for s in snap.slots:

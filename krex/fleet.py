@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from krex import paths, runner
 from krex.batch import (
@@ -373,6 +373,25 @@ def node_journal(node_root: str | None, since: float | None, last: int | None) -
 # ------------------------------------------------------------------------------- the driver
 
 
+class LostAttempt(TypedDict):
+    """An attempt lost with its node or worker (summary.json's and a command's lost_attempts)."""
+
+    index: int
+    attempt: int
+    node_id: str | None
+    error: str  # the Ray error's name, or GuardianKilled
+    message: str
+
+
+class NodeInfo(TypedDict):
+    """A live Ray node that offers krex_slot."""
+
+    ip: str | None
+    host: str | None
+    slots: int
+    gpus: int
+
+
 @dataclass
 class FleetConfig:
     address: str | None = None  # Ray address; None: start a local one-node Ray cluster
@@ -404,7 +423,7 @@ class FleetEvent:
     command: BatchCommand | None = None
     result: CommandResult | None = None
     node_id: str | None = None
-    lost: dict[str, Any] | None = None
+    lost: LostAttempt | None = None
     cancelling: bool = False
 
 
@@ -417,7 +436,7 @@ class _Attempt:
     cmd: BatchCommand
     attempt: int
     submitted: float  # monotonic, on the driver
-    lost: list[dict[str, Any]] = field(default_factory=list)
+    lost: list[LostAttempt] = field(default_factory=list)
 
 
 def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
@@ -518,8 +537,8 @@ def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, flo
     return True
 
 
-def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
-    out = {}
+def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dict[str, NodeInfo]:
+    out: dict[str, NodeInfo] = {}
     for n in ray.nodes():
         res = n.get("Resources") or {}
         if n.get("Alive") and res.get(RESOURCE, 0) >= 1 and n["NodeID"] not in dead:
@@ -528,7 +547,7 @@ def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dic
     return out
 
 
-def _final_nodes(ray: Any, dead: set[str], lost_log: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _final_nodes(ray: Any, dead: set[str], lost_log: Sequence[LostAttempt]) -> dict[str, NodeInfo]:
     """The nodes alive at the end. One that lost attempts and is still listed gets up to
     LOST_CONFIRM_S for the GCS's health checks to notice it died."""
     alive = _alive_nodes(ray, dead)
@@ -586,7 +605,7 @@ def run_fleet(commands: Sequence[BatchCommand], cfg: FleetConfig, out_dir: Path 
 
 
 def fleet_summary(results: Sequence[CommandResult], extra: dict[int, dict[str, Any]],
-                  nodes: dict[str, dict[str, Any]], alive: set[str], lost: Sequence[dict[str, Any]],
+                  nodes: dict[str, NodeInfo], alive: set[str], lost: Sequence[LostAttempt],
                   total_wall_s: float, cfg: FleetConfig, out_dir: str, interrupted: bool = False,
                   journals: Sequence[NodeJournal] = ()) -> dict[str, Any]:
     """The fleet summary: `krex batch`'s summary over all commands, plus one row per node.
@@ -605,7 +624,7 @@ def fleet_summary(results: Sequence[CommandResult], extra: dict[int, dict[str, A
     for nid in sorted(set(nodes) | set(by_node)):
         rs = by_node.get(nid, [])
         regs = [reg for r in rs for reg in r.regions]
-        info = nodes.get(nid, {})
+        info: NodeInfo | dict[str, Any] = nodes.get(nid, {})
         j = jr.get(nid)
         rows.append({
             "node_id": nid,

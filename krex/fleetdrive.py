@@ -22,6 +22,8 @@ from krex.fleet import (
     FleetConfig,
     FleetEvent,
     FleetSummary,
+    LostAttempt,
+    NodeInfo,
     _alive_nodes,
     _Attempt,
     _final_nodes,
@@ -55,14 +57,14 @@ class _Drive:
         self.t_run, self.started_wall = time.monotonic(), time.time()
         self.nodes = _alive_nodes(ray)
         # every node that offered slots during the run
-        self.seen: dict[str, dict[str, Any]] = dict(self.nodes)
+        self.seen: dict[str, NodeInfo] = dict(self.nodes)
         self.nodes_at = time.monotonic()
         self.no_nodes_since: float | None = None if self.nodes else time.monotonic()
         self.pending: deque[BatchCommand] = deque(commands)
         self.in_flight: dict[Any, _Attempt] = {}
         self.results: dict[int, CommandResult] = {}
         self.extra: dict[int, dict[str, Any]] = {}  # per command: node, attempts, result line
-        self.lost_log: list[dict[str, Any]] = []
+        self.lost_log: list[LostAttempt] = []
         # Nodes named by a NodeDiedError: lost for good (a node id is never reused), even while
         # the GCS still lists them as alive (it notices a dead raylet only after its health checks).
         self.dead: set[str] = set()
@@ -71,7 +73,7 @@ class _Drive:
         self.next_tick = self.t_run + TICK_S
         self.cancel_step, self.cancel_at = 0, 0.0
         self.gave_up: str | None = None
-        self.retry: dict[int, list[dict[str, Any]]] = {}
+        self.retry: dict[int, list[LostAttempt]] = {}
         self.attempts: dict[int, int] = {}
 
     def emit(self, kind: Literal["submit", "done", "lost", "tick"], **kw: Any) -> None:
@@ -81,7 +83,7 @@ class _Drive:
                                      len(self.nodes), sum(n["slots"] for n in self.nodes.values()),
                                      dict(self.per_node), cancelling=self.cancel_step > 0, **kw))
 
-    def submit(self, cmd: BatchCommand, attempt: int, lost: list[dict[str, Any]]) -> None:
+    def submit(self, cmd: BatchCommand, attempt: int, lost: list[LostAttempt]) -> None:
         cfg = self.cfg
         payload = {"index": cmd.index, "argv": cmd.argv, "attempt": attempt, "device": cfg.device,
                    "node_root": None if cfg.node_root is None else str(Path(cfg.node_root).absolute()),
@@ -126,7 +128,8 @@ class _Drive:
 
     def lose(self, a: _Attempt, node: str | None, kind: str, message: str, t_back: float) -> None:
         """An attempt lost with its node or worker: run the command again (it was never counted)."""
-        rec = {"index": a.cmd.index, "attempt": a.attempt, "node_id": node, "error": kind, "message": message}
+        rec: LostAttempt = {"index": a.cmd.index, "attempt": a.attempt, "node_id": node, "error": kind,
+                            "message": message}
         self.lost_log.append(rec)
         self.emit("lost", command=a.cmd, node_id=node, lost=rec)
         if self.cancel_step:

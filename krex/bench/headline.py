@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from krex.bench import metrics as bm
+from krex.bench.records import GoalRow, ThroughputRow
 
 NA = "n/a"
 GOAL_VS_UNPROTECTED = 0.95
@@ -52,7 +53,7 @@ BASE_LABEL = {"native-repeat": "native repeat", "native-serial": "native serial 
 
 
 def headline(
-    thr: list[dict[str, Any]],
+    thr: list[ThroughputRow],
     infl: Mapping[str, Mapping[str, Any]],
     noise_p95: Mapping[str, float],
     ranking: Mapping[str, Mapping[str, Any]],
@@ -74,7 +75,7 @@ def headline(
     }
     if best:
         h.update(krex_cpm=best["cmds_per_min"], throughput_ratio=best["ratio"], krex_c=best["c"])
-    goals: list[dict[str, Any]] = []
+    goals: list[GoalRow] = []
     per_cell: dict[str, dict[str, Any]] = {}
     for t in krex_cells:
         rows, figures = _cell_goals(
@@ -99,8 +100,8 @@ def headline(
 
 
 def _cell_goals(
-    t: dict[str, Any],
-    thr: list[dict[str, Any]],
+    t: ThroughputRow,
+    thr: list[ThroughputRow],
     infl: Mapping[str, Mapping[str, Any]],
     noise_p95: Mapping[str, float],
     ranking: Mapping[str, Mapping[str, Any]],
@@ -109,9 +110,9 @@ def _cell_goals(
     ns_cpm: float,
     paper: Mapping[str, Any],
     goal_throughput: float,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[GoalRow], dict[str, Any]]:
     k = t["cell"]
-    rows: list[dict[str, Any]] = []
+    rows: list[GoalRow] = []
 
     def row(metric: str, goal: str, pap: str, ours: str, ok: str) -> None:
         rows.append({"cell": k, "metric": metric, "goal": goal, "paper": pap, "ours": ours, "met": ok})
@@ -194,15 +195,15 @@ def _cell_goals(
 
 
 def _run_goals(
-    thr: list[dict[str, Any]],
+    thr: list[ThroughputRow],
     critical: Mapping[str, Any],
     ranking: Mapping[str, Mapping[str, Any]],
-    best: dict[str, Any] | None,
+    best: ThroughputRow | None,
     base: str | None,
     base_label: str,
     paper: Mapping[str, Any],
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+) -> list[GoalRow]:
+    rows: list[GoalRow] = []
 
     def row(metric: str, pap: str, ours: str) -> None:
         rows.append({"cell": "-", "metric": metric, "goal": "-", "paper": pap, "ours": ours, "met": "-"})

@@ -65,10 +65,12 @@ from krex.bench.plan import (
     plan_cells,
     serial_span_s,
 )
+from krex.bench.records import RunRecord, Summary, Versions
 from krex.bench.runstats import compact_report, node_cpu_s, tree_cpu_s
 from krex.bench.summary import compute_summary, json_safe, render_summary_md
 from krex.errors import KrexError, UsageError
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
+from krex.protocol import StatusReply
 from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv
 from krex.worlds import OwnWorld, daemon_misfit, daemon_status, describe
 
@@ -136,13 +138,13 @@ class BenchEvent:
     failed: int = 0
     elapsed_s: float = 0.0
     message: str = ""
-    record: dict[str, Any] | None = None
+    record: RunRecord | None = None
 
 
 @dataclass
 class BenchResult:
     out_dir: Path
-    summary: dict[str, Any]
+    summary: Summary
     summary_md: Path
     plots: list[Path]
     ran: list[str]
@@ -211,7 +213,7 @@ def _short(text: str, n: int = 2000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def _versions(dev: str, names: list[str]) -> dict[str, Any]:
+def _versions(dev: str, names: list[str]) -> Versions:
     from krex import __version__
 
     return {
@@ -342,7 +344,7 @@ class _Commands:
 # ----------------------------------------------------------------------------------- daemon
 
 
-def _daemon_status() -> dict[str, Any] | None:
+def _daemon_status() -> StatusReply | None:
     return daemon_status()
 
 
@@ -581,7 +583,7 @@ class _BenchRun:
                 BenchEvent("cell-skip", cell=k, total=total, message=f"{k}: already in {out_dir}, skipped")
             )
 
-    def cell_jobs(self, c: Cell, hint: dict[str, float], carried: list[dict[str, Any]]) -> list[Job]:
+    def cell_jobs(self, c: Cell, hint: dict[str, float], carried: list[RunRecord]) -> list[Job]:
         if c.mode == "reference":
             jobs = order_jobs(c, self.measured, self.cfg.reference_repeat, self.seed, hint)
         else:
@@ -773,9 +775,9 @@ class _BenchRun:
         out_dir = self.out_dir
         _, _, prior = load_results(out_dir)
         hint = {
-            r["name"]: float(r["wall_s"])
+            r["name"]: float(w)
             for r in prior
-            if r.get("mode") == "native-serial" and r.get("wall_s") is not None
+            if r.get("mode") == "native-serial" and (w := r.get("wall_s")) is not None
         }
         carried = carried_runs(out_dir, cell)
         jobs = self.cell_jobs(cell, hint, carried)

@@ -15,6 +15,18 @@ from krex.bench import metrics as bm
 from krex.bench.corpus import Workload
 from krex.bench.headline import headline
 from krex.bench.plan import CONCURRENT, MODES, Cell
+from krex.bench.records import (
+    CellRanking,
+    CellRegions,
+    CellRow,
+    Critical,
+    DistJson,
+    Failure,
+    RunRecord,
+    Summary,
+    ThroughputRow,
+    Truth,
+)
 from krex.node.optin import INDUCTOR_PATHS
 
 __all__ = ["GOAL_THROUGHPUT", "PAPER", "SIM_LABEL", "compute_summary", "json_safe", "render_summary_md"]
@@ -45,7 +57,7 @@ def json_safe(v: Any) -> Any:
     return v
 
 
-def _ms(r: dict[str, Any]) -> float | None:
+def _ms(r: RunRecord) -> float | None:
     res = r.get("result")
     if not r.get("ok") or not isinstance(res, dict):
         return None
@@ -63,23 +75,23 @@ class _Runs:
     """A results directory's records by cell and its cells in report order; `notes`
     collects what the sections could not compute, in the order they ran."""
 
-    by_cell: dict[str, list[dict[str, Any]]]
-    cell_rows: dict[str, dict[str, Any]]
+    by_cell: dict[str, list[RunRecord]]
+    cell_rows: dict[str, CellRow]
     keys: list[str]
     notes: list[str]
 
-    def of(self, key: str) -> list[dict[str, Any]]:
+    def of(self, key: str) -> list[RunRecord]:
         return self.by_cell.get(key, [])
 
 
 def compute_summary(
     meta: dict[str, Any],
-    cells: Sequence[dict[str, Any]],
-    recs: Sequence[dict[str, Any]],
+    cells: Sequence[CellRow],
+    recs: Sequence[RunRecord],
     workloads: Sequence[Workload],
-) -> dict[str, Any]:
+) -> Summary:
     """Every metric of a results directory, as one JSON-able dict (see docs/bench.md)."""
-    by_cell: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_cell: dict[str, list[RunRecord]] = defaultdict(list)
     for r in recs:
         by_cell[str(r.get("cell"))].append(r)
     cell_rows = {str(c["cell"]): c for c in cells}
@@ -96,7 +108,7 @@ def compute_summary(
     ranking = _ranking(rs, truth)
     critical = _critical(rs.of("native-serial") or rs.of("native-repeat"))
     regions = _regions(rs)
-    failures = [
+    failures: list[Failure] = [
         {
             "cell": r.get("cell"),
             "name": r.get("name"),
@@ -160,7 +172,7 @@ def _reference(rs: _Runs) -> tuple[dict[str, float], dict[str, float]]:
     ns = rs.of("native-serial")
     for name in {r["name"] for r in ns}:
         xs = [m for r in ns if r["name"] == name and (m := _ms(r)) is not None]
-        walls_n = [float(r["wall_s"]) for r in ns if r["name"] == name and r.get("ok") and r.get("wall_s")]
+        walls_n = [float(w) for r in ns if r["name"] == name and r.get("ok") and (w := r.get("wall_s"))]
         if xs:
             ref_ms[name] = bm.median(xs)
         if walls_n:
@@ -170,14 +182,14 @@ def _reference(rs: _Runs) -> tuple[dict[str, float], dict[str, float]]:
     return ref_ms, ref_wall
 
 
-def _throughput(rs: _Runs) -> tuple[float, list[dict[str, Any]]]:
+def _throughput(rs: _Runs) -> tuple[float, list[ThroughputRow]]:
     """native-serial's commands per minute, and one throughput row per non-reference cell."""
     ns_cpm = math.nan
     if "native-serial" in rs.cell_rows:
         row = rs.cell_rows["native-serial"]
         n_ok = sum(1 for r in rs.of("native-serial") if r.get("ok"))
         ns_cpm = bm.throughput_per_min(n_ok, float(row["makespan_s"]))
-    thr: list[dict[str, Any]] = []
+    thr: list[ThroughputRow] = []
     for k in rs.keys:
         row = rs.cell_rows[k]
         if row["mode"] == "reference":
@@ -185,13 +197,13 @@ def _throughput(rs: _Runs) -> tuple[float, list[dict[str, Any]]]:
         runs = rs.of(k)
         n_ok = sum(1 for r in runs if r.get("ok"))
         cpm = bm.throughput_per_min(n_ok, float(row["makespan_s"]))
-        walls = [float(r["wall_s"]) for r in runs if r.get("wall_s")]
+        walls = [float(w) for r in runs if (w := r.get("wall_s"))]
         last = float(row.get("last_start_s") or 0.0)
         t0 = float(row["started_at"])
         steady = math.nan
         if last > 0 and row["mode"] in CONCURRENT:
             n_in = sum(
-                1 for r in runs if r.get("ok") and r.get("ended_at") and float(r["ended_at"]) - t0 <= last
+                1 for r in runs if r.get("ok") and (e := r.get("ended_at")) and float(e) - t0 <= last
             )
             if n_in >= int(row["c"]):
                 steady = 60.0 * n_in / last
@@ -212,17 +224,17 @@ def _throughput(rs: _Runs) -> tuple[float, list[dict[str, Any]]]:
     return ns_cpm, thr
 
 
-def _pairs(runs: Iterable[dict[str, Any]], ref_ms: dict[str, float]) -> list[tuple[float, float]]:
+def _pairs(runs: Iterable[RunRecord], ref_ms: dict[str, float]) -> list[tuple[float, float]]:
     """(native-serial ms, measured ms) of each run with both."""
     return [(ref_ms[r["name"]], m) for r in runs if r["name"] in ref_ms and (m := _ms(r)) is not None]
 
 
 def _inflation(
     rs: _Runs, ref_ms: dict[str, float]
-) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, DistJson]]]:
     """Inflation vs native-serial per cell: nested bands (with the values) and disjoint bands."""
     infl: dict[str, dict[str, Any]] = {}
-    split: dict[str, dict[str, Any]] = {}
+    split: dict[str, dict[str, DistJson]] = {}
     for k in rs.keys:
         if k in ("native-serial", "reference"):
             continue
@@ -234,7 +246,7 @@ def _inflation(
 
 
 def _noise_pairs(
-    rs: _Runs, ref_ms: dict[str, float], split: dict[str, dict[str, Any]]
+    rs: _Runs, ref_ms: dict[str, float], split: dict[str, dict[str, DistJson]]
 ) -> tuple[list[tuple[float, float]], str]:
     """The native noise floor's pairs and where they come from. When no native-repeat cell
     ran but native-serial made several passes: each native run against its command's
@@ -272,14 +284,14 @@ def _inflation_per_gpu(
     return per_gpu
 
 
-def _truth(rs: _Runs, workloads: Sequence[Workload]) -> dict[str, dict[str, Any]]:
+def _truth(rs: _Runs, workloads: Sequence[Workload]) -> dict[str, Truth]:
     """The true order per family: its parameter, else the reference cell's (or the native
     passes') median ms per candidate."""
     fams: dict[str, list[Workload]] = defaultdict(list)
     for w in workloads:
         if w.family:
             fams[w.family].append(w)
-    truth: dict[str, dict[str, Any]] = {}
+    truth: dict[str, Truth] = {}
     refc = rs.of("reference")
     for fam, ws in sorted(fams.items()):
         kind = ws[0].truth
@@ -308,9 +320,9 @@ def _truth(rs: _Runs, workloads: Sequence[Workload]) -> dict[str, dict[str, Any]
     return truth
 
 
-def _ranking(rs: _Runs, truth: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _ranking(rs: _Runs, truth: dict[str, Truth]) -> dict[str, CellRanking]:
     """Per cell: Kendall tau per family and pass against the true order, and flip rates."""
-    ranking: dict[str, dict[str, Any]] = {}
+    ranking: dict[str, CellRanking] = {}
     for k in rs.keys:
         if k == "reference":
             continue
@@ -343,7 +355,7 @@ def _ranking(rs: _Runs, truth: dict[str, dict[str, Any]]) -> dict[str, dict[str,
     return ranking
 
 
-def _critical(src: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _critical(src: Sequence[RunRecord]) -> Critical:
     """Critical fraction over `src` (native-serial, else any native pass)."""
     fr_list: list[float] = []
     reg_sum = tot_sum = 0.0
@@ -360,10 +372,18 @@ def _critical(src: Sequence[dict[str, Any]]) -> dict[str, Any]:
             reg_sum += tr
             tot_sum += tt
     agg = reg_sum / tot_sum if tot_sum > 0 else math.nan
+
+    def pct(q: float) -> float:
+        return bm.percentile(fr_list, q) if fr_list else math.nan
+
     return {
         "n": len(fr_list),
         "fractions": fr_list,
-        **{f"p{q}": bm.percentile(fr_list, q) if fr_list else math.nan for q in (10, 25, 50, 75, 90)},
+        "p10": pct(10),
+        "p25": pct(25),
+        "p50": pct(50),
+        "p75": pct(75),
+        "p90": pct(90),
         "share_below_25": (sum(1 for f in fr_list if f < 0.25) / len(fr_list)) if fr_list else math.nan,
         "aggregate": agg,
         "amdahl_bound": bm.amdahl_bound(agg) if math.isfinite(agg) else math.nan,
@@ -372,9 +392,9 @@ def _critical(src: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _regions(rs: _Runs) -> dict[str, dict[str, Any]]:
+def _regions(rs: _Runs) -> dict[str, CellRegions]:
     """Region entry overhead, queue wait and what KREX could not vouch for, per cell."""
-    regions: dict[str, dict[str, Any]] = {}
+    regions: dict[str, CellRegions] = {}
     for k in rs.keys:
         runs = [r for r in rs.of(k) if isinstance(r.get("result"), dict)]
         if runs:
@@ -382,9 +402,9 @@ def _regions(rs: _Runs) -> dict[str, dict[str, Any]]:
     return regions
 
 
-def _cell_regions(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _cell_regions(runs: Sequence[RunRecord]) -> CellRegions:
     client = [  # commands timed by an automatic region cannot see its entry: null, no data
-        float(v) for r in runs if isinstance(v := r["result"].get("region_entry_s"), (int, float))
+        float(v) for r in runs if isinstance(v := (r["result"] or {}).get("region_entry_s"), (int, float))
     ]
     qw: list[float] = []
     proto: list[float] = []
@@ -447,7 +467,7 @@ def _fidelity(
     return entry, flag_scores, nvml
 
 
-def _workload_versions(recs: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
+def _workload_versions(recs: Iterable[RunRecord]) -> dict[str, list[str]]:
     out: dict[str, set[str]] = defaultdict(set)
     for r in recs:
         res = r.get("result")
@@ -484,12 +504,12 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     return out
 
 
-def render_summary_md(s: dict[str, Any], out_dir: Path | None = None) -> str:
+def render_summary_md(s: Summary, out_dir: Path | None = None) -> str:
     """summary.md: the goal, the paper's figures and ours side by side, then details."""
     return "\n".join(line for section in _MD_SECTIONS for line in section(s))
 
 
-def _md_intro(s: dict[str, Any]) -> list[str]:
+def _md_intro(s: Summary) -> list[str]:
     """The title, the simulated-GPU warning and the run's settings and versions."""
     L: list[str] = ["# krex bench results", ""]  # noqa: N806
     if s.get("simulated"):
@@ -517,7 +537,7 @@ def _md_intro(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_headline(s: dict[str, Any]) -> list[str]:
+def _md_headline(s: Summary) -> list[str]:
     """The goals, the paper's figures and ours, one block of rows per krex cell."""
     L: list[str] = []  # noqa: N806
     h = s.get("headline", {})
@@ -543,7 +563,7 @@ def _md_headline(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_throughput(s: dict[str, Any]) -> list[str]:
+def _md_throughput(s: Summary) -> list[str]:
     """Commands per minute per cell."""
     L: list[str] = []  # noqa: N806
     L += [
@@ -584,7 +604,7 @@ def _md_throughput(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_inflation(s: dict[str, Any]) -> list[str]:
+def _md_inflation(s: Summary) -> list[str]:
     """Timing inflation against native-serial: nested bands, disjoint bands, per GPU."""
     L: list[str] = []  # noqa: N806
     L += [
@@ -640,7 +660,7 @@ def _md_inflation(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_ranking(s: dict[str, Any]) -> list[str]:
+def _md_ranking(s: Summary) -> list[str]:
     """The true orders, Kendall tau per family and flip rates per gap class."""
     L: list[str] = []  # noqa: N806
     L += ["## Ranking fidelity", ""]
@@ -672,16 +692,16 @@ def _md_ranking(s: dict[str, Any]) -> list[str]:
     for k, r in s.get("ranking", {}).items():
         cols = []
         for label, _, _ in bm.GAP_CLASSES:
-            f = r["flip"].get(label) or {}
+            fl = r["flip"].get(label) or {}
             cols.append(
-                "-" if not f.get("pairs") else f"{_pct(f.get('rate'), 1)} ({f['flips']}/{f['pairs']})"
+                "-" if not fl.get("pairs") else f"{_pct(fl.get('rate'), 1)} ({fl['flips']}/{fl['pairs']})"
             )
         rows.append([k, *cols])
     L += _table(["cell", *[g[0] for g in bm.GAP_CLASSES]], rows) + [""]
     return L
 
 
-def _md_critical(s: dict[str, Any]) -> list[str]:
+def _md_critical(s: Summary) -> list[str]:
     """The critical-region fraction and its Amdahl bound."""
     L: list[str] = []  # noqa: N806
     c = s.get("critical", {})
@@ -712,7 +732,7 @@ def _md_critical(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_regions(s: dict[str, Any]) -> list[str]:
+def _md_regions(s: Summary) -> list[str]:
     """Region entry overhead, queue wait and what KREX could not vouch for."""
     L: list[str] = []  # noqa: N806
     L += [
@@ -768,7 +788,7 @@ def _md_regions(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_failures(s: dict[str, Any]) -> list[str]:
+def _md_failures(s: Summary) -> list[str]:
     """The failed runs (the first 50)."""
     L: list[str] = []  # noqa: N806
     fails = s.get("failures", [])
@@ -789,7 +809,7 @@ def _md_failures(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_notes(s: dict[str, Any]) -> list[str]:
+def _md_notes(s: Summary) -> list[str]:
     """What the summary could not compute."""
     L: list[str] = []  # noqa: N806
     if s.get("notes"):
@@ -797,7 +817,7 @@ def _md_notes(s: dict[str, Any]) -> list[str]:
     return L
 
 
-def _md_files(s: dict[str, Any]) -> list[str]:
+def _md_files(s: Summary) -> list[str]:
     """The results directory's files, and the simulated-GPU label again."""
     L: list[str] = []  # noqa: N806
     L += [
@@ -816,7 +836,7 @@ def _md_files(s: dict[str, Any]) -> list[str]:
 
 
 # summary.md's sections, in order: each returns its lines (a section ends with a blank line)
-_MD_SECTIONS: tuple[Callable[[dict[str, Any]], list[str]], ...] = (
+_MD_SECTIONS: tuple[Callable[[Summary], list[str]], ...] = (
     _md_intro,
     _md_headline,
     _md_throughput,
@@ -842,7 +862,7 @@ def inductor_text(per_path: object) -> str:
     return "; ".join(f"{_INDUCTOR_SHORT.get(str(p), p)} {n}" for p, n in sorted(per_path.items()) if n)
 
 
-def inductor_line(summary: dict[str, Any]) -> str:
+def inductor_line(summary: Summary) -> str:
     """One line for the bench's closing summary: which way each krex cell's Inductor
     autotuning ran ("" when no cell's did)."""
     cells = [f"{k}: {txt}" for k, r in (summary.get("regions") or {}).items()

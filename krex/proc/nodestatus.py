@@ -4,10 +4,11 @@ segment's health) and the shared segment's snapshot (gates, slots, processes).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from krex.errors import KrexError, NotFound
 from krex.node.shm import Segment, Snapshot
+from krex.protocol import StatusReply
 
 __all__ = ["NodeStatus", "read_status", "segment_line"]
 
@@ -16,23 +17,23 @@ __all__ = ["NodeStatus", "read_status", "segment_line"]
 class NodeStatus:
     snap: Snapshot
     # krexd's status reply; empty when no daemon answered (daemon_error says why)
-    live: dict[str, Any] = field(default_factory=dict)
+    live: StatusReply = field(default_factory=lambda: StatusReply())
     daemon_error: str = "no daemon running"
 
 
-def _ask_daemon() -> tuple[dict[str, Any], str]:
+def _ask_daemon() -> tuple[StatusReply, str]:
     from .client import Client
 
     try:  # regions and queues live in the daemon, not in shared memory
         c = Client.connect()
         try:
-            return c.request({"op": "status"}), "no daemon running"
+            return cast(StatusReply, c.request({"op": "status"})), "no daemon running"
         finally:
             c.close()
     except NotFound:
-        return {}, "no daemon running"
+        return StatusReply(), "no daemon running"
     except KrexError as e:
-        return {}, str(e)
+        return StatusReply(), str(e)
 
 
 def read_status() -> NodeStatus:
