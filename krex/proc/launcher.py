@@ -269,19 +269,7 @@ def run_guarded(
         mark("released")
         dev = str(adm.get("device") or device)
         report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
-        labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
-        if "regions" in report:  # krexd's own record of the command
-            regs: list[dict[str, Any]] = report["regions"]
-        else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
-            regs = _journal_regions(slot, t_start, report, notify)
-            report["regions"] = regs
-            report.update(region_tally(regs))
-        if guardian.events:
-            report["daemon_events"] = guardian.events
-        if auto_dir is not None:
-            auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
-            if auto_region_kept(auto):
-                report["auto_region"] = auto
+        _add_regions(report, rel, slot, t_start, notify, guardian.events, auto_value, auto_dir)
     # The same notes krexd renders for the native guardian (optin.release_notes).
     for line in release_notes(
         rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None}, report
@@ -289,6 +277,33 @@ def run_guarded(
         notify(line)
     report["exit_status"] = status
     return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
+
+
+def _add_regions(
+    report: dict[str, Any],
+    rel: dict[str, Any],
+    slot: int,
+    t_start: float,
+    notify: Callable[[str], None],
+    events: list[dict[str, object]],
+    auto_value: str,
+    auto_dir: Path | None,
+) -> None:
+    """Into the command's report: its regions (krexd's record, else the journal's), the
+    guardian's daemon events and what KREX_AUTO_REGION wrapped."""
+    labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
+    if "regions" in report:  # krexd's own record of the command
+        regs: list[dict[str, Any]] = report["regions"]
+    else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
+        regs = _journal_regions(slot, t_start, report, notify)
+        report["regions"] = regs
+        report.update(region_tally(regs))
+    if events:
+        report["daemon_events"] = events
+    if auto_dir is not None:
+        auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
+        if auto_region_kept(auto):
+            report["auto_region"] = auto
 
 
 def _admit(
