@@ -23,7 +23,9 @@ an older build unchanged.
 
 On `--device sim` the siblings drive the simulated GPU through ctypes (a hammer queues
 four 500-us kernels and synchronises, in a loop; a `life` sibling also allocates and frees
-device memory each time round); on `--device gpu` they use torch (a hammer multiplies
+device memory each time round; a `long` sibling queues four 3-ms kernels); on `--device gpu`
+they use torch (a `long` sibling multiplies 16384x16384 bf16 matrices, about 12 ms each on
+an H200; a hammer multiplies
 8192x8192 bf16 matrices, as benchmarks/gpu_fidelity.py does; a `life` sibling also allocates
 a tensor of a new size and empties torch's cache, i.e. cudaMalloc and cudaFree). Simulated
 numbers show logic and relative cost only, never GPU performance. `life_frz` counts the
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -63,6 +66,12 @@ x = torch.randn(1 << 20, device="cuda")
 def hammer_step():
     a @ a
     c.mul_(1.0001)
+big = None
+def long_step():
+    global big
+    if big is None:
+        big = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    big @ big
 def short_op():
     x.mul_(1.0)
 def warm_op():
@@ -82,6 +91,8 @@ _SIM_OPS = r"""
 rt.cudaFree.argtypes = [vp]
 def hammer_step():
     kernel(500)
+def long_step():
+    kernel(3000)
 def short_op():
     kernel(100)
 def warm_op():
@@ -99,15 +110,23 @@ def burner():
     while time.time() < stop:
         x += 1
 warm()
-if KIND in ("hammer", "life") and burn:
+if KIND in ("hammer", "life", "long") and burn:
     threading.Thread(target=burner, daemon=True).start()
 open(ready, "w").write("ready")
+rate, steps, t_log = open(ready + ".rate", "w"), 0, 0.0
 while time.time() < stop:
+    if time.time() >= t_log:  # (wall time, steps so far): the siblings' throughput meanwhile
+        rate.write(f"{time.time()} {steps}\n"); rate.flush(); t_log = time.time() + 0.5
+    steps += 1
     if KIND in ("hammer", "life"):
         for _ in range(4):
             hammer_step()
         if KIND == "life":
             life_step()
+        sync()
+    elif KIND == "long":
+        for _ in range(4):
+            long_step()
         sync()
     else:
         time.sleep(0.5)
@@ -160,15 +179,35 @@ def measure(
     sibs = siblings(w, kind, k, 900, burn)
     try:
         opts = ("--freeze", freeze) if freeze else ()
+        t0 = time.time()
         p = w.run(measure_source(w.device, warmup), str(n), log=f"measure-{kind}-{k}.log", opts=opts)
         stdout, _ = p.communicate(timeout=540)
+        t1 = time.time()
     finally:
         stop_all(sibs)
     lines = [x for x in stdout.splitlines() if x.startswith("[")]
     if p.returncode != 0 or not lines:
         raise SystemExit(f"{w.name}: the measuring command failed (rc {p.returncode}); see {w.dir}")
     rows: list[dict[str, Any]] = json.loads(lines[-1])
+    rate = sibling_rate([w.dir / f"ready-{kind}-{i}.rate" for i in range(k)], t0, t1)
+    for r in rows:
+        r["sibling_steps_s"] = rate
     return rows
+
+
+def sibling_rate(files: list[Path], t0: float, t1: float) -> float:
+    """The siblings' steps per second together while the measuring command ran (each
+    logs its count every 0.5 s): what the regions and pacing left them."""
+    total = 0.0
+    for f in files:
+        try:
+            pts = [tuple(map(float, ln.split())) for ln in f.read_text().splitlines() if ln.strip()]
+        except (OSError, ValueError):
+            continue
+        inside = [(t, n) for t, n in pts if t0 <= t <= t1]
+        if len(inside) >= 2:
+            total += (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+    return total
 
 
 LIFE_WHY = "inside a context, module or device memory call"
@@ -184,6 +223,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "max_ms": max(cl) if cl else float("nan"),
         "contaminated": sum(1 for r in rows if r.get("contaminated")),
         "life_frz": sum(1 for r in rows if any(LIFE_WHY in w for w in r.get("freeze_why") or [])),
+        "sib_steps_s": statistics.median([r.get("sibling_steps_s", math.nan) for r in rows]) if rows else math.nan,
     }
     for s in STEPS:
         xs = [1e3 * (r.get(s) or 0.0) for r in rows]
@@ -224,7 +264,7 @@ def main() -> None:
                     help="the interpreter (build) the --config worlds run; default: this one")
     ap.add_argument("--siblings", default="8", help="sibling counts, e.g. 7,15 (C = siblings + 1)")
     ap.add_argument("--regions", type=int, default=100, help="regions per measurement")
-    ap.add_argument("--kinds", default="idle,hammer", help="idle, hammer, life (comma-separated)")
+    ap.add_argument("--kinds", default="idle,hammer", help="idle, hammer, life, long (comma-separated)")
     ap.add_argument("--warmup", type=int, default=3, help="operations before each region, outside it")
     ap.add_argument("--rounds", type=int, default=1, help="rounds, each measuring every world once")
     ap.add_argument("--burn", choices=("auto", "on", "off"), default="auto",
@@ -261,14 +301,14 @@ def main() -> None:
           f"freeze {a.freeze or 'default'}, warm-up {a.warmup} "
           f"(client ms; steps: median ms / p99 ms); rows in {out}/entry_latency.json")
     hdr = f"{'world/kind/C':<24}{'n':>5}{'p50':>8}{'p95':>8}{'p99':>8}{'max':>8}  " + "  ".join(
-        f"{s[:-2]:>13}" for s in STEPS) + "  contam  life_frz  waits(to/wk)"
+        f"{s[:-2]:>13}" for s in STEPS) + "  contam  life_frz  waits(to/wk)  sib_steps/s"
     print(hdr)
     for key, s in summary.items():
         steps = "  ".join(f"{s[f'{x[:-2]}_p50']:>6.2f}/{s[f'{x[:-2]}_p99']:<6.2f}" for x in STEPS)
         waits = "/".join(
             f"{s.get(f'{k}_timeouts', '-')}:{s.get(f'{k}_wakeups', '-')}" for k in ("wait_inflight", "wait_drain"))
         print(f"{key:<24}{s['n']:>5}{s['p50_ms']:>8.2f}{s['p95_ms']:>8.2f}{s['p99_ms']:>8.2f}{s['max_ms']:>8.2f}  "
-              f"{steps}  {s['contaminated']:>6}  {s['life_frz']:>8}  {waits}")
+              f"{steps}  {s['contaminated']:>6}  {s['life_frz']:>8}  {waits:>12}  {s['sib_steps_s']:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 #  3. context creation with 8, 16 and 32 processes starting at once, without MPS and as
 #     clients of the control daemon krexd started: seconds to the first finished kernel
 #     (p50, max) and GPU memory per process;
-#  4. `krex daemon stop`: the control daemon gone with it.
+#  4. faults on the real server: a client SIGKILLed while its kernels run, then the server
+#     itself SIGKILLed under a running client; a region after each (does it run, is it
+#     flagged), `krex status`'s MPS state and the journal's last records;
+#  5. `krex daemon stop`: the control daemon gone with it.
 # Everything comes back in $OUT; the last lines are the table (docs/results/mps/).
 set -uo pipefail
 REPO=$PWD; O=${OUT:-/tmp/krex-out}; mkdir -p "$O"
@@ -95,7 +98,55 @@ for mode in ("plain", "mps"):
 json.dump(rows, open(out + "/contexts.json", "w"), indent=1)
 EOF
 
-echo "== 4. krex daemon stop"
+echo "== 4. faults on the real MPS server"
+cat > /tmp/mps_loop.py <<'EOF2'
+import json, os, sys, time, torch, krex
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); torch.cuda.synchronize()
+open(sys.argv[1], "w").close()
+t_end = time.time() + float(sys.argv[2])
+n = 0
+try:
+    while time.time() < t_end:
+        for _ in range(20):
+            b = a @ a
+        torch.cuda.synchronize(); n += 1
+    print(json.dumps({"loops": n, "error": None}))
+except Exception as e:
+    print(json.dumps({"loops": n, "error": str(e)[:200]}))
+    sys.exit(3)
+EOF2
+after_region() {  # a region right after a fault: its flags, and whether it ran at all
+  timeout 90 "${KREX[@]}" run --device gpu -- python3 /tmp/mps_region.py > "$O/$1.json" 2> "$O/$1.log"
+  echo "$1 rc=$?"; cut -c1-300 "$O/$1.json"; tail -2 "$O/$1.log"
+}
+# a. an MPS client killed with SIGKILL while its kernels run
+rm -f /tmp/mps_ready_a
+timeout 60 "${KREX[@]}" run --device gpu -- python3 /tmp/mps_loop.py /tmp/mps_ready_a 30 > "$O/fault_client.json" 2> "$O/fault_client.log" &
+for _ in $(seq 300); do [ -e /tmp/mps_ready_a ] && break; sleep 0.1; done; sleep 1
+VICTIM=$(pgrep -f "mps_loop.py /tmp/mps_ready_a" | while read p; do [ "$(cat /proc/$p/comm)" = python3 ] && echo $p; done | tail -1)
+echo "client victim pid=$VICTIM"; kill -9 "$VICTIM"; wait; echo "killed client's krex run rc=$?"
+after_region after_client_kill
+# b. the MPS server killed with SIGKILL while a client runs
+rm -f /tmp/mps_ready_b
+timeout 60 "${KREX[@]}" run --device gpu -- python3 /tmp/mps_loop.py /tmp/mps_ready_b 20 > "$O/fault_server.json" 2> "$O/fault_server.log" &
+for _ in $(seq 300); do [ -e /tmp/mps_ready_b ] && break; sleep 0.1; done; sleep 1
+SRV=$(pgrep -x nvidia-cuda-mps-server | head -1); echo "server pid=$SRV"; kill -9 "$SRV"; wait
+echo "client under the killed server: rc=$?"; cat "$O/fault_server.json"; tail -3 "$O/fault_server.log"
+"${KREX[@]}" status --json > "$O/status_after_server_kill.json" 2>&1
+python3 -c "import json; print('mps after server kill:', json.load(open('$O/status_after_server_kill.json'))['daemon']['mps'])"
+after_region after_server_kill
+"${KREX[@]}" journal --json > "$O/journal_faults.json" 2>/dev/null
+python3 - "$O/journal_faults.json" <<'EOF2'
+import json, sys
+try:
+    recs = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"journal unreadable: {e}")
+for r in recs[-6:]:
+    print({k: r.get(k) for k in ("slot", "clean", "flags", "reasons", "duration_ms")})
+EOF2
+
+echo "== 5. krex daemon stop"
 CPID=$(python3 -c "import json; print(json.load(open('$O/status.json'))['daemon']['mps']['gpus'][0]['pid'])")
 timeout 60 "${KREX[@]}" daemon stop; echo "rc=$?"
 sleep 1

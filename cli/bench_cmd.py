@@ -151,7 +151,7 @@ _OPTIONS = [
         default=None,
         metavar="LIST",
         help="comma list of modes to run  [default: reference,native-serial,native-repeat,unprotected,krex; "
-        "--resume: the resumed run's]",
+        "--resume: the resumed run's; also unprotected-mps, krex-mps: under NVIDIA MPS]",
     ),
     click.option("--quick", is_flag=True, default=None, help="the corpus's quick subset (default C 2,4)"),
     click.option(

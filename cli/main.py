@@ -61,16 +61,20 @@ def cli(ctx: click.Context, verbose: int, quiet: bool) -> None:
 @click.option("--export", "export", is_flag=True, help="print `export` lines for eval")
 @click.option("--nvtx-region", default=None, metavar="PATTERN",
               help="also KREX_NVTX_REGION: NVTX ranges whose name matches PATTERN become regions")
-def env(device: str, export: bool, nvtx_region: str | None) -> None:
-    """Print the variables that opt a process into KREX."""
+@click.option("--gpu", "gpu", type=click.IntRange(min=0), default=0, show_default=True,
+              help="with krexd running MPS: the GPU whose MPS variables to print")
+def env(device: str, export: bool, nvtx_region: str | None, gpu: int) -> None:
+    """Print the variables that opt a process into KREX (and, while krexd runs MPS, the
+    MPS variables `krex run` gives a command on the GPU)."""
     from krex.device.gpus import discover, sim_gpu_count
     from krex.node.shm import default_name
-    from krex.proc.envvars import format_env, opt_in_env
+    from krex.proc.envvars import format_env, mps_env, opt_in_env
 
     kind = "sim" if device == "sim" else discover(device).kind
     if kind == "sim":
         sim_gpu_count()  # validates KREX_SIM_GPUS now rather than in every opted-in process
     out = opt_in_env("sim" if kind == "sim" else "gpu", default_name())
+    out.update(mps_env(gpu))
     if nvtx_region is not None:
         from krex.native import nvtx_path
 
@@ -368,11 +372,12 @@ def daemon_stop() -> None:
 
     pid: int | None = None
     how = ""
+    extra_s = 0.0  # what krexd says its stop may take beyond 10 s (quitting MPS control daemons)
     try:
         c = Client.connect()
         pid = c.daemon_pid
         try:
-            c.request({"op": "shutdown"}, timeout=10.0)
+            extra_s = float(c.request({"op": "shutdown"}, timeout=10.0).get("stop_wait_s") or 0.0)
         finally:
             c.close()
     except Timeout as e:
@@ -384,11 +389,21 @@ def daemon_stop() -> None:
         how = " (its socket was missing; sent SIGTERM)"
     if how and pid is not None:
         _signal_daemon(pid)
-    for _ in range(200):
+    deadline = time.monotonic() + 10.0 + extra_s
+    while True:
         if pid is None or proc_state(pid) in (None, "Z", "X"):
             click.echo(f"krexd stopped (pid {pid}){how}")
             return
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
+    if extra_s:
+        raise Timeout(
+            f"krexd (pid {pid}) did not stop within {10.0 + extra_s:g} s{how}: it may still be stopping "
+            "its MPS control daemons",
+            f"see its log ({paths.log_path()}) and wait for it (`krex daemon status`); `kill -9 {pid}` "
+            "leaves its MPS control daemons running (a krexd started with --mps stops them)",
+        )
     raise Timeout(f"krexd (pid {pid}) did not stop within 10 s{how}", f"kill -9 {pid}")
 
 
@@ -447,14 +462,17 @@ def daemon_status(as_json: bool) -> None:
 
 def _mps_lines(mps: dict[str, Any]) -> list[str]:
     """Each GPU's MPS control daemon (krex/node/mps.py): on, down, restarting or attached."""
+    left = [f"MPS: control daemon pid {d['pid']} left by a previous krexd (pipe {d['pipe_dir']}) still runs "
+            f"for {len(d['clients'])} command(s) using it; a krexd started once they ended stops it"
+            for d in mps.get("left") or []]
     if mps.get("mode", "off") == "off":
-        return []
+        return left
     out = [f"MPS ({'attached: krexd never stops it' if mps['mode'] == 'attach' else 'started by krexd'})"]
     for m in mps.get("gpus", []):
         line = f"  gpu {m['gpu']}: {m['state']}, pid {m.get('pid') or '-'}, pipe {m['pipe_dir']}"
         line += f", restarted {m['restarts']}x" if m.get("restarts") else ""
         out.append(line + (f"; last error: {m['error']}" if m.get("error") else ""))
-    return out
+    return out + left
 
 
 def _partition_lines(part: dict[str, Any]) -> list[str]:

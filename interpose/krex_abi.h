@@ -163,6 +163,22 @@
  * (a kernel longer than budget/n), it waits for that work before it returns to submit more:
  * at most one interval of its work in flight, never none. */
 #define KREX_DRAIN_BUDGET_MS 4
+/* Long work takes turns (pace.c, krexd's `pace_tokens`; 0: off). The floor above still
+ * leaves one interval per process in flight, so with kernels longer than the budget a drain
+ * waited for one of each sibling's: its entry grew with the number of commands (15 x up to
+ * 11 ms at C=16 on the H200). A process on the floor therefore submits its next interval only
+ * while it holds one of the GPU's `pace_tokens` turns (krex_gpu.turns): at most that many
+ * long intervals are queued on the GPU at a time, however many commands share it, and two
+ * keep it busy while a third waits its turn. A turn is a word (holder pid << 40 | lease end
+ * in us of CLOCK_MONOTONIC, mod 2^40), leased KREX_TURN_LEASE_US at a time and renewed while
+ * its holder waits for its own work: a holder that dies, is frozen or stops submitting loses
+ * it within a lease (a word whose lease ends further off than two leases is no holder's). A
+ * command whose own region is announced or queued takes none. A process waits at most
+ * KREX_TURN_WAIT_MS for one, then goes on without (slower to drain once, never stuck). */
+#define KREX_PACE_TOKENS 2
+#define KREX_TURNS_MAX 4
+#define KREX_TURN_LEASE_US 2000
+#define KREX_TURN_WAIT_MS 200
 /* A region about to begin on a GPU (krex_gpu.pending_slots, soon_slots): siblings' queues
  * shrink before its gate closes. While another command's region is queued (BEGIN sent, gate
  * not yet its), a sibling's pacing check and its LIFE calls (contexts, modules, device
@@ -376,7 +392,8 @@ struct krex_gpu {
                                      * since its last full drain owes none (krex_proc_quiet) */
     uint32_t budget_us;             /* pace.c: the GPU's drain budget, set by krexd while 2 or more
                                      * commands share this GPU (0: queue_cap_us per process) */
-    uint32_t pad0;
+    uint32_t pace_tokens;           /* pace.c: turns in use (KREX_PACE_TOKENS; 0: long work does not
+                                     * take turns), set by krexd with budget_us */
     uint64_t pending_slots;         /* bit s: slot s asked for a region that does not hold the gate
                                      * yet (krexd; KREX_PENDING_HOLD_MS) */
     uint64_t soon_slots;            /* bit s: slot s said a region comes soon (krexd, KREX_SOON_MS) */
@@ -384,7 +401,9 @@ struct krex_gpu {
                                      * processes freed (the stamp plus the time its size takes at
                                      * KREX_SETTLE_NS_PER_GB, or KREX_FREE_SETTLE_NS when unsized);
                                      * an atomic max, made with slot_free_ns */
-    uint64_t reserved[5];
+    uint64_t turns[4];              /* KREX_TURNS_MAX turns for long work: 0 free, else
+                                     * pid << 40 | lease end (us, mod 2^40) (pace.c) */
+    uint64_t reserved[1];
 };
 
 struct krex_slot {

@@ -33,6 +33,11 @@
  * the graph), the call was nested, or the call is HIP's (its event calls would set the
  * error hipGetLastError reports).
  *
+ * Long work takes turns (krex_abi.h, KREX_PACE_TOKENS): on the floor under a budget, a
+ * process returns to submit its next interval only once it holds one of the GPU's turns, so
+ * what a drain waits for is at most that many long intervals, not one per sibling. A command
+ * whose own region is announced or queued skips them (its warm-up precedes the region).
+ *
  * Every vendor call here is the driver's real one (never a wrapper), in relaxed capture
  * mode, so another thread's capture is not invalidated, and none touches the CUDA
  * runtime's last error. A wait that reaches KREX_PACE_GIVEUP_MS (work that waits for the
@@ -41,6 +46,7 @@
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "shim_fastpath.h"
 
@@ -151,6 +157,61 @@ static void timed_completion(uint64_t t) {
 
 static unsigned clampu(uint64_t v, unsigned lo, unsigned hi) { return v < lo ? lo : v > hi ? hi : (unsigned)v; }
 
+/* ------------------------------------------------------------ turns for long work */
+
+#define TURN_MASK ((1ull << 40) - 1)
+static uint64_t *g_turn; /* the turn this process holds (the GPU's word), or NULL */
+static uint64_t g_turn_word; /* what we stored there */
+static uint64_t g_turn_pid;  /* our pid (0: not looked up yet, or a fork child's) */
+
+static uint64_t turn_word(uint64_t now_ns) {
+    if (!g_turn_pid) g_turn_pid = (uint64_t)getpid();
+    return g_turn_pid << 40 | ((now_ns / 1000 + KREX_TURN_LEASE_US) & TURN_MASK);
+}
+
+/* A turn word whose lease has ended (mod 2^40 us), or that no holder could have written
+ * (a lease ending more than two leases from now: a stray write, never waited for). */
+static int turn_lapsed(uint64_t w, uint64_t now_ns) {
+    return w == 0 || ((w & TURN_MASK) - now_ns / 1000 & TURN_MASK) > 2 * KREX_TURN_LEASE_US;
+}
+
+/* Renew the lease of the turn we hold while our own work runs (a holder that stops
+ * renewing, frozen or dead, loses it within a lease). Lost meanwhile: we no longer hold it. */
+static void turn_renew(uint64_t now_ns) {
+    if (!g_turn) return;
+    uint64_t w = turn_word(now_ns);
+    if (__atomic_compare_exchange_n(g_turn, &g_turn_word, w, 0, RELEASE, RELAXED)) g_turn_word = w;
+    else g_turn = NULL;
+}
+
+static void turn_release(void) {
+    if (g_turn) __atomic_compare_exchange_n(g_turn, &g_turn_word, 0, 0, RELEASE, RELAXED);
+    g_turn = NULL;
+}
+
+/* Take one of the GPU's `n` turns before submitting the next interval: wait, polling, while
+ * all are held and leased, the gate open (a closed gate holds our next call anyway), turns
+ * still in use, at most KREX_TURN_WAIT_MS. 1 when it waited. */
+static int turn_take(struct krex_gpu *g, uint32_t *gate, uint64_t now) {
+    const uint64_t t0 = now, most = (uint64_t)KREX_TURN_WAIT_MS * 1000000ull;
+    for (;;) {
+        uint32_t n = __atomic_load_n(&g->pace_tokens, RELAXED);
+        if (n == 0 || __atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN || now - t0 >= most) return now != t0;
+        if (n > KREX_TURNS_MAX) n = KREX_TURNS_MAX;
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t w = __atomic_load_n(&g->turns[i], ACQUIRE), mine = turn_word(now);
+            if (turn_lapsed(w, now) && __atomic_compare_exchange_n(&g->turns[i], &w, mine, 0, __ATOMIC_ACQ_REL, RELAXED)) {
+                g_turn = &g->turns[i];
+                g_turn_word = mine;
+                return now != t0;
+            }
+        }
+        struct timespec ts = {0, PACE_POLL_NS};
+        nanosleep(&ts, NULL);
+        now = krex_now_ns();
+    }
+}
+
 /* Wait, polling the oldest event, until `done` says so or the ring is empty; a completion
  * seen as it happens is timed. 0, or 1 when KREX_PACE_GIVEUP_MS ran out (pacing is off). */
 static int wait_ring(uint64_t t0, uint64_t *now, int *waited, unsigned most, uint64_t cap_ns) {
@@ -173,6 +234,7 @@ static int wait_ring(uint64_t t0, uint64_t *now, int *waited, unsigned most, uin
         struct timespec ts = {0, PACE_POLL_NS};
         nanosleep(&ts, NULL);
         *now = krex_now_ns();
+        turn_renew(*now);
     }
 }
 
@@ -196,7 +258,8 @@ static void record(int variant, CUstream stream) {
 }
 
 /* `budget`: cap_ns is the GPU's drain budget (else a cap per process); `pend`: krex_pending(). */
-static void pace_locked(int variant, CUstream stream, uint64_t cap_ns, int budget, int pend) {
+static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstream stream, uint64_t cap_ns, int budget,
+                        int pend) {
     pace_fns();
     if (__atomic_load_n(&g_pace_off, RELAXED)) return;
     CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
@@ -219,7 +282,26 @@ static void pace_locked(int variant, CUstream stream, uint64_t cap_ns, int budge
     __atomic_store_n(&g_every, every, RELAXED);
     if (!off) record(variant, stream);
     if (!off && floor) wait_ring(t0, &now, &waited, 1, 0); /* until all of ours, this one too, is done */
+    /* The interval a turn covered has finished (or we are off the floor): give it back, and
+     * let a process that waits for one take it before we try again (a releaser polling at
+     * once would keep it, and starve the others). */
+    int had = g_turn != NULL;
+    turn_release();
+    if (__atomic_load_n(&g_pace_off, RELAXED)) off = 1;
+    /* A command whose own region is announced or queued skips the turns: its warm-up comes
+     * just before it takes the whole GPU anyway, and waiting behind every sibling would only
+     * delay the region. */
+    uint64_t me = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
+    int own = (__atomic_load_n(&g->soon_slots, RELAXED) | __atomic_load_n(&g->pending_slots, RELAXED)) & me ? 1 : 0;
+    if (!off && floor && budget && !own) {
+        if (had) {
+            struct timespec ts = {0, 2 * PACE_POLL_NS};
+            nanosleep(&ts, NULL);
+        }
+        waited |= turn_take(g, gate, krex_now_ns()) | had;
+    }
     if (waited) {
+        now = krex_now_ns();
         struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
         if (p) {
             __atomic_fetch_add(&p->paced, 1, RELAXED);
@@ -249,7 +331,7 @@ void krex_pace(int id, const void *stream) {
         if (pend & KREX_PEND_QUEUED) krex_hold_pending(KREX_PEND_QUEUED, krex_now_ns());
         return;
     }
-    pace_locked(e->variant, (CUstream)(uintptr_t)stream, cap_ns, budget_ns != 0, pend);
+    pace_locked(&shm->gpus[g_gpu], gate, e->variant, (CUstream)(uintptr_t)stream, cap_ns, budget_ns != 0, pend);
     pthread_mutex_unlock(&g_pace_lock);
 }
 
@@ -260,6 +342,8 @@ void krex_pace_after_fork(void) {
     g_head = g_n = g_npool = 0;
     __atomic_store_n(&g_every, KREX_PACE_EVERY, RELAXED);
     g_s_ns = g_done_t = g_done_subs = 0;
+    g_turn = NULL; /* the parent's turn, leased under its pid */
+    g_turn_pid = 0;
     t_pace = KREX_PACE_EVERY - 1;
 }
 

@@ -2,9 +2,10 @@
 cell order), then the rows that hold for the whole run. Pure; `summary.compute_summary`
 calls it with its tables.
 
-Goals per krex cell: throughput >= 4x native-serial and >= 0.95x the unprotected cell of
-the same C; p95 inflation in each nested band at or below the paper's figure or the native
-noise of the same run (native-repeat, else the native-serial passes), whichever is larger;
+Goals per krex cell (krex-C and krex-mps-C): throughput >= 4x native-serial and >= 0.95x
+the unprotected cell of the same C (a krex-mps cell also >= 0.95x unprotected-mps of its C);
+p95 inflation in each nested band at or below the paper's figure or the native noise of the
+same run (native-repeat, else the native-serial passes), whichever is larger;
 Kendall tau >= the native baseline's; flip rate <= the baseline's + 3 percentage points in
 every gap class. The native baseline of tau and flips is the native-repeat cell, else the
 native-serial passes (a run without native-repeat). A figure with no data reads n/a."""
@@ -62,7 +63,7 @@ def headline(
     paper: Mapping[str, Any],
     goal_throughput: float,
 ) -> dict[str, Any]:
-    krex_cells = [t for t in thr if t["mode"] == "krex"]
+    krex_cells = [t for t in thr if t["mode"] in ("krex", "krex-mps")]
     finite = [t for t in krex_cells if math.isfinite(t["cmds_per_min"])]
     best = max(finite, key=lambda t: t["cmds_per_min"]) if finite else None
     base = tau_baseline(ranking)
@@ -96,7 +97,50 @@ def headline(
     }
     h["flips"] = per_cell[best["cell"]]["flips"] if best else {}
     h["goals"] = goals
+    if mps := mps_throughput(thr):
+        h["mps_throughput"] = mps
     return h
+
+
+def _same_c(thr: list[ThroughputRow], mode: str, c: int) -> ThroughputRow | None:
+    return next((u for u in thr if u["mode"] == mode and u["c"] == c), None)
+
+
+def _ratio(a: ThroughputRow, b: ThroughputRow | None) -> float:
+    return a["cmds_per_min"] / b["cmds_per_min"] if b and b["cmds_per_min"] > 0 else math.nan
+
+
+def mps_throughput(thr: list[ThroughputRow]) -> list[dict[str, Any]]:
+    """Each krex-mps cell's throughput against unprotected-C and unprotected-mps-C of its C."""
+    out = []
+    for t in thr:
+        if t["mode"] != "krex-mps":
+            continue
+        unp, ump = _same_c(thr, "unprotected", t["c"]), _same_c(thr, "unprotected-mps", t["c"])
+        out.append({
+            "cell": t["cell"], "c": t["c"], "cmds_per_min": t["cmds_per_min"],
+            "unprotected_cell": unp["cell"] if unp else None,
+            "unprotected_cpm": unp["cmds_per_min"] if unp else math.nan,
+            "vs_unprotected": _ratio(t, unp),
+            "unprotected_mps_cell": ump["cell"] if ump else None,
+            "unprotected_mps_cpm": ump["cmds_per_min"] if ump else math.nan,
+            "vs_unprotected_mps": _ratio(t, ump),
+        })
+    return out
+
+
+def _vs_unprotected_mps(t: ThroughputRow, thr: list[ThroughputRow]) -> list[GoalRow]:
+    """A krex-mps cell's goal row against unprotected-mps of the same C (none for krex cells)."""
+    if t["mode"] != "krex-mps":
+        return []
+    ump = _same_c(thr, "unprotected-mps", t["c"])
+    vs = _ratio(t, ump)
+    ours = NA if not (ump and math.isfinite(vs)) else (
+        f"{vs:.2f}x ({ump['cmds_per_min']:.1f} -> {t['cmds_per_min']:.1f} cmds/min, {ump['cell']})"
+    )
+    return [{"cell": t["cell"], "metric": "throughput vs unprotected-mps (same C)",
+             "goal": f">= {GOAL_VS_UNPROTECTED:.2f}x", "paper": "-", "ours": ours,
+             "met": met(None if not math.isfinite(vs) else vs >= GOAL_VS_UNPROTECTED - 1e-12)}]
 
 
 def _cell_goals(
@@ -138,6 +182,7 @@ def _cell_goals(
         else f"{vs:.2f}x ({unp['cmds_per_min']:.1f} -> {t['cmds_per_min']:.1f} cmds/min, {unp['cell']})",
         met(None if not math.isfinite(vs) else vs >= GOAL_VS_UNPROTECTED - 1e-12),
     )
+    rows += _vs_unprotected_mps(t, thr)
     p95: dict[str, float] = {}
     for band, paper_v in paper["p95_inflation"].items():
         d = (infl.get(k) or {}).get(band) or {}
@@ -238,6 +283,13 @@ def _run_goals(
         f"({paper['unprotected_cpm'] / paper['native_cpm']:.1f}x), below KREX",
         unp_txt,
     )
+    ump = max((t for t in thr if t["mode"] == "unprotected-mps" and math.isfinite(t["cmds_per_min"])),
+              key=lambda t: t["cmds_per_min"], default=None)
+    if ump:
+        r = _f(ump["ratio"])
+        rtxt = NA if not math.isfinite(r) else f"{r:.2f}x"
+        row("unprotected sharing throughput under MPS", "-",
+            f"{ump['cmds_per_min']:.1f} cmds/min ({rtxt}, {ump['cell']})")
     tau_b = _f((ranking.get(base) or {}).get("tau_median")) if base else math.nan
     row(f"Kendall tau, {base_label}", f"{paper['tau']['native-repeat']:.3f} (native repeat)", f3(tau_b))
     return rows

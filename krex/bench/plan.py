@@ -27,9 +27,12 @@ from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 __all__ = [
     "CELLS",
     "CONCURRENT",
+    "DEFAULT_MODES",
+    "KREX_MODES",
     "LEND_CHOICES",
     "META",
     "MODES",
+    "MPS_MODES",
     "RAW",
     "SCHEMA",
     "Cell",
@@ -45,8 +48,14 @@ __all__ = [
     "serial_span_s",
 ]
 
-MODES: tuple[str, ...] = ("reference", "native-serial", "native-repeat", "unprotected", "krex")
-CONCURRENT = ("unprotected", "krex")
+MODES: tuple[str, ...] = (
+    "reference", "native-serial", "native-repeat", "unprotected", "unprotected-mps", "krex", "krex-mps"
+)
+# The MPS modes need NVIDIA MPS (krex.bench.mpscell): asked for by name, never by default.
+MPS_MODES = ("unprotected-mps", "krex-mps")
+DEFAULT_MODES = tuple(m for m in MODES if m not in MPS_MODES)
+CONCURRENT = ("unprotected", "unprotected-mps", "krex", "krex-mps")
+KREX_MODES = ("krex", "krex-mps")  # commands under a KREX guardian and a krexd the bench may start
 RAW, CELLS, META = "raw.jsonl", "cells.jsonl", "meta.json"
 SCHEMA = 1
 
@@ -91,7 +100,7 @@ class Cell:
         if "@" in key:
             base, _, freeze = key.partition("@")
             c = Cell.from_key(base)
-            if c.mode != "krex" or freeze not in FREEZE_POLICIES:
+            if c.mode not in KREX_MODES or freeze not in FREEZE_POLICIES:
                 raise UsageError(
                     f"unknown cell {key!r}", "krex-C@POLICY takes a freeze policy: all, gpu, adaptive"
                 )
@@ -103,7 +112,8 @@ class Cell:
             return Cell(key, 1)
         raise UsageError(
             f"unknown cell {key!r}",
-            "cells are reference, native-serial, native-repeat, unprotected-C or krex-C",
+            "cells are reference, native-serial, native-repeat, unprotected-C, unprotected-mps-C, krex-C "
+            "or krex-mps-C",
         )
 
 
@@ -155,7 +165,8 @@ def plan_cells(
     reference first (it only establishes true orders), then native-serial (the
     reference for inflation, so that a partial run is already useful); then, for each
     C in a seeded random order, the unprotected-C and krex-C cells back to back in a
-    seeded random order; native-repeat goes into the middle of that sequence so that
+    seeded random order (with their MPS twins, unprotected-mps-C and krex-mps-C, when
+    asked for); native-repeat goes into the middle of that sequence so that
     slow drift over the run shows up as native-serial vs native-repeat difference
     (the noise floor) instead of favouring one mode."""
     rng = random.Random(seed)
@@ -168,7 +179,7 @@ def plan_cells(
             Cell(m, c, f, w, ln)
             for m in CONCURRENT
             if m in modes
-            for f in (freezes if m == "krex" else ("",))
+            for f in (freezes if m in KREX_MODES else ("",))
             for w in (prewarms if m == "krex" else (0,))
             for ln in (lends if m == "krex" else ("",))
         ]

@@ -21,7 +21,9 @@ from krex.errors import NotFound
 
 __all__ = ["write_plots"]
 
-COLORS = {"native-serial": "#444444", "native-repeat": "#888888", "unprotected": "#d62728", "krex": "#1f77b4"}
+COLORS = {"native-serial": "#444444", "native-repeat": "#888888", "unprotected": "#d62728", "krex": "#1f77b4",
+          "unprotected-mps": "#ff7f0e", "krex-mps": "#17becf"}
+SHARED = ("unprotected", "unprotected-mps", "krex", "krex-mps")  # the modes with a C
 
 
 def _plt() -> Any:
@@ -88,8 +90,8 @@ def _finite(xs: list[Any]) -> list[float]:
 
 
 def _mode_of(key: str) -> str:
-    for m in ("unprotected", "krex"):
-        if key.startswith(m + "-"):
+    for m in sorted(SHARED, key=len, reverse=True):  # unprotected-mps-8 before unprotected-*
+        if key.startswith(m + "-") and key[len(m) + 1 : len(m) + 2].isdigit():
             return m
     return key
 
@@ -101,7 +103,7 @@ def _shade(key: str, keys: list[str]) -> str:
     mode = _mode_of(key)
     base = COLORS.get(mode, "#444444")
     same = [k for k in keys if _mode_of(k) == mode]
-    if mode not in ("unprotected", "krex") or len(same) < 2:
+    if mode not in SHARED or len(same) < 2:
         return base
     i = same.index(key)
     r, g, b = mcolors.to_rgb(base)
@@ -117,8 +119,8 @@ def plot_throughput(s: Summary, path: Path) -> Path:
 
 def _draw_throughput(s: Summary, ax: Any) -> None:
     thr = s.get("throughput") or []
-    cs_all: list[int] = sorted({int(t["c"]) for t in thr if t["mode"] in ("unprotected", "krex")}) or [1]
-    for mode in ("unprotected", "krex"):
+    cs_all: list[int] = sorted({int(t["c"]) for t in thr if t["mode"] in SHARED}) or [1]
+    for mode in SHARED:
         pts = sorted(
             (int(t["c"]), float(t["cmds_per_min"]))
             for t in thr

@@ -13,6 +13,8 @@ One invocation runs a corpus of benchmarking commands (krex.bench.corpus) in sev
   unprotected-C   C commands at a time, no KREX
   krex-C          C commands at a time, each under a KREX guardian (region-granular
                   exclusivity; `krex run`'s library entry, krex.runner.guardian_argv)
+  unprotected-mps-C, krex-mps-C
+                  the same under NVIDIA MPS (krex.bench.mpscell), only when asked for
 
 Cells run in an interleaved order (`plan_cells`) so that drift cannot favour one mode;
 the commands of a cell run through krex.runner.Pool. Every command run appends one line
@@ -27,7 +29,6 @@ always called on the thread that called `run_bench`. Errors are KrexError subcla
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import importlib.util
 import json
@@ -42,16 +43,23 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from krex.bench.benchdaemon import running as _daemon_status
+from krex.bench.benchdaemon import start as _start_daemon
+from krex.bench.benchdaemon import started_note as _started_note
+from krex.bench.benchdaemon import stop as _stop_daemon
 from krex.bench.corpus import Workload, corpus_digest, default_corpus_path, load_corpus
+from krex.bench.mpscell import CellControl, cell_control, require_mps
 from krex.bench.nvmlsample import Sampler, open_sampler
 from krex.bench.plan import (
     CELLS,
     CONCURRENT,
+    DEFAULT_MODES,
+    KREX_MODES,
     LEND_CHOICES,
     META,
-    MODES,
+    MPS_MODES,
     RAW,
     SCHEMA,
     Cell,
@@ -70,13 +78,13 @@ from krex.bench.runstats import compact_report, node_cpu_s, tree_cpu_s
 from krex.bench.summary import compute_summary, json_safe, render_summary_md
 from krex.errors import KrexError, UsageError
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
-from krex.protocol import StatusReply
 from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv
-from krex.worlds import OwnWorld, daemon_misfit, daemon_status, describe
+from krex.worlds import OwnWorld, daemon_misfit, describe
 
 __all__ = ["BenchConfig", "BenchError", "BenchEvent", "BenchResult", "plots_available", "run_bench"]
 
 GRACE_S = 5.0
+_T = TypeVar("_T")
 
 
 class BenchError(KrexError):
@@ -91,7 +99,7 @@ class BenchError(KrexError):
 @dataclass
 class BenchConfig:
     device: str = "auto"  # auto | gpu | sim
-    modes: Sequence[str] | None = None  # None: MODES, or what the resumed run first asked for
+    modes: Sequence[str] | None = None  # None: DEFAULT_MODES, or what the resumed run first asked for
     concurrency: Sequence[int] | None = None  # None: (2, 4, 8, 16), or (2, 4) with quick
     quick: bool | None = None  # None: False, or what the resumed run used
     out_dir: Path | None = None
@@ -237,10 +245,17 @@ class _Commands:
     def __init__(self, cfg: BenchConfig, dev: str, timeout_s: float) -> None:
         self.cfg, self.dev, self.timeout_s = cfg, dev, timeout_s
         self.sampler: Sampler | None = None  # NVML figures of each region, on a real GPU
+        self.mps: CellControl | None = None  # an unprotected-mps cell's control daemons, while it runs
+
+    def around(self, cell: Cell, note: Callable[[str], None], run: Callable[..., _T], *args: Any) -> _T:
+        """`run(cell, *args)` (the cell's commands) with what the cell needs around it: an
+        unprotected-mps cell's MPS control daemons, started before and quit after, however it ends."""
+        with cell_control(cell, self.cfg.gpus, self.cfg.device, self.cfg.out_dir, note) as self.mps:
+            return run(cell, *args)
 
     def env_for(self, cell: Cell, tmp: Path) -> dict[str, str]:
         base = dict(os.environ)
-        if cell.mode == "krex":
+        if cell.mode in KREX_MODES:
             # the guardian sets the rest; keep KREX_SHM/KREX_SOCKET/KREX_STATE_DIR (the daemon's)
             env = {k: v for k, v in base.items() if k not in ("KREX_SLOT", "KREX_GPU")}
             _drop_shim(env)
@@ -260,13 +275,15 @@ class _Commands:
         w = job.workload
         tmp = Path(tempfile.mkdtemp(prefix="krexbench-"))
         cmd = w.argv(self.cfg.python)
-        report = tmp / "report.json" if cell.mode == "krex" else None
+        report = tmp / "report.json" if cell.mode in KREX_MODES else None
         if report is not None:
             cmd = guardian_argv(cmd, report, self.dev, gpu, cell.freeze or None, self.cfg.python)
         env = self.env_for(cell, tmp)
         env.update(dict(w.env))
-        if gpu is not None and cell.mode != "krex":  # the guardian's --gpu sets it for krex cells
+        if gpu is not None and cell.mode not in KREX_MODES:  # the guardian's --gpu sets it for krex cells
             env["CUDA_VISIBLE_DEVICES"] = _visible_token(gpu)
+        if self.mps is not None and cell.mode == "unprotected-mps":  # clients of the cell's control daemon
+            env.update(self.mps.client_env(gpu))
         return Spec(cmd, tmp / "stdout", tmp / "stderr", env, str(w.script.parent), self.timeout_s, report)
 
     def record(self, cell: Cell, run_id: str, job: Job, gpu: int | None, got: Outcome) -> dict[str, Any]:
@@ -341,41 +358,16 @@ class _Commands:
             shutil.rmtree(got.spec.stdout.parent, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------------- daemon
-
-
-def _daemon_status() -> StatusReply | None:
-    return daemon_status()
-
-
-def _start_daemon(dev: str, slots: int, prewarm: int = 0, lend: str = "") -> bool:
-    """Start a daemon with these settings; False when another one answered instead."""
-    from krex.proc.client import start_background
-
-    settings: dict[str, Any] = {"idle_exit_s": 600.0, "slots_per_gpu": max(1, min(64, slots))}
-    settings["prewarm"] = prewarm
-    if lend:
-        settings["lend_cores"] = lend
-    got = start_background(device=dev, settings=settings)
-    return bool(getattr(got, "ours", True))
-
-
-def _stop_daemon() -> None:
-    from krex.proc.client import Client, daemon_alive
-
-    with contextlib.suppress(KrexError, OSError):
-        c = Client.connect()
-        try:
-            c.request({"op": "shutdown"})
-        finally:
-            c.close()
-    for _ in range(100):
-        if not daemon_alive():
-            return
-        time.sleep(0.05)
-
-
 # ------------------------------------------------------------------------------------- main
+
+
+def _asked_modes(cfg: BenchConfig, first: dict[str, Any]) -> list[str]:
+    """The modes to run: those given, else those the resumed run first asked for, else
+    DEFAULT_MODES. An MPS mode where MPS cannot run is a UsageError before anything runs."""
+    modes = parse_modes(cfg.modes if cfg.modes is not None else first.get("modes") or DEFAULT_MODES)
+    if set(modes) & set(MPS_MODES):
+        require_mps(cfg.device)
+    return modes
 
 
 def _visible_token(pos: int) -> str:
@@ -410,8 +402,8 @@ class _BenchRun:
         self.done = self.failed = self.total = 0
         self.ran: list[str] = []
         self.started_daemon = False
-        # (slots per GPU, prewarm, lend) of the daemon the bench started, None while it runs none.
-        self.ours: tuple[int, int, str] | None = None
+        # (slots per GPU, prewarm, lend, MPS) of the daemon the bench started, None while it runs none.
+        self.ours: tuple[int, int, str, bool] | None = None
         self.own: OwnWorld | None = None
         self.foreign = False  # a daemon that ran already fits and serves every krex cell
 
@@ -420,7 +412,7 @@ class _BenchRun:
         self.settings()
         self.write_meta()
         self.plan()
-        self.cmds = _Commands(self.cfg, self.dev, self.timeout_s)
+        self.cmds = _Commands(replace(self.cfg, out_dir=self.out_dir), self.dev, self.timeout_s)
         self.choose_daemon()
         self.run_cells()
         return self.report()
@@ -477,7 +469,7 @@ class _BenchRun:
         # A resumed run keeps the modes and concurrency its first invocation asked for, unless
         # new ones are given: resuming must not run cells nobody asked for.
         first = (meta.get("invocations") or [{}])[0]
-        modes = parse_modes(cfg.modes if cfg.modes is not None else first.get("modes") or MODES)
+        modes = _asked_modes(cfg, first)
         conc = parse_concurrency(
             cfg.concurrency
             if cfg.concurrency is not None
@@ -698,11 +690,11 @@ class _BenchRun:
         a world of its own, and a bench on real GPUs is refused (two worlds would not exclude
         each other's regions)."""
         dev = self.dev
-        self.need = need = max((c.c for c in self.todo if c.mode == "krex"), default=1)
-        krex_cells = [c for c in self.todo if c.mode == "krex"]
+        self.need = need = max((c.c for c in self.todo if c.mode in KREX_MODES), default=1)
+        krex_cells = [c for c in self.todo if c.mode in KREX_MODES]
         st = _daemon_status() if krex_cells else None
         if st is not None:
-            special = sorted({c.key for c in krex_cells if c.prewarm or c.lend})
+            special = sorted({c.key for c in krex_cells if c.prewarm or c.lend or c.mode == "krex-mps"})
             misfit = daemon_misfit(st, dev, need, self.cfg.gpus, special)
             if misfit and dev != "sim":
                 raise UsageError(
@@ -727,13 +719,15 @@ class _BenchRun:
         """A daemon that admits this krex cell as asked: C + prewarm commands at once, of which
         only C hold a slot when it pre-warms (slots per GPU = C exactly), else max C."""
         slots = cell.c if cell.prewarm else self.cfg.slots_per_gpu or self.need
-        want = (slots, cell.prewarm, cell.lend)
+        want = (slots, cell.prewarm, cell.lend, cell.mode == "krex-mps") if cell.mode in KREX_MODES else None
         if self.foreign or self.ours == want:
             return
         if self.started_daemon:
             _stop_daemon()
-            self.started_daemon = False
-        if not _start_daemon(self.dev, want[0], want[1], want[2]):
+            self.started_daemon, self.ours = False, None
+        if want is None:  # another cell: a krexd with MPS on is stopped before it (never idles beside it)
+            return
+        if not _start_daemon(self.dev, *want):
             raise UsageError(
                 f"another KREX daemon started while the bench ran (it needed one with {want[0]} slots "
                 f"per GPU, prewarm {want[1]} and lend_cores {want[2] or 'its default'})",
@@ -741,13 +735,7 @@ class _BenchRun:
             )
         self.started_daemon = True
         self.ours = want
-        self.note(
-            f"started a KREX daemon ({want[0]} slots per GPU, prewarm {want[1]}"
-            + (f", lend_cores {want[2]}" if want[2] else "")
-            + ") for "
-            + ("the krex cells" if not want[1] else f"the +pw{want[1]} cells")
-            + "; stopped at the end"
-        )
+        self.note(_started_note(*want))
 
     def run_cells(self) -> None:
         """The NVML sampler, the warm-up and every cell still to run; then stop what the bench
@@ -781,7 +769,7 @@ class _BenchRun:
         }
         carried = carried_runs(out_dir, cell)
         jobs = self.cell_jobs(cell, hint, carried)
-        if cell.mode == "krex":
+        if cell.mode in KREX_MODES or (self.ours and self.ours[3]):
             self.daemon_for(cell)
         run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         self.event("cell-start", cell=cell.key, message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time")
@@ -790,10 +778,10 @@ class _BenchRun:
             append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
         if carried:
             self.note(f"{cell.key}: kept {len(carried)} runs of an unfinished earlier invocation")
-        krexd = (_daemon_status() or {}).get("daemon", {}).get("pid") if cell.mode == "krex" else None
+        krexd = (_daemon_status() or {}).get("daemon", {}).get("pid") if cell.mode in KREX_MODES else None
         krexd_cpu0 = tree_cpu_s(int(krexd)) if krexd else None
         node0 = node_cpu_s()
-        c_start, last_start, cell_failed = self.run_cell(cell, run_id, jobs)
+        c_start, last_start, cell_failed = self.cmds.around(cell, self.note, self.run_cell, run_id, jobs)
         c_end = _now()
         node1 = node_cpu_s()
         krexd_cpu1 = tree_cpu_s(int(krexd)) if krexd else None

@@ -14,7 +14,7 @@ from krex.bench import fidelity as fd
 from krex.bench import metrics as bm
 from krex.bench.corpus import Workload
 from krex.bench.headline import headline
-from krex.bench.plan import CONCURRENT, MODES, Cell
+from krex.bench.plan import CONCURRENT, KREX_MODES, MODES, Cell
 from krex.bench.records import (
     CellRanking,
     CellRegions,
@@ -379,11 +379,7 @@ def _critical(src: Sequence[RunRecord]) -> Critical:
     return {
         "n": len(fr_list),
         "fractions": fr_list,
-        "p10": pct(10),
-        "p25": pct(25),
-        "p50": pct(50),
-        "p75": pct(75),
-        "p90": pct(90),
+        "p10": pct(10), "p25": pct(25), "p50": pct(50), "p75": pct(75), "p90": pct(90),
         "share_below_25": (sum(1 for f in fr_list if f < 0.25) / len(fr_list)) if fr_list else math.nan,
         "aggregate": agg,
         "amdahl_bound": bm.amdahl_bound(agg) if math.isfinite(agg) else math.nan,
@@ -457,7 +453,7 @@ def _fidelity(
     flag_scores: dict[str, Any] = {}
     nvml: dict[str, Any] = {}
     for k in rs.keys:
-        if rs.cell_rows[k]["mode"] != "krex":
+        if rs.cell_rows[k]["mode"] not in KREX_MODES:
             continue
         runs = rs.of(k)
         entry[k] = fd.entry_stats(runs)
@@ -600,8 +596,40 @@ def _md_throughput(s: Summary) -> list[str]:
             for t in s.get("throughput", [])
         ],
     )
-    L += [""]
+    L += [""] + _mps_throughput_md(s)
     return L
+
+
+def _mps_throughput_md(s: Summary) -> list[str]:
+    """The throughput of each krex-mps cell against both unprotected baselines of its C
+    (the headline's ``mps_throughput``); nothing when no MPS cell ran."""
+    rows = (s.get("headline") or {}).get("mps_throughput") or []
+    if not rows:
+        return []
+    out = [
+        "### Under NVIDIA MPS",
+        "",
+        "Each krex-mps cell against unprotected sharing of the same C, without and with MPS "
+        "(cmds/min; the ratio is krex-mps over the baseline).",
+        "",
+    ]
+    out += _table(
+        ["cell", "cmds/min", "unprotected", "cmds/min", "ratio", "unprotected-mps", "cmds/min", "ratio"],
+        [
+            [
+                r["cell"],
+                _num(r["cmds_per_min"], "{:.1f}"),
+                r.get("unprotected_cell") or "-",
+                _num(r.get("unprotected_cpm"), "{:.1f}"),
+                _num(r.get("vs_unprotected"), "{:.2f}x"),
+                r.get("unprotected_mps_cell") or "-",
+                _num(r.get("unprotected_mps_cpm"), "{:.1f}"),
+                _num(r.get("vs_unprotected_mps"), "{:.2f}x"),
+            ]
+            for r in rows
+        ],
+    )
+    return out + [""]
 
 
 def _md_inflation(s: Summary) -> list[str]:

@@ -25,6 +25,10 @@ Precedence: command line > environment > config file > defaults. The config file
                                                              of them together may keep queued, each its share:
                                                              what a region's entry drains (default 4); 0: each
                                                              command by queue_cap_ms instead
+  pace_tokens      KREX_PACE_TOKENS       --pace-tokens      under the drain budget, how many commands whose
+                                                             queued work is longer than their share may have
+                                                             it on the GPU at once (default 2, at most 4);
+                                                             0: each keeps one interval in flight
   queue_cap_ms     KREX_QUEUE_CAP_MS                         with no drain budget: how long (ms) the GPU
                                                              work a command has queued may wait before its
                                                              next submissions wait for it; 0: unbounded
@@ -187,6 +191,9 @@ class Config:
     # budget bounds all of it on a GPU (each command its share); 0 falls back to a cap per
     # command, queue_cap_ms.
     drain_budget_ms: float = float(lib.KREX_DRAIN_BUDGET_MS)
+    # Long work takes turns under the budget (krex_abi.h, KREX_PACE_TOKENS): a drain then
+    # waits for at most this many long intervals, not one per sibling.
+    pace_tokens: int = int(lib.KREX_PACE_TOKENS)
     queue_cap_ms: float = float(lib.KREX_QUEUE_CAP_MS)
     # A region queued or announced shrinks siblings' queues and holds their LIFE calls before
     # its gate closes (krex_abi.h, KREX_PENDING_HOLD_MS).
@@ -284,6 +291,10 @@ KEYS = (
         "milliseconds, e.g. 4, or 0 for a cap per command (queue_cap)", "--drain-budget",
         "the GPU work (ms) all commands on a GPU together may keep queued, each its share: what a "
         "region's entry drains; 0: a cap per command (queue_cap)"),
+    Key("pace_tokens", "pace_tokens", "KREX_PACE_TOKENS", _num(0, int(lib.KREX_TURNS_MAX), True),
+        f"a whole number 0..{lib.KREX_TURNS_MAX}", "--pace-tokens",
+        "under the drain budget, how many commands whose queued work is longer than their share "
+        "may have it on the GPU at once (the rest wait their turn); 0: each keeps one in flight"),
     Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
         "milliseconds, e.g. 20, or 0 for none"),
     Key("early_shrink", "early_shrink", "KREX_EARLY_SHRINK", _bool, "on or off (yes/no, 1/0)"),

@@ -312,6 +312,7 @@ class Daemon(Server):
             "drain_timeout_s": c.drain_timeout_s,
             "lend_cores": c.lend_cores,
             "drain_budget_ms": c.drain_budget_ms,
+            "pace_tokens": c.pace_tokens,
             "queue_cap_ms": c.queue_cap_ms,
             "early_shrink": c.early_shrink,
             "log_level": c.log_level,
@@ -436,6 +437,7 @@ class Daemon(Server):
                     "region_core_watched": self.core_watch_off is None,
                     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # -5 wanted with lend_cores all
                     "drain_budget_ms": self.cfg.drain_budget_ms,
+                    "pace_tokens": self.cfg.pace_tokens,
                     "queue_cap_ms": self.cfg.queue_cap_ms,
                     "early_shrink": self.cfg.early_shrink,
                     "idle_exit_s": self.cfg.idle_exit_s,

@@ -87,7 +87,7 @@ class GpuMps:
     fast_deaths: int = 0  # deaths in a row within FAST_DEATH_S of their start
 
 
-def _gpu_uuids(info: GpuInfo) -> list[str | None]:
+def gpu_uuids(info: GpuInfo) -> list[str | None]:
     """Each managed GPU's UUID where the selection named it or NVML says it; else None."""
     out: list[str | None] = []
     for g in range(info.count):
@@ -109,7 +109,7 @@ def _gpu_uuids(info: GpuInfo) -> list[str | None]:
         return out
 
 
-def _control_program() -> str:
+def control_program() -> str:
     raw = os.environ.get(CONTROL_ENV, "").strip()
     found = shutil.which(raw or CONTROL_BIN)
     if found is None:
@@ -120,6 +120,14 @@ def _control_program() -> str:
             f"{CONTROL_ENV} to the control program, or start krexd without --mps",
         )
     return found
+
+
+def control_names() -> set[str]:
+    """The program names a control daemon's process may carry (_is_control)."""
+    names = {CONTROL_BIN}
+    if os.environ.get(CONTROL_ENV, "").strip():
+        names.add(os.path.basename(os.environ[CONTROL_ENV].strip()))
+    return names
 
 
 def _alive(pid: int | None, ticks: int) -> bool:
@@ -172,7 +180,7 @@ def _is_control(pid: int, names: set[str]) -> bool:
     return bool(set(progs) & names)
 
 
-def _private_dir(p: Path) -> Path:
+def private_dir(p: Path) -> Path:
     """Make `p` (0700, krexd's own) if needed and check it: never a planted link."""
     try:
         p.mkdir(mode=0o700, exist_ok=True)
@@ -194,6 +202,84 @@ def _tail(p: Path) -> str:
     return " | ".join(text.strip().splitlines()[-3:])
 
 
+def _clients(pipe: Path, control_pid: int) -> set[int]:
+    """The processes whose environment names `pipe` as their MPS pipe directory, other than
+    the control daemon and the processes below it (its MPS servers): its clients."""
+    entry = f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode()
+    found = set(procfs.environ_scan(entry, [b"CUDA_MPS_PIPE_DIRECTORY"]))
+    return found - {control_pid, os.getpid()} - procfs.descendants([control_pid], procfs.proc_table())
+
+
+class StartFailed(Exception):
+    """Why `<control> -d` gave no control daemon (the caller words the error)."""
+
+
+def start_control(control: str, names: set[str], env: dict[str, str], pipe: Path, log_dir: Path) -> int:
+    """Run `<control> -d` with `env` (which names `pipe` and `log_dir`, both made already) and
+    wait for the control daemon's pid in `pipe`; its pid. Raises StartFailed with the reason."""
+    # Its output goes to a file, not a pipe: the daemonised child may keep the descriptors.
+    out_path = log_dir / START_LOG
+    try:
+        fd = paths.open_private(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            p = subprocess.run([control, "-d"], env=env, stdin=subprocess.DEVNULL,
+                               stdout=fd, stderr=fd, timeout=START_WAIT_S, start_new_session=True)
+        finally:
+            os.close(fd)
+    except (OSError, KrexError, subprocess.TimeoutExpired) as e:
+        raise StartFailed(str(e)) from None
+    if p.returncode != 0:
+        said = _tail(out_path) or "no output"
+        raise StartFailed(f"`{control} -d` exited {p.returncode}: {said}")
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        pid = _read_pid(pipe)
+        if pid is not None and _alive(pid, 0) and _is_control(pid, names):
+            return pid
+        time.sleep(0.02)
+    raise StartFailed(f"no live pid in {pipe / PID_FILE} {START_WAIT_S:g} s after `-d`")
+
+
+def quit_control(control: str, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
+    """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+    if log_dir is not None:
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
+    if control:  # none known (krexd without MPS of its own): the signals alone
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run([control], input=b"quit\n", env=env, capture_output=True, timeout=QUIT_WAIT_S)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + QUIT_WAIT_S
+        while _alive(pid, ticks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not _alive(pid, ticks):
+            return
+        assert pid is not None
+        log.warning("MPS: control daemon pid %d did not quit: sending %s", pid, sig.name)
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def clear_stale(control: str, names: set[str], pipe: Path, who: str) -> int | None:
+    """Stop the control daemon `who` left in `pipe` (its log directory beside it) and remove
+    the pipe directory; the pid it stopped, if any."""
+    if not pipe.is_dir() or pipe.is_symlink():
+        return None
+    pid = _read_pid(pipe)
+    if pid is not None and _alive(pid, 0):
+        log.warning("MPS: stopping control daemon pid %d left by %s (%s)", pid, who, pipe)
+        # Signalled only if it is that control daemon: the pid may be another process's
+        # now, and a command krexd admitted carries the same pipe directory.
+        mine = _serves(pid, pipe) and _is_control(pid, names)
+        quit_control(control, pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
+                     pipe.parent / "log")
+    else:
+        pid = None
+    shutil.rmtree(pipe, ignore_errors=True)
+    return pid
+
+
 class Mps:
     """krexd's MPS control daemons: none (off), one per GPU of its own, or an attached one."""
 
@@ -204,11 +290,11 @@ class Mps:
         self._stop = threading.Event()
         self._busy: Callable[[int], bool] = lambda _g: False
         self._control = ""
-        # The program names a control daemon's process may carry (_is_control).
-        self._names = {CONTROL_BIN}
-        if os.environ.get(CONTROL_ENV, "").strip():
-            self._names.add(os.path.basename(os.environ[CONTROL_ENV].strip()))
+        self._names = control_names()
         self._watcher: threading.Thread | None = None
+        # Control daemons a previous krexd started that this one, without MPS of its own,
+        # left running because commands still use them (status's `left`).
+        self.left: list[dict[str, Any]] = []
         if self.mode == "off":
             return
         if cfg.mps_pipe_dir and cfg.mps == "off" and cfg.sources.get("mps", "default") != "default":
@@ -223,8 +309,8 @@ class Mps:
                 f"{CONTROL_ENV})",
             )
         if self.mode == "own":
-            self._control = _control_program()
-        uuids = _gpu_uuids(info)
+            self._control = control_program()
+        uuids = gpu_uuids(info)
         root = paths.state_dir() / "mps"
         for g in range(info.count):
             visible = uuids[g] or str(info.physical[g])
@@ -240,15 +326,17 @@ class Mps:
         """Start (or attach to) every GPU's control daemon, then watch them. ``busy(g)``:
         a region holds GPU g now (no restart then). Raises MpsUnavailable, having stopped
         what it started, when one cannot start."""
+        if self.mode != "own":
+            self._left_behind()
         if self.mode == "off":
             return
         self._busy = busy
         if self.mode == "attach":
             self._attach()
         else:
-            root = _private_dir(paths.state_dir() / "mps")
+            root = private_dir(paths.state_dir() / "mps")
             for d in sorted(root.glob("gpu*")):  # a previous krexd's, any GPU count
-                if not d.is_symlink() and d.is_dir():  # a planted link: _private_dir refuses it
+                if not d.is_symlink() and d.is_dir():  # a planted link: private_dir refuses it
                     self._clear_stale(d / "pipe")
             try:
                 for m in self.gpus.values():
@@ -258,6 +346,35 @@ class Mps:
                 raise
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="mps")
         self._watcher.start()
+
+    def _left_behind(self) -> None:
+        """Without MPS of its own (off, attach), stop the control daemons a previous krexd of
+        this state directory started and left (it was killed): no region runs yet, and one
+        that no command uses (as an MPS client) serves nothing. One that commands still use
+        is left running for them, logged and shown in `krex status`."""
+        root = paths.state_dir() / "mps"
+        if root.is_symlink() or not root.is_dir():
+            return
+        ours = {m.pipe for m in self.gpus.values()}  # attached there on purpose: never stopped
+        control = ""
+        with contextlib.suppress(MpsUnavailable):
+            control = control_program()
+        for pipe in sorted(root.glob("gpu*/pipe")):
+            if pipe in ours or pipe.parent.is_symlink() or pipe.is_symlink() or not pipe.is_dir():
+                continue
+            pid = _read_pid(pipe)
+            if pid is None or not _alive(pid, 0):
+                continue
+            if not (_serves(pid, pipe) and _is_control(pid, self._names)):  # the pid is another's now
+                continue
+            clients = _clients(pipe, pid)
+            if not clients:
+                clear_stale(control, self._names, pipe, "a previous krexd (this one has no MPS of its own)")
+                continue
+            log.warning("MPS: control daemon pid %d left by a previous krexd (%s) still serves %d command(s) "
+                        "(pids %s): left running for them", pid, pipe, len(clients), sorted(clients)[:8])
+            self.left.append({"pid": pid, "ticks": int(lib.krex_pid_start_ticks(pid)), "pipe_dir": str(pipe),
+                              "clients": sorted(clients)})
 
     def _attach(self) -> None:
         m0 = next(iter(self.gpus.values()))
@@ -297,35 +414,18 @@ class Mps:
 
     def _start_one(self, m: GpuMps) -> None:
         assert m.log_dir is not None
-        _private_dir(m.pipe.parent)
-        _private_dir(m.pipe)
-        _private_dir(m.log_dir)
-        # Its output goes to a file, not a pipe: the daemonised child may keep the descriptors.
-        out_path = m.log_dir / START_LOG
+        private_dir(m.pipe.parent)
+        private_dir(m.pipe)
+        private_dir(m.log_dir)
         try:
-            fd = paths.open_private(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                p = subprocess.run([self._control, "-d"], env=self._env(m), stdin=subprocess.DEVNULL,
-                                   stdout=fd, stderr=fd, timeout=START_WAIT_S, start_new_session=True)
-            finally:
-                os.close(fd)
-        except (OSError, KrexError, subprocess.TimeoutExpired) as e:
+            pid = start_control(self._control, self._names, self._env(m), m.pipe, m.log_dir)
+        except StartFailed as e:
             raise self._failed(m, str(e)) from None
-        if p.returncode != 0:
-            said = _tail(out_path) or "no output"
-            raise self._failed(m, f"`{self._control} -d` exited {p.returncode}: {said}")
-        deadline = time.monotonic() + START_WAIT_S
-        while time.monotonic() < deadline:
-            pid = _read_pid(m.pipe)
-            if pid is not None and _alive(pid, 0) and _is_control(pid, self._names):
-                with self._lock:
-                    m.pid, m.start_ticks, m.state, m.error = pid, int(lib.krex_pid_start_ticks(pid)), "on", ""
-                    m.started_at = time.monotonic()
-                log.info("MPS: gpu %d: control daemon pid %d (CUDA_VISIBLE_DEVICES=%s, pipe %s)",
-                         m.gpu, pid, m.visible, m.pipe)
-                return
-            time.sleep(0.02)
-        raise self._failed(m, f"no live pid in {m.pipe / PID_FILE} {START_WAIT_S:g} s after `-d`")
+        with self._lock:
+            m.pid, m.start_ticks, m.state, m.error = pid, int(lib.krex_pid_start_ticks(pid)), "on", ""
+            m.started_at = time.monotonic()
+        log.info("MPS: gpu %d: control daemon pid %d (CUDA_VISIBLE_DEVICES=%s, pipe %s)",
+                 m.gpu, pid, m.visible, m.pipe)
 
     def _failed(self, m: GpuMps, why: str) -> MpsUnavailable:
         return MpsUnavailable(
@@ -335,38 +435,11 @@ class Mps:
         )
 
     def _quit(self, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
-        """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
-        if log_dir is not None:
-            env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run([self._control], input=b"quit\n", env=env, capture_output=True,
-                           timeout=QUIT_WAIT_S)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            deadline = time.monotonic() + QUIT_WAIT_S
-            while _alive(pid, ticks) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if not _alive(pid, ticks):
-                return
-            assert pid is not None
-            log.warning("MPS: control daemon pid %d did not quit: sending %s", pid, sig.name)
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
+        quit_control(self._control, pipe, pid, ticks, log_dir)
 
     def _clear_stale(self, pipe: Path) -> None:
         """Stop and clear what a previous krexd of this state directory left in `pipe`."""
-        if not pipe.is_dir() or pipe.is_symlink():
-            return
-        pid = _read_pid(pipe)
-        if pid is not None and _alive(pid, 0):
-            log.warning("MPS: stopping control daemon pid %d left by a previous krexd (%s)", pid, pipe)
-            # Signalled only if it is that control daemon: the pid may be another process's
-            # now, and a command krexd admitted carries the same pipe directory.
-            mine = _serves(pid, pipe) and _is_control(pid, self._names)
-            self._quit(pipe, pid if mine else None, int(lib.krex_pid_start_ticks(pid)) if mine else 0,
-                       pipe.parent / "log")
-        shutil.rmtree(pipe, ignore_errors=True)
+        clear_stale(self._control, self._names, pipe, "a previous krexd")
 
     def stop(self) -> None:
         """Stop the control daemons krexd started (never an attached one)."""
@@ -384,6 +457,13 @@ class Mps:
             elif pid is None and os.path.exists(m.pipe / CONTROL_PIPE):
                 # A start that never got a pid it could trust may still have left a daemon.
                 self._quit(m.pipe, None, 0, m.log_dir)
+
+    def stop_bound_s(self) -> float:
+        """The longest `stop` may take: a restart under way ends (the watcher's join), then
+        each control daemon krexd started gets `quit`, SIGTERM and SIGKILL, one after another."""
+        if self.mode != "own":
+            return 0.0
+        return START_WAIT_S + 2 * QUIT_WAIT_S + len(self.gpus) * 3 * QUIT_WAIT_S
 
     # ----------------------------------------------------------------- faults
     def _check(self, m: GpuMps) -> None:
@@ -486,14 +566,22 @@ class Mps:
         return out
 
     def status(self) -> dict[str, Any]:
-        """For `krex status`: the mode and each GPU's control daemon."""
+        """For `krex status`: the mode and each GPU's control daemon (its pid only while it
+        runs: a control daemon down or restarting has none), and the MPS variables a command
+        on that GPU gets (`env`, as `krex run` and `krex env` give them); `left`, when a
+        previous krexd's control daemon still runs for its clients (see _left_behind)."""
         with self._lock:
+            self.left = [d for d in self.left if _alive(d["pid"], d["ticks"])]
+            left = [{k: v for k, v in d.items() if k != "ticks"} for d in self.left]
+            extra = {"left": left} if left else {}
             return {
+                **extra,
                 "mode": self.mode,
                 "gpus": [
-                    {"gpu": m.gpu, "state": m.state, "pid": m.pid, "pipe_dir": str(m.pipe),
-                     "log_dir": str(m.log_dir) if m.log_dir else None, "visible": m.visible,
-                     "restarts": m.restarts, "error": m.error}
+                    {"gpu": m.gpu, "state": m.state, "pid": m.pid if m.state in ("on", "attached") else None,
+                     "pipe_dir": str(m.pipe), "log_dir": str(m.log_dir) if m.log_dir else None,
+                     "visible": m.visible, "restarts": m.restarts, "error": m.error,
+                     "env": self.command_env(m.gpu)}
                     for m in self.gpus.values()
                 ],
             }

@@ -265,4 +265,6 @@ class Server(Admission):
             )
         self.stop_reason = f"shutdown requested by pid {pid}"
         self.stop.set()
-        return {"ok": True}
+        # How long the stop may take beyond its usual seconds (the MPS control daemons' quit),
+        # so that `krex daemon stop` waits for it rather than giving up.
+        return {"ok": True, "stop_wait_s": self.mps.stop_bound_s()}

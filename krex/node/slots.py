@@ -282,8 +282,8 @@ class Slots(DaemonState):
     def _publish_queue_caps(self) -> None:
         """Pacing (interpose/pace.c) bounds the queued GPU work a region's entry must drain,
         while two or more commands share a GPU (alone, nothing waits for it): all of it by the
-        GPU's drain budget, each command its share, or, with no budget, each command's by
-        queue_cap_ms."""
+        GPU's drain budget, each command its share (long work taking one of pace_tokens
+        turns), or, with no budget, each command's by queue_cap_ms."""
         cap_us = int(self.cfg.queue_cap_ms * 1000)
         budget_us = int(self.cfg.drain_budget_ms * 1000)
         with self.lock:
@@ -291,6 +291,7 @@ class Slots(DaemonState):
         for g in range(self.seg.n_gpus):
             shared = per_gpu[g] >= 2
             # The budget first: a shim that reads it never falls back to the cap meanwhile.
+            self.seg.raw.gpus[g].pace_tokens = self.cfg.pace_tokens if shared and budget_us else 0
             self.seg.raw.gpus[g].budget_us = budget_us if shared else 0
             self.seg.raw.gpus[g].queue_cap_us = cap_us if shared else 0
 

@@ -11,7 +11,7 @@ import shlex
 
 from krex.node.optin import hook_dir, opt_in_parts, prepend
 
-__all__ = ["hook_dir", "opt_in_env", "format_env"]
+__all__ = ["hook_dir", "mps_env", "opt_in_env", "format_env"]
 
 
 def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -23,6 +23,29 @@ def opt_in_env(device: str, shm_name: str, base: dict[str, str] | None = None) -
     out = {k: prepend(base.get(k, ""), v, seps) for k, (v, seps) in pre.items()}
     out.update(put)
     return out
+
+
+def mps_env(gpu: int = 0) -> dict[str, str]:
+    """The MPS variables `krex run` gives a command on GPU `gpu` while the running krexd
+    manages MPS (its pipe and log directories, the GPU's UUID where known: krex/node/mps.py);
+    none when no krexd answers or it runs without MPS."""
+    from krex.errors import KrexError
+    from krex.proc.client import Client, daemon_alive
+
+    if not daemon_alive():
+        return {}
+    try:
+        c = Client.connect()
+        try:
+            st = c.request({"op": "status"})
+        finally:
+            c.close()
+    except (KrexError, OSError):
+        return {}
+    for m in (st.get("mps") or {}).get("gpus") or []:
+        if m.get("gpu") == gpu:
+            return {str(k): str(v) for k, v in (m.get("env") or {}).items()}
+    return {}
 
 
 def format_env(env: dict[str, str], export: bool) -> str:

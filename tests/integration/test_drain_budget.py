@@ -6,7 +6,9 @@ beside the one with it, so the bound it asserts is the mechanism's, not the simu
 
 from __future__ import annotations
 
+import collections
 import os
+import signal
 import statistics
 import sys
 import time
@@ -41,10 +43,14 @@ def _left_at_close(kx: Krex, recs: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def _hammers(kx: Krex, n: int, us: int = KERNEL_US) -> None:
+def _hammers(kx: Krex, n: int, us: int = KERNEL_US, hold_ms: int = 0) -> None:
+    """n siblings launching `us` kernels back to back; with `hold_ms`, each waits that long
+    after its first kernel, so that none starts its stream while alone on the GPU (a command
+    alone is not paced: it could queue all its kernels before the next one arrives)."""
     actor = str(victims()["actor"])
+    hold = [f"sleep:{hold_ms}"] if hold_ms else []
     for i in range(n):
-        kx.run_argv(f"hammer{i}", [actor, "k:1", "sync", f"kn:1000000:{us}"])
+        kx.run_argv(f"hammer{i}", [actor, "k:1", "sync", *hold, f"kn:1000000:{us}"])
     kx.wait(lambda: len(kx.status()["slots"]) == n, 60, "the hammers' slots")
     kx.wait(lambda: sum(1 for p in kx.snapshot().procs if p.has_ctx) >= n, 60, "the hammers' first kernels")
     time.sleep(0.5)  # past their first pacing checks
@@ -90,6 +96,52 @@ def test_the_budget_bounds_what_all_hammering_siblings_leave_for_a_drain(kx: Kre
     assert not any("drain-timeout" in r.get("flags", []) for r in recs)
 
 
+LONG_US = 3000  # each kernel longer than a sibling's share of the budget: they are on the floor
+
+
+@root
+@pytest.mark.parametrize("tokens", [str(lib.KREX_PACE_TOKENS), "0"])
+def test_long_work_takes_turns_so_a_drain_does_not_grow_with_the_siblings(kx: Krex, tokens: str) -> None:
+    """Six siblings launch 3 ms kernels, each longer than its share of the 4 ms budget, so
+    each keeps one at a time in flight (the floor). Taking turns (default), at most
+    `pace_tokens` of those are queued on the GPU at once, and a region's gate closes on about
+    that many kernels; without turns (0) it closes on about one per sibling, six."""
+    n, k = 6, int(tokens)
+    kx.start_daemon(slots=n + 2, env_extra={"KREX_PACE_TOKENS": tokens, "KREX_EARLY_SHRINK": "off"})
+    _hammers(kx, n, LONG_US, hold_ms=2000)
+    time.sleep(2.5)  # past their hold: all of them launching
+    recs = _regions(kx, {"owner": ["sleep:100", "begin", "end"] * 12})
+    left = _left_at_close(kx, recs)[2:]
+    med = statistics.median(left)
+    # The turns' bound: `k` kernels, plus slack for leases lapsing on a loaded machine (a
+    # holder's renewal comes from a CPU the simulator shares).
+    bound = k * LONG_US / 1e3 + LONG_US / 1e3 + 1.0
+    if k == 0:
+        assert med > (n - 1) * LONG_US / 1e3 - 2.0, (
+            f"without turns only {med:.1f} ms were left at the close: the test proves nothing ({left})"
+        )
+    else:
+        assert med <= bound, (
+            f"with {k} turns, {n} siblings of {LONG_US} us kernels left a median {med:.1f} ms at the "
+            f"gate's close (bound {bound:.1f} ms): {[round(x, 1) for x in left]}"
+        )
+        assert not any("drain-timeout" in r.get("flags", []) for r in recs)
+    print(f"turns {k}: left at close median {med:.1f} ms, {[round(x, 1) for x in left]}; "
+          f"flags {[r.get('flags') for r in recs if r.get('flags')]}")
+    # Taking turns starves no sibling and leaves the GPU no idler: between the first and the
+    # last region, every sibling ran kernels, the fewest at least a fifth of the most, and
+    # siblings' kernels kept the simulated GPU busy (regions and their entries aside).
+    ops = [e for e in read_jsonl(kx.trace) if e.get("ev") == "op" and e["cls"] == lib.KREX_CLS_KERNEL]
+    t0, t1 = _close_ns(recs[2]), _close_ns(recs[-1])
+    mine = [o for o in ops if t0 <= o["end"] <= t1 and o["slot"] != recs[0]["owner_slot"]]
+    per = collections.Counter(o["slot"] for o in mine)
+    busy = len(mine) * LONG_US * 1e3 / (t1 - t0)
+    print(f"turns {k}: kernels per sibling {sorted(per.values())}, siblings' kernels {busy:.0%} of the time")
+    fair = len(per) == n and min(per.values()) * 5 >= max(per.values())
+    assert fair, f"kernels per sibling slot: {dict(per)}"
+    assert busy >= 0.6, f"siblings' kernels ran only {busy:.0%} of the time between the regions"
+
+
 @root
 @pytest.mark.parametrize("early", ["on", "off"])
 def test_a_region_queued_behind_another_closes_on_empty_sibling_queues(kx: Krex, early: str) -> None:
@@ -115,6 +167,49 @@ def test_a_region_queued_behind_another_closes_on_empty_sibling_queues(kx: Krex,
         )
         held = sum(p.held for p in kx.snapshot().procs)
         assert held > 0, "no sibling call was held for a queued region"
+
+
+def _kernels_per_s(h: Harness, pid: int, secs: float) -> float:
+    """Kernels process `pid` submitted per second over the next `secs` (the trace)."""
+    t0 = time.monotonic_ns()
+    time.sleep(secs)
+    t1 = time.monotonic_ns()
+    ops = [e for e in read_jsonl(h.trace_path) if e.get("ev") == "op" and e["cls"] == lib.KREX_CLS_KERNEL]
+    return sum(1 for o in ops if o["pid"] == pid and t0 <= o["submit"] <= t1) / secs
+
+
+@pytest.mark.parametrize("holder", ["stopped", "stray"])
+def test_a_turn_nobody_renews_never_holds_long_work_back(harness: Harness, holder: str) -> None:
+    """Long work takes one turn here (pace_tokens 1). A holder stopped with SIGSTOP (as a
+    frozen or dead one) stops renewing its lease, and a word no holder could have written
+    (a lease days ahead) is not a lease: either way the other command keeps launching its
+    3 ms kernels at the simulated GPU's pace, instead of waiting KREX_TURN_WAIT_MS each."""
+    h = harness
+    h.seg.set_daemon(os.getpid(), heartbeat_timeout_s=60)
+    g = h.seg.raw.gpus[0]
+    g.budget_us, g.pace_tokens = BUDGET_MS * 1000, 1
+    a, b = h.claim(), h.claim()
+    kn = f"kn:100000:{LONG_US}"
+    cb = h.spawn("actor", ["k:1", "sync", kn, "line"], h.env(b))
+    cb.expect(lambda d: d["act"] == "sync", 30, "registration")
+    if holder == "stopped":
+        ca = h.spawn("actor", ["k:1", "sync", kn, "line"], h.env(a))
+        ca.expect(lambda d: d["act"] == "sync", 30, "registration")
+        time.sleep(0.5)
+        shared = _kernels_per_s(h, cb.pid, 1.0)
+        os.kill(ca.pid, signal.SIGSTOP)
+    else:
+        shared = float("nan")
+        now_us = time.monotonic_ns() // 1000
+        g.turns[0] = (1 << 40) | ((now_us + 10**10) & ((1 << 40) - 1))
+    try:
+        time.sleep(0.1)
+        rate = _kernels_per_s(h, cb.pid, 1.0)
+    finally:
+        if holder == "stopped":
+            os.kill(ca.pid, signal.SIGCONT)
+    # Waiting out KREX_TURN_WAIT_MS per kernel would allow 5 a second; the device allows 333.
+    assert rate >= 100, f"{rate:.0f} kernels/s with the {holder} turn (sharing the turn: {shared:.0f}/s)"
 
 
 def _pending(h: Harness, word: str, slot: int) -> None:

@@ -5,11 +5,11 @@ stop, flags a region whose control daemon died `mps-server` and starts a new one
 region holds the GPU, refuses to start when it cannot have MPS, and never stops a control
 daemon it attached to.
 
-The stand-in keeps to what krexd relies on: `-d` daemonises and writes the daemon's pid
-to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as nvidia-cuda-mps-control
-does) and creates the `control` pipe's name there; without `-d` it reads a command on
-stdin, and `quit` ends the daemon. It records its environment and each command in
-$FAKE_MPS_RECORD."""
+The stand-in (tests/helpers/fake_mps.py) keeps to what krexd relies on: `-d` daemonises
+and writes the daemon's pid to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as
+nvidia-cuda-mps-control does) and creates the `control` pipe's name there; without `-d` it
+reads a command on stdin, and `quit` ends the daemon. It records its environment and each
+command in $FAKE_MPS_RECORD."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fake_mps import fake_control as _fake
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Linux only"),
@@ -32,68 +33,6 @@ pytestmark = [
 _KREX = Path(sys.executable).with_name("krex")
 KREX = [str(_KREX)] if _KREX.exists() else [sys.executable, "-m", "krex.cli.main"]
 PID_FILE = "nvidia-cuda-mps-control.pid"
-
-FAKE_CONTROL = '''\
-import json, os, signal, sys, time
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-rec = os.environ["FAKE_MPS_RECORD"]
-
-
-def note(line):
-    with open(os.path.join(rec, "events.log"), "a") as f:
-        f.write(line + "\\n")
-
-
-if sys.argv[1:] == ["-d"]:
-    if os.environ.get("FAKE_MPS_FAIL"):
-        sys.stderr.write("fake MPS: cannot open the GPU\\n")
-        sys.exit(1)
-    if os.fork():
-        sys.exit(0)  # `-d` returns at once; the daemon lives on
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    pid = os.getpid()
-    keep = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
-    with open(os.path.join(rec, f"start-{pid}.json"), "w") as f:
-        json.dump({"pid": pid, "t": time.time(), **{k: os.environ.get(k) for k in keep}}, f)
-    open(os.path.join(pipe, "control"), "w").close()
-    with open(os.path.join(pipe, "pid.tmp"), "w") as f:
-        f.write(str(pid))
-    os.rename(os.path.join(pipe, "pid.tmp"), os.path.join(pipe, "nvidia-cuda-mps-control.pid"))
-
-    def bye(*_):
-        for name in ("nvidia-cuda-mps-control.pid", "control"):
-            try:
-                os.unlink(os.path.join(pipe, name))
-            except OSError:
-                pass
-        note(f"exit {pid}")
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, bye)
-    while True:
-        signal.pause()
-else:
-    cmd = sys.stdin.read().strip()
-    note(f"command {cmd} {pipe}")
-    if cmd == "quit":
-        with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid")) as f:
-            os.kill(int(f.read()), signal.SIGTERM)
-'''
-
-
-def _fake(tmp: Path) -> tuple[Path, Path]:
-    prog = tmp / "fake-mps-control"
-    prog.write_text(f"#!{sys.executable}\n{FAKE_CONTROL}")
-    prog.chmod(0o755)
-    rec = tmp / "mps-record"
-    rec.mkdir()
-    return prog, rec
-
 
 def _env(krex_env: dict[str, str], prog: Path, rec: Path) -> dict[str, str]:
     return dict(krex_env, KREX_MPS_CONTROL=str(prog), FAKE_MPS_RECORD=str(rec))
@@ -158,6 +97,12 @@ def test_start_makes_private_dirs_and_a_control_daemon_per_gpu_that_commands_use
                 'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY"')
     assert run.returncode == 0, run.stderr
     assert f"pipe={pipe} log={logd}" in run.stdout, run.stdout
+    # A process that opts in with `krex env --export` gets the same MPS variables.
+    exported = _krex(env, "env", "--export", "--device", "sim")
+    assert exported.returncode == 0, exported.stderr
+    assert f"export CUDA_MPS_PIPE_DIRECTORY={pipe}" in exported.stdout.splitlines(), exported.stdout
+    assert f"export CUDA_MPS_LOG_DIRECTORY={logd}" in exported.stdout.splitlines(), exported.stdout
+    assert "CUDA_MPS" not in _krex(env, "env", "--export", "--device", "sim", "--gpu", "1").stdout
 
     stop = _krex(env, "daemon", "stop")
     assert stop.returncode == 0, stop.stderr
@@ -186,6 +131,9 @@ def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_
         _wait(lambda: _mps_status(env)["gpus"][0]["state"] == "down", "krexd to see it down")
         time.sleep(0.5)  # several watcher rounds: no restart while the region holds the GPU
         assert len(_starts(rec)) == 1 and _mps_status(env)["gpus"][0]["state"] == "down"
+        # Down: no pid (the dead one would read as running).
+        assert _mps_status(env)["gpus"][0]["pid"] is None
+        assert "gpu 0: down, pid -," in _krex(env, "status").stdout
         cmd.stdin.write("go\n")
         cmd.stdin.flush()
         _out, err = cmd.communicate(timeout=60)
@@ -272,3 +220,71 @@ def test_a_stale_control_daemon_of_a_previous_krexd_is_stopped_at_start(
     _wait(lambda: not _alive(first["pid"]), "the stale control daemon to be stopped")
     assert len(_starts(rec)) == 2 and _mps_status(env)["gpus"][0]["state"] == "on"
     assert _krex(env, "daemon", "stop").returncode == 0
+
+
+def test_daemon_stop_waits_while_krexd_stops_control_daemons_slow_to_quit(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two GPUs whose control daemons ignore `quit` and SIGTERM: krexd needs about 10 s for
+    each (its quit wait, then SIGTERM's, then SIGKILL); `krex daemon stop` waits for that
+    (krexd's shutdown reply says how long it may take) instead of giving up after 10 s."""
+    prog, rec = _fake(tmp_path)
+    env = dict(_env(krex_env, prog, rec), KREX_SIM_GPUS="2", FAKE_MPS_IGNORE_TERM="1")
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: len(_starts(rec)) == 2, "both control daemons")
+    t0 = time.monotonic()
+    stop = _krex(env, "daemon", "stop", timeout=120)
+    took = time.monotonic() - t0
+    assert stop.returncode == 0 and "krexd stopped" in stop.stdout, (stop.stdout, stop.stderr)
+    assert took > 15, took  # both control daemons' quit ran before krexd exited
+    assert not any(_alive(s["pid"]) for s in _starts(rec))
+
+
+def _killed_mps_krexd(env: dict[str, str], rec: Path) -> dict[str, Any]:
+    """Start krexd with --mps, SIGKILL it: its control daemon lives on; that daemon's start."""
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    (first,) = _starts(rec)
+    daemon_pid = json.loads(_krex(env, "status", "--json").stdout)["daemon"]["daemon"]["pid"]
+    os.kill(daemon_pid, signal.SIGKILL)
+    _wait(lambda: not _alive(daemon_pid), "krexd to die")
+    assert _alive(first["pid"])
+    return first
+
+
+def test_a_krexd_without_mps_stops_a_previous_krexds_control_daemon_no_command_uses(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    first = _killed_mps_krexd(env, rec)
+    assert _krex(env, "daemon", "start", "--device", "sim").returncode == 0  # without --mps
+    _wait(lambda: not _alive(first["pid"]), "the left control daemon to be stopped")
+    assert f"command quit {first['CUDA_MPS_PIPE_DIRECTORY']}" in _events(rec)
+    assert not Path(first["CUDA_MPS_PIPE_DIRECTORY"]).exists()
+    st = _mps_status(env)
+    assert st == {"mode": "off", "gpus": []}, st
+    assert "MPS" not in _krex(env, "status").stdout
+
+
+def test_a_krexd_without_mps_leaves_a_previous_krexds_control_daemon_its_commands_use(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    prog, rec = _fake(tmp_path)
+    env = _env(krex_env, prog, rec)
+    first = _killed_mps_krexd(env, rec)
+    pipe = first["CUDA_MPS_PIPE_DIRECTORY"]
+    client = subprocess.Popen(["sleep", "120"], env=dict(env, CUDA_MPS_PIPE_DIRECTORY=pipe))
+    try:
+        assert _krex(env, "daemon", "start", "--device", "sim").returncode == 0
+        time.sleep(0.3)
+        assert _alive(first["pid"]) and not any(e.startswith("command quit") for e in _events(rec))
+        (left,) = _mps_status(env)["left"]
+        assert left["pid"] == first["pid"] and left["pipe_dir"] == pipe and client.pid in left["clients"]
+        shown = _krex(env, "status").stdout
+        assert f"control daemon pid {first['pid']} left by a previous krexd (pipe {pipe})" in shown, shown
+    finally:
+        client.kill()
+        client.wait()
+        os.kill(first["pid"], signal.SIGTERM)
+    _wait(lambda: not _alive(first["pid"]), "the control daemon to end")
+    assert "left" not in _mps_status(env)  # gone: no longer shown
