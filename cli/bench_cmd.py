@@ -9,7 +9,7 @@ import math
 import signal
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
@@ -17,6 +17,10 @@ from krex.device import DEVICES
 
 from . import progress_stream, quiet
 from .progress import Progress, bar, fmt_s
+
+if TYPE_CHECKING:
+    from krex.bench import BenchResult
+    from krex.bench.records import Summary
 
 __all__ = ["bench", "register"]
 
@@ -66,7 +70,7 @@ class _Progress:
         self.out.close()
 
 
-def _headline_text(summary: dict[str, Any]) -> str:
+def _headline_text(summary: Summary) -> str:
     goals = (summary.get("headline") or {}).get("goals") or []
     rows = [("cell", "metric", "goal", "paper (H20)", "ours", "met")] + [
         (g.get("cell", "-"), g["metric"], g["goal"], g["paper"], g["ours"], g["met"]) for g in goals
@@ -80,7 +84,7 @@ def _headline_text(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _throughput_text(summary: dict[str, Any]) -> str:
+def _throughput_text(summary: Summary) -> str:
     out = [f"{'cell':<16} {'runs':>5} {'failed':>6} {'makespan s':>10} {'cmds/min':>9} {'vs native':>9}"]
     for t in summary.get("throughput") or []:
         ratio = t["ratio"]
@@ -126,133 +130,149 @@ def _parse_gpus(text: str | None, device: str) -> list[int] | None:
         ) from None
 
 
+# `krex bench`'s options, in the order --help lists them
+_OPTIONS = [
+    click.option(
+        "--device",
+        type=click.Choice(DEVICES),
+        default="auto",
+        show_default=True,
+        help="real GPU (the GPU corpus) or the simulated one (the SIM corpus)",
+    ),
+    click.option(
+        "--concurrency",
+        default=None,
+        metavar="LIST",
+        help="comma list of C for the unprotected and krex cells  [default: 2,4,8,16; --quick: 2,4; "
+        "--resume: the resumed run's]",
+    ),
+    click.option(
+        "--modes",
+        default=None,
+        metavar="LIST",
+        help="comma list of modes to run  [default: reference,native-serial,native-repeat,unprotected,krex; "
+        "--resume: the resumed run's; also unprotected-mps, krex-mps: under NVIDIA MPS]",
+    ),
+    click.option("--quick", is_flag=True, default=None, help="the corpus's quick subset (default C 2,4)"),
+    click.option(
+        "--resume",
+        "resume",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="continue the run in DIR: cells already finished there are skipped",
+    ),
+    click.option(
+        "--out",
+        "out",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="results directory  [default: ./krex-bench/DEVICE-TIMESTAMP]",
+    ),
+    click.option(
+        "--repeat",
+        type=click.IntRange(1, 100),
+        default=None,
+        help="corpus passes per cell (more ranking trajectories)  [default: 1]",
+    ),
+    click.option(
+        "--seed", type=int, default=None, help="seed of the cell order and command order  [default: 0]"
+    ),
+    click.option(
+        "--only", default=None, metavar="LIST", help="only commands whose name contains one of these"
+    ),
+    click.option(
+        "--corpus",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="the corpus manifest  [default: the one shipped with krex (examples/workloads/ in a checkout)]",
+    ),
+    click.option(
+        "--timeout",
+        type=click.FloatRange(1.0),
+        default=None,
+        help="seconds per command before it is killed  [default: 900 on a GPU, 120 simulated]",
+    ),
+    click.option(
+        "--slots-per-gpu",
+        type=click.IntRange(1, 64),
+        default=None,
+        help="admission limit of the daemon the bench starts  [default: the largest C]",
+    ),
+    click.option(
+        "--reference-repeat",
+        type=click.IntRange(1, 100),
+        default=5,
+        show_default=True,
+        help="passes of the reference cell (tiling families; median)",
+    ),
+    click.option(
+        "--reference-rep-ms",
+        type=click.FloatRange(1.0),
+        default=None,
+        help="timed-loop budget of the reference runs  [default: the commands' own, 100 ms]",
+    ),
+    click.option(
+        "--warm-cache", is_flag=True, help="share compiler caches between runs (default: fresh per run)"
+    ),
+    click.option(
+        "--gpus",
+        default=None,
+        metavar="LIST",
+        help="spread the concurrent cells over these GPUs (0,1 or all), C commands on each at once "
+        "[default: one GPU]",
+    ),
+    click.option(
+        "--freeze",
+        "freezes",
+        default=None,
+        metavar="LIST",
+        help="compare freeze policies: one krex cell per policy (krex-C@all, krex-C@gpu, krex-C@adaptive) "
+        "[default: the daemon's policy]",
+    ),
+    click.option(
+        "--prewarm",
+        "prewarms",
+        default=None,
+        metavar="LIST",
+        help="compare pre-warmed starts: one krex cell per value N (krex-C+pwN runs C + N commands at "
+        "once, N of them waiting at their first GPU call for a slot; 0 is plain krex-C) [default: 0]",
+    ),
+    click.option(
+        "--lend",
+        "lends",
+        default=None,
+        metavar="LIST",
+        help="compare krexd's lend_cores: one krex cell per value of off, region, all (krex-C+lend-X), each "
+        "under a daemon the bench starts [default: the daemon's setting]",
+    ),
+    click.option(
+        "--nvml-ms",
+        type=click.FloatRange(0.0),
+        default=25.0,
+        show_default=True,
+        help="on a real GPU: NVML samples (SM clock, power, temperature) every MS into nvml.jsonl and each "
+        "region's record; 0: none",
+    ),
+    click.option(
+        "--inflated-above",
+        type=click.FloatRange(0.0),
+        default=None,
+        metavar="PCT",
+        help="flag precision/recall: a krex run is inflated above PCT percent  [default: the native noise "
+        "of its duration band]",
+    ),
+    click.option("--no-plots", is_flag=True, help="skip the PNG plots"),
+]
+
+
+def _options(f: Any) -> Any:
+    for o in reversed(_OPTIONS):
+        f = o(f)
+    return f
+
+
 @click.command()
-@click.option(
-    "--device",
-    type=click.Choice(DEVICES),
-    default="auto",
-    show_default=True,
-    help="real GPU (the GPU corpus) or the simulated one (the SIM corpus)",
-)
-@click.option(
-    "--concurrency",
-    default=None,
-    metavar="LIST",
-    help="comma list of C for the unprotected and krex cells  [default: 2,4,8,16; --quick: 2,4; "
-    "--resume: the resumed run's]",
-)
-@click.option(
-    "--modes",
-    default=None,
-    metavar="LIST",
-    help="comma list of modes to run  [default: reference,native-serial,native-repeat,unprotected,krex; "
-    "--resume: the resumed run's; also unprotected-mps, krex-mps: under NVIDIA MPS]",
-)
-@click.option("--quick", is_flag=True, default=None, help="the corpus's quick subset (default C 2,4)")
-@click.option(
-    "--resume",
-    "resume",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="continue the run in DIR: cells already finished there are skipped",
-)
-@click.option(
-    "--out",
-    "out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="results directory  [default: ./krex-bench/DEVICE-TIMESTAMP]",
-)
-@click.option(
-    "--repeat",
-    type=click.IntRange(1, 100),
-    default=None,
-    help="corpus passes per cell (more ranking trajectories)  [default: 1]",
-)
-@click.option("--seed", type=int, default=None, help="seed of the cell order and command order  [default: 0]")
-@click.option("--only", default=None, metavar="LIST", help="only commands whose name contains one of these")
-@click.option(
-    "--corpus",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="the corpus manifest  [default: the one shipped with krex (examples/workloads/ in a checkout)]",
-)
-@click.option(
-    "--timeout",
-    type=click.FloatRange(1.0),
-    default=None,
-    help="seconds per command before it is killed  [default: 900 on a GPU, 120 simulated]",
-)
-@click.option(
-    "--slots-per-gpu",
-    type=click.IntRange(1, 64),
-    default=None,
-    help="admission limit of the daemon the bench starts  [default: the largest C]",
-)
-@click.option(
-    "--reference-repeat",
-    type=click.IntRange(1, 100),
-    default=5,
-    show_default=True,
-    help="passes of the reference cell (tiling families; median)",
-)
-@click.option(
-    "--reference-rep-ms",
-    type=click.FloatRange(1.0),
-    default=None,
-    help="timed-loop budget of the reference runs  [default: the commands' own, 100 ms]",
-)
-@click.option(
-    "--warm-cache", is_flag=True, help="share compiler caches between runs (default: fresh per run)"
-)
-@click.option(
-    "--gpus",
-    default=None,
-    metavar="LIST",
-    help="spread the concurrent cells over these GPUs (0,1 or all), C commands on each at once "
-    "[default: one GPU]",
-)
-@click.option(
-    "--freeze",
-    "freezes",
-    default=None,
-    metavar="LIST",
-    help="compare freeze policies: one krex cell per policy (krex-C@all, krex-C@gpu, krex-C@adaptive) "
-    "[default: the daemon's policy]",
-)
-@click.option(
-    "--prewarm",
-    "prewarms",
-    default=None,
-    metavar="LIST",
-    help="compare pre-warmed starts: one krex cell per value N (krex-C+pwN runs C + N commands at "
-    "once, N of them waiting at their first GPU call for a slot; 0 is plain krex-C) [default: 0]",
-)
-@click.option(
-    "--lend",
-    "lends",
-    default=None,
-    metavar="LIST",
-    help="compare krexd's lend_cores: one krex cell per value of off, region, all (krex-C+lend-X), each "
-    "under a daemon the bench starts [default: the daemon's setting]",
-)
-@click.option(
-    "--nvml-ms",
-    type=click.FloatRange(0.0),
-    default=25.0,
-    show_default=True,
-    help="on a real GPU: NVML samples (SM clock, power, temperature) every MS into nvml.jsonl and each "
-    "region's record; 0: none",
-)
-@click.option(
-    "--inflated-above",
-    type=click.FloatRange(0.0),
-    default=None,
-    metavar="PCT",
-    help="flag precision/recall: a krex run is inflated above PCT percent  [default: the native noise "
-    "of its duration band]",
-)
-@click.option("--no-plots", is_flag=True, help="skip the PNG plots")
+@_options
 def bench(
     device: str,
     concurrency: str | None,
@@ -326,6 +346,10 @@ def bench(
         prog.finish()
         for sig, h in old.items():
             signal.signal(sig, h)
+    _print_result(res)
+
+
+def _print_result(res: BenchResult) -> None:
     s = res.summary
     if s.get("simulated"):
         click.echo(f"*** {s.get('label')} ***")

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +27,10 @@ from .compare_cmd import register as register_compare
 from .fleet_cmd import register as register_fleet
 from .lean import setup_cli_logging
 from .progress import fmt_s
+
+if TYPE_CHECKING:
+    from krex.node.shm import Snapshot
+    from krex.protocol import StatusReply
 
 DEVICE = click.Choice(DEVICES)
 
@@ -149,104 +153,91 @@ def resume(gpu: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def status(as_json: bool) -> None:
     """Show gates, slots, processes and counters."""
-    from krex.errors import NotFound
-    from krex.node.shm import Segment
-    from krex.proc.client import Client
+    from krex.proc.nodestatus import read_status
 
-    live: dict[str, Any] = {}
-    daemon_error = "no daemon running"
-    try:  # regions and queues live in the daemon, not in shared memory
-        c = Client.connect()
-        try:
-            live = c.request({"op": "status"})
-        finally:
-            c.close()
-    except KrexError as e:
-        live = {}
-        daemon_error = str(e) if not isinstance(e, NotFound) else daemon_error
-    seg_state = live.get("segment") or {}
-    try:
-        with Segment.attach() as seg:
-            snap = seg.snapshot()
-    except KrexError as e:
-        if not live:
-            raise
-        # The daemon runs but its segment cannot be attached: say that, not "nothing has run".
-        raise KrexError(
-            f"krexd (pid {live['daemon']['pid']}) runs but its segment cannot be attached: {e}; "
-            f"krexd says: {_segment_line(seg_state)}",
-            "see `krex doctor`; stop the commands, then `krex daemon stop`",
-        ) from None
+    st = read_status()
+    snap, live = st.snap, st.live
     if as_json:
         out = {**snap.to_json(), "daemon": live or None}
         if not live:
-            out["daemon_error"] = daemon_error
+            out["daemon_error"] = st.daemon_error
         click.echo(json.dumps(out, indent=2))
         return
+    lines = [*_status_head(snap, live.get("segment") or {}), *_status_gates(snap)]
+    lines += _mps_lines(live.get("mps") or {})
+    lines += _status_regions(live) if live else [f"REGIONS: {st.daemon_error}"]
+    lines += _status_slots(snap, live) + _status_procs(snap)
+    click.echo("".join(f"{line}\n" for line in lines), nl=False)
+
+
+def _status_head(snap: Snapshot, seg_state: dict[str, Any]) -> list[str]:
+    from krex.proc.nodestatus import segment_line
+
     hb = "never" if snap.heartbeat_age_s is None else f"{snap.heartbeat_age_s:.1f} s ago"
-    click.echo(
-        f"segment {snap.name}: {snap.n_gpus} GPU(s), daemon pid {snap.daemon_pid or '-'}, heartbeat {hb}"
-    )
+    out = [f"segment {snap.name}: {snap.n_gpus} GPU(s), daemon pid {snap.daemon_pid or '-'}, heartbeat {hb}"]
     if seg_state:
-        click.echo(f"SEGMENT {_segment_line(seg_state)}")
+        out.append(f"SEGMENT {segment_line(seg_state)}")
         for inc in (seg_state.get("incidents") or [])[-3:]:
-            click.echo(f"  incident: {'; '.join(inc['problems'])} -> {'; '.join(inc['actions'])}")
-    click.echo("GATES")
+            out.append(f"  incident: {'; '.join(inc['problems'])} -> {'; '.join(inc['actions'])}")
+    return out
+
+
+def _status_gates(snap: Snapshot) -> list[str]:
+    out = ["GATES"]
     for g in snap.gates:
         state = "open" if not g.closed else f"CLOSED by {g.holder}"
         if g.closed and g.owner_slot >= 0:
             state += f" (owner slot {g.owner_slot})"
         if g.lease_left_s is not None:
             state += f", lease {g.lease_left_s:.0f} s left"
-        click.echo(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
-    click.echo("".join(f"{line}\n" for line in _mps_lines(live.get("mps") or {})), nl=False)
-    if live:
-        click.echo(f"REGIONS ({len(live['regions'])})")
-        for r in live["regions"]:
-            state = "granted" if r["granted"] else "entering"
-            who = f"slot {r['slot']} pid {r['pid']} tid {r['tid']}"
-            who += f" tenant {r['tenant']}" if r.get("tenant") else ""
-            click.echo(f"  gpu {r['gpu']}: {who} {state}, {r['age_s']:.3f} s")
-        for g, q in live["queues"].items():
-            if q:
-                click.echo(
-                    f"  gpu {g} queue ({live.get('region_queue', 'fifo')}): "
-                    + ", ".join(f"slot {e['slot']} (pid {e['pid']}, {e.get('tenant') or '-'})" for e in q)
-                )
-        for g, used in (live.get("tenant_used_s") or {}).items():
-            if used:
-                click.echo(f"  gpu {g} exclusive time by tenant: "
-                           + ", ".join(f"{t} {s_:.2f} s" for t, s_ in sorted(used.items())))
-    else:
-        click.echo(f"REGIONS: {daemon_error}")
-    click.echo(f"SLOTS ({len(snap.slots)})")
+        out.append(f"  gpu {g.gpu}: {state}; closes {g.closes}, fail-opens {g.fail_opens}")
+    return out
+
+
+def _status_regions(live: StatusReply) -> list[str]:
+    out = [f"REGIONS ({len(live['regions'])})"]
+    for r in live["regions"]:
+        state = "granted" if r["granted"] else "entering"
+        who = f"slot {r['slot']} pid {r['pid']} tid {r['tid']}"
+        who += f" tenant {r['tenant']}" if r.get("tenant") else ""
+        out.append(f"  gpu {r['gpu']}: {who} {state}, {r['age_s']:.3f} s")
+    for g, q in live["queues"].items():
+        if q:
+            out.append(
+                f"  gpu {g} queue ({live.get('region_queue', 'fifo')}): "
+                + ", ".join(f"slot {e['slot']} (pid {e['pid']}, {e.get('tenant') or '-'})" for e in q)
+            )
+    for g, used in (live.get("tenant_used_s") or {}).items():
+        if used:
+            out.append(f"  gpu {g} exclusive time by tenant: "
+                       + ", ".join(f"{t} {s_:.2f} s" for t, s_ in sorted(used.items())))
+    return out
+
+
+def _status_slots(snap: Snapshot, live: StatusReply) -> list[str]:
+    out = [f"SLOTS ({len(snap.slots)})"]
     tenants = {d["slot"]: d.get("tenant") for d in live.get("slots") or []}
     for s in snap.slots:
-        click.echo(
+        out.append(
             f"  slot {s.slot}: gpu {s.gpu}, guardian pid {s.owner_pid}{'' if s.owner_alive else ' (dead)'}"
             + (f", tenant {tenants[s.slot]}" if tenants.get(s.slot) else "")
             + (", pre-warmed: waits for a free slot at its first GPU call" if s.warm else "")
         )
-    click.echo(f"PROCESSES ({len(snap.procs)})")
+    return out
+
+
+_PROC_COLS = (
+    "pid", "slot", "gpu", "infl", "kernels", "copies", "other", "blocked", "blocked_ms", "fopen", "flags"
+)
+
+
+def _status_procs(snap: Snapshot) -> list[str]:
+    out = [f"PROCESSES ({len(snap.procs)})"]
     if snap.procs:
-        click.echo(
-            "  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10} {:>5}  {}".format(
-                "pid",
-                "slot",
-                "gpu",
-                "infl",
-                "kernels",
-                "copies",
-                "other",
-                "blocked",
-                "blocked_ms",
-                "fopen",
-                "flags",
-            )
-        )
+        out.append("  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10} {:>5}  {}".format(*_PROC_COLS))
     for p in snap.procs:
         other = p.submits["memset"] + p.submits["graph"] + p.submits["prefetch"]
-        click.echo(
+        out.append(
             "  {:>8} {:>4} {:>3} {:>5} {:>9} {:>7} {:>7} {:>8} {:>10.1f} {:>5}  {}".format(
                 p.pid, p.slot, p.gpu, p.inflight,
                 p.submits["kernel"],
@@ -258,21 +249,7 @@ def status(as_json: bool) -> None:
                 ",".join(p.flags) + ("" if p.alive else " dead"),
             )
         )
-
-
-def _segment_line(st: dict[str, Any]) -> str:
-    if not st:
-        return "unknown"
-    if st.get("lost"):
-        return f"LOST: {st['lost']}"
-    n = len(st.get("incidents") or [])
-    if not n:
-        return "ok"
-    tainted = len(st.get("tainted_alive") or [])
-    return (
-        f"RECOVERED from {n} incident(s); {tainted} process(es) that lived through one still run "
-        "(regions with them as siblings are flagged)"
-    )
+    return out
 
 
 def _run_options(f: Any) -> Any:

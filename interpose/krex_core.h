@@ -1,5 +1,6 @@
 /* The C core shared by the shim (libkrex_interpose.so) and the cffi module
- * (krex._native): segment attach, gate operations, process records, time.
+ * (krex._native): segment attach, gate operations, process records, time
+ * (krex_core.c; slots and process records: slot_table.c; the SIGBUS guard: seg_guard.c).
  * The block between the CDEF markers is fed to cffi verbatim. */
 #ifndef KREX_CORE_H
 #define KREX_CORE_H

@@ -50,11 +50,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from krex import paths, runner
 from krex.batch import (
@@ -64,7 +63,6 @@ from krex.batch import (
     _dist,
     _num,
     _prepare_dir,
-    _write_json,
     check_args,
     summarize,
 )
@@ -73,7 +71,7 @@ from krex.batch import (
 )
 from krex.errors import KrexError, NotFound, UsageError
 from krex.native import lib
-from krex.runner import TICK_S, Spec, guardian_argv, run_one
+from krex.runner import Spec, guardian_argv, run_one
 
 __all__ = [
     "PYTHON",
@@ -375,6 +373,25 @@ def node_journal(node_root: str | None, since: float | None, last: int | None) -
 # ------------------------------------------------------------------------------- the driver
 
 
+class LostAttempt(TypedDict):
+    """An attempt lost with its node or worker (summary.json's and a command's lost_attempts)."""
+
+    index: int
+    attempt: int
+    node_id: str | None
+    error: str  # the Ray error's name, or GuardianKilled
+    message: str
+
+
+class NodeInfo(TypedDict):
+    """A live Ray node that offers krex_slot."""
+
+    ip: str | None
+    host: str | None
+    slots: int
+    gpus: int
+
+
 @dataclass
 class FleetConfig:
     address: str | None = None  # Ray address; None: start a local one-node Ray cluster
@@ -406,7 +423,7 @@ class FleetEvent:
     command: BatchCommand | None = None
     result: CommandResult | None = None
     node_id: str | None = None
-    lost: dict[str, Any] | None = None
+    lost: LostAttempt | None = None
     cancelling: bool = False
 
 
@@ -419,7 +436,7 @@ class _Attempt:
     cmd: BatchCommand
     attempt: int
     submitted: float  # monotonic, on the driver
-    lost: list[dict[str, Any]] = field(default_factory=list)
+    lost: list[LostAttempt] = field(default_factory=list)
 
 
 def default_out_dir(now: float | None = None, base: Path | None = None) -> Path:
@@ -520,8 +537,8 @@ def _connect(ray: Any, address: str | None, local_resources: tuple[dict[str, flo
     return True
 
 
-def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
-    out = {}
+def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dict[str, NodeInfo]:
+    out: dict[str, NodeInfo] = {}
     for n in ray.nodes():
         res = n.get("Resources") or {}
         if n.get("Alive") and res.get(RESOURCE, 0) >= 1 and n["NodeID"] not in dead:
@@ -530,7 +547,7 @@ def _alive_nodes(ray: Any, dead: set[str] | frozenset[str] = frozenset()) -> dic
     return out
 
 
-def _final_nodes(ray: Any, dead: set[str], lost_log: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _final_nodes(ray: Any, dead: set[str], lost_log: Sequence[LostAttempt]) -> dict[str, NodeInfo]:
     """The nodes alive at the end. One that lost attempts and is still listed gets up to
     LOST_CONFIRM_S for the GCS's health checks to notice it died."""
     alive = _alive_nodes(ray, dead)
@@ -576,202 +593,19 @@ def run_fleet(commands: Sequence[BatchCommand], cfg: FleetConfig, out_dir: Path 
     ray = import_ray()
     connected = _connect(ray, cfg.address, local)
     try:
-        return _drive(ray, commands, cfg, out, progress, cancel or threading.Event())
+        from krex.fleetdrive import drive  # it imports this module
+
+        return drive(ray, commands, cfg, out, progress, cancel or threading.Event())
     finally:
         if connected:
             ray.shutdown()
-
-
-def _drive(ray: Any, commands: Sequence[BatchCommand], cfg: FleetConfig, out: Path,
-           progress: Callable[[FleetEvent], None] | None, cancel: threading.Event) -> FleetSummary:
-    lost_types = _lost_errors(ray)
-    task = ray.remote(run_on_node)
-    width = max(3, len(str(len(commands))))
-    cwd = cfg.cwd or os.getcwd()
-    t_run, started_wall = time.monotonic(), time.time()
-    nodes = _alive_nodes(ray)
-    seen: dict[str, dict[str, Any]] = dict(nodes)  # every node that offered slots during the run
-    nodes_at = time.monotonic()
-    no_nodes_since: float | None = None if nodes else time.monotonic()
-    pending: deque[BatchCommand] = deque(commands)
-    in_flight: dict[Any, _Attempt] = {}
-    results: dict[int, CommandResult] = {}
-    extra: dict[int, dict[str, Any]] = {}  # per command: node, attempts, result line
-    lost_log: list[dict[str, Any]] = []
-    # Nodes named by a NodeDiedError: lost for good (a node id is never reused), even while
-    # the GCS still lists them as alive (it notices a dead raylet only after its health checks).
-    dead: set[str] = set()
-    per_node: dict[str, int] = {}
-    failed = 0
-    next_tick = t_run + TICK_S
-    cancel_step, cancel_at = 0, 0.0
-    gave_up: str | None = None
-
-    def emit(kind: Literal["submit", "done", "lost", "tick"], **kw: Any) -> None:
-        if progress is not None:
-            progress(FleetEvent(kind, len(commands), len(results), len(in_flight), failed, len(lost_log),
-                                time.monotonic() - t_run, len(nodes), sum(n["slots"] for n in nodes.values()),
-                                dict(per_node), cancelling=cancel_step > 0, **kw))
-
-    def submit(cmd: BatchCommand, attempt: int, lost: list[dict[str, Any]]) -> None:
-        payload = {"index": cmd.index, "argv": cmd.argv, "attempt": attempt, "device": cfg.device,
-                   "node_root": None if cfg.node_root is None else str(Path(cfg.node_root).absolute()),
-                   "idle_exit_s": cfg.idle_exit_s, "cwd": cwd, "tail_bytes": cfg.tail_bytes}
-        ref = task.options(resources={RESOURCE: 1}, num_cpus=0, max_retries=0,
-                           name=f"krex-fleet:{cmd.index}").remote(payload)
-        in_flight[ref] = _Attempt(cmd, attempt, time.monotonic(), lost)
-        emit("submit", command=cmd)
-
-    def record(a: _Attempt, res: dict[str, Any] | None, error: str | None, t_back: float,
-               status: int | None = None) -> None:
-        """One command's final outcome; `res` None: no result came back (`status` None = never
-        completed, counted as not run; 1 = the task itself failed)."""
-        nonlocal failed
-        cmd = a.cmd
-        stem = f"cmd-{cmd.index:0{width}d}"
-        so, se = out / f"{stem}.stdout", out / f"{stem}.stderr"
-        if res is None:
-            cr = CommandResult(cmd, status, 0.0, None, None, "", "", None, error)
-            node = None
-        else:
-            so.write_text(res.get("stdout_tail") or "")
-            se.write_text(res.get("stderr_tail") or "")
-            cr = CommandResult(cmd, res.get("exit_status"), float(res.get("wall_s") or 0.0),
-                               res.get("started_at"), res.get("ended_at"), str(so), str(se),
-                               res.get("report"), res.get("error"))
-            node = res.get("node_id")
-            if node:
-                per_node[node] = per_node.get(node, 0) + 1
-        results[cmd.index] = cr
-        if cr.exit_status is not None and not cr.ok:
-            failed += 1
-        got = res or {}
-        ex = {"node_id": node, "node_ip": got.get("node_ip"), "host": got.get("host"),
-              "attempt": a.attempt, "lost_attempts": a.lost,
-              "result_line": got.get("result_line"), "result": got.get("result"),
-              "stdout_bytes": got.get("stdout_bytes"), "stderr_bytes": got.get("stderr_bytes"),
-              "setup_s": got.get("setup_s"), "daemon_started": got.get("daemon_started"),
-              "round_trip_s": round(t_back - a.submitted, 6), "cancelled": bool(got.get("cancelled"))}
-        extra[cmd.index] = ex
-        _write_json(out / f"{stem}.json", {**cr.to_json(), **ex})
-        emit("done", command=cmd, result=cr, node_id=node)
-
-    def lose(a: _Attempt, node: str | None, kind: str, message: str, t_back: float) -> None:
-        """An attempt lost with its node or worker: run the command again (it was never counted)."""
-        rec = {"index": a.cmd.index, "attempt": a.attempt, "node_id": node, "error": kind, "message": message}
-        lost_log.append(rec)
-        emit("lost", command=a.cmd, node_id=node, lost=rec)
-        if cancel_step:
-            record(a, None, "interrupted while its node was lost", t_back)
-        elif a.attempt < cfg.max_attempts:
-            pending.appendleft(a.cmd)
-            retry[a.cmd.index] = [*a.lost, rec]
-        else:
-            record(a, None, f"lost {a.attempt} time(s) with its node or worker; last: {message}", t_back)
-
-    def collect(ref: Any) -> None:
-        a = in_flight.pop(ref)
-        t_back = time.monotonic()
-        try:
-            res = ray.get(ref)
-        except lost_types as e:
-            node = _node_of_error(e)
-            if node and isinstance(e, ray.exceptions.NodeDiedError):
-                dead.add(node)
-                nodes.pop(node, None)
-            lose(a, node, type(e).__name__, str(e).strip().splitlines()[0][:300] if str(e).strip() else "",
-                 t_back)
-            return
-        except ray.exceptions.TaskCancelledError:
-            record(a, None, "cancelled: the fleet run was interrupted", t_back)
-            return
-        except ray.exceptions.RayError as e:  # the task itself raised: a failed command, never re-run
-            record(a, None, f"{type(e).__name__}: {str(e).strip()[-600:]}", t_back, status=1)
-            return
-        if res.get("lost"):
-            lose(a, res.get("node_id"), "GuardianKilled", str(res["lost"]), t_back)
-            return
-        record(a, res, None, t_back)
-
-    retry: dict[int, list[dict[str, Any]]] = {}
-    attempts: dict[int, int] = {}
-    try:
-        while pending or in_flight:
-            try:
-                now = time.monotonic()
-                if now - nodes_at >= NODES_REFRESH_S:
-                    nodes, nodes_at = _alive_nodes(ray, dead), now
-                    seen.update(nodes)
-                    no_nodes_since = (no_nodes_since or now) if not nodes else None
-                if cancel.is_set() and cancel_step == 0:
-                    cancel_step, cancel_at = 1, now
-                    pending.clear()
-                    for ref in list(in_flight):
-                        ray.cancel(ref, force=False)
-                elif cancel_step == 1 and now - cancel_at > GRACE_S + 5:
-                    cancel_step = 2
-                    for ref in list(in_flight):
-                        ray.cancel(ref, force=True)
-                starved = no_nodes_since is not None and now - no_nodes_since > cfg.wait_nodes_s
-                if starved and cancel_step == 0:
-                    gave_up = (f"no live Ray node offered the {RESOURCE} resource for "
-                               f"{cfg.wait_nodes_s:g} s")
-                    cancel.set()
-                    continue
-                window = max(1, 2 * sum(n["slots"] for n in nodes.values()))
-                while pending and len(in_flight) < window and cancel_step == 0:
-                    cmd = pending.popleft()
-                    attempts[cmd.index] = attempts.get(cmd.index, 0) + 1
-                    submit(cmd, attempts[cmd.index], retry.pop(cmd.index, []))
-                if in_flight:
-                    ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.2)
-                    if ready:
-                        ready, _ = ray.wait(list(in_flight), num_returns=len(in_flight), timeout=0)
-                    for ref in ready:
-                        collect(ref)
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + TICK_S
-                    emit("tick")
-            except KeyboardInterrupt:
-                cancel.set()
-    finally:
-        if in_flight:  # only reached with tasks left if something above raised: don't orphan them
-            for ref in in_flight:
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref, force=True)
-    total = time.monotonic() - t_run
-    interrupted = cancel_step > 0
-    all_results: list[CommandResult] = []
-    for cmd in commands:
-        res = results.get(cmd.index)
-        if res is None:
-            res = CommandResult(cmd, None, 0.0, None, None, "", "", None,
-                                gave_up or "not started: the fleet run was interrupted")
-            extra[cmd.index] = {"node_id": None, "attempt": attempts.get(cmd.index, 0),
-                                "lost_attempts": retry.get(cmd.index, [])}
-            _write_json(out / f"cmd-{cmd.index:0{width}d}.json", {**res.to_json(), **extra[cmd.index]})
-        all_results.append(res)
-    final_nodes = _final_nodes(ray, dead, lost_log)
-    journals = gather_journals_connected(ray, cfg.node_root, since=started_wall - 5.0,
-                                         nodes=[n for n in seen if n in final_nodes])
-    with open(out / "journal.jsonl", "w") as f:
-        for j in journals:
-            for r in j.records:
-                f.write(json.dumps({"node_id": j.node_id, **r}, separators=(",", ":")) + "\n")
-    data = fleet_summary(all_results, extra, seen, set(final_nodes), lost_log, total, cfg, str(out),
-                         interrupted, journals)
-    if gave_up:
-        data["gave_up"] = gave_up
-    _write_json(out / "summary.json", data)
-    return FleetSummary(out, all_results, data)
 
 
 # ------------------------------------------------------------------------------------ summary
 
 
 def fleet_summary(results: Sequence[CommandResult], extra: dict[int, dict[str, Any]],
-                  nodes: dict[str, dict[str, Any]], alive: set[str], lost: Sequence[dict[str, Any]],
+                  nodes: dict[str, NodeInfo], alive: set[str], lost: Sequence[LostAttempt],
                   total_wall_s: float, cfg: FleetConfig, out_dir: str, interrupted: bool = False,
                   journals: Sequence[NodeJournal] = ()) -> dict[str, Any]:
     """The fleet summary: `krex batch`'s summary over all commands, plus one row per node.
@@ -790,7 +624,7 @@ def fleet_summary(results: Sequence[CommandResult], extra: dict[int, dict[str, A
     for nid in sorted(set(nodes) | set(by_node)):
         rs = by_node.get(nid, [])
         regs = [reg for r in rs for reg in r.regions]
-        info = nodes.get(nid, {})
+        info: NodeInfo | dict[str, Any] = nodes.get(nid, {})
         j = jr.get(nid)
         rows.append({
             "node_id": nid,

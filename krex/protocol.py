@@ -23,7 +23,7 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from krex.errors import UsageError
 from krex.native import ffi, lib
@@ -355,3 +355,57 @@ def int_field(
             f"field {key!r} must be an integer, not {json.dumps(v)[:40]}", f"send {key!r} as an integer"
         )
     return v
+
+
+# ------------------------------------------------------------------- the status reply's shape
+
+
+class StatusSlot(TypedDict):
+    """A slot in krexd's status reply."""
+
+    slot: int
+    gpu: int
+    kind: str
+    guardian_pid: int
+    warm: bool
+    tenant: str | None
+    pids: list[int]
+    cgroup: str
+
+
+class StatusRegion(TypedDict):
+    """A region being entered or held, in krexd's status reply."""
+
+    gpu: int
+    slot: int
+    pid: int
+    tid: int
+    tenant: str | None
+    granted: bool
+    age_s: float
+
+
+class QueueEntry(TypedDict):
+    """A region request waiting in a GPU's queue."""
+
+    slot: int
+    pid: int
+    tenant: str | None
+
+
+class StatusReply(TypedDict, total=False):
+    """krexd's answer to `status` (Daemon.status; `ok` is added by the wire). The parts
+    other commands also print (partition, segment, MPS) stay as their owners render them."""
+
+    ok: bool
+    daemon: dict[str, Any]  # pid, socket, device, settings, journal, counters
+    partition: dict[str, Any]  # cpus.Partition.to_json
+    segment: dict[str, Any]  # segguard's view of the segment: incidents, lost
+    slots: list[StatusSlot]
+    regions: list[StatusRegion]
+    queues: dict[str, list[QueueEntry]]  # per GPU
+    region_queue: str
+    tenant_used_s: dict[str, dict[str, float]]  # per GPU: exclusive seconds per tenant
+    slots_per_gpu: list[int]
+    prewarm: int
+    mps: dict[str, Any]  # mps.Mps.status

@@ -23,7 +23,10 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from krex.protocol import StatusReply
 
 __all__ = ["OwnWorld", "daemon_misfit", "daemon_status", "describe", "node_slots_per_gpu"]
 
@@ -32,7 +35,7 @@ WORLD_VARS = ("KREX_STATE_DIR", "KREX_SOCKET", "KREX_JOURNAL", "KREX_SHM", "KREX
               "KREX_THROWAWAY", "KREX_SLOT", "KREX_GPU")
 
 
-def daemon_status() -> dict[str, Any] | None:
+def daemon_status() -> StatusReply | None:
     """The status of the daemon of the current world, or None when none answers."""
     from krex.proc.client import Client, daemon_alive
 
@@ -40,12 +43,12 @@ def daemon_status() -> dict[str, Any] | None:
         return None
     c = Client.connect()
     try:
-        return c.request({"op": "status"})
+        return cast("StatusReply", c.request({"op": "status"}))
     finally:
         c.close()
 
 
-def describe(st: dict[str, Any]) -> str:
+def describe(st: StatusReply) -> str:
     d = st.get("daemon") or {}
     per = st.get("slots_per_gpu") or []
     slots = f"{min(per)}" if per and min(per) == max(per) else "/".join(map(str, per)) or "?"
@@ -54,7 +57,7 @@ def describe(st: dict[str, Any]) -> str:
             f"{d.get('device')}, {slots} slot(s) per GPU, freeze policy {d.get('freeze_policy')})")
 
 
-def daemon_misfit(st: dict[str, Any], device: str, per_gpu: int, gpus: Sequence[int] | None = None,
+def daemon_misfit(st: StatusReply, device: str, per_gpu: int, gpus: Sequence[int] | None = None,
                   own_settings: Sequence[str] = (), sim_on_gpu: bool = False) -> str:
     """What the running daemon (status `st`) lacks for commands on `device` ("sim"/"gpu") that
     need `per_gpu` slots on each GPU of `gpus` (None: every GPU); `own_settings` names cells

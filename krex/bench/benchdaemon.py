@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from krex.errors import KrexError
+from krex.protocol import StatusReply
 from krex.worlds import daemon_status
 
 __all__ = ["running", "start", "started_note", "stop"]
@@ -17,7 +18,7 @@ __all__ = ["running", "start", "started_note", "stop"]
 STOP_WAIT_S = 10.0
 
 
-def running() -> dict[str, Any] | None:
+def running() -> StatusReply | None:
     """The running daemon's status, None when none runs."""
     return daemon_status()
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from krex.bench import metrics as bm
+from krex.bench.records import GoalRow, ThroughputRow
 
 NA = "n/a"
 GOAL_VS_UNPROTECTED = 0.95
@@ -53,7 +54,7 @@ BASE_LABEL = {"native-repeat": "native repeat", "native-serial": "native serial 
 
 
 def headline(
-    thr: list[dict[str, Any]],
+    thr: list[ThroughputRow],
     infl: Mapping[str, Mapping[str, Any]],
     noise_p95: Mapping[str, float],
     ranking: Mapping[str, Mapping[str, Any]],
@@ -75,7 +76,7 @@ def headline(
     }
     if best:
         h.update(krex_cpm=best["cmds_per_min"], throughput_ratio=best["ratio"], krex_c=best["c"])
-    goals: list[dict[str, Any]] = []
+    goals: list[GoalRow] = []
     per_cell: dict[str, dict[str, Any]] = {}
     for t in krex_cells:
         rows, figures = _cell_goals(
@@ -101,15 +102,15 @@ def headline(
     return h
 
 
-def _same_c(thr: list[dict[str, Any]], mode: str, c: int) -> dict[str, Any] | None:
+def _same_c(thr: list[ThroughputRow], mode: str, c: int) -> ThroughputRow | None:
     return next((u for u in thr if u["mode"] == mode and u["c"] == c), None)
 
 
-def _ratio(a: dict[str, Any], b: dict[str, Any] | None) -> float:
+def _ratio(a: ThroughputRow, b: ThroughputRow | None) -> float:
     return a["cmds_per_min"] / b["cmds_per_min"] if b and b["cmds_per_min"] > 0 else math.nan
 
 
-def mps_throughput(thr: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def mps_throughput(thr: list[ThroughputRow]) -> list[dict[str, Any]]:
     """Each krex-mps cell's throughput against unprotected-C and unprotected-mps-C of its C."""
     out = []
     for t in thr:
@@ -128,7 +129,7 @@ def mps_throughput(thr: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _vs_unprotected_mps(t: dict[str, Any], thr: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _vs_unprotected_mps(t: ThroughputRow, thr: list[ThroughputRow]) -> list[GoalRow]:
     """A krex-mps cell's goal row against unprotected-mps of the same C (none for krex cells)."""
     if t["mode"] != "krex-mps":
         return []
@@ -143,8 +144,8 @@ def _vs_unprotected_mps(t: dict[str, Any], thr: list[dict[str, Any]]) -> list[di
 
 
 def _cell_goals(
-    t: dict[str, Any],
-    thr: list[dict[str, Any]],
+    t: ThroughputRow,
+    thr: list[ThroughputRow],
     infl: Mapping[str, Mapping[str, Any]],
     noise_p95: Mapping[str, float],
     ranking: Mapping[str, Mapping[str, Any]],
@@ -153,9 +154,9 @@ def _cell_goals(
     ns_cpm: float,
     paper: Mapping[str, Any],
     goal_throughput: float,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[GoalRow], dict[str, Any]]:
     k = t["cell"]
-    rows: list[dict[str, Any]] = []
+    rows: list[GoalRow] = []
 
     def row(metric: str, goal: str, pap: str, ours: str, ok: str) -> None:
         rows.append({"cell": k, "metric": metric, "goal": goal, "paper": pap, "ours": ours, "met": ok})
@@ -239,15 +240,15 @@ def _cell_goals(
 
 
 def _run_goals(
-    thr: list[dict[str, Any]],
+    thr: list[ThroughputRow],
     critical: Mapping[str, Any],
     ranking: Mapping[str, Mapping[str, Any]],
-    best: dict[str, Any] | None,
+    best: ThroughputRow | None,
     base: str | None,
     base_label: str,
     paper: Mapping[str, Any],
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+) -> list[GoalRow]:
+    rows: list[GoalRow] = []
 
     def row(metric: str, pap: str, ours: str) -> None:
         rows.append({"cell": "-", "metric": metric, "goal": "-", "paper": pap, "ours": ours, "met": "-"})

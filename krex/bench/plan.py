@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from krex.bench.corpus import Workload
+from krex.bench.records import CellRow, RunRecord
 from krex.errors import NotFound, UsageError
 from krex.node.config import LEND as LEND_CHOICES
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
@@ -198,7 +199,7 @@ def plan_cells(
 # ------------------------------------------------------------------------------ results directory
 
 
-def append_jsonl(path: Path, rec: dict[str, Any]) -> None:
+def append_jsonl(path: Path, rec: Mapping[str, Any]) -> None:
     line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -225,7 +226,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def load_results(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+def load_results(out_dir: Path) -> tuple[dict[str, Any], list[CellRow], list[RunRecord]]:
     """(meta, finished cells, raw records of finished cells) of a results directory."""
     mp = out_dir / META
     if not mp.exists():
@@ -239,9 +240,9 @@ def load_results(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], l
         raise UsageError(
             f"{mp} is not valid JSON: {e}", "restore it, or start a new results directory"
         ) from e
-    cells = read_jsonl(out_dir / CELLS)
+    cells = cast("list[CellRow]", read_jsonl(out_dir / CELLS))
     done_runs = {c.get("run") for c in cells}
-    recs = [r for r in read_jsonl(out_dir / RAW) if r.get("run") in done_runs]
+    recs = [r for r in cast("list[RunRecord]", read_jsonl(out_dir / RAW)) if r.get("run") in done_runs]
     return meta, cells, recs
 
 
@@ -274,7 +275,7 @@ def order_jobs(
     return jobs
 
 
-def carried_runs(out_dir: Path, cell: Cell) -> list[dict[str, Any]]:
+def carried_runs(out_dir: Path, cell: Cell) -> list[RunRecord]:
     """Finished, successful runs of a serial cell whose invocation stopped before the cell
     did (killed, timed out, interrupted). A serial run does not depend on its neighbours,
     so `--resume` keeps them and runs only the rest; a concurrent cell always runs again
@@ -282,14 +283,14 @@ def carried_runs(out_dir: Path, cell: Cell) -> list[dict[str, Any]]:
     if cell.mode in CONCURRENT:
         return []
     finished = {c.get("run") for c in read_jsonl(out_dir / CELLS)}
-    best: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in read_jsonl(out_dir / RAW):
+    best: dict[tuple[str, int], RunRecord] = {}
+    for r in cast("list[RunRecord]", read_jsonl(out_dir / RAW)):
         if r.get("cell") == cell.key and r.get("run") not in finished and r.get("ok"):
             best[(str(r.get("name")), int(r.get("rep", 0)))] = r
     return list(best.values())
 
 
-def serial_span_s(recs: Iterable[dict[str, Any]]) -> float:
+def serial_span_s(recs: Iterable[RunRecord]) -> float:
     """Wall time the given runs took, summed over the invocations they ran in
     (``ran_in``): the makespan a serial cell had before it was resumed."""
     spans: dict[str, tuple[float, float]] = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from krex.bench import metrics as bm
+from krex.bench.records import CellRanking, Summary
 from krex.errors import NotFound
 
 __all__ = ["write_plots"]
@@ -66,7 +67,7 @@ def _axes(ax: Any, xlabel: str | None, ylabel: str, grid: str = "both") -> None:
     ax.grid(True, axis=grid, alpha=0.3)
 
 
-def _title(s: dict[str, Any], text: str) -> str:
+def _title(s: Summary, text: str) -> str:
     dev = s.get("device") or "?"
     names = (s.get("versions") or {}).get("gpu_names") or []
     where = f"{dev}: {names[0]}" if names and dev != "sim" else dev
@@ -110,13 +111,13 @@ def _shade(key: str, keys: list[str]) -> str:
     return mcolors.to_hex((1 - f * (1 - r), 1 - f * (1 - g), 1 - f * (1 - b)))
 
 
-def plot_throughput(s: dict[str, Any], path: Path) -> Path:
+def plot_throughput(s: Summary, path: Path) -> Path:
     with _figure(path, _title(s, "Throughput against concurrency"), (7, 4.5)) as ax:
         _draw_throughput(s, ax)
     return path
 
 
-def _draw_throughput(s: dict[str, Any], ax: Any) -> None:
+def _draw_throughput(s: Summary, ax: Any) -> None:
     thr = s.get("throughput") or []
     cs_all: list[int] = sorted({int(t["c"]) for t in thr if t["mode"] in SHARED}) or [1]
     for mode in SHARED:
@@ -157,14 +158,14 @@ def _draw_throughput(s: dict[str, Any], ax: Any) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_inflation_cdf(s: dict[str, Any], path: Path) -> Path:
+def plot_inflation_cdf(s: Summary, path: Path) -> Path:
     title = _title(s, "Timing inflation CDF per band")
     with _figure(path, title, (5 * len(bm.BANDS), 4.2), ncols=len(bm.BANDS)) as axes:
         _draw_inflation_cdf(s, axes)
     return path
 
 
-def _draw_inflation_cdf(s: dict[str, Any], axes: Any) -> None:
+def _draw_inflation_cdf(s: Summary, axes: Any) -> None:
     infl = s.get("inflation") or {}
     paper = (s.get("paper") or {}).get("p95_inflation") or {}
     for ax, (band, _) in zip(axes[0], bm.BANDS, strict=True):
@@ -198,7 +199,7 @@ def _draw_inflation_cdf(s: dict[str, Any], axes: Any) -> None:
         ax.legend(fontsize=6)
 
 
-def plot_flip_rates(s: dict[str, Any], path: Path) -> Path:
+def plot_flip_rates(s: Summary, path: Path) -> Path:
     ranking = s.get("ranking") or {}
     classes = [g[0] for g in bm.GAP_CLASSES]
     keys = [k for k in ranking if any((ranking[k]["flip"].get(c) or {}).get("pairs") for c in classes)]
@@ -208,13 +209,14 @@ def plot_flip_rates(s: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _draw_flip_rates(ranking: dict[str, Any], classes: list[str], keys: list[str], ax: Any) -> None:
+def _draw_flip_rates(ranking: dict[str, CellRanking], classes: list[str], keys: list[str], ax: Any) -> None:
     width = 0.8 / max(1, len(keys))
     for i, k in enumerate(keys):
         vals = []
         for c in classes:
             f = ranking[k]["flip"].get(c) or {}
-            vals.append(100.0 * float(f["rate"]) if f.get("pairs") and f.get("rate") is not None else 0.0)
+            rate = f.get("rate")
+            vals.append(100.0 * float(rate) if f.get("pairs") and rate is not None else 0.0)
         xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(classes))]
         mode = _mode_of(k)
         bars = ax.bar(
@@ -245,7 +247,7 @@ def _draw_flip_rates(ranking: dict[str, Any], classes: list[str], keys: list[str
         ax.text(0.5, 0.5, "no ranking data", ha="center", va="center", transform=ax.transAxes)
 
 
-def plot_critical_fraction(s: dict[str, Any], path: Path) -> Path:
+def plot_critical_fraction(s: Summary, path: Path) -> Path:
     c = s.get("critical") or {}
     fr = [100.0 * v for v in _finite(c.get("fractions") or [])]
     with _figure(path, _title(s, "Critical-region fraction (native-serial)"), (7, 4.2)) as ax:
@@ -265,7 +267,7 @@ def _draw_critical_fraction(fr: list[float], ax: Any) -> None:
     _axes(ax, "critical-region fraction of the command's time (%)", "commands")
 
 
-def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+def write_plots(summary: Summary, out_dir: Path) -> list[Path]:
     """Draw every plot into ``out_dir``; return the paths."""
     return [
         plot_throughput(summary, out_dir / "throughput.png"),

@@ -73,9 +73,10 @@ from krex.bench.plan import (
     plan_cells,
     serial_span_s,
 )
+from krex.bench.records import RunRecord, Summary, Versions
+from krex.bench.runstats import compact_report, node_cpu_s, tree_cpu_s
 from krex.bench.summary import compute_summary, json_safe, render_summary_md
 from krex.errors import KrexError, UsageError
-from krex.node import procfs
 from krex.node.freezepolicy import POLICIES as FREEZE_POLICIES
 from krex.runner import TICK_S, Outcome, Pool, Spec, guardian_argv
 from krex.worlds import OwnWorld, daemon_misfit, describe
@@ -145,13 +146,13 @@ class BenchEvent:
     failed: int = 0
     elapsed_s: float = 0.0
     message: str = ""
-    record: dict[str, Any] | None = None
+    record: RunRecord | None = None
 
 
 @dataclass
 class BenchResult:
     out_dir: Path
-    summary: dict[str, Any]
+    summary: Summary
     summary_md: Path
     plots: list[Path]
     ran: list[str]
@@ -220,7 +221,7 @@ def _short(text: str, n: int = 2000) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def _versions(dev: str, names: list[str]) -> dict[str, Any]:
+def _versions(dev: str, names: list[str]) -> Versions:
     from krex import __version__
 
     return {
@@ -328,7 +329,7 @@ class _Commands:
             res = _parse_result(stdout)
             rec["result"] = res
             if got.report is not None:
-                rec["krex"] = _compact_report(got.report)
+                rec["krex"] = compact_report(got.report)
                 if self.sampler is not None:
                     self.sampler.annotate(rec["krex"])
             ok = rec["exit_status"] == 0 and res is not None and bool(res.get("correct"))
@@ -355,92 +356,6 @@ class _Commands:
             return rec
         finally:
             shutil.rmtree(got.spec.stdout.parent, ignore_errors=True)
-
-
-def _compact_report(rep: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "queue_wait_s",
-        "block_s",
-        "inflight_s",
-        "drain_s",
-        "freeze_s",
-        "exit_wait_s",
-        "teardown_wait_s",
-        "settle_s",
-        "pin_s",
-        "entry_s",
-        "region_s",
-        "t_grant_ns",
-        "t_end_ns",
-        "thaw_s",
-        "contaminated",
-        "reasons",
-        "siblings_frozen",
-        "drained",
-        "partition_degraded",
-        "freezer",
-        "freeze_policy",
-        "running_slots",
-        "freeze_why",
-        "drain_slow",
-        "drain_waited_on",
-        "lent_priority",
-        "freeze_ms",
-        "freeze_slow",
-        "cut",
-        "flags",
-        "label",
-        "attest",
-    )
-    regions = [{k: r.get(k) for k in keys if k in r} for r in rep.get("regions") or [] if isinstance(r, dict)]
-    return {
-        "slot": rep.get("slot"),
-        "gpu": rep.get("gpu"),
-        "admission_wait_s": rep.get("admission_wait_s"),
-        "prewarm_s": rep.get("prewarm_s"),
-        "gate_blocks": rep.get("gate_blocks"),
-        "gate_blocked_ms": rep.get("gate_blocked_ms"),
-        "fail_opens": rep.get("fail_opens"),
-        "paced": rep.get("paced"),
-        "paced_ms": rep.get("paced_ms"),
-        "contaminated_regions": rep.get("contaminated_regions"),
-        "region_wait_s": rep.get("region_wait_s"),
-        "cut_regions": rep.get("cut_regions"),
-        "inductor_regions": rep.get("inductor_regions"),  # torch's hook or KREX's fallback wrapper
-        "simulated": rep.get("simulated"),
-        "leftovers": len(rep.get("leftovers") or []),
-        "auto_region": {
-            k: (rep.get("auto_region") or {}).get(k) for k in ("value", "wrapped", "auto_regions")
-        }
-        if rep.get("auto_region")
-        else None,
-        "regions": regions,
-    }
-
-
-# ----------------------------------------------------------------------------------- daemon
-
-
-_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _tree_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of `pid` and its live children (krexd and its watchdog), or
-    None if `pid` is gone. Where krex-C's CPU goes beside the commands' own."""
-    table = procfs.proc_table()
-    if pid not in table:
-        return None
-    return sum(st.cpu_ticks for st in table.values() if pid in (st.pid, st.ppid)) / _TCK
-
-
-def _node_cpu_s() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole node since boot, from /proc/stat: how saturated
-    the cores were over a cell."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle, iowait
-    total = sum(v[:8])  # guest time is already in user
-    return (total - idle) / _TCK, total / _TCK
 
 
 # ------------------------------------------------------------------------------------- main
@@ -473,183 +388,224 @@ def _resolve_device(device: str) -> tuple[str, list[str]]:
 
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
     """Run (or continue) a bench; write raw results, summary and plots; return them."""
-    emit: Progress = progress or (lambda _e: None)
-    t_start = time.monotonic()
-    dev, gpu_names = _resolve_device(cfg.device)
+    return _BenchRun(cfg, progress or (lambda _e: None)).run()
 
-    # ---- results directory and meta
-    if cfg.resume:
-        if cfg.out_dir is None:
-            raise UsageError("--resume needs the results directory", "pass --resume DIR")
-        out_dir = cfg.out_dir
-        meta, done_cells, _ = load_results(out_dir)
-        if meta.get("device") != dev:
-            raise UsageError(
-                f"{out_dir} holds a {meta.get('device')} run; this is {dev}",
-                f"pass --device {meta.get('device')}, or start a new results directory",
-            )
-    else:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out_dir = cfg.out_dir or Path.cwd() / "krex-bench" / f"{dev}-{stamp}"
-        if (out_dir / META).exists() or (out_dir / RAW).exists():
-            raise UsageError(
-                f"{out_dir} already holds bench results",
-                f"continue it with --resume {out_dir}, or pick another --out",
-            )
-        meta, done_cells = {}, []
-    quick = cfg.quick if cfg.quick is not None else bool(meta.get("quick", False))
-    seed = cfg.seed if cfg.seed is not None else int(meta.get("seed", 0))
-    repeat = cfg.repeat if cfg.repeat is not None else int(meta.get("repeat", 1))
-    only = list(cfg.only) if cfg.only is not None else list(meta.get("only") or [])
-    corpus_path = (
-        cfg.corpus or (Path(meta["corpus"]) if meta.get("corpus") else None) or default_corpus_path()
-    )
-    if repeat < 1:
-        raise UsageError(f"--repeat {repeat} is not a pass count", "use --repeat 1 or more")
-    workloads = load_corpus(corpus_path, dev, quick, only)
-    digest = corpus_digest(workloads)
-    if meta and meta.get("corpus_digest") != digest:
-        raise UsageError(
-            f"the corpus differs from the one {out_dir} was run with "
-            f"({len(workloads)} commands now, {len(meta.get('corpus_names', []))} then)",
-            "resume with the same --quick/--only/--corpus, or start a new results directory",
-        )
-    if meta and int(meta.get("repeat", 1)) != repeat:
-        raise UsageError(
-            f"{out_dir} was run with --repeat {meta.get('repeat')}", "resume with the same --repeat"
-        )
-    # A resumed run keeps the modes and concurrency its first invocation asked for, unless
-    # new ones are given: resuming must not run cells nobody asked for.
-    first = (meta.get("invocations") or [{}])[0]
-    modes = _asked_modes(cfg, first)
-    conc = parse_concurrency(
-        cfg.concurrency
-        if cfg.concurrency is not None
-        else first.get("concurrency") or ((2, 4) if quick else (2, 4, 8, 16))
-    )
-    timeout_s = cfg.timeout_s or (120.0 if dev == "sim" else 900.0)
-    freezes = list(cfg.freezes) if cfg.freezes else list(first.get("freezes") or [""])
-    for f in freezes:
-        if f and f not in FREEZE_POLICIES:
-            raise UsageError(
-                f"unknown freeze policy {f!r}", f"use a comma list of: {', '.join(FREEZE_POLICIES)}"
-            )
-    prewarms = list(cfg.prewarms) if cfg.prewarms else list(first.get("prewarms") or [0])
-    for w in prewarms:
-        if not 0 <= w <= 64:
-            raise UsageError(f"bad --prewarm {w}", "give a comma list of whole numbers in 0..64, e.g. 0,4")
-    lends = list(cfg.lends) if cfg.lends else list(first.get("lends") or [""])
-    for ln in lends:
-        if ln and ln not in LEND_CHOICES:
-            raise UsageError(f"bad --lend {ln!r}", f"use a comma list of: {', '.join(LEND_CHOICES)}")
-    gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
-    if gpus is not None:
-        bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
-        if bad or len(set(gpus)) != len(gpus) or not gpus:
-            raise UsageError(
-                f"--gpus {','.join(map(str, gpus))}: {len(gpu_names)} {dev} GPU(s) are visible "
-                "(numbered from 0), and each may appear once",
-                f"pick from 0..{len(gpu_names) - 1}",
-            )
-        if meta and meta.get("gpus") not in (None, gpus):
-            raise UsageError(
-                f"{out_dir} was run with --gpus {','.join(map(str, meta['gpus']))}",
-                "resume with the same --gpus, or start a new results directory",
-            )
-    cfg = replace(cfg, gpus=gpus)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    invocation = {
-        "argv": list(cfg.argv),
-        "started": _dt.datetime.now().isoformat(timespec="seconds"),
-        "modes": modes,
-        "concurrency": conc,
-        "freezes": freezes,
-        "prewarms": prewarms,
-        "lends": lends,
-    }
-    if not meta:
-        meta = {
-            "schema": SCHEMA,
-            "device": dev,
-            "quick": quick,
-            "seed": seed,
-            "repeat": repeat,
-            "only": only,
-            "corpus": str(corpus_path.resolve()),
-            "corpus_digest": digest,
-            "corpus_names": [w.name for w in workloads],
-            "cold_cache": cfg.cold_cache,
-            "reference_repeat": cfg.reference_repeat,
-            "reference_rep_ms": cfg.reference_rep_ms,
-            "gpus": gpus,
-            "created": invocation["started"],
-            "versions": _versions(dev, gpu_names),
-            "invocations": [],
-        }
-    meta.setdefault("invocations", []).append(invocation)
-    meta.setdefault("notes", [])
-    if cfg.inflated_above is not None:  # the summary's flag scores read it (a resume may set it)
-        meta["inflated_above"] = cfg.inflated_above
-    (out_dir / META).write_text(json.dumps(meta, indent=1))
+class _BenchRun:
+    """One `run_bench` invocation: its settings, results directory and counters, and one
+    method per step (results directory, settings, meta.json, plan, daemon, cells, report)."""
 
-    # ---- plan
-    measured = [w for w in workloads if w.truth == "measured"]
-    cells = plan_cells(modes, conc, seed, freezes, prewarms, lends)
-    if not measured:
-        cells = [c for c in cells if c.mode != "reference"]
-    done_keys = {str(c.get("cell")) for c in done_cells}
-    todo = [c for c in cells if c.key not in done_keys]
-    skipped = [c.key for c in cells if c.key in done_keys]
+    def __init__(self, cfg: BenchConfig, emit: Progress) -> None:
+        self.cfg, self.emit = cfg, emit
+        self.t_start = time.monotonic()
+        self.dev, self.gpu_names = _resolve_device(cfg.device)
+        self.done = self.failed = self.total = 0
+        self.ran: list[str] = []
+        self.started_daemon = False
+        # (slots per GPU, prewarm, lend, MPS) of the daemon the bench started, None while it runs none.
+        self.ours: tuple[int, int, str, bool] | None = None
+        self.own: OwnWorld | None = None
+        self.foreign = False  # a daemon that ran already fits and serves every krex cell
 
-    def cell_jobs(c: Cell, hint: dict[str, float], carried: list[dict[str, Any]]) -> list[Job]:
-        if c.mode == "reference":
-            jobs = order_jobs(c, measured, cfg.reference_repeat, seed, hint)
+    def run(self) -> BenchResult:
+        self.open_results()
+        self.settings()
+        self.write_meta()
+        self.plan()
+        self.cmds = _Commands(replace(self.cfg, out_dir=self.out_dir), self.dev, self.timeout_s)
+        self.choose_daemon()
+        self.run_cells()
+        return self.report()
+
+    def open_results(self) -> None:
+        """The results directory: the resumed one (its meta and finished cells), or a new one."""
+        cfg, dev = self.cfg, self.dev
+        if cfg.resume:
+            if cfg.out_dir is None:
+                raise UsageError("--resume needs the results directory", "pass --resume DIR")
+            out_dir = cfg.out_dir
+            meta, done_cells, _ = load_results(out_dir)
+            if meta.get("device") != dev:
+                raise UsageError(
+                    f"{out_dir} holds a {meta.get('device')} run; this is {dev}",
+                    f"pass --device {meta.get('device')}, or start a new results directory",
+                )
         else:
-            jobs = order_jobs(c, workloads, repeat, seed, hint)
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            out_dir = cfg.out_dir or Path.cwd() / "krex-bench" / f"{dev}-{stamp}"
+            if (out_dir / META).exists() or (out_dir / RAW).exists():
+                raise UsageError(
+                    f"{out_dir} already holds bench results",
+                    f"continue it with --resume {out_dir}, or pick another --out",
+                )
+            meta, done_cells = {}, []
+        self.out_dir, self.meta, self.done_cells = out_dir, meta, done_cells
+
+    def settings(self) -> None:
+        """This invocation's settings: the config's, else the resumed run's, else the defaults;
+        a resume that would change the corpus, --repeat or --gpus is refused."""
+        cfg, dev, meta, out_dir, gpu_names = self.cfg, self.dev, self.meta, self.out_dir, self.gpu_names
+        quick = cfg.quick if cfg.quick is not None else bool(meta.get("quick", False))
+        seed = cfg.seed if cfg.seed is not None else int(meta.get("seed", 0))
+        repeat = cfg.repeat if cfg.repeat is not None else int(meta.get("repeat", 1))
+        only = list(cfg.only) if cfg.only is not None else list(meta.get("only") or [])
+        corpus_path = (
+            cfg.corpus or (Path(meta["corpus"]) if meta.get("corpus") else None) or default_corpus_path()
+        )
+        if repeat < 1:
+            raise UsageError(f"--repeat {repeat} is not a pass count", "use --repeat 1 or more")
+        workloads = load_corpus(corpus_path, dev, quick, only)
+        digest = corpus_digest(workloads)
+        if meta and meta.get("corpus_digest") != digest:
+            raise UsageError(
+                f"the corpus differs from the one {out_dir} was run with "
+                f"({len(workloads)} commands now, {len(meta.get('corpus_names', []))} then)",
+                "resume with the same --quick/--only/--corpus, or start a new results directory",
+            )
+        if meta and int(meta.get("repeat", 1)) != repeat:
+            raise UsageError(
+                f"{out_dir} was run with --repeat {meta.get('repeat')}", "resume with the same --repeat"
+            )
+        # A resumed run keeps the modes and concurrency its first invocation asked for, unless
+        # new ones are given: resuming must not run cells nobody asked for.
+        first = (meta.get("invocations") or [{}])[0]
+        modes = _asked_modes(cfg, first)
+        conc = parse_concurrency(
+            cfg.concurrency
+            if cfg.concurrency is not None
+            else first.get("concurrency") or ((2, 4) if quick else (2, 4, 8, 16))
+        )
+        timeout_s = cfg.timeout_s or (120.0 if dev == "sim" else 900.0)
+        freezes = list(cfg.freezes) if cfg.freezes else list(first.get("freezes") or [""])
+        for f in freezes:
+            if f and f not in FREEZE_POLICIES:
+                raise UsageError(
+                    f"unknown freeze policy {f!r}", f"use a comma list of: {', '.join(FREEZE_POLICIES)}"
+                )
+        prewarms = list(cfg.prewarms) if cfg.prewarms else list(first.get("prewarms") or [0])
+        for w in prewarms:
+            if not 0 <= w <= 64:
+                raise UsageError(
+                    f"bad --prewarm {w}", "give a comma list of whole numbers in 0..64, e.g. 0,4"
+                )
+        lends = list(cfg.lends) if cfg.lends else list(first.get("lends") or [""])
+        for ln in lends:
+            if ln and ln not in LEND_CHOICES:
+                raise UsageError(f"bad --lend {ln!r}", f"use a comma list of: {', '.join(LEND_CHOICES)}")
+        gpus = list(cfg.gpus) if cfg.gpus is not None else (list(meta["gpus"]) if meta.get("gpus") else None)
+        if gpus is not None:
+            bad = [g for g in gpus if not 0 <= g < len(gpu_names)]
+            if bad or len(set(gpus)) != len(gpus) or not gpus:
+                raise UsageError(
+                    f"--gpus {','.join(map(str, gpus))}: {len(gpu_names)} {dev} GPU(s) are visible "
+                    "(numbered from 0), and each may appear once",
+                    f"pick from 0..{len(gpu_names) - 1}",
+                )
+            if meta and meta.get("gpus") not in (None, gpus):
+                raise UsageError(
+                    f"{out_dir} was run with --gpus {','.join(map(str, meta['gpus']))}",
+                    "resume with the same --gpus, or start a new results directory",
+                )
+        self.cfg = replace(cfg, gpus=gpus)
+        self.quick, self.seed, self.repeat, self.only = quick, seed, repeat, only
+        self.corpus_path, self.workloads, self.digest = corpus_path, workloads, digest
+        self.modes, self.conc, self.timeout_s = modes, conc, timeout_s
+        self.freezes, self.prewarms, self.lends = freezes, prewarms, lends
+
+    def write_meta(self) -> None:
+        """meta.json: a new run's settings and versions, and this invocation appended."""
+        cfg, meta, out_dir = self.cfg, self.meta, self.out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        invocation = {
+            "argv": list(cfg.argv),
+            "started": _dt.datetime.now().isoformat(timespec="seconds"),
+            "modes": self.modes,
+            "concurrency": self.conc,
+            "freezes": self.freezes,
+            "prewarms": self.prewarms,
+            "lends": self.lends,
+        }
+        if not meta:
+            meta = self.meta = {
+                "schema": SCHEMA,
+                "device": self.dev,
+                "quick": self.quick,
+                "seed": self.seed,
+                "repeat": self.repeat,
+                "only": self.only,
+                "corpus": str(self.corpus_path.resolve()),
+                "corpus_digest": self.digest,
+                "corpus_names": [w.name for w in self.workloads],
+                "cold_cache": cfg.cold_cache,
+                "reference_repeat": cfg.reference_repeat,
+                "reference_rep_ms": cfg.reference_rep_ms,
+                "gpus": cfg.gpus,
+                "created": invocation["started"],
+                "versions": _versions(self.dev, self.gpu_names),
+                "invocations": [],
+            }
+        meta.setdefault("invocations", []).append(invocation)
+        meta.setdefault("notes", [])
+        if cfg.inflated_above is not None:  # the summary's flag scores read it (a resume may set it)
+            meta["inflated_above"] = cfg.inflated_above
+        (out_dir / META).write_text(json.dumps(meta, indent=1))
+
+    def plan(self) -> None:
+        """The cells in order, those still to run, and the runs they will make."""
+        out_dir = self.out_dir
+        self.measured = [w for w in self.workloads if w.truth == "measured"]
+        cells = plan_cells(self.modes, self.conc, self.seed, self.freezes, self.prewarms, self.lends)
+        if not self.measured:
+            cells = [c for c in cells if c.mode != "reference"]
+        done_keys = {str(c.get("cell")) for c in self.done_cells}
+        todo = self.todo = [c for c in cells if c.key not in done_keys]
+        skipped = self.skipped = [c.key for c in cells if c.key in done_keys]
+        total = self.total = sum(len(self.cell_jobs(c, {}, carried_runs(out_dir, c))) for c in todo)
+        self.emit(
+            BenchEvent(
+                "plan",
+                total=total,
+                message=f"{len(self.workloads)} {self.dev} commands; cells in order: "
+                + ", ".join(c.key for c in cells)
+                + (f"; already done: {', '.join(skipped)}" if skipped else ""),
+            )
+        )
+        for k in skipped:
+            self.emit(
+                BenchEvent("cell-skip", cell=k, total=total, message=f"{k}: already in {out_dir}, skipped")
+            )
+
+    def cell_jobs(self, c: Cell, hint: dict[str, float], carried: list[RunRecord]) -> list[Job]:
+        if c.mode == "reference":
+            jobs = order_jobs(c, self.measured, self.cfg.reference_repeat, self.seed, hint)
+        else:
+            jobs = order_jobs(c, self.workloads, self.repeat, self.seed, hint)
         kept = {(str(r["name"]), int(r.get("rep", 0))) for r in carried}
         return [j for j in jobs if (j.workload.name, j.rep) not in kept]
 
-    total = sum(len(cell_jobs(c, {}, carried_runs(out_dir, c))) for c in todo)
-    emit(
-        BenchEvent(
-            "plan",
-            total=total,
-            message=f"{len(workloads)} {dev} commands; cells in order: "
-            + ", ".join(c.key for c in cells)
-            + (f"; already done: {', '.join(skipped)}" if skipped else ""),
-        )
-    )
-    for k in skipped:
-        emit(BenchEvent("cell-skip", cell=k, total=total, message=f"{k}: already in {out_dir}, skipped"))
-
-    cmds = _Commands(replace(cfg, out_dir=out_dir), dev, timeout_s)
-    done = failed = 0
-    ran: list[str] = []
-    started_daemon = False
-
-    def event(kind: EventKind, **kw: Any) -> None:
+    def event(self, kind: EventKind, **kw: Any) -> None:
         """Emit an event with this invocation's counters as they are now."""
-        emit(
+        self.emit(
             BenchEvent(
-                kind, done=done, total=total, failed=failed, elapsed_s=time.monotonic() - t_start, **kw
+                kind, done=self.done, total=self.total, failed=self.failed,
+                elapsed_s=time.monotonic() - self.t_start, **kw
             )
         )
 
-    def note(msg: str) -> None:
+    def note(self, msg: str) -> None:
         # Into meta.json at once: an invocation killed by `timeout` keeps its notes too.
-        m = json.loads((out_dir / META).read_text())
+        m = json.loads((self.out_dir / META).read_text())
         m["notes"] = list(dict.fromkeys([*m.get("notes", []), msg]))
-        (out_dir / META).write_text(json.dumps(m, indent=1))
-        event("note", message=msg)
+        (self.out_dir / META).write_text(json.dumps(m, indent=1))
+        self.event("note", message=msg)
 
-    def run_cell(cell: Cell, run_id: str, jobs: list[Job]) -> tuple[float, float, int]:
+    def run_cell(self, cell: Cell, run_id: str, jobs: list[Job]) -> tuple[float, float, int]:
         """Run a cell's jobs; (start, last command start, failures). Raises KeyboardInterrupt
         when cancelled (its commands stopped; the cell never counts)."""
-        nonlocal done, failed
+        cmds = self.cmds
         # C commands on each GPU at once: place (lane) i stays on one GPU; serial cells
         # run on the first GPU.
-        gpus = list(cfg.gpus or [])
+        gpus = list(self.cfg.gpus or [])
         width = (cell.c + cell.prewarm) * max(1, len(gpus)) if cell.mode in CONCURRENT else 1
         pool: Pool[Job] = Pool(
             width, stop_signals=(signal.SIGTERM, signal.SIGKILL), grace_s=GRACE_S, tree=True, tick_s=TICK_S
@@ -667,38 +623,39 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             last_start = _now()
 
         def finished(job: Job, got: Outcome) -> None:
-            nonlocal done, failed, cell_failed
+            nonlocal cell_failed
             rec = cmds.record(cell, run_id, job, gpu_of.pop(job.seq, None), got)
             if got.cancelled:  # killed by the cancel: the cell did not finish, its runs never count
                 return
-            done += 1
+            self.done += 1
             if not rec.get("ok"):
-                failed += 1
+                self.failed += 1
                 cell_failed += 1
-            append_jsonl(out_dir / RAW, rec)
-            event("run-done", cell=cell.key, running=pool.running, record=rec)
+            append_jsonl(self.out_dir / RAW, rec)
+            self.event("run-done", cell=cell.key, running=pool.running, record=rec)
 
         def tick() -> None:
-            event("tick", cell=cell.key, running=pool.running)
+            self.event("tick", cell=cell.key, running=pool.running)
 
         if pool.run(jobs, spec, finished, started, tick):
             raise KeyboardInterrupt  # the runs were stopped; the caller exits 130
         return c_start, last_start, cell_failed
 
-    def warm_up(workloads: Sequence[Workload]) -> None:
+    def warm_up(self, workloads: Sequence[Workload]) -> None:
         """One command of each family or script (its shortest), at once (at most the widest
         cell's width), natively and not recorded: the page cache and the driver's and
         compilers' caches of every code path the corpus takes. With one command only, the
         first cell paid for the rest: on a freshly started H200 the first cell's (krex-8) first
         eight commands ran 17% longer than the next cell's (unprotected-8), where on a warm one
         krex-8's ran 15% shorter."""
+        cmds = self.cmds
         firsts: dict[str, Workload] = {}
         for w in sorted(workloads, key=lambda w: w.est_wall_s):
             firsts.setdefault(w.family or str(w.script), w)
         ws = list(firsts.values())
-        gpus = list(cfg.gpus or [])
-        width = min(len(ws), max([c.c for c in todo if c.mode in CONCURRENT] or [1]) * max(1, len(gpus)))
-        note(f"warm-up: {', '.join(w.name for w in ws)}, {width} at a time, natively, not recorded")
+        gpus = list(self.cfg.gpus or [])
+        width = min(len(ws), max([c.c for c in self.todo if c.mode in CONCURRENT] or [1]) * max(1, len(gpus)))
+        self.note(f"warm-up: {', '.join(w.name for w in ws)}, {width} at a time, natively, not recorded")
         warm = Cell("native-serial")
         pool: Pool[Job] = Pool(
             width,
@@ -722,153 +679,164 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             jobs, lambda job, lane: cmds.spec(warm, job, lane_gpu(lane)), done, lambda _j: None, lambda: None
         ):
             raise KeyboardInterrupt
-        note(
+        self.note(
             f"warm-up done: {len(ws) - len(failed)} of {len(ws)} ran cleanly"
             + (f"; failed: {'; '.join(failed)}" if failed else "")
         )
 
-    # (slots per GPU, prewarm, lend, MPS) of the daemon the bench started, None while it runs none.
-    ours: tuple[int, int, str, bool] | None = None
-    need = max((c.c for c in todo if c.mode in KREX_MODES), default=1)
-    # A daemon that runs already serves the krex cells only if it gives them what they need
-    # (C slots per GPU, the device, no settings of their own); else a simulated bench runs in
-    # a world of its own, and a bench on real GPUs is refused (two worlds would not exclude
-    # each other's regions).
-    own: OwnWorld | None = None
-    krex_cells = [c for c in todo if c.mode in KREX_MODES]
-    st = _daemon_status() if krex_cells else None
-    foreign = False  # that daemon fits and serves every krex cell
-    if st is not None:
-        special = sorted({c.key for c in krex_cells if c.prewarm or c.lend or c.mode == "krex-mps"})
-        misfit = daemon_misfit(st, dev, need, cfg.gpus, special)
-        if misfit and dev != "sim":
-            raise UsageError(
-                f"krex bench cannot measure its krex cells under {describe(st)}: {misfit}",
-                "stop it once it is idle (`krex daemon stop`) and run the bench again: it then starts a "
-                "daemon with the slots its cells need; or keep --concurrency within what it admits "
-                "(and drop --prewarm/--lend)",
-            )
-        if misfit:
-            own = OwnWorld("bench").enter()
-            note(f"{describe(st)} does not fit this bench: {misfit}; the bench runs in a KREX world of its "
-                 f"own (state {own.state}, segment {own.shm}, its own simulated GPU), removed at the end")
-        else:
-            # Cells without --freeze run under that daemon's freeze policy (its own, as asked).
-            note(f"using {describe(st)} for the krex cells")
-            foreign = True
+    def choose_daemon(self) -> None:
+        """A daemon that runs already serves the krex cells only if it gives them what they need
+        (C slots per GPU, the device, no settings of their own); else a simulated bench runs in
+        a world of its own, and a bench on real GPUs is refused (two worlds would not exclude
+        each other's regions)."""
+        dev = self.dev
+        self.need = need = max((c.c for c in self.todo if c.mode in KREX_MODES), default=1)
+        krex_cells = [c for c in self.todo if c.mode in KREX_MODES]
+        st = _daemon_status() if krex_cells else None
+        if st is not None:
+            special = sorted({c.key for c in krex_cells if c.prewarm or c.lend or c.mode == "krex-mps"})
+            misfit = daemon_misfit(st, dev, need, self.cfg.gpus, special)
+            if misfit and dev != "sim":
+                raise UsageError(
+                    f"krex bench cannot measure its krex cells under {describe(st)}: {misfit}",
+                    "stop it once it is idle (`krex daemon stop`) and run the bench again: it then starts a "
+                    "daemon with the slots its cells need; or keep --concurrency within what it admits "
+                    "(and drop --prewarm/--lend)",
+                )
+            if misfit:
+                own = self.own = OwnWorld("bench").enter()
+                self.note(
+                    f"{describe(st)} does not fit this bench: {misfit}; the bench runs in a KREX world of "
+                    f"its own (state {own.state}, segment {own.shm}, its own simulated GPU), "
+                    "removed at the end"
+                )
+            else:
+                # Cells without --freeze run under that daemon's freeze policy (its own, as asked).
+                self.note(f"using {describe(st)} for the krex cells")
+                self.foreign = True
 
-    def daemon_for(cell: Cell) -> None:
+    def daemon_for(self, cell: Cell) -> None:
         """A daemon that admits this krex cell as asked: C + prewarm commands at once, of which
         only C hold a slot when it pre-warms (slots per GPU = C exactly), else max C."""
-        nonlocal ours, started_daemon
-        slots = cell.c if cell.prewarm else cfg.slots_per_gpu or need
+        slots = cell.c if cell.prewarm else self.cfg.slots_per_gpu or self.need
         want = (slots, cell.prewarm, cell.lend, cell.mode == "krex-mps") if cell.mode in KREX_MODES else None
-        if foreign or ours == want:
+        if self.foreign or self.ours == want:
             return
-        if started_daemon:
+        if self.started_daemon:
             _stop_daemon()
-            started_daemon, ours = False, None
+            self.started_daemon, self.ours = False, None
         if want is None:  # another cell: a krexd with MPS on is stopped before it (never idles beside it)
             return
-        if not _start_daemon(dev, *want):
+        if not _start_daemon(self.dev, *want):
             raise UsageError(
                 f"another KREX daemon started while the bench ran (it needed one with {want[0]} slots "
                 f"per GPU, prewarm {want[1]} and lend_cores {want[2] or 'its default'})",
                 "run the bench with no other daemon on the node",
             )
-        started_daemon = True
-        ours = want
-        note(_started_note(*want))
+        self.started_daemon = True
+        self.ours = want
+        self.note(_started_note(*want))
 
-    try:
-        if todo:
-            cmds.sampler, why = open_sampler(dev, cfg.nvml_ms, out_dir)
-            note(why)
-        if todo and cfg.warmup:
-            warm_up(workloads)
+    def run_cells(self) -> None:
+        """The NVML sampler, the warm-up and every cell still to run; then stop what the bench
+        started (sampler, daemon, world of its own), however it ends."""
+        cmds, out_dir = self.cmds, self.out_dir
+        try:
+            if self.todo:
+                cmds.sampler, why = open_sampler(self.dev, self.cfg.nvml_ms, out_dir)
+                self.note(why)
+            if self.todo and self.cfg.warmup:
+                self.warm_up(self.workloads)
+            for cell in self.todo:
+                self.cell(cell)
+        finally:
+            if cmds.sampler is not None:
+                cmds.sampler.stop()
+            if self.started_daemon:
+                _stop_daemon()
+            if self.own is not None:
+                self.own.exit(keep_log=out_dir / "krexd-own-world.log")
 
-        for cell in todo:
-            _, _, prior = load_results(out_dir)
-            hint = {
-                r["name"]: float(r["wall_s"])
-                for r in prior
-                if r.get("mode") == "native-serial" and r.get("wall_s") is not None
-            }
-            carried = carried_runs(out_dir, cell)
-            jobs = cell_jobs(cell, hint, carried)
-            if cell.mode in KREX_MODES or (ours and ours[3]):
-                daemon_for(cell)
-            run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            event("cell-start", cell=cell.key, message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time")
-            prior_span = serial_span_s(carried)
-            for r in carried:  # the kept runs join this run id, once the cell is finished
-                append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
-            if carried:
-                note(f"{cell.key}: kept {len(carried)} runs of an unfinished earlier invocation")
-            krexd = (_daemon_status() or {}).get("daemon", {}).get("pid") if cell.mode in KREX_MODES else None
-            krexd_cpu0 = _tree_cpu_s(int(krexd)) if krexd else None
-            node0 = _node_cpu_s()
-            c_start, last_start, cell_failed = cmds.around(cell, note, run_cell, run_id, jobs)
-            c_end = _now()
-            node1 = _node_cpu_s()
-            krexd_cpu1 = _tree_cpu_s(int(krexd)) if krexd else None
-            row = {
-                "v": SCHEMA,
-                "cell": cell.key,
-                "mode": cell.mode,
-                "c": cell.c,
-                "run": run_id,
-                "n_runs": len(jobs) + len(carried),
-                "carried_runs": len(carried),
-                "failures": cell_failed,
-                "started_at": c_start,
-                "ended_at": c_end,
-                "makespan_s": prior_span + (c_end - c_start),
-                "last_start_s": last_start - c_start,
-                "timeout_s": timeout_s,
-                # The node's cores busy over this invocation's part of the cell (0..1), and
-                # krexd's own CPU seconds (with its watchdog): None where not measured.
-                "node_busy": round((node1[0] - node0[0]) / d, 4) if (d := node1[1] - node0[1]) > 0 else None,
-                "krexd_cpu_s": round(krexd_cpu1 - krexd_cpu0, 3)
-                if krexd_cpu0 is not None and krexd_cpu1 is not None
-                else None,
-            }
-            append_jsonl(out_dir / CELLS, row)
-            ran.append(cell.key)
-            event(
-                "cell-done",
-                cell=cell.key,
-                message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
-            )
-    finally:
-        if cmds.sampler is not None:
-            cmds.sampler.stop()
-        if started_daemon:
-            _stop_daemon()
-        if own is not None:
-            own.exit(keep_log=out_dir / "krexd-own-world.log")
-
-    # ---- report (the notes are in meta.json already)
-    meta, cell_rows, recs = load_results(out_dir)
-    summary = compute_summary(meta, cell_rows, recs, workloads)
-    (out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
-    md = out_dir / "summary.md"
-    md.write_text(render_summary_md(summary, out_dir))
-    plots: list[Path] = []
-    plots_note = ""
-    if cfg.plots and not plots_available():
-        plots_note = PLOTS_MISSING
-    elif cfg.plots:
-        from krex.bench.plots import write_plots
-
-        plots = write_plots(summary, out_dir)
-    event("report", message=f"summary in {md}")
-    if done and failed == done:
-        raise BenchError(
-            f"all {done} command runs of this invocation failed (results are in {out_dir})",
-            f"see the Failures table of {md} and stderr_tail in {out_dir / RAW}",
+    def cell(self, cell: Cell) -> None:
+        """One cell: its jobs (less the runs kept from an unfinished earlier invocation), its
+        daemon, its runs, and its line in cells.jsonl."""
+        out_dir = self.out_dir
+        _, _, prior = load_results(out_dir)
+        hint = {
+            r["name"]: float(w)
+            for r in prior
+            if r.get("mode") == "native-serial" and (w := r.get("wall_s")) is not None
+        }
+        carried = carried_runs(out_dir, cell)
+        jobs = self.cell_jobs(cell, hint, carried)
+        if cell.mode in KREX_MODES or (self.ours and self.ours[3]):
+            self.daemon_for(cell)
+        run_id = f"{cell.key}@{_dt.datetime.now().strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        self.event("cell-start", cell=cell.key, message=f"{cell.key}: {len(jobs)} runs, {cell.c} at a time")
+        prior_span = serial_span_s(carried)
+        for r in carried:  # the kept runs join this run id, once the cell is finished
+            append_jsonl(out_dir / RAW, {**r, "run": run_id, "ran_in": r.get("ran_in") or r.get("run")})
+        if carried:
+            self.note(f"{cell.key}: kept {len(carried)} runs of an unfinished earlier invocation")
+        krexd = (_daemon_status() or {}).get("daemon", {}).get("pid") if cell.mode in KREX_MODES else None
+        krexd_cpu0 = tree_cpu_s(int(krexd)) if krexd else None
+        node0 = node_cpu_s()
+        c_start, last_start, cell_failed = self.cmds.around(cell, self.note, self.run_cell, run_id, jobs)
+        c_end = _now()
+        node1 = node_cpu_s()
+        krexd_cpu1 = tree_cpu_s(int(krexd)) if krexd else None
+        row = {
+            "v": SCHEMA,
+            "cell": cell.key,
+            "mode": cell.mode,
+            "c": cell.c,
+            "run": run_id,
+            "n_runs": len(jobs) + len(carried),
+            "carried_runs": len(carried),
+            "failures": cell_failed,
+            "started_at": c_start,
+            "ended_at": c_end,
+            "makespan_s": prior_span + (c_end - c_start),
+            "last_start_s": last_start - c_start,
+            "timeout_s": self.timeout_s,
+            # The node's cores busy over this invocation's part of the cell (0..1), and
+            # krexd's own CPU seconds (with its watchdog): None where not measured.
+            "node_busy": round((node1[0] - node0[0]) / d, 4) if (d := node1[1] - node0[1]) > 0 else None,
+            "krexd_cpu_s": round(krexd_cpu1 - krexd_cpu0, 3)
+            if krexd_cpu0 is not None and krexd_cpu1 is not None
+            else None,
+        }
+        append_jsonl(out_dir / CELLS, row)
+        self.ran.append(cell.key)
+        self.event(
+            "cell-done",
+            cell=cell.key,
+            message=f"{cell.key}: {len(jobs)} runs in {c_end - c_start:.1f} s, {cell_failed} failed",
         )
-    return BenchResult(out_dir, summary, md, plots, ran, skipped, failed, plots_note)
+
+    def report(self) -> BenchResult:
+        """summary.json, summary.md and the plots (the notes are in meta.json already)."""
+        out_dir = self.out_dir
+        meta, cell_rows, recs = load_results(out_dir)
+        summary = compute_summary(meta, cell_rows, recs, self.workloads)
+        (out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
+        md = out_dir / "summary.md"
+        md.write_text(render_summary_md(summary, out_dir))
+        plots: list[Path] = []
+        plots_note = ""
+        if self.cfg.plots and not plots_available():
+            plots_note = PLOTS_MISSING
+        elif self.cfg.plots:
+            from krex.bench.plots import write_plots
+
+            plots = write_plots(summary, out_dir)
+        self.event("report", message=f"summary in {md}")
+        if self.done and self.failed == self.done:
+            raise BenchError(
+                f"all {self.done} command runs of this invocation failed (results are in {out_dir})",
+                f"see the Failures table of {md} and stderr_tail in {out_dir / RAW}",
+            )
+        return BenchResult(out_dir, summary, md, plots, self.ran, self.skipped, self.failed, plots_note)
 
 
 PLOTS_MISSING = (

@@ -62,6 +62,7 @@ from krex.node.shm import (
 )
 from krex.node.slots import RELEASE_MAX_RECORDS, Slot, _is_root, _roots
 from krex.node.state import HANDLERS, handles, log
+from krex.protocol import StatusReply
 
 # What tests, the CLI and `python -m krex.node.daemon` import from here. The Daemon's layers
 # are krex/node/state.py's list.
@@ -416,7 +417,7 @@ class Daemon(Server):
     ) -> dict[str, Any]:
         return {"ok": True, **self.status()}
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusReply:
         with self.lock:
             return {
                 "daemon": {

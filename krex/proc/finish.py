@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
         region_tally,
         release_notes,
     )
-    from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe, journal_cut_region
+    from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe
+    from krex.proc.watch import journal_cut_region
 
     slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,6 @@ __all__ = ["auto_region_report", "auto_region_warning", "trust_notes", "run_comm
 
 if TYPE_CHECKING:
 
-    from krex.node.shm import Segment
     from krex.proc.client import Client
 
 # Imports inside functions keep `krex run`'s start-up short: every module
@@ -204,8 +202,8 @@ def run_guarded(
     cgroup joined before exec, signal forwarding, and a guardian that thaws its
     own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
     with a daemon running, no GPU discovery happens here (connect_daemon)."""
-    from krex.node.optin import apply_env, own_env, queue_note, start_notes
-    from krex.node.shm import Segment
+    from krex.node.optin import start_notes
+    from krex.proc.watch import Guardian, Stop
 
     mark("imported")
     exe = resolve_command(cmd)
@@ -215,6 +213,112 @@ def run_guarded(
     mark("resolved")
     client, found = connect_daemon(device, gpu)
     mark("connected")
+    adm, device, env_parts = _admit(client, found, device, gpu, freeze, tenant, notify)
+    slot, g = int(adm["slot"]), int(adm["gpu"])
+    simulated = adm.get("device") == "sim" or device == "sim"
+    placed = adm.get("cgroup") or {}
+    notes = adm.get("notes")  # krexd's, the same the native guardian prints
+    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        notes = start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or ""))
+    for line in notes:
+        notify(line)
+    env, auto_value, auto_dir = _command_env(env_parts, slot)
+    group_path, backend = str(adm["group"]), str(adm["freezer"])
+    child_pid: list[int] = []
+    joined, born_in, preexec = _placement(client, adm, group_path, backend)
+
+    stop = Stop()
+    guardian = Guardian(
+        client.daemon_pid,
+        client.sock.fileno(),
+        str(adm["shm"]),
+        slot,
+        g,
+        backend,
+        group_path,
+        child_pid,
+        notify,
+    )
+    watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
+
+    def _started(pid: int) -> None:
+        mark("spawned")
+        child_pid.append(pid)
+        watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
+        if joined is not None:
+            return  # the daemon already has it (and moved it into the slot before exec)
+        try:
+            client.request({"op": "started", "pid": pid})
+        except KrexError as e:  # the command runs anyway; it is just not frozen as a sibling
+            notify(f"krex: warning: krexd did not take the command into its slot: {e}")
+        mark("started")
+
+    t_start = time.time()
+    mark("env")
+    try:
+        launch = Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in)
+        status = _spawn(launch, adm, slot, joined, _started)
+    finally:
+        mark("exited")
+        stop.set()
+        if watcher.ident is not None:
+            watcher.join(timeout=2)
+        stop.close()
+        mark("watcher")
+        rel, counters = _release(client, adm, slot, keep_leftovers)
+        mark("released")
+        dev = str(adm.get("device") or device)
+        report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
+        _add_regions(report, rel, slot, t_start, notify, guardian.events, auto_value, auto_dir)
+    # The same notes krexd renders for the native guardian (optin.release_notes).
+    for line in release_notes(
+        rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None}, report
+    ):
+        notify(line)
+    report["exit_status"] = status
+    return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
+
+
+def _add_regions(
+    report: dict[str, Any],
+    rel: dict[str, Any],
+    slot: int,
+    t_start: float,
+    notify: Callable[[str], None],
+    events: list[dict[str, object]],
+    auto_value: str,
+    auto_dir: Path | None,
+) -> None:
+    """Into the command's report: its regions (krexd's record, else the journal's), the
+    guardian's daemon events and what KREX_AUTO_REGION wrapped."""
+    labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
+    if "regions" in report:  # krexd's own record of the command
+        regs: list[dict[str, Any]] = report["regions"]
+    else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
+        regs = _journal_regions(slot, t_start, report, notify)
+        report["regions"] = regs
+        report.update(region_tally(regs))
+    if events:
+        report["daemon_events"] = events
+    if auto_dir is not None:
+        auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
+        if auto_region_kept(auto):
+            report["auto_region"] = auto
+
+
+def _admit(
+    client: Client,
+    found: str | None,
+    device: str,
+    gpu: int | None,
+    freeze: str | None,
+    tenant: str | None,
+    notify: Callable[[str], None],
+) -> tuple[dict[str, Any], str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Admission: krexd's reply, the device kind the command runs on, and the command's
+    variables (set, prepended) from the reply. Whatever fails, the slot is given back."""
+    from krex.node.optin import queue_note
+
     waited: list[bool] = []
 
     def on_event(ev: dict[str, object]) -> None:
@@ -246,17 +350,18 @@ def run_guarded(
                 client.request({"op": "release"})
         client.close()
         raise
-    device = kind
-    slot, g = int(adm["slot"]), int(adm["gpu"])
-    simulated = adm.get("device") == "sim" or device == "sim"
-    placed = adm.get("cgroup") or {}
-    notes = adm.get("notes")  # krexd's, the same the native guardian prints
-    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
-        notes = start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or ""))
-    for line in notes:
-        notify(line)
+    return adm, kind, (put, pre)
+
+
+def _command_env(
+    env_parts: tuple[dict[str, Any], dict[str, Any]], slot: int
+) -> tuple[dict[str, str], str, Path | None]:
+    """The command's environment (ours with krexd's variables), its KREX_AUTO_REGION value
+    and the directory where its processes leave their auto-region status (None: none)."""
+    from krex.node.optin import apply_env, own_env
+
     env = dict(os.environ)
-    apply_env(env, *own_env(put, pre))  # our installation's code, whatever krexd answered
+    apply_env(env, *own_env(*env_parts))  # our installation's code, whatever krexd answered
 
     auto_value = env.get("KREX_AUTO_REGION", "").strip()
     # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
@@ -266,8 +371,15 @@ def run_guarded(
     with contextlib.suppress(OSError):
         auto_dir = _private_tmpdir(f"krex-auto-{slot}-")
         env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
-    group_path, backend = str(adm["group"]), str(adm["freezer"])
-    child_pid: list[int] = []
+    return env, auto_value, auto_dir
+
+
+def _placement(
+    client: Client, adm: dict[str, Any], group_path: str, backend: str
+) -> tuple[_DaemonJoin | None, str | None, list[Callable[[], None]]]:
+    """How the command gets into its slot: krexd moving it before exec (a _DaemonJoin),
+    forked straight into the slot's cgroup (its path), or joining it before exec; and the
+    child's steps before exec."""
     # The child waits before exec until krexd has it when the guardian cannot put it in its
     # slot itself: a group member (no write access to the cgroup), a container that does not
     # see the host's cgroup tree (an unprivileged benchmark pod), and SIGSTOP freezing,
@@ -284,102 +396,61 @@ def run_guarded(
         from krex.node.freezer import preexec_join
 
         preexec.insert(0, joined.preexec if joined else preexec_join(group_path))
+    return joined, born_in, preexec
 
-    stop = _Stop()
-    guardian = _Guardian(
-        client.daemon_pid,
-        client.sock.fileno(),
-        str(adm["shm"]),
-        slot,
-        g,
-        backend,
-        group_path,
-        child_pid,
-        notify,
-    )
-    watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
 
-    def _started(pid: int) -> None:
-        mark("spawned")
-        child_pid.append(pid)
-        watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
-        if joined is not None:
-            return  # the daemon already has it (and moved it into the slot before exec)
-        try:
-            client.request({"op": "started", "pid": pid})
-        except KrexError as e:  # the command runs anyway; it is just not frozen as a sibling
-            notify(f"krex: warning: krexd did not take the command into its slot: {e}")
-        mark("started")
+def _spawn(
+    launch: Launch, adm: dict[str, Any], slot: int, joined: _DaemonJoin | None, started: Callable[[int], None]
+) -> int:
+    """Start the command and wait for it; its exit status."""
+    from krex.node.shm import Segment
 
-    t_start = time.time()
-    mark("env")
+    if joined is not None:
+        joined.start()
+    if str(adm["freezer"]) == "signal":
+        group_path = str(adm["group"])
+        launch.held_stopped = lambda: _signal_group_frozen(group_path)
+    warm_seg = None
+    if adm.get("warm"):  # the segment, to tell whether it still waits for its slot
+        from krex.native import lib
+
+        with contextlib.suppress(KrexError):
+            warm_seg = Segment.attach(str(adm["shm"]))
+            launch.still_warm = lambda: bool(warm_seg.raw.slots[slot].warm)
+            launch.warm_kill_s = lib.KREX_WARM_KILL_NS / 1e9
     try:
-        if joined is not None:
-            joined.start()
-        launch = Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in)
-        if backend == "signal":
-            launch.held_stopped = lambda: _signal_group_frozen(group_path)
-        warm_seg = None
-        if adm.get("warm"):  # the segment, to tell whether it still waits for its slot
-            from krex.native import lib
-
-            with contextlib.suppress(KrexError):
-                warm_seg = Segment.attach(str(adm["shm"]))
-                launch.still_warm = lambda: bool(warm_seg.raw.slots[slot].warm)
-                launch.warm_kill_s = lib.KREX_WARM_KILL_NS / 1e9
-        try:
-            status = spawn_and_wait(launch, on_start=lambda pid: _started(pid))
-        finally:
-            if joined is not None:
-                joined.close()
-            if warm_seg is not None:
-                warm_seg.close()
+        return spawn_and_wait(launch, on_start=lambda pid: started(pid))
     finally:
-        mark("exited")
-        stop.set()
-        if watcher.ident is not None:
-            watcher.join(timeout=2)
-        stop.close()
-        mark("watcher")
-        counters: dict[str, Any] = {}
-        try:
-            with Segment.attach(str(adm["shm"])) as seg:
-                counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
-        except KrexError:
-            pass
-        mark("counters")
-        rel: dict[str, Any] = {}
-        with contextlib.suppress(KrexError, OSError):
-            rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
-        client.close()
-        if not rel and backend != "signal":
-            # No krexd removes the command's group now: left empty in the caller's job or pod
-            # cgroup, it would keep the scheduler from removing that. Busy, it stays.
-            with contextlib.suppress(OSError):
-                os.rmdir(group_path)
-        mark("released")
-        dev = str(adm.get("device") or device)
-        report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
-        labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
-        if "regions" in report:  # krexd's own record of the command
-            regs: list[dict[str, Any]] = report["regions"]
-        else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
-            regs = _journal_regions(slot, t_start, report, notify)
-            report["regions"] = regs
-            report.update(region_tally(regs))
-        if guardian.events:
-            report["daemon_events"] = guardian.events
-        if auto_dir is not None:
-            auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
-            if auto_region_kept(auto):
-                report["auto_region"] = auto
-    # The same notes krexd renders for the native guardian (optin.release_notes).
-    for line in release_notes(
-        rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None}, report
-    ):
-        notify(line)
-    report["exit_status"] = status
-    return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
+        if joined is not None:
+            joined.close()
+        if warm_seg is not None:
+            warm_seg.close()
+
+
+def _release(
+    client: Client, adm: dict[str, Any], slot: int, keep_leftovers: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """After the command: its slot's gate counters, then the slot released (krexd's reply,
+    {} when it did not answer: then the group is removed here)."""
+    from krex.node.shm import Segment
+
+    counters: dict[str, Any] = {}
+    try:
+        with Segment.attach(str(adm["shm"])) as seg:
+            counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
+    except KrexError:
+        pass
+    mark("counters")
+    rel: dict[str, Any] = {}
+    with contextlib.suppress(KrexError, OSError):
+        rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
+    client.close()
+    if not rel and str(adm["freezer"]) != "signal":
+        # No krexd removes the command's group now: left empty in the caller's job or pod
+        # cgroup, it would keep the scheduler from removing that. Busy, it stays.
+        with contextlib.suppress(OSError):
+            os.rmdir(str(adm["group"]))
+    return rel, counters
 
 
 def _journal_regions(
@@ -441,49 +512,6 @@ def _private_tmpdir(prefix: str) -> Path:
                 last = e
                 break
     raise last
-
-
-class _Stop:
-    """threading.Event for the watcher, plus a pipe its select() wakes on, so the
-    guardian need not wait out a poll interval when the command has ended."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.r, self.w = os.pipe()
-
-    def set(self) -> None:
-        self.event.set()
-        with contextlib.suppress(OSError):
-            os.write(self.w, b"x")
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-    def close(self) -> None:
-        for fd in (self.r, self.w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def with_contextlib_thaw(backend: str, group_path: str, pids: list[int]) -> None:
-    """Thaw our own command without the daemon (I5): write the cgroup's freeze
-    file (krexd hands it to the guardian's user at admission), or SIGCONT the
-    command's process group and every descendant (the signal freezer stops trees)."""
-    with contextlib.suppress(KrexError, OSError):
-        if backend == "cgroup2":
-            Path(group_path, "cgroup.freeze").write_text("0")
-        elif backend == "cgroup1":
-            Path(group_path, "freezer.state").write_text("THAWED")
-    from krex.node import procfs
-
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGCONT)
-        with contextlib.suppress(OSError):  # on a terminal it shares our group (_on_terminal)
-            os.kill(pid, signal.SIGCONT)
-        for d in procfs.descendants([pid], procfs.proc_table()) - {pid}:
-            with contextlib.suppress(OSError):
-                os.kill(d, signal.SIGCONT)
 
 
 def _signal_group_frozen(path: str) -> bool:
@@ -556,115 +584,6 @@ class _DaemonJoin:
                 os.close(fd)
         if self.error:
             raise KrexError(f"krexd could not move the command into its slot: {self.error}", "see krexd.log")
-
-
-class _Guardian:
-    """The part of `krex run` that is never frozen (I5): it watches krexd through its
-    admission connection (krexd's end closed = the daemon died) and through the
-    heartbeat in the segment (stale = the daemon is stopped or hung). Either way it
-    thaws its own command, within the heartbeat timeout; if the daemon died during
-    this command's region it journals that region itself, as cut and contaminated."""
-
-    def __init__(
-        self,
-        daemon_pid: int,
-        sock_fd: int,
-        shm: str,
-        slot: int,
-        gpu: int,
-        backend: str,
-        group_path: str,
-        child_pid: list[int],
-        notify: Callable[[str], None],
-    ) -> None:
-        self.daemon_pid, self.sock_fd, self.shm, self.slot, self.gpu = daemon_pid, sock_fd, shm, slot, gpu
-        self.backend, self.group_path, self.child_pid, self.notify = backend, group_path, child_pid, notify
-        self.events: list[dict[str, object]] = []
-
-    def watch(self, stop: _Stop) -> None:
-        import select
-
-        from krex.native import lib
-        from krex.node.shm import Segment, heartbeat_stale
-
-        poll_ms = int(lib.KREX_GUARDIAN_POLL_NS // 1_000_000)
-        seg: Segment | None = None
-        with contextlib.suppress(KrexError):
-            seg = Segment.attach(self.shm)
-        try:
-            # The admission connection itself: krexd writes to it only to answer a request,
-            # and POLLRDHUP (unlike POLLIN) fires only when krexd's end is closed, i.e. it
-            # died. A second connection would cost every command a connect and krexd a thread.
-            p = select.poll()
-            p.register(self.sock_fd, select.POLLRDHUP)
-            p.register(stop.r, select.POLLIN)
-            stale = False
-            while not stop.is_set():
-                ev = dict(p.poll(poll_ms))
-                if stop.is_set():
-                    return
-                if ev.get(self.sock_fd):
-                    self._lost(seg, "krexd exited")
-                    return
-                age = None if seg is None else seg.heartbeat_age(self.daemon_pid)
-                if heartbeat_stale(age):
-                    if not stale and not stop.is_set():
-                        stale = True
-                        with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
-                        self.events.append(
-                            {"event": "daemon-stalled", "ts": time.time(), "heartbeat_age_s": round(age, 3)}
-                        )
-                        self.notify(
-                            f"krex: krexd (pid {self.daemon_pid}) stopped beating ({age:.1f} s); your "
-                            "command was thawed and keeps running"
-                        )
-                elif stale:
-                    stale = False
-                    self.events.append({"event": "daemon-resumed", "ts": time.time()})
-        finally:
-            if seg is not None:
-                seg.close()
-
-    def _lost(self, seg: Segment | None, why: str) -> None:
-        from krex.native import lib
-
-        with_contextlib_thaw(self.backend, self.group_path, self.child_pid)
-        ev: dict[str, object] = {"event": "daemon-lost", "ts": time.time(), "why": why, "region_cut": False}
-        if seg is not None:
-            gp = seg.raw.gpus[self.gpu]
-            ours = gp.holder == lib.KREX_HOLDER_REGION and gp.owner_slot == self.slot
-            if gp.gate != lib.KREX_GATE_OPEN and ours:
-                # Our command's region lost its daemon: nobody else will journal it.
-                ev["region_cut"] = True
-                age = (int(lib.krex_now_ns()) - int(gp.closed_ns)) / 1e9
-                journal_cut_region(
-                    self.gpu, self.slot, self.child_pid[0] if self.child_pid else 0, why, age, time.time()
-                )
-        self.events.append(ev)
-        self.notify("krex: the daemon went away; your command was thawed and keeps running")
-
-
-def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float, ts: float) -> None:
-    """Journal a region of our command that lost its daemon (`age` seconds after it began,
-    at `ts`): nobody else will. The Python guardian at the loss; the native one's
-    finisher (krex.proc.finish) after its command."""
-    from krex import paths
-    from krex.node import journal
-
-    rec = {
-        "ts": ts,
-        "gpu": gpu,
-        "owner_slot": slot,
-        "owner_pid": owner_pid,
-        "end": "daemon-lost",
-        "contaminated": True,
-        "reasons": [f"{why} during the region after {age:.3f} s: from then on it was not exclusive"],
-        "flags": ["daemon-lost"],
-        "region_s": round(age, 6),
-        "recorded_by": "guardian",
-    }
-    with contextlib.suppress(OSError, KrexError):
-        journal.append(paths.journal_path(), rec)
 
 
 # ------------------------------------------------------------------- `krex run` as a function
