@@ -11,7 +11,7 @@
 #     itself SIGKILLed under a running client; a region after each (does it run, is it
 #     flagged), `krex status`'s MPS state and the journal's last records;
 #  5. `krex daemon stop`: the control daemon gone with it.
-# Everything comes back in $OUT; the last lines are the table (docs/results/mps/).
+# MPS_CONTEXTS=0 skips step 3. Everything comes back in $OUT; the last lines are the table (docs/results/mps/).
 set -uo pipefail
 REPO=$PWD; O=${OUT:-/tmp/krex-out}; mkdir -p "$O"
 . benchmarks/h200_env.sh || exit 1
@@ -57,7 +57,7 @@ print(json.dumps({"pid": os.getpid(), "ctx_s": time.time() - t}), flush=True)
 while not os.path.exists(base + ".end"):
     time.sleep(0.01)
 EOF
-python3 - "$PIPE" "$O" <<'EOF'
+[ "${MPS_CONTEXTS:-1}" = 1 ] && python3 - "$PIPE" "$O" <<'EOF'
 import glob, json, os, statistics, subprocess, sys, time
 pipe, out = sys.argv[1], sys.argv[2]
 def used_mib():
@@ -130,7 +130,8 @@ after_region after_client_kill
 rm -f /tmp/mps_ready_b
 timeout 60 "${KREX[@]}" run --device gpu -- python3 /tmp/mps_loop.py /tmp/mps_ready_b 20 > "$O/fault_server.json" 2> "$O/fault_server.log" &
 for _ in $(seq 300); do [ -e /tmp/mps_ready_b ] && break; sleep 0.1; done; sleep 1
-SRV=$(pgrep -x nvidia-cuda-mps-server | head -1); echo "server pid=$SRV"; kill -9 "$SRV"; wait
+# by command line: a process name is cut to 15 characters
+SRV=$(pgrep -f nvidia-cuda-mps-server | head -1); echo "server pid=$SRV"; kill -9 "$SRV"; wait
 echo "client under the killed server: rc=$?"; cat "$O/fault_server.json"; tail -3 "$O/fault_server.log"
 "${KREX[@]}" status --json > "$O/status_after_server_kill.json" 2>&1
 python3 -c "import json; print('mps after server kill:', json.load(open('$O/status_after_server_kill.json'))['daemon']['mps'])"
@@ -149,8 +150,9 @@ EOF2
 echo "== 5. krex daemon stop"
 CPID=$(python3 -c "import json; print(json.load(open('$O/status.json'))['daemon']['mps']['gpus'][0]['pid'])")
 timeout 60 "${KREX[@]}" daemon stop; echo "rc=$?"
-sleep 1
-if kill -0 "$CPID" 2>/dev/null; then echo "control daemon $CPID still running"; else echo "control daemon $CPID gone"; fi
+for i in $(seq 60); do kill -0 "$CPID" 2>/dev/null || break; sleep 0.5; done
+if kill -0 "$CPID" 2>/dev/null; then echo "control daemon $CPID still running 30 s after"; else echo "control daemon $CPID gone after ~$((i / 2)) s"; fi
+cp "$KREX_STATE_DIR/krexd.log" "$O/" 2>/dev/null; cp -r "$KREX_STATE_DIR/mps" "$O/mps-dirs" 2>/dev/null
 ls "$PIPE" 2>&1 | head -3
 echo "== table"
 python3 - "$O" <<'EOF'

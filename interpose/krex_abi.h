@@ -178,7 +178,7 @@
 #define KREX_PACE_TOKENS 2
 #define KREX_TURNS_MAX 4
 #define KREX_TURN_LEASE_US 2000
-#define KREX_TURN_WAIT_MS 200
+#define KREX_TURN_WAIT_MS 1000
 /* A region about to begin on a GPU (krex_gpu.pending_slots, soon_slots): siblings' queues
  * shrink before its gate closes. While another command's region is queued (BEGIN sent, gate
  * not yet its), a sibling's pacing check and its LIFE calls (contexts, modules, device
