@@ -163,6 +163,7 @@ static unsigned clampu(uint64_t v, unsigned lo, unsigned hi) { return v < lo ? l
 static uint64_t *g_turn; /* the turn this process holds (the GPU's word), or NULL */
 static uint64_t g_turn_word; /* what we stored there */
 static uint64_t g_turn_pid;  /* our pid (0: not looked up yet, or a fork child's) */
+static int g_on_floor;        /* the last check put this process on the floor under a budget */
 
 static uint64_t turn_word(uint64_t now_ns) {
     if (!g_turn_pid) g_turn_pid = (uint64_t)getpid();
@@ -257,6 +258,12 @@ static void record(int variant, CUstream stream) {
     }
 }
 
+/* Our own command's region is announced or queued on GPU `g`. */
+static int own_region_near(struct krex_gpu *g) {
+    uint64_t me = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
+    return (__atomic_load_n(&g->soon_slots, RELAXED) | __atomic_load_n(&g->pending_slots, RELAXED)) & me ? 1 : 0;
+}
+
 /* `budget`: cap_ns is the GPU's drain budget (else a cap per process); `pend`: krex_pending(). */
 static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstream stream, uint64_t cap_ns, int budget,
                         int pend) {
@@ -291,8 +298,8 @@ static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstrea
     /* A command whose own region is announced or queued skips the turns: its warm-up comes
      * just before it takes the whole GPU anyway, and waiting behind every sibling would only
      * delay the region. */
-    uint64_t me = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
-    int own = (__atomic_load_n(&g->soon_slots, RELAXED) | __atomic_load_n(&g->pending_slots, RELAXED)) & me ? 1 : 0;
+    int own = own_region_near(g);
+    g_on_floor = floor && budget;
     if (!off && floor && budget && !own) {
         if (had) {
             struct timespec ts = {0, 2 * PACE_POLL_NS};
@@ -335,6 +342,30 @@ void krex_pace(int id, const void *stream) {
     pthread_mutex_unlock(&g_pace_lock);
 }
 
+/* A call parked at another command's closed gate, now open: a process on the floor takes a
+ * turn before it submits, as after a pacing check. Without this every sibling parked at a
+ * region's gate submitted its long kernel the moment it opened, and the next region's entry
+ * drained one per sibling. */
+void krex_pace_gate_opened(void) {
+    struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
+    uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
+    if (!g_on_floor || !shm || !gate || g_gpu < 0 || g_gpu >= KREX_MAX_GPUS || t_depth != 0 ||
+        __atomic_load_n(&g_pace_off, RELAXED) || __atomic_load_n(&g_captures, RELAXED) != 0)
+        return;
+    struct krex_gpu *g = &shm->gpus[g_gpu];
+    if (!__atomic_load_n(&g->budget_us, RELAXED) || own_region_near(g) || pthread_mutex_trylock(&g_pace_lock) != 0)
+        return;
+    uint64_t t0 = krex_now_ns();
+    if (!g_turn && turn_take(g, gate, t0)) {
+        struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+        if (p) {
+            __atomic_fetch_add(&p->paced, 1, RELAXED);
+            __atomic_fetch_add(&p->paced_ns, krex_now_ns() - t0, RELAXED);
+        }
+    }
+    pthread_mutex_unlock(&g_pace_lock);
+}
+
 /* A fork child: its parent's events and lock are not its own (CUDA is unusable in a fork
  * child anyway until it execs). */
 void krex_pace_after_fork(void) {
@@ -344,6 +375,7 @@ void krex_pace_after_fork(void) {
     g_s_ns = g_done_t = g_done_subs = 0;
     g_turn = NULL; /* the parent's turn, leased under its pid */
     g_turn_pid = 0;
+    g_on_floor = 0;
     t_pace = KREX_PACE_EVERY - 1;
 }
 

@@ -107,6 +107,7 @@ int krex_wait_gate(uint32_t w) {
     /* The gate opened with another command's region queued behind the one that ended: its
      * gate closes next, and what we submitted now its entry would drain first. */
     if (!failed) krex_hold_pending(KREX_PEND_QUEUED, krex_now_ns());
+    if (!failed) krex_pace_gate_opened();
     if (g_proc) __atomic_fetch_add(&g_proc->blocked_ns, krex_now_ns() - t0, __ATOMIC_RELAXED);
     return failed;
 }

@@ -103,6 +103,7 @@ void krex_drain_after_fork(void);
 extern __thread unsigned t_pace __attribute__((tls_model("initial-exec")));
 void krex_pace(int id, const void *stream) __attribute__((cold));
 void krex_pace_after_fork(void);
+void krex_pace_gate_opened(void); /* a call parked at a closed gate goes on: take a turn first */
 
 /* client.c: krexd connections (self-registration, C/C++ regions). */
 extern char g_sock_path[108];

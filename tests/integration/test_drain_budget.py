@@ -178,6 +178,30 @@ def _kernels_per_s(h: Harness, pid: int, secs: float) -> float:
     return sum(1 for o in ops if o["pid"] == pid and t0 <= o["submit"] <= t1) / secs
 
 
+@root
+@pytest.mark.parametrize("tokens", [str(lib.KREX_PACE_TOKENS), "0"])
+def test_long_work_parked_at_a_gate_takes_turns_when_it_opens(kx: Krex, tokens: str) -> None:
+    """Regions of 30 ms follow each other 5 ms apart, so the six long-kernel siblings spend
+    most of their time parked at a closed gate. When it opens, a sibling on the floor takes
+    a turn before its parked kernel goes on, so the next region, 5 ms later, closes on about
+    the turns' worth of kernels; without turns every parked sibling submits at once and the
+    next region drains one kernel of each."""
+    n, k = 6, int(tokens)
+    kx.start_daemon(slots=n + 2, env_extra={"KREX_PACE_TOKENS": tokens, "KREX_EARLY_SHRINK": "off"})
+    _hammers(kx, n, LONG_US, hold_ms=2000)
+    time.sleep(2.5)
+    recs = _regions(kx, {"owner": ["sleep:5", "begin", "sleep:30", "end"] * 16})
+    left = _left_at_close(kx, recs)[3:]
+    med = statistics.median(left)
+    shown = [round(x, 1) for x in left]
+    print(f"turns {k}, regions back to back: left at close median {med:.1f} ms, {shown}")
+    if k == 0:
+        assert med > (n - 2) * LONG_US / 1e3, f"without turns only {med:.1f} ms were left: proves nothing"
+    else:
+        bound = (k + 1) * LONG_US / 1e3 + 1.0
+        assert med <= bound, f"with {k} turns a median {med:.1f} ms was left at the close (bound {bound:.1f}): {shown}"
+
+
 @pytest.mark.parametrize("holder", ["stopped", "stray"])
 def test_a_turn_nobody_renews_never_holds_long_work_back(harness: Harness, holder: str) -> None:
     """Long work takes one turn here (pace_tokens 1). A holder stopped with SIGSTOP (as a
