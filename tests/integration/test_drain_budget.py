@@ -199,7 +199,7 @@ def test_long_work_parked_at_a_gate_takes_turns_when_it_opens(kx: Krex, tokens: 
         assert med > (n - 2) * LONG_US / 1e3, f"without turns only {med:.1f} ms were left: proves nothing"
     else:
         bound = (k + 1) * LONG_US / 1e3 + 1.0
-        assert med <= bound, f"{k} turns: a median {med:.1f} ms left at the close (bound {bound:.1f}): {shown}"
+        assert med <= bound, f"{k} turns: a median {med:.1f} ms left at a close (bound {bound:.1f}): {shown}"
 
 
 @pytest.mark.parametrize("holder", ["stopped", "stray"])
