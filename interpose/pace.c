@@ -163,7 +163,7 @@ static unsigned clampu(uint64_t v, unsigned lo, unsigned hi) { return v < lo ? l
 static uint64_t *g_turn; /* the turn this process holds (the GPU's word), or NULL */
 static uint64_t g_turn_word; /* what we stored there */
 static uint64_t g_turn_pid;  /* our pid (0: not looked up yet, or a fork child's) */
-static int g_on_floor;        /* the last check put this process on the floor under a budget */
+static int g_on_floor;        /* atomic: the last check put this process on the floor under a budget */
 
 static uint64_t turn_word(uint64_t now_ns) {
     if (!g_turn_pid) g_turn_pid = (uint64_t)getpid();
@@ -299,7 +299,7 @@ static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstrea
      * just before it takes the whole GPU anyway, and waiting behind every sibling would only
      * delay the region. */
     int own = own_region_near(g);
-    g_on_floor = floor && budget;
+    __atomic_store_n(&g_on_floor, floor && budget, RELAXED);
     if (!off && floor && budget && !own) {
         if (had) {
             struct timespec ts = {0, 2 * PACE_POLL_NS};
@@ -349,7 +349,7 @@ void krex_pace(int id, const void *stream) {
 void krex_pace_gate_opened(void) {
     struct krex_shm *shm = __atomic_load_n(&g_shm, ACQUIRE);
     uint32_t *gate = __atomic_load_n(&g_fast.gate, ACQUIRE);
-    if (!g_on_floor || !shm || !gate || g_gpu < 0 || g_gpu >= KREX_MAX_GPUS || t_depth != 0 ||
+    if (!__atomic_load_n(&g_on_floor, RELAXED) || !shm || !gate || g_gpu < 0 || g_gpu >= KREX_MAX_GPUS || t_depth != 0 ||
         __atomic_load_n(&g_pace_off, RELAXED) || __atomic_load_n(&g_captures, RELAXED) != 0)
         return;
     struct krex_gpu *g = &shm->gpus[g_gpu];
@@ -375,7 +375,7 @@ void krex_pace_after_fork(void) {
     g_s_ns = g_done_t = g_done_subs = 0;
     g_turn = NULL; /* the parent's turn, leased under its pid */
     g_turn_pid = 0;
-    g_on_floor = 0;
+    __atomic_store_n(&g_on_floor, 0, RELAXED);
     t_pace = KREX_PACE_EVERY - 1;
 }
 
