@@ -204,9 +204,14 @@ def sibling_rate(files: list[Path], t0: float, t1: float) -> float:
             pts = [tuple(map(float, ln.split())) for ln in f.read_text().splitlines() if ln.strip()]
         except (OSError, ValueError):
             continue
-        inside = [(t, n) for t, n in pts if t0 <= t <= t1]
-        if len(inside) >= 2:
-            total += (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+        # The samples that bracket the window (the last at or before its start, the first at
+        # or after its end): a window shorter than the 0.5 s between samples still counts.
+        before = [p for p in pts if p[0] <= t0]
+        after = [p for p in pts if p[0] >= t1]
+        a = before[-1] if before else (pts[0] if pts else None)
+        b = after[0] if after else (pts[-1] if pts else None)
+        if a is not None and b is not None and b[0] > a[0]:
+            total += (b[1] - a[1]) / (b[0] - a[0])
     return total
 
 
