@@ -358,9 +358,13 @@ def build_native(outdir: str | os.PathLike[str], strip: bool = False) -> list[Pa
     return sorted(out.iterdir())
 
 
+# The native `krex` (guardian.h holds what its files share).
+GUARDIAN_SOURCES = ("guardian.c", "guardian_wire.c", "guardian_proc.c")
+
+
 def build_guardian(out: str | os.PathLike[str], strip: bool = False, lib_dir: Path | None = None) -> Path:
     """The native `krex` command (interpose/guardian.c: `krex run` without Python, and a
-    hand-over to the Python CLI for everything else): one C file, libc only.
+    hand-over to the Python CLI for everything else): GUARDIAN_SOURCES, libc only.
 
     lib_dir names the krex/_lib it serves when no site-packages holds one: an editable
     install's bin/krex and `make native` (guardian.c own_install). A wheel's guardian finds
@@ -375,7 +379,8 @@ def build_guardian(out: str | os.PathLike[str], strip: bool = False, lib_dir: Pa
     # every command to the Python one, which finds its package itself.)
     if lib_dir is not None and not set(str(lib_dir.resolve())) & set('"\\\n'):
         flags.append(f'-DKREX_BUILT_LIB_DIR="{lib_dir.resolve()}"')
-    _cc([*flags, "-std=gnu11", f"-I{INTERPOSE}", "-o", str(path), str(INTERPOSE / "guardian.c")])
+    sources = [str(INTERPOSE / f) for f in GUARDIAN_SOURCES]
+    _cc([*flags, "-std=gnu11", f"-I{INTERPOSE}", "-o", str(path), *sources])
     return path
 
 

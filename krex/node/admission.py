@@ -169,19 +169,15 @@ class Admission(Regions):
         }
 
     def _check_native(self, asked: str, owned: dict[str, Any]) -> None:
-        """Refuse, before any slot is taken, what only the Python guardian handles, so the
-        native one (interpose/guardian.c) hands the command line to it: the signal freezer
-        and a group member's guardian (the child must wait before exec until krexd moves
-        it: launcher._DaemonJoin), and --device gpu on a simulated daemon (discovery)."""
-        why = None
-        if self.freezer.name not in ("cgroup2", "cgroup1"):
-            why = f"the {self.freezer.name} freezer"
-        elif owned.get("role") == "member":
-            why = "a member of the daemon's group"
-        elif asked == "gpu" and self.info.kind == "sim":
-            why = "--device gpu on a simulated daemon"
-        if why:
-            raise UsageError(f"the native guardian does not handle {why}", "run it with the Python guardian")
+        """`--device gpu` on a simulated daemon runs only where this node has a real GPU: the
+        native guardian (interpose/guardian.c) does no GPU discovery, so krexd, on the same
+        node, does it before any slot is taken (krex.device.gpus.discover raises NotFound,
+        the words the Python guardian's own discovery gives)."""
+        del owned
+        if asked == "gpu" and self.info.kind == "sim":
+            from krex.device.gpus import discover
+
+            discover("gpu")
 
     def _command_env(self, s: Slot, gpu: int, asked: str) -> tuple[dict[str, str], dict[str, list[str]]]:
         """The variables a guardian gives its command (optin.opt_in_parts plus the slot's):

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from helpers import REPO
-from helpers.krex_world import KREX, Krex, frozen_reason
+from helpers.krex_world import KREX, Krex, backend_or_skip, frozen_reason
 
 from krex.native import ffi, lib
 from krex.proc import runopts
@@ -983,3 +983,24 @@ def test_krex_native_off_0_keeps_the_native_guardian(kx: Krex) -> None:
     for off, want in (("0", "native"), ("", "native"), ("1", "1")):
         p = which_guardian(kx, KREX_NATIVE_OFF=off)
         assert p.returncode == 0 and p.stdout.strip() == want, (off, p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("case", ["signal-freezer", "unjoinable-cgroup"])
+def test_a_command_krexd_moves_into_its_slot_runs_native(kx: Krex, case: str) -> None:
+    """Where the guardian cannot put its command into the slot itself (the signal freezer:
+    krexd must know the pid to stop it; a slot cgroup not visible here), the child waits
+    before exec while krexd moves it (`started` with join): the native guardian does that."""
+    if case == "signal-freezer":
+        backend_or_skip(kx, "signal")
+        kx.start_daemon(freezer_name="signal")
+        pre = []
+    else:
+        kx.start_daemon()
+        pre = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs none /sys/fs/cgroup && exec "$@"', "-"]
+    show = 'echo "$KREX_NATIVE_MARK"; cat /proc/self/cgroup; exit 3'
+    p = subprocess.run([*pre, *KREX, "-q", "run", "--device", "sim", "--", "sh", "-c", show],
+                       env=kx.env(KREX_NATIVE_MARK="1"), capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 3 and p.stdout.startswith("native\n"), p.stdout + p.stderr
+    if case == "unjoinable-cgroup":
+        assert f"/{kx.shm.strip('/')}/slot-" in p.stdout, p.stdout
