@@ -1,18 +1,20 @@
-/* guardian.c: the native `krex` command (a Python guardian would cost every
+/* guardian.c: `krex`, the one guardian of `krex run` (a Python guardian would cost every
  * benchmarked command ~125 ms of interpreter start and imports).
  *
- * It runs the common case itself:
+ * It runs every admitted command itself:
  *     krex [-q] run [--device D] [--gpu N] [--freeze P] [--tenant T] [--report F] [--keep-leftovers] [--] CMD...
- * and hands EVERY other command line, unchanged, to the Python CLI
- * (`python -m krex.cli.lean ARGV`, the door the Python console script used), which keeps
- * all messages and exit statuses: help, other commands, -v, --no-daemon, an option or
- * value it does not know, a --report path Python would refuse, no daemon answering (Python
- * starts one), a socket it does not trust, a command it cannot resolve, KREX_RUN_TRACE
- * set, a KREX_AUTO_REGION not UTF-8 or over 4 KiB, an admit that krexd refuses, a file
- * naming __cudaRegisterFatBinary (Python's ELF check warns about static cudart),
- * KREX_NATIVE_OFF set. All of these are decided before the command holds a slot. Where it
- * cannot put the command into its slot itself (the signal freezer, a slot cgroup it may not
- * write or cannot see), the child waits before exec while krexd moves it.
+ * (the options: krex/proc/runopts.py GUARDIAN). Every other command line goes, unchanged,
+ * to the Python CLI (`python -m krex.cli.lean ARGV`), which keeps all messages and exit
+ * statuses: help, other commands, -v, --no-daemon, an option or value it does not know, a
+ * --report path Python would refuse, a command it cannot resolve, a socket it does not
+ * trust. So does a run where Python must act first: no daemon answering (Python starts
+ * one), a file naming __cudaRegisterFatBinary (Python's ELF check warns about static
+ * cudart), a KREX_COPY_CHUNK_BYTES the shim will not take (Python warns). Python then
+ * execs this program again with KREX_GUARDIAN_PREPARED (krex.proc.launcher.exec_guardian),
+ * and this run goes back to Python no more. All of it is decided before the command holds
+ * a slot; an admit krexd refuses is said here, in the words Python's client would raise.
+ * Where it cannot put the command into its slot itself (the signal freezer, a slot cgroup
+ * it may not write or cannot see), the child waits before exec while krexd moves it.
  *
  * Three files, one program: this one (the command line, the run), guardian_wire.c (krexd's
  * socket and segment, the reply frames), guardian_proc.c (the command's environment, the
@@ -24,7 +26,7 @@
  * The one case that goes back to Python after admission: krexd went away while the
  * command ran (no release reply, so no notes): once the command has ended, this
  * process execs `python -m krex.proc.finish`, which journals a region the loss cut
- * and prints the notes from the journal, as the Python guardian does.
+ * and prints the notes from the journal.
  *
  * Single-threaded: one poll() on a signalfd (SIGCHLD and the forwarded signals) and
  * the admission connection (POLLRDHUP: krexd died), with a timeout to check krexd's
@@ -43,6 +45,24 @@ int g_chld_ign;      /* SIGCHLD was ignored by our caller: the command gets that
  * it directly and stop or interrupt the whole job, and its reads are a foreground job's.
  * Elsewhere it gets a group of its own, and signals go to that whole group. */
 int g_shared_group;
+/* Started by Python's `krex run` (krex.proc.launcher.run_command) after what only it does
+ * (start krexd, the static-cudart and chunk warnings): KREX_GUARDIAN_PREPARED holds its Python,
+ * its krex/_lib and the report's extra members (a JSON object), one a line. Then nothing goes
+ * back to Python before the command's end: what would, is an error here. */
+int g_prepared;
+const char *g_python;         /* that Python (the finisher's, KREX_DAEMON_CMD's) */
+const char *g_prepared_lib;   /* its krex/_lib */
+static const char *g_extra;   /* members for the report, as a JSON object's text */
+/* KREX_RUN_TRACE: CLOCK_MONOTONIC stamps of the steps, written to stderr at the end. */
+static struct {
+    const char *step;
+    uint64_t ns;
+} g_trace[16];
+static int g_traced, g_tracing;
+
+static void mark(const char *step) {
+    if (g_tracing && g_traced < 16) g_trace[g_traced].step = step, g_trace[g_traced++].ns = now_ns();
+}
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -123,13 +143,13 @@ static void exec_python(const char *module, char *const *args) {
     av[2] = PY_BOOT;
     av[3] = (char *)module;
     memcpy(av + 4, args, (size_t)n * sizeof *av);
-    const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
+    const char *py = g_entry ? g_entry : g_python ? g_python : getenv("KREX_PYTHON");
     if (py && *py) {
         av[0] = (char *)py;
         if (strchr(py, '/')) execv(py, av);
         else execvp(py, av); /* a bare name, as subprocess would find it */
         say("krex: error: cannot run %s=%s: %s\n  fix: point it at the Python that has krex installed",
-            g_entry ? "--entry" : "KREX_PYTHON", py, strerror(errno));
+            g_entry ? "--entry" : g_python ? "the Python of `krex run`" : "KREX_PYTHON", py, strerror(errno));
         _exit(EXIT_KREX);
     }
     static char self[PATH_MAX], cand[PATH_MAX + 16];
@@ -157,20 +177,37 @@ static void exec_python(const char *module, char *const *args) {
 /* Hand the whole command line to the Python CLI (the door the console script used), or,
  * spawned by krex.runner, to the library's entry: a library process never reaches the CLI. */
 static void fallback(void) {
+    if (g_prepared) { /* Python has done its part: going back would only loop */
+        say("krex: error: the native guardian could not run the command Python prepared\n"
+            "  fix: run it again (krexd may have gone away meanwhile)");
+        _exit(EXIT_KREX);
+    }
     if (g_entry) exec_python("krex.proc.launcher", g_argv + 3);
     exec_python("krex.cli.lean", g_argv + 1);
 }
 
 /* ------------------------------------------------------------------ the command line */
 
+#include "krex_runopts.h" /* KREX_RUNOPTS: generated from krex/proc/runopts.py at build */
+
+/* One member per option of runopts.GUARDIAN (an option added there without one here fails to
+ * build): a value option's text, or NULL (device NULL: "auto"; gpu digits; freeze NULL: the
+ * daemon's policy; tenant NULL: krexd names it after the user), a flag's 1. */
 struct opts {
-    const char *device; /* NULL: "auto" */
-    const char *gpu;    /* digits, or NULL */
-    const char *freeze; /* NULL: the daemon's policy */
-    const char *tenant; /* NULL: krexd names it after the user */
-    const char *report; /* --report FILE, or NULL */
-    int keep_leftovers;
+#define KREX_OPT_FIELD(dest, flag, takes_value) const char *dest;
+    KREX_RUNOPTS(KREX_OPT_FIELD)
+#undef KREX_OPT_FIELD
     char **cmd;
+};
+
+static const struct {
+    const char *flag;
+    int takes_value;
+    size_t at; /* offsetof(struct opts, dest) */
+} k_opts[] = {
+#define KREX_OPT_ROW(dest, flag, takes_value) {flag, takes_value, offsetof(struct opts, dest)},
+    KREX_RUNOPTS(KREX_OPT_ROW)
+#undef KREX_OPT_ROW
 };
 
 
@@ -226,17 +263,19 @@ static int parse(char **argv, struct opts *o) {
         }
         if (a[0] != '-' || !strcmp(a, "-")) break;
         if (g_entry && strchr(a, '=')) return 0; /* the entry takes no --flag=value */
-        if ((v = opt_value(argv, &i, "--device"))) o->device = v;
-        else if ((v = opt_value(argv, &i, "--gpu"))) o->gpu = v;
-        else if ((v = opt_value(argv, &i, "--freeze"))) o->freeze = v;
-        else if ((v = opt_value(argv, &i, "--tenant"))) o->tenant = v;
-        else if ((v = opt_value(argv, &i, "--report"))) o->report = v;
-        else if (!strcmp(a, "--keep-leftovers")) o->keep_leftovers = 1;
-        else return 0; /* --no-daemon, the daemon's settings, -h, an unknown option: Python */
+        size_t k = 0;
+        for (; k < sizeof k_opts / sizeof *k_opts; k++) {
+            const char **slot = (const char **)((char *)o + k_opts[k].at);
+            if (!k_opts[k].takes_value && !strcmp(a, k_opts[k].flag)) *slot = "1";
+            else if (!k_opts[k].takes_value || !(v = opt_value(argv, &i, k_opts[k].flag))) continue;
+            else *slot = v;
+            break;
+        }
+        if (k == sizeof k_opts / sizeof *k_opts) return 0; /* --no-daemon, the daemon's settings, -h, unknown: Python */
     }
     if (!argv[i] || !argv[i][0] || (g_entry && !ended)) return 0;
     if (o->device && !*o->device) return 0; /* click refuses an empty choice: its message */
-    if (o->report && !report_path_ok(o->report)) return 0; /* Python says what is wrong with it */
+    if (o->report && !g_prepared && !report_path_ok(o->report)) return 0; /* Python says what is wrong with it */
     if (o->gpu) { /* click takes only an integer; a huge one is krexd's "unknown GPU" */
         size_t n = strlen(o->gpu);
         if (n == 0 || n > 9 || strspn(o->gpu, "0123456789") != n) return 0;
@@ -264,8 +303,6 @@ static int utf8_ok(const unsigned char *p) {
 
 /* The environment that makes Python handle a run (its output needs Python). */
 static int env_needs_python(void) {
-    const char *t = getenv("KREX_RUN_TRACE"), *a = getenv("KREX_AUTO_REGION");
-    if (t && *t) return 1; /* the step stamps (launcher.TRACE) */
     /* A chunk size the shim will not take as given: Python warns (launcher.chunk_setting_note,
      * krex_chunk_bytes's rule). Only "0" or digits at or above the minimum stay here. */
     const char *ck = getenv("KREX_COPY_CHUNK_BYTES");
@@ -275,9 +312,31 @@ static int env_needs_python(void) {
         unsigned long long v = strtoull(ck, &end, 10);
         if (*ck < '0' || *ck > '9' || errno || *end || (v && v < KREX_COPY_CHUNK_MIN_BYTES)) return 1;
     }
-    /* A value krexd could not take as it is (Python escapes what is not UTF-8), or one so
-     * long that its notes and report, escaped twice, could outgrow a reply frame. */
-    return a && (strlen(a) > 4096 || !utf8_ok((const unsigned char *)a));
+    return 0;
+}
+
+/* KREX_AUTO_REGION as krexd can take it: UTF-8 (a byte that is not: U+FFFD) of at most 4 KiB
+ * (its notes and report, escaped twice, must fit a reply frame). */
+static char *auto_value_for_krexd(const char *v) {
+    struct buf b = {0};
+    buf_str(&b, "");
+    for (const unsigned char *p = (const unsigned char *)v; *p && b.n < 4096;) {
+        char one[5] = {0};
+        size_t n = 1;
+        for (; n <= 4 && p[n - 1]; n++) {
+            memcpy(one, p, n);
+            one[n] = 0;
+            if (utf8_ok((const unsigned char *)one)) break;
+        }
+        if (n > 4 || !p[n - 1]) {
+            buf_str(&b, "\xef\xbf\xbd");
+            p++;
+        } else {
+            buf_add(&b, one, n);
+            p += n;
+        }
+    }
+    return b.p;
 }
 
 /* ------------------------------------------------------------------ the command */
@@ -355,6 +414,16 @@ static int write_report(const char *path, const char *body, int status, const ch
         buf_str(&b, ", \"fix\": ");
         buf_json_str(&b, err_fix);
         buf_str(&b, "}");
+    }
+    /* The caller's own members (krex.runner's daemon_started), after ours as Python's {**data, **extra}. */
+    const char *x0 = g_extra ? strchr(g_extra, '{') : NULL, *x1 = g_extra ? strrchr(g_extra, '}') : NULL;
+    if (x0 && x1 && x1 > x0) {
+        const char *m = x0 + 1;
+        while (m < x1 && strchr(" \t\r\n", *m)) m++;
+        if (m < x1) {
+            buf_str(&b, ",\n  ");
+            buf_add(&b, m, (size_t)(x1 - m));
+        }
     }
     buf_str(&b, "\n}\n");
     FILE *f = fopen(path, "w");
@@ -446,9 +515,25 @@ static void fallback_unblocked(void) {
     fallback();
 }
 
+/* krexd refused the admission (nothing is held): its error, fix and kind as Python's client
+ * raises them (krex/proc/client.py _KINDS; another kind is a KrexError), printed as `krex run`
+ * prints a KREX error and written to the report; 125 (errors.run_exit_code). */
+static int refused(const struct opts *o, const struct jv *r) {
+    static const char *kinds[] = {"UsageError", "NotFound", "Busy", "Timeout", "PermissionDenied", "DaemonLost"};
+    const char *msg = jstr(r, "error"), *fix = jstr(r, "fix"), *kind = jstr(r, "kind"), *k = "KrexError";
+    for (size_t i = 0; kind && i < sizeof kinds / sizeof *kinds; i++)
+        if (!strcmp(kind, kinds[i])) k = kinds[i];
+    if (!msg) msg = "request failed";
+    say("krex: error: %s", msg);
+    if (fix && *fix) say("  fix: %s", fix);
+    if (o->report) write_report(o->report, NULL, EXIT_KREX, k, msg, fix ? fix : "");
+    return EXIT_KREX;
+}
+
 static int run(struct opts *o) {
     char *exe = resolve(o->cmd[0]);
-    if (!exe || mentions_cudart(exe)) fallback();
+    if (!exe || (!g_prepared && mentions_cudart(exe))) fallback();
+    mark("resolved");
     /* Python keeps an ignored SIGINT ignored (a background job): so do we. */
     struct sigaction old_int, on_int = {.sa_handler = on_sigint_waiting};
     sigemptyset(&on_int.sa_mask);
@@ -457,6 +542,7 @@ static int run(struct opts *o) {
     struct conn c;
     memset(&c, 0, sizeof c);
     if (!own_install() || daemon_connect(&c)) fallback();
+    mark("connected");
 
     struct buf req = {0};
     buf_str(&req, "{\"guardian\":\"native\",\"gpu\":");
@@ -472,10 +558,11 @@ static int run(struct opts *o) {
     }
     /* krexd keeps it (stripped, as Python's str.strip) for the release's notes and report. */
     const char *av = getenv("KREX_AUTO_REGION");
-    if (av && !*av) av = NULL;
-    if (av) {
+    if (av && *av) {
+        char *sent = auto_value_for_krexd(av);
         buf_str(&req, ",\"auto_value\":");
-        buf_json_str(&req, av);
+        buf_json_str(&req, sent);
+        free(sent);
     }
     buf_str(&req, "}");
     char why[512] = "";
@@ -490,18 +577,24 @@ static int run(struct opts *o) {
     for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaddset(&fwd, sigs[i]);
     sigprocmask(SIG_BLOCK, &fwd, &g_oldmask);
     if (int_set) sigaction(SIGINT, &old_int, NULL);
-    if (rc) { /* refused (nothing claimed) or no answer: Python redoes it and says why */
+    if (rc == 1) { /* refused, nothing claimed: krexd's words, as Python's client raises them */
+        close(c.fd);
+        sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
+        return refused(o, adm);
+    }
+    if (rc && g_prepared) { /* no answer, and Python has just found krexd: client.py's words */
+        const char *cut = strstr(why, "closed the connection");
+        say("krex: error: %s\n  fix: %s", why,
+            cut ? "check `krex daemon status`"
+                : "`kill -CONT` krexd if it was stopped; else `krex daemon stop` (a new one starts on demand)");
+        if (o->report) write_report(o->report, NULL, EXIT_KREX, cut ? "DaemonLost" : "Timeout", why, "");
+        return EXIT_KREX;
+    }
+    if (rc) { /* no answer: Python starts a krexd if none is left */
         close(c.fd);
         fallback_unblocked();
     }
-    const struct jv *ack = jget(adm, "auto_value");
-    if (av && !(ack && ack->t == J_BOOL && ack->b)) { /* a krexd from before auto_value: */
-        struct jv *r = NULL; /* give the slot back (no command has run) and let Python do it */
-        ask(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3}, &r, why, sizeof why);
-        jfree(r);
-        close(c.fd);
-        fallback_unblocked();
-    }
+    mark("admitted");
     /* Admitted: from here on every way out releases the slot. */
     struct admission a;
     struct buf rel = {0};
@@ -530,6 +623,8 @@ static int run(struct opts *o) {
         buf_json_str(&base, dev ? dev : "gpu");
         buf_str(&base, sim ? ", \"simulated\": true, \"shm\": " : ", \"simulated\": false, \"shm\": ");
         buf_json_str(&base, a.shm);
+        buf_str(&base, ", \"report_extra\": "); /* the caller's members (Python's, already JSON) */
+        buf_str(&base, g_extra && g_extra[0] == '{' ? g_extra : "{}");
     }
     /* After a failed release the slot's records may be gone or another command's. */
     struct buf base_released = {0};
@@ -567,12 +662,14 @@ static int run(struct opts *o) {
     clock_gettime(CLOCK_REALTIME, &t0);
     why[0] = 0;
     struct join_ask ja = {&c, why, sizeof why};
+    mark("env");
     pid_t pid = sfd < 0 ? -1 : spawn(&l, a.freezer, &err, join_started, &ja);
     int status;
     struct lost lo = {0};
     if (pid < 0) {
         status = err == -1 ? EXIT_KREX : err == ENOENT ? 127 : 126;
     } else if (l.daemon_join) { /* krexd has it since the join */
+        mark("spawned");
         int ws = wait_command(&a, &c, pid, sfd, &lo);
         status = ws == -1 ? EXIT_KREX : WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         if (ws == -1) say("krex: error: the command's exit status was lost (another process reaped it)");
@@ -584,7 +681,9 @@ static int run(struct opts *o) {
         buf_str(&st, num);
         buf_str(&st, "}");
         struct jv *r = NULL;
+        mark("spawned");
         int k = ask(&c, KREX_OP_STARTED, &st, &r, why, sizeof why);
+        mark("started");
         if (k == 1) snprintf(why, sizeof why, "%s", jstr(r, "error") ? jstr(r, "error") : "refused");
         if (k == -1 && !why[0]) snprintf(why, sizeof why, "the connection to krexd failed (%s)", strerror(errno));
         if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
@@ -597,6 +696,7 @@ static int run(struct opts *o) {
             status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         }
     }
+    mark("exited");
     /* The command has ended: nothing is left to forward to, and the guardian must stay
      * killable while it releases and writes the report (a --report FIFO nobody reads blocks
      * its open). Signals still pending were the command's: dropped, then the mask goes back. */
@@ -627,10 +727,11 @@ static int run(struct opts *o) {
     struct timespec t_rel;
     clock_gettime(CLOCK_REALTIME, &t_rel);
     int k = ask(&c, KREX_OP_RELEASE, &rel, &r, why, sizeof why);
-    if (k != 0 && pid >= 0) { /* no release reply (as the Python guardian): the journal has the rest */
+    mark("released");
+    if (k != 0 && pid >= 0) { /* no release reply: the journal has the rest */
         drop_empty(auto_dir, auto_full);
         lo.happened = 1;
-        /* An error reply is krexd's answer, not its loss (the Python guardian notes no event). */
+        /* An error reply is krexd's answer, not its loss: no daemon event. */
         lo.why = k == 1 ? "" : "krexd did not answer the release";
         lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
         finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base_released.p,
@@ -669,6 +770,21 @@ static int run(struct opts *o) {
     return status;
 }
 
+/* Read KREX_GUARDIAN_PREPARED (PYTHON, LIB_DIR, EXTRA: one a line) and take it out of the
+ * environment the command inherits. */
+static void prepared(void) {
+    const char *v = getenv("KREX_GUARDIAN_PREPARED");
+    if (!v) return;
+    char *copy = strdup(v), *lib = copy ? strchr(copy, '\n') : NULL, *extra = lib ? strchr(lib + 1, '\n') : NULL;
+    unsetenv("KREX_GUARDIAN_PREPARED");
+    if (!extra) return; /* not Python's: as if not set */
+    *lib++ = 0, *extra++ = 0;
+    g_prepared = 1;
+    g_python = copy[0] == '/' ? copy : NULL;
+    g_prepared_lib = lib[0] == '/' ? lib : NULL;
+    g_extra = extra;
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     g_argv = argv;
@@ -694,9 +810,18 @@ int main(int argc, char **argv) {
         }
         g_entry = argv[2];
     }
+    prepared();
+    const char *t = getenv("KREX_RUN_TRACE");
+    g_tracing = t && *t;
+    mark("main");
     struct opts o;
-    /* KREX_NATIVE_OFF: the Python guardian throughout (tests compare the two). */
-    const char *off = getenv("KREX_NATIVE_OFF");
-    if ((off && *off && strcmp(off, "0")) || !parse(argv, &o) || env_needs_python()) fallback();
-    return run(&o);
+    if (!parse(argv, &o) || (!g_prepared && env_needs_python())) fallback();
+    int status = run(&o);
+    mark("exit");
+    if (g_tracing) {
+        fprintf(stderr, "krex-trace");
+        for (int i = 0; i < g_traced; i++) fprintf(stderr, " %s=%llu", g_trace[i].step, (unsigned long long)g_trace[i].ns);
+        fprintf(stderr, "\n");
+    }
+    return status;
 }

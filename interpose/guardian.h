@@ -14,6 +14,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +44,8 @@ extern int g_quiet;
 extern sigset_t g_oldmask;
 extern int g_chld_ign;
 extern int g_shared_group;
+extern int g_prepared;
+extern const char *g_python, *g_prepared_lib;
 
 /* A growable string (JSON requests, environment entries). */
 struct buf {

@@ -8,7 +8,7 @@
 /* What this guardian gives a command to load comes from its own installation, whatever
  * krexd answers (krex_env.h): the shim, the hook directory and the simulated GPU of the
  * krex/_lib directory this executable belongs to, and KREX_DAEMON_CMD only with a Python
- * of its own directory (krex/node/optin.py own_env is the Python guardian's copy). */
+ * of its own directory (krex/node/optin.py own_env reads the same rule in Python). */
 static struct {
     char lib[PATH_MAX];     /* krex/_lib */
     char shim[PATH_MAX];    /* krex/_lib/libkrex_interpose.so */
@@ -40,7 +40,8 @@ static void dir_of(const char *path, char *out, size_t n) {
 
 /* The krex/_lib this executable belongs to: its own directory (krex/_lib/krex), the
  * site-packages beside the bin/ it was installed into, or the tree it was built in (an
- * editable install's bin/krex). 0 when none is found: Python's guardian runs instead. */
+ * editable install's bin/krex), or the one Python's `krex run` names (prepared). 0 when none
+ * is found: Python's door prepares the run and names its own. */
 int own_install(void) {
     char exe[PATH_MAX], exedir[PATH_MAX], found[PATH_MAX] = "";
     ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -59,6 +60,10 @@ int own_install(void) {
                 if (lib_dir_ok(g.gl_pathv[k])) snprintf(found, sizeof found, "%s", g.gl_pathv[k]);
         globfree(&g);
     }
+    /* Python's `krex run` names the krex/_lib whose code it runs itself (a prepared run). */
+    char shim[PATH_MAX + 32];
+    snprintf(shim, sizeof shim, "%s/libkrex_interpose.so", g_prepared_lib ? g_prepared_lib : "");
+    if (!found[0] && g_prepared_lib && access(shim, R_OK) == 0) snprintf(found, sizeof found, "%s", g_prepared_lib);
 #ifdef KREX_BUILT_LIB_DIR
     if (!found[0] && lib_dir_ok(KREX_BUILT_LIB_DIR)) snprintf(found, sizeof found, "%s", KREX_BUILT_LIB_DIR);
 #endif
@@ -68,7 +73,7 @@ int own_install(void) {
     snprintf(hook, sizeof hook, "%s/../proc/_hook", g_own.lib);
     if (!realpath(hook, g_own.hook)) return 0;
     snprintf(g_own.pydir[0], PATH_MAX, "%s", exedir);
-    const char *py = g_entry ? g_entry : getenv("KREX_PYTHON");
+    const char *py = g_entry ? g_entry : g_python ? g_python : getenv("KREX_PYTHON");
     if (py && py[0] == '/') dir_of(py, g_own.pydir[1], PATH_MAX);
     return 1;
 }
@@ -209,7 +214,7 @@ int dir_has_entries(const char *d) {
 }
 
 /* Empty `dirfd` (closed here) recursively without following links (shutil.rmtree's
- * job in the Python guardian); depth-bounded: a command may nest directories in it. */
+ * job in Python); depth-bounded: a command may nest directories in it. */
 static void empty_dir(int dirfd, int depth) {
     DIR *dir = dirfd >= 0 ? fdopendir(dirfd) : NULL;
     if (!dir) {

@@ -83,6 +83,13 @@ def _peer_closed(conn: socket.socket) -> bool:
         return True
 
 
+def run_kind(asked: str, daemon_kind: str) -> str:
+    """The kind a command opts into, from its `--device` and the daemon's device alone (no
+    discovery): `sim`, or `auto` on a simulated daemon, is "sim"; else "gpu" (`--device gpu`
+    on a simulated daemon only where a real GPU exists: Admission._check_native)."""
+    return "sim" if asked == "sim" or (asked == "auto" and daemon_kind == "sim") else "gpu"
+
+
 class Admission(Regions):
     """The Daemon's guardian requests."""
 
@@ -172,7 +179,7 @@ class Admission(Regions):
         """`--device gpu` on a simulated daemon runs only where this node has a real GPU: the
         native guardian (interpose/guardian.c) does no GPU discovery, so krexd, on the same
         node, does it before any slot is taken (krex.device.gpus.discover raises NotFound,
-        the words the Python guardian's own discovery gives)."""
+        the words `krex run`'s own discovery gives where no daemon answers)."""
         del owned
         if asked == "gpu" and self.info.kind == "sim":
             from krex.device.gpus import discover
@@ -181,9 +188,9 @@ class Admission(Regions):
 
     def _command_env(self, s: Slot, gpu: int, asked: str) -> tuple[dict[str, str], dict[str, list[str]]]:
         """The variables a guardian gives its command (optin.opt_in_parts plus the slot's):
-        both guardians apply exactly these. A simulated daemon under `--device gpu` opts in
-        as "gpu" (that guardian first checks that a real GPU exists)."""
-        kind = "sim" if asked == "sim" or (asked == "auto" and self.info.kind == "sim") else "gpu"
+        the guardian applies exactly these. A simulated daemon under `--device gpu` opts in
+        as "gpu" (_check_native first checks that a real GPU exists)."""
+        kind = run_kind(asked, self.info.kind)
         base = self._opt_in.get(kind)
         if base is None:  # the same for every command of this daemon: made once per kind
             base = self._opt_in[kind] = optin.opt_in_parts(
