@@ -39,7 +39,7 @@ INTERPOSE = ROOT / "interpose"
 CORE_SOURCES = ("krex_core.c", "seg_guard.c")
 # libkrex_interpose.so: the shim's parts (interpose/shim.h says what each holds) and the core.
 SHIM_SOURCES = (
-    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "nvtx_env.c", *CORE_SOURCES
+    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "wire.c", "nvtx_env.c", *CORE_SOURCES
 )
 # The build directory never lands in what is built (debug info, __FILE__): two builds of the
 # same sources from different directories give the same bytes.
@@ -359,7 +359,7 @@ def build_native(outdir: str | os.PathLike[str], strip: bool = False) -> list[Pa
 
 
 # The native `krex` (guardian.h holds what its files share).
-GUARDIAN_SOURCES = ("guardian.c", "guardian_wire.c", "guardian_proc.c")
+GUARDIAN_SOURCES = ("guardian.c", "guardian_wire.c", "guardian_proc.c", "wire.c")  # wire.c: the shim's too
 RUNOPTS = ROOT / "krex" / "proc" / "runopts.py"
 
 
@@ -393,7 +393,8 @@ def runopts_header() -> str:
 
 def build_guardian(out: str | os.PathLike[str], strip: bool = False, lib_dir: Path | None = None) -> Path:
     """The native `krex` command (interpose/guardian.c: `krex run` without Python, and a
-    hand-over to the Python CLI for everything else): GUARDIAN_SOURCES, libc only.
+    hand-over to the Python CLI for everything else): GUARDIAN_SOURCES, libc only (wire.c,
+    the frames of krexd's socket, is the shim's too).
 
     lib_dir names the krex/_lib it serves when no site-packages holds one: an editable
     install's bin/krex and `make native` (guardian.c own_install). A wheel's guardian finds

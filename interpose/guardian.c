@@ -17,8 +17,9 @@
  * it may not write or cannot see), the child waits before exec while krexd moves it.
  *
  * Three files, one program: this one (the command line, the run), guardian_wire.c (krexd's
- * socket and segment, the reply frames), guardian_proc.c (the command's environment, the
- * child, the watch); guardian.h holds what they share.
+ * socket and segment, the reply frames, read through wire.c, the shim's framing code too),
+ * guardian_proc.c (the command's environment, the child, the watch); guardian.h holds what
+ * they share.
  *
  * What to give the command and what to print come from krexd (one Python function
  * each, krex/node/optin.py): the admit reply's env_set/env_prepend/notes, the

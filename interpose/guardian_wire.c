@@ -3,6 +3,7 @@
  * and reply frames (krex_abi.h) and the admission they carry. */
 #define _GNU_SOURCE
 #include "guardian.h"
+#include "wire.h"
 /* ------------------------------------------------------------------ JSON (replies only)
  * krexd's replies are one JSON object (krex/protocol.py). A strict reader: a tree of
  * values; anything malformed is an error. Strings are decoded (escapes, \u to UTF-8);
@@ -434,99 +435,86 @@ int daemon_connect(struct conn *c) {
     return 0;
 }
 
-static int send_all(int fd, const void *p, size_t n) {
-    const char *s = p;
-    while (n) {
-        ssize_t w = send(fd, s, n, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return -1;
-        s += w;
-        n -= (size_t)w;
+/* One request: header (op, no fixed body) and its JSON object (krex/protocol.py). */
+int send_request(struct conn *c, enum krex_op op, const struct buf *json) {
+    return krex_wire_send(c->fd, op, NULL, 0, json->p, (uint32_t)json->n) ? -1 : 0;
+}
+
+/* A wait for krexd's bytes: given up when krexd is gone, hung or stopped (daemon_stuck), or
+ * past `end` (0: never; admission may queue). `why` says which. */
+struct wait {
+    struct conn *c;
+    uint64_t end;
+    char *why;
+    size_t why_n;
+    void (*on_event)(const struct jv *);
+};
+
+static int stuck(void *arg) {
+    struct wait *w = arg;
+    if (daemon_stuck(w->c, w->why, w->why_n)) return 1;
+    if (w->end && now_ns() > w->end) {
+        snprintf(w->why, w->why_n, "the KREX daemon (pid %d) did not answer within %d s", (int)w->c->daemon_pid,
+                 KREX_REPLY_TIMEOUT_MS / 1000);
+        return 1;
     }
     return 0;
 }
 
-/* One request: header (op, no fixed body) and its JSON object (krex/protocol.py). */
-int send_request(struct conn *c, enum krex_op op, const struct buf *json) {
-    struct krex_msg_hdr h;
-    memset(&h, 0, sizeof h);
-    h.magic = KREX_WIRE_MAGIC;
-    h.op = (uint16_t)op;
-    h.json_len = (uint32_t)json->n;
-    return send_all(c->fd, &h, sizeof h) || send_all(c->fd, json->p, json->n) ? -1 : 0;
+/* Exactly n bytes (wire.c), or -1 with `why` set. */
+static int recv_bytes(struct wait *w, void *buf, size_t n) {
+    int rc = krex_wire_recv(w->c->fd, buf, n, stuck, w);
+    if (rc && rc != -ETIMEDOUT)
+        snprintf(w->why, w->why_n, "the KREX daemon (pid %d) closed the connection", (int)w->c->daemon_pid);
+    return rc ? -1 : 0;
 }
 
-/* Read n bytes; waits while krexd beats. `cap_ns`: give up after this long (0: never).
- * 0, or -1 with `why` set. */
-static int recv_full(struct conn *c, void *buf, size_t n, uint64_t cap_ns, char *why, size_t why_n) {
-    uint64_t t0 = now_ns();
-    size_t got = 0;
-    while (got < n) {
-        struct pollfd pf = {c->fd, POLLIN, 0};
-        int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
-        if (r < 0 && errno == EINTR) {
-            snprintf(why, why_n, "interrupted");
-            return -1;
-        }
-        if (r == 0) {
-            if (daemon_stuck(c, why, why_n)) return -1;
-            if (cap_ns && now_ns() - t0 > cap_ns) {
-                snprintf(why, why_n, "the KREX daemon (pid %d) did not answer within %d s", (int)c->daemon_pid,
-                         KREX_REPLY_TIMEOUT_MS / 1000);
-                return -1;
-            }
-            continue;
-        }
-        ssize_t k = recv(c->fd, (char *)buf + got, n - got, 0);
-        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (k <= 0) {
-            snprintf(why, why_n, "the KREX daemon (pid %d) closed the connection", (int)c->daemon_pid);
-            return -1;
-        }
-        got += (size_t)k;
+/* The JSON object after a header (none: an empty object), or NULL with `why` set. */
+static struct jv *recv_object(struct wait *w, const struct krex_msg_hdr *h) {
+    char *js = malloc((size_t)h->json_len + 1);
+    if (!js || recv_bytes(w, js, h->json_len)) {
+        free(js);
+        return NULL;
     }
+    struct jv *v = h->json_len ? jparse_object(js, h->json_len) : calloc(1, sizeof *v);
+    free(js);
+    if (!v) snprintf(w->why, w->why_n, "krexd's reply is not a JSON object");
+    else if (!h->json_len) v->t = J_OBJ;
+    return v;
+}
+
+static int on_event_frame(int fd, const struct krex_msg_hdr *h, void *arg) {
+    struct wait *w = arg;
+    (void)fd;
+    if (h->body_len) return -EPROTO;
+    struct jv *v = recv_object(w, h);
+    if (!v) return -EIO;
+    if (w->on_event) w->on_event(v);
+    jfree(v);
     return 0;
 }
 
 /* The reply to `op`: its JSON object (events go to on_event). Returns 0 (ok reply), 1 (an
- * error reply: `err` holds its object) or -1 (no usable reply: `why`). */
+ * error reply: `out` holds its object) or -1 (no usable reply: `why`). `cap_ns` bounds the
+ * whole exchange: events do not restart it (a krexd that sends events forever would hold
+ * us for ever); 0: no bound (admission may queue). */
 int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out, char *why, size_t why_n,
-                      void (*on_event)(const struct jv *)) {
-    /* cap_ns bounds the whole exchange: events must not restart it (a krexd that sends
-     * events forever would hold us for ever). 0: no bound (admission may queue). */
-    uint64_t end = cap_ns ? now_ns() + cap_ns : 0;
-#define KREX_LEFT() (end ? (end > now_ns() ? end - now_ns() : 1) : 0)
-    for (;;) {
-        struct krex_msg_hdr h;
-        if (recv_full(c, &h, sizeof h, KREX_LEFT(), why, why_n)) return -1;
-        if (h.magic != KREX_WIRE_MAGIC || h.body_len != 0 || h.json_len > KREX_WIRE_MAX ||
-            (h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) ||
-            (h.op != op && h.op != KREX_OP_EVENT && h.op != KREX_OP_NONE)) {
-            snprintf(why, why_n, "krexd's reply is not a frame of this KREX version (op %u, status %u, %u+%u bytes)",
-                     h.op, h.status, h.body_len, h.json_len);
-            return -1;
-        }
-        char *js = malloc((size_t)h.json_len + 1);
-        if (!js || recv_full(c, js, h.json_len, KREX_LEFT(), why, why_n)) {
-            free(js);
-            return -1;
-        }
-        struct jv *v = h.json_len ? jparse_object(js, h.json_len) : calloc(1, sizeof *v);
-        free(js);
-        if (!v) {
-            snprintf(why, why_n, "krexd's reply is not a JSON object");
-            return -1;
-        }
-        if (!h.json_len) v->t = J_OBJ;
-        if (h.op == KREX_OP_EVENT) {
-            if (on_event) on_event(v);
-            jfree(v);
-            continue;
-        }
-        *out = v;
-        return h.status == KREX_ST_OK && h.op == op ? 0 : 1;
+               void (*on_event)(const struct jv *)) {
+    struct wait w = {c, cap_ns ? now_ns() + cap_ns : 0, why, why_n, on_event};
+    struct krex_msg_hdr h;
+    memset(&h, 0, sizeof h);
+    int rc = krex_wire_header(c->fd, &h, stuck, &w, on_event_frame);
+    if (rc == -EPIPE || (rc && rc != -EPROTO && rc != -ETIMEDOUT && !why[0]))
+        snprintf(why, why_n, "the KREX daemon (pid %d) closed the connection", (int)c->daemon_pid);
+    if (rc == -EPROTO || (!rc && (h.body_len != 0 || (h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) ||
+                                  (h.op != op && h.op != KREX_OP_NONE)))) {
+        snprintf(why, why_n, "krexd's reply is not a frame of this KREX version (op %u, status %u, %u+%u bytes)",
+                 h.op, h.status, h.body_len, h.json_len);
+        return -1;
     }
-#undef KREX_LEFT
+    if (rc) return -1;
+    if (!(*out = recv_object(&w, &h))) return -1;
+    return h.status == KREX_ST_OK && h.op == op ? 0 : 1;
 }
 
 /* ------------------------------------------------------------------ admission */
