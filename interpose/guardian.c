@@ -416,6 +416,11 @@ static int write_report(const char *path, const char *body, int status, const ch
         buf_json_str(&b, err_fix);
         buf_str(&b, "}");
     }
+    if (g_events.n) { /* krexd stalled (and resumed) while the command ran */
+        buf_str(&b, ",\n  \"daemon_events\": [");
+        buf_str(&b, g_events.p);
+        buf_str(&b, "]");
+    }
     /* The caller's own members (krex.runner's daemon_started), after ours as Python's {**data, **extra}. */
     const char *x0 = g_extra ? strchr(g_extra, '{') : NULL, *x1 = g_extra ? strrchr(g_extra, '}') : NULL;
     if (x0 && x1 && x1 > x0) {

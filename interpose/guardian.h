@@ -70,6 +70,8 @@ struct conn {
     const struct krex_shm *seg; /* for its heartbeat; NULL if it cannot be mapped */
     char seg_name[128];
     uint64_t stopped_since;     /* when krexd was first seen stopped (state T), 0: not */
+    int owed_op, owed;          /* replies to a request we stopped waiting for (krexd stopped):
+                                 * they may still come, before the next one's */
 };
 
 /* The admit reply this guardian needs; -1 when it is malformed. */
@@ -97,6 +99,8 @@ struct lost { /* what the Python finisher needs to journal a region the loss cut
     double region_s, ts;
     const char *why;
 };
+
+extern struct buf g_events; /* daemon_events for the report (guardian_proc.c) */
 
 uint64_t now_ns(void);
 void say(const char *fmt, ...);

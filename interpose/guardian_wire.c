@@ -503,7 +503,18 @@ int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out
     struct wait w = {c, cap_ns ? now_ns() + cap_ns : 0, why, why_n, on_event};
     struct krex_msg_hdr h;
     memset(&h, 0, sizeof h);
-    int rc = krex_wire_header(c->fd, &h, stuck, &w, on_event_frame);
+    int rc;
+    for (;;) { /* a late reply to a request given up on (krexd was stopped) is not this one's */
+        rc = krex_wire_header(c->fd, &h, stuck, &w, on_event_frame);
+        if (rc || !c->owed || h.op != c->owed_op || h.op == op) break;
+        c->owed--;
+        if ((rc = krex_wire_recv(c->fd, NULL, (size_t)h.body_len + h.json_len, stuck, &w))) break;
+    }
+    if (rc == -ETIMEDOUT) { /* krexd may still answer it: the next reply skips that answer */
+        if (c->owed && c->owed_op != (int)op) c->owed = 0;
+        c->owed_op = (int)op;
+        c->owed++;
+    }
     if (rc == -EPIPE || (rc && rc != -EPROTO && rc != -ETIMEDOUT && !why[0]))
         snprintf(why, why_n, "the KREX daemon (pid %d) closed the connection", (int)c->daemon_pid);
     if (rc == -EPROTO || (!rc && (h.body_len != 0 || (h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) ||

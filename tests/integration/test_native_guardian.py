@@ -1017,3 +1017,30 @@ def test_a_command_krexd_moves_into_its_slot_runs_native(kx: Krex, case: str) ->
     assert p.returncode == 3 and p.stdout.startswith("native\n"), p.stdout + p.stderr
     if case == "unjoinable-cgroup":
         assert f"/{kx.shm.strip('/')}/slot-" in p.stdout, p.stdout
+
+
+def test_a_stall_of_krexd_under_the_command_is_in_the_report(kx: Krex, tmp_path: Path) -> None:
+    """krexd stopped past the heartbeat timeout while the command runs: the guardian thaws
+    the command, says so, and the report's daemon_events has the stall and the resumption.
+    (Stopped before it answered `started`, its late answer must not be taken for the
+    release's: the guardian skips a reply it stopped waiting for.)"""
+    d = kx.start_daemon()
+    rep = tmp_path / "r.json"
+    p = subprocess.Popen(
+        [*KREX, "run", "--device", "sim", "--report", str(rep), "--", "sleep", "8"],
+        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    kx.popens.append(p)  # type: ignore[arg-type]
+    kx.wait(lambda: kx.status()["slots"] != [], 30, "the command to start")
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.0)  # past KREX_HEARTBEAT_TIMEOUT_NS (2 s)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "stopped beating" in err, err
+    r = json.loads(rep.read_text())
+    events = r["daemon_events"]
+    assert [e["event"] for e in events] == ["daemon-stalled", "daemon-resumed"], (events, err)
+    assert events[0]["heartbeat_age_s"] > 2 and events[1]["ts"] > events[0]["ts"], events
