@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # On the H200, one device call (carry .whl .whl-new): what `krex run` adds with 16
-# commands starting at once, the native guardian against the Python one (KREX_NATIVE_OFF=1,
-# the same install), then one krex-8@gpu cell of the quick corpus to see `sibling-context`
+# commands starting at once (the native guardian), then one krex-8@gpu cell of the quick corpus to see `sibling-context`
 # flag regions that run slow while siblings start or end their GPU contexts (docs/results/lifecycle-calls/).
 # Everything comes back in $OUT. Build the wheel of this tree first, here:
 #   rm -rf .whl-new && python3 -m pip wheel -q --no-deps -w .whl-new .
@@ -12,9 +11,8 @@ PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-i
   .whl-new/krex_gpu-*.whl > "$O/install.log" 2>&1 || { tail -20 "$O/install.log"; exit 1; }
 export PYTHONPATH=/tmp/krexpkg:/tmp/site PYTHONUNBUFFERED=1
 cd /tmp; file /tmp/krexpkg/bin/krex | cut -c1-80
-for g in native python; do
-  off=0; [ $g = python ] && off=1
-  KREX_NATIVE_OFF=$off timeout ${OVH_TIMEOUT:-75} python3 "$REPO/benchmarks/run_overhead.py" --krex-bin /tmp/krexpkg/bin/krex \
+for g in native; do
+  timeout ${OVH_TIMEOUT:-75} python3 "$REPO/benchmarks/run_overhead.py" --krex-bin /tmp/krexpkg/bin/krex \
     --device gpu -n 16 -r ${ROUNDS:-3} --out "$O/overhead-$g" > "$O/overhead-$g.log" 2>&1
   echo "== krex run overhead, $g guardian (rc=$?)"; tail -4 "$O/overhead-$g.log"
 done

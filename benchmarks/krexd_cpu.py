@@ -73,7 +73,7 @@ def main() -> None:
     a = ap.parse_args()
 
     world = Path(tempfile.mkdtemp(prefix="krexd-cpu-"))
-    env = {k: v for k, v in os.environ.items() if (not k.startswith("KREX_") or k == "KREX_NATIVE_OFF")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_")}
     env.pop("LD_PRELOAD", None)
     tag = str(os.getpid())
     env.update(KREX_STATE_DIR=str(world / "state"), KREX_SHM=f"/krexd-cpu-{tag}", KREX_SIM_SHM=f"/krexd-cpusim-{tag}")

@@ -5,10 +5,10 @@
 
 Starts N `krex -q run --device DEVICE -- python -c pass` at once with KREX_RUN_TRACE=1 (the
 guardian writes CLOCK_MONOTONIC stamps of its steps to stderr at exit, see
-krex.proc.launcher.mark), records each one's spawn and reap on the same clock, and prints
-the median and p90 of every step: spawn -> main (interpreter, site, the console script's
-module), main -> imported (the guardian's imports), ... , exit -> reaped (interpreter
-exit). A build without the stamps (before they existed) shows only its total. An isolated
+interpose/guardian.c mark), records each one's spawn and reap on the same clock, and prints
+the median and p90 of every step: spawn -> main (exec), main -> resolved -> connected ->
+admitted -> env -> spawned -> started (the command runs from spawned on) -> exited ->
+released -> exit, exit -> reaped. A build without the stamps shows only its total. An isolated
 daemon as in benchmarks/run_overhead.py (whose helpers this uses)."""
 
 from __future__ import annotations

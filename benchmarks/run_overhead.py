@@ -155,9 +155,7 @@ def main() -> None:
 
     world = Path(tempfile.mkdtemp(prefix="krex-overhead-"))
     tag = f"{os.getpid()}"
-    # KREX_NATIVE_OFF=1 measures the Python guardian of the same install.
-    env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("KREX_") or k == "KREX_NATIVE_OFF") and k not in ("LD_PRELOAD",)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KREX_") and k not in ("LD_PRELOAD",)}
     env.update(KREX_STATE_DIR=str(world / "state"), KREX_SHM=f"/krex-ovh-{tag}", KREX_SIM_SHM=f"/krex-ovhsim-{tag}")
     if args.device == "sim":
         env["KREX_SIM_TRACE"] = str(world / "trace.jsonl")

@@ -10,7 +10,9 @@ anything it does not take plainly (help, --version, another command, an option i
 does not know, a value click would refuse) goes to the click CLI (`krex.cli.main`)
 unchanged, so every message and exit status of those cases stays click's.
 
-The run itself is `krex.proc.launcher.run_command`, shared with the click `run` command."""
+The run itself is `krex.proc.launcher.run_command`, shared with the click `run` command: it
+does what only Python does (start krexd, the static-cudart warning) and execs the native
+guardian for the run."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 from krex.errors import KrexError
@@ -82,7 +83,6 @@ def _say(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> Any:
     """The `krex` console script: `krex run` here, everything else in the click CLI."""
-    t_main = time.monotonic_ns()
     args = list(sys.argv[1:] if argv is None else argv)
     o = parse_run(args)
     if o is None:
@@ -91,13 +91,12 @@ def main(argv: list[str] | None = None) -> Any:
         return click_main(args)
     setup_cli_logging(o["verbose"], o["quiet"])
     notify = (lambda _m: None) if o["quiet"] else _say
-    from krex.proc import launcher
     from krex.proc.launcher import run_command
 
-    if launcher.TRACE is not None:
-        launcher.TRACE.insert(0, ("main", t_main))
     try:
-        status = run_command(o["cmd"], notify=notify, **{opt.dest: o[opt.dest] for opt in runopts.RUN})
+        status = run_command(
+            o["cmd"], notify=notify, quiet=o["quiet"], **{opt.dest: o[opt.dest] for opt in runopts.RUN}
+        )
     except KrexError as e:  # as cli.main.main prints it
         _say(f"krex: error: {e}")
         if e.fix:
@@ -111,12 +110,7 @@ def main(argv: list[str] | None = None) -> Any:
 
 def _exit(code: int) -> None:
     """Exit without the interpreter's teardown (module and thread clean-up costs every
-    command milliseconds): everything the guardian owes is done and flushed by now."""
-    from krex.proc.launcher import TRACE, mark
-
-    if TRACE is not None:
-        mark("exit")
-        sys.stderr.write("krex-trace " + " ".join(f"{k}={t}" for k, t in TRACE) + "\n")
+    command milliseconds): everything the run owes is done and flushed by now."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):

@@ -286,7 +286,7 @@ def run(cmd: tuple[str, ...], **opts: Any) -> None:
     from krex.proc.launcher import run_command
 
     notify = (lambda _m: None) if quiet() else (lambda m: click.echo(m, err=True))
-    sys.exit(run_command(list(cmd), notify=notify, **opts))
+    sys.exit(run_command(list(cmd), notify=notify, quiet=quiet(), **opts))
 
 
 @cli.group()

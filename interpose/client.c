@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "shim_fastpath.h"
+#include "wire.h"
 
 extern char **environ;
 char g_sock_path[108];
@@ -29,7 +30,8 @@ static __thread int t_region_depth;
 static __thread int t_region_fd = -1;     /* the connection that began this thread's region */
 
 /* One frame each way over the daemon's Unix socket, as krex_abi.h defines it (the
- * header, then the op's fixed struct; C never reads the JSON part, it skips it).
+ * header, then the op's fixed struct; C never reads the JSON part, it skips it), sent and
+ * read through wire.c (the guardian's framing code too).
  * The daemon learns who we are from SO_PEERCRED; the message carries only what it
  * cannot know.
  *
@@ -118,73 +120,21 @@ static int conn_open(void) {
     }
 }
 
-static int send_all(int fd, const char *buf, size_t len) {
-    while (len > 0) {
-        ssize_t w = send(fd, buf, len, MSG_NOSIGNAL);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return errno == EAGAIN ? -ETIMEDOUT : -errno;
-        }
-        buf += w;
-        len -= (size_t)w;
-    }
-    return 0;
-}
-
-/* Is krexd dead or hung: its heartbeat older than the timeout? 0 when unknown. */
-static int daemon_stale(void) {
+/* Is krexd dead or hung: its heartbeat older than the timeout? 0 when unknown. As long
+ * as krexd beats, a read waits (a region may queue behind others). */
+static int daemon_stale(void *unused) {
+    (void)unused;
     struct krex_shm *shm = attach_shm();
     if (!shm) return 0;
     return krex_heartbeat_stale(shm, krex_now_ns(), 0);
 }
 
-/* Read exactly n bytes (buf NULL: read and drop them). As long as krexd beats this
- * waits (a region may queue behind others); -ETIMEDOUT once it stops beating,
- * -EPIPE when it closed the connection. */
-static int recv_full(int fd, void *buf, size_t n) {
-    char sink[512];
-    size_t got = 0;
-    while (got < n) {
-        struct pollfd pf = {fd, POLLIN, 0};
-        int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        if (r == 0) {
-            if (daemon_stale()) return -ETIMEDOUT;
-            continue;
-        }
-        size_t want = n - got;
-        if (!buf && want > sizeof sink) want = sizeof sink;
-        ssize_t k = recv(fd, buf ? (char *)buf + got : sink, want, 0);
-        if (k == 0) return -EPIPE;
-        if (k < 0) {
-            if (errno == EINTR || errno == EAGAIN) continue;
-            return -errno;
-        }
-        got += (size_t)k;
-    }
-    return 0;
-}
+static int recv_full(int fd, void *buf, size_t n) { return krex_wire_recv(fd, buf, n, daemon_stale, NULL); }
 
 /* Send one request frame (krex_abi.h: header, the op's fixed body, then `json` as the
  * JSON part when not NULL: a short object this file wrote itself). */
 static int send_msg_json(int fd, enum krex_op op, const void *body, uint32_t len, const char *json) {
-    struct {
-        struct krex_msg_hdr h;
-        char body[64 + 512];
-    } f;
-    size_t jl = json ? strlen(json) : 0;
-    memset(&f.h, 0, sizeof f.h);
-    f.h.magic = KREX_WIRE_MAGIC;
-    f.h.op = (uint16_t)op;
-    f.h.body_len = len;
-    f.h.json_len = (uint32_t)jl;
-    if (len > 64 || jl > sizeof f.body - 64) return -EINVAL;
-    if (len) memcpy(f.body, body, len);
-    if (jl) memcpy(f.body + len, json, jl);
-    return send_all(fd, (const char *)&f, sizeof f.h + len + jl);
+    return krex_wire_send(fd, op, body, len, json, json ? (uint32_t)strlen(json) : 0);
 }
 
 static int send_msg(int fd, enum krex_op op, const void *body, uint32_t len) {
@@ -216,26 +166,19 @@ static void label_json(char *out, size_t n, const char *label) {
  * header's status (KREX_ST_*) or a negative errno. */
 static int recv_reply(int fd, void *body, uint32_t len, char *why, size_t why_n) {
     if (why_n) why[0] = 0;
-    for (;;) {
-        struct krex_msg_hdr h;
-        int rc = recv_full(fd, &h, sizeof h);
-        if (rc) return rc;
-        if (h.magic != KREX_WIRE_MAGIC || (uint64_t)h.body_len + h.json_len > KREX_WIRE_MAX) return -EPROTO;
-        if (h.op == KREX_OP_EVENT) {
-            if ((rc = recv_full(fd, NULL, (size_t)h.body_len + h.json_len))) return rc;
-            continue;
-        }
-        if (h.status == KREX_ST_OK && h.body_len != len) return -EPROTO;
-        if (h.status == KREX_ST_OK) rc = recv_full(fd, body, len);
-        else rc = recv_full(fd, NULL, h.body_len);
-        if (rc) return rc;
-        size_t keep = h.status != KREX_ST_OK && why_n ? h.json_len : 0;
-        if (keep > why_n - 1) keep = why_n - 1;
-        if (keep && (rc = recv_full(fd, why, keep))) return rc;
-        if (keep) why[keep] = 0;
-        if ((rc = recv_full(fd, NULL, h.json_len - keep))) return rc;
-        return h.status;
-    }
+    struct krex_msg_hdr h;
+    int rc = krex_wire_header(fd, &h, daemon_stale, NULL, NULL); /* events are dropped */
+    if (rc) return rc;
+    if (h.status == KREX_ST_OK && h.body_len != len) return -EPROTO;
+    if (h.status == KREX_ST_OK) rc = recv_full(fd, body, len);
+    else rc = recv_full(fd, NULL, h.body_len);
+    if (rc) return rc;
+    size_t keep = h.status != KREX_ST_OK && why_n ? h.json_len : 0;
+    if (keep > why_n - 1) keep = why_n - 1;
+    if (keep && (rc = recv_full(fd, why, keep))) return rc;
+    if (keep) why[keep] = 0;
+    if ((rc = recv_full(fd, NULL, h.json_len - keep))) return rc;
+    return h.status;
 }
 
 static int first_visible_gpu(void) {

@@ -1,6 +1,6 @@
-/* What a guardian takes from krexd's admit reply, in ONE place for both guardians
- * (interpose/guardian.c reads the macro, krex/node/optin.py reads it through
- * krex_daemon_env_names() in krex_core.c).
+/* What the guardian takes from krexd's admit reply, in ONE place (interpose/guardian_proc.c
+ * reads the macro, krex/node/optin.py reads it through krex_daemon_env_names() in
+ * krex_core.c, for the unit tests that hold krexd to it).
  *
  * A guardian gives its command only its own installation's code: LD_PRELOAD (the shim),
  * PYTHONPATH (the automatic-region hook) and LD_LIBRARY_PATH (the simulated GPU) are the

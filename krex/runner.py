@@ -1,10 +1,11 @@
 """Run commands as child processes, at most N at a time: the one runner of `krex batch`,
 `krex bench` and `krex fleet`.
 
-* `guardian_argv` puts a command under a KREX guardian with a report file: the native one
+* `guardian_argv` puts a command under the KREX guardian with a report file: the native one
   (``krex/_lib/krex --entry PYTHON``), which hands what it does not run itself to
-  ``python -m krex.proc.launcher`` (the library entry of `krex run`, never the CLI), or that
-  entry itself where the native one was not built.
+  ``python -m krex.proc.launcher`` (the library entry of `krex run`, never the CLI, which
+  prepares the run and execs it back), or that entry itself for another Python (its own
+  krex's guardian runs the command).
 * `Spec` says how to run one command (argv, environment, output files, timeout, the
   guardian's report); `Outcome` is what came of it (exit status, times, the report,
   a timeout and what the hung processes were doing).
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from krex.proc import runopts
+from krex.proc.runopts import native_guardian
 from krex.pystart import module_argv
 
 __all__ = [
@@ -100,16 +102,6 @@ def _same_python(python: str) -> str | None:
     if found is None or os.path.abspath(found) != os.path.abspath(sys.executable):
         return None
     return os.path.abspath(found)
-
-
-def native_guardian() -> Path | None:
-    """The native guardian built into this installation (krex/_lib/krex), or None where it
-    could not be built (then the Python entry runs every command)."""
-    p = Path(__file__).resolve().parent / "_lib" / "krex"
-    with contextlib.suppress(OSError), open(p, "rb") as f:
-        if f.read(4) == b"\x7fELF" and os.access(p, os.X_OK):
-            return p
-    return None
 
 
 @dataclass

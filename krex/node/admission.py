@@ -83,6 +83,13 @@ def _peer_closed(conn: socket.socket) -> bool:
         return True
 
 
+def run_kind(asked: str, daemon_kind: str) -> str:
+    """The kind a command opts into, from its `--device` and the daemon's device alone (no
+    discovery): `sim`, or `auto` on a simulated daemon, is "sim"; else "gpu" (`--device gpu`
+    on a simulated daemon only where a real GPU exists: Admission._check_native)."""
+    return "sim" if asked == "sim" or (asked == "auto" and daemon_kind == "sim") else "gpu"
+
+
 class Admission(Regions):
     """The Daemon's guardian requests."""
 
@@ -169,25 +176,21 @@ class Admission(Regions):
         }
 
     def _check_native(self, asked: str, owned: dict[str, Any]) -> None:
-        """Refuse, before any slot is taken, what only the Python guardian handles, so the
-        native one (interpose/guardian.c) hands the command line to it: the signal freezer
-        and a group member's guardian (the child must wait before exec until krexd moves
-        it: launcher._DaemonJoin), and --device gpu on a simulated daemon (discovery)."""
-        why = None
-        if self.freezer.name not in ("cgroup2", "cgroup1"):
-            why = f"the {self.freezer.name} freezer"
-        elif owned.get("role") == "member":
-            why = "a member of the daemon's group"
-        elif asked == "gpu" and self.info.kind == "sim":
-            why = "--device gpu on a simulated daemon"
-        if why:
-            raise UsageError(f"the native guardian does not handle {why}", "run it with the Python guardian")
+        """`--device gpu` on a simulated daemon runs only where this node has a real GPU: the
+        native guardian (interpose/guardian.c) does no GPU discovery, so krexd, on the same
+        node, does it before any slot is taken (krex.device.gpus.discover raises NotFound,
+        the words `krex run`'s own discovery gives where no daemon answers)."""
+        del owned
+        if asked == "gpu" and self.info.kind == "sim":
+            from krex.device.gpus import discover
+
+            discover("gpu")
 
     def _command_env(self, s: Slot, gpu: int, asked: str) -> tuple[dict[str, str], dict[str, list[str]]]:
         """The variables a guardian gives its command (optin.opt_in_parts plus the slot's):
-        both guardians apply exactly these. A simulated daemon under `--device gpu` opts in
-        as "gpu" (that guardian first checks that a real GPU exists)."""
-        kind = "sim" if asked == "sim" or (asked == "auto" and self.info.kind == "sim") else "gpu"
+        the guardian applies exactly these. A simulated daemon under `--device gpu` opts in
+        as "gpu" (_check_native first checks that a real GPU exists)."""
+        kind = run_kind(asked, self.info.kind)
         base = self._opt_in.get(kind)
         if base is None:  # the same for every command of this daemon: made once per kind
             base = self._opt_in[kind] = optin.opt_in_parts(

@@ -1,9 +1,9 @@
 """What a guardian needs from krexd to start a command, computed ONCE, here: the
 opt-in environment (`opt_in_parts`) and the notes `krex run` prints at the end
-(`release_notes` and its parts). Both guardians use these functions: the Python one
-(krex/proc/launcher.py) calls them, the native one (interpose/guardian.c) gets
-their results in krexd's `admit` and `release` replies and only applies or prints
-them. Nothing here reads the caller's environment: the caller passes it."""
+(`release_notes` and its parts). krexd calls them; the guardian (interpose/guardian.c)
+gets their results in krexd's `admit` and `release` replies and only applies or prints
+them, and its finisher (krex/proc/finish.py) calls them when krexd went away. Nothing
+here reads the caller's environment: the caller passes it."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def own_env(
     this installation's shim always, its hook and simulated-GPU directories where krexd
     asks for those variables, the data variables of krex_env.h, and KREX_DAEMON_CMD only
     with this Python. Whatever else krexd answers is left out: a daemon never chooses the
-    code a command loads (guardian.c's command_env applies the same rule)."""
+    code a command loads. guardian.c's command_env is the rule; this is its reading in
+    Python, which the unit tests hold krexd's replies to."""
     import sys
 
     names = set(_names(lib.krex_daemon_env_names).split())
@@ -107,13 +108,6 @@ def own_env(
     ours = {"LD_PRELOAD": [str(shim_path()), _SEPS["LD_PRELOAD"]]}
     ours.update({k: [str(f()), _SEPS.get(k, ":")] for k, f in own.items() if k in pre})
     return out, ours
-
-
-def apply_env(env: dict[str, str], put: Mapping[str, str], pre: Mapping[str, list[str]]) -> None:
-    """Apply opt_in_parts' result (or an admit reply's env_set/env_prepend) to `env`."""
-    for k, (v, seps) in pre.items():
-        env[k] = prepend(env.get(k, ""), v, seps)
-    env.update(put)
 
 
 # ----------------------------------------------------------------------- the notes
@@ -190,10 +184,10 @@ def run_report(
     counters: Mapping[str, Any],
     rel: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """`krex run --report`'s fields from the slot and its `release` reply: one list for the
-    Python guardian (launcher.run_guarded) and for krexd, which makes it for the native
-    guardian (`release` with "report": true). What only a guardian sees (its exit status,
-    daemon events, automatic regions) it adds itself."""
+    """`krex run --report`'s fields from the slot and its `release` reply: one list for krexd,
+    which makes it for the guardian (`release` with "report": true), and for the guardian's
+    finisher when krexd went away (krex.proc.finish). What only the guardian sees (its exit
+    status, daemon events) it adds itself."""
     out: dict[str, Any] = {
         "slot": slot,
         "gpu": gpu,

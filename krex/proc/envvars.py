@@ -1,8 +1,8 @@
 """The environment that opts a process into KREX, and validation of KREX_* input.
 
 The variables themselves come from ONE function, krex.node.optin.opt_in_parts; krexd
-sends its result in every `admit` reply (env_set, env_prepend), so both guardians
-(this package's and the native interpose/guardian.c) give a command the same ones."""
+sends its result in every `admit` reply (env_set, env_prepend), which the guardian
+(interpose/guardian.c) applies; `krex env` and `--no-daemon` use it here."""
 
 from __future__ import annotations
 

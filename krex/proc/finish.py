@@ -1,9 +1,8 @@
 """The end of a native `krex run` (interpose/guardian.c) whose krexd went away while the
 command ran: with no `release` reply there are no notes from krexd, so this process,
-exec'd by the native guardian once its command has ended, does what the Python guardian
-does then (launcher.run_guarded): journal the region the loss cut, read this slot's
-regions from the journal, print the same notes (krex.node.optin) and exit with the
-command's status.
+exec'd by the native guardian once its command has ended, does what krexd would have:
+journal the region the loss cut, read this slot's regions from the journal, print the
+notes (krex.node.optin) and exit with the command's status.
 
 It also ends a native `krex run --report` whose krexd released the slot without a report
 (it had no record of the slot left): WHY "" (krexd did not go away), QUIET 1 (krexd's notes
@@ -31,8 +30,7 @@ def main(argv: list[str]) -> int:
         region_tally,
         release_notes,
     )
-    from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe
-    from krex.proc.watch import journal_cut_region
+    from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe, journal_cut_region
 
     slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
 
@@ -84,11 +82,22 @@ def main(argv: list[str]) -> int:
         warn("the regions' notes and report could not be made", e)
     if report_path:
         try:
-            _write_report(report_path, {**report, "exit_status": int(status)})
+            _write_report(report_path, {**report, "exit_status": int(status), **_extra(base)})
         except KrexError as e:
             said(f"krex: error: {e}\n  fix: {e.fix}")
             return RUN_FAILURE
     return int(status)
+
+
+def _extra(base: str) -> dict[str, Any]:
+    """The members the guardian's caller adds to the report (krex.runner's daemon_started)."""
+    import json
+
+    try:
+        extra = json.loads(base).get("report_extra") if base.startswith("{") else None
+    except ValueError:
+        return {}
+    return extra if isinstance(extra, dict) else {}
 
 
 def _released(base: str) -> bool:
@@ -104,7 +113,7 @@ def _released(base: str) -> bool:
 def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
     """The report before its regions. BASE "{...}": the admission (krexd sent no report: it
     went away, failed the release or sent none), with the gate counters read from the segment
-    as the Python guardian reads them, unless the slot may have been released already
+    (krexd reads them the same way), unless the slot may have been released already
     ("released": its records may be gone or another command's). Else a bare one."""
     import json
 

@@ -1,51 +1,34 @@
-"""`krex run`: put one command under KREX and be its guardian.
+"""`krex run`: put one command under KREX.
 
-The guardian (this process) stays outside the command's slot: it forwards
-signals to the command's process group, returns its exit status, and frees the
-slot however the command ends (SIGKILL included)."""
+The guardian of a command is the native `krex` (interpose/guardian.c): it stays outside the
+command's slot, forwards signals to the command's process group, returns its exit status
+and frees the slot however the command ends (SIGKILL included). This module does what only
+Python does before it (`run_command`: the report path, the command, the static-cudart and
+chunk warnings, starting krexd when none answers, `--no-daemon`), then execs it; and what
+the native guardian's finisher (krex.proc.finish) needs when krexd went away."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import threading
+import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from krex.errors import CommandNotFound, KrexError, NotExecutable, NotFound, UsageError
-from krex.node.optin import (
-    auto_region_kept,
-    auto_region_report,
-    auto_region_warning,
-    gate_counters,
-    region_tally,
-    release_notes,
-    run_report,
-    trust_notes,
-)
+from krex.node.optin import auto_region_report, auto_region_warning, trust_notes
 from krex.proc.spawn import Launch, spawn_and_wait
 
-__all__ = ["auto_region_report", "auto_region_warning", "trust_notes", "run_command", "run_guarded"]
+__all__ = ["auto_region_report", "auto_region_warning", "trust_notes", "run_command", "exec_guardian"]
 
 if TYPE_CHECKING:
-
     from krex.proc.client import Client
 
 # Imports inside functions keep `krex run`'s start-up short: every module
 # loaded here is paid by every command.
-
-# KREX_RUN_TRACE=1: the guardian's steps as CLOCK_MONOTONIC stamps, written to stderr at exit
-# by the console script (benchmarks/run_breakdown.py reads them). Off: one lookup, no cost.
-TRACE: list[tuple[str, int]] | None = [] if os.environ.get("KREX_RUN_TRACE") else None
-
-
-def mark(step: str) -> None:
-    if TRACE is not None:
-        TRACE.append((step, time.monotonic_ns()))
-
 
 def resolve_command(cmd: Sequence[str]) -> str:
     if not cmd or not cmd[0]:
@@ -112,24 +95,6 @@ def run_direct(
         seg.close()
 
 
-@dataclass
-class RunResult:
-    exit_status: int
-    slot: int
-    gpu: int
-    admission_wait_s: float
-    warnings: list[str]
-    report: dict[str, object]
-
-
-def _set_affinity(cpus: list[int]) -> Callable[[], None]:
-    def apply() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return apply
-
-
 def _static_cudart_warning(exe: str) -> str | None:
     from krex.device.elfcheck import inspect
 
@@ -176,283 +141,6 @@ def discover_kind(device: str) -> tuple[str, int]:
     return ("sim" if info.kind == "sim" else "gpu"), info.count
 
 
-def _run_kind(device: str, found: str | None, adm: dict[str, Any]) -> str:
-    """The kind the command opts into: `--device sim` or a simulated daemon under `auto`
-    is "sim"; `--device gpu` is "gpu" (a simulated daemon: only after discovery here finds
-    a real GPU, as when the daemon was not asked)."""
-    if found is not None:
-        return found
-    if device == "sim" or (device == "auto" and adm.get("device") == "sim"):
-        return "sim"
-    if device == "gpu" and adm.get("device") == "sim":
-        return discover_kind("gpu")[0]  # raises NotFound without a real GPU
-    return "gpu"
-
-
-def run_guarded(
-    cmd: Sequence[str],
-    device: str,
-    gpu: int | None,
-    notify: Callable[[str], None] = lambda _m: None,
-    freeze: str | None = None,
-    keep_leftovers: bool = False,
-    tenant: str | None = None,
-) -> RunResult:
-    """`krex run`: admission through the daemon (started on demand), a slot
-    cgroup joined before exec, signal forwarding, and a guardian that thaws its
-    own command if the daemon disappears (invariant I5). `device`: auto, gpu or sim;
-    with a daemon running, no GPU discovery happens here (connect_daemon)."""
-    from krex.node.optin import start_notes
-    from krex.proc.watch import Guardian, Stop
-
-    mark("imported")
-    exe = resolve_command(cmd)
-    warns = [w for w in [_static_cudart_warning(exe)] if w]
-    for w in warns:
-        notify("warning: " + w)
-    mark("resolved")
-    client, found = connect_daemon(device, gpu)
-    mark("connected")
-    adm, device, env_parts = _admit(client, found, device, gpu, freeze, tenant, notify)
-    slot, g = int(adm["slot"]), int(adm["gpu"])
-    simulated = adm.get("device") == "sim" or device == "sim"
-    placed = adm.get("cgroup") or {}
-    notes = adm.get("notes")  # krexd's, the same the native guardian prints
-    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
-        notes = start_notes(simulated, warm=bool(adm.get("warm")), cgroup_note=str(placed.get("note") or ""))
-    for line in notes:
-        notify(line)
-    env, auto_value, auto_dir = _command_env(env_parts, slot)
-    group_path, backend = str(adm["group"]), str(adm["freezer"])
-    child_pid: list[int] = []
-    joined, born_in, preexec = _placement(client, adm, group_path, backend)
-
-    stop = Stop()
-    guardian = Guardian(
-        client.daemon_pid,
-        client.sock.fileno(),
-        str(adm["shm"]),
-        slot,
-        g,
-        backend,
-        group_path,
-        child_pid,
-        notify,
-    )
-    watcher = threading.Thread(target=guardian.watch, args=(stop,), daemon=True)
-
-    def _started(pid: int) -> None:
-        mark("spawned")
-        child_pid.append(pid)
-        watcher.start()  # after the spawn: _clone_into_cgroup needs a single thread
-        if joined is not None:
-            return  # the daemon already has it (and moved it into the slot before exec)
-        try:
-            client.request({"op": "started", "pid": pid})
-        except KrexError as e:  # the command runs anyway; it is just not frozen as a sibling
-            notify(f"krex: warning: krexd did not take the command into its slot: {e}")
-        mark("started")
-
-    t_start = time.time()
-    mark("env")
-    try:
-        launch = Launch([exe, *cmd[1:]], env, slot, g, preexec, cgroup=born_in)
-        status = _spawn(launch, adm, slot, joined, _started)
-    finally:
-        mark("exited")
-        stop.set()
-        if watcher.ident is not None:
-            watcher.join(timeout=2)
-        stop.close()
-        mark("watcher")
-        rel, counters = _release(client, adm, slot, keep_leftovers)
-        mark("released")
-        dev = str(adm.get("device") or device)
-        report = run_report(slot, g, adm.get("admission_wait_s"), dev, simulated, counters, rel)
-        _add_regions(report, rel, slot, t_start, notify, guardian.events, auto_value, auto_dir)
-    # The same notes krexd renders for the native guardian (optin.release_notes).
-    for line in release_notes(
-        rel if isinstance(rel.get("regions"), list) else {**rel, "journal_error": None}, report
-    ):
-        notify(line)
-    report["exit_status"] = status
-    return RunResult(status, slot, g, float(str(adm.get("admission_wait_s", 0))), warns, report)
-
-
-def _add_regions(
-    report: dict[str, Any],
-    rel: dict[str, Any],
-    slot: int,
-    t_start: float,
-    notify: Callable[[str], None],
-    events: list[dict[str, object]],
-    auto_value: str,
-    auto_dir: Path | None,
-) -> None:
-    """Into the command's report: its regions (krexd's record, else the journal's), the
-    guardian's daemon events and what KREX_AUTO_REGION wrapped."""
-    labels = rel.get("region_auto_labels") if isinstance(rel.get("region_auto_labels"), dict) else None
-    if "regions" in report:  # krexd's own record of the command
-        regs: list[dict[str, Any]] = report["regions"]
-    else:  # no reply: the daemon is gone, and its record with it (the guardian may have journaled)
-        regs = _journal_regions(slot, t_start, report, notify)
-        report["regions"] = regs
-        report.update(region_tally(regs))
-    if events:
-        report["daemon_events"] = events
-    if auto_dir is not None:
-        auto = auto_region_report(auto_value, auto_dir, regs, labels=labels)
-        if auto_region_kept(auto):
-            report["auto_region"] = auto
-
-
-def _admit(
-    client: Client,
-    found: str | None,
-    device: str,
-    gpu: int | None,
-    freeze: str | None,
-    tenant: str | None,
-    notify: Callable[[str], None],
-) -> tuple[dict[str, Any], str, tuple[dict[str, Any], dict[str, Any]]]:
-    """Admission: krexd's reply, the device kind the command runs on, and the command's
-    variables (set, prepended) from the reply. Whatever fails, the slot is given back."""
-    from krex.node.optin import queue_note
-
-    waited: list[bool] = []
-
-    def on_event(ev: dict[str, object]) -> None:
-        if not waited:
-            notify(queue_note(ev.get("slots_busy")))
-            waited.append(True)
-
-    admitted = False
-    try:
-        req = {"op": "admit", "gpu": gpu, "freeze": freeze, "device": device, "tenant": tenant}
-        adm = client.request(req, on_event=on_event)
-        admitted = True
-        kind = _run_kind(device, found, adm)
-        # krexd's admit reply carries the command's variables (optin.opt_in_parts and the
-        # slot's), the same ones the native guardian applies.
-        put, pre = adm.get("env_set"), adm.get("env_prepend")
-        if not isinstance(put, dict) or not isinstance(pre, dict):
-            raise KrexError(
-                "krexd's admit reply has no environment for the command (an older krexd?)",
-                "restart krexd (`krex daemon stop`; it starts on demand)",
-            )
-        mark("admitted")
-    except BaseException:
-        # Admitted: release. Still waiting (Ctrl-C in the queue): krexd reads nothing more
-        # from us until it answers the admit, so a release would wait out its timeout;
-        # closing the connection drops the queued request.
-        if admitted:
-            with contextlib.suppress(KrexError, OSError):
-                client.request({"op": "release"})
-        client.close()
-        raise
-    return adm, kind, (put, pre)
-
-
-def _command_env(
-    env_parts: tuple[dict[str, Any], dict[str, Any]], slot: int
-) -> tuple[dict[str, str], str, Path | None]:
-    """The command's environment (ours with krexd's variables), its KREX_AUTO_REGION value
-    and the directory where its processes leave their auto-region status (None: none)."""
-    from krex.node.optin import apply_env, own_env
-
-    env = dict(os.environ)
-    apply_env(env, *own_env(*env_parts))  # our installation's code, whatever krexd answered
-
-    auto_value = env.get("KREX_AUTO_REGION", "").strip()
-    # Each process of the command that uses KREX_AUTO_REGION (set here, or by the command
-    # itself, e.g. `sh -c 'KREX_AUTO_REGION=... python ...'`) leaves its status here.
-    # (A private temporary directory: the state directory may belong to another user.)
-    auto_dir: Path | None = None
-    with contextlib.suppress(OSError):
-        auto_dir = _private_tmpdir(f"krex-auto-{slot}-")
-        env["KREX_AUTO_STATUS_DIR"] = str(auto_dir)
-    return env, auto_value, auto_dir
-
-
-def _placement(
-    client: Client, adm: dict[str, Any], group_path: str, backend: str
-) -> tuple[_DaemonJoin | None, str | None, list[Callable[[], None]]]:
-    """How the command gets into its slot: krexd moving it before exec (a _DaemonJoin),
-    forked straight into the slot's cgroup (its path), or joining it before exec; and the
-    child's steps before exec."""
-    # The child waits before exec until krexd has it when the guardian cannot put it in its
-    # slot itself: a group member (no write access to the cgroup), a container that does not
-    # see the host's cgroup tree (an unprivileged benchmark pod), and SIGSTOP freezing,
-    # where krexd must know the pid to stop it (else it would run from exec until
-    # `started`, inside a region that began meanwhile).
-    joined = _DaemonJoin(client) if backend == "signal" or not _can_join(group_path) else None
-    affinity = _set_affinity(list(adm.get("shared_cpus") or []))
-    # cgroup v2: the command is forked straight into its slot (Launch.cgroup).
-    born_in = group_path if backend == "cgroup2" and joined is None and _can_join(group_path) else None
-    if born_in is not None and not os.path.isfile(os.path.join(group_path, "cgroup.procs")):
-        born_in = None
-    preexec: list[Callable[[], None]] = [affinity]
-    if born_in is None:
-        from krex.node.freezer import preexec_join
-
-        preexec.insert(0, joined.preexec if joined else preexec_join(group_path))
-    return joined, born_in, preexec
-
-
-def _spawn(
-    launch: Launch, adm: dict[str, Any], slot: int, joined: _DaemonJoin | None, started: Callable[[int], None]
-) -> int:
-    """Start the command and wait for it; its exit status."""
-    from krex.node.shm import Segment
-
-    if joined is not None:
-        joined.start()
-    if str(adm["freezer"]) == "signal":
-        group_path = str(adm["group"])
-        launch.held_stopped = lambda: _signal_group_frozen(group_path)
-    warm_seg = None
-    if adm.get("warm"):  # the segment, to tell whether it still waits for its slot
-        from krex.native import lib
-
-        with contextlib.suppress(KrexError):
-            warm_seg = Segment.attach(str(adm["shm"]))
-            launch.still_warm = lambda: bool(warm_seg.raw.slots[slot].warm)
-            launch.warm_kill_s = lib.KREX_WARM_KILL_NS / 1e9
-    try:
-        return spawn_and_wait(launch, on_start=lambda pid: started(pid))
-    finally:
-        if joined is not None:
-            joined.close()
-        if warm_seg is not None:
-            warm_seg.close()
-
-
-def _release(
-    client: Client, adm: dict[str, Any], slot: int, keep_leftovers: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """After the command: its slot's gate counters, then the slot released (krexd's reply,
-    {} when it did not answer: then the group is removed here)."""
-    from krex.node.shm import Segment
-
-    counters: dict[str, Any] = {}
-    try:
-        with Segment.attach(str(adm["shm"])) as seg:
-            counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
-    except KrexError:
-        pass
-    mark("counters")
-    rel: dict[str, Any] = {}
-    with contextlib.suppress(KrexError, OSError):
-        rel = client.request({"op": "release", "leftovers": "keep" if keep_leftovers else "kill"})
-    client.close()
-    if not rel and str(adm["freezer"]) != "signal":
-        # No krexd removes the command's group now: left empty in the caller's job or pod
-        # cgroup, it would keep the scheduler from removing that. Busy, it stays.
-        with contextlib.suppress(OSError):
-            os.rmdir(str(adm["group"]))
-    return rel, counters
-
-
 def _journal_regions(
     slot: int,
     t_start: float,
@@ -495,95 +183,27 @@ def _journal_regions(
         return []
 
 
-def _private_tmpdir(prefix: str) -> Path:
-    """tempfile.mkdtemp (mode 0700, a fresh random name) without importing tempfile and
-    random on the launch path; the directories tempfile.gettempdir() would try, in order."""
-    env = [os.environ.get(k) for k in ("TMPDIR", "TEMP", "TMP")]
-    last: OSError = FileNotFoundError("no temporary directory")
-    for base in [d for d in env if d] + ["/tmp", "/var/tmp", os.getcwd()]:
-        for _ in range(100):
-            p = Path(base, prefix + os.urandom(6).hex())
-            try:
-                os.mkdir(p, 0o700)
-                return p
-            except FileExistsError:
-                continue
-            except OSError as e:  # not writable, missing: the next candidate
-                last = e
-                break
-    raise last
+def journal_cut_region(gpu: int, slot: int, owner_pid: int, why: str, age: float, ts: float) -> None:
+    """Journal a region of our command that lost its daemon (`age` seconds after it began,
+    at `ts`): nobody else will. The guardian's finisher (krex.proc.finish), after its
+    command."""
+    from krex import paths
+    from krex.node import journal
 
-
-def _signal_group_frozen(path: str) -> bool:
-    """Whether the SIGSTOP freezer's state file says krexd holds the group stopped (unreadable:
-    taken as held, so a forwarded SIGCONT never thaws a sibling inside a region)."""
-    import json
-
-    try:
-        with open(path) as f:
-            return bool(json.load(f).get("frozen", False))
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError, AttributeError):
-        return True
-
-
-def _can_join(group_path: str) -> bool:
-    """Whether this guardian can put its command into the slot's cgroup itself: the group is
-    visible here and writable. Else krexd moves it (_DaemonJoin): a member of a shared daemon's
-    group, or a container without the host's cgroup tree (an unprivileged benchmark pod), where
-    the command would otherwise run outside its slot and never be frozen as a sibling."""
-    procs = os.path.join(group_path, "cgroup.procs")
-    return os.path.isfile(procs) and os.access(procs, os.W_OK)
-
-
-class _DaemonJoin:
-    """For a guardian that may not write its slot's cgroup (a member of a shared
-    daemon's group): the child sends its pid and waits before exec; a thread here
-    asks krexd to move it into the slot (`started` with join) and then lets it go.
-    So the command still runs inside its slot from its first instruction."""
-
-    def __init__(self, client: object) -> None:
-        self.client = client
-        self.pid_r, self.pid_w = os.pipe()
-        self.go_r, self.go_w = os.pipe()
-        self.error: str | None = None
-        self.thread: threading.Thread | None = None
-
-    def preexec(self) -> None:  # in the child, between fork and exec
-        # Only the guardian may hold the go pipe's write end: if it dies meanwhile, the
-        # read below then ends (EOF) instead of waiting forever on our own copy.
-        os.close(self.go_w)
-        os.close(self.pid_r)
-        os.write(self.pid_w, str(os.getpid()).encode())
-        if os.read(self.go_r, 1) != b"1":
-            raise OSError("krexd could not move the command into its slot")
-
-    def _serve(self) -> None:
-        raw = os.read(self.pid_r, 32)
-        if not raw:
-            return
-        ok = b"0"
-        try:
-            self.client.request({"op": "started", "pid": int(raw), "join": True})  # type: ignore[attr-defined]
-            ok = b"1"
-        except (KrexError, ValueError) as e:
-            self.error = str(e)
-        os.write(self.go_w, ok)
-
-    def start(self) -> None:
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        os.close(self.pid_w)  # a child that never started: the thread reads EOF
-        if self.thread is not None:
-            self.thread.join(timeout=10)
-        for fd in (self.pid_r, self.go_r, self.go_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if self.error:
-            raise KrexError(f"krexd could not move the command into its slot: {self.error}", "see krexd.log")
+    rec = {
+        "ts": ts,
+        "gpu": gpu,
+        "owner_slot": slot,
+        "owner_pid": owner_pid,
+        "end": "daemon-lost",
+        "contaminated": True,
+        "reasons": [f"{why} during the region after {age:.3f} s: from then on it was not exclusive"],
+        "flags": ["daemon-lost"],
+        "region_s": round(age, 6),
+        "recorded_by": "guardian",
+    }
+    with contextlib.suppress(OSError, KrexError):
+        journal.append(paths.journal_path(), rec)
 
 
 # ------------------------------------------------------------------- `krex run` as a function
@@ -667,20 +287,23 @@ def run_command(
     notify: Callable[[str], None] = lambda _m: None,
     report_extra: dict[str, Any] | None = None,
     tenant: str | None = None,
+    quiet: bool = False,
+    entry: bool = False,
 ) -> int:
-    """`krex run` (the console script's lean door and the click command alike): run ``cmd``
-    under KREX, write the report, return the command's exit status. A KrexError gets
-    `krex run`'s exit status (125, or 126/127: errors.run_exit_code), is written to the
-    report as ``krex_error`` and raised."""
+    """`krex run` (the console script's lean door, the click command and the library's entry
+    alike): what only Python does, then the native guardian runs ``cmd`` (`exec_guardian`:
+    this process becomes it and never returns). Returns only for `--no-daemon` (the
+    command's exit status). A KrexError gets `krex run`'s exit status (125, or 126/127:
+    errors.run_exit_code), is written to the report as ``krex_error`` and raised. ``entry``:
+    the guardian says what the library's entry says (krex.runner's processes)."""
     from krex.errors import run_exit_code
 
     try:
-        status, data = _run_command(
-            cmd, device, gpu, report, no_daemon, freeze, keep_leftovers, notify, tenant
+        argv = _prepare(
+            cmd, device, gpu, report, no_daemon, freeze, keep_leftovers, notify, tenant, quiet, entry
         )
-        if report and data is not None:
-            _write_report(report, {**data, **(report_extra or {})})
-        return status
+        if isinstance(argv, int):
+            return argv
     except KrexError as e:
         e.exit_code = run_exit_code(e)
         if report:
@@ -689,9 +312,10 @@ def run_command(
                     report, {"exit_status": e.exit_code, "krex_error": _error_json(e), **(report_extra or {})}
                 )
         raise
+    return exec_guardian(argv, report_extra)
 
 
-def _run_command(
+def _prepare(
     cmd: list[str],
     device: str,
     gpu: int | None,
@@ -700,12 +324,18 @@ def _run_command(
     freeze: str | None,
     keep_leftovers: bool,
     notify: Callable[[str], None],
-    tenant: str | None = None,
-) -> tuple[int, dict[str, object] | None]:
+    tenant: str | None,
+    quiet: bool,
+    entry: bool,
+) -> list[str] | int:
+    """The native guardian's argv for this run, once krexd answers (started here if none
+    does); or, for `--no-daemon`, the command's exit status."""
+    from krex.proc import runopts
+
     notify = dropped_on_broken_pipe(notify)
     if report:
         _check_report_path(report)
-    resolve_command(cmd)  # fail on a bad command before touching anything
+    exe = resolve_command(cmd)  # fail on a bad command before touching anything
     note = chunk_setting_note(os.environ.get("KREX_COPY_CHUNK_BYTES", ""))
     if note:
         notify(note)
@@ -716,16 +346,54 @@ def _run_command(
                 f"unknown GPU {gpu}: this node has {count} GPU(s) (0..{count - 1})",
                 "pick a GPU index from `krex status`",
             )
-        return run_direct(cmd, kind, gpu, count), None
-    # GPU discovery happens only when no daemon answers (connect_daemon).
+        return run_direct(cmd, kind, gpu, count)
     if tenant is not None:
         from krex.node.regionqueue import check_tenant
 
         check_tenant(tenant)
-    res = run_guarded(
-        cmd, device, gpu, notify=notify, freeze=freeze, keep_leftovers=keep_leftovers, tenant=tenant
+    native = _native_guardian()
+    warn = _static_cudart_warning(exe)
+    if warn:
+        notify("warning: " + warn)
+    # GPU discovery happens only when no daemon answers (connect_daemon), which starts one.
+    client, _found = connect_daemon(device, gpu)
+    client.close()
+    values = {"device": device, "gpu": gpu, "report": report, "freeze": freeze, "tenant": tenant,
+              "keep_leftovers": keep_leftovers}
+    if entry:
+        opts = runopts.to_argv(runopts.GUARDIAN, values)
+        return [native, "--entry", sys.executable, *opts, "--", *cmd]
+    return [native, *(["-q"] if quiet else []), "run", *runopts.to_argv(runopts.GUARDIAN, values), "--", *cmd]
+
+
+def _native_guardian() -> str:
+    from krex.proc.runopts import native_guardian
+
+    p = native_guardian()
+    if p is None:
+        raise KrexError(
+            "this installation has no native guardian (krex/_lib/krex was not built)",
+            "reinstall KREX with a C compiler present, or run `make native` in a checkout",
+        )
+    return str(p)
+
+
+def exec_guardian(argv: list[str], report_extra: dict[str, Any] | None = None) -> NoReturn:
+    """Become the native guardian (interpose/guardian.c) for a run this process prepared:
+    KREX_GUARDIAN_PREPARED tells it this Python, its krex/_lib (where it lies) and the report's extra
+    members, so it hands nothing back (it takes the variable out of the command's
+    environment)."""
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    env = dict(os.environ)
+    env["KREX_GUARDIAN_PREPARED"] = "\n".join(
+        [os.path.abspath(sys.executable), os.path.dirname(argv[0]), json.dumps(report_extra or {})]
     )
-    return res.exit_status, res.report
+    try:
+        os.execve(argv[0], argv, env)
+    except OSError as e:
+        raise KrexError(f"cannot run the native guardian {argv[0]}: {e.strerror}", "reinstall krex") from None
 
 
 # ------------------------------------------------------------- `python -m krex.proc.launcher`
@@ -797,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
             o["cmd"],
             notify=say,
             report_extra=extra,
+            entry=True,
             **{opt.dest: o[opt.dest] for opt in runopts.ENTRY if opt.run},
         )
     except KrexError as e:

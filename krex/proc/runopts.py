@@ -1,7 +1,10 @@
 """`krex run`'s options: ONE table (`OPTIONS`) from which the click command (cli/main.py
-`run`), the console script's lean door (cli/lean.py), the guardian's own entry
-(`python -m krex.proc.launcher`, spawned by krex.runner) and the argv the runner builds
-for it (krex.runner.guardian_argv) are all made. None of them has an environment
+`run`), the console script's lean door (cli/lean.py), the guardian's library entry
+(`python -m krex.proc.launcher`, spawned by krex.runner), the argv the runner builds
+for it (krex.runner.guardian_argv), the argv Python's door execs the native guardian with
+(launcher.run_command) and the options that guardian parses (`GUARDIAN`: krex_build.py
+reads this file's source into krex_runopts.h, which interpose/guardian.c includes) are
+all made. None of them has an environment
 variable: the daemon's settings (krex.node.config) do.
 
 Light on purpose: the lean door reads it before anything else, so it imports neither
@@ -9,8 +12,11 @@ click nor GPU discovery (only the tuples of devices and freeze policies)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from krex.device import DEVICES
@@ -29,6 +35,7 @@ class RunOption:
     path: bool = False  # a file KREX writes (click: a writable file path)
     run: bool = True  # an option of `krex run` (the click command and the lean door)
     entry: bool = True  # an option of the guardian's entry (`python -m krex.proc.launcher`)
+    native: bool = True  # the native guardian (interpose/guardian.c) takes it (else Python acts on it first)
 
     @property
     def is_flag(self) -> bool:
@@ -46,7 +53,8 @@ OPTIONS: tuple[RunOption, ...] = (
     RunOption("report", "--report", str, "write a JSON report: regions, waits, gate blocks, contamination",
               metavar="FILE", path=True),
     RunOption("no_daemon", "--no-daemon", bool,
-              "claim a slot directly in shared memory (no regions, no freezing)", default=False, entry=False),
+              "claim a slot directly in shared memory (no regions, no freezing)", default=False, entry=False,
+              native=False),
     RunOption("freeze", "--freeze", str,
               "which siblings this command's regions freeze (default: the daemon's policy)",
               choices=POLICIES),
@@ -57,13 +65,15 @@ OPTIONS: tuple[RunOption, ...] = (
               "processes that outlive CMD keep running (as a frozen sibling during other regions) "
               "instead of being killed when CMD exits", default=False),
     RunOption("slots", "--daemon-slots-per-gpu", int,
-              "if no daemon answers, start one with this many slots per GPU", metavar="N", run=False),
+              "if no daemon answers, start one with this many slots per GPU", metavar="N", run=False,
+              native=False),
     RunOption("idle_exit", "--daemon-idle-exit", float,
               "if no daemon answers, start one that exits after this many idle seconds", metavar="S",
-              run=False),
+              run=False, native=False),
 )
 RUN = tuple(o for o in OPTIONS if o.run)  # `krex run`
 ENTRY = tuple(o for o in OPTIONS if o.entry)  # `python -m krex.proc.launcher`
+GUARDIAN = tuple(o for o in OPTIONS if o.native)  # the native guardian (its krex_runopts.h)
 ENTRY_USAGE = f"python -m krex.proc.launcher {' '.join(o.usage() for o in ENTRY)} -- CMD..."
 
 
@@ -124,3 +134,13 @@ def to_argv(options: Iterable[RunOption], values: Mapping[str, Any]) -> list[str
         else:
             argv += [o.flag, f"{v:g}" if isinstance(v, float) else str(v)]
     return argv
+
+
+def native_guardian() -> Path | None:
+    """The native guardian built into this installation (krex/_lib/krex, which takes the
+    GUARDIAN options), or None where it could not be built."""
+    p = Path(__file__).resolve().parents[1] / "_lib" / "krex"
+    with contextlib.suppress(OSError), open(p, "rb") as f:
+        if f.read(4) == b"\x7fELF" and os.access(p, os.X_OK):
+            return p
+    return None

@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE_MAX, CLASS_MAX, FUNCTION_MAX = 900, 600, 100
 # part -> its size (lines) as this check came in: splitting them is pending work.
 CEILINGS: dict[str, int] = {
-    "interpose/guardian.c": 1727,
 }
 
 

@@ -69,9 +69,9 @@ def test_cli_and_on_demand_daemon_from_a_directory_with_a_krex_folder(
     assert daemon_alive(kx.sock)
     pid, dogs = _daemon_pids(kx)
     assert dogs, "krexd started from the shadowing directory has no watchdog"
-    # The Python guardian, and the native one, with a daemon running.
-    for extra in ({"KREX_NATIVE_OFF": "1"}, {}):
-        assert _ok(_run(kx, shadow, "run", "--device", "sim", "--", "true", **extra)).returncode == 0
+    # Through Python's door (-v: the native one hands the line to it), and the native one.
+    for lead in (["-v"], []):
+        assert _ok(_run(kx, shadow, *lead, "run", "--device", "sim", "--", "true")).returncode == 0
     _ok(_run(kx, shadow, "status"))
     _ok(_run(kx, shadow, "journal", "-n", "1"))
     _ok(_run(kx, shadow, "daemon", "stop"))
@@ -81,7 +81,7 @@ def test_cli_and_on_demand_daemon_from_a_directory_with_a_krex_folder(
 def test_batch_guardians_from_a_directory_with_a_krex_folder(kx: Krex, shadow: Path) -> None:
     cmds = shadow / "cmds.txt"
     cmds.write_text("true\necho two\n")
-    for extra in ({}, {"KREX_NATIVE_OFF": "1"}):  # the native guardian, and `python -m krex.proc.launcher`
+    for extra in ({},):  # the native guardian (krex.runner.guardian_argv)
         out = shadow / f"out{len(extra)}"
         _ok(_run(kx, shadow, "batch", "-j", "2", "--device", "sim", "--out", str(out), str(cmds), **extra))
         assert json.loads((out / "summary.json").read_text())["succeeded"] == 2

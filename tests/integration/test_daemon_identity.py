@@ -237,10 +237,9 @@ def test_a_guardian_gives_its_command_only_its_own_installations_code(fake_ours:
     dump = fake_ours.out / f"env-{guardian}.txt"
     env = clean_env()
     env.update(KREX_STATE_DIR=str(fake_ours.state))
-    if guardian == "python":
-        env["KREX_NATIVE_OFF"] = "1"
+    door = [*KREX] if guardian == "native" else [sys.executable, "-m", "krex.cli.main"]  # Python's door
     subprocess.run(
-        [*KREX, "run", "--device", "sim", "--", "/bin/sh", "-c", f"env > {dump}"],
+        [*door, "run", "--device", "sim", "--", "/bin/sh", "-c", f"env > {dump}"],
         env=env,
         capture_output=True,
         text=True,

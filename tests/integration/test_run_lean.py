@@ -166,9 +166,10 @@ def test_more_regions_than_one_reply_holds_are_counted_and_the_rest_said(
 NEVER = {"click", "psutil", "krex.cli.main", "krex.device.gpus", "argparse", "shutil", "tempfile", "glob"}
 CLONED = {"subprocess", "krex.node.freezer"}
 
-# The guardian with its connections and requests counted, as `krex run --device sim -- CMD`.
+# Python's door with its connections and requests counted, as `krex run --device sim -- CMD`,
+# up to the exec of the native guardian (shown instead of made).
 COUNTED = r"""
-import json, sys
+import json, os, sys
 from krex.proc import client, launcher
 seen = {"connects": 0, "ops": []}
 real_connect, real_send = client._connect, client.Client.send
@@ -178,9 +179,12 @@ def connect(p):
 def send(self, msg):
     seen["ops"].append(msg["op"])
     return real_send(self, msg)
-client._connect, client.Client.send = connect, send
-rc = launcher.run_command(sys.argv[1:], "sim")
-print(json.dumps({**seen, "rc": rc}))
+def execve(path, argv, env):
+    print(json.dumps({**seen, "argv": argv, "prepared": env["KREX_GUARDIAN_PREPARED"].split("\n")}))
+    sys.stdout.flush()
+    os._exit(0)
+client._connect, client.Client.send, os.execve = connect, send, execve
+launcher.run_command(sys.argv[1:], "sim")
 """
 
 
@@ -196,7 +200,15 @@ def test_run_path_imports_and_messages(krex_env: dict[str, str]) -> None:
     kernel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
     if st["daemon"]["freezer"] == "cgroup2" and kernel >= (5, 7):
         assert not CLONED & mods, sorted(CLONED & mods)
-    # One connection (the watcher polls it for krexd's death) and three requests.
+    # Python's door: one connection (krexd answers), no request, then the native guardian for
+    # the run (its own connection and requests: admit, started, release), told this Python,
+    # its krex/_lib and the report's extra members.
     p = run([sys.executable, "-c", COUNTED, "sh", "-c", "exit 4"], env)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout) == {"connects": 1, "ops": ["admit", "started", "release"], "rc": 4}
+    got = json.loads(p.stdout)
+    assert (got["connects"], got["ops"]) == (1, []), got
+    assert got["argv"][0].endswith("/_lib/krex"), got
+    assert got["argv"][1:] == ["run", "--device", "sim", "--", "sh", "-c", "exit 4"], got
+    assert got["prepared"][1:] == [os.path.dirname(got["argv"][0]), "{}"], got
+    # and the run itself: the command's status, through the native guardian
+    assert run([*LEAN, "-q", "run", "--device", "sim", "--", "sh", "-c", "exit 4"], env).returncode == 4

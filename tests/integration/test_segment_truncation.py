@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
 ]
 
-GUARDIANS = {"native": {}, "python": {"KREX_NATIVE_OFF": "1"}}
+GUARDIANS = {"native": {}}
 SIZE = int(lib.krex_shm_size())
 
 
@@ -46,7 +46,7 @@ def _incident_says_truncated(kx: Krex) -> list[str]:
     return [p for i in inc for p in i["problems"] if "truncated" in p]
 
 
-@pytest.mark.parametrize(("guardian", "size"), [("native", 0), ("python", 0), ("native", 4096)])
+@pytest.mark.parametrize(("guardian", "size"), [("native", 0), ("native", 4096)])
 def test_a_segment_truncated_inside_a_region_kills_nobody_and_flags_the_region(
     kx: Krex, guardian: str, size: int
 ) -> None:
@@ -80,7 +80,7 @@ def test_a_segment_truncated_inside_a_region_kills_nobody_and_flags_the_region(
     assert d.wait(30) == 0
 
 
-@pytest.mark.parametrize("guardian", ["native", "python"])
+@pytest.mark.parametrize("guardian", ["native"])
 def test_a_segment_truncated_between_regions_kills_nobody(kx: Krex, guardian: str) -> None:
     d = kx.start_daemon(slots=3)
     env = kx.env(**GUARDIANS[guardian])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from krex.cli.lean import parse_run
 
-from krex.proc.launcher import _run_kind
+from krex.node.admission import Admission, run_kind
 
 TAKEN = [
     ["run", "--", "true"],
@@ -96,36 +96,23 @@ def test_lean_leaves_a_report_path_click_refuses(tmp_path) -> None:  # type: ign
     ],
 )
 def test_the_daemons_device_decides_without_discovery(device: str, daemon: str, kind: str) -> None:
-    assert _run_kind(device, None, {"device": daemon}) == kind
-    assert _run_kind(device, "sim", {"device": daemon}) == "sim"  # found here: it stands
+    assert run_kind(device, daemon) == kind
 
 
 def test_gpu_asked_of_a_simulated_daemon_still_needs_a_real_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from krex.errors import NotFound
-    from krex.proc import launcher
+    """krexd checks it (on the same node) before any slot is taken: the guardian does no
+    GPU discovery."""
+    from types import SimpleNamespace
 
-    def no_gpu(device: str) -> tuple[str, int]:
+    from krex.device import gpus
+    from krex.errors import NotFound
+
+    def no_gpu(device: str) -> None:
         raise NotFound("no GPU found", "use --device sim")
 
-    monkeypatch.setattr(launcher, "discover_kind", no_gpu)
+    monkeypatch.setattr(gpus, "discover", no_gpu)
+    daemon = SimpleNamespace(info=SimpleNamespace(kind="sim"))
     with pytest.raises(NotFound):
-        _run_kind("gpu", None, {"device": "sim"})
-
-
-def test_private_tmpdir_is_fresh_private_and_falls_back(
-    tmp_path,
-    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
-) -> None:
-    import os
-    import stat
-
-    from krex.proc.launcher import _private_tmpdir
-
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    a, b = _private_tmpdir("krex-auto-3-"), _private_tmpdir("krex-auto-3-")
-    assert a != b and a.parent == b.parent == tmp_path and a.name.startswith("krex-auto-3-")
-    assert stat.S_IMODE(os.stat(a).st_mode) == 0o700
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
-    c = _private_tmpdir("krex-auto-3-")
-    assert c.parent != tmp_path / "missing" and c.is_dir()
-    c.rmdir()
+        Admission._check_native(daemon, "gpu", {})  # type: ignore[arg-type]
+    Admission._check_native(daemon, "sim", {})  # type: ignore[arg-type]
+    Admission._check_native(SimpleNamespace(info=SimpleNamespace(kind="nvidia")), "gpu", {})  # type: ignore[arg-type]

@@ -181,12 +181,14 @@ krex_build.build_guardian(out + "/krex", strip=strip)
 
 
 def _build_copy(tmp: Path, name: str, strip: bool) -> Path:
-    """krex_build and interpose/ copied to tmp/NAME (another build path), the native `krex`
-    (one C file, built as the shim is: same flags, same toolchain) built from there."""
+    """krex_build, interpose/ and runopts.py copied to tmp/NAME (another build path), the native
+    `krex` (its C files, built as the shim is: same flags, same toolchain) built from there."""
     src = tmp / name
     src.mkdir(parents=True)
     shutil.copytree(ROOT / "interpose", src / "interpose")
     shutil.copy2(ROOT / "krex_build.py", src / "krex_build.py")
+    (src / "krex" / "proc").mkdir(parents=True)
+    shutil.copy2(ROOT / "krex" / "proc" / "runopts.py", src / "krex" / "proc" / "runopts.py")
     out = tmp / f"out-{name}"
     out.mkdir()
     subprocess.run([sys.executable, "-c", _BUILD, str(src), str(out), "strip" if strip else "debug"],

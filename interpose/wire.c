@@ -1,0 +1,84 @@
+/* wire.c: see wire.h. Used by the shim (in the application: nothing here may kill or hang
+ * it, so sends never raise SIGPIPE and every wait asks `stuck`) and by the guardian. */
+#define _GNU_SOURCE
+#include "wire.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+
+static int send_all(int fd, const char *p, size_t n) {
+    while (n > 0) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? -ETIMEDOUT : -errno;
+        }
+        if (w == 0) return -EPIPE;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+int krex_wire_send(int fd, enum krex_op op, const void *body, uint32_t body_len, const void *json,
+                   uint32_t json_len) {
+    struct {
+        struct krex_msg_hdr h;
+        char rest[576];
+    } f;
+    if ((uint64_t)body_len + json_len > KREX_WIRE_MAX) return -EINVAL;
+    memset(&f.h, 0, sizeof f.h);
+    f.h.magic = KREX_WIRE_MAGIC;
+    f.h.op = (uint16_t)op;
+    f.h.body_len = body_len;
+    f.h.json_len = json_len;
+    if ((size_t)body_len + json_len <= sizeof f.rest) { /* the common case: one send */
+        if (body_len) memcpy(f.rest, body, body_len);
+        if (json_len) memcpy(f.rest + body_len, json, json_len);
+        return send_all(fd, (const char *)&f, sizeof f.h + body_len + json_len);
+    }
+    int rc = send_all(fd, (const char *)&f.h, sizeof f.h);
+    if (!rc && body_len) rc = send_all(fd, body, body_len);
+    if (!rc && json_len) rc = send_all(fd, json, json_len);
+    return rc;
+}
+
+int krex_wire_recv(int fd, void *buf, size_t n, krex_wire_stuck stuck, void *arg) {
+    char sink[512];
+    size_t got = 0;
+    while (got < n) {
+        struct pollfd pf = {fd, POLLIN, 0};
+        int r = poll(&pf, 1, (int)(KREX_CLIENT_POLL_NS / 1000000));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) {
+            if (stuck && stuck(arg)) return -ETIMEDOUT;
+            continue;
+        }
+        size_t want = n - got;
+        if (!buf && want > sizeof sink) want = sizeof sink;
+        ssize_t k = recv(fd, buf ? (char *)buf + got : sink, want, 0);
+        if (k == 0) return -EPIPE;
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN) continue;
+            return -errno;
+        }
+        got += (size_t)k;
+    }
+    return 0;
+}
+
+int krex_wire_header(int fd, struct krex_msg_hdr *h, krex_wire_stuck stuck, void *arg, krex_wire_event on_event) {
+    for (;;) {
+        int rc = krex_wire_recv(fd, h, sizeof *h, stuck, arg);
+        if (rc) return rc;
+        if (h->magic != KREX_WIRE_MAGIC || (uint64_t)h->body_len + h->json_len > KREX_WIRE_MAX) return -EPROTO;
+        if (h->op != KREX_OP_EVENT) return 0;
+        rc = on_event ? on_event(fd, h, arg) : krex_wire_recv(fd, NULL, (size_t)h->body_len + h->json_len, stuck, arg);
+        if (rc) return rc;
+    }
+}
