@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(CG2 is None, reason="no cgroup v2 hierarchy is mounted"),
 ]
 
-PY_KREX = [sys.executable, "-m", "krex.cli.main"]  # the Python guardian (KREX is the native one)
+PY_KREX = [sys.executable, "-m", "krex.cli.main"]  # Python's door (click), which execs the guardian
 GUARDIANS = {"native": KREX, "python": PY_KREX}
 _jobs = itertools.count()
 

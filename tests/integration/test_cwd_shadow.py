@@ -1,6 +1,6 @@
 """A `krex/` folder in the current directory (a clone of KREX, a user's project) never
 shadows the installed package: every Python that KREX starts (the native entry's hand-over
-to the Python CLI, krexd started on demand, its watchdog, the Python guardian, the guardians
+to the Python CLI, krexd started on demand, its watchdog, Python's door to `krex run`, the guardians
 of `krex batch`, the daemon a self-registering shim starts) keeps the current directory off
 sys.path. Each test runs from a directory that holds a dummy `krex/` package."""
 

@@ -148,11 +148,11 @@ def test_sigint_to_the_guardian_reaches_the_command(kx: Krex) -> None:
 
 
 @pytest.mark.parametrize("door", ["run", "entry"])
-def test_ctrl_c_while_queued_aborts_as_the_python_guardian(kx: Krex, door: str) -> None:
+def test_ctrl_c_while_queued_aborts_at_once_with_130(kx: Krex, door: str) -> None:
     """SIGINT while the admission waits for a slot: "krex: aborted" and 130, as Python's
     KeyboardInterrupt there (cli.lean for `krex run`, launcher.main for the bench's
-    `--entry`), at once (the Python guardian used to wait out krexd's 30 s reply timeout on
-    a release krexd could not read), the queued request dropped, the holder untouched."""
+    `--entry`), at once (not after krexd's 30 s reply timeout on a release krexd could not
+    read), the queued request dropped, the holder untouched."""
     kx.start_daemon(slots=1)
     held, done = kx.out / "held", kx.out / "done"
     hold = f"touch {held}; until [ -e {done} ]; do sleep 0.05; done"
@@ -380,12 +380,12 @@ def test_everything_else_goes_to_the_python_cli_unchanged(kx: Krex, tmp_path: Pa
     assert p.returncode == 0, p.stderr
     p = which_guardian(kx)
     assert p.stdout == "native\n", p.stderr
-    # --report into a directory that does not exist: the Python guardian says so, as the CLI.
+    # --report into a directory that does not exist: both doors say so, as the CLI.
     rep = tmp_path / "nodir" / "r.json"
     res = both(kx, "run", "--device", "sim", "--report", str(rep), "--", "true")
     assert res["native"].returncode == res["python"].returncode == 125, res
     assert res["native"].stderr == res["python"].stderr and "does not exist" in res["native"].stderr, res
-    # krexd refuses an unknown GPU before any slot is taken: the Python guardian says why.
+    # krexd refuses an unknown GPU before any slot is taken, and says why.
     p = run(kx, "run", "--device", "sim", "--gpu", "7", "--", "true")
     assert p.returncode == 125 and "unknown GPU 7" in p.stderr, p.stderr
     kx.krex("daemon", "stop")
@@ -462,7 +462,7 @@ def test_an_exec_error_is_reported_as_by_the_python_guardian(kx: Krex, tmp_path:
 @pytest.mark.parametrize("auto", ["", "do_bench"])
 def test_a_report_when_krexd_dies_under_the_command(kx: Krex, tmp_path: Path, auto: str) -> None:
     """No release reply: the native guardian's finisher (krex.proc.finish) writes the report,
-    with the Python guardian's fields (gate counters read from the segment), and with
+    with every field of a released command's report (gate counters read from the segment), and with
     KREX_AUTO_REGION set (read from the environment it inherits), its auto_region and warning."""
     got: dict[str, dict[str, Any]] = {}
     for g, e in GUARDIANS.items():
@@ -536,7 +536,7 @@ def test_reports_count_every_region_though_the_journal_rotated(
 
 def test_automatic_regions_are_in_the_native_report(kx: Krex, tmp_path: Path) -> None:
     """A command that sets KREX_AUTO_REGION itself leaves its status for the guardian: krexd
-    reads it (for its notes and the native guardian's report) as the Python guardian does."""
+    reads it for its notes and the guardian's report."""
     kx.start_daemon()
     r = reports(
         kx,
@@ -567,9 +567,8 @@ def test_auto_region_in_the_callers_environment_runs_native(
     kx: Krex, tmp_path: Path, case: str, value: str, rc: int
 ) -> None:
     """KREX_AUTO_REGION given to `krex run` (the bench's CPU-heavy family, `eval "$(krex env)"`
-    harnesses) no longer sends the run to the Python guardian: krexd reads the hook's status
-    with the value, and the report's `auto_region` and the no-region warning match the Python
-    guardian's (a wrapped target's regions; a Python that made none; no process that could
+    harnesses): krexd reads the hook's status with the value, and the report's `auto_region`
+    and the no-region warning are the same from both doors (a wrapped target's regions; a Python that made none; no process that could
     load the hook; 0, off; more regions than krexd's reply holds: its report's auto_region,
     recounted by the finisher from the journal)."""
     kx.start_daemon()

@@ -1,4 +1,4 @@
-"""The Python guardian's signal forwarding around the command's start."""
+"""`krex run --no-daemon`'s signal forwarding around the command's start (krex.proc.spawn)."""
 
 from __future__ import annotations
 
