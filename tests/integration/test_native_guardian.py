@@ -569,8 +569,9 @@ def test_auto_region_in_the_callers_environment_runs_native(
     """KREX_AUTO_REGION given to `krex run` (the bench's CPU-heavy family, `eval "$(krex env)"`
     harnesses): krexd reads the hook's status with the value, and the report's `auto_region`
     and the no-region warning are the same from both doors (a wrapped target's regions; a
-    Python that made none; no process that could load the hook; 0, off; more regions than krexd's reply holds: its report's auto_region,
-    recounted by the finisher from the journal)."""
+    Python that made none; no process that could load the hook; 0, off; more regions than
+    krexd's reply holds: its report's auto_region, recounted by the finisher from the
+    journal)."""
     kx.start_daemon()
     (tmp_path / "userbench.py").write_text("def bench():\n    return 1\n")
     cmd = {
