@@ -170,14 +170,16 @@
  * while it holds one of the GPU's `pace_tokens` turns (krex_gpu.turns): at most that many
  * long intervals are queued on the GPU at a time, however many commands share it, and two
  * keep it busy while a third waits its turn. A turn is a word (holder pid << 40 | lease end
- * in us of CLOCK_MONOTONIC, mod 2^40), leased KREX_TURN_LEASE_US at a time and renewed while
- * its holder waits for its own work: a holder that dies, is frozen or stops submitting loses
- * it within a lease (a word whose lease ends further off than two leases is no holder's). A
- * command whose own region is announced or queued takes none. A process waits at most
+ * in us of CLOCK_MONOTONIC, mod 2^40), leased KREX_TURN_LEASE_US at a time (long enough for
+ * the host work between two of its launches) and renewed while its holder waits for its own
+ * work: a holder that dies, is frozen or stops submitting loses it within a lease (a word
+ * whose lease ends further off than two leases is no holder's). Only long work takes turns
+ * (not a floor taken because a region is near), and a command whose own region is announced
+ * or queued takes none. A process waits at most
  * KREX_TURN_WAIT_MS for one, then goes on without (slower to drain once, never stuck). */
 #define KREX_PACE_TOKENS 2
 #define KREX_TURNS_MAX 4
-#define KREX_TURN_LEASE_US 2000
+#define KREX_TURN_LEASE_US 10000
 #define KREX_TURN_WAIT_MS 1000
 /* A region about to begin on a GPU (krex_gpu.pending_slots, soon_slots): siblings' queues
  * shrink before its gate closes. While another command's region is queued (BEGIN sent, gate
@@ -403,7 +405,9 @@ struct krex_gpu {
                                      * an atomic max, made with slot_free_ns */
     uint64_t turns[4];              /* KREX_TURNS_MAX turns for long work: 0 free, else
                                      * pid << 40 | lease end (us, mod 2^40) (pace.c) */
-    uint64_t reserved[1];
+    uint32_t turn_waiters;          /* processes waiting for a turn (pace.c; a waiter that died
+                                     * leaves it high: releasers then only yield once more) */
+    uint32_t pad1;
 };
 
 struct krex_slot {

@@ -190,27 +190,42 @@ static void turn_release(void) {
     g_turn = NULL;
 }
 
+/* Our own command's region is announced or queued on GPU `g`. */
+static int own_region_near(struct krex_gpu *g) {
+    uint64_t me = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
+    return (__atomic_load_n(&g->soon_slots, RELAXED) | __atomic_load_n(&g->pending_slots, RELAXED)) & me ? 1 : 0;
+}
+
 /* Take one of the GPU's `n` turns before submitting the next interval: wait, polling, while
  * all are held and leased, the gate open (a closed gate holds our next call anyway), turns
- * still in use, at most KREX_TURN_WAIT_MS. 1 when it waited. */
+ * still in use, our own command's region not near (its owner must never wait for one), at
+ * most KREX_TURN_WAIT_MS. Counted in the GPU's `turn_waiters` meanwhile (a releaser lets
+ * them go first). 1 when it waited. */
 static int turn_take(struct krex_gpu *g, uint32_t *gate, uint64_t now) {
     const uint64_t t0 = now, most = (uint64_t)KREX_TURN_WAIT_MS * 1000000ull;
+    int counted = 0;
     for (;;) {
         uint32_t n = __atomic_load_n(&g->pace_tokens, RELAXED);
-        if (n == 0 || __atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN || now - t0 >= most) return now != t0;
+        if (n == 0 || __atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN || now - t0 >= most || own_region_near(g))
+            break;
         if (n > KREX_TURNS_MAX) n = KREX_TURNS_MAX;
         for (uint32_t i = 0; i < n; i++) {
             uint64_t w = __atomic_load_n(&g->turns[i], ACQUIRE), mine = turn_word(now);
             if (turn_lapsed(w, now) && __atomic_compare_exchange_n(&g->turns[i], &w, mine, 0, __ATOMIC_ACQ_REL, RELAXED)) {
                 g_turn = &g->turns[i];
                 g_turn_word = mine;
-                return now != t0;
+                goto out;
             }
         }
+        if (!counted) __atomic_fetch_add(&g->turn_waiters, 1, RELAXED);
+        counted = 1;
         struct timespec ts = {0, PACE_POLL_NS};
         nanosleep(&ts, NULL);
         now = krex_now_ns();
     }
+out:
+    if (counted) __atomic_fetch_sub(&g->turn_waiters, 1, RELAXED);
+    return now != t0;
 }
 
 /* Wait, polling the oldest event, until `done` says so or the ring is empty; a completion
@@ -258,12 +273,6 @@ static void record(int variant, CUstream stream) {
     }
 }
 
-/* Our own command's region is announced or queued on GPU `g`. */
-static int own_region_near(struct krex_gpu *g) {
-    uint64_t me = g_slot >= 0 && g_slot < KREX_MAX_SLOTS ? 1ull << g_slot : 0;
-    return (__atomic_load_n(&g->soon_slots, RELAXED) | __atomic_load_n(&g->pending_slots, RELAXED)) & me ? 1 : 0;
-}
-
 /* `budget`: cap_ns is the GPU's drain budget (else a cap per process); `pend`: krex_pending(). */
 static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstream stream, uint64_t cap_ns, int budget,
                         int pend) {
@@ -279,7 +288,8 @@ static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstrea
      * its work are more than its share it takes the floor instead. Before `s` is known, two
      * events (of one submission each under a budget) may be pending: a process's first
      * submissions still overlap its host work. */
-    int floor = pend != 0 || (budget && g_s_ns && 2 * g_s_ns * g_every > cap_ns);
+    int long_work = budget && g_s_ns && 2 * g_s_ns * g_every > cap_ns; /* takes turns */
+    int floor = pend != 0 || long_work;
     unsigned most = !g_s_ns  ? PACE_COLD_PENDING
                     : budget ? clampu(cap_ns / (g_s_ns * g_every) - 1, 1, PACE_RING - 1)
                              : clampu(cap_ns / (g_s_ns * g_every), 1, PACE_RING - 1);
@@ -299,9 +309,9 @@ static void pace_locked(struct krex_gpu *g, uint32_t *gate, int variant, CUstrea
      * just before it takes the whole GPU anyway, and waiting behind every sibling would only
      * delay the region. */
     int own = own_region_near(g);
-    __atomic_store_n(&g_on_floor, floor && budget, RELAXED);
-    if (!off && floor && budget && !own) {
-        if (had) {
+    __atomic_store_n(&g_on_floor, long_work, RELAXED);
+    if (!off && long_work && !own) {
+        if (had && __atomic_load_n(&g->turn_waiters, RELAXED)) {
             struct timespec ts = {0, 2 * PACE_POLL_NS};
             nanosleep(&ts, NULL);
         }
@@ -356,6 +366,7 @@ void krex_pace_gate_opened(void) {
     if (!__atomic_load_n(&g->budget_us, RELAXED) || own_region_near(g) || pthread_mutex_trylock(&g_pace_lock) != 0)
         return;
     uint64_t t0 = krex_now_ns();
+    turn_renew(t0); /* a turn we took before parking counts only if its lease still holds */
     if (!g_turn && turn_take(g, gate, t0)) {
         struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
         if (p) {
