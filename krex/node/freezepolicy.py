@@ -29,7 +29,9 @@ drain (unheld.py's `queued_work`, in region.py's freeze step): on the simulated 
 waits until the device has run everything queued; on a GPU with NVML it flags the region
 when NVML lists such a process on the GPU (it holds a context); with neither it flags the
 region. At a region's end the processes of siblings it did not freeze are judged again,
-and any unheld one flags the region (it may have run during it).
+and any unheld one flags the region (it may have run during it), unless it cannot reach a
+GPU at all (no GPU library mapped, no GPU device file open: Inspector.gpu_less), as the
+compilers and linkers of a sibling's JIT compile.
 
 Policies:
   gpu       (the default) freeze only the siblings with a process the gate does not hold
@@ -45,7 +47,8 @@ What `gpu` does not see: a process that made no gated call and loads, after krex
 maps, a library carrying a statically linked CUDA runtime and launches through it (`all`
 freezes it, and its work is waited for or flagged as above), and a process of a running
 sibling that starts, runs GPU work outside the gate and ends within one region (one alive
-at the region's end is judged then)."""
+at the region's end is judged then; one that by then has also unloaded every GPU library
+and closed its GPU device files passes as one that never reached a GPU)."""
 
 from __future__ import annotations
 
@@ -70,6 +73,11 @@ ADAPTIVE_RATE = 5000.0
 SHIM_NAME = "libkrex_interpose.so"
 # GPU driver and runtime libraries, by file name (the simulated ones have the same names).
 GPU_LIBS = (b"libcuda.so", b"libcudart.so", b"libamdhip64.so")
+# A process that maps none of these and has none of GPU_DEVICES open cannot reach a GPU
+# (Inspector.gpu_less): the driver and runtime libraries, the simulated device's, and the
+# device files through which a program without them (raw ioctls) would go.
+GPU_LESS_LIBS = (*GPU_LIBS, b"libnvidia-", b"libhsa-runtime", b"libkrexsim.so")
+GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")
 # The environment the shim reads at load.
 ENV_KEYS = (b"KREX_SHM", b"KREX_SLOT", b"KREX_SLOT_GEN", b"KREX_SOCKET", b"KREX_SIM_SHM")
 # A process without the shim (or the segment) in its maps may only not have mapped it yet
@@ -217,6 +225,37 @@ class Inspector:
         if ref.raw is not None:  # the record first: one pass over shared memory
             code = lib.krex_proc_trust(ref.raw, pid, st.start, ref.slot, ref.generation)
         return judge(pid, exe, code, facts, ref, self.shim_name, bool(st.flags & procfs.PF_EXITING)), read
+
+    def gpu_less(self, pid: int) -> bool:
+        """Whether the process, read now, cannot have run GPU work: it maps no GPU driver,
+        runtime or simulated-device library, has no GPU device file open, and its
+        executable does not link the CUDA runtime statically. Compilers and linkers that
+        siblings' JIT compiles start (cc1, ptxas, ld) are such processes. Read afresh, not
+        from the cached facts: a process may load a library or open a device at any time.
+        False when any of it cannot be read (another user's process to a krexd that is not
+        root): when in doubt, it is not."""
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                maps = f.read()
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return False
+        if any(b"/" + n in maps for n in GPU_LESS_LIBS):
+            return False
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue  # closed meanwhile
+            except OSError:
+                return False
+            if target.startswith(GPU_DEVICES):
+                return False
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return not maps  # inside its exit, its memory released: nothing left to run
+        return not self._static_cudart(pid, exe)
 
     def seen(self, pid: int) -> bool:
         """Whether some facts for this pid are cached (any image) and none have gone stale."""

@@ -96,7 +96,10 @@ class RegionChecks(Loops):
         bad: dict[int, tuple[int, str]] = {}
         for s in running:
             for pid, v in freezepolicy.classify(self._group_pids(s), self.inspector, self._slot_ref(s)):
-                if v.unheld:
+                # One that cannot reach a GPU now ran no GPU work in the region unless it
+                # loaded a GPU library, used it and unloaded it, and closed its device
+                # files, all inside the region.
+                if v.unheld and not self.inspector.gpu_less(pid):
                     bad[pid] = (s.slot, v.why)
         if not bad:
             return []

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -243,3 +245,50 @@ def test_the_drain_helper_flags_a_namespace_made_past_the_dlmopen_hook(kx: Krex)
             return next((int(r.flags) for r in s.raw.procs if int(r.pid) == sib), 0)
 
     kx.wait(lambda: flags() & lib.KREX_PF_FOREIGN_NS, 10, "the helper to flag the namespace")
+
+
+def _spawn_at(kx: Krex, name: str, go: Path, child: str) -> None:
+    """A sibling command whose shell, held by its shim, starts `child` without the shim's
+    segment (KREX_SHM unset: unheld) once `go` exists, and prints the child's pid."""
+    script = f"while [ ! -e {go} ]; do sleep 0.02; done; env -u KREX_SHM {child} & echo pid=$!; wait"
+    kx.run_argv(name, ["sh", "-c", script])
+
+
+def _child_pid(kx: Krex, name: str) -> int:
+    def got() -> int | None:
+        lines = [x for x in kx.cmds[name].output().splitlines() if x.startswith("pid=")]
+        return int(lines[0][4:]) if lines else None
+
+    pid: int = kx.wait(got, 30, f"{name}'s child")
+    return pid
+
+
+def test_a_sibling_process_that_cannot_reach_the_gpu_does_not_flag_a_region(kx: Krex) -> None:
+    """Under `gpu` a sibling command keeps running through a region. A process it starts
+    inside the region without the shim (as a JIT compile's cc1, ptxas or ld) is unheld;
+    at the region's end one that maps no GPU library and has no GPU device file open
+    cannot have run GPU work, so the region stays clean. One that maps the (simulated)
+    driver library flags it, with its pid."""
+    _world(kx, KREX_FREEZE_POLICY="gpu")
+    kx.start_daemon(slots=4)
+    go = kx.out / "go"
+    _spawn_at(kx, "compiler", go, "sleep 30")
+    loader = "import ctypes, time; ctypes.CDLL('libcuda.so.1'); print('loaded', flush=True); time.sleep(30)"
+    _spawn_at(kx, "loader", go, f"{shlex.quote(sys.executable)} -c {shlex.quote(loader)}")
+    time.sleep(0.5)
+    ready = _hold(kx, "a")
+    assert ready["grant"]["frozen_slots"] == [], ready["grant"]
+    go.touch()
+    compiler, loader_pid = _child_pid(kx, "compiler"), _child_pid(kx, "loader")
+    kx.wait(lambda: "loaded" in kx.cmds["loader"].output(), 30, "the loader's library")
+    rec = _end(kx, "a", ready["pid"])
+    assert "unheld-sibling" in rec["flags"], rec["reasons"]
+    text = " ".join(rec["reasons"])
+    assert f"pid {loader_pid}" in text and f"pid {compiler}" not in text, rec["reasons"]
+    # The library's process gone, the next region has only the GPU-less one beside it: clean.
+    os.kill(loader_pid, 9)
+    kx.wait(lambda: not Path(f"/proc/{loader_pid}").exists(), 10, "the loader's end")
+    ready = _hold(kx, "b")
+    rec = _end(kx, "b", ready["pid"])
+    assert "unheld-sibling" not in rec["flags"], rec["reasons"]
+    assert Path(f"/proc/{compiler}").exists()  # it was there, unheld, all along

@@ -118,3 +118,36 @@ def test_an_unreadable_executable_of_a_live_process_freezes_its_slot(
 def test_stat_reads_the_kernel_flags() -> None:
     st = procfs.pid_stat(os.getpid())
     assert st is not None and st.flags != 0 and not st.flags & procfs.PF_EXITING
+
+
+_HOLDS = r"""
+import sys, time
+f = open(sys.argv[1], "rb") if sys.argv[1] != "-" else None
+sys.stdout.write("up\n"); sys.stdout.flush()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("holds", ["nothing", "device", "gpu-library"])
+def test_a_process_is_gpu_less_only_without_gpu_libraries_and_device_files(
+    tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, holds: str
+) -> None:
+    """gpu_less reads the process now: a plain one is; one holding a GPU device file open
+    (a file standing in for /dev/nvidia0 here) or mapping a GPU library (the simulated
+    driver's libcuda.so.1, as any program that loads the driver) is not."""
+    dev = os.path.join(str(tmp_path), "nvidia0")
+    open(dev, "w").close()
+    monkeypatch.setattr(freezepolicy, "GPU_DEVICES", (dev,))
+    code = _HOLDS
+    if holds == "gpu-library":
+        lib = os.path.join(os.path.dirname(freezepolicy.__file__), "..", "_lib", "libcuda.so.1")
+        code = f"import ctypes; ctypes.CDLL({os.path.realpath(lib)!r})\n" + code
+    arg = dev if holds == "device" else "-"
+    p = subprocess.Popen([sys.executable, "-c", code, arg], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        assert freezepolicy.Inspector().gpu_less(p.pid) == (holds == "nothing")
+    finally:
+        p.kill()
+        p.wait()
+    assert not freezepolicy.Inspector().gpu_less(p.pid)  # gone: cannot be read, so not vouched for
