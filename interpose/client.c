@@ -30,8 +30,8 @@ static __thread int t_region_depth;
 static __thread int t_region_fd = -1;     /* the connection that began this thread's region */
 
 /* One frame each way over the daemon's Unix socket, as krex_abi.h defines it (the
- * header, then the op's fixed struct; C never reads the JSON part, it skips it), sent and
- * read through wire.c (the guardian's framing code too).
+ * header, then the op's struct and its text tail; C writes no JSON part and drops a
+ * reply's unread), sent and read through wire.c (the guardian's framing code too).
  * The daemon learns who we are from SO_PEERCRED; the message carries only what it
  * cannot know.
  *
@@ -131,54 +131,46 @@ static int daemon_stale(void *unused) {
 
 static int recv_full(int fd, void *buf, size_t n) { return krex_wire_recv(fd, buf, n, daemon_stale, NULL); }
 
-/* Send one request frame (krex_abi.h: header, the op's fixed body, then `json` as the
- * JSON part when not NULL: a short object this file wrote itself). */
-static int send_msg_json(int fd, enum krex_op op, const void *body, uint32_t len, const char *json) {
-    return krex_wire_send(fd, op, body, len, json, json ? (uint32_t)strlen(json) : 0);
-}
-
 static int send_msg(int fd, enum krex_op op, const void *body, uint32_t len) {
-    return send_msg_json(fd, op, body, len, NULL);
-}
-
-/* {"label":"..."} for a region's label: JSON-escaped, bytes outside printable ASCII
- * as '?', at most `n` bytes with the terminator. "" for no label. */
-static void label_json(char *out, size_t n, const char *label) {
-    out[0] = 0;
-    if (!label || !*label || n < 16) return;
-    size_t o = (size_t)snprintf(out, n, "{\"label\":\"");
-    for (const unsigned char *c = (const unsigned char *)label; *c && o + 8 < n; c++) {
-        if (*c == '"' || *c == '\\') {
-            out[o++] = '\\';
-            out[o++] = (char)*c;
-        } else {
-            out[o++] = *c >= 0x20 && *c < 0x7f ? (char)*c : '?';
-        }
-    }
-    out[o++] = '"';
-    out[o++] = '}';
-    out[o] = 0;
+    return krex_wire_send(fd, op, body, len, NULL);
 }
 
 /* Read the reply to a request: event frames are skipped; an ok reply's fixed body
- * (exactly `len` bytes, else -EPROTO) goes to `body`, and the JSON part is dropped
- * (its start kept in `why`, for the log, when the reply is an error). Returns the
- * header's status (KREX_ST_*) or a negative errno. */
+ * (exactly `len` bytes, else -EPROTO) goes to `body`; an error reply's krex_rep_error
+ * text (what went wrong) goes to `why`, for the log; the JSON part is dropped unread.
+ * Returns the header's status (KREX_ST_*) or a negative errno. */
 static int recv_reply(int fd, void *body, uint32_t len, char *why, size_t why_n) {
     if (why_n) why[0] = 0;
     struct krex_msg_hdr h;
     int rc = krex_wire_header(fd, &h, daemon_stale, NULL, NULL); /* events are dropped */
     if (rc) return rc;
     if (h.status == KREX_ST_OK && h.body_len != len) return -EPROTO;
-    if (h.status == KREX_ST_OK) rc = recv_full(fd, body, len);
-    else rc = recv_full(fd, NULL, h.body_len);
+    if (h.status == KREX_ST_OK) {
+        rc = recv_full(fd, body, len);
+    } else {
+        char *raw = malloc((size_t)h.body_len + 1);
+        rc = raw ? recv_full(fd, raw, h.body_len) : recv_full(fd, NULL, h.body_len);
+        struct krex_rep_error e;
+        if (!rc && raw && why_n && h.body_len >= sizeof e) {
+            memcpy(&e, raw, sizeof e);
+            const char *at = raw + sizeof e, *end = raw + h.body_len;
+            int ok = 1;
+            const char *msg = krex_wire_text(&at, end, e.error_str, &ok);
+            if (ok && msg) snprintf(why, why_n, "%s", msg);
+        }
+        free(raw);
+    }
     if (rc) return rc;
-    size_t keep = h.status != KREX_ST_OK && why_n ? h.json_len : 0;
-    if (keep > why_n - 1) keep = why_n - 1;
-    if (keep && (rc = recv_full(fd, why, keep))) return rc;
-    if (keep) why[keep] = 0;
-    if ((rc = recv_full(fd, NULL, h.json_len - keep))) return rc;
+    if ((rc = recv_full(fd, NULL, h.json_len))) return rc;
     return h.status;
+}
+
+/* A region's label as krexd takes it: bytes outside printable ASCII as '?', at most 255. */
+static void label_text(char *out, size_t n, const char *label) {
+    size_t o = 0;
+    for (const unsigned char *c = (const unsigned char *)(label ? label : ""); *c && o + 1 < n && o < 255; c++)
+        out[o++] = *c >= 0x20 && *c < 0x7f ? (char)*c : '?';
+    out[o] = 0;
 }
 
 static int first_visible_gpu(void) {
@@ -274,10 +266,13 @@ static int region_begin(const char *label) {
     }
     struct krex_req_begin req = {.tid = (int64_t)tid, .gpu = first_visible_gpu()};
     struct krex_rep_begin rep;
-    char why[512], json[300];
-    label_json(json, sizeof json, label);
+    char why[512], text[256];
+    label_text(text, sizeof text, label);
+    struct krex_tail tail = {0};
+    krex_tail_put(&tail, &req.label_str, text[0] ? text : NULL);
     int fd = conn_open();
-    int rc = fd < 0 ? fd : send_msg_json(fd, KREX_OP_BEGIN, &req, sizeof req, json[0] ? json : NULL);
+    int rc = fd < 0 ? fd : krex_wire_send(fd, KREX_OP_BEGIN, &req, sizeof req, &tail);
+    free(tail.p);
     if (rc == 0) rc = recv_reply(fd, &rep, sizeof rep, why, sizeof why);
     if (rc != KREX_ST_OK) {
         if (fd >= 0) close(fd);

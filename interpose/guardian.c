@@ -105,7 +105,7 @@ void buf_add(struct buf *b, const char *s, size_t n) {
 
 void buf_str(struct buf *b, const char *s) { buf_add(b, s, strlen(s)); }
 
-/* A JSON string literal (what a user typed goes into requests). */
+/* A JSON string literal, for the --report file (an error's words; never the wire). */
 static void buf_json_str(struct buf *b, const char *s) {
     buf_str(b, "\"");
     for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
@@ -286,7 +286,7 @@ static int parse(char **argv, struct opts *o) {
 }
 
 /* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF), as Python
- * decodes the environment without escapes; krexd takes only UTF-8 JSON. */
+ * decodes the environment without escapes; krexd takes only UTF-8 texts. */
 static int utf8_ok(const unsigned char *p) {
     while (*p) {
         unsigned c = *p++, n = c < 0x80 ? 0 : (c & 0xE0) == 0xC0 ? 1 : (c & 0xF0) == 0xE0 ? 2 : (c & 0xF8) == 0xF0 ? 3 : 9;
@@ -443,9 +443,22 @@ static int write_report(const char *path, const char *body, int status, const ch
     return EXIT_KREX;
 }
 
-static int ask(struct conn *c, enum krex_op op, const struct buf *json, struct jv **r, char *why, size_t n) {
-    if (send_request(c, op, json)) return -1;
-    return recv_reply(c, op, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, r, why, n, NULL);
+/* A request answered within the reply timeout: 0 ok, 1 refused (`why`: krexd's error), -1 no
+ * answer (`why`). The reply's body is freed unless `r` keeps it. */
+static int ask(struct conn *c, enum krex_op op, const void *body, uint32_t len, const struct krex_tail *tail,
+               struct reply *r, char *why, size_t n) {
+    struct reply own;
+    if (!r) r = &own;
+    memset(r, 0, sizeof *r);
+    if (send_request(c, op, body, len, tail)) return -1;
+    int k = recv_reply(c, op, (uint64_t)KREX_REPLY_TIMEOUT_MS * 1000000ull, r, why, n, NULL);
+    if (k == 1) {
+        struct error_texts e;
+        reply_error(r, &e);
+        snprintf(why, n, "%s", e.error ? e.error : "refused");
+    }
+    if (r == &own) free(own.body);
+    return k;
 }
 
 
@@ -458,16 +471,9 @@ struct join_ask {
 
 static int join_started(pid_t pid, void *arg) {
     struct join_ask *j = arg;
-    struct buf st = {0};
-    char num[64];
-    snprintf(num, sizeof num, "{\"pid\":%d,\"join\":true}", (int)pid);
-    buf_str(&st, num);
-    struct jv *r = NULL;
-    int k = ask(j->c, KREX_OP_STARTED, &st, &r, j->why, j->n);
-    if (k == 1) snprintf(j->why, j->n, "%s", jstr(r, "error") ? jstr(r, "error") : "refused");
+    struct krex_req_started st = {.pid = (int32_t)pid, .join = 1};
+    int k = ask(j->c, KREX_OP_STARTED, &st, sizeof st, NULL, NULL, j->why, j->n);
     if (k == -1 && !j->why[0]) snprintf(j->why, j->n, "the connection to krexd failed (%s)", strerror(errno));
-    jfree(r);
-    free(st.p);
     return k;
 }
 
@@ -524,9 +530,11 @@ static void fallback_unblocked(void) {
 /* krexd refused the admission (nothing is held): its error, fix and kind as Python's client
  * raises them (krex/proc/client.py _KINDS; another kind is a KrexError), printed as `krex run`
  * prints a KREX error and written to the report; 125 (errors.run_exit_code). */
-static int refused(const struct opts *o, const struct jv *r) {
+static int refused(const struct opts *o, const struct reply *r) {
     static const char *kinds[] = {"UsageError", "NotFound", "Busy", "Timeout", "PermissionDenied", "DaemonLost"};
-    const char *msg = jstr(r, "error"), *fix = jstr(r, "fix"), *kind = jstr(r, "kind"), *k = "KrexError";
+    struct error_texts e;
+    reply_error(r, &e);
+    const char *msg = e.error, *fix = e.fix, *kind = e.kind, *k = "KrexError";
     for (size_t i = 0; kind && i < sizeof kinds / sizeof *kinds; i++)
         if (!strcmp(kind, kinds[i])) k = kinds[i];
     if (!msg) msg = "request failed";
@@ -550,30 +558,21 @@ static int run(struct opts *o) {
     if (!own_install() || daemon_connect(&c)) fallback();
     mark("connected");
 
-    struct buf req = {0};
-    buf_str(&req, "{\"guardian\":\"native\",\"gpu\":");
-    buf_str(&req, o->gpu ? o->gpu : "null");
-    buf_str(&req, ",\"freeze\":");
-    if (o->freeze) buf_json_str(&req, o->freeze);
-    else buf_str(&req, "null");
-    buf_str(&req, ",\"device\":");
-    buf_json_str(&req, o->device ? o->device : "auto");
-    if (o->tenant) { /* krexd checks the name (and refuses a bad one with the fix) */
-        buf_str(&req, ",\"tenant\":");
-        buf_json_str(&req, o->tenant);
-    }
+    struct krex_req_admit req = {.has_gpu = o->gpu != NULL, .gpu = o->gpu ? atoi(o->gpu) : 0};
+    struct krex_tail tail = {0};
+    krex_tail_put(&tail, &req.guardian_str, "native");
+    krex_tail_put(&tail, &req.device_str, o->device ? o->device : "auto");
+    krex_tail_put(&tail, &req.freeze_str, o->freeze);
+    krex_tail_put(&tail, &req.tenant_str, o->tenant); /* krexd checks the name (and refuses a bad one with the fix) */
     /* krexd keeps it (stripped, as Python's str.strip) for the release's notes and report. */
     const char *av = getenv("KREX_AUTO_REGION");
-    if (av && *av) {
-        char *sent = auto_value_for_krexd(av);
-        buf_str(&req, ",\"auto_value\":");
-        buf_json_str(&req, sent);
-        free(sent);
-    }
-    buf_str(&req, "}");
+    char *sent = av && *av ? auto_value_for_krexd(av) : NULL;
+    krex_tail_put(&tail, &req.auto_value_str, sent);
+    free(sent);
     char why[512] = "";
-    struct jv *adm = NULL;
-    if (send_request(&c, KREX_OP_ADMIT, &req)) fallback();
+    struct reply adm;
+    if (send_request(&c, KREX_OP_ADMIT, &req, sizeof req, &tail)) fallback();
+    free(tail.p);
     int rc = recv_reply(&c, KREX_OP_ADMIT, 0, &adm, why, sizeof why, on_queue_event);
     /* From here the forwarded signals wait, blocked, for the signalfd (and the command):
      * blocked before the handler goes, so none can kill us in between. */
@@ -586,7 +585,7 @@ static int run(struct opts *o) {
     if (rc == 1) { /* refused, nothing claimed: krexd's words, as Python's client raises them */
         close(c.fd);
         sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
-        return refused(o, adm);
+        return refused(o, &adm);
     }
     if (rc && g_prepared) { /* no answer, and Python has just found krexd: client.py's words */
         const char *cut = strstr(why, "closed the connection");
@@ -603,10 +602,12 @@ static int run(struct opts *o) {
     mark("admitted");
     /* Admitted: from here on every way out releases the slot. */
     struct admission a;
-    struct buf rel = {0};
-    buf_str(&rel, o->keep_leftovers ? "{\"leftovers\":\"keep\"" : "{\"leftovers\":\"kill\"");
-    if (read_admission(adm, &a)) {
-        send_request(&c, KREX_OP_RELEASE, &(struct buf){(char *)"{}", 2, 3});
+    struct krex_req_release rel = {.report = o->report != NULL};
+    struct krex_tail rel_tail = {0};
+    krex_tail_put(&rel_tail, &rel.leftovers_str, o->keep_leftovers ? "keep" : "kill");
+    if (read_admission(&adm, &a)) {
+        struct krex_req_release plain = {0};
+        send_request(&c, KREX_OP_RELEASE, &plain, sizeof plain, NULL);
         const char *msg = "krexd's admit reply is malformed (a krexd of another version?)",
                    *fix = "restart krexd (`krex daemon stop`; it starts on demand)";
         say("krex: error: %s\n  fix: %s", msg, fix);
@@ -618,10 +619,9 @@ static int run(struct opts *o) {
      * guardian's report has it, and the segment to read the gate counters from. */
     struct buf base = {0};
     {
-        const char *dev = jstr(adm, "device");
-        const struct jv *w = jget(adm, "admission_wait_s");
+        const char *dev = a.device;
         char num[64];
-        snprintf(num, sizeof num, "%.6f", w && w->t == J_NUM ? w->num : 0.0);
+        snprintf(num, sizeof num, "%.6f", a.wait_s);
         int sim = (dev && !strcmp(dev, "sim")) || (o->device && !strcmp(o->device, "sim"));
         buf_str(&base, "{\"admission_wait_s\": ");
         buf_str(&base, num);
@@ -652,11 +652,7 @@ static int run(struct opts *o) {
      * pid to stop it), and a slot cgroup not visible or not writable here (a member of a
      * shared daemon's group, a container without the host's cgroup tree). */
     l.daemon_join = !strcmp(a.freezer, "signal") || !cgroup_joinable(a.group);
-    CPU_ZERO(&l.cpus);
-    for (struct jv *k = a.cpus && a.cpus->t == J_ARR ? a.cpus->kid : NULL; k; k = k->next) {
-        CPU_SET((int)k->num, &l.cpus);
-        l.has_cpus = 1;
-    }
+    l.has_cpus = admission_cpus(&a, &l.cpus);
     char *auto_dir = private_tmpdir(a.slot);
     l.envp = command_env(&a, auto_dir);
 
@@ -680,20 +676,12 @@ static int run(struct opts *o) {
         status = ws == -1 ? EXIT_KREX : WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         if (ws == -1) say("krex: error: the command's exit status was lost (another process reaped it)");
     } else {
-        struct buf st = {0};
-        char num[32];
-        snprintf(num, sizeof num, "%d", (int)pid);
-        buf_str(&st, "{\"pid\":");
-        buf_str(&st, num);
-        buf_str(&st, "}");
-        struct jv *r = NULL;
+        struct krex_req_started st = {.pid = (int32_t)pid};
         mark("spawned");
-        int k = ask(&c, KREX_OP_STARTED, &st, &r, why, sizeof why);
+        int k = ask(&c, KREX_OP_STARTED, &st, sizeof st, NULL, NULL, why, sizeof why);
         mark("started");
-        if (k == 1) snprintf(why, sizeof why, "%s", jstr(r, "error") ? jstr(r, "error") : "refused");
         if (k == -1 && !why[0]) snprintf(why, sizeof why, "the connection to krexd failed (%s)", strerror(errno));
         if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
-        jfree(r);
         int ws = wait_command(&a, &c, pid, sfd, &lo);
         if (ws == -1) {
             say("krex: error: the command's exit status was lost (another process reaped it)");
@@ -723,17 +711,18 @@ static int run(struct opts *o) {
         finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL, o->report,
                          base.p, g_quiet);
     }
-    if (auto_full) {
-        buf_str(&rel, ",\"auto_dir\":");
-        buf_json_str(&rel, auto_dir);
-    }
-    if (o->report) buf_str(&rel, ",\"report\":true");
-    buf_str(&rel, "}");
-    struct jv *r = NULL;
+    krex_tail_put(&rel_tail, &rel.auto_dir_str, auto_full ? auto_dir : NULL);
+    struct reply r;
     struct timespec t_rel;
     clock_gettime(CLOCK_REALTIME, &t_rel);
-    int k = ask(&c, KREX_OP_RELEASE, &rel, &r, why, sizeof why);
+    int k = ask(&c, KREX_OP_RELEASE, &rel, sizeof rel, &rel_tail, &r, why, sizeof why);
     mark("released");
+    struct text notes = {0};
+    const char *body = NULL;
+    if (k == 0 && read_release(&r, &notes, &body)) { /* a reply it cannot read: as none */
+        k = -1;
+        snprintf(why, sizeof why, "krexd's release reply is malformed (a krexd of another version?)");
+    }
     if (k != 0 && pid >= 0) { /* no release reply: the journal has the rest */
         drop_empty(auto_dir, auto_full);
         lo.happened = 1;
@@ -762,9 +751,8 @@ static int run(struct opts *o) {
         if (o->report) write_report(o->report, NULL, status, kind, msg, fix);
         return status;
     }
-    print_notes(jget(r, "notes"));
+    print_notes(notes);
     if (o->report) {
-        const char *body = jstr(r, "report_json");
         if (!body) { /* krexd released the slot but sent no report (no record of it left): the finisher makes it */
             lo.why = "";
             lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;

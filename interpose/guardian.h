@@ -31,8 +31,7 @@
 
 #include "krex_abi.h"
 #include "krex_env.h"
-
-extern char **environ;
+#include "wire.h"
 
 extern char **environ;
 
@@ -47,21 +46,30 @@ extern int g_shared_group;
 extern int g_prepared;
 extern const char *g_python, *g_prepared_lib;
 
-/* A growable string (JSON requests, environment entries). */
+/* A growable string (environment entries, the report). */
 struct buf {
     char *p;
     size_t n, cap;
 };
 
-enum jtype { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ };
-struct jv {
-    enum jtype t;
-    int b;
-    double num;
-    char *s;         /* J_STR: decoded, NUL-terminated */
-    char *key;       /* the member's name inside an object */
-    struct jv *kid;  /* J_ARR / J_OBJ: the first element */
-    struct jv *next; /* the next element of the parent */
+/* A list text of a reply's body (krex_abi.h, "Text tails"): `n` bytes of NUL-ended strings
+ * at p (NULL: empty). TEXT_EACH(s, t) { ... } visits each string. */
+struct text {
+    const char *p;
+    uint32_t n;
+};
+#define TEXT_EACH(s, t) for (const char *s = (t).p; s && s < (t).p + (t).n; s += strlen(s) + 1)
+
+/* A reply frame: its header and body (the struct and its tail, malloc'd, NUL-ended past its
+ * end); its JSON part was dropped unread. */
+struct reply {
+    struct krex_msg_hdr h;
+    char *body;
+};
+
+/* An error reply's texts (krex_rep_error), NULL where it has none. */
+struct error_texts {
+    const char *error, *fix, *kind;
 };
 
 struct conn {
@@ -74,11 +82,12 @@ struct conn {
                                  * they may still come, before the next one's */
 };
 
-/* The admit reply this guardian needs; -1 when it is malformed. */
+/* The admit reply this guardian needs (krex_rep_admit; pointers into the reply's body). */
 struct admission {
     int slot, gpu;
-    const char *shm, *group, *freezer;
-    const struct jv *env_set, *env_prepend, *cpus, *notes;
+    double wait_s;
+    const char *device, *shm, *group, *freezer;
+    struct text env_set, env_prepend, cpus, notes;
 };
 
 struct launch {
@@ -107,20 +116,19 @@ void say(const char *fmt, ...);
 void note(const char *text);
 void buf_add(struct buf *b, const char *s, size_t n);
 void buf_str(struct buf *b, const char *s);
-void jfree(struct jv *v);
-struct jv *jparse_object(const char *s, size_t n);
-struct jv *jget(const struct jv *obj, const char *key);
-const char *jstr(const struct jv *obj, const char *key);
 void seg_remap(void);
 const struct krex_shm *seg_map(const char *name);
 double heartbeat_age(const struct conn *c);
 int daemon_connect(struct conn *c);
-int send_request(struct conn *c, enum krex_op op, const struct buf *json);
-int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out, char *why, size_t why_n,
-               void (*on_event)(const struct jv *));
-void on_queue_event(const struct jv *ev);
-int read_admission(const struct jv *r, struct admission *a);
-void print_notes(const struct jv *notes);
+int send_request(struct conn *c, enum krex_op op, const void *body, uint32_t len, const struct krex_tail *tail);
+int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct reply *out, char *why, size_t why_n,
+               void (*on_event)(const char *note));
+void reply_error(const struct reply *r, struct error_texts *e);
+void on_queue_event(const char *note);
+int read_admission(const struct reply *r, struct admission *a);
+int read_release(const struct reply *r, struct text *notes, const char **report_json);
+int admission_cpus(const struct admission *a, cpu_set_t *set);
+void print_notes(struct text notes);
 int own_install(void);
 char **command_env(const struct admission *a, const char *auto_dir);
 char *private_tmpdir(int slot);

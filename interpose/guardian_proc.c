@@ -170,15 +170,23 @@ char **command_env(const struct admission *a, const char *auto_dir) {
     memcpy(envp, environ, n * sizeof *envp);
     envp[n] = NULL;
     env_put(&envp, &n, "LD_PRELOAD", prepend(env_get(envp, n, "LD_PRELOAD"), g_own.shim, ": "));
-    for (struct jv *k = a->env_prepend->kid; k; k = k->next) {
-        const char *own = !strcmp(k->key, "PYTHONPATH")        ? g_own.hook
-                          : !strcmp(k->key, "LD_LIBRARY_PATH") ? g_own.lib
-                                                               : NULL;
-        if (own) env_put(&envp, &n, k->key, prepend(env_get(envp, n, k->key), own, ":"));
+    int i = 0; /* env_prepend: NAME, value, separators (read_admission checked the count) */
+    TEXT_EACH(name, a->env_prepend) {
+        if (i++ % 3) continue;
+        const char *own = !strcmp(name, "PYTHONPATH")        ? g_own.hook
+                          : !strcmp(name, "LD_LIBRARY_PATH") ? g_own.lib
+                                                             : NULL;
+        if (own) env_put(&envp, &n, name, prepend(env_get(envp, n, name), own, ":"));
     }
-    for (struct jv *k = a->env_set->kid; k; k = k->next)
-        if (daemon_env_name(k->key) || (!strcmp(k->key, "KREX_DAEMON_CMD") && daemon_cmd_ok(k->s)))
-            env_put(&envp, &n, k->key, k->s);
+    const char *name = NULL; /* env_set: NAME, value */
+    TEXT_EACH(s, a->env_set) {
+        if (!name) {
+            name = s;
+            continue;
+        }
+        if (daemon_env_name(name) || (!strcmp(name, "KREX_DAEMON_CMD") && daemon_cmd_ok(s))) env_put(&envp, &n, name, s);
+        name = NULL;
+    }
     /* Processes that use KREX_AUTO_REGION (ours, or set by the command) leave their status here. */
     if (auto_dir) env_put(&envp, &n, "KREX_AUTO_STATUS_DIR", auto_dir);
     /* For tests: proof that this guardian, not the Python one, ran the command. */
@@ -431,18 +439,18 @@ static void thaw(const struct admission *a, pid_t pid) {
 
 /* Under the signal freezer: does its state file say krexd holds the group stopped (a region
  * of another command)? Then a forwarded SIGCONT would thaw it inside that region: it waits for
- * krexd's thaw. Unreadable counts as held; missing as not (launcher._signal_group_frozen). */
+ * krexd's thaw. Unreadable counts as held; missing as not (launcher._signal_group_frozen).
+ * krexd writes the file (sigfreezer._SignalGroup._save) with `"frozen": false` while the group
+ * runs: anything else (held, half written, damaged) counts as held. */
 static int signal_group_frozen(const struct admission *a) {
     char b[4096];
     int fd = open(a->group, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return errno != ENOENT;
-    ssize_t n = read(fd, b, sizeof b);
+    ssize_t n = read(fd, b, sizeof b - 1);
     close(fd);
-    struct jv *v = n > 0 ? jparse_object(b, (size_t)n) : NULL;
-    const struct jv *f = jget(v, "frozen");
-    int held = !v || (f && ((f->t == J_BOOL && f->b) || (f->t == J_NUM && f->num != 0)));
-    jfree(v);
-    return held;
+    if (n <= 0) return 1;
+    b[n] = 0;
+    return !strstr(b, "\"frozen\": false");
 }
 
 /* krexd's end closed: thaw, and note whether it held our region (_Guardian._lost). */

@@ -4,226 +4,6 @@
 #define _GNU_SOURCE
 #include "guardian.h"
 #include "wire.h"
-/* ------------------------------------------------------------------ JSON (replies only)
- * krexd's replies are one JSON object (krex/protocol.py). A strict reader: a tree of
- * values; anything malformed is an error. Strings are decoded (escapes, \u to UTF-8);
- * a NUL inside one is refused (it could not reach an environment). */
-
-
-struct jparse {
-    const char *p, *end;
-    int depth;
-};
-
-void jfree(struct jv *v) {
-    while (v) {
-        struct jv *n = v->next;
-        jfree(v->kid);
-        free(v->s);
-        free(v->key);
-        free(v);
-        v = n;
-    }
-}
-
-static void jws(struct jparse *j) {
-    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
-}
-
-static int hex4(const char *p, unsigned *out) {
-    *out = 0;
-    for (int i = 0; i < 4; i++) {
-        char c = p[i];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-        if (d < 0) return -1;
-        *out = *out << 4 | (unsigned)d;
-    }
-    return 0;
-}
-
-static void put_utf8(struct buf *b, unsigned cp) {
-    char u[4];
-    size_t n;
-    if (cp < 0x80) u[0] = (char)cp, n = 1;
-    else if (cp < 0x800) u[0] = (char)(0xC0 | cp >> 6), u[1] = (char)(0x80 | (cp & 63)), n = 2;
-    else if (cp < 0x10000)
-        u[0] = (char)(0xE0 | cp >> 12), u[1] = (char)(0x80 | (cp >> 6 & 63)), u[2] = (char)(0x80 | (cp & 63)), n = 3;
-    else
-        u[0] = (char)(0xF0 | cp >> 18), u[1] = (char)(0x80 | (cp >> 12 & 63)), u[2] = (char)(0x80 | (cp >> 6 & 63)),
-        u[3] = (char)(0x80 | (cp & 63)), n = 4;
-    buf_add(b, u, n);
-}
-
-static char *jstring(struct jparse *j) { /* at the opening quote */
-    struct buf b = {0};
-    buf_str(&b, "");
-    for (j->p++; j->p < j->end; j->p++) {
-        unsigned char c = (unsigned char)*j->p;
-        if (c == '"') {
-            j->p++;
-            return b.p;
-        }
-        if (c < 0x20) break;
-        if (c != '\\') {
-            buf_add(&b, j->p, 1);
-            continue;
-        }
-        if (++j->p >= j->end) break;
-        const char *simple = strchr("\"\\/bfnrt", *j->p);
-        if (simple && *j->p) {
-            static const char to[] = "\"\\/\b\f\n\r\t";
-            buf_add(&b, &to[simple - "\"\\/bfnrt"], 1);
-            continue;
-        }
-        unsigned cp, lo;
-        if (*j->p != 'u' || j->end - j->p < 5 || hex4(j->p + 1, &cp)) break;
-        j->p += 4;
-        if (cp >= 0xD800 && cp < 0xDC00) { /* a surrogate pair */
-            if (j->end - j->p < 7 || j->p[1] != '\\' || j->p[2] != 'u' || hex4(j->p + 3, &lo) || lo < 0xDC00 || lo > 0xDFFF)
-                break;
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-            j->p += 6;
-        } else if ((cp >= 0xDC00 && cp < 0xE000) || cp == 0) {
-            break;
-        }
-        put_utf8(&b, cp);
-    }
-    free(b.p);
-    return NULL;
-}
-
-static struct jv *jvalue(struct jparse *j);
-
-static struct jv *jcontainer(struct jparse *j, struct jv *v, char close) {
-    struct jv **tail = &v->kid;
-    j->p++;
-    jws(j);
-    if (j->p < j->end && *j->p == close) {
-        j->p++;
-        return v;
-    }
-    for (;;) {
-        char *key = NULL;
-        jws(j);
-        if (close == '}') {
-            if (j->p >= j->end || *j->p != '"' || !(key = jstring(j))) return NULL;
-            jws(j);
-            if (j->p >= j->end || *j->p++ != ':') {
-                free(key);
-                return NULL;
-            }
-        }
-        struct jv *k = jvalue(j);
-        if (!k) {
-            free(key);
-            return NULL;
-        }
-        k->key = key;
-        *tail = k;
-        tail = &k->next;
-        jws(j);
-        if (j->p < j->end && *j->p == ',') {
-            j->p++;
-            continue;
-        }
-        if (j->p < j->end && *j->p == close) {
-            j->p++;
-            return v;
-        }
-        return NULL;
-    }
-}
-
-static int jnumber(struct jparse *j, struct jv *v) {
-    const char *s = j->p;
-    if (j->p < j->end && *j->p == '-') j->p++;
-    if (j->p >= j->end || *j->p < '0' || *j->p > '9') return -1;
-    if (*j->p == '0') j->p++;
-    else
-        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
-    if (j->p < j->end && *j->p == '.') {
-        if (++j->p >= j->end || *j->p < '0' || *j->p > '9') return -1;
-        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
-    }
-    if (j->p < j->end && (*j->p == 'e' || *j->p == 'E')) {
-        j->p++;
-        if (j->p < j->end && (*j->p == '+' || *j->p == '-')) j->p++;
-        if (j->p >= j->end || *j->p < '0' || *j->p > '9') return -1;
-        while (j->p < j->end && *j->p >= '0' && *j->p <= '9') j->p++;
-    }
-    char tmp[64];
-    size_t n = (size_t)(j->p - s);
-    if (n >= sizeof tmp) n = sizeof tmp - 1; /* precision beyond this is never needed */
-    memcpy(tmp, s, n);
-    tmp[n] = 0;
-    v->num = strtod(tmp, NULL);
-    return 0;
-}
-
-static struct jv *jvalue(struct jparse *j) {
-    struct jv *v = calloc(1, sizeof *v);
-    if (!v) return NULL;
-    jws(j);
-    struct jv *ok = v;
-    if (++j->depth > 32 || j->p >= j->end) {
-        ok = NULL;
-    } else if (*j->p == '{') {
-        v->t = J_OBJ;
-        ok = jcontainer(j, v, '}');
-    } else if (*j->p == '[') {
-        v->t = J_ARR;
-        ok = jcontainer(j, v, ']');
-    } else if (*j->p == '"') {
-        v->t = J_STR;
-        ok = (v->s = jstring(j)) ? v : NULL;
-    } else if (j->end - j->p >= 4 && !memcmp(j->p, "true", 4)) {
-        v->t = J_BOOL, v->b = 1, j->p += 4;
-    } else if (j->end - j->p >= 5 && !memcmp(j->p, "false", 5)) {
-        v->t = J_BOOL, j->p += 5;
-    } else if (j->end - j->p >= 4 && !memcmp(j->p, "null", 4)) {
-        v->t = J_NULL, j->p += 4;
-    } else {
-        v->t = J_NUM;
-        ok = jnumber(j, v) ? NULL : v;
-    }
-    j->depth--;
-    if (!ok) jfree(v);
-    return ok;
-}
-
-/* The whole text as one JSON object, or NULL. */
-struct jv *jparse_object(const char *s, size_t n) {
-    struct jparse j = {s, s + n, 0};
-    jws(&j);
-    if (j.p >= j.end || *j.p != '{') return NULL;
-    struct jv *v = jvalue(&j);
-    jws(&j);
-    if (v && j.p != j.end) {
-        jfree(v);
-        return NULL;
-    }
-    return v;
-}
-
-struct jv *jget(const struct jv *obj, const char *key) {
-    if (!obj || obj->t != J_OBJ) return NULL;
-    for (struct jv *k = obj->kid; k; k = k->next)
-        if (!strcmp(k->key, key)) return k; /* the last one would win in Python; krexd never repeats */
-    return NULL;
-}
-
-const char *jstr(const struct jv *obj, const char *key) {
-    struct jv *v = jget(obj, key);
-    return v && v->t == J_STR ? v->s : NULL;
-}
-
-/* An integer member in [lo, hi], or -1 (the callers' values are never negative). */
-static long long jint(const struct jv *obj, const char *key, long long lo, long long hi) {
-    struct jv *v = jget(obj, key);
-    if (!v || v->t != J_NUM || v->num != (double)(long long)v->num || v->num < lo || v->num > hi) return -1;
-    return (long long)v->num;
-}
-
 /* ------------------------------------------------------------------ the daemon's socket */
 
 
@@ -435,9 +215,9 @@ int daemon_connect(struct conn *c) {
     return 0;
 }
 
-/* One request: header (op, no fixed body) and its JSON object (krex/protocol.py). */
-int send_request(struct conn *c, enum krex_op op, const struct buf *json) {
-    return krex_wire_send(c->fd, op, NULL, 0, json->p, (uint32_t)json->n) ? -1 : 0;
+/* One request: the op's struct and its text tail (krex_abi.h), no JSON. */
+int send_request(struct conn *c, enum krex_op op, const void *body, uint32_t len, const struct krex_tail *tail) {
+    return krex_wire_send(c->fd, op, body, len, tail) ? -1 : 0;
 }
 
 /* A wait for krexd's bytes: given up when krexd is gone, hung or stopped (daemon_stuck), or
@@ -447,7 +227,7 @@ struct wait {
     uint64_t end;
     char *why;
     size_t why_n;
-    void (*on_event)(const struct jv *);
+    void (*on_event)(const char *note);
 };
 
 static int stuck(void *arg) {
@@ -469,40 +249,47 @@ static int recv_bytes(struct wait *w, void *buf, size_t n) {
     return rc ? -1 : 0;
 }
 
-/* The JSON object after a header (none: an empty object), or NULL with `why` set. */
-static struct jv *recv_object(struct wait *w, const struct krex_msg_hdr *h) {
-    char *js = malloc((size_t)h->json_len + 1);
-    if (!js || recv_bytes(w, js, h->json_len)) {
-        free(js);
+/* The body after a header (malloc'd, NUL-ended past it), its JSON part dropped unread; NULL
+ * with `why` set. */
+static char *recv_body(struct wait *w, const struct krex_msg_hdr *h) {
+    char *b = malloc((size_t)h->body_len + 1);
+    if (!b) snprintf(w->why, w->why_n, "out of memory for krexd's reply");
+    if (!b || recv_bytes(w, b, h->body_len) || recv_bytes(w, NULL, h->json_len)) {
+        free(b);
         return NULL;
     }
-    struct jv *v = h->json_len ? jparse_object(js, h->json_len) : calloc(1, sizeof *v);
-    free(js);
-    if (!v) snprintf(w->why, w->why_n, "krexd's reply is not a JSON object");
-    else if (!h->json_len) v->t = J_OBJ;
-    return v;
+    b[h->body_len] = 0;
+    return b;
 }
 
 static int on_event_frame(int fd, const struct krex_msg_hdr *h, void *arg) {
     struct wait *w = arg;
     (void)fd;
-    if (h->body_len) return -EPROTO;
-    struct jv *v = recv_object(w, h);
-    if (!v) return -EIO;
-    if (w->on_event) w->on_event(v);
-    jfree(v);
+    char *b = recv_body(w, h);
+    if (!b) return -EIO;
+    struct krex_rep_event e;
+    int ok = h->body_len >= sizeof e;
+    if (ok) {
+        memcpy(&e, b, sizeof e);
+        const char *at = b + sizeof e, *end = b + h->body_len;
+        krex_wire_text(&at, end, e.event_str, &ok);
+        const char *text = krex_wire_text(&at, end, e.note_str, &ok);
+        if (ok && at == end && text && w->on_event) w->on_event(text);
+    }
+    free(b);
     return 0;
 }
 
-/* The reply to `op`: its JSON object (events go to on_event). Returns 0 (ok reply), 1 (an
- * error reply: `out` holds its object) or -1 (no usable reply: `why`). `cap_ns` bounds the
- * whole exchange: events do not restart it (a krexd that sends events forever would hold
- * us for ever); 0: no bound (admission may queue). */
-int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out, char *why, size_t why_n,
-               void (*on_event)(const struct jv *)) {
+/* The reply to `op`: its header and body (events go to on_event). Returns 0 (ok reply), 1
+ * (an error reply) or -1 (no usable reply: `why`). `cap_ns` bounds the whole exchange:
+ * events do not restart it (a krexd that sends events forever would hold us for ever); 0: no
+ * bound (admission may queue). */
+int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct reply *out, char *why, size_t why_n,
+               void (*on_event)(const char *note)) {
     struct wait w = {c, cap_ns ? now_ns() + cap_ns : 0, why, why_n, on_event};
     struct krex_msg_hdr h;
     memset(&h, 0, sizeof h);
+    memset(out, 0, sizeof *out);
     int rc;
     for (;;) { /* a late reply to a request given up on (krexd was stopped) is not this one's */
         rc = krex_wire_header(c->fd, &h, stuck, &w, on_event_frame);
@@ -517,57 +304,111 @@ int recv_reply(struct conn *c, enum krex_op op, uint64_t cap_ns, struct jv **out
     }
     if (rc == -EPIPE || (rc && rc != -EPROTO && rc != -ETIMEDOUT && !why[0]))
         snprintf(why, why_n, "the KREX daemon (pid %d) closed the connection", (int)c->daemon_pid);
-    if (rc == -EPROTO || (!rc && (h.body_len != 0 || (h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) ||
-                                  (h.op != op && h.op != KREX_OP_NONE)))) {
+    if (rc == -EPROTO ||
+        (!rc && ((h.status != KREX_ST_OK && h.status != KREX_ST_ERROR) || (h.op != op && h.op != KREX_OP_NONE)))) {
         snprintf(why, why_n, "krexd's reply is not a frame of this KREX version (op %u, status %u, %u+%u bytes)",
                  h.op, h.status, h.body_len, h.json_len);
         return -1;
     }
     if (rc) return -1;
-    if (!(*out = recv_object(&w, &h))) return -1;
+    out->h = h;
+    if (!(out->body = recv_body(&w, &h))) return -1;
     return h.status == KREX_ST_OK && h.op == op ? 0 : 1;
+}
+
+/* An error reply's texts (krex_rep_error); each NULL where it has none or it is malformed. */
+void reply_error(const struct reply *r, struct error_texts *e) {
+    struct krex_rep_error b;
+    memset(e, 0, sizeof *e);
+    if (r->h.status != KREX_ST_ERROR || r->h.body_len < sizeof b) return;
+    memcpy(&b, r->body, sizeof b);
+    const char *at = r->body + sizeof b, *end = r->body + r->h.body_len;
+    int ok = 1;
+    const char *error = krex_wire_text(&at, end, b.error_str, &ok), *fix = krex_wire_text(&at, end, b.fix_str, &ok),
+               *kind = krex_wire_text(&at, end, b.kind_str, &ok);
+    if (!ok || at != end) return;
+    e->error = error, e->fix = fix, e->kind = kind;
+}
+
+/* A reply's one string (a NAME_str text): one NUL, at its end. */
+static int one_string(const char *s, uint32_t n) { return !s || strlen(s) + 1 == n; }
+
+/* The release reply: its notes and report (NULL: none). -1 when it is malformed. */
+int read_release(const struct reply *r, struct text *notes, const char **report_json) {
+    struct krex_rep_release b;
+    if (r->h.body_len < sizeof b) return -1;
+    memcpy(&b, r->body, sizeof b);
+    const char *at = r->body + sizeof b, *end = r->body + r->h.body_len;
+    int ok = 1;
+    notes->p = krex_wire_text(&at, end, b.notes_strs, &ok);
+    notes->n = b.notes_strs;
+    *report_json = krex_wire_text(&at, end, b.report_json_str, &ok);
+    return ok && at == end && one_string(*report_json, b.report_json_str) ? 0 : -1;
 }
 
 /* ------------------------------------------------------------------ admission */
 
-void on_queue_event(const struct jv *ev) {
+void on_queue_event(const char *text) {
     static int told;
-    const char *text = jstr(ev, "note"); /* optin.queue_note, rendered by krexd */
-    if (!told && text) note(text);
+    if (!told && text) note(text); /* optin.queue_note, rendered by krexd */
     told = 1;
 }
 
+/* A CPU number of shared_cpus: decimal, below CPU_SETSIZE. */
+static int cpu_number(const char *s) {
+    char *e;
+    errno = 0;
+    long v = strtol(s, &e, 10);
+    return *s >= '0' && *s <= '9' && !*e && !errno && v < CPU_SETSIZE ? (int)v : -1;
+}
 
-int read_admission(const struct jv *r, struct admission *a) {
-    a->slot = (int)jint(r, "slot", 0, KREX_MAX_SLOTS - 1);
-    a->gpu = (int)jint(r, "gpu", 0, KREX_MAX_GPUS - 1);
-    a->shm = jstr(r, "shm");
-    a->group = jstr(r, "group");
-    a->freezer = jstr(r, "freezer");
-    a->env_set = jget(r, "env_set");
-    a->env_prepend = jget(r, "env_prepend");
-    a->cpus = jget(r, "shared_cpus");
-    a->notes = jget(r, "notes");
-    if (a->slot < 0 || a->gpu < 0 || !a->shm || !a->group || !a->freezer) return -1;
-    if (!a->env_set || a->env_set->t != J_OBJ || !a->env_prepend || a->env_prepend->t != J_OBJ) return -1;
-    for (struct jv *k = a->env_set->kid; k; k = k->next)
-        if (k->t != J_STR || !k->key[0] || strchr(k->key, '=')) return -1;
-    for (struct jv *k = a->env_prepend->kid; k; k = k->next) {
-        struct jv *v = k->kid; /* [value, separators] */
-        if (k->t != J_ARR || !k->key[0] || strchr(k->key, '=') || !v || v->t != J_STR || !v->next ||
-            v->next->t != J_STR || v->next->next)
-            return -1;
+/* The admit reply's body (krex_rep_admit); -1 when it is malformed. */
+int read_admission(const struct reply *r, struct admission *a) {
+    struct krex_rep_admit b;
+    memset(a, 0, sizeof *a);
+    if (r->h.status != KREX_ST_OK || r->h.body_len < sizeof b) return -1;
+    memcpy(&b, r->body, sizeof b);
+    const char *at = r->body + sizeof b, *end = r->body + r->h.body_len;
+    int ok = 1;
+    a->slot = b.slot;
+    a->gpu = b.gpu;
+    a->wait_s = b.admission_wait_s;
+    a->device = krex_wire_text(&at, end, b.device_str, &ok);
+    a->shm = krex_wire_text(&at, end, b.shm_str, &ok);
+    a->group = krex_wire_text(&at, end, b.group_str, &ok);
+    a->freezer = krex_wire_text(&at, end, b.freezer_str, &ok);
+    struct text *lists[] = {&a->env_set, &a->env_prepend, &a->cpus, &a->notes};
+    uint32_t lens[] = {b.env_set_strs, b.env_prepend_strs, b.shared_cpus_strs, b.notes_strs};
+    for (int i = 0; i < 4; i++) {
+        lists[i]->p = krex_wire_text(&at, end, lens[i], &ok);
+        lists[i]->n = lens[i];
     }
-    if (a->cpus && a->cpus->t != J_NULL) {
-        if (a->cpus->t != J_ARR) return -1;
-        for (struct jv *k = a->cpus->kid; k; k = k->next)
-            if (k->t != J_NUM || k->num < 0 || k->num >= CPU_SETSIZE || k->num != (int)k->num) return -1;
-    }
-    if (a->notes && a->notes->t != J_ARR) return -1;
+    if (!ok || at != end || a->slot < 0 || a->slot >= KREX_MAX_SLOTS || a->gpu < 0 || a->gpu >= KREX_MAX_GPUS)
+        return -1;
+    if (!a->shm || !a->group || !a->freezer || !one_string(a->device, b.device_str) ||
+        !one_string(a->shm, b.shm_str) || !one_string(a->group, b.group_str) || !one_string(a->freezer, b.freezer_str))
+        return -1;
+    int k = 0; /* env_set: NAME, value; env_prepend: NAME, value, separators */
+    TEXT_EACH(s, a->env_set) if (k++ % 2 == 0 && (!*s || strchr(s, '='))) return -1;
+    if (k % 2) return -1;
+    k = 0;
+    TEXT_EACH(s, a->env_prepend) if (k++ % 3 == 0 && (!*s || strchr(s, '='))) return -1;
+    if (k % 3) return -1;
+    TEXT_EACH(s, a->cpus) if (cpu_number(s) < 0) return -1;
     return 0;
 }
 
-void print_notes(const struct jv *notes) {
-    for (const struct jv *k = notes ? notes->kid : NULL; k; k = k->next)
-        if (k->t == J_STR) note(k->s);
+void print_notes(struct text notes) {
+    TEXT_EACH(s, notes) note(s);
+}
+
+/* The CPUs of the admission's shared_cpus (read_admission checked each). */
+int admission_cpus(const struct admission *a, cpu_set_t *set) {
+    int any = 0;
+    CPU_ZERO(set);
+    TEXT_EACH(s, a->cpus) {
+        CPU_SET(cpu_number(s), set);
+        any = 1;
+    }
+    return any;
 }

@@ -273,40 +273,54 @@
 /* ------------------------------------------------------------------ the wire
  * Clients (krex run's guardian, krex.region, the shim) and krexd talk over one Unix
  * stream socket. Every message, either way, is one frame, in host byte order:
- *     struct krex_msg_hdr | the op's fixed body (body_len bytes) | a JSON object (json_len bytes)
- * The fixed bodies (krex_req_* / krex_rep_* below, named per op in KREX_OPS) carry
- * what the shim sends and reads, so C never parses JSON; the JSON object carries
- * everything else: optional fields, rich replies (status, a grant, a region record)
- * and an error's message, kind and fix. A field is in the body or in the JSON, never
- * both. A reply repeats its request's op; KREX_OP_EVENT frames (admission queued)
- * may come before it. Identity never comes from a frame: krexd reads it from
- * SO_PEERCRED (invariant I6).
- * A frame krexd cannot use (unknown op, a body of the wrong size, JSON that is not an
- * object, a field of the wrong type) gets an error reply and the connection goes on;
- * a bad magic, a truncated frame or one longer than KREX_WIRE_MAX gets an error reply
- * and ends the connection (the stream cannot be resynchronised). */
-/* "KRX1" as its first four bytes on a little-endian host. */
-#define KREX_WIRE_MAGIC 827871819
+ *     struct krex_msg_hdr | the op's body (body_len bytes) | a JSON object (json_len bytes)
+ * The body is the op's fixed struct (krex_req_* / krex_rep_* below, named per op in
+ * KREX_OPS; every error reply's is struct krex_rep_error) followed by its text tail. It
+ * carries everything a C client (guardian.c, client.c) sends or reads, so C neither
+ * writes nor parses JSON: C senders set json_len to 0, and C readers drop a reply's JSON
+ * unread. The JSON object carries the rest, for Python clients only: optional fields,
+ * rich replies (status, a region record, a release's regions). A field is in the body or
+ * in the JSON, never both. A reply repeats its request's op; KREX_OP_EVENT frames
+ * (admission queued) may come before it. Identity never comes from a frame: krexd reads
+ * it from SO_PEERCRED (invariant I6).
+ *
+ * Text tails. A body struct's uint32_t fields named NAME_str and NAME_strs are not values:
+ * each is the byte count of one text of the tail, which follows the struct inside the body
+ * in the order of those fields (body_len = sizeof the struct + their sum). A text is a run
+ * of UTF-8 strings, each ended by a NUL (none inside): NAME_str one string (0 bytes: none,
+ * absent from the dict form), NAME_strs a list of them (0 bytes: empty). A map goes as a
+ * list, each key followed by its value's strings (the struct says how many). A field
+ * has_NAME says whether the integer NAME is set (the dict form: null or absent when not).
+ * Python's dict form (krex/protocol.py) names each by NAME alone.
+ *
+ * A frame krexd cannot use (unknown op, a body of the wrong size or a tail that does not
+ * add up, a text that is not NUL-ended UTF-8, JSON that is not an object, a field of the
+ * wrong type) gets an error reply and the connection goes on; a bad magic, a truncated
+ * frame or one longer than KREX_WIRE_MAX gets an error reply and ends the connection (the
+ * stream cannot be resynchronised). */
+/* "KRX2" as its first four bytes on a little-endian host (KRX1 frames carried JSON where
+ * these carry text tails). */
+#define KREX_WIRE_MAGIC 844649035
 #define KREX_WIRE_MAX 1048576
 /* krex_msg_hdr.status of a reply. */
 #define KREX_ST_OK 0
 #define KREX_ST_ERROR 1
 
-/* The operations: name, code, fixed request body, fixed reply body (none: JSON only).
+/* The operations: name, code, request body, reply body (none: JSON only).
  * NONE is the op of a reply to a frame krexd could not read (or sent before any). */
 #define KREX_OPS(X)                                           \
     X(NONE, 0, none, none)                                    \
     X(HELLO, 1, none, none)                                   \
-    X(ADMIT, 2, none, none)                                   \
-    X(STARTED, 3, none, none)                                 \
-    X(RELEASE, 4, none, none)                                 \
+    X(ADMIT, 2, krex_req_admit, krex_rep_admit)               \
+    X(STARTED, 3, krex_req_started, none)                     \
+    X(RELEASE, 4, krex_req_release, krex_rep_release)         \
     X(ADOPT, 5, none, none)                                   \
     X(REGISTER, 6, krex_req_register, krex_rep_register)      \
     X(BEGIN, 7, krex_req_begin, krex_rep_begin)               \
     X(END, 8, none, krex_rep_end)                             \
     X(STATUS, 9, none, none)                                  \
     X(SHUTDOWN, 10, none, none)                               \
-    X(EVENT, 11, none, none)                                  \
+    X(EVENT, 11, none, krex_rep_event)                        \
     X(SOON, 12, none, none)
 /* C: enum krex_op { KREX_OP_NONE = 0, KREX_OP_HELLO = 1, ... }. cffi gets the same
  * names as constants, from krex_build.py's reading of the rows above. */
@@ -317,8 +331,75 @@ struct krex_msg_hdr {
     uint32_t magic;                 /* KREX_WIRE_MAGIC */
     uint16_t op;                    /* KREX_OP_* */
     uint16_t status;                /* replies: KREX_ST_*; 0 in requests */
-    uint32_t body_len;              /* bytes of the op's fixed body that follow (0 or its size) */
-    uint32_t json_len;              /* bytes of the JSON object after the body (0: none) */
+    uint32_t body_len;              /* bytes of the op's body that follow (0, or its struct and tail) */
+    uint32_t json_len;              /* bytes of the JSON object after the body (0: none; always 0 from C) */
+};
+
+/* Every error reply (status KREX_ST_ERROR), whatever its op: what went wrong, how to fix
+ * it, and the kind (a class of krex/errors.py: what a client raises). */
+struct krex_rep_error {
+    uint32_t error_str;
+    uint32_t fix_str;
+    uint32_t kind_str;
+    uint32_t pad0;
+};
+
+/* event: something krexd says before the reply (admission queued: `event` "queued"). */
+struct krex_rep_event {
+    int32_t slots_busy;             /* commands holding slots when it queued */
+    uint32_t event_str;             /* what happened: "queued" */
+    uint32_t note_str;              /* what to tell the user (optin.queue_note) */
+    uint32_t pad0;
+};
+
+/* admit: `krex run`'s guardian asks for a slot (krexd keeps it while the connection is open). */
+struct krex_req_admit {
+    int32_t gpu;                    /* the GPU asked for, when has_gpu (else krexd picks one) */
+    _Bool has_gpu;
+    uint8_t pad0[3];
+    uint32_t guardian_str;          /* "native": krexd checks what this guardian cannot */
+    uint32_t device_str;            /* --device: auto, gpu, sim (none: auto) */
+    uint32_t freeze_str;            /* --freeze (none: the daemon's policy) */
+    uint32_t tenant_str;            /* --tenant (none: the user's name) */
+    uint32_t auto_value_str;        /* KREX_AUTO_REGION, for the release's notes and report */
+    uint32_t pad1;
+};
+/* The admission: the slot, what to give the command and what to print. */
+struct krex_rep_admit {
+    int32_t slot;
+    int32_t gpu;
+    double admission_wait_s;        /* how long it queued */
+    _Bool auto_value;               /* krexd took the request's auto_value */
+    uint8_t pad0[3];
+    uint32_t device_str;            /* the daemon's device kind: gpu, amd, sim */
+    uint32_t shm_str;               /* its segment's name */
+    uint32_t group_str;             /* the slot's group: a cgroup directory or the signal freezer's file */
+    uint32_t freezer_str;           /* cgroup2, cgroup1, signal */
+    uint32_t env_set_strs;          /* a map: NAME, value */
+    uint32_t env_prepend_strs;      /* a map: NAME, value, separators (optin.prepend) */
+    uint32_t shared_cpus_strs;      /* the CPUs the command may use, decimal (empty: any) */
+    uint32_t notes_strs;            /* what to print before it runs */
+    uint32_t pad1;
+};
+
+/* started: the command's pid, for krexd to hold (join: krexd moves it into the slot's group). */
+struct krex_req_started {
+    int32_t pid;
+    _Bool join;
+    uint8_t pad0[3];
+};
+
+/* release: the command ended; krexd frees the slot. */
+struct krex_req_release {
+    _Bool report;                   /* --report: send report_json */
+    uint8_t pad0[3];
+    uint32_t leftovers_str;         /* what to do with processes it left: "kill" (none) or "keep" */
+    uint32_t auto_dir_str;          /* the KREX_AUTO_STATUS_DIR its processes wrote into */
+    uint32_t pad1;
+};
+struct krex_rep_release {
+    uint32_t notes_strs;            /* what to print after it ran */
+    uint32_t report_json_str;       /* --report's members as a JSON object's text, written as is */
 };
 
 /* register: an opt-in process asks for a slot (krexd keeps it while the connection is open). */
@@ -335,7 +416,7 @@ struct krex_rep_register {
 struct krex_req_begin {
     int64_t tid;                    /* the measuring thread (0: the process's main thread) */
     int32_t gpu;
-    uint32_t pad0;
+    uint32_t label_str;             /* krex_region_begin's label (none: unlabelled) */
 };
 struct krex_rep_begin {
     int32_t slot;

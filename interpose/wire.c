@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -22,27 +23,60 @@ static int send_all(int fd, const char *p, size_t n) {
     return 0;
 }
 
-int krex_wire_send(int fd, enum krex_op op, const void *body, uint32_t body_len, const void *json,
-                   uint32_t json_len) {
+void krex_tail_put(struct krex_tail *t, uint32_t *len, const char *s) {
+    if (!s || t->err) return;
+    size_t k = strlen(s) + 1;
+    if (t->n + k > KREX_WIRE_MAX) {
+        t->err = 1;
+        return;
+    }
+    if (t->n + k > t->cap) {
+        size_t cap = (t->n + k) * 2;
+        char *p = realloc(t->p, cap);
+        if (!p) {
+            t->err = 1;
+            return;
+        }
+        t->p = p;
+        t->cap = cap;
+    }
+    memcpy(t->p + t->n, s, k);
+    t->n += k;
+    *len += (uint32_t)k;
+}
+
+int krex_wire_send(int fd, enum krex_op op, const void *body, uint32_t body_len, const struct krex_tail *tail) {
     struct {
         struct krex_msg_hdr h;
         char rest[576];
     } f;
-    if ((uint64_t)body_len + json_len > KREX_WIRE_MAX) return -EINVAL;
+    size_t tail_n = tail ? tail->n : 0;
+    if ((tail && tail->err) || (uint64_t)body_len + tail_n > KREX_WIRE_MAX) return -EMSGSIZE;
     memset(&f.h, 0, sizeof f.h);
     f.h.magic = KREX_WIRE_MAGIC;
     f.h.op = (uint16_t)op;
-    f.h.body_len = body_len;
-    f.h.json_len = json_len;
-    if ((size_t)body_len + json_len <= sizeof f.rest) { /* the common case: one send */
+    f.h.body_len = body_len + (uint32_t)tail_n;
+    if ((size_t)body_len + tail_n <= sizeof f.rest) { /* the common case: one send */
         if (body_len) memcpy(f.rest, body, body_len);
-        if (json_len) memcpy(f.rest + body_len, json, json_len);
-        return send_all(fd, (const char *)&f, sizeof f.h + body_len + json_len);
+        if (tail_n) memcpy(f.rest + body_len, tail->p, tail_n);
+        return send_all(fd, (const char *)&f, sizeof f.h + body_len + tail_n);
     }
     int rc = send_all(fd, (const char *)&f.h, sizeof f.h);
     if (!rc && body_len) rc = send_all(fd, body, body_len);
-    if (!rc && json_len) rc = send_all(fd, json, json_len);
+    if (!rc && tail_n) rc = send_all(fd, tail->p, tail_n);
     return rc;
+}
+
+const char *krex_wire_text(const char **at, const char *end, uint32_t len, int *ok) {
+    const char *s = *at;
+    if (!len) return NULL;
+    if (len > (size_t)(end - s) || s[len - 1]) {
+        *ok = 0;
+        *at = end;
+        return NULL;
+    }
+    *at = s + len;
+    return s;
 }
 
 int krex_wire_recv(int fd, void *buf, size_t n, krex_wire_stuck stuck, void *arg) {

@@ -1,16 +1,19 @@
 """The wire protocol between clients (guardian, region API, shim) and krexd.
 
 Defined ONCE, in interpose/krex_abi.h: the frame header (``struct krex_msg_hdr``),
-the operations (the ``KREX_OPS`` table: name, code, fixed request and reply
-bodies) and those bodies (``struct krex_req_*`` / ``struct krex_rep_*``). The shim
-builds and reads the same structs in C (interpose/client.c); this module reads
-them through cffi, so nothing here restates a code, a size or a field.
+the operations (the ``KREX_OPS`` table: name, code, request and reply bodies) and
+those bodies (``struct krex_req_*`` / ``struct krex_rep_*``, ``struct krex_rep_error``
+for every error reply), each a struct and its text tail. The C clients (the shim,
+interpose/client.c; the guardian, interpose/guardian_wire.c) build and read the same
+structs and write no JSON; this module reads them through cffi, so nothing here
+restates a code, a size or a field: a member's name says what it is (krex_abi.h,
+"Text tails").
 
-A frame is ``header | fixed body | JSON object``. On the Python side a message is
-a dict, as before: ``{"op": "begin", "tid": 7, "gpu": 0, "label": "x"}`` is sent
-as a begin frame whose ``krex_req_begin`` body holds tid and gpu, and whose JSON
-holds the label; a reply's ``ok`` is the header's status. Identity never comes from
-the message; the daemon reads it from SO_PEERCRED (invariant I6).
+A frame is ``header | body | JSON object``. On the Python side a message is a dict:
+``{"op": "begin", "tid": 7, "gpu": 0, "label": "x", "x": 1}`` is sent as a begin frame
+whose ``krex_req_begin`` body holds tid, gpu and (in its tail) the label, and whose
+JSON holds the rest; a reply's ``ok`` is the header's status. Identity never comes
+from the message; the daemon reads it from SO_PEERCRED (invariant I6).
 
 A frame that cannot be used raises ProtocolError; the daemon answers it with an
 error reply. Only a frame that leaves the stream unreadable (bad magic, truncated,
@@ -43,50 +46,183 @@ class ProtocolError(UsageError):
         self.op = op
 
 
-def _body_class(ctype: str) -> type:
-    """A frozen dataclass with the struct's fields (padding left out), zero by default."""
+# A body struct's fields, by their names (krex_abi.h, "Text tails"): NAME_str one string,
+# NAME_strs a list of them, has_NAME whether the integer NAME is set; padding is none.
+_TEXT_SUFFIXES = ("_strs", "_str")
+ERROR_CTYPE = "struct krex_rep_error"  # the body of every error reply
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One member of a body: `key` its dict name, `kind` int, float, bool, str (NAME_str),
+    list (NAME_strs); `flag` the has_NAME member that says an int is set, if any."""
+
+    key: str
+    cname: str
+    kind: type
+    flag: str | None = None
+
+
+@dataclass(frozen=True)
+class Body:
+    """A fixed body: its struct, its members, and the texts of its tail in their order."""
+
+    ctype: str
+    size: int
+    fields: tuple[_Field, ...]
+
+    @property
+    def texts(self) -> tuple[_Field, ...]:
+        return tuple(f for f in self.fields if f.kind in (str, list))
+
+    def pack(self, op: str, values: dict[str, Any]) -> bytes:
+        """The struct then its tail, from dict values (absent keys: zero, none, empty)."""
+        c = ffi.new(f"{self.ctype} *")
+        tail = []
+        for f in self.fields:
+            v = values.get(f.key)
+            if f.kind in (str, list):
+                raw = _text(op, f, v)
+                setattr(c, f.cname, len(raw))
+                tail.append(raw)
+                continue
+            if v is None:
+                continue
+            if f.flag:
+                setattr(c, f.flag, True)
+            try:
+                setattr(c, f.cname, v)
+            except (OverflowError, TypeError) as e:
+                raise UsageError(
+                    f"{op}: field {f.key!r} = {v!r} does not fit {self.ctype}: {e}",
+                    f"send {f.key!r} as an integer in range",
+                ) from None
+        return bytes(ffi.buffer(c)) + b"".join(tail)
+
+    def unpack(self, op: Op, raw: bytes) -> dict[str, Any]:
+        """The dict values of a body (struct and tail); ProtocolError when the tail does not
+        add up or a text is not NUL-ended UTF-8."""
+        if len(raw) < self.size:
+            raise ProtocolError(
+                f"{op.name}: fixed body of {len(raw)} bytes, expected {self.size} (its struct) and its texts",
+                op=op.code,
+            )
+        c = ffi.new(f"{self.ctype} *")
+        ffi.memmove(c, raw[: self.size], self.size)
+        lens = [int(getattr(c, f.cname)) for f in self.texts]
+        if self.size + sum(lens) != len(raw):
+            raise ProtocolError(
+                f"{op.name}: fixed body of {len(raw)} bytes, expected {self.size + sum(lens)} "
+                f"(its struct and its texts of {lens} bytes)",
+                op=op.code,
+            )
+        out: dict[str, Any] = {}
+        at = self.size
+        for f in self.fields:
+            if f.kind not in (str, list):
+                if f.flag is None or getattr(c, f.flag):
+                    out[f.key] = f.kind(getattr(c, f.cname))
+                continue
+            n = int(getattr(c, f.cname))
+            strs = _strings(op, f, raw[at : at + n])
+            at += n
+            if f.kind is list:
+                out[f.key] = strs
+            elif strs:
+                if len(strs) != 1:
+                    raise ProtocolError(
+                        f"{op.name}: {f.key!r} holds {len(strs)} strings, not one", op=op.code
+                    )
+                out[f.key] = strs[0]
+        return out
+
+
+def _text(op: str, f: _Field, v: Any) -> bytes:
+    """A text of the tail from a dict value: str (or None) for NAME_str; for NAME_strs a
+    list of str or int, or a map (each key, then its value or its value's items)."""
+    if v is None:
+        return b""
+    if f.kind is str:
+        items = [v] if isinstance(v, str) else None
+    elif isinstance(v, dict):
+        items = []
+        for k, x in v.items():
+            items += [k, *(x if isinstance(x, (list, tuple)) else [x])]
+    else:
+        items = list(v) if isinstance(v, (list, tuple)) else None
+    if items is None or not all(
+        isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in items
+    ):
+        what = "a string" if f.kind is str else "a list of strings"
+        raise UsageError(
+            f"{op}: field {f.key!r} must be {what}, not {json.dumps(v, default=repr)[:40]}",
+            f"send {f.key!r} as {what}",
+        )
+    texts = [str(x) for x in items]
+    if any("\0" in t for t in texts):
+        raise UsageError(f"{op}: field {f.key!r} holds a NUL character", f"send {f.key!r} without NULs")
+    try:
+        return b"".join(t.encode("utf-8") + b"\0" for t in texts)
+    except UnicodeEncodeError:
+        raise UsageError(
+            f"{op}: field {f.key!r} is not valid Unicode", f"send {f.key!r} as UTF-8 text"
+        ) from None
+
+
+def _strings(op: Op, f: _Field, raw: bytes) -> list[str]:
+    if not raw:
+        return []
+    if not raw.endswith(b"\0"):
+        raise ProtocolError(f"{op.name}: text {f.key!r} does not end in a NUL", op=op.code)
+    try:
+        return raw[:-1].decode("utf-8").split("\0")
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{op.name}: text {f.key!r} is not UTF-8", op=op.code) from None
+
+
+def _make_body(ctype: str) -> Body:
+    members = ffi.typeof(ctype).fields
+    names = {name for name, _f in members}
     fields = []
-    for name, f in ffi.typeof(ctype).fields:
-        if name.startswith("pad"):
+    for name, f in members:
+        if name.startswith("pad") or (name.startswith("has_") and name[4:] in names):
             continue
-        kind = bool if f.type.cname == "_Bool" else int
-        fields.append((name, kind, dataclasses.field(default=kind())))
-    camel = "".join(w.title() for w in ctype.split()[-1].removeprefix("krex_").split("_"))
-    return dataclasses.make_dataclass(camel, fields, frozen=True)
+        suffix = next((x for x in _TEXT_SUFFIXES if name.endswith(x)), None)
+        if suffix:
+            fields.append(_Field(name.removesuffix(suffix), name, list if suffix == "_strs" else str))
+            continue
+        cn = f.type.cname
+        kind = bool if cn == "_Bool" else float if cn in ("double", "float") else int
+        flag = f"has_{name}" if f"has_{name}" in names else None
+        fields.append(_Field(name, name, kind, flag))
+    return Body(ctype, int(ffi.sizeof(ctype)), tuple(fields))
 
 
-_BODIES: dict[str, type] = {}
+_BODIES: dict[str, Body] = {}
 
 
-def _body(ctype: str | None) -> type | None:
-    """The body dataclass of a struct, made on first use (`krex run` sends only JSON-only
-    ops: it never pays for make_dataclass). setdefault: racing threads share one class."""
+def _body(ctype: str | None) -> Body | None:
+    """The Body of a struct, made on first use. setdefault: racing threads share one."""
     if ctype is None:
         return None
-    cls_ = _BODIES.get(ctype)
-    return cls_ if cls_ is not None else _BODIES.setdefault(ctype, _body_class(ctype))
+    b = _BODIES.get(ctype)
+    return b if b is not None else _BODIES.setdefault(ctype, _make_body(ctype))
 
 
 @dataclass(frozen=True)
 class Op:
-    """One row of KREX_OPS. `request` / `reply`: the dataclass of the fixed body
-    (None: JSON only); `ctypes` the cffi type names behind them."""
+    """One row of KREX_OPS: the cffi type names of its request and reply bodies (None:
+    JSON only). Every error reply's body is ERROR_CTYPE."""
 
     name: str  # lower case, as the dict messages spell it: "begin"
     code: int
     request_ctype: str | None
     reply_ctype: str | None
 
-    @property
-    def request(self) -> type | None:
-        return _body(self.request_ctype)
-
-    @property
-    def reply(self) -> type | None:
-        return _body(self.reply_ctype)
-
-    def body(self, reply: bool) -> tuple[type | None, str | None]:
-        return (self.reply, self.reply_ctype) if reply else (self.request, self.request_ctype)
+    def body(self, reply: bool, status: int = int(lib.KREX_ST_OK)) -> Body | None:
+        if status != lib.KREX_ST_OK:
+            return _body(ERROR_CTYPE)
+        return _body(self.reply_ctype if reply else self.request_ctype)
 
 
 def _load_ops() -> dict[str, Op]:
@@ -111,12 +247,12 @@ REQUESTS = tuple(n for n in OPS if n not in ("none", "event"))
 
 @dataclass
 class Message:
-    """One frame, decoded. `body`: the op's fixed-body dataclass (None when the op
-    has none, or for an error reply); `data`: the JSON object."""
+    """One frame, decoded. `body`: the values of its body (the op's struct and tail, or an
+    error reply's), by their dict names; `data`: the JSON object."""
 
     op: Op
     status: int = int(lib.KREX_ST_OK)
-    body: Any = None
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     reply: bool = False
 
@@ -127,8 +263,7 @@ class Message:
     def to_dict(self) -> dict[str, Any]:
         """The dict form the daemon's handlers and the client's callers use."""
         out = dict(self.data)
-        if self.body is not None:
-            out.update(dataclasses.asdict(self.body))
+        out.update(self.body)
         if self.op.name == "event":
             return out
         if self.reply:
@@ -139,9 +274,9 @@ class Message:
 
     @classmethod
     def from_dict(cls, msg: dict[str, Any], reply: bool = False, op: str | int | None = None) -> Message:
-        """Split a dict into the op's fixed body and the JSON rest. A request names its
-        op in msg["op"]; a reply's op is given (`op`), its status is msg["ok"]; an event
-        is a reply dict with an "event" key."""
+        """Split a dict into the op's body and the JSON rest. A request names its op in
+        msg["op"]; a reply's op is given (`op`), its status is msg["ok"]; an event is a
+        reply dict with an "event" key."""
         rest = dict(msg)
         if reply:
             if "event" in rest:
@@ -155,31 +290,17 @@ class Message:
             if name not in REQUESTS:
                 raise UsageError(f"unknown operation {name!r}", f"send one of {', '.join(REQUESTS)}")
             o, status = OPS[name], int(lib.KREX_ST_OK)
-        cls_, _ctype = o.body(reply)
-        body = None
-        if cls_ is not None and status == lib.KREX_ST_OK:
-            kw = {}
-            for f in dataclasses.fields(cls_):
-                v = rest.pop(f.name, None)
-                if v is not None:
-                    kw[f.name] = _field_value(o, f, v)
-            body = cls_(**kw)
+        b = o.body(reply, status)
+        body: dict[str, Any] = {}
+        for f in b.fields if b is not None else ():
+            v = rest.pop(f.key, None)
+            if v is not None:
+                body[f.key] = _field_value(o, f, v)
         return cls(o, status, body, rest, reply)
 
     def encode(self) -> bytes:
-        cls_, ctype = self.op.body(self.reply)
-        raw = b""
-        if self.body is not None and ctype is not None:
-            c = ffi.new(f"{ctype} *")
-            for k, v in dataclasses.asdict(self.body).items():
-                try:
-                    setattr(c, k, v)
-                except (OverflowError, TypeError) as e:
-                    raise UsageError(
-                        f"{self.op.name}: field {k!r} = {v!r} does not fit {ctype}: {e}",
-                        f"send {k!r} as an integer in range",
-                    ) from None
-            raw = bytes(ffi.buffer(c))
+        b = self.op.body(self.reply, self.status)
+        raw = b.pack(self.op.name, self.body) if b is not None else b""
         js = json.dumps(self.data, separators=(",", ":")).encode() if self.data else b""
         if len(raw) + len(js) > MAX_FRAME:
             raise UsageError(
@@ -197,16 +318,20 @@ class Message:
         return bytes(ffi.buffer(h)) + raw + js
 
 
-def _field_value(op: Op, f: dataclasses.Field[Any], v: Any) -> Any:
-    want = f.type if isinstance(f.type, type) else {"int": int, "bool": bool}[str(f.type)]
-    if want is bool and isinstance(v, bool):
+def _field_value(op: Op, f: _Field, v: Any) -> Any:
+    """A dict value checked against its member's kind (texts are checked as they pack)."""
+    if f.kind in (str, list):
         return v
-    if want is int and isinstance(v, int) and not isinstance(v, bool):
+    if f.kind is bool and isinstance(v, bool):
         return v
+    if f.kind is int and isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if f.kind is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    what = {bool: "a boolean", int: "an integer", float: "a number"}[f.kind]
     raise UsageError(
-        f"{op.name}: field {f.name!r} must be {'a boolean' if want is bool else 'an integer'}, "
-        f"not {json.dumps(v, default=repr)[:40]}",
-        f"send {f.name!r} as {'a boolean' if want is bool else 'an integer'}",
+        f"{op.name}: field {f.key!r} must be {what}, not {json.dumps(v, default=repr)[:40]}",
+        f"send {f.key!r} as {what}",
     )
 
 
@@ -238,15 +363,10 @@ def decode(frame: bytes, reply: bool) -> Message:
         raise ProtocolError(f"{op.name} is not a request")
     if status not in (lib.KREX_ST_OK, lib.KREX_ST_ERROR) or (not reply and status != lib.KREX_ST_OK):
         raise ProtocolError(f"{op.name}: status {status} is not a KREX_ST_* value", op=code)
-    cls_, ctype = op.body(reply)
-    want = int(ffi.sizeof(ctype)) if ctype and status == lib.KREX_ST_OK else 0
-    if blen != want:
-        raise ProtocolError(f"{op.name}: fixed body of {blen} bytes, expected {want}", op=code)
-    body = None
-    if cls_ is not None and want:
-        c = ffi.new(f"{ctype} *")
-        ffi.memmove(c, frame[HDR_SIZE : HDR_SIZE + blen], blen)
-        body = cls_(**{f.name: getattr(c, f.name) for f in dataclasses.fields(cls_)})
+    b = op.body(reply, status)
+    if b is None and blen:
+        raise ProtocolError(f"{op.name}: fixed body of {blen} bytes, expected 0", op=code)
+    body = b.unpack(op, frame[HDR_SIZE : HDR_SIZE + blen]) if b is not None else {}
     data: dict[str, Any] = {}
     if jlen:
         raw = frame[HDR_SIZE + blen : HDR_SIZE + blen + jlen]
@@ -260,7 +380,7 @@ def decode(frame: bytes, reply: bool) -> Message:
             raise ProtocolError(
                 f"{op.name}: JSON part is a JSON {type(obj).__name__}, not an object", op=code
             )
-        dup = sorted(k for k in obj if body is not None and k in dataclasses.asdict(body))
+        dup = sorted(k for k in obj if b is not None and k in {f.key for f in b.fields})
         if dup:
             raise ProtocolError(f"{op.name}: field(s) {dup} belong in the fixed body, not the JSON", op=code)
         data = obj

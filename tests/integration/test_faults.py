@@ -498,8 +498,25 @@ def _begin_body(tid: int = 0, gpu: int = 0) -> bytes:
     return bytes(ffi.buffer(b))
 
 
+def _body(ctype: str, **fields: int) -> bytes:
+    b = ffi.new(f"{ctype} *")
+    for k, v in fields.items():
+        setattr(b, k, v)
+    return bytes(ffi.buffer(b))
+
+
 # Frames the daemon can read past: each gets an error reply on a connection that goes on.
 MALFORMED = [
+    # The guardian's binary bodies (a struct and its text tail), cut short or padded out.
+    frame(lib.KREX_OP_ADMIT, b"\0" * 4),
+    frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit", device_str=40) + b"sim\0"),
+    frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit", device_str=4) + b"sim\0" + b"x" * 64),
+    frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit", device_str=3) + b"sim"),
+    frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit", tenant_str=3) + b"\xff\xfe\0"),
+    frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit", device_str=0xFFFFFFFF)),
+    frame(lib.KREX_OP_STARTED, b"\0" * 3),
+    frame(lib.KREX_OP_RELEASE, _body("struct krex_req_release", leftovers_str=5) + b"keep"),
+    frame(lib.KREX_OP_BEGIN, _body("struct krex_req_begin", label_str=9) + b"L\0"),
     frame(lib.KREX_OP_HELLO, js=b"[1,2,3]"),
     frame(lib.KREX_OP_HELLO, js=b'"op"'),
     frame(lib.KREX_OP_HELLO, js=b"{not json"),
@@ -566,6 +583,13 @@ def test_malformed_socket_messages_get_an_error_reply(kx: Krex) -> None:
         (frame(lib.KREX_OP_HELLO, magic=0x0A7D7B), "not a KREX frame", False),
         (frame(lib.KREX_OP_HELLO, js=b"{}", json_len=100), "truncated", True),
         (frame(lib.KREX_OP_HELLO)[:7], "truncated", True),
+        (
+            frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit"), body_len=lib.KREX_WIRE_MAX + 1),
+            "longer than",
+            False,
+        ),
+        (frame(lib.KREX_OP_ADMIT, _body("struct krex_req_admit"), body_len=200), "truncated", True),
+        (frame(lib.KREX_OP_STARTED, _body("struct krex_req_started"))[:20], "truncated", True),
     ]
     for m, needle, shut in fatal:
         r, closed = _exchange(kx.sock, m, shut, fatal=True)
@@ -661,14 +685,20 @@ def test_a_guardian_killed_while_its_command_waits_before_exec_leaves_no_process
     kx.state.mkdir(exist_ok=True)
     d = subprocess.Popen(
         [sys.executable, "-c", slow, "--device", "sim", "--slots-per-gpu", "3", "--freezer", "signal"],
-        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=kx.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     kx.popens.append(d)
     wait_until(lambda: kx.sock.exists() and kx.status().get("slots") == [], 20, "the slow krexd")
     g = subprocess.Popen(
         [*KREX, "run", "--device", "sim", "--", "sleep", "30"],
-        env=kx.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=kx.env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     kx.popens.append(g)

@@ -5,7 +5,6 @@ covers every request op."""
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import struct
 import subprocess
@@ -20,7 +19,7 @@ from krex.native import ffi, lib
 from krex.node.daemon import HANDLERS
 from krex.protocol import OPS, REQUESTS, FrameReader, Message, ProtocolError, decode, encode, encode_reply
 
-BODY_OPS = [o for o in OPS.values() if o.request or o.reply]
+BODY_OPS = [o for o in OPS.values() if o.request_ctype or o.reply_ctype]
 
 
 def test_op_table_is_the_headers() -> None:
@@ -29,8 +28,9 @@ def test_op_table_is_the_headers() -> None:
     assert {o.code for o in OPS.values()} == {getattr(lib, f"KREX_OP_{o.name.upper()}") for o in OPS.values()}
     assert len({o.code for o in OPS.values()}) == len(OPS)
     assert set(REQUESTS) == set(OPS) - {"none", "event"}
-    for name in ("register", "begin"):
-        assert OPS[name].request is not None and OPS[name].reply is not None
+    for name in ("register", "begin", "admit", "release"):
+        assert OPS[name].request_ctype is not None and OPS[name].reply_ctype is not None
+    assert OPS["started"].request_ctype == "struct krex_req_started"
     assert OPS["end"].reply_ctype == "struct krex_rep_end"
 
 
@@ -61,20 +61,22 @@ def test_round_trip(msg: dict[str, object], reply: bool, op: str | None) -> None
 
 
 def test_fixed_fields_travel_in_the_struct_not_the_json() -> None:
-    """A begin request's tid and gpu sit in struct krex_req_begin at C's offsets;
-    only the label is JSON."""
-    raw = encode({"op": "begin", "tid": 77, "gpu": 5, "label": "L"})
+    """A begin request's tid and gpu sit in struct krex_req_begin at C's offsets, its
+    label in the text tail after it (label_str its byte count); only other keys are JSON."""
+    raw = encode({"op": "begin", "tid": 77, "gpu": 5, "label": "L", "x": 1})
     hdr = ffi.sizeof("struct krex_msg_hdr")
+    size = ffi.sizeof("struct krex_req_begin")
     magic, op, status, blen, jlen = struct.unpack_from("=IHHII", raw)
     assert (magic, op, status) == (lib.KREX_WIRE_MAGIC, lib.KREX_OP_BEGIN, lib.KREX_ST_OK)
-    assert blen == ffi.sizeof("struct krex_req_begin") and jlen == len(b'{"label":"L"}')
+    assert blen == size + 2 and jlen == len(b'{"x":1}')
     tid = struct.unpack_from("=q", raw, hdr + ffi.offsetof("struct krex_req_begin", "tid"))[0]
     gpu = struct.unpack_from("=i", raw, hdr + ffi.offsetof("struct krex_req_begin", "gpu"))[0]
-    assert (tid, gpu) == (77, 5)
-    assert raw[hdr + blen :] == b'{"label":"L"}'
+    n = struct.unpack_from("=I", raw, hdr + ffi.offsetof("struct krex_req_begin", "label_str"))[0]
+    assert (tid, gpu, n) == (77, 5, 2)
+    assert raw[hdr + size : hdr + blen] == b"L\0" and raw[hdr + blen :] == b'{"x":1}'
     # Absent fixed fields are zero (the daemon's defaults: tid 0 = the peer's pid, GPU 0).
     m = decode(encode({"op": "begin"}), reply=False)
-    assert dataclasses.asdict(m.body) == {"tid": 0, "gpu": 0} and m.data == {}
+    assert m.body == {"tid": 0, "gpu": 0} and m.data == {}
 
 
 @pytest.mark.parametrize(
@@ -219,16 +221,19 @@ def test_c_and_python_read_each_others_frames(tmp_path: Path) -> None:
         b.close()
 
 
-def test_message_dataclasses_follow_the_structs() -> None:
-    """The body dataclasses are made from the cffi struct fields (padding left out)."""
+def test_message_bodies_follow_the_structs() -> None:
+    """The bodies' members are the cffi struct fields (padding and has_NAME left out,
+    NAME_str and NAME_strs named NAME)."""
     for o in BODY_OPS:
-        for cls_, ctype in ((o.request, o.request_ctype), (o.reply, o.reply_ctype)):
-            if cls_ is None:
+        for ctype in (o.request_ctype, o.reply_ctype):
+            if ctype is None:
                 continue
-            names = [n for n, _ in ffi.typeof(ctype).fields if not n.startswith("pad")]
-            assert [f.name for f in dataclasses.fields(cls_)] == names
+            names = [n for n, _ in ffi.typeof(ctype).fields if not n.startswith(("pad", "has_"))]
+            keys = [n.removesuffix("_strs").removesuffix("_str") for n in names]
+            b = o.body(ctype == o.reply_ctype)
+            assert b is not None and [f.key for f in b.fields] == keys
     m = Message.from_dict({"ok": True, "clean": True, "cut": False}, reply=True, op="end")
-    assert m.body.clean is True and m.body.cut is False and m.ok
+    assert m.body == {"clean": True, "cut": False} and m.ok
     assert protocol.MAX_FRAME == lib.KREX_WIRE_MAX
 
 
@@ -245,3 +250,105 @@ def test_wire_timings_are_the_headers() -> None:
     wait = inspect.signature(client.start_background).parameters["wait_s"].default
     assert wait == lib.KREX_DAEMON_START_WAIT_MS / 1e3
     assert "15.0" not in inspect.getsource(client.start_background)
+
+
+# The guardian's frames (guardian.c): every one a struct and its text tail, no JSON.
+GUARDIAN_CASES = [
+    (
+        {
+            "op": "admit",
+            "gpu": 0,
+            "guardian": "native",
+            "device": "sim",
+            "freeze": "gpu",
+            "tenant": "t",
+            "auto_value": "do_bench",
+        },
+        False,
+        None,
+    ),
+    ({"op": "admit", "device": "auto"}, False, None),  # no gpu: krexd picks one (has_gpu 0)
+    ({"op": "started", "pid": 4242, "join": True}, False, None),
+    ({"op": "release", "report": True, "leftovers": "keep", "auto_dir": "/tmp/a b"}, False, None),
+    (
+        {
+            "ok": True,
+            "slot": 3,
+            "gpu": 1,
+            "admission_wait_s": 0.25,
+            "auto_value": True,
+            "device": "sim",
+            "shm": "/krex-0",
+            "group": "/sys/fs/cgroup/krex/slot-3",
+            "freezer": "cgroup2",
+            "env_set": ["KREX_SLOT", "3", "KREX_GPU", "1"],
+            "env_prepend": ["LD_PRELOAD", "/x/libkrex.so", ": "],
+            "shared_cpus": ["0", "5"],
+            "notes": ["krex: simulated", "é ünïcode"],
+        },
+        True,
+        "admit",
+    ),
+    ({"ok": True, "notes": [], "report_json": '{"slot": 3}'}, True, "release"),
+    ({"ok": True, "notes": ["one"]}, True, "release"),
+    ({"ok": False, "error": "unknown GPU 9", "fix": "pick one", "kind": "NotFound"}, True, "admit"),
+    ({"ok": False, "error": "no fix"}, True, "started"),
+    ({"event": "queued", "slots_busy": 2, "note": "krex: queued"}, True, "admit"),
+]
+
+
+@pytest.mark.parametrize(("msg", "reply", "op"), GUARDIAN_CASES)
+def test_guardian_frames_round_trip_without_json(msg: dict[str, object], reply: bool, op: str | None) -> None:
+    raw = encode_reply(op or "none", msg) if reply else encode(msg)
+    assert struct.unpack_from("=IHHII", raw)[4] == 0, "a guardian frame carries no JSON"
+    assert decode(raw, reply=reply).to_dict() == msg
+
+
+def test_maps_travel_as_key_value_lists() -> None:
+    """krexd's env_set ({NAME: value}) and env_prepend ({NAME: [value, separators]}) go as
+    flat lists, each key then its value's strings (krex_rep_admit)."""
+    raw = encode_reply(
+        "admit",
+        {
+            "ok": True,
+            "slot": 0,
+            "gpu": 0,
+            "env_set": {"A": "1"},
+            "env_prepend": {"P": ["v", ":"]},
+            "shared_cpus": [2, 3],
+        },
+    )
+    back = decode(raw, reply=True).to_dict()
+    assert back["env_set"] == ["A", "1"] and back["env_prepend"] == ["P", "v", ":"]
+    assert back["shared_cpus"] == ["2", "3"]
+
+
+def _admit_body(**lens: int) -> bytes:
+    c = ffi.new("struct krex_req_admit *")
+    for k, v in lens.items():
+        setattr(c, k, v)
+    return bytes(ffi.buffer(c))
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"\0" * 4, "fixed body of 4 bytes"),
+        (_admit_body(tenant_str=4) + b"abc", "expected"),  # a tail shorter than its lengths
+        (_admit_body(tenant_str=2) + b"abc", "expected"),  # longer
+        (_admit_body(tenant_str=3) + b"abc", "does not end in a NUL"),
+        (_admit_body(tenant_str=3) + b"\xff\xfe\0", "not UTF-8"),
+        (_admit_body(tenant_str=4) + b"a\0b\0", "not one"),
+    ],
+)
+def test_malformed_tails_are_protocol_errors(body: bytes, needle: str) -> None:
+    with pytest.raises(ProtocolError, match=needle) as e:
+        decode(_frame(lib.KREX_OP_ADMIT, body), reply=False)
+    assert not e.value.fatal and e.value.op == lib.KREX_OP_ADMIT
+
+
+def test_texts_refuse_what_c_could_not_read() -> None:
+    with pytest.raises(UsageError, match="NUL"):
+        encode({"op": "admit", "tenant": "a\0b"})
+    with pytest.raises(UsageError, match="must be a string"):
+        encode({"op": "admit", "tenant": 7})
