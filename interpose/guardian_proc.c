@@ -437,20 +437,15 @@ static void thaw(const struct admission *a, pid_t pid) {
     }
 }
 
-/* Under the signal freezer: does its state file say krexd holds the group stopped (a region
- * of another command)? Then a forwarded SIGCONT would thaw it inside that region: it waits for
- * krexd's thaw. Unreadable counts as held; missing as not (launcher._signal_group_frozen).
- * krexd writes the file (sigfreezer._SignalGroup._save) with `"frozen": false` while the group
- * runs: anything else (held, half written, damaged) counts as held. */
+/* Under the signal freezer: does krexd hold the group stopped (a region of another command)?
+ * Then a forwarded SIGCONT would thaw it inside that region: it waits for krexd's thaw. krexd
+ * keeps a marker beside the group's state file while it holds it (sigfreezer.FROZEN_SUFFIX):
+ * made before its first SIGSTOP, gone before its first SIGCONT. One that cannot be asked
+ * (a path too long, a denied directory) counts as held. */
 static int signal_group_frozen(const struct admission *a) {
-    char b[4096];
-    int fd = open(a->group, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return errno != ENOENT;
-    ssize_t n = read(fd, b, sizeof b - 1);
-    close(fd);
-    if (n <= 0) return 1;
-    b[n] = 0;
-    return !strstr(b, "\"frozen\": false");
+    char p[PATH_MAX];
+    if (snprintf(p, sizeof p, "%s.frozen", a->group) >= (int)sizeof p) return 1;
+    return access(p, F_OK) == 0 || errno != ENOENT;
 }
 
 /* krexd's end closed: thaw, and note whether it held our region (_Guardian._lost). */

@@ -1,6 +1,8 @@
 """The signal freezer backend: SIGSTOP/SIGCONT of process trees, for machines where no
 cgroup is writable (krex/node/freezer.py has the interface and picks the backend). Its state
-lives in a small JSON file per group, so that a restarted daemon can still thaw."""
+lives in a small JSON file per group, so that a restarted daemon can still thaw, and beside
+it a marker file (FROZEN_SUFFIX) that exists while the group is held stopped: the native
+guardian asks it (one access(2)) before it forwards a SIGCONT, and reads no JSON."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from krex.node import procfs
 from krex.node.freezer import FREEZE_TIMEOUT_S, Freezer, Group, _error, _sleep_step
 
 __all__ = ["SignalFreezer"]
+
+FROZEN_SUFFIX = ".frozen"  # <state file><FROZEN_SUFFIX>: exists while the group is held stopped
 
 
 class _SignalGroup(Group):
@@ -46,7 +50,22 @@ class _SignalGroup(Group):
         self._roots = {int(p): int(s) for p, s in data.get("roots", [])}
         self._known = {int(p): int(s) for p, s in data.get("known", [])}
 
+    def _mark(self) -> None:
+        """The marker follows the intent: made before the first SIGSTOP, gone before the
+        first SIGCONT of a thaw (a guardian that sees it keeps a forwarded SIGCONT back)."""
+        marker = self.path + FROZEN_SUFFIX
+        try:
+            if self._frozen:
+                with open(marker, "w", encoding="utf-8"):
+                    pass
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
+        except OSError as exc:
+            raise _error(exc, f"cannot write freezer marker {marker}") from exc
+
     def _save(self) -> None:
+        self._mark()
         data = {
             "name": self.name,
             "frozen": self._frozen,
@@ -149,8 +168,9 @@ class _SignalGroup(Group):
 
     def remove(self) -> None:
         self.thaw()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        for path in (self.path, self.path + FROZEN_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class SignalFreezer(Freezer):

@@ -1044,3 +1044,29 @@ def test_a_stall_of_krexd_under_the_command_is_in_the_report(kx: Krex, tmp_path:
     events = r["daemon_events"]
     assert [e["event"] for e in events] == ["daemon-stalled", "daemon-resumed"], (events, err)
     assert events[0]["heartbeat_age_s"] > 2 and events[1]["ts"] > events[0]["ts"], events
+
+
+def test_a_sigcont_to_a_command_krexd_holds_stopped_waits_for_the_thaw(kx: Krex, tmp_path: Path) -> None:
+    """Under the signal freezer a sibling's tree is SIGSTOPped for another command's region
+    (freeze policy `all`). A SIGCONT sent to its guardian (as `timeout` or a shell's `fg`
+    sends) is not forwarded while krexd holds the group (its marker beside the group's
+    state file): the command stays stopped through the region, and runs again after it."""
+    backend_or_skip(kx, "signal")
+    kx.start_daemon(freezer_name="signal", env_extra={"KREX_FREEZE_POLICY": "all"})
+    ticks = tmp_path / "ticks"
+    loop = f"while :; do echo t >> {ticks}; sleep 0.02; done"
+    sib = kx.run_argv("sib", ["sh", "-c", loop])
+    kx.wait(lambda: ticks.exists() and ticks.stat().st_size > 20, 30, "the sibling to tick")
+    kx.run("a", "hold")
+    ready = kx.result("a", "ready", timeout=30)
+    assert ready["grant"]["frozen_slots"], ready["grant"]
+    markers = list(kx.state.rglob("*.frozen"))
+    assert markers, "no marker while a group is held"
+    n0 = ticks.stat().st_size
+    os.kill(sib.pid, signal.SIGCONT)
+    time.sleep(0.6)
+    assert ticks.stat().st_size == n0, "the forwarded SIGCONT thawed the command inside the region"
+    kx.touch("a")
+    assert kx.cmds["a"].wait(30) == 0, kx.cmds["a"].output()
+    kx.wait(lambda: ticks.stat().st_size > n0 + 20, 10, "the sibling to tick again after the region")
+    assert not list(kx.state.rglob("*.frozen"))
