@@ -536,6 +536,28 @@ static int refused(const struct opts *o, const struct jv *r) {
     return EXIT_KREX;
 }
 
+/* The command's end for krexd (`release`'s "exit"): its pid, exit status, the signal that
+ * killed it (0: none) and its command line, cut short. Under MPS a client killed inside its
+ * kernels fails the GPU's other clients for a while: krexd records it and tells them. */
+static void exit_fields(struct buf *b, pid_t pid, int ws, char **cmd) {
+    char num[96];
+    snprintf(num, sizeof num, ",\"exit\":{\"pid\":%d,\"status\":%d,\"signal\":%d,\"command\":", (int)pid,
+             WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws), WIFSIGNALED(ws) ? WTERMSIG(ws) : 0);
+    buf_str(b, num);
+    /* ASCII only ('?' for any other byte): a cut or foreign encoding never makes the frame
+     * text that is not UTF-8. */
+    char line[200];
+    size_t n = 0;
+    for (char **a = cmd; a && *a && n + 1 < sizeof line; a++) {
+        if (a != cmd) line[n++] = ' ';
+        for (const unsigned char *c = (const unsigned char *)*a; *c && n + 1 < sizeof line; c++)
+            line[n++] = *c >= 0x20 && *c < 0x7f ? (char)*c : '?';
+    }
+    line[n] = 0;
+    buf_json_str(b, line);
+    buf_str(b, "}");
+}
+
 static int run(struct opts *o) {
     char *exe = resolve(o->cmd[0]);
     if (!exe || (!g_prepared && mentions_cudart(exe))) fallback();
@@ -670,13 +692,13 @@ static int run(struct opts *o) {
     struct join_ask ja = {&c, why, sizeof why};
     mark("env");
     pid_t pid = sfd < 0 ? -1 : spawn(&l, a.freezer, &err, join_started, &ja);
-    int status;
+    int status, ws = -1;
     struct lost lo = {0};
     if (pid < 0) {
         status = err == -1 ? EXIT_KREX : err == ENOENT ? 127 : 126;
     } else if (l.daemon_join) { /* krexd has it since the join */
         mark("spawned");
-        int ws = wait_command(&a, &c, pid, sfd, &lo);
+        ws = wait_command(&a, &c, pid, sfd, &lo);
         status = ws == -1 ? EXIT_KREX : WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         if (ws == -1) say("krex: error: the command's exit status was lost (another process reaped it)");
     } else {
@@ -694,7 +716,7 @@ static int run(struct opts *o) {
         if (k == -1 && !why[0]) snprintf(why, sizeof why, "the connection to krexd failed (%s)", strerror(errno));
         if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
         jfree(r);
-        int ws = wait_command(&a, &c, pid, sfd, &lo);
+        ws = wait_command(&a, &c, pid, sfd, &lo);
         if (ws == -1) {
             say("krex: error: the command's exit status was lost (another process reaped it)");
             status = EXIT_KREX;
@@ -728,6 +750,7 @@ static int run(struct opts *o) {
         buf_json_str(&rel, auto_dir);
     }
     if (o->report) buf_str(&rel, ",\"report\":true");
+    if (ws != -1) exit_fields(&rel, pid, ws, o->cmd);
     buf_str(&rel, "}");
     struct jv *r = NULL;
     struct timespec t_rel;
