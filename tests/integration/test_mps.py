@@ -3,12 +3,15 @@ a stand-in control program named by KREX_MPS_CONTROL: krexd starts one control d
 GPU with that GPU's variables, hands its commands the pipe directory, quits it on a clean
 stop, flags a region whose control daemon died `mps-server` and starts a new one once no
 region holds the GPU, refuses to start when it cannot have MPS, and never stops a control
-daemon it attached to.
+daemon it attached to. A command killed by a signal (an MPS client killed) flags the regions
+on its GPU `mps-client-fault`, tells a command that fails meanwhile, and has the server
+restarted once no region holds the GPU; without MPS the same kill does none of it.
 
 The stand-in (tests/helpers/fake_mps.py) keeps to what krexd relies on: `-d` daemonises
 and writes the daemon's pid to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as
 nvidia-cuda-mps-control does) and creates the `control` pipe's name there; without `-d` it
-reads a command on stdin, and `quit` ends the daemon. It records its environment and each
+reads a command on stdin: `quit` ends the daemon, `shutdown_server PID -f` its stand-in
+server (FAKE_MPS_SERVER), which it then starts again. It records its environment and each
 command in $FAKE_MPS_RECORD."""
 
 from __future__ import annotations
