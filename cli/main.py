@@ -558,6 +558,14 @@ def _event_line(r: dict[str, Any]) -> str:
             f"EVENT: guardian pid {r.get('guardian_pid')} of slot {r.get('slot')} died ({r.get('why')}); "
             f"its command was {r.get('action')} (pids {what})"
         )
+    if r.get("event") == "mps-client-fault":
+        from krex.node import journal as jr
+
+        return (
+            f"EVENT: MPS client pid {r.get('pid')} (`{jr.one_line(r.get('command'))}`) of slot "
+            f"{r.get('slot')} was killed by {r.get('signal')}: its GPU's regions until the MPS server "
+            "restarts are flagged mps-client-fault"
+        )
     return f"EVENT: {r.get('event')}"
 
 

@@ -544,6 +544,27 @@ static int refused(const struct opts *o, const struct reply *r) {
     return EXIT_KREX;
 }
 
+/* The command's end for krexd (`release`'s "exit"): its pid, exit status, the signal that
+ * killed it (0: none) and its command line, cut short. Under MPS a client killed inside its
+ * kernels fails the GPU's other clients for a while: krexd records it and tells them. */
+static void exit_fields(struct krex_req_release *rel, struct krex_tail *tail, char *line, size_t cap, pid_t pid,
+                        int ws, char **cmd) {
+    rel->has_exit_pid = 1;
+    rel->exit_pid = (int32_t)pid;
+    rel->exit_status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
+    rel->exit_signal = WIFSIGNALED(ws) ? WTERMSIG(ws) : 0;
+    /* ASCII only ('?' for any other byte): a cut or foreign encoding never makes the frame
+     * text that is not UTF-8. */
+    size_t n = 0;
+    for (char **a = cmd; a && *a && n + 1 < cap; a++) {
+        if (a != cmd) line[n++] = ' ';
+        for (const unsigned char *c = (const unsigned char *)*a; *c && n + 1 < cap; c++)
+            line[n++] = *c >= 0x20 && *c < 0x7f ? (char)*c : '?';
+    }
+    line[n] = 0;
+    krex_tail_put(tail, &rel->exit_command_str, line);
+}
+
 static int run(struct opts *o) {
     char *exe = resolve(o->cmd[0]);
     if (!exe || (!g_prepared && mentions_cudart(exe))) fallback();
@@ -666,13 +687,13 @@ static int run(struct opts *o) {
     struct join_ask ja = {&c, why, sizeof why};
     mark("env");
     pid_t pid = sfd < 0 ? -1 : spawn(&l, a.freezer, &err, join_started, &ja);
-    int status;
+    int status, ws = -1;
     struct lost lo = {0};
     if (pid < 0) {
         status = err == -1 ? EXIT_KREX : err == ENOENT ? 127 : 126;
     } else if (l.daemon_join) { /* krexd has it since the join */
         mark("spawned");
-        int ws = wait_command(&a, &c, pid, sfd, &lo);
+        ws = wait_command(&a, &c, pid, sfd, &lo);
         status = ws == -1 ? EXIT_KREX : WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
         if (ws == -1) say("krex: error: the command's exit status was lost (another process reaped it)");
     } else {
@@ -682,7 +703,7 @@ static int run(struct opts *o) {
         mark("started");
         if (k == -1 && !why[0]) snprintf(why, sizeof why, "the connection to krexd failed (%s)", strerror(errno));
         if (k && !g_quiet) say("krex: warning: krexd did not take the command into its slot: %s", why);
-        int ws = wait_command(&a, &c, pid, sfd, &lo);
+        ws = wait_command(&a, &c, pid, sfd, &lo);
         if (ws == -1) {
             say("krex: error: the command's exit status was lost (another process reaped it)");
             status = EXIT_KREX;
@@ -712,6 +733,8 @@ static int run(struct opts *o) {
                          base.p, g_quiet);
     }
     krex_tail_put(&rel_tail, &rel.auto_dir_str, auto_full ? auto_dir : NULL);
+    char line[200];
+    if (ws != -1) exit_fields(&rel, &rel_tail, line, sizeof line, pid, ws, o->cmd);
     struct reply r;
     struct timespec t_rel;
     clock_gettime(CLOCK_REALTIME, &t_rel);

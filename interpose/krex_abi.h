@@ -395,7 +395,13 @@ struct krex_req_release {
     uint8_t pad0[3];
     uint32_t leftovers_str;         /* what to do with processes it left: "kill" (none) or "keep" */
     uint32_t auto_dir_str;          /* the KREX_AUTO_STATUS_DIR its processes wrote into */
-    uint32_t pad1;
+    _Bool has_exit_pid;             /* the command's end is known (not when another reaped it) */
+    uint8_t pad1[3];
+    int32_t exit_pid;               /* the process it started */
+    int32_t exit_status;            /* its exit status, 128 + N when signal N killed it */
+    int32_t exit_signal;            /* the signal that killed it, 0: none (under MPS a fault) */
+    uint32_t exit_command_str;      /* its command line, ASCII, at most 199 bytes */
+    uint32_t pad2;
 };
 struct krex_rep_release {
     uint32_t notes_strs;            /* what to print after it ran */

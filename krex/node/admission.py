@@ -300,8 +300,11 @@ class Admission(Regions):
             counters = None
             if msg.get("report") and slot is not None:  # before the release clears its records
                 counters = optin.gate_counters(p for p in self.seg.snapshot().procs if p.slot == n)
+            told = self._mps_exit(slot, _exit_of(msg)) if slot is not None else None
             policy = "keep" if msg.get("leftovers") == "keep" else "kill"
             out = self._leftovers(n, policy)
+            if told is not None:
+                out["mps_client_fault"] = told
             if out["action"] in ("none", "killed"):
                 self._release(n, "command-exit")
             else:  # the slot lives on until its last process ends (the reaper frees it)
@@ -324,6 +327,30 @@ class Admission(Regions):
                 if counters is not None:
                     self._report_json(slot, counters, out, auto)
         return {"ok": True, **out}
+
+    def _mps_exit(self, s: Slot, ex: object) -> dict[str, Any] | None:
+        """How the guardian says its command ended (`release`'s "exit": pid, status, signal,
+        command), for MPS (krex.node.mps.Mps.command_exit): a command killed by a signal is an
+        MPS client fault (a journal event; the GPU's regions are flagged). Returns another
+        client's fault this command, which failed, may have failed from (the release reply's
+        `mps_client_fault`, with the notice `krex run` prints)."""
+        if not isinstance(ex, dict) or self.mps.mode == "off":
+            return None
+        try:
+            pid, status, sig = (int_field(ex, k, required=True) for k in ("pid", "status", "signal"))
+        except UsageError as e:
+            log.warning("slot %d: the guardian's exit status is malformed (%s): not used", s.slot, e)
+            return None
+        assert pid is not None and status is not None and sig is not None
+        command = str(ex.get("command") or "?")[:200]
+        # The guardian's word counts for its own command's process only.
+        made, told = self.mps.command_exit(s.gpu, s.started_ns, pid, status, sig if pid in s.root_pids else 0,
+                                           command)
+        if made is not None:
+            self._journal({"event": "mps-client-fault", "ts": made.ts, "gpu": s.gpu, "slot": s.slot,
+                           "guardian_pid": s.guardian_pid, "pid": pid, "signal": made.signame(),
+                           "command": command})
+        return {**told.as_dict(), "notice": told.notice()} if told is not None else None
 
     def _slot_regions(self, s: Slot) -> dict[str, Any]:
         """The `release` reply's regions, from krexd's own record of the command (never the
@@ -433,3 +460,16 @@ class Admission(Regions):
             if fd >= 0:
                 os.close(fd)
         return optin.release_notes(out, report)
+
+
+def _exit_of(msg: dict[str, Any]) -> object:
+    """`release`'s account of how the command ended: the guardian's struct fields (exit_pid,
+    exit_status, exit_signal, exit_command), or a Python client's "exit" object."""
+    if msg.get("exit_pid") is None:
+        return msg.get("exit")
+    return {
+        "pid": msg["exit_pid"],
+        "status": msg.get("exit_status"),
+        "signal": msg.get("exit_signal"),
+        "command": msg.get("exit_command"),
+    }

@@ -50,6 +50,10 @@ Precedence: command line > environment > config file > defaults. The config file
                                                              (krex/node/mps.py); a bare --mps means on
   mps_pipe_dir     KREX_MPS_PIPE_DIR      --mps-pipe-dir     attach to the MPS control daemon already
                                                              running at this pipe directory (never stopped)
+  mps_fault_window KREX_MPS_FAULT_WINDOW                     seconds an MPS client killed by a signal flags
+                                                             its GPU's regions (mps-client-fault) at most,
+                                                             when no server restart is seen sooner
+                                                             (default 10)
   log_level        KREX_LOG_LEVEL         --log-level        debug, info, warning, error
   group            KREX_GROUP             --group            share the daemon with this group: members run
                                                              commands and pause, only its user or root stop it
@@ -210,6 +214,9 @@ class Config:
     # directory attaches to one krexd did not start, which it then never stops.
     mps: str = "off"
     mps_pipe_dir: str | None = None
+    # How long a command killed on an MPS GPU flags the GPU's regions (mps-client-fault) at
+    # most, when krexd sees no server restart sooner.
+    mps_fault_window_s: float = 10.0
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from
     group: str | None = None  # share the daemon with this group (default: the daemon's own group)
@@ -314,6 +321,7 @@ KEYS = (
     Key("mps_pipe_dir", "mps_pipe_dir", "KREX_MPS_PIPE_DIR", _abs_dir,
         "the absolute pipe directory of a running MPS control daemon", "--mps-pipe-dir",
         "attach to the MPS control daemon already running at this pipe directory (krexd never stops it)"),
+    Key("mps_fault_window_s", "mps_fault_window", "KREX_MPS_FAULT_WINDOW", _num(0, 3600), "seconds, e.g. 10"),
     Key("log_level", "log_level", "KREX_LOG_LEVEL", _choice(LOG_LEVELS), "one of " + ", ".join(LOG_LEVELS),
         "--log-level", "what krexd logs", LOG_LEVELS),
     Key("group", "group", "KREX_GROUP", _group, "a group name or gid whose members share the daemon",

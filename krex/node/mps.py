@@ -20,7 +20,17 @@ What krexd starts, it stops; what it did not start it never stops (attach mode).
 
 A control daemon that dies is a fault: every region on its GPU at that moment, and every
 region that begins while it is down, is flagged `mps-server`. krexd starts a new one once
-no region holds the GPU (attached ones are not restarted: they are not krexd's)."""
+no region holds the GPU (attached ones are not restarted: they are not krexd's).
+
+A command killed by a signal is an MPS client killed, maybe inside its kernels: the GPU's
+MPS server then fails or refuses its other clients for a while (on an H100 the next client's
+first CUDA call failed). krexd records it (ClientFault, from the guardian's `release`):
+every region on that GPU then, and every region that begins while the fault is fresh
+(until the server is seen restarted, at most `mps_fault_window` seconds), is flagged
+`mps-client-fault` with the pid; a command that ran in that time and exits non-zero is told
+(its `release` reply). krexd asks the control daemon to restart the server
+(``shutdown_server PID -f``; the control daemon starts a new one for the next client) once
+no region holds the GPU, and never for an attached control daemon (not krexd's)."""
 
 from __future__ import annotations
 
@@ -55,6 +65,8 @@ PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory, written by th
 START_LOG = "krex-start.log"  # what `<control> -d` printed, in the log directory
 CONTROL_PIPE = "control"  # the control daemon's named pipe in the pipe directory
 FLAG = "mps-server"
+CLIENT_FLAG = "mps-client-fault"
+FAULT_WINDOW_S = 10.0  # how long a client's fault counts at most when no server restart is seen
 START_WAIT_S = 10.0  # for `-d` to return and the pid file to name a live process
 QUIT_WAIT_S = 5.0  # for `quit` to end it, before SIGTERM (then SIGKILL after as long again)
 WATCH_S = 0.2  # how often the watcher checks the control daemons
@@ -64,6 +76,41 @@ RETRY_S = 5.0  # between restarts that failed
 FAST_DEATH_S = 10.0
 BACKOFF_MAX_S = 60.0
 PID_MAX = 4194304  # the kernel's PID_MAX_LIMIT: a larger number names no process
+
+
+@dataclass
+class ClientFault:
+    """A command on an MPS GPU killed by a signal (an MPS client killed, maybe mid-kernel)."""
+
+    gpu: int
+    pid: int
+    command: str
+    signal: int
+    ts: float  # time.time() when krexd learned of it (the command's release)
+    at_ns: int  # the same, in time.monotonic_ns
+    until_ns: int  # fresh until then: the server seen restarted, else at_ns + the window
+    servers: frozenset[int]  # the GPU's MPS servers at that time
+    restart: str = "pending"  # what krexd did about the server (see Mps._restart_server)
+
+    def signame(self) -> str:
+        try:
+            return signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
+    def when(self) -> str:
+        ms = int(self.ts * 1e3) % 1000
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.ts)) + f".{ms:03d}"
+
+    def notice(self) -> str:
+        """`krex run`'s line for a command that failed while the fault was fresh."""
+        return (f"krex: warning: an MPS client (pid {self.pid}, `{self.command}`) was killed by "
+                f"{self.signame()} at {self.when()}; the MPS server refuses clients until it restarts: "
+                "rerun the command")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "pid": self.pid, "command": self.command, "signal": self.signame(),
+                "ts": self.ts, "restart": self.restart}
 
 
 @dataclass
@@ -89,6 +136,10 @@ class GpuMps:
     # seen gone since, as (pid, time.monotonic_ns when noticed), newest last.
     servers: dict[int, int] = field(default_factory=dict)
     server_deaths: list[tuple[int, int]] = field(default_factory=list)
+    # Clients killed by a signal, newest last; the one whose server restart waits (a region
+    # holds the GPU, or the watcher has not come to it yet).
+    client_faults: list[ClientFault] = field(default_factory=list)
+    restart_due: ClientFault | None = None
 
 
 def gpu_uuids(info: GpuInfo) -> list[str | None]:
@@ -244,15 +295,24 @@ def start_control(control: str, names: set[str], env: dict[str, str], pipe: Path
     raise StartFailed(f"no live pid in {pipe / PID_FILE} {START_WAIT_S:g} s after `-d`")
 
 
-def quit_control(control: str, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
-    """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
+def tell_control(
+    control: str, pipe: Path, log_dir: Path | None, text: str
+) -> subprocess.CompletedProcess[bytes]:
+    """Send one command (`quit`, `shutdown_server PID -f`) to the control daemon at `pipe`,
+    as `echo TEXT | <control>` does. Raises OSError or subprocess.TimeoutExpired."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
     if log_dir is not None:
         env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
+    return subprocess.run([control], input=f"{text}\n".encode(), env=env, capture_output=True,
+                          timeout=QUIT_WAIT_S)
+
+
+def quit_control(control: str, pipe: Path, pid: int | None, ticks: int, log_dir: Path | None) -> None:
+    """Ask the control daemon at `pipe` to quit; SIGTERM then SIGKILL `pid` if it stays."""
     if control:  # none known (krexd without MPS of its own): the signals alone
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run([control], input=b"quit\n", env=env, capture_output=True, timeout=QUIT_WAIT_S)
+            tell_control(control, pipe, log_dir, "quit")
     for sig in (signal.SIGTERM, signal.SIGKILL):
         deadline = time.monotonic() + QUIT_WAIT_S
         while _alive(pid, ticks) and time.monotonic() < deadline:
@@ -303,6 +363,7 @@ class Mps:
 
     def __init__(self, cfg: Config, info: GpuInfo) -> None:
         self.mode = "attach" if cfg.mps_pipe_dir else ("own" if cfg.mps == "on" else "off")
+        self.fault_window_ns = int(cfg.mps_fault_window_s * 1e9)
         self.gpus: dict[int, GpuMps] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -510,16 +571,30 @@ class Mps:
                 del m.server_deaths[:-32]
                 log.warning("MPS: gpu %d: MPS server pid %d exited; a region it cut is flagged %s",
                             m.gpu, pid, FLAG)
+                self._recovered(m, now, f"its MPS server pid {pid} exited (the next client gets a new one)",
+                                pid)
         if m.pid is not None and m.state in ("on", "attached") and _alive(m.pid, m.start_ticks):
             for pid in _below(m.pid):
                 ticks = int(lib.krex_pid_start_ticks(pid))
                 if pid not in m.servers and _alive(pid, ticks):  # not an unreaped one, noted already
                     m.servers[pid] = ticks
+                    # A new server replaces one the fault saw (none seen: only the window ends it).
+                    self._recovered(m, now, f"a new MPS server pid {pid} runs")
+
+    def _recovered(self, m: GpuMps, now: int, why: str, gone: int | None = None) -> None:
+        """A server restart ends the fresh client faults of `m` (call with self._lock): the
+        exit of server `gone` those that saw it; a new server (`gone` None) those that saw
+        one it replaces (a fault that saw none ends with its window only)."""
+        for f in m.client_faults:
+            if f.until_ns > now and (gone in f.servers if gone is not None else bool(f.servers)):
+                f.until_ns = now
+                log.info("MPS: gpu %d: the fault of MPS client pid %d is over: %s", m.gpu, f.pid, why)
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_S):
             with self._lock:
                 todo = []
+                servers: list[tuple[GpuMps, ClientFault]] = []
                 for m in self.gpus.values():
                     self._check(m)
                     if self.mode == "attach" and m.state == "down":
@@ -528,8 +603,18 @@ class Mps:
                             and not self._busy(m.gpu)):
                         m.state = "restarting"
                         todo.append(m)
+                    due = m.restart_due
+                    if due is not None and due.restart == "pending" and self._busy(m.gpu):
+                        due.restart = "deferred"
+                        log.info("MPS: gpu %d: the MPS server restart after client pid %d waits: a region "
+                                 "holds the GPU", m.gpu, due.pid)
+                    elif due is not None and not self._busy(m.gpu):
+                        servers.append((m, due))
+                        m.restart_due = None
             for m in todo:
                 self._restart(m)
+            for m, f in servers:
+                self._restart_server(m, f)
 
     def _reattach(self, m: GpuMps) -> None:
         """An attached control daemon its owner started again: watch the new one (call with
@@ -567,7 +652,11 @@ class Mps:
             self._check(m)  # a death the watcher has not seen yet
             hit = [d for d in m.down if d[1] is None or d[1] >= since_ns]
             gone = [pid for pid, t in m.server_deaths if t >= since_ns]
-        out = []
+            faults = [f for f in m.client_faults if f.until_ns > since_ns]
+        out = [(CLIENT_FLAG, f"an MPS client of GPU {gpu} (pid {f.pid}, `{f.command}`) was killed by "
+                             f"{f.signame()} during or shortly before the region: the MPS server fails or "
+                             "refuses its other clients, the region's own included, until it restarts")
+               for f in faults]
         if hit:
             out.append((FLAG, f"the MPS control daemon of GPU {gpu} (pipe {m.pipe}) died or was down during "
                               "the region: its MPS server and clients may have failed or run without MPS"))
@@ -575,6 +664,80 @@ class Mps:
             out.append((FLAG, f"the MPS server of GPU {gpu} (pid {', '.join(map(str, gone))}) exited during "
                               "the region: its clients' GPU work, the region's own included, failed"))
         return out
+
+    def command_exit(self, gpu: int, started_ns: int, pid: int, status: int, sig: int,
+                     command: str) -> tuple[ClientFault | None, ClientFault | None]:
+        """A command admitted on GPU `gpu` at `started_ns` (time.monotonic_ns) ended: its root
+        process `pid` with exit status `status`, killed by signal `sig` (0: none). Returns
+        (the client fault it made, killed: flags() and the server restart, see _watch; the
+        fault of another client to tell it of: it exited non-zero while a fault was fresh,
+        or a fault was fresh at some time while it ran, so its first CUDA call or a later
+        one may have failed for it). (None, None) without MPS on that GPU."""
+        m = self.gpus.get(gpu)
+        if m is None:
+            return None, None
+        made = None
+        now = time.monotonic_ns()
+        with self._lock:
+            self._check_servers(m)
+            told = None
+            if status != 0:
+                told = next((f for f in reversed(m.client_faults)
+                             if f.pid != pid and f.until_ns > started_ns), None)
+            if sig:
+                f = made = ClientFault(gpu, pid, command, sig, time.time(), now, now + self.fault_window_ns,
+                                frozenset(m.servers))
+                m.client_faults.append(f)
+                del m.client_faults[:-32]
+                if self.mode == "attach":
+                    f.restart = "not krexd's: the control daemon is attached"
+                else:
+                    m.restart_due = f
+                log.warning("MPS: gpu %d: client pid %d (%s) was killed by %s; regions on this GPU until its "
+                            "server restarts (at most %g s) are flagged %s%s", gpu, pid, command, f.signame(),
+                            self.fault_window_ns / 1e9, CLIENT_FLAG,
+                            "; krexd does not restart an attached control daemon's server"
+                            if self.mode == "attach" else "")
+        return made, told
+
+    def _restart_server(self, m: GpuMps, f: ClientFault) -> None:
+        """Ask m's control daemon to shut its MPS servers down (`shutdown_server PID -f`): it
+        starts a new one for the next client. Only while the fault is fresh, and only the
+        servers of the fault's time (a newer one was started after it)."""
+        with self._lock:
+            fresh = f.until_ns > time.monotonic_ns()
+            pids = sorted(p for p in m.servers if p in f.servers)
+        if not fresh:
+            f.restart = "not needed: the server restarted by itself"
+            log.info("MPS: gpu %d: no server restart after client pid %d: %s", m.gpu, f.pid, f.restart)
+            return
+        if not pids:
+            f.restart = "none: no MPS server known below the control daemon"
+            log.warning("MPS: gpu %d: cannot restart the MPS server after client pid %d was killed: no "
+                        "server known below control daemon pid %s", m.gpu, f.pid, m.pid)
+            return
+        after = " after the region that held the GPU" if f.restart == "deferred" else ""
+        for pid in pids:
+            log.warning("MPS: gpu %d: client pid %d was killed by %s and no region holds the GPU: asking the "
+                        "control daemon to restart MPS server pid %d (shutdown_server %d -f)",
+                        m.gpu, f.pid, f.signame(), pid, pid)
+            try:
+                p = tell_control(self._control, m.pipe, m.log_dir, f"shutdown_server {pid} -f")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = f"failed: {e}"
+            else:
+                said = (p.stdout + p.stderr).decode(errors="replace").strip()
+                why = f"requested{after} (server pid {pid})" if p.returncode == 0 else \
+                    f"failed: the control program exited {p.returncode}: {said or 'no output'}"
+            if why.startswith("failed"):
+                log.error("MPS: gpu %d: the MPS server restart %s", m.gpu, why)
+            else:  # its exit ends the fault (_check_servers): seen before the restart reads as done
+                deadline = time.monotonic() + QUIT_WAIT_S
+                while _alive(pid, m.servers.get(pid, 0)) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                with self._lock:
+                    self._check_servers(m)
+            f.restart = why
 
     def servers(self) -> set[int]:
         """The processes below the control daemons in use (the MPS servers they start): they
@@ -617,7 +780,9 @@ class Mps:
                     {"gpu": m.gpu, "state": m.state, "pid": m.pid if m.state in ("on", "attached") else None,
                      "pipe_dir": str(m.pipe), "log_dir": str(m.log_dir) if m.log_dir else None,
                      "visible": m.visible, "restarts": m.restarts, "error": m.error,
-                     "env": self.command_env(m.gpu)}
+                     "env": self.command_env(m.gpu),
+                     **({"client_faults": [f.as_dict() for f in m.client_faults[-8:]]}
+                        if m.client_faults else {})}
                     for m in self.gpus.values()
                 ],
             }

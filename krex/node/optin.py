@@ -201,6 +201,8 @@ def run_report(
         out["prewarm_given_gpu"] = rel.get("prewarm_given_gpu")
     if rel.get("tenant"):  # whose share of exclusive GPU time its regions used
         out["tenant"] = rel["tenant"]
+    if isinstance(rel.get("mps_client_fault"), dict):  # another MPS client killed while it ran
+        out["mps_client_fault"] = rel["mps_client_fault"]
     out["leftovers"] = rel.get("leftovers") or []
     out["leftovers_action"] = rel.get("action", "unknown")
     if isinstance(rel.get("cgroup"), dict) and rel["cgroup"]:  # where its cgroup was, and why
@@ -460,10 +462,13 @@ def auto_notes(report: Mapping[str, Any]) -> list[str]:
 
 
 def release_notes(rel: Mapping[str, Any], report: Mapping[str, Any]) -> list[str]:
-    """Every note `krex run` prints after its command, in order: leftovers, a journal
+    """Every note `krex run` prints after its command, in order: an MPS client's fault it
+    may have failed from (krex.node.mps.ClientFault.notice), leftovers, a journal
     error, untrusted regions, an auto-region warning, the Inductor path. `rel`: the release reply;
     `report`: region_tally's counts and, if any, `auto_region`."""
-    out = leftover_notes(rel)
+    fault = rel.get("mps_client_fault")
+    out = [str(fault["notice"])] if isinstance(fault, dict) and fault.get("notice") else []
+    out += leftover_notes(rel)
     if rel.get("journal_error"):
         out.append(f"krex: warning: {rel['journal_error']}")
     return out + trust_notes(report) + auto_notes(report) + inductor_notes(report)

@@ -41,6 +41,7 @@ class Slot:
     root_pids: dict[int, int] = field(default_factory=dict)
     guardian_connected: bool = True
     created: float = field(default_factory=time.time)
+    started_ns: int = field(default_factory=time.monotonic_ns)  # (the MPS client faults it ran beside)
     freeze: str | None = None  # the command's own freeze policy (krex run --freeze), else the daemon's
     # Admitted pre-warmed (Config.prewarm): started before a slot freed up; its processes wait at
     # their first gated call (and its regions in _begin) until _promote gives it the GPU.

@@ -7,12 +7,18 @@ creates the `control` pipe's name there; without `-d` it reads a command on stdi
 ends the daemon. It records in $FAKE_MPS_RECORD each daemon's start (start-PID.json: its pid
 and MPS variables) and each command and exit (events.log); FAKE_MPS_FAIL makes `-d` fail,
 FAKE_MPS_IGNORE_TERM makes the daemon ignore `quit` and SIGTERM, FAKE_MPS_SERVER gives the
-daemon a child standing in for its MPS server (recorded as server-PID)."""
+daemon a child standing in for its MPS server (recorded as server-PID); the command
+`shutdown_server PID -f` ends that server and the daemon starts a new one (recorded the same
+way), as the real control daemon does for its next client."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
+
+_KREX = Path(sys.executable).with_name("krex")
+KREX = [str(_KREX)] if _KREX.exists() else [sys.executable, "-m", "krex.cli.main"]
 
 FAKE_CONTROL = '''\
 import json, os, signal, sys, time
@@ -48,14 +54,30 @@ if sys.argv[1:] == ["-d"]:
 
     # FAKE_MPS_SERVER: an "MPS server" below the daemon (the real one starts one per user for
     # its clients), recorded as server-PID; it ends with the daemon.
-    server = 0
-    if os.environ.get("FAKE_MPS_SERVER"):
-        server = os.fork()
-        if server == 0:
+    def serve():
+        child = os.fork()
+        if child == 0:
             open(os.path.join(rec, f"server-{os.getpid()}"), "w").close()
             signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
             while True:
                 signal.pause()
+        return child
+
+    server = serve() if os.environ.get("FAKE_MPS_SERVER") else 0
+
+    # `shutdown_server PID -f` ended the server and sent SIGUSR1: a new one, as the real
+    # control daemon starts one for its next client.
+    def respawn(*_):
+        global server
+        if server:
+            try:
+                os.waitpid(server, 0)
+            except OSError:
+                pass
+            server = serve()
+
+    signal.signal(signal.SIGUSR1, respawn)
 
     def bye(*_):
         if server:
@@ -78,10 +100,28 @@ if sys.argv[1:] == ["-d"]:
 else:
     cmd = sys.stdin.read().strip()
     note(f"command {cmd} {pipe}")
+    with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid")) as f:
+        daemon = int(f.read())
     if cmd == "quit":
-        with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid")) as f:
-            os.kill(int(f.read()), signal.SIGTERM)
+        os.kill(daemon, signal.SIGTERM)
+    elif cmd.startswith("shutdown_server "):
+        os.kill(int(cmd.split()[1]), signal.SIGTERM)
+        os.kill(daemon, signal.SIGUSR1)
 '''
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`krex ARGS` (the installed command, else `python -m krex.cli.main`) with `env`."""
+    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def fake_control(tmp: Path) -> tuple[Path, Path]:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fake_mps import alive as _alive
 from helpers.fake_mps import fake_control
+from helpers.fake_mps import krex as _krex
 
 pytestmark = [
     pytest.mark.timeout(420),
@@ -58,21 +60,8 @@ def _corpus(tmp: Path) -> Path:
     return tmp / "manifest.py"
 
 
-def _krex(env: dict[str, str], *args: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "krex.cli.main", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_bench_runs_unprotected_and_krex_cells_under_mps_beside_the_others(
@@ -96,7 +85,7 @@ def test_bench_runs_unprotected_and_krex_cells_under_mps_beside_the_others(
     out = tmp_path / "results"
     p = _krex(env, "bench", "--device", "sim", "--corpus", str(_corpus(tmp_path)), "--modes",
               "native-serial,unprotected,unprotected-mps,krex,krex-mps", "--concurrency", "2",
-              "--timeout", "60", "--no-plots", "--out", str(out))
+              "--timeout", "60", "--no-plots", "--out", str(out), timeout=360)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cells = {c["cell"] for c in _jsonl(out / "cells.jsonl")}
     assert cells == {"native-serial", "unprotected-2", "unprotected-mps-2", "krex-2", "krex-mps-2"}
@@ -204,7 +193,7 @@ def test_the_cells_control_daemon_is_quit_when_the_bench_is_stopped_or_it_cannot
     assert not Path(start["CUDA_MPS_PIPE_DIRECTORY"]).exists()
 
     failing = dict(env, FAKE_MPS_FAIL="1")
-    p = _krex(failing, *args[3:], "--repeat", "1", "--out", str(tmp_path / "failed"))
+    p = _krex(failing, *args[3:], "--repeat", "1", "--out", str(tmp_path / "failed"), timeout=360)
     assert p.returncode != 0, p.stderr
     assert "cannot start the MPS control daemon for the cell's GPU 0" in p.stderr, p.stderr
     assert "fake MPS: cannot open the GPU" in p.stderr, p.stderr
@@ -219,7 +208,8 @@ def test_an_unprotected_mps_cell_beside_a_running_krexd_with_mps_says_so(
     assert _krex(env, "daemon", "start", "--device", "sim", "--mps", timeout=60).returncode == 0
     out = tmp_path / "results"
     p = _krex(env, "bench", "--device", "sim", "--corpus", str(_corpus(tmp_path)), "--modes",
-              "unprotected-mps", "--concurrency", "2", "--timeout", "60", "--no-plots", "--out", str(out))
+              "unprotected-mps", "--concurrency", "2", "--timeout", "60", "--no-plots", "--out", str(out),
+              timeout=360)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     notes = json.loads((out / "meta.json").read_text())["notes"]
     assert any("has MPS control daemons of its own on the GPU beside this cell's" in n for n in notes), notes

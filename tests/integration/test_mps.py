@@ -3,18 +3,23 @@ a stand-in control program named by KREX_MPS_CONTROL: krexd starts one control d
 GPU with that GPU's variables, hands its commands the pipe directory, quits it on a clean
 stop, flags a region whose control daemon died `mps-server` and starts a new one once no
 region holds the GPU, refuses to start when it cannot have MPS, and never stops a control
-daemon it attached to.
+daemon it attached to. A command killed by a signal (an MPS client killed) flags the regions
+on its GPU `mps-client-fault`, tells a command that fails meanwhile, and has the server
+restarted once no region holds the GPU; without MPS the same kill does none of it.
 
 The stand-in (tests/helpers/fake_mps.py) keeps to what krexd relies on: `-d` daemonises
 and writes the daemon's pid to nvidia-cuda-mps-control.pid in CUDA_MPS_PIPE_DIRECTORY (as
 nvidia-cuda-mps-control does) and creates the `control` pipe's name there; without `-d` it
-reads a command on stdin, and `quit` ends the daemon. It records its environment and each
+reads a command on stdin: `quit` ends the daemon, `shutdown_server PID -f` its stand-in
+server (FAKE_MPS_SERVER), which it then starts again. It records its environment and each
 command in $FAKE_MPS_RECORD."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,31 +28,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fake_mps import KREX
+from helpers.fake_mps import alive as _alive
 from helpers.fake_mps import fake_control as _fake
+from helpers.fake_mps import krex as _krex
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Linux only"),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups and freezers"),
 ]
 
-_KREX = Path(sys.executable).with_name("krex")
-KREX = [str(_KREX)] if _KREX.exists() else [sys.executable, "-m", "krex.cli.main"]
 PID_FILE = "nvidia-cuda-mps-control.pid"
 
 def _env(krex_env: dict[str, str], prog: Path, rec: Path) -> dict[str, str]:
     return dict(krex_env, KREX_MPS_CONTROL=str(prog), FAKE_MPS_RECORD=str(rec))
-
-
-def _krex(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KREX, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _starts(rec: Path) -> list[dict[str, Any]]:
@@ -70,6 +64,25 @@ def _wait(cond: Any, what: str, timeout: float = 20) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def _in_region(env: dict[str, str], bins: dict[str, Path], *run_args: str) -> subprocess.Popen[str]:
+    """`krex run` of an actor whose region has begun when this returns and lasts until a line
+    comes on its stdin (then it ends the region and exits 0)."""
+    actor = [str(bins["actor"]), "begin", "line", "end"]
+    cmd = subprocess.Popen([*KREX, "run", *run_args, "--device", "sim", "--", *actor], env=env,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert cmd.stdout is not None
+        line = cmd.stdout.readline()
+        while line and '"act":"begin"' not in line:  # the actor's start line comes first
+            line = cmd.stdout.readline()
+        assert '"rc":0' in line, (line, cmd.poll())
+    except BaseException:
+        cmd.kill()
+        cmd.wait()
+        raise
+    return cmd
 
 
 def test_start_makes_private_dirs_and_a_control_daemon_per_gpu_that_commands_use_and_stop_quits(
@@ -118,15 +131,9 @@ def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_
     p = _krex(env, "daemon", "start", "--device", "sim", "--mps", "on")
     assert p.returncode == 0, p.stderr
     (first,) = _starts(rec)
-    actor = [str(bins["actor"]), "begin", "line", "end"]  # the region lasts until a line comes
-    cmd = subprocess.Popen([*KREX, "run", "--device", "sim", "--", *actor], env=env, stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = _in_region(env, bins)
     try:
-        assert cmd.stdout is not None and cmd.stdin is not None
-        line = cmd.stdout.readline()
-        while line and '"act":"begin"' not in line:  # the actor's start line comes first
-            line = cmd.stdout.readline()
-        assert '"rc":0' in line, line
+        assert cmd.stdin is not None
         os.kill(first["pid"], signal.SIGKILL)
         _wait(lambda: _mps_status(env)["gpus"][0]["state"] == "down", "krexd to see it down")
         time.sleep(0.5)  # several watcher rounds: no restart while the region holds the GPU
@@ -170,15 +177,9 @@ def test_an_mps_server_that_exits_mid_region_flags_that_region_only(
     _wait(lambda: list(rec.glob("server-*")), "the fake MPS server")
     server = int(next(rec.glob("server-*")).name.split("-")[1])
     time.sleep(0.5)  # the watcher has seen the server
-    actor = [str(bins["actor"]), "begin", "line", "end"]
-    cmd = subprocess.Popen([*KREX, "run", "--device", "sim", "--", *actor], env=env, stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = _in_region(env, bins)
     try:
-        assert cmd.stdout is not None and cmd.stdin is not None
-        line = cmd.stdout.readline()
-        while line and '"act":"begin"' not in line:
-            line = cmd.stdout.readline()
-        assert '"rc":0' in line, line
+        assert cmd.stdin is not None
         os.kill(server, signal.SIGKILL)
         _wait(lambda: not _alive(server), "the server to die")
         cmd.stdin.write("go\n")
@@ -330,3 +331,208 @@ def test_a_krexd_without_mps_leaves_a_previous_krexds_control_daemon_its_command
         os.kill(first["pid"], signal.SIGTERM)
     _wait(lambda: not _alive(first["pid"]), "the control daemon to end")
     assert "left" not in _mps_status(env)  # gone: no longer shown
+
+
+def _regions(env: dict[str, str]) -> list[dict[str, Any]]:
+    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
+    return [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x]
+
+
+def _journal_events(env: dict[str, str], name: str) -> list[dict[str, Any]]:
+    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
+    if not journal.exists():
+        return []
+    return [r for r in map(json.loads, journal.read_text().splitlines()) if r.get("event") == name]
+
+
+def _started(env: dict[str, str], *cmd: str) -> tuple[subprocess.Popen[str], int]:
+    """`krex run CMD` once CMD runs (exec'd): the guardian, and the command's pid. Started
+    before a region (a command admitted during one starts frozen until it ends)."""
+    guardian = subprocess.Popen([*KREX, "run", "--device", "sim", "--", *cmd], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kids: list[int] = []
+    exe = Path(shutil.which(cmd[0]) or cmd[0]).resolve()  # (sh may be dash)
+
+    def running() -> bool:
+        kids[:] = []
+        with contextlib.suppress(OSError, IndexError):
+            children = Path(f"/proc/{guardian.pid}/task/{guardian.pid}/children")
+            kids.extend(map(int, children.read_text().split()))
+            return Path(f"/proc/{kids[0]}/exe").resolve() == exe
+        return False
+
+    try:
+        _wait(running, f"{cmd[0]} to run")
+    except BaseException:
+        guardian.kill()
+        guardian.wait()
+        raise
+    return guardian, kids[0]
+
+
+def _ended(guardian: subprocess.Popen[str], line: str = "") -> subprocess.CompletedProcess[str]:
+    out, err = guardian.communicate(line, timeout=60)
+    return subprocess.CompletedProcess(guardian.args, guardian.returncode, out, err)
+
+
+def _killed(guardian: subprocess.Popen[str], pid: int) -> subprocess.CompletedProcess[str]:
+    """SIGKILL the command `pid` of `krex run` `guardian`: what `krex run` then said."""
+    os.kill(pid, signal.SIGKILL)
+    done = _ended(guardian)
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr
+    return done
+
+
+def _fault_env(krex_env: dict[str, str], tmp_path: Path, server: bool = True,
+               window_s: float = 120) -> tuple[dict[str, str], Path]:
+    prog, rec = _fake(tmp_path)
+    # Room for siblings beside the region's command, which run on (the `gpu` policy freezes
+    # none that never used the GPU); by default a window the test never waits out.
+    env = dict(_env(krex_env, prog, rec), KREX_MPS_FAULT_WINDOW=f"{window_s:g}", **_SIBLINGS_RUN)
+    if server:
+        env["FAKE_MPS_SERVER"] = "1"
+    return env, rec
+
+
+_SIBLINGS_RUN = {"KREX_SLOTS_PER_GPU": "4", "KREX_FREEZE_POLICY": "gpu"}
+
+
+def _last_fault(env: dict[str, str]) -> dict[str, Any]:
+    faults = _mps_status(env)["gpus"][0].get("client_faults") or [{}]
+    return dict(faults[-1])
+
+
+def _servers(rec: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in rec.glob("server-*"))
+
+
+def test_an_mps_client_killed_beside_a_region_flags_it_tells_a_failure_and_restarts_the_server_after(
+    krex_env: dict[str, str], tmp_path: Path, bins: dict[str, Path]
+) -> None:
+    """A command killed by SIGKILL under MPS (an MPS client killed, maybe inside its kernels,
+    which fails the server's other clients for a while): the region running then is flagged
+    mps-client-fault with the pid; a command that fails meanwhile is told (stderr, --report);
+    the server restart waits for the region to end, then the control daemon is asked
+    (`shutdown_server PID -f`) and the fault is over."""
+    env, rec = _fault_env(krex_env, tmp_path)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: _servers(rec), "the fake MPS server")
+    (server,) = _servers(rec)
+    victim_run, victim = _started(env, "sleep", "60")
+    failing, _ = _started(env, "sh", "-c", "read x; exit 3")
+    holder = _in_region(env, bins)
+    try:
+        assert holder.stdin is not None
+        _killed(victim_run, victim)
+        _wait(lambda: _last_fault(env).get("restart") == "deferred", "the restart to wait for the region")
+        (fault,) = _mps_status(env)["gpus"][0]["client_faults"]
+        assert (fault["pid"], fault["signal"], fault["command"]) == (victim, "SIGKILL", "sleep 60"), fault
+        assert not any("shutdown_server" in e for e in _events(rec))  # not while the region holds the GPU
+
+        failed = _ended(failing, "go\n")
+        assert failed.returncode == 3, failed.stderr
+        notice = [x for x in failed.stderr.splitlines() if "an MPS client" in x]
+        assert len(notice) == 1, failed.stderr
+        assert f"an MPS client (pid {victim}, `sleep 60`) was killed by SIGKILL at " in notice[0], notice
+        assert notice[0].endswith("the MPS server refuses clients until it restarts: rerun the command")
+
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        _out, err = holder.communicate(timeout=60)
+        assert holder.returncode == 0, err
+    finally:
+        for p in (holder, failing, victim_run):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (region,) = [r for r in _regions(env) if "mps-client-fault" in r["flags"]]
+    assert region["contaminated"] and any(f"pid {victim}" in r for r in region["reasons"]), region
+    (event,) = _journal_events(env, "mps-client-fault")
+    assert event["pid"] == victim and event["signal"] == "SIGKILL", event
+    assert f"EVENT: MPS client pid {victim} (`sleep 60`)" in _krex(env, "journal").stdout
+
+    # The region ended: the restart is asked for, and the control daemon starts a new server.
+    pipe = Path(env["KREX_STATE_DIR"]) / "mps" / "gpu0" / "pipe"
+    _wait(lambda: f"command shutdown_server {server} -f {pipe}" in _events(rec), "the server restart")
+    _wait(lambda: len(_servers(rec)) == 2, "the new server")
+    _wait(lambda: str(_last_fault(env).get("restart")).startswith("requested after"), "the restart noted")
+    assert not _alive(server)
+    # The fault is over: a failure now is not tied to it, and a region now is clean of it.
+    later = _krex(env, "run", "--device", "sim", "--", "sh", "-c", "exit 1")
+    assert later.returncode == 1 and "MPS client" not in later.stderr, later.stderr
+    run = _krex(env, "run", "--device", "sim", "--", str(bins["actor"]), "begin", "end")
+    assert run.returncode == 0, run.stderr
+    assert "mps-client-fault" not in _regions(env)[-1]["flags"], _regions(env)[-1]
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
+def test_an_mps_client_killed_with_no_region_has_its_server_restarted_at_once(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    env, rec = _fault_env(krex_env, tmp_path)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: _servers(rec), "the fake MPS server")
+    (server,) = _servers(rec)
+    time.sleep(0.5)  # the watcher has seen the server
+    guardian, victim = _started(env, "sleep", "60")
+    _killed(guardian, victim)
+    pipe = Path(env["KREX_STATE_DIR"]) / "mps" / "gpu0" / "pipe"
+    _wait(lambda: f"command shutdown_server {server} -f {pipe}" in _events(rec), "the server restart")
+    _wait(lambda: len(_servers(rec)) == 2, "the new server")
+    _wait(lambda: _last_fault(env).get("restart") == f"requested (server pid {server})", "the restart noted")
+    assert _last_fault(env)["pid"] == victim
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
+def test_with_no_server_restart_seen_a_fault_tells_the_commands_after_it_for_its_window(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """No MPS server known (none to restart, none seen restarting): the fault counts for its
+    window (KREX_MPS_FAULT_WINDOW); a command started just after it that fails is told, one
+    that succeeds is not, and a failure after the window is not."""
+    env, rec = _fault_env(krex_env, tmp_path, server=False, window_s=4)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    guardian, victim = _started(env, "sleep", "60")
+    _killed(guardian, victim)
+    report = tmp_path / "report.json"
+    failed = _krex(env, "run", "--device", "sim", "--report", str(report), "--", "sh", "-c", "exit 3")
+    assert failed.returncode == 3, failed.stderr
+    assert f"an MPS client (pid {victim}, `sleep 60`) was killed by SIGKILL at " in failed.stderr, failed
+    told = json.loads(report.read_text())["mps_client_fault"]
+    assert told["pid"] == victim and told["signal"] == "SIGKILL", told
+    ok = _krex(env, "run", "--device", "sim", "--", "true")
+    assert ok.returncode == 0 and "MPS client" not in ok.stderr, ok.stderr
+    _wait(lambda: _last_fault(env).get("restart", "").startswith("none: no MPS server"), "the restart noted")
+    assert not any("shutdown_server" in e for e in _events(rec))
+    time.sleep(4.2)  # the window is over
+    later = _krex(env, "run", "--device", "sim", "--", "sh", "-c", "exit 1")
+    assert later.returncode == 1 and "MPS client" not in later.stderr, later.stderr
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
+def test_a_command_killed_without_mps_flags_nothing_and_tells_nothing(
+    krex_env: dict[str, str], bins: dict[str, Path]
+) -> None:
+    """The negative control: the same kill beside a region, with krexd not running MPS."""
+    env = dict(krex_env, **_SIBLINGS_RUN)
+    assert _krex(env, "daemon", "start", "--device", "sim").returncode == 0
+    victim_run, victim = _started(env, "sleep", "60")
+    failing, _ = _started(env, "sh", "-c", "read x; exit 3")
+    holder = _in_region(env, bins)
+    try:
+        assert holder.stdin is not None
+        _killed(victim_run, victim)
+        failed = _ended(failing, "go\n")
+        assert failed.returncode == 3 and "MPS client" not in failed.stderr, failed.stderr
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        _out, err = holder.communicate(timeout=60)
+        assert holder.returncode == 0, err
+    finally:
+        for p in (holder, failing, victim_run):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (region,) = _regions(env)
+    assert not any(f.startswith("mps-") for f in region["flags"]), region
+    assert not _journal_events(env, "mps-client-fault")

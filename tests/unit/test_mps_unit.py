@@ -208,3 +208,42 @@ def test_a_control_daemon_that_keeps_dying_at_once_is_restarted_ever_later(
         assert g.state == "down"
         waits.append(round(g.next_try - now))
     assert waits == [5, 10, 20, 40, 60, 60], waits
+
+
+def test_a_client_killed_flags_regions_and_tells_failures_while_its_fault_is_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command killed by a signal on an MPS GPU: regions running then or begun while the
+    fault is fresh are flagged mps-client-fault; a command that ran meanwhile and failed is
+    told; one that succeeded, the killed one itself and one begun after the window are not."""
+    monkeypatch.setenv("KREX_MPS_CONTROL", "true")
+    m = mps.Mps(Config(device="sim", mps="on", mps_fault_window_s=0.2), _sim())
+    before = time.monotonic_ns()
+    assert m.command_exit(0, before, 41, 1, 0, "true") == (None, None)  # no fault yet: nothing to tell
+    made, told = m.command_exit(0, before, 42, 137, 9, "python gemm.py")
+    assert told is None and made is not None and made.signame() == "SIGKILL" and made.restart == "pending"
+    assert m.gpus[0].restart_due is made and m.gpus[1].restart_due is None
+    flags = m.flags(0, before)  # running when it was killed
+    assert [f for f, _ in flags] == [mps.CLIENT_FLAG] and "pid 42, `python gemm.py`" in flags[0][1]
+    assert [f for f, _ in m.flags(0, time.monotonic_ns())] == [mps.CLIENT_FLAG]  # begun while fresh
+    assert m.flags(1, before) == []  # another GPU
+    assert m.command_exit(0, before, 43, 0, 0, "ok")[1] is None  # succeeded: nothing to tell
+    _, told = m.command_exit(0, time.monotonic_ns(), 44, 1, 0, "next")
+    assert told is made
+    notice = told.notice()
+    assert notice.startswith("krex: warning: an MPS client (pid 42, `python gemm.py`) was killed by SIGKILL")
+    assert notice.endswith("the MPS server refuses clients until it restarts: rerun the command")
+    time.sleep(0.25)  # the window is over
+    assert m.flags(0, time.monotonic_ns()) == []
+    assert m.command_exit(0, time.monotonic_ns(), 45, 1, 0, "later")[1] is None
+    off = mps.Mps(Config(device="sim"), _sim())
+    assert off.command_exit(0, before, 42, 137, 9, "x") == (None, None) and off.flags(0, before) == []
+
+
+def test_an_attached_control_daemons_server_is_never_restarted_for_a_client_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KREX_MPS_CONTROL", "true")
+    m = mps.Mps(Config(device="sim", mps_pipe_dir="/run/their-mps"), _sim(1))
+    made, _ = m.command_exit(0, time.monotonic_ns(), 42, 137, 9, "x")
+    assert made is not None and m.gpus[0].restart_due is None and made.restart.startswith("not krexd's")
