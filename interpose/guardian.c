@@ -549,7 +549,7 @@ static int refused(const struct opts *o, const struct reply *r) {
  * kernels fails the GPU's other clients for a while: krexd records it and tells them. */
 static void exit_fields(struct krex_req_release *rel, struct krex_tail *tail, char *line, size_t cap, pid_t pid,
                         int ws, char **cmd) {
-    rel->has_exit_pid = 1;
+    rel->has_exit_pid = rel->has_exit_status = rel->has_exit_signal = 1;
     rel->exit_pid = (int32_t)pid;
     rel->exit_status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
     rel->exit_signal = WIFSIGNALED(ws) ? WTERMSIG(ws) : 0;

@@ -395,8 +395,10 @@ struct krex_req_release {
     uint8_t pad0[3];
     uint32_t leftovers_str;         /* what to do with processes it left: "kill" (none) or "keep" */
     uint32_t auto_dir_str;          /* the KREX_AUTO_STATUS_DIR its processes wrote into */
-    _Bool has_exit_pid;             /* the command's end is known (not when another reaped it) */
-    uint8_t pad1[3];
+    _Bool has_exit_pid;             /* the command's end is known (not when another reaped it): */
+    _Bool has_exit_status;          /* all three set, or none */
+    _Bool has_exit_signal;
+    uint8_t pad1;
     int32_t exit_pid;               /* the process it started */
     int32_t exit_status;            /* its exit status, 128 + N when signal N killed it */
     int32_t exit_signal;            /* the signal that killed it, 0: none (under MPS a fault) */

@@ -271,6 +271,12 @@ GUARDIAN_CASES = [
     ({"op": "started", "pid": 4242, "join": True}, False, None),
     ({"op": "release", "report": True, "leftovers": "keep", "auto_dir": "/tmp/a b"}, False, None),
     (
+        {"op": "release", "report": False, "leftovers": "kill", "exit_pid": 77, "exit_status": 137,
+         "exit_signal": 9, "exit_command": "python3 bench.py"},
+        False,
+        None,
+    ),
+    (
         {
             "ok": True,
             "slot": 3,
