@@ -165,15 +165,26 @@ static uint64_t g_turn_word; /* what we stored there */
 static uint64_t g_turn_pid;  /* our pid (0: not looked up yet, or a fork child's) */
 static int g_on_floor;        /* atomic: the last check put this process on the floor under a budget */
 
+/* A lease taken or renewed now covers the interval we submit next: its GPU time as we
+ * measured it (`s` per submission, g_every of them) and a little more, at least
+ * KREX_TURN_LEASE_US, at most KREX_TURN_LEASE_MAX_US. A holder doing host work before it
+ * launches thus keeps its turn for up to its own kernel's time (the turn idles at most as
+ * long as it then runs), and one that stops, frozen or dead, holds the others back no
+ * longer than that interval would have occupied the GPU. */
+static uint64_t turn_lease_us(void) {
+    uint64_t us = g_s_ns * __atomic_load_n(&g_every, RELAXED) / 1000 + KREX_TURN_LEASE_US / 4;
+    return us < KREX_TURN_LEASE_US ? KREX_TURN_LEASE_US : us > KREX_TURN_LEASE_MAX_US ? KREX_TURN_LEASE_MAX_US : us;
+}
+
 static uint64_t turn_word(uint64_t now_ns) {
     if (!g_turn_pid) g_turn_pid = (uint64_t)getpid();
-    return g_turn_pid << 40 | ((now_ns / 1000 + KREX_TURN_LEASE_US) & TURN_MASK);
+    return g_turn_pid << 40 | ((now_ns / 1000 + turn_lease_us()) & TURN_MASK);
 }
 
 /* A turn word whose lease has ended (mod 2^40 us), or that no holder could have written
- * (a lease ending more than two leases from now: a stray write, never waited for). */
+ * (a lease ending further off than KREX_TURN_LEASE_MAX_US: a stray write, never waited for). */
 static int turn_lapsed(uint64_t w, uint64_t now_ns) {
-    return w == 0 || ((w & TURN_MASK) - now_ns / 1000 & TURN_MASK) > 2 * KREX_TURN_LEASE_US;
+    return w == 0 || ((w & TURN_MASK) - now_ns / 1000 & TURN_MASK) > KREX_TURN_LEASE_MAX_US;
 }
 
 /* Renew the lease of the turn we hold while our own work runs (a holder that stops
