@@ -171,10 +171,11 @@
  * long intervals are queued on the GPU at a time, however many commands share it, and two
  * keep it busy while a third waits its turn. A turn is a word (holder pid << 40 | lease end
  * in us of CLOCK_MONOTONIC, mod 2^40), leased for the interval its holder submits next (its
- * measured GPU time and a quarter of KREX_TURN_LEASE_US more, at least KREX_TURN_LEASE_US,
- * at most KREX_TURN_LEASE_MAX_US) and renewed so while the holder waits for its own work. A
- * holder doing host work before it launches keeps its turn for up to that interval (the turn
- * idles at most as long as its kernel then runs; longer host work lets it lapse, and the
+ * own GPU time: the wall time it measured for one, over the turns in use; a quarter of
+ * KREX_TURN_LEASE_US more, at least KREX_TURN_LEASE_US, at most KREX_TURN_LEASE_MAX_US) and
+ * renewed so while the holder waits for its own work. A holder doing host work before it
+ * launches keeps its turn for up to that interval (the turn idles at most as long as its
+ * kernel then runs, so two turns keep the GPU busy; longer host work lets it lapse, and the
  * holder may then launch without one); a holder that dies, is frozen or stops submitting
  * holds the others back at most that interval (a word whose lease ends further off than
  * KREX_TURN_LEASE_MAX_US is no holder's). Only long work takes turns
