@@ -170,10 +170,15 @@
  * while it holds one of the GPU's `pace_tokens` turns (krex_gpu.turns): at most that many
  * long intervals are queued on the GPU at a time, however many commands share it, and two
  * keep it busy while a third waits its turn. A turn is a word (holder pid << 40 | lease end
- * in us of CLOCK_MONOTONIC, mod 2^40), leased KREX_TURN_LEASE_US at a time and renewed while
- * its holder waits for its own work (a holder doing host work between launches lets it lapse
- * rather than keep the turn idle, and may then launch without one): a holder that dies, is frozen or stops submitting loses it within a lease (a word
- * whose lease ends further off than two leases is no holder's). Only long work takes turns
+ * in us of CLOCK_MONOTONIC, mod 2^40), leased for the interval its holder submits next (its
+ * own GPU time: the wall time it measured for one, over the turns in use; a quarter of
+ * KREX_TURN_LEASE_US more, at least KREX_TURN_LEASE_US, at most KREX_TURN_LEASE_MAX_US) and
+ * renewed so while the holder waits for its own work. A holder doing host work before it
+ * launches keeps its turn for up to that interval (the turn idles at most as long as its
+ * kernel then runs, so two turns keep the GPU busy; longer host work lets it lapse, and the
+ * holder may then launch without one); a holder that dies, is frozen or stops submitting
+ * holds the others back at most that interval (a word whose lease ends further off than
+ * KREX_TURN_LEASE_MAX_US is no holder's). Only long work takes turns
  * (not a floor taken because a region is near), and a command whose own region is announced
  * or queued takes none. A process waits at most
  * KREX_TURN_WAIT_MS for one, then goes on without (slower to drain once, never stuck). */
@@ -181,6 +186,7 @@
 #define KREX_TURNS_MAX 4
 #define KREX_TURN_LEASE_US 2000
 #define KREX_TURN_WAIT_MS 1000
+#define KREX_TURN_LEASE_MAX_US 50000
 /* A region about to begin on a GPU (krex_gpu.pending_slots, soon_slots): siblings' queues
  * shrink before its gate closes. While another command's region is queued (BEGIN sent, gate
  * not yet its), a sibling's pacing check and its LIFE calls (contexts, modules, device

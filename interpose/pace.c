@@ -165,15 +165,29 @@ static uint64_t g_turn_word; /* what we stored there */
 static uint64_t g_turn_pid;  /* our pid (0: not looked up yet, or a fork child's) */
 static int g_on_floor;        /* atomic: the last check put this process on the floor under a budget */
 
+/* A lease taken or renewed now covers the interval we submit next: its own GPU time, a
+ * quarter of KREX_TURN_LEASE_US more, at least KREX_TURN_LEASE_US, at most
+ * KREX_TURN_LEASE_MAX_US. Its own time is the wall time we measured for it (`s` per
+ * submission, g_every of them) over the GPU's turns in use: `s` counts all the long work
+ * queued, one interval per busy turn. A holder doing host work before it launches thus keeps
+ * its turn for up to its own interval (the turn idles at most as long as it then runs: with
+ * two turns, the GPU stays busy), longer host work lets it lapse, and one that stops, frozen
+ * or dead, holds the others back no longer than its interval would have occupied the GPU. */
+static uint32_t g_turn_n = 1; /* the GPU's turns in use, as turn_take last saw them */
+static uint64_t turn_lease_us(void) {
+    uint64_t us = g_s_ns * __atomic_load_n(&g_every, RELAXED) / g_turn_n / 1000 + KREX_TURN_LEASE_US / 4;
+    return us < KREX_TURN_LEASE_US ? KREX_TURN_LEASE_US : us > KREX_TURN_LEASE_MAX_US ? KREX_TURN_LEASE_MAX_US : us;
+}
+
 static uint64_t turn_word(uint64_t now_ns) {
     if (!g_turn_pid) g_turn_pid = (uint64_t)getpid();
-    return g_turn_pid << 40 | ((now_ns / 1000 + KREX_TURN_LEASE_US) & TURN_MASK);
+    return g_turn_pid << 40 | ((now_ns / 1000 + turn_lease_us()) & TURN_MASK);
 }
 
 /* A turn word whose lease has ended (mod 2^40 us), or that no holder could have written
- * (a lease ending more than two leases from now: a stray write, never waited for). */
+ * (a lease ending further off than KREX_TURN_LEASE_MAX_US: a stray write, never waited for). */
 static int turn_lapsed(uint64_t w, uint64_t now_ns) {
-    return w == 0 || ((w & TURN_MASK) - now_ns / 1000 & TURN_MASK) > 2 * KREX_TURN_LEASE_US;
+    return w == 0 || ((w & TURN_MASK) - now_ns / 1000 & TURN_MASK) > KREX_TURN_LEASE_MAX_US;
 }
 
 /* Renew the lease of the turn we hold while our own work runs (a holder that stops
@@ -209,6 +223,7 @@ static int turn_take(struct krex_gpu *g, uint32_t *gate, uint64_t now) {
         if (n == 0 || __atomic_load_n(gate, ACQUIRE) != KREX_GATE_OPEN || now - t0 >= most || own_region_near(g))
             break;
         if (n > KREX_TURNS_MAX) n = KREX_TURNS_MAX;
+        g_turn_n = n;
         for (uint32_t i = 0; i < n; i++) {
             uint64_t w = __atomic_load_n(&g->turns[i], ACQUIRE), mine = turn_word(now);
             if (turn_lapsed(w, now) && __atomic_compare_exchange_n(&g->turns[i], &w, mine, 0, __ATOMIC_ACQ_REL, RELAXED)) {
@@ -386,6 +401,7 @@ void krex_pace_after_fork(void) {
     g_s_ns = g_done_t = g_done_subs = 0;
     g_turn = NULL; /* the parent's turn, leased under its pid */
     g_turn_pid = 0;
+    g_turn_n = 1;
     __atomic_store_n(&g_on_floor, 0, RELAXED);
     t_pace = KREX_PACE_EVERY - 1;
 }
