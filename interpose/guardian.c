@@ -23,11 +23,12 @@
  *
  * What to give the command and what to print come from krexd (one Python function
  * each, krex/node/optin.py): the admit reply's env_set/env_prepend/notes, the
- * release reply's notes. This file applies and prints them; it never restates them.
- * The one case that goes back to Python after admission: krexd went away while the
- * command ran (no release reply, so no notes): once the command has ended, this
- * process execs `python -m krex.proc.finish`, which journals a region the loss cut
- * and prints the notes from the journal.
+ * release reply's notes, and the whole --report (krexd makes it; this file writes its text,
+ * and reads or writes no JSON). This file applies and prints them; it never restates them.
+ * What goes back to Python after admission: krexd went away while the command ran (no
+ * release reply, so no notes and no report): once the command has ended, this process execs
+ * `python -m krex.proc.finish`, which journals a region the loss cut and prints the notes
+ * from the journal; and a --report of a run KREX failed (`python -m krex.proc.error_report`).
  *
  * Single-threaded: one poll() on a signalfd (SIGCHLD and the forwarded signals) and
  * the admission connection (POLLRDHUP: krexd died), with a timeout to check krexd's
@@ -48,8 +49,8 @@ int g_chld_ign;      /* SIGCHLD was ignored by our caller: the command gets that
 int g_shared_group;
 /* Started by Python's `krex run` (krex.proc.launcher.run_command) after what only it does
  * (start krexd, the static-cudart and chunk warnings): KREX_GUARDIAN_PREPARED holds its Python,
- * its krex/_lib and the report's extra members (Python's text, passed on unread), one a line. Then nothing goes
- * back to Python before the command's end: what would, is an error here. */
+ * its krex/_lib and the report's extra members (Python's text, passed on unread), one a line.
+ * Then nothing goes back to Python before the command's end: what would, is an error here. */
 int g_prepared;
 const char *g_python;         /* that Python (the finisher's, KREX_DAEMON_CMD's) */
 const char *g_prepared_lib;   /* its krex/_lib */
