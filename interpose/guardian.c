@@ -23,11 +23,12 @@
  *
  * What to give the command and what to print come from krexd (one Python function
  * each, krex/node/optin.py): the admit reply's env_set/env_prepend/notes, the
- * release reply's notes. This file applies and prints them; it never restates them.
- * The one case that goes back to Python after admission: krexd went away while the
- * command ran (no release reply, so no notes): once the command has ended, this
- * process execs `python -m krex.proc.finish`, which journals a region the loss cut
- * and prints the notes from the journal.
+ * release reply's notes, and the whole --report (krexd makes it; this file writes its text,
+ * and reads or writes no JSON). This file applies and prints them; it never restates them.
+ * What goes back to Python after admission: krexd went away while the command ran (no
+ * release reply, so no notes and no report): once the command has ended, this process execs
+ * `python -m krex.proc.finish`, which journals a region the loss cut and prints the notes
+ * from the journal; and a --report of a run KREX failed (`python -m krex.proc.error_report`).
  *
  * Single-threaded: one poll() on a signalfd (SIGCHLD and the forwarded signals) and
  * the admission connection (POLLRDHUP: krexd died), with a timeout to check krexd's
@@ -48,12 +49,12 @@ int g_chld_ign;      /* SIGCHLD was ignored by our caller: the command gets that
 int g_shared_group;
 /* Started by Python's `krex run` (krex.proc.launcher.run_command) after what only it does
  * (start krexd, the static-cudart and chunk warnings): KREX_GUARDIAN_PREPARED holds its Python,
- * its krex/_lib and the report's extra members (a JSON object), one a line. Then nothing goes
- * back to Python before the command's end: what would, is an error here. */
+ * its krex/_lib and the report's extra members (Python's text, passed on unread), one a line.
+ * Then nothing goes back to Python before the command's end: what would, is an error here. */
 int g_prepared;
 const char *g_python;         /* that Python (the finisher's, KREX_DAEMON_CMD's) */
 const char *g_prepared_lib;   /* its krex/_lib */
-static const char *g_extra;   /* members for the report, as a JSON object's text */
+static const char *g_extra;   /* members for the report (krexd or the finisher merges them) */
 /* KREX_RUN_TRACE: CLOCK_MONOTONIC stamps of the steps, written to stderr at the end. */
 static struct {
     const char *step;
@@ -104,24 +105,6 @@ void buf_add(struct buf *b, const char *s, size_t n) {
 }
 
 void buf_str(struct buf *b, const char *s) { buf_add(b, s, strlen(s)); }
-
-/* A JSON string literal, for the --report file (an error's words; never the wire). */
-static void buf_json_str(struct buf *b, const char *s) {
-    buf_str(b, "\"");
-    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        char esc[8];
-        if (*c == '"' || *c == '\\') {
-            esc[0] = '\\', esc[1] = (char)*c, esc[2] = 0;
-            buf_str(b, esc);
-        } else if (*c < 0x20) {
-            snprintf(esc, sizeof esc, "\\u%04x", *c);
-            buf_str(b, esc);
-        } else {
-            buf_add(b, (const char *)c, 1);
-        }
-    }
-    buf_str(b, "\"");
-}
 
 /* ------------------------------------------------------------------ the fallback */
 
@@ -386,57 +369,14 @@ static int mentions_cudart(const char *exe) {
 
 /* ------------------------------------------------------------------ the run */
 
-/* krexd went away: the notes come from the journal. `python -m krex.proc.finish` journals
- * a region the loss cut, prints the notes and exits with the command's status. */
-/* A request answered within the reply timeout: 0 ok, 1 refused (*r says why), -1 no answer. */
-/* --report: `body` (krexd's optin.run_report as JSON text, else NULL) with the command's exit
- * status added, or, when KREX failed (err_kind set), the status and the error, as
- * launcher.run_command writes them. 0, or EXIT_KREX after saying why it could not. */
-static int write_report(const char *path, const char *body, int status, const char *err_kind, const char *err_msg,
-                        const char *err_fix) {
-    struct buf b = {0};
-    char num[32];
-    snprintf(num, sizeof num, "%d", status);
-    const char *end = body && body[0] == '{' ? strrchr(body, '}') : NULL;
-    size_t keep = end ? (size_t)(end - body) : 0;
-    while (keep > 1 && strchr(" \t\r\n", body[keep - 1])) keep--;
-    if (keep > 1) { /* a non-empty object: its members, then ours */
-        buf_add(&b, body, keep);
-        buf_str(&b, ",\n  \"exit_status\": ");
-    } else {
-        buf_str(&b, "{\n  \"exit_status\": ");
-    }
-    buf_str(&b, num);
-    if (err_kind) {
-        buf_str(&b, ",\n  \"krex_error\": {\"kind\": ");
-        buf_json_str(&b, err_kind);
-        buf_str(&b, ", \"message\": ");
-        buf_json_str(&b, err_msg);
-        buf_str(&b, ", \"fix\": ");
-        buf_json_str(&b, err_fix);
-        buf_str(&b, "}");
-    }
-    if (g_events.n) { /* krexd stalled (and resumed) while the command ran */
-        buf_str(&b, ",\n  \"daemon_events\": [");
-        buf_str(&b, g_events.p);
-        buf_str(&b, "]");
-    }
-    /* The caller's own members (krex.runner's daemon_started), after ours as Python's {**data, **extra}. */
-    const char *x0 = g_extra ? strchr(g_extra, '{') : NULL, *x1 = g_extra ? strrchr(g_extra, '}') : NULL;
-    if (x0 && x1 && x1 > x0) {
-        const char *m = x0 + 1;
-        while (m < x1 && strchr(" \t\r\n", *m)) m++;
-        if (m < x1) {
-            buf_str(&b, ",\n  ");
-            buf_add(&b, m, (size_t)(x1 - m));
-        }
-    }
-    buf_str(&b, "\n}\n");
+/* --report: krexd's report (optin.run_report, the exit status, daemon events and the
+ * caller's members: the whole text), written as it is. 0, or EXIT_KREX after saying why not. */
+static int write_report(const char *path, const char *text, int status) {
+    size_t n = strlen(text);
     FILE *f = fopen(path, "w");
-    int bad = !f || fwrite(b.p, 1, b.n, f) != b.n;
+    int bad = !f || fwrite(text, 1, n, f) != n;
     if (f && fclose(f)) bad = 1;
     int e = errno;
-    free(b.p);
     if (!bad) return 0;
     say("krex: error: cannot write the report %s: %s (the command exited %d)\n  fix: give --report a writable path",
         path, strerror(e), status);
@@ -482,12 +422,12 @@ static void drop_empty(const char *auto_dir, int full) {
     if (auto_dir && !full) remove_dir(auto_dir);
 }
 
-/* The finisher ends the run (krex/proc/finish.py). `report`: --report's path; `base`: the
- * admission as JSON, for it to make the whole report (krexd sent none: it went away, failed
- * the release or sent no report), or a file holding krexd's report without its regions. */
-static void finish_in_python(const struct admission *a, pid_t pid, int status, const struct lost *lo,
-                             double t_start, const char *auto_dir, const char *report, const char *base, int quiet) {
-    static char v[9][64];
+/* The finisher ends the run (krex/proc/finish.py): krexd sent no report (it went away, failed
+ * the release or had no record left) or no notes. It gets the admission to make the report
+ * from, as argv texts; `released`: krexd did release the slot (its records may be gone). */
+static void finish_in_python(const struct admission *a, const struct opts *o, pid_t pid, int status,
+                             const struct lost *lo, double t_start, const char *auto_dir, int released, int quiet) {
+    static char v[10][64];
     snprintf(v[0], 64, "%d", a->slot);
     snprintf(v[1], 64, "%d", a->gpu);
     snprintf(v[2], 64, "%.6f", t_start);
@@ -497,11 +437,30 @@ static void finish_in_python(const struct admission *a, pid_t pid, int status, c
     snprintf(v[6], 64, "%.6f", lo->ts);
     snprintf(v[7], 64, "%d", quiet);
     snprintf(v[8], 64, "%s", lo->why);
+    snprintf(v[9], 64, "%.6f", a->wait_s);
+    const char *dev = a->device ? a->device : "gpu";
+    int sim = !strcmp(dev, "sim") || (o->device && !strcmp(o->device, "sim"));
     char *args[] = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], (char *)(auto_dir ? auto_dir : ""),
-                    (char *)(report ? report : ""), (char *)(base ? base : ""), NULL};
+                    (char *)(o->report ? o->report : ""), v[9], (char *)dev, sim ? "1" : "0", (char *)a->shm,
+                    released ? "1" : "0", (char *)(g_extra ? g_extra : ""), NULL};
     fflush(NULL);
     sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
     exec_python("krex.proc.finish", args);
+}
+
+/* KREX failed the run (`status`: 125, or 126/127 for the command's exec): said already; the
+ * report (krex/proc/error_report.py writes it, as launcher.run_command does) when asked for
+ * one, else `status`. Python starts only on these rare paths. */
+static int failed(const struct opts *o, int status, const char *kind, const char *msg, const char *fix) {
+    if (!o->report) return status;
+    char num[16];
+    snprintf(num, sizeof num, "%d", status);
+    char *args[] = {(char *)o->report, num, (char *)kind, (char *)msg, (char *)fix,
+                    (char *)(g_extra ? g_extra : ""), NULL};
+    fflush(NULL);
+    sigprocmask(SIG_SETMASK, &g_oldmask, NULL);
+    exec_python("krex.proc.error_report", args);
+    return EXIT_KREX; /* not reached: exec_python exits when it cannot exec */
 }
 
 /* SIGINT before admission (Ctrl-C while the queue waits): what Python's KeyboardInterrupt
@@ -540,18 +499,16 @@ static int refused(const struct opts *o, const struct reply *r) {
     if (!msg) msg = "request failed";
     say("krex: error: %s", msg);
     if (fix && *fix) say("  fix: %s", fix);
-    if (o->report) write_report(o->report, NULL, EXIT_KREX, k, msg, fix ? fix : "");
-    return EXIT_KREX;
+    return failed(o, EXIT_KREX, k, msg, fix ? fix : "");
 }
 
-/* The command's end for krexd (`release`'s "exit"): its pid, exit status, the signal that
- * killed it (0: none) and its command line, cut short. Under MPS a client killed inside its
+/* How the command ended, for krexd (`release`'s exit_*; its exit status is exit_status): its
+ * pid, the signal that killed it (0: none) and its command line, cut short. Under MPS a client killed inside its
  * kernels fails the GPU's other clients for a while: krexd records it and tells them. */
 static void exit_fields(struct krex_req_release *rel, struct krex_tail *tail, char *line, size_t cap, pid_t pid,
                         int ws, char **cmd) {
-    rel->has_exit_pid = rel->has_exit_status = rel->has_exit_signal = 1;
+    rel->has_exit_pid = rel->has_exit_signal = 1;
     rel->exit_pid = (int32_t)pid;
-    rel->exit_status = WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : WEXITSTATUS(ws);
     rel->exit_signal = WIFSIGNALED(ws) ? WTERMSIG(ws) : 0;
     /* ASCII only ('?' for any other byte): a cut or foreign encoding never makes the frame
      * text that is not UTF-8. */
@@ -613,8 +570,7 @@ static int run(struct opts *o) {
         say("krex: error: %s\n  fix: %s", why,
             cut ? "check `krex daemon status`"
                 : "`kill -CONT` krexd if it was stopped; else `krex daemon stop` (a new one starts on demand)");
-        if (o->report) write_report(o->report, NULL, EXIT_KREX, cut ? "DaemonLost" : "Timeout", why, "");
-        return EXIT_KREX;
+        return failed(o, EXIT_KREX, cut ? "DaemonLost" : "Timeout", why, "");
     }
     if (rc) { /* no answer: Python starts a krexd if none is left */
         close(c.fd);
@@ -632,32 +588,9 @@ static int run(struct opts *o) {
         const char *msg = "krexd's admit reply is malformed (a krexd of another version?)",
                    *fix = "restart krexd (`krex daemon stop`; it starts on demand)";
         say("krex: error: %s\n  fix: %s", msg, fix);
-        if (o->report) write_report(o->report, NULL, EXIT_KREX, "KrexError", msg, fix);
-        return EXIT_KREX;
+        return failed(o, EXIT_KREX, "KrexError", msg, fix);
     }
     print_notes(a.notes);
-    /* The finisher's report when krexd cannot send one: the admission as the Python
-     * guardian's report has it, and the segment to read the gate counters from. */
-    struct buf base = {0};
-    {
-        const char *dev = a.device;
-        char num[64];
-        snprintf(num, sizeof num, "%.6f", a.wait_s);
-        int sim = (dev && !strcmp(dev, "sim")) || (o->device && !strcmp(o->device, "sim"));
-        buf_str(&base, "{\"admission_wait_s\": ");
-        buf_str(&base, num);
-        buf_str(&base, ", \"device\": ");
-        buf_json_str(&base, dev ? dev : "gpu");
-        buf_str(&base, sim ? ", \"simulated\": true, \"shm\": " : ", \"simulated\": false, \"shm\": ");
-        buf_json_str(&base, a.shm);
-        buf_str(&base, ", \"report_extra\": "); /* the caller's members (Python's, already JSON) */
-        buf_str(&base, g_extra && g_extra[0] == '{' ? g_extra : "{}");
-    }
-    /* After a failed release the slot's records may be gone or another command's. */
-    struct buf base_released = {0};
-    buf_str(&base_released, base.p);
-    buf_str(&base_released, ", \"released\": true}");
-    buf_str(&base, "}");
     if (strcmp(a.shm, c.seg_name)) { /* the admitted segment, as _Guardian watches */
         const struct krex_shm *s = seg_map(a.shm);
         if (s) c.seg = s;
@@ -729,10 +662,16 @@ static int run(struct opts *o) {
         /* No krexd removes the command's group now: left empty in the caller's job or pod
          * cgroup, it would keep the scheduler from removing that. Busy, it stays (EBUSY). */
         rmdir(a.group);
-        finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL, o->report,
-                         base.p, g_quiet);
+        finish_in_python(&a, o, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, auto_full ? auto_dir : NULL, 0,
+                         g_quiet);
     }
     krex_tail_put(&rel_tail, &rel.auto_dir_str, auto_full ? auto_dir : NULL);
+    krex_tail_put(&rel_tail, &rel.extra_str, g_extra && *g_extra ? g_extra : NULL);
+    rel.exit_status = status; /* for krexd's report: it writes the whole of it */
+    rel.has_stalled_ts = rel.has_stall_age_s = g_stall.stalled != 0;
+    rel.stalled_ts = g_stall.stalled_ts, rel.stall_age_s = g_stall.age_s;
+    rel.has_resumed_ts = g_stall.resumed != 0;
+    rel.resumed_ts = g_stall.resumed_ts;
     char line[200];
     if (ws != -1) exit_fields(&rel, &rel_tail, line, sizeof line, pid, ws, o->cmd);
     struct reply r;
@@ -752,8 +691,7 @@ static int run(struct opts *o) {
         /* An error reply is krexd's answer, not its loss: no daemon event. */
         lo.why = k == 1 ? "" : "krexd did not answer the release";
         lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
-        finish_in_python(&a, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, o->report, base_released.p,
-                         g_quiet);
+        finish_in_python(&a, o, pid, status, &lo, lo.ts, auto_full ? auto_dir : NULL, 1, g_quiet);
     }
     if (auto_dir) remove_dir(auto_dir); /* krexd has read it (notes, the report's auto_region) */
     if (pid < 0 && err == -1) { /* krexd did not move it into its slot: it never ran */
@@ -761,8 +699,7 @@ static int run(struct opts *o) {
         const char *fix = "see krexd.log";
         snprintf(msg, sizeof msg, "krexd could not move the command into its slot: %s", why);
         say("krex: error: %s\n  fix: %s", msg, fix);
-        if (o->report) write_report(o->report, NULL, status, "KrexError", msg, fix);
-        return status;
+        return failed(o, status, "KrexError", msg, fix);
     }
     if (pid < 0) { /* the exec failed: launcher's CommandNotFound / NotExecutable */
         char msg[PATH_MAX + 300];
@@ -771,17 +708,16 @@ static int run(struct opts *o) {
         if (err == ENOENT) snprintf(msg, sizeof msg, "command not found: %s", exe);
         else snprintf(msg, sizeof msg, "cannot execute %s: %s", exe, strerror(err));
         say("krex: error: %s\n  fix: %s", msg, fix);
-        if (o->report) write_report(o->report, NULL, status, kind, msg, fix);
-        return status;
+        return failed(o, status, kind, msg, fix);
     }
     print_notes(notes);
     if (o->report) {
         if (!body) { /* krexd released the slot but sent no report (no record of it left): the finisher makes it */
             lo.why = "";
             lo.ts = t_rel.tv_sec + t_rel.tv_nsec / 1e9;
-            finish_in_python(&a, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, o->report, base_released.p, 1);
+            finish_in_python(&a, o, pid, status, &lo, t0.tv_sec + t0.tv_nsec / 1e9, NULL, 1, 1);
         }
-        int w = write_report(o->report, body, status, NULL, NULL, NULL);
+        int w = write_report(o->report, body, status);
         if (w) return w;
     }
     return status;

@@ -109,7 +109,11 @@ struct lost { /* what the Python finisher needs to journal a region the loss cut
     const char *why;
 };
 
-extern struct buf g_events; /* daemon_events for the report (guardian_proc.c) */
+struct stall { /* krexd's stall while the command ran, for the report (guardian_proc.c) */
+    int stalled, resumed;
+    double stalled_ts, age_s, resumed_ts;
+};
+extern struct stall g_stall;
 
 uint64_t now_ns(void);
 void say(const char *fmt, ...);

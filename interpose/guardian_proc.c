@@ -474,17 +474,14 @@ static int still_warm(const struct admission *a, const struct conn *c) {
     return c->seg && __atomic_load_n(&c->seg->slots[a->slot].warm, __ATOMIC_ACQUIRE) != 0;
 }
 
-/* The report's daemon_events (krexd stopped beating, and beat again), as JSON objects. */
-struct buf g_events;
+/* krexd stopped beating while the command ran, and beat again (the first of each: the
+ * release carries them to krexd, which puts them in the report's daemon_events). */
+struct stall g_stall;
 
-static void daemon_event(const char *what, double age) {
+static double wall_s(void) {
     struct timespec ts;
-    char e[200], extra[64] = "";
     clock_gettime(CLOCK_REALTIME, &ts);
-    if (age >= 0) snprintf(extra, sizeof extra, ", \"heartbeat_age_s\": %.3f", age);
-    snprintf(e, sizeof e, "%s{\"event\": \"%s\", \"ts\": %.6f%s}", g_events.n ? ", " : "", what,
-             (double)ts.tv_sec + ts.tv_nsec / 1e9, extra);
-    buf_str(&g_events, e);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
 int wait_command(const struct admission *a, struct conn *c, pid_t pid, int sfd, struct lost *lo) {
@@ -521,12 +518,12 @@ int wait_command(const struct admission *a, struct conn *c, pid_t pid, int sfd, 
         if (age > KREX_HEARTBEAT_TIMEOUT_NS / 1e9 && !stale) {
             stale = 1;
             thaw(a, pid);
-            daemon_event("daemon-stalled", age);
+            if (!g_stall.stalled) g_stall.stalled = 1, g_stall.stalled_ts = wall_s(), g_stall.age_s = age;
             if (!g_quiet)
                 say("krex: krexd (pid %d) stopped beating (%.1f s); your command was thawed and keeps running",
                     (int)c->daemon_pid, age);
         } else if (age >= 0 && age <= KREX_HEARTBEAT_TIMEOUT_NS / 1e9) {
-            if (stale) daemon_event("daemon-resumed", -1);
+            if (stale && !g_stall.resumed) g_stall.resumed = 1, g_stall.resumed_ts = wall_s();
             stale = 0;
         }
     }

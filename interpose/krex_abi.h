@@ -395,25 +395,34 @@ struct krex_req_started {
     uint8_t pad0[3];
 };
 
-/* release: the command ended; krexd frees the slot. */
+/* release: the command ended; krexd frees the slot. With `report`, krexd makes the whole
+ * --report (what only the guardian saw comes here: the exit status, krexd's stall) and the
+ * guardian writes it as it is. The stall is bounded: the first time krexd stopped beating
+ * while the command ran, and its first beat after that; later stalls are not reported. */
 struct krex_req_release {
     _Bool report;                   /* --report: send report_json */
-    uint8_t pad0[3];
+    _Bool has_stalled_ts;           /* krexd stopped beating while the command ran */
+    _Bool has_stall_age_s;          /* with has_stalled_ts */
+    _Bool has_resumed_ts;           /* and beat again after that */
+    int32_t exit_status;            /* the command's, as `krex run` exits with it */
+    double stalled_ts;              /* CLOCK_REALTIME, s: when the guardian saw the stall */
+    double stall_age_s;             /* the heartbeat's age then */
+    double resumed_ts;              /* CLOCK_REALTIME, s: when it saw a beat again */
     uint32_t leftovers_str;         /* what to do with processes it left: "kill" (none) or "keep" */
     uint32_t auto_dir_str;          /* the KREX_AUTO_STATUS_DIR its processes wrote into */
-    _Bool has_exit_pid;             /* the command's end is known (not when another reaped it): */
-    _Bool has_exit_status;          /* all three set, or none */
-    _Bool has_exit_signal;
-    uint8_t pad1;
+    uint32_t extra_str;             /* the caller's members for the report: a JSON object's text
+                                     * from Python (krex.proc.launcher), passed on unread */
+    _Bool has_exit_pid;             /* how the command ended is known (not when another reaped */
+    _Bool has_exit_signal;          /* it): both set, or neither */
+    uint8_t pad1[2];
     int32_t exit_pid;               /* the process it started */
-    int32_t exit_status;            /* its exit status, 128 + N when signal N killed it */
     int32_t exit_signal;            /* the signal that killed it, 0: none (under MPS a fault) */
     uint32_t exit_command_str;      /* its command line, ASCII, at most 199 bytes */
-    uint32_t pad2;
+    uint32_t pad0;
 };
 struct krex_rep_release {
     uint32_t notes_strs;            /* what to print after it ran */
-    uint32_t report_json_str;       /* --report's members as a JSON object's text, written as is */
+    uint32_t report_json_str;       /* the whole --report (JSON text made by krexd), written as is */
 };
 
 /* register: an opt-in process asks for a slot (krexd keeps it while the connection is open). */

@@ -325,7 +325,7 @@ class Admission(Regions):
                     slot, out, msg.get("auto_dir"), owned["uid"], auto, slot.auto_value
                 )
                 if counters is not None:
-                    self._report_json(slot, counters, out, auto)
+                    self._report_json(slot, counters, out, auto, msg)
         return {"ok": True, **out}
 
     def _mps_exit(self, s: Slot, ex: object) -> dict[str, Any] | None:
@@ -381,12 +381,19 @@ class Admission(Regions):
         return out
 
     def _report_json(
-        self, s: Slot, counters: dict[str, Any], out: dict[str, Any], auto: dict[str, Any]
+        self,
+        s: Slot,
+        counters: dict[str, Any],
+        out: dict[str, Any],
+        auto: dict[str, Any],
+        req: dict[str, Any] | None = None,
     ) -> None:
-        """The native guardian's `--report` (optin.run_report), as JSON text it writes as it
-        is, adding its exit status: `report_json`, in place of `regions` (not twice in one
-        frame). Where the listed regions do not fit in the reply, the list is shortened (the
-        later ones go) and `regions_dropped` counts them: the counts still cover every region."""
+        """The native guardian's whole `--report`, as JSON text it writes as it is:
+        optin.run_report, then what only the guardian saw (`req`, its release request: the
+        exit status, krexd's stall; optin.guardian_members) and its caller's members:
+        `report_json`, in place of `regions` (not twice in one frame). Where the listed
+        regions do not fit in the reply, the list is shortened (the later ones go) and
+        `regions_dropped` counts them: the counts still cover every region."""
         regs: list[dict[str, Any]] = out.pop("regions", None) or []
         dropped = int(out.get("regions_dropped") or 0)
 
@@ -397,7 +404,9 @@ class Admission(Regions):
             )
             if auto and optin.auto_region_kept(auto):
                 rep["auto_region"] = auto
-            return json.dumps(rep, indent=2, default=str)
+            if req is not None:
+                rep = optin.guardian_members(rep, req)
+            return json.dumps(rep, indent=2, default=str) + "\n"
 
         n = len(regs)
         body = text(n)

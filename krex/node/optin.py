@@ -175,6 +175,36 @@ def gate_counters(procs: Iterable[Any]) -> dict[str, Any]:
     }
 
 
+def guardian_members(report: Mapping[str, Any], req: Mapping[str, Any]) -> dict[str, Any]:
+    """The native guardian's --report whole: `report` (run_report's), then what only the
+    guardian saw, from its release request (krex_req_release): the command's exit status and
+    krexd's stall while it ran (`daemon_events`), then its caller's members (`extra`) over
+    them all, as Python's {**data, **extra}."""
+    out = {**report, "exit_status": int(req.get("exit_status") or 0)}
+    events: list[dict[str, Any]] = []
+    if req.get("stalled_ts") is not None:
+        events.append({"event": "daemon-stalled", "ts": round(float(req["stalled_ts"]), 6)})
+        if req.get("stall_age_s") is not None:
+            events[0]["heartbeat_age_s"] = round(float(req["stall_age_s"]), 3)
+        if req.get("resumed_ts") is not None:
+            events.append({"event": "daemon-resumed", "ts": round(float(req["resumed_ts"]), 6)})
+    if events:
+        out["daemon_events"] = events
+    return {**out, **report_extra(req.get("extra"))}
+
+
+def report_extra(text: object) -> dict[str, Any]:
+    """The members a guardian's caller adds to its report (krex.runner's daemon_started),
+    from the text krex.proc.launcher.exec_guardian handed it: a JSON object, else none."""
+    if not isinstance(text, str) or not text.startswith("{"):
+        return {}
+    try:
+        extra = json.loads(text)
+    except ValueError:
+        return {}
+    return extra if isinstance(extra, dict) else {}
+
+
 def run_report(
     slot: int,
     gpu: int,
@@ -187,7 +217,7 @@ def run_report(
     """`krex run --report`'s fields from the slot and its `release` reply: one list for krexd,
     which makes it for the guardian (`release` with "report": true), and for the guardian's
     finisher when krexd went away (krex.proc.finish). What only the guardian sees (its exit
-    status, daemon events) it adds itself."""
+    status, daemon events) comes after them (guardian_members, or the finisher's own)."""
     out: dict[str, Any] = {
         "slot": slot,
         "gpu": gpu,

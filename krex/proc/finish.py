@@ -9,17 +9,19 @@ It also ends a native `krex run --report` whose krexd released the slot without 
 were printed). Either way krexd's own record of the command is gone, so the regions come
 from the journal, and the report says when that may have rotated past the command's start.
 
-argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
-(REGION_S < 0: the loss cut no region of ours; AUTO_DIR "": none to read; REPORT "": none;
-BASE: the admission as JSON ("released": krexd did release the slot). After a release,
-LOST_TS is when the guardian asked for it: the journal's regions are read up to then)."""
+argv: SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT, then the
+admission: WAIT_S DEVICE SIMULATED SHM RELEASED EXTRA (REGION_S < 0: the loss cut no region
+of ours; AUTO_DIR "": none to read; REPORT "": none; SIMULATED, RELEASED "1" or "0": RELEASED,
+krexd did release the slot; EXTRA: the caller's members for the report, a JSON object's text
+from krex.proc.launcher, "" none). After a release, LOST_TS is when the guardian asked for
+it: the journal's regions are read up to then)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def main(argv: list[str]) -> int:
@@ -29,10 +31,13 @@ def main(argv: list[str]) -> int:
         auto_region_report,
         region_tally,
         release_notes,
+        report_extra,
     )
     from krex.proc.launcher import _journal_regions, _write_report, dropped_on_broken_pipe, journal_cut_region
 
-    slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path, base = argv
+    slot, gpu, t_start, status, pid, region_s, lost_ts, quiet, why, auto_dir, report_path = argv[:11]
+    adm = Admission(*argv[11:16])
+    extra = argv[16]
 
     def say(text: str) -> None:
         sys.stderr.write(text + "\n")
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - the command's own status must survive any of it
         warn("the cut region could not be journaled", e)
     try:
-        report = {**_base_report(int(slot), int(gpu), base), **report}
+        report = {**_base_report(int(slot), int(gpu), adm), **report}
     except Exception as e:  # noqa: BLE001
         warn("the report's start could not be read", e)
     try:
@@ -66,7 +71,7 @@ def main(argv: list[str]) -> int:
         if "regions" not in report:
             # Up to the release (LOST_TS) when krexd released the slot: a next command in it
             # journals regions of its own.
-            t_end = float(lost_ts) if _released(base) else None
+            t_end = float(lost_ts) if adm.released == "1" else None
             regs = _journal_regions(int(slot), float(t_start), report, notify, t_end)
             report["regions"] = regs
             report.update(region_tally(regs))
@@ -82,61 +87,44 @@ def main(argv: list[str]) -> int:
         warn("the regions' notes and report could not be made", e)
     if report_path:
         try:
-            _write_report(report_path, {**report, "exit_status": int(status), **_extra(base)})
+            _write_report(report_path, {**report, "exit_status": int(status), **report_extra(extra)})
         except KrexError as e:
             said(f"krex: error: {e}\n  fix: {e.fix}")
             return RUN_FAILURE
     return int(status)
 
 
-def _extra(base: str) -> dict[str, Any]:
-    """The members the guardian's caller adds to the report (krex.runner's daemon_started)."""
-    import json
+class Admission(NamedTuple):
+    """The admission as the guardian hands it over (argv texts), to make the report from."""
 
-    try:
-        extra = json.loads(base).get("report_extra") if base.startswith("{") else None
-    except ValueError:
-        return {}
-    return extra if isinstance(extra, dict) else {}
-
-
-def _released(base: str) -> bool:
-    """Whether krexd released the slot before this ran (LOST_TS is then the release)."""
-    import json
-
-    try:
-        return bool(json.loads(base).get("released"))
-    except ValueError:
-        return False
+    wait_s: str
+    device: str
+    simulated: str  # "1" or "0"
+    shm: str
+    released: str  # "1": krexd released the slot first (its records may be gone or another's)
 
 
-def _base_report(slot: int, gpu: int, base: str) -> dict[str, Any]:
-    """The report before its regions. BASE "{...}": the admission (krexd sent no report: it
-    went away, failed the release or sent none), with the gate counters read from the segment
-    (krexd reads them the same way), unless the slot may have been released already
-    ("released": its records may be gone or another command's). Else a bare one."""
-    import json
-
+def _base_report(slot: int, gpu: int, adm: Admission) -> dict[str, Any]:
+    """The report before its regions (krexd sent no report: it went away, failed the release
+    or sent none), with the gate counters read from the segment (krexd reads them the same
+    way), unless the slot may have been released already."""
     from krex.errors import KrexError
     from krex.node.optin import gate_counters, run_report
 
-    if base.startswith("{"):
-        adm = json.loads(base)
-        counters: dict[str, Any] = {}
-        if not adm.get("released"):
-            try:
-                from krex.node.shm import Segment
+    counters: dict[str, Any] = {}
+    released = adm.released == "1"
+    if not released:
+        try:
+            from krex.node.shm import Segment
 
-                with Segment.attach(str(adm["shm"])) as seg:
-                    counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
-            except KrexError:
-                pass
-        sim = bool(adm.get("simulated"))
-        rep = run_report(slot, gpu, adm.get("admission_wait_s"), str(adm.get("device")), sim, counters, {})
-        if adm.get("released"):
-            rep["counters_unknown"] = "krexd released the slot first: its gate counters may be gone"
-        return rep
-    return {"slot": slot, "gpu": gpu}
+            with Segment.attach(adm.shm) as seg:
+                counters = gate_counters(p for p in seg.snapshot().procs if p.slot == slot)
+        except KrexError:
+            pass
+    rep = run_report(slot, gpu, float(adm.wait_s), adm.device, adm.simulated == "1", counters, {})
+    if released:
+        rep["counters_unknown"] = "krexd released the slot first: its gate counters may be gone"
+    return rep
 
 
 if __name__ == "__main__":

@@ -717,9 +717,12 @@ def test_a_forged_socket_is_refused_and_the_command_never_runs(kx: Krex, tmp_pat
     sock = d / "krexd.sock"
     reply = {"other-uid": b"x", "garbage": b"\x00garbage-not-a-frame" * 4, "malformed-admit": None}[case]
     srv = _serve(sock, reply, uid=65534 if case == "other-uid" else None)
-    ran = tmp_path / "ran"
+    ran, rep = tmp_path / "ran", tmp_path / "r.json"
+    report = ["--report", str(rep)] if case == "malformed-admit" else []
     try:
-        p = run(kx, "run", "--device", "sim", "--", "touch", str(ran), extra={"KREX_SOCKET": str(sock)})
+        p = run(
+            kx, "run", "--device", "sim", *report, "--", "touch", str(ran), extra={"KREX_SOCKET": str(sock)}
+        )
     finally:
         srv.kill()
         srv.wait()
@@ -728,8 +731,11 @@ def test_a_forged_socket_is_refused_and_the_command_never_runs(kx: Krex, tmp_pat
     assert not ran.exists(), "the command ran without a guardian it could trust"
     if case == "other-uid":
         assert "refusing to talk to it" in p.stderr
-    if case == "malformed-admit":
+    if case == "malformed-admit":  # the report says it too (krex.proc.error_report writes it)
         assert "malformed" in p.stderr
+        r = json.loads(rep.read_text())
+        assert r["exit_status"] == 125 and r["krex_error"]["kind"] == "KrexError", r
+        assert "malformed" in r["krex_error"]["message"] and "restart krexd" in r["krex_error"]["fix"], r
 
 
 def test_an_exec_error_after_admission_has_the_python_guardians_words(kx: Krex, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from krex.node import optin
 from krex.node.daemon import Daemon, Slot, _fit
-from krex.proc.finish import _base_report
+from krex.proc.finish import Admission, _base_report
 from krex.protocol import MAX_FRAME, encode_reply
 
 COUNTERS = {
@@ -76,16 +76,56 @@ def test_the_most_regions_a_slot_keeps_fit_in_one_encoded_reply() -> None:
 
 
 def test_the_finisher_starts_from_the_admission() -> None:
-    adm = {"admission_wait_s": 0.5, "device": "gpu", "simulated": False, "shm": "/krex-no-such-segment"}
-    rep = _base_report(3, 0, json.dumps(adm))
+    adm = Admission("0.500000", "gpu", "0", "/krex-no-such-segment", "0")
+    rep = _base_report(3, 0, adm)
     assert rep["admission_wait_s"] == 0.5 and rep["device"] == "gpu" and rep["simulated"] is False
     assert rep["leftovers_action"] == "unknown" and "gate_blocks" not in rep  # no segment, no counters
     assert "counters_unknown" not in rep
-    rep = _base_report(3, 0, json.dumps({**adm, "released": True}))
+    rep = _base_report(3, 0, adm._replace(released="1"))
     assert "counters_unknown" in rep and "gate_blocks" not in rep
-    assert _base_report(3, 0, "") == {"slot": 3, "gpu": 0}
-    with pytest.raises(ValueError):
-        _base_report(3, 0, "{not json")
+    assert _base_report(3, 0, adm._replace(simulated="1", device="sim"))["simulated"] is True
+
+
+def test_krexds_report_carries_what_only_the_guardian_saw() -> None:
+    """The release request's exit status and stall (krex_req_release) land in the report
+    krexd makes, with the caller's members over them all, as Python's {**data, **extra}."""
+    s = Slot(3, 0, "run", 1, group=None)  # type: ignore[arg-type]
+    s.admission_wait_s, s.simulated = 0.25, True
+    out: dict[str, Any] = {"leftovers": [], "action": "none", "regions": [], "notes": []}
+    fake = SimpleNamespace(info=SimpleNamespace(kind="sim"))
+    req = {
+        "exit_status": 3, "stalled_ts": 100.1234567, "stall_age_s": 2.34567, "resumed_ts": 104.5,
+        "extra": json.dumps({"daemon_started": True, "exit_status": 9}),
+    }
+    Daemon._report_json(fake, s, COUNTERS, out, {}, req)  # type: ignore[arg-type]
+    assert out["report_json"].endswith("}\n")
+    rep = json.loads(out["report_json"])
+    assert rep["daemon_events"] == [
+        {"event": "daemon-stalled", "ts": 100.123457, "heartbeat_age_s": 2.346},
+        {"event": "daemon-resumed", "ts": 104.5},
+    ]
+    assert rep["daemon_started"] is True and rep["exit_status"] == 9  # the caller's, over ours
+    out = {"leftovers": [], "action": "none", "regions": [], "notes": []}
+    plain = {"exit_status": 0, "extra": "not json"}
+    Daemon._report_json(fake, s, COUNTERS, out, {}, plain)  # type: ignore[arg-type]
+    rep = json.loads(out["report_json"])
+    assert rep["exit_status"] == 0 and "daemon_events" not in rep and list(rep)[-1] == "exit_status"
+
+
+def test_an_error_report_has_the_error_and_the_callers_members(tmp_path: Path) -> None:
+    """KREX failed a native run: krex.proc.error_report writes what launcher.run_command would."""
+    from krex.proc import error_report
+
+    report = tmp_path / "r.json"
+    extra = '{"daemon_started": false}'
+    argv = [str(report), "126", "NotExecutable", "cannot execute x", "chmod +x it", extra]
+    assert error_report.main(argv) == 126
+    assert json.loads(report.read_text()) == {
+        "exit_status": 126,
+        "krex_error": {"kind": "NotExecutable", "message": "cannot execute x", "fix": "chmod +x it"},
+        "daemon_started": False,
+    }
+    assert error_report.main([str(tmp_path / "no" / "r.json"), "125", "KrexError", "m", "", ""]) == 125
 
 
 def test_after_a_release_the_finisher_counts_only_this_commands_regions(
@@ -102,16 +142,16 @@ def test_after_a_release_the_finisher_counts_only_this_commands_regions(
     journal.write_text("".join(json.dumps(r) + "\n" for r in recs))
     monkeypatch.setenv("KREX_JOURNAL", str(journal))
     report = tmp_path / "r.json"
-    adm = {"admission_wait_s": 0.1, "device": "sim", "simulated": True, "shm": "/krex-none", "released": True}
-    # SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT BASE
-    argv = ["3", "0", "100.0", "7", "1", "-1", "120.0", "1", "", "", str(report), json.dumps(adm)]
+    # SLOT GPU T_START STATUS PID REGION_S LOST_TS QUIET WHY AUTO_DIR REPORT,
+    # then WAIT_S DEVICE SIMULATED SHM RELEASED EXTRA
+    adm = ["0.1", "sim", "1", "/krex-none", "1", ""]
+    argv = ["3", "0", "100.0", "7", "1", "-1", "120.0", "1", "", "", str(report), *adm]
     assert finish.main(argv) == 7
     rep = json.loads(report.read_text())
     assert [r["ts"] for r in rep["regions"]] == [110.0] and rep["region_count"] == 1, rep
     assert rep["exit_status"] == 7 and "counters_unknown" in rep and "daemon_events" not in rep
     # krexd went away (not released): no upper bound, the counters are read (none here).
-    adm.pop("released")
-    argv[8], argv[-1] = "krexd exited", json.dumps(adm)
+    argv[8], argv[-2] = "krexd exited", "0"
     assert finish.main(argv) == 7
     rep = json.loads(report.read_text())
     assert [r["ts"] for r in rep["regions"]] == [110.0, 130.0] and "counters_unknown" not in rep
@@ -132,11 +172,12 @@ def test_regions_read_from_a_journal_rotated_past_the_start_say_they_may_be_miss
         jr.append(journal, {"owner_slot": 3, "ts": t, "contaminated": False}, limit=60)
     assert jr.rotated(journal, jr.KEEP).exists()
     report = tmp_path / "r.json"
-    adm = {"admission_wait_s": 0.1, "device": "sim", "simulated": True, "shm": "/krex-none"}
-    argv = ["3", "0", "100.0", "0", "1", "-1", "150.0", "0", "krexd exited", "", str(report), json.dumps(adm)]
+    adm = ["0.1", "sim", "1", "/krex-none", "0", '{"daemon_started": true}']
+    argv = ["3", "0", "100.0", "0", "1", "-1", "150.0", "0", "krexd exited", "", str(report), *adm]
     assert finish.main(argv) == 0
     rep = json.loads(report.read_text())
     assert "has rotated since the command started" in rep["regions_incomplete"], rep
+    assert rep["daemon_started"] is True, rep
     assert "has rotated since the command started" in capsys.readouterr().err
     argv[2] = "125.0"  # started after the oldest record left: nothing is missing
     assert finish.main(argv) == 0

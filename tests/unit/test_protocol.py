@@ -269,7 +269,25 @@ GUARDIAN_CASES = [
     ),
     ({"op": "admit", "device": "auto"}, False, None),  # no gpu: krexd picks one (has_gpu 0)
     ({"op": "started", "pid": 4242, "join": True}, False, None),
-    ({"op": "release", "report": True, "leftovers": "keep", "auto_dir": "/tmp/a b"}, False, None),
+    (
+        {"op": "release", "report": True, "exit_status": 0, "leftovers": "keep", "auto_dir": "/tmp/a b"},
+        False,
+        None,
+    ),
+    (
+        {
+            "op": "release",
+            "report": True,
+            "exit_status": 137,
+            "stalled_ts": 1700000000.5,
+            "stall_age_s": 2.25,
+            "resumed_ts": 1700000004.0,
+            "leftovers": "kill",
+            "extra": '{"daemon_started": true}',
+        },
+        False,
+        None,
+    ),
     (
         {"op": "release", "report": False, "leftovers": "kill", "exit_pid": 77, "exit_status": 137,
          "exit_signal": 9, "exit_command": "python3 bench.py"},
