@@ -376,6 +376,8 @@ def decode(frame: bytes, reply: bool) -> Message:
             raise ProtocolError(f"{op.name}: JSON part is not UTF-8", op=code) from None
         except ValueError as e:
             raise ProtocolError(f"{op.name}: JSON part is not JSON ({e})", op=code) from None
+        except RecursionError:  # nesting deeper than the parser's stack: never a KREX message
+            raise ProtocolError(f"{op.name}: JSON part is nested too deeply", op=code) from None
         if not isinstance(obj, dict):
             raise ProtocolError(
                 f"{op.name}: JSON part is a JSON {type(obj).__name__}, not an object", op=code

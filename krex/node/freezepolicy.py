@@ -78,6 +78,9 @@ GPU_LIBS = (b"libcuda.so", b"libcudart.so", b"libamdhip64.so")
 # device files through which a program without them (raw ioctls) would go.
 GPU_LESS_LIBS = (*GPU_LIBS, b"libnvidia-", b"libhsa-runtime", b"libkrexsim.so")
 GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")
+# ... and what a process that drives a GPU maps, whatever its libraries are called: the
+# device files, and KREX's shared memory (krexd's segment, the simulated device).
+_GPU_MAPS = (*(d.encode() for d in GPU_DEVICES), b" /dev/shm/krex")
 # The environment the shim reads at load.
 ENV_KEYS = (b"KREX_SHM", b"KREX_SLOT", b"KREX_SLOT_GEN", b"KREX_SOCKET", b"KREX_SIM_SHM")
 # A process without the shim (or the segment) in its maps may only not have mapped it yet
@@ -227,34 +230,48 @@ class Inspector:
         return judge(pid, exe, code, facts, ref, self.shim_name, bool(st.flags & procfs.PF_EXITING)), read
 
     def gpu_less(self, pid: int) -> bool:
-        """Whether the process, read now, cannot have run GPU work: it maps no GPU driver,
-        runtime or simulated-device library, has no GPU device file open, and its
-        executable does not link the CUDA runtime statically. Compilers and linkers that
-        siblings' JIT compiles start (cc1, ptxas, ld) are such processes. Read afresh, not
-        from the cached facts: a process may load a library or open a device at any time.
-        False when any of it cannot be read (another user's process to a krexd that is not
-        root): when in doubt, it is not."""
+        """Whether the process, read now, cannot have run GPU work: no thread of it maps a
+        GPU driver, runtime or simulated-device library or a GPU device (GPU_DEVICES, or a
+        KREX shared-memory file: krexd's segment, the simulated device), no thread holds a
+        GPU device file open, and its executable does not link the CUDA runtime statically.
+        Compilers and linkers that siblings' JIT compiles start (cc1, ptxas, ld) are such
+        processes. Every thread is read (a leader that exited leaves its maps and files empty
+        while its other threads run on; a thread may have a file table of its own), afresh:
+        a process may load a library or open a device at any time. False when any of it
+        cannot be read (another user's process to a krexd that is not root): when in doubt,
+        it is not. Library names are only a first look: a GPU library under another name
+        still maps the device it drives."""
         try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                maps = f.read()
-            fds = os.listdir(f"/proc/{pid}/fd")
+            tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             return False
-        if any(b"/" + n in maps for n in GPU_LESS_LIBS):
-            return False
-        for fd in fds:
+        mapped = False
+        for tid in tasks:
+            base = f"/proc/{pid}/task/{tid}"
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                with open(f"{base}/maps", "rb") as f:
+                    maps = f.read()
+                fds = os.listdir(f"{base}/fd")
             except FileNotFoundError:
-                continue  # closed meanwhile
+                continue  # a thread that ended meanwhile
             except OSError:
                 return False
-            if target.startswith(GPU_DEVICES):
+            mapped = mapped or bool(maps)
+            if any(b"/" + n in maps for n in GPU_LESS_LIBS) or any(d in maps for d in _GPU_MAPS):
                 return False
+            for fd in fds:
+                try:
+                    target = os.readlink(f"{base}/fd/{fd}")
+                except FileNotFoundError:
+                    continue  # closed meanwhile
+                except OSError:
+                    return False
+                if target.startswith(GPU_DEVICES):
+                    return False
         try:
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
-            return not maps  # inside its exit, its memory released: nothing left to run
+            return not mapped  # every thread inside its exit, its memory released
         return not self._static_cudart(pid, exe)
 
     def seen(self, pid: int) -> bool:

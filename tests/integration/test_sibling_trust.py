@@ -21,7 +21,7 @@ from helpers import victims
 from helpers.chaos import ESCAPES, escape_argv, open_world
 from helpers.krex_world import Krex
 
-from krex.native import ffi, lib
+from krex.native import LIB_DIR, ffi, lib
 from krex.node.shm import Segment
 
 pytestmark = [
@@ -292,3 +292,54 @@ def test_a_sibling_process_that_cannot_reach_the_gpu_does_not_flag_a_region(kx: 
     rec = _end(kx, "b", ready["pid"])
     assert "unheld-sibling" not in rec["flags"], rec["reasons"]
     assert Path(f"/proc/{compiler}").exists()  # it was there, unheld, all along
+
+
+def _ran_inside(kx: Krex, pid: int, ready: dict[str, Any], end_ns: int) -> list[dict[str, Any]]:
+    """The simulated GPU's ops of `pid` that overlap the region (grant to end)."""
+    t0 = ready["grant"].get("t_grant") or 0
+    return [o for o in kx.ops(gpu=0) if o["pid"] == pid and o["end"] > t0 and o["start"] < end_ns]
+
+
+@pytest.mark.parametrize("disguise", ["leader-exited", "renamed-libraries"])
+def test_a_sibling_process_that_hides_its_gpu_use_still_flags_the_region(kx: Krex, disguise: str) -> None:
+    """Processes the end-of-region check must not take for GPU-less, each started inside the
+    region by a sibling command without the shim and running kernels there: one whose main
+    thread exited while another thread launches (its leader's maps and files read empty), and
+    one whose driver, runtime and device libraries are copies under other names (its maps name
+    no GPU library, but it maps the simulated device's shared memory, as a real one maps
+    /dev/nvidia*). Either flags the region."""
+    v = _world(kx, KREX_FREEZE_POLICY="gpu")
+    kx.start_daemon(slots=4)
+    go = kx.out / "go"
+    if disguise == "leader-exited":
+        child = f"{v['zleader']} {kx.out} z 400000"
+    else:
+        libs = kx.out / "libs"
+        libs.mkdir()
+        names = (("libcudart.so.13", "rt.bin"), ("libcuda.so.1", "drv.bin"), ("libkrexsim.so", "dev.bin"))
+        for name, copy in names:
+            (libs / copy).write_bytes((Path(LIB_DIR) / name).read_bytes())
+            (libs / name).symlink_to(libs / copy)
+        child = f"env LD_LIBRARY_PATH={shlex.quote(str(libs))} {v['escape']} plain 2.5 20000 4"
+    wait_go = f"while [ ! -e {go} ]; do sleep 0.02; done"
+    kx.run_argv("sib", ["sh", "-c", f"{wait_go}; env -u KREX_SHM -u LD_PRELOAD {child} & echo pid=$!; wait"])
+    time.sleep(1.0)
+    ready = _hold(kx, "a")
+    assert ready["grant"]["frozen_slots"] == [], ready["grant"]
+    go.touch()
+    pid = _child_pid(kx, "sib")
+    if disguise == "leader-exited":
+        kx.wait(lambda: (kx.out / "z.ready").exists(), 30, "the child's threads")
+        (kx.out / "z.go").touch()
+        kx.wait(lambda: (kx.out / "z.launched").exists(), 30, "the child's kernel")
+        assert Path(f"/proc/{pid}/maps").read_bytes() == b"", "the leader has not exited"
+    else:
+        time.sleep(1.0)
+        assert "libcuda" not in Path(f"/proc/{pid}/maps").read_text()
+    time.sleep(0.1)
+    rec = _end(kx, "a", ready["pid"])
+    if disguise == "leader-exited":
+        (kx.out / "z.stop").touch()
+    end_ns = int(rec.get("t_end_ns") or time.monotonic_ns())
+    assert _ran_inside(kx, pid, ready, end_ns), "the child's kernels did not run inside the region"
+    assert "unheld-sibling" in rec["flags"] and f"pid {pid}" in " ".join(rec["reasons"]), rec["reasons"]

@@ -113,6 +113,7 @@ def _frame(op: int, body: bytes = b"", js: bytes = b"", **over: int) -> bytes:
         (_frame(lib.KREX_OP_HELLO, js=b"[1]"), "not an object"),
         (_frame(lib.KREX_OP_HELLO, js=b"\xff"), "not UTF-8"),
         (_frame(lib.KREX_OP_HELLO, js=b"{x"), "not JSON"),
+        (_frame(lib.KREX_OP_HELLO, js=b'{"x": ' + b"[" * 200000 + b"]" * 200000 + b"}"), "nested too deeply"),
         (_frame(lib.KREX_OP_REGISTER, b"\0" * 8, b'{"gpu": 1}'), "belong in the fixed body"),
         (_frame(lib.KREX_OP_HELLO, status=lib.KREX_ST_ERROR), "status"),
     ],
