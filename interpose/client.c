@@ -78,31 +78,14 @@ static void spawn_daemon(void) {
     klog("starting krexd: %s (%s)", g_daemon_cmd, rc ? strerror(rc) : "ok");
 }
 
-/* One connect attempt, bounded by KREX_CONNECT_TIMEOUT_MS (a full backlog). */
+/* One connect attempt (krex_wire_connect: bounded, our daemon or root's only). */
 static int conn_try(void) {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -errno;
-    struct timeval tv = {KREX_CONNECT_TIMEOUT_MS / 1000, (KREX_CONNECT_TIMEOUT_MS % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    struct sockaddr_un a;
-    memset(&a, 0, sizeof a);
-    a.sun_family = AF_UNIX;
-    memcpy(a.sun_path, g_sock_path, strlen(g_sock_path) + 1); /* length checked at init */
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
-        /* Only a daemon run by us or by root (client.py _check_daemon_identity): another
-         * user's would learn our regions and hand us its answers. */
-        struct ucred cr = {0, (uid_t)-1, (gid_t)-1};
-        socklen_t len = sizeof cr;
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && (cr.uid == 0 || cr.uid == geteuid()))
-            return fd;
+    uid_t uid = (uid_t)-1;
+    int fd = krex_wire_connect(g_sock_path, NULL, &uid); /* length checked at init */
+    if (fd == -EACCES && uid != (uid_t)-1)
         klog("refusing the daemon at %s: it runs as uid %d, neither as us (uid %d) nor as root", g_sock_path,
-             (int)cr.uid, (int)geteuid());
-        close(fd);
-        return -EACCES;
-    }
-    int e = errno;
-    close(fd);
-    return -e;
+             (int)uid, (int)geteuid());
+    return fd;
 }
 
 /* A new connection to krexd, starting it (once per process) if nobody listens. */

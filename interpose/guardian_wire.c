@@ -188,26 +188,11 @@ int daemon_connect(struct conn *c) {
     socket_path(path, sizeof path, &explicit_);
     if (!path[0] || strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) return -1;
     if (!dir_trusted(path, explicit_, &dir_uid)) return -1;
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -1;
-    struct timeval tv = {KREX_CONNECT_TIMEOUT_MS / 1000, (KREX_CONNECT_TIMEOUT_MS % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    struct sockaddr_un a;
-    memset(&a, 0, sizeof a);
-    a.sun_family = AF_UNIX;
-    memcpy(a.sun_path, path, strlen(path) + 1);
-    struct ucred cr;
-    socklen_t len = sizeof cr;
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len)) {
-        close(fd);
-        return -1;
-    }
-    if (cr.uid != geteuid() && cr.uid != 0) {
-        close(fd); /* another user's daemon: Python refuses it with the reason */
-        return -1;
-    }
+    pid_t peer = 0;
+    int fd = krex_wire_connect(path, &peer, NULL);
+    if (fd < 0) return -1; /* none, or another user's daemon: Python refuses it with the reason */
     c->fd = fd;
-    c->daemon_pid = cr.pid;
+    c->daemon_pid = peer;
     const char *shm = getenv("KREX_SHM"); /* shm.default_name(), as the Python client */
     if (shm && *shm) snprintf(c->seg_name, sizeof c->seg_name, "%s", shm);
     else snprintf(c->seg_name, sizeof c->seg_name, "/krex-%u", (unsigned)getuid());

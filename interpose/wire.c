@@ -8,6 +8,34 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+int krex_wire_connect(const char *path, pid_t *peer_pid, uid_t *peer_uid) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -errno;
+    struct timeval tv = {KREX_CONNECT_TIMEOUT_MS / 1000, (KREX_CONNECT_TIMEOUT_MS % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, path, strlen(path) + 1);
+    struct ucred cr = {0, (uid_t)-1, (gid_t)-1};
+    socklen_t len = sizeof cr;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len)) {
+        int e = errno;
+        close(fd);
+        return -e;
+    }
+    if (peer_pid) *peer_pid = cr.pid;
+    if (peer_uid) *peer_uid = cr.uid;
+    if (cr.uid != 0 && cr.uid != geteuid()) {
+        close(fd);
+        return -EACCES;
+    }
+    return fd;
+}
 
 static int send_all(int fd, const char *p, size_t n) {
     while (n > 0) {

@@ -1,5 +1,5 @@
 /* wire.h: the frames of krexd's socket (krex_abi.h, "the wire") for every C client, the
- * shim (client.c) and the guardian (guardian_wire.c): one way to send a request frame (its
+ * shim (client.c) and the guardian (guardian_wire.c): one way to connect to krexd, to send a request frame (its
  * struct and text tail), to read a reply's bytes while krexd may still answer, to find the
  * reply's header past the event frames before it, and to read a body's texts. */
 #ifndef KREX_WIRE_H
@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "krex_abi.h"
 
@@ -26,6 +27,13 @@ struct krex_tail {
 /* Append `s` and its NUL to the tail as a string of the text whose byte count is `*len` (a
  * NAME_str or NAME_strs member). s NULL: nothing (none). */
 void krex_tail_put(struct krex_tail *t, uint32_t *len, const char *s);
+
+/* A connection to krexd's socket at `path` (shorter than sun_path: the caller checks),
+ * bounded by KREX_CONNECT_TIMEOUT_MS (a full backlog), to a daemon run by us or by root only:
+ * another user's would learn our regions and hand us its answers (the Python client's
+ * _check_daemon_identity). The fd (close-on-exec), or a negative errno (-EACCES: another
+ * user's daemon, its uid in *peer_uid); *peer_pid: the daemon's pid. */
+int krex_wire_connect(const char *path, pid_t *peer_pid, uid_t *peer_uid);
 
 /* One request frame: the header, the op's struct (`body_len` bytes), then the tail. No JSON
  * (json_len 0). Never SIGPIPE (MSG_NOSIGNAL). 0, or a negative errno (-ETIMEDOUT: the
