@@ -141,15 +141,12 @@ def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_
         # Down: no pid (the dead one would read as running).
         assert _mps_status(env)["gpus"][0]["pid"] is None
         assert "gpu 0: down, pid -," in _krex(env, "status").stdout
-        cmd.stdin.write("go\n")
-        cmd.stdin.flush()
-        _out, err = cmd.communicate(timeout=60)
-        assert cmd.returncode == 0, err
+        done = _ended(cmd, "go\n")
+        assert done.returncode == 0, done.stderr
     finally:
         if cmd.poll() is None:
             cmd.kill()
-    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
-    (region,) = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x]
+    (region,) = _regions(env)
     assert "mps-server" in region["flags"] and region["contaminated"], region
     _wait(lambda: len(_starts(rec)) == 2 and _mps_status(env)["gpus"][0]["state"] == "on", "the restart")
     second = _starts(rec)[1]
@@ -159,7 +156,7 @@ def test_a_control_daemon_killed_mid_region_flags_it_and_is_restarted_after_the_
     # A region after the restart is clean of it.
     run = _krex(env, "run", "--device", "sim", "--", str(bins["actor"]), "begin", "end")
     assert run.returncode == 0, run.stderr
-    last = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x][-1]
+    last = _regions(env)[-1]
     assert "mps-server" not in last["flags"], last
     assert _krex(env, "daemon", "stop").returncode == 0
     _wait(lambda: not _alive(second["pid"]), "the new control daemon to quit")
@@ -182,21 +179,18 @@ def test_an_mps_server_that_exits_mid_region_flags_that_region_only(
         assert cmd.stdin is not None
         os.kill(server, signal.SIGKILL)
         _wait(lambda: not _alive(server), "the server to die")
-        cmd.stdin.write("go\n")
-        cmd.stdin.flush()
-        _out, err = cmd.communicate(timeout=60)
-        assert cmd.returncode == 0, err
+        done = _ended(cmd, "go\n")
+        assert done.returncode == 0, done.stderr
     finally:
         if cmd.poll() is None:
             cmd.kill()
-    journal = Path(env["KREX_STATE_DIR"]) / "journal.jsonl"
-    (region,) = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x]
+    (region,) = _regions(env)
     assert "mps-server" in region["flags"] and region["contaminated"], region
     assert any(f"pid {server}" in r for r in region.get("reasons", [])), region
     assert _mps_status(env)["gpus"][0]["state"] == "on"  # the control daemon itself lives on
     run = _krex(env, "run", "--device", "sim", "--", str(bins["actor"]), "begin", "end")
     assert run.returncode == 0, run.stderr
-    last = [json.loads(x) for x in journal.read_text().splitlines() if '"owner_slot"' in x][-1]
+    last = _regions(env)[-1]
     assert "mps-server" not in last["flags"], (last.get("reasons"), region.get("reasons"))
     assert _krex(env, "daemon", "stop").returncode == 0
 
@@ -436,10 +430,8 @@ def test_an_mps_client_killed_beside_a_region_flags_it_tells_a_failure_and_resta
         assert f"an MPS client (pid {victim}, `sleep 60`) was killed by SIGKILL at " in notice[0], notice
         assert notice[0].endswith("the MPS server refuses clients until it restarts: rerun the command")
 
-        holder.stdin.write("go\n")
-        holder.stdin.flush()
-        _out, err = holder.communicate(timeout=60)
-        assert holder.returncode == 0, err
+        done = _ended(holder, "go\n")
+        assert done.returncode == 0, done.stderr
     finally:
         for p in (holder, failing, victim_run):
             if p.poll() is None:
@@ -524,10 +516,8 @@ def test_a_command_killed_without_mps_flags_nothing_and_tells_nothing(
         _killed(victim_run, victim)
         failed = _ended(failing, "go\n")
         assert failed.returncode == 3 and "MPS client" not in failed.stderr, failed.stderr
-        holder.stdin.write("go\n")
-        holder.stdin.flush()
-        _out, err = holder.communicate(timeout=60)
-        assert holder.returncode == 0, err
+        done = _ended(holder, "go\n")
+        assert done.returncode == 0, done.stderr
     finally:
         for p in (holder, failing, victim_run):
             if p.poll() is None:
