@@ -249,8 +249,12 @@ class Inspector:
         for tid in tasks:
             base = f"/proc/{pid}/task/{tid}"
             try:
-                with open(f"{base}/maps", "rb") as f:
-                    maps = f.read()
+                # Threads share one memory map: read it from the first thread that has one
+                # (a map of a large process costs about a millisecond).
+                maps = b""
+                if not mapped:
+                    with open(f"{base}/maps", "rb") as f:
+                        maps = f.read()
                 fds = os.listdir(f"{base}/fd")
             except FileNotFoundError:
                 continue  # a thread that ended meanwhile

@@ -247,11 +247,23 @@ def test_the_drain_helper_flags_a_namespace_made_past_the_dlmopen_hook(kx: Krex)
     kx.wait(lambda: flags() & lib.KREX_PF_FOREIGN_NS, 10, "the helper to flag the namespace")
 
 
-def _spawn_at(kx: Krex, name: str, go: Path, child: str) -> None:
+def _spawn_at(kx: Krex, name: str, child: str, *, shim: bool = True) -> Path:
     """A sibling command whose shell, held by its shim, starts `child` without the shim's
-    segment (KREX_SHM unset: unheld) once `go` exists, and prints the child's pid."""
-    script = f"while [ ! -e {go} ]; do sleep 0.02; done; env -u KREX_SHM {child} & echo pid=$!; wait"
-    kx.run_argv(name, ["sh", "-c", script])
+    segment (KREX_SHM unset: unheld; shim=False: without the shim at all) once the fifo it
+    returns is written (_go), and prints the child's pid. It waits in the shell itself: a
+    polling loop's short-lived processes, caught before krexd inspected them, would freeze
+    its slot."""
+    go = kx.out / f"{name}.go"
+    os.mkfifo(go)
+    strip = "-u KREX_SHM" if shim else "-u KREX_SHM -u LD_PRELOAD"
+    kx.run_argv(name, ["sh", "-c", f"read x < {go}; env {strip} {child} & echo pid=$!; wait"])
+    return go
+
+
+def _go(fifo: Path) -> None:
+    """Let the shell waiting on `fifo` go."""
+    with open(fifo, "w") as f:
+        f.write("go\n")
 
 
 def _child_pid(kx: Krex, name: str) -> int:
@@ -271,14 +283,14 @@ def test_a_sibling_process_that_cannot_reach_the_gpu_does_not_flag_a_region(kx: 
     driver library flags it, with its pid."""
     _world(kx, KREX_FREEZE_POLICY="gpu")
     kx.start_daemon(slots=4)
-    go = kx.out / "go"
-    _spawn_at(kx, "compiler", go, "sleep 30")
+    go_compiler = _spawn_at(kx, "compiler", "sleep 30")
     loader = "import ctypes, time; ctypes.CDLL('libcuda.so.1'); print('loaded', flush=True); time.sleep(30)"
-    _spawn_at(kx, "loader", go, f"{shlex.quote(sys.executable)} -c {shlex.quote(loader)}")
+    go_loader = _spawn_at(kx, "loader", f"{shlex.quote(sys.executable)} -c {shlex.quote(loader)}")
     time.sleep(0.5)
     ready = _hold(kx, "a")
     assert ready["grant"]["frozen_slots"] == [], ready["grant"]
-    go.touch()
+    _go(go_compiler)
+    _go(go_loader)
     compiler, loader_pid = _child_pid(kx, "compiler"), _child_pid(kx, "loader")
     kx.wait(lambda: "loaded" in kx.cmds["loader"].output(), 30, "the loader's library")
     rec = _end(kx, "a", ready["pid"])
@@ -310,7 +322,6 @@ def test_a_sibling_process_that_hides_its_gpu_use_still_flags_the_region(kx: Kre
     /dev/nvidia*). Either flags the region."""
     v = _world(kx, KREX_FREEZE_POLICY="gpu")
     kx.start_daemon(slots=4)
-    go = kx.out / "go"
     if disguise == "leader-exited":
         child = f"{v['zleader']} {kx.out} z 400000"
     else:
@@ -321,12 +332,11 @@ def test_a_sibling_process_that_hides_its_gpu_use_still_flags_the_region(kx: Kre
             (libs / copy).write_bytes((Path(LIB_DIR) / name).read_bytes())
             (libs / name).symlink_to(libs / copy)
         child = f"env LD_LIBRARY_PATH={shlex.quote(str(libs))} {v['escape']} plain 2.5 20000 4"
-    wait_go = f"while [ ! -e {go} ]; do sleep 0.02; done"
-    kx.run_argv("sib", ["sh", "-c", f"{wait_go}; env -u KREX_SHM -u LD_PRELOAD {child} & echo pid=$!; wait"])
+    go = _spawn_at(kx, "sib", child, shim=False)
     time.sleep(1.0)
     ready = _hold(kx, "a")
     assert ready["grant"]["frozen_slots"] == [], ready["grant"]
-    go.touch()
+    _go(go)
     pid = _child_pid(kx, "sib")
     if disguise == "leader-exited":
         kx.wait(lambda: (kx.out / "z.ready").exists(), 30, "the child's threads")
