@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 8
+#define KREX_ABI_VERSION 9
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -574,6 +574,10 @@ struct krex_proc {
                                      * it priority while a region's drain waits for that call */
     uint32_t slot_gen;              /* low 32 bits of the slot generation it registered under
                                      * (its command's): krex_proc_trust compares it */
+    uint64_t exit_ns;               /* krex_now_ns as its exit began (exit(), _exit(), a return from
+                                     * main: the shim's exit handler); 0: not begun, or it ended
+                                     * without one (a signal, a crash). krexd reads it as it frees
+                                     * the record of the dead process (krex_proc_reap_ended) */
 };
 
 struct krex_shm {

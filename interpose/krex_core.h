@@ -103,6 +103,17 @@ int krex_proc_trust(struct krex_shm *shm, int64_t pid, uint64_t start_ticks, int
 void krex_proc_trust_n(struct krex_shm *shm, const int64_t *pids, const uint64_t *starts, int n, int slot,
                        uint64_t generation, int32_t *codes);
 int krex_proc_reap(struct krex_shm *shm);
+/* A record of a dead process freed by krex_proc_reap_ended: what krexd needs to wait for
+ * the scrubbing of the GPU memory it held, and to tell an exit from a kill. */
+struct krex_ended {
+    int64_t pid;
+    int32_t slot; /* KREX_PROC_STALE: it had outlived its command */
+    int32_t gpu;
+    uint32_t slot_gen;
+    uint32_t pad0;
+    uint64_t exit_ns; /* krex_proc.exit_ns: 0 = it ended without its exit handler */
+};
+int krex_proc_reap_ended(struct krex_shm *shm, struct krex_ended *out, int max);
 void krex_proc_check_restore(struct krex_proc *p, uint32_t c);
 void krex_slot_note_unrecorded(struct krex_slot *sl, int64_t pid);
 int krex_unrecorded_alive(int64_t entry);

@@ -174,6 +174,15 @@ void krex_life_defer(void) {
 static int g_life_gen = -1; /* the fork generation that made a LIFE call */
 static pid_t g_life_pid;     /* ... and its pid: a vfork child shares our memory, not our pid */
 
+/* The record says its exit began (exit(), a return from main, _exit): krexd, freeing the
+ * record once the process is gone, tells this end from a kill (a signal, a crash: under MPS
+ * its server may fail the other clients). Only the process's own record. */
+static void note_exit(void) {
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    if (p && __atomic_load_n(&p->pid, RELAXED) == (int64_t)getpid() && !__atomic_load_n(&p->exit_ns, RELAXED))
+        __atomic_store_n(&p->exit_ns, krex_now_ns(), __ATOMIC_SEQ_CST);
+}
+
 static void exit_hold(void) {
     /* Only in the process that armed it: a child made without fork handlers (a raw
      * clone, glibc's _Fork) keeps our generation, and must not hold our record. */
@@ -189,11 +198,15 @@ static void exit_hold(void) {
         krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, KREX_FREE_SETTLE_NS);
         return;
     }
+    note_exit();
     /* The count stays held (krexd freezes a process inside a LIFE call before a region),
      * but not the depth: the GPU calls this exit still makes (vendor teardown, exit
      * handlers registered before ours) must stay gated, not pass as nested. */
     t_depth--;
-    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, KREX_FREE_SETTLE_NS); /* its teardown frees all its memory */
+    /* Its teardown frees all its memory once the process is gone: krexd waits for that
+     * from when it finds it gone, sized by what it held (the record's exit_ns, above). The
+     * stamp here marks the time only, for the frees a grant must not miss. */
+    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, 0);
 }
 
 typedef int (*fn_addr_range)(uint64_t *, size_t *, uint64_t);
@@ -285,6 +298,7 @@ typedef void (*exit_fn)(int);
 static exit_fn g_real_exit[2]; /* libc's _exit, _Exit: looked up at load, never in a vfork child */
 static __attribute__((noreturn)) void exit_via(int which, int status) {
     if (__atomic_load_n(&g_life_gen, RELAXED) == g_fork_gen && g_life_pid == getpid()) exit_hold();
+    note_exit();
     if (g_real_exit[which]) g_real_exit[which](status);
     syscall(SYS_exit_group, status); /* what libc's _exit does */
     __builtin_unreachable();
@@ -445,6 +459,8 @@ static int register_now(void) {
          * record names the slot's current one (krex_proc_trust). */
         __atomic_store_n(&p->slot_gen, (uint32_t)g_stamp_gen, __ATOMIC_SEQ_CST);
         __atomic_store_n(&g_proc, p, RELEASE);
+        static int exit_noted; /* atexit handlers survive fork: once per image */
+        if (!__atomic_exchange_n(&exit_noted, 1, __ATOMIC_ACQ_REL)) atexit(note_exit);
         g_fast.inflight = &p->inflight;
         g_fast.life_inflight = &p->life_inflight;
         g_fast.submits = p->submits;

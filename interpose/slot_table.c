@@ -73,6 +73,9 @@ int krex_slot_claim_n(struct krex_shm *shm, int s, int gpu, int64_t owner_pid) {
 }
 
 static int proc_free(struct krex_proc *p, int64_t pid);
+static int take_dead(struct krex_shm *shm, struct krex_proc *p, int64_t pid, struct krex_ended *seen);
+static struct krex_ended ended_of(const struct krex_proc *p, int64_t pid);
+static void stamp_unreported(struct krex_shm *shm, const struct krex_ended *e);
 
 /* A process of this slot found no free record: list it where a dead one's entry or a
  * free one is left (krexd flags regions while a listed pid lives), else count it for
@@ -102,7 +105,7 @@ void krex_slot_release(struct krex_shm *shm, int slot) {
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid != 0 && p->slot == slot && !krex_pid_alive(pid, p->start_ticks)) proc_free(p, pid);
+        if (pid != 0 && p->slot == slot && !krex_pid_alive(pid, p->start_ticks)) take_dead(shm, p, pid, NULL);
     }
     sl->owner_pid = 0;
     sl->gpu = -1;
@@ -139,6 +142,7 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->captures = 0;
     p->helper_tid = 0;
     p->slot_gen = 0; /* the registering shim stores its command's generation next */
+    p->exit_ns = 0;
     __atomic_store_n(&p->check, krex_proc_check(p), SEQ); /* last: the record is whole now */
 }
 
@@ -188,8 +192,10 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
             if (pass == 1 && cur != 0 && krex_pid_alive(cur, p->start_ticks)) continue;
             /* Claim first, then fill: the pid CAS is the ownership token. The check is
              * cleared before, so the half-filled record never reads as damaged. */
+            struct krex_ended was = ended_of(p, cur);
             uint32_t c = __atomic_exchange_n(&p->check, 0, SEQ);
             if (__atomic_compare_exchange_n(&p->pid, &cur, pid, 0, SEQ, SEQ)) {
+                if (cur != 0) stamp_unreported(shm, &was); /* a dead one's record: krexd never saw it end */
                 proc_init(p, slot, gpu, pid);
                 return i;
             }
@@ -201,13 +207,64 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
     return -1;
 }
 
-/* Free records of dead processes. Returns how many were freed. */
+/* Free records of dead processes. Returns how many were freed. Each had GPU state, whose
+ * scrubbing krexd cannot size from here: its slot gets the fixed settle time. */
 int krex_proc_reap(struct krex_shm *shm) {
+    return krex_proc_reap_ended(shm, NULL, 0);
+}
+
+/* Free records of dead processes; the first `max` of them go to `out` (krexd sizes the wait
+ * for their memory's scrubbing from when it found them gone, and tells a kill from an exit),
+ * the others stamp their slot with the fixed settle time. Returns how many were freed. */
+int krex_proc_reap_ended(struct krex_shm *shm, struct krex_ended *out, int max) {
     int n = 0;
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
         int64_t pid = __atomic_load_n(&p->pid, SEQ);
-        if (pid != 0 && !krex_pid_alive(pid, p->start_ticks) && proc_free(p, pid)) n++;
+        if (pid != 0 && !krex_pid_alive(pid, p->start_ticks) && take_dead(shm, p, pid, n < max ? &out[n] : NULL))
+            n++;
     }
     return n;
+}
+
+/* What a dead process's record says of it: read before its record is freed or claimed
+ * (winning the pid CAS afterwards proves no one changed it meanwhile). */
+static struct krex_ended ended_of(const struct krex_proc *p, int64_t pid) {
+    struct krex_ended e;
+    memset(&e, 0, sizeof e);
+    e.pid = pid;
+    e.slot = p->slot;
+    e.gpu = p->gpu;
+    e.slot_gen = p->slot_gen;
+    e.exit_ns = __atomic_load_n(&p->exit_ns, SEQ);
+    return e;
+}
+
+/* A record of a process with GPU state freed where krexd does not hear of it: the driver
+ * may still scrub its memory (the teardown frees all of it), so its slot gets the fixed
+ * settle time from now, under its command's generation (rebuilt from the slot's current
+ * one and the low 32 bits the record keeps). One that outlived its command stamps slot 0
+ * under a generation no command has: any region waits for it. */
+static void stamp_unreported(struct krex_shm *shm, const struct krex_ended *e) {
+    if (e->gpu < 0 || e->gpu >= KREX_MAX_GPUS) return;
+    int slot = e->slot;
+    uint64_t gen = UINT64_MAX;
+    if (slot >= 0 && slot < KREX_MAX_SLOTS) {
+        uint64_t cur = __atomic_load_n(&shm->slots[slot].generation, SEQ);
+        gen = (cur & ~0xffffffffull) | e->slot_gen;
+        if (gen > cur && gen >= (1ull << 32)) gen -= 1ull << 32;
+    } else {
+        slot = 0;
+    }
+    krex_note_free(shm, e->gpu, slot, gen, KREX_FREE_SETTLE_NS);
+}
+
+/* Free the record of dead process `pid`; what it said goes to *seen, or, with no `seen`,
+ * becomes a stamp of its slot (stamp_unreported). 0 if another freer or claimer won. */
+static int take_dead(struct krex_shm *shm, struct krex_proc *p, int64_t pid, struct krex_ended *seen) {
+    struct krex_ended e = ended_of(p, pid);
+    if (!proc_free(p, pid)) return 0;
+    if (seen) *seen = e;
+    else stamp_unreported(shm, &e);
+    return 1;
 }

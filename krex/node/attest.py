@@ -13,6 +13,7 @@ the record says so and nothing is flagged."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ class Attestor:
         self.pids_local = False  # NVML's pids are krexd's: set once a sample lists one KREX knows
         self._listed_start: dict[int, int] = {}  # pid -> start time when NVML listed it first
         self._mem: dict[int, tuple[int, float]] = {}  # pid -> (most GPU bytes NVML gave, when last)
+        self._mem_lock = threading.Lock()  # krexd's reaper samples it too (sample_memory)
         if nvml is None and not note:
             try:
                 self.nvml = open_nvml()
@@ -80,13 +82,20 @@ class Attestor:
         self._note_memory(mem)
         return set(mem)
 
+    def sample_memory(self, gpu: int) -> None:
+        """Note the GPU memory NVML gives for each process on `gpu` (krexd's reaper, between
+        regions): what sizes the wait for its scrubbing once it ends (settle_ns)."""
+        if self.nvml is not None:
+            self.listed(gpu)
+
     def _note_memory(self, mem: dict[int, int | None]) -> None:
         now = time.monotonic()
-        for p, b in mem.items():
-            if b is not None:
-                self._mem[p] = (max(b, self._mem.get(p, (0, 0.0))[0]), now)
-        for p in [p for p, (_b, t) in self._mem.items() if now - t > _MEM_KEEP_S]:
-            del self._mem[p]
+        with self._mem_lock:
+            for p, b in mem.items():
+                if b is not None:
+                    self._mem[p] = (max(b, self._mem.get(p, (0, 0.0))[0]), now)
+            for p in [p for p, (_b, t) in self._mem.items() if now - t > _MEM_KEEP_S]:
+                del self._mem[p]
 
     def settle_ns(self, pids: set[int]) -> int | None:
         """How long the GPU may still clear memory after these processes ended: the most
@@ -95,7 +104,8 @@ class Attestor:
         or its pids are not ours): the caller keeps its fixed settle time."""
         if self.nvml is None or not self.pids_local or not pids:
             return None
-        got = [self._mem.get(p) for p in pids]
+        with self._mem_lock:
+            got = [self._mem.get(p) for p in pids]
         if any(g is None for g in got):
             return None
         most = max(g[0] for g in got if g is not None)

@@ -47,6 +47,7 @@ from krex.node import config, conns, coretime, cpus, freezepolicy, freezer, mps,
 from krex.node.admission import _fit
 from krex.node.attest import Attestor
 from krex.node.config import Config, config_from
+from krex.node.exits import Exit, Exits
 from krex.node.loops import HEARTBEAT_S
 from krex.node.pending import Pending
 from krex.node.region import Region
@@ -152,6 +153,7 @@ class Daemon(Server):
         self._boost_lock = threading.Lock()
         self._boost_ok = True  # False once a renice was refused (not root): not tried again
         self.attestor = Attestor.for_device(self.info.kind, self.info.physical)
+        self.exits = Exits(self.attestor.settle_ns, self._process_killed)
         self._conns = queue.SimpleQueue()
         self._idle_threads = 0  # connection threads waiting on _conns
         self._loop = conns.ConnLoop(self._role, self._hand_over, {0, os.geteuid()}, self.share_gid)
@@ -263,6 +265,7 @@ class Daemon(Server):
             self.mps.stop()  # a start that fails leaves no control daemon behind
             raise
         self.seg.fixed_gpus = self.info.count
+        self.seg.on_ended = self.exits.add
         self.seg.set_daemon(self.pid, HEARTBEAT_TIMEOUT_S)
         self._fail_opens = self._read_fail_opens()
         if any(self._fail_opens):
@@ -284,6 +287,18 @@ class Daemon(Server):
         for g in range(self.info.count):
             threading.Thread(target=self._gpu_loop, args=(g,), daemon=True, name=f"gpu{g}").start()
         return rec
+
+    def _process_killed(self, x: Exit) -> None:
+        """A process with GPU state ended without its exit handlers (krex/node/exits.py): on
+        an MPS GPU, a client killed maybe mid-kernel, its command's root or not."""
+        if self.mps.mode == "off" or x.gpu < 0:
+            return
+        what = (f"a process of the command in slot {x.slot}" if x.slot >= 0
+                else "a process that outlived its command")
+        f = self.mps.process_killed(x.gpu, x.pid, what)
+        if f is not None:
+            self._journal({"event": "mps-client-fault", "ts": f.ts, "gpu": x.gpu, "slot": x.slot,
+                           "pid": x.pid, "signal": f.signame(), "command": what})
 
     def _log_start(self, rec: dict[str, int]) -> None:
         c = self.cfg

@@ -110,6 +110,12 @@ class Loops(Slots):
     def _reaper_loop(self) -> None:
         while not self.stop.is_set():
             time.sleep(0.1)
+            # Between regions only: an NVML query inside one is work beside the measurement.
+            for g in range(self.info.count):
+                if self.current.get(g) is None:
+                    self.attestor.sample_memory(g)
+            # Ended processes' records, each found gone this close to its end (exits.py).
+            self.seg.reap_records()
             with self.lock:
                 for r in self.current.values():
                     # A forked child can keep the owner's socket open: check the pid too.

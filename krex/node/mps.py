@@ -93,6 +93,8 @@ class ClientFault:
     restart: str = "pending"  # what krexd did about the server (see Mps._restart_server)
 
     def signame(self) -> str:
+        if not self.signal:  # a process below the command: no one waits for it but its parent
+            return "a signal or a crash (it ended without its exit handlers)"
         try:
             return signal.Signals(self.signal).name
         except ValueError:
@@ -684,21 +686,44 @@ class Mps:
             if status != 0:
                 told = next((f for f in reversed(m.client_faults)
                              if f.pid != pid and f.until_ns > started_ns), None)
-            if sig:
-                f = made = ClientFault(gpu, pid, command, sig, time.time(), now, now + self.fault_window_ns,
-                                frozenset(m.servers))
-                m.client_faults.append(f)
-                del m.client_faults[:-32]
-                if self.mode == "attach":
-                    f.restart = "not krexd's: the control daemon is attached"
-                else:
-                    m.restart_due = f
-                log.warning("MPS: gpu %d: client pid %d (%s) was killed by %s; regions on this GPU until its "
-                            "server restarts (at most %g s) are flagged %s%s", gpu, pid, command, f.signame(),
-                            self.fault_window_ns / 1e9, CLIENT_FLAG,
-                            "; krexd does not restart an attached control daemon's server"
-                            if self.mode == "attach" else "")
+            seen = next((f for f in m.client_faults if f.pid == pid and f.at_ns >= started_ns), None)
+            if sig and seen is not None:
+                seen.signal = sig  # found killed first (process_killed): now its signal is known
+            elif sig:
+                made = self._fault(m, pid, command, sig, now)
         return made, told
+
+    def process_killed(self, gpu: int, pid: int, command: str) -> ClientFault | None:
+        """A process of a command on GPU `gpu` that had GPU state ended without its exit
+        handlers (krex/node/exits.py): killed by a signal or crashed, maybe mid-kernel, like
+        a command killed (command_exit), which says which signal. None without MPS there,
+        or when that process's fault is known already."""
+        m = self.gpus.get(gpu)
+        if m is None:
+            return None
+        now = time.monotonic_ns()
+        with self._lock:
+            self._check_servers(m)
+            if any(f.pid == pid and now - f.at_ns < self.fault_window_ns for f in m.client_faults):
+                return None
+            return self._fault(m, pid, command, 0, now)
+
+    def _fault(self, m: GpuMps, pid: int, command: str, sig: int, now: int) -> ClientFault:
+        """Record a client fault on m's GPU and plan its server's restart (call with _lock)."""
+        f = ClientFault(m.gpu, pid, command, sig, time.time(), now, now + self.fault_window_ns,
+                        frozenset(m.servers))
+        m.client_faults.append(f)
+        del m.client_faults[:-32]
+        if self.mode == "attach":
+            f.restart = "not krexd's: the control daemon is attached"
+        else:
+            m.restart_due = f
+        log.warning("MPS: gpu %d: client pid %d (%s) was killed by %s; regions on this GPU until its "
+                    "server restarts (at most %g s) are flagged %s%s", m.gpu, pid, command, f.signame(),
+                    self.fault_window_ns / 1e9, CLIENT_FLAG,
+                    "; krexd does not restart an attached control daemon's server"
+                    if self.mode == "attach" else "")
+        return f
 
     def _restart_server(self, m: GpuMps, f: ClientFault) -> None:
         """Ask m's control daemon to shut its MPS servers down (`shutdown_server PID -f`): it

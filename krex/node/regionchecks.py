@@ -273,6 +273,12 @@ class RegionChecks(Loops):
         settle = int(lib.KREX_FREE_SETTLE_NS)
         t0 = time.monotonic_ns()
         until, newest = self._settle_until(gpu, owner_slot)
+        # Siblings gone by now, each from when krexd found it gone (krex/node/exits.py).
+        self.seg.reap_records()
+        gen = self._owner_gen(owner_slot)
+        gone_until, gone_newest = self.exits.settle_until(gpu, owner_slot, gen)
+        t["exit_settle_s"] = max(0, gone_until - t0) / 1e9  # what ended processes alone asked for
+        until, newest = max(until, gone_until), max(newest, gone_newest)
         latest = max(ended_ns, newest)
         if ended_ns:
             after_end = settle if ended_settle_ns is None else ended_settle_ns
@@ -281,7 +287,11 @@ class RegionChecks(Loops):
         if until > t0:
             time.sleep((until - t0) / 1e9)
         t["settle_s"] = (time.monotonic_ns() - t0) / 1e9
-        new = self._frees_since(gpu, owner_slot, max(latest + 1, time.monotonic_ns() - settle))
+        since = max(latest + 1, time.monotonic_ns() - settle)
+        new = self._frees_since(gpu, owner_slot, since)
+        self.seg.reap_records()
+        now = time.monotonic_ns()
+        new += [(x.slot, now - x.seen_ns) for x in self.exits.since(gpu, owner_slot, gen, since)]
         if not new:
             return []
         what = ", ".join(f"slot {s} {ago / 1e6:.0f} ms" for s, ago in new)

@@ -218,6 +218,17 @@ def _oserror(err: int, name: str) -> KrexError:
     return kind(f"cannot open shared memory {name}: {os.strerror(err)}", "check /dev/shm")
 
 
+@dataclass(frozen=True)
+class Ended:
+    """A process with GPU state that ended, as its freed record said (krex_ended)."""
+
+    pid: int
+    gpu: int
+    slot: int  # KREX_PROC_STALE: it had outlived its command
+    slot_gen: int  # the low 32 bits of its command's slot generation
+    exit_ns: int  # krex_now_ns as its exit began; 0: it ended without its exit handler (killed)
+
+
 class Segment:
     """One mapping of the segment. Not thread-safe for writers; the daemon
     serialises gate changes per GPU."""
@@ -226,6 +237,9 @@ class Segment:
         self._p = ptr
         self.name = name
         self.fixed_gpus: int | None = None  # krexd's own count: never trust a header it must check
+        # Where the records of dead processes go as krexd frees them (its exit ledger,
+        # krex/node/exits.py); None: each stamps its slot with the fixed settle time.
+        self.on_ended: Callable[[list[Ended]], None] | None = None
 
     # ---------------------------------------------------------------- life
     @classmethod
@@ -545,11 +559,25 @@ class Segment:
         return s
 
     def release_slot(self, slot: int) -> None:
+        self.reap_records()  # first: what the release frees of its dead processes is not reported
         lib.krex_slot_release(self.raw, slot)
+
+    def reap_records(self) -> int:
+        """Free the records of dead processes; what each said of its end goes to on_ended."""
+        sink = self.on_ended
+        if sink is None:
+            return int(lib.krex_proc_reap(self.raw))
+        n = lib.KREX_MAX_PROCS
+        buf = ffi.new("struct krex_ended[]", n)
+        got = min(int(lib.krex_proc_reap_ended(self.raw, buf, n)), n)
+        if got:
+            sink([Ended(int(e.pid), int(e.gpu), int(e.slot), int(e.slot_gen), int(e.exit_ns))
+                  for e in (buf[i] for i in range(got))])
+        return int(got)
 
     def reap(self) -> int:
         """Free process records and slots whose owners are dead."""
-        n = int(lib.krex_proc_reap(self.raw))
+        n = self.reap_records()
         for s in range(lib.KREX_MAX_SLOTS):
             sp = self.raw.slots[s]
             if sp.state == lib.KREX_SLOT_ACTIVE and not lib.krex_pid_alive(sp.owner_pid, 0):

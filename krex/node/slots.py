@@ -123,7 +123,7 @@ class Slots(DaemonState):
             live_pause = h is not None and h[0] == lib.KREX_HOLDER_PAUSE and (h[2] == 0 or h[2] > now)
             if w != lib.KREX_GATE_OPEN and not live_pause and self.seg.open_gate(g, w):
                 reopened += 1
-        reaped = int(lib.krex_proc_reap(self.seg.raw))  # records only: slots are judged below
+        reaped = self.seg.reap_records()  # records only: slots are judged below
         # A slot whose guardian or processes still live is adopted: its command is a
         # sibling like any other (frozen during regions) until its processes are gone.
         adopted = 0

@@ -24,6 +24,7 @@ from krex.errors import KrexError
 from krex.node import conns, cpus, freezepolicy, journal, procfs, regionqueue
 from krex.node.attest import Attestor
 from krex.node.config import Config
+from krex.node.exits import Exits
 from krex.node.freezer import Freezer, Group
 from krex.node.mps import Mps
 from krex.node.pending import Pending
@@ -106,6 +107,7 @@ class DaemonState:
     _boost_lock: threading.Lock
     _boost_ok: bool
     attestor: Attestor
+    exits: Exits
     _conns: queue.SimpleQueue[conns.Conn]
     _idle_threads: int
     _loop: conns.ConnLoop

@@ -9,7 +9,8 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            synchronises and sleeps --sleep-ms. Records CLOCK_MONOTONIC right after
            the region is granted (t_grant) and right before it is left (t_end),
            the grant, and the thread affinity inside and after the region. --go FILE:
-           write NAME.waiting after warming up, start once FILE exists. --barrier N:
+           write NAME.waiting after warming up, start once FILE exists (--prime: after
+           one unrecorded region, so the first one asked for is quick). --barrier N:
            write NAME.done at the end and exit once N such files exist. --until FILE:
            stop taking regions once FILE exists.
            Output: NAME.json {"pid", "regions": [...], "errors": [...]}
@@ -104,6 +105,9 @@ def mode_regions(a: argparse.Namespace, out: Path) -> int:
     gpu.kernel(a.us)  # a context and a helper thread before the first region
     gpu.synchronize()
     if a.go:
+        if a.prime:
+            with krex.region():
+                pass
         write_json(out / f"{a.name}.waiting", {"pid": os.getpid()})
         while not Path(a.go).exists():
             time.sleep(0.001)
@@ -374,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-us", type=int, default=0, help="hammer: queue one kernel this long first")
     p.add_argument("--trigger", default="", help="hammer: queue the long kernel once this file exists")
     p.add_argument("--go", default="", help="regions: start the first region once this file exists")
+    p.add_argument("--prime", action="store_true", help="regions: one unrecorded region before --go")
     p.add_argument("--until", default="", help="regions: stop early once this file exists")
     p.add_argument("--barrier", type=int, default=0, help="regions: exit when N *.done exist")
     p.add_argument("--affinity", default="", help="regions: CPU list to run on (comma-separated)")

@@ -32,6 +32,7 @@ from helpers.fake_mps import KREX
 from helpers.fake_mps import alive as _alive
 from helpers.fake_mps import fake_control as _fake
 from helpers.fake_mps import krex as _krex
+from helpers.krex_world import WORKER
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="Linux only"),
@@ -499,6 +500,47 @@ def test_with_no_server_restart_seen_a_fault_tells_the_commands_after_it_for_its
     time.sleep(4.2)  # the window is over
     later = _krex(env, "run", "--device", "sim", "--", "sh", "-c", "exit 1")
     assert later.returncode == 1 and "MPS client" not in later.stderr, later.stderr
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
+@pytest.mark.parametrize("end", ["killed", "exited"])
+def test_a_gpu_process_below_a_command_that_is_killed_is_a_client_fault_and_one_that_exits_is_not(
+    krex_env: dict[str, str], tmp_path: Path, end: str
+) -> None:
+    """An MPS client need not be the command krex run started: a child of it that used the
+    GPU and is SIGKILLed (its exit handlers never ran; no one but its parent hears the
+    signal) is a client fault like the command's own (journaled, the server restarted); the
+    same child exiting by itself is none."""
+    env, rec = _fault_env(krex_env, tmp_path)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: _servers(rec), "the fake MPS server")
+    (server,) = _servers(rec)
+    time.sleep(0.5)  # the watcher has seen the server
+    out = tmp_path / "kid"
+    out.mkdir()
+    go = out / "kid.go"
+    kid_cmd = f"{sys.executable} {WORKER} life {out} --name kid --calls 3 --exit-on {go} & wait $!"
+    guardian, _root = _started(env, "sh", "-c", kid_cmd)
+    _wait(lambda: (out / "kid.ready").exists(), "the child's GPU calls", timeout=60)
+    kid = int(json.loads((out / "kid.ready").read_text())["pid"])
+    if end == "killed":
+        os.kill(kid, signal.SIGKILL)
+    else:
+        go.touch()
+    done = _ended(guardian)
+    assert done.returncode == (128 + signal.SIGKILL if end == "killed" else 0), done.stderr
+    pipe = Path(env["KREX_STATE_DIR"]) / "mps" / "gpu0" / "pipe"
+    if end == "killed":
+        _wait(lambda: _last_fault(env).get("pid") == kid, "the child's fault")
+        assert _last_fault(env)["signal"].startswith("a signal or a crash"), _last_fault(env)
+        _wait(lambda: f"command shutdown_server {server} -f {pipe}" in _events(rec), "the server restart")
+        (event,) = _journal_events(env, "mps-client-fault")
+        assert event["pid"] == kid and "slot" in event["command"], event
+    else:
+        time.sleep(1.0)  # krexd's reaper has freed its record (every 0.1 s)
+        assert not _mps_status(env)["gpus"][0].get("client_faults"), _mps_status(env)
+        assert not _journal_events(env, "mps-client-fault")
+        assert not any("shutdown_server" in e for e in _events(rec))
     assert _krex(env, "daemon", "stop").returncode == 0
 
 

@@ -1555,6 +1555,44 @@ def test_the_next_command_in_a_slot_number_waits_for_the_previous_ones_end(kx: K
     assert rec["contaminated"] or rec["settle_s"] > 0.3 * lib_settle_s(), rec
 
 
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_a_region_right_after_a_siblings_end_waits_for_its_memory_by_what_it_held(kx: Krex, end: str) -> None:
+    """A sibling's end frees all its GPU memory, which the driver clears once the process is
+    gone: a region asked for right after waits from when krexd found it gone, for the time
+    NVML's figure of its memory takes (2 GB here: a few ms), not the fixed settle time from
+    the start of its exit; a sibling SIGKILLed (no exit handler ran) is waited for the same."""
+    nvml, base = _fake_nvml_gpu_policy(kx, KREX_FREEZE_POLICY="all")
+    go = kx.out / "exit-now"
+    kx.run("sib", "life", "--calls", "30", "--exit-on", str(go))
+    sib = kx.result("sib", "ready", timeout=30)["pid"]
+    _write_atomic(nvml, json.dumps({"gpus": [dict(base["gpus"][0], procs=[sib], mem={str(sib): 8 << 30})]}))
+    rec = _end_hold(kx, "a", _hold_region(kx, "a")["pid"])  # NVML's pids are krexd's: it lists sib
+    assert not rec["contaminated"], rec["reasons"]
+    time.sleep(lib_settle_s() + 0.1)  # its frees are old now: only its end counts
+    kx.run("own", "regions", "-n", "1", "--kernels", "1", "--us", "500", "--prime", "--go",
+           str(kx.out / "own.go"))
+    kx.wait(lambda: (kx.out / "own.waiting").exists(), 30, "the owner")
+    if end == "kill":
+        os.kill(sib, signal.SIGKILL)
+    else:
+        go.touch()
+    deadline = time.monotonic() + 30
+    while alive(sib):
+        assert time.monotonic() < deadline, "the sibling did not end"
+        time.sleep(0.001)
+    _write_atomic(nvml, json.dumps(base))  # the driver's teardown is over
+    (kx.out / "own.go").touch()
+    g = kx.result("own", timeout=60)["regions"][0]["grant"]
+    sized = max(int(lib.KREX_SETTLE_MIN_NS), 8 * int(lib.KREX_SETTLE_NS_PER_GB)) / 1e9
+    # Waited for, from when krexd found it gone (at most REAP_EVERY_S after, or at this
+    # region's settle step): some of the sized time, never the fixed time from its exit.
+    assert 0.005 <= g["settle_s"] < sized + 0.01 < lib_settle_s() / 2, g
+    assert not g["contaminated"], g
+    ended = [r for r in kx.journal() if r.get("event") == "mps-client-fault"]
+    assert not ended, ended  # no MPS here: a kill is only waited for
+    assert kx.cmds["sib"].wait(30) == (128 + signal.SIGKILL if end == "kill" else 0)
+
+
 def test_krexd_inspects_new_processes_before_a_region_asks(kx: Krex) -> None:
     """A region inspects at most INSPECT_INLINE new processes itself; krexd's inspector
     thread looks at every slot's new processes every INSPECT_EVERY_S. A sibling of more

@@ -338,7 +338,11 @@ def test_the_settle_after_an_exit_is_sized_by_the_memory_nvml_gave(tmp_path: Pat
 
 
 def _settle_daemon() -> Any:
-    return SimpleNamespace(_frees_since=lambda *a: [], _settle_until=lambda *a: (0, 0))
+    from krex.node.exits import Exits
+
+    return SimpleNamespace(_frees_since=lambda *a: [], _settle_until=lambda *a: (0, 0),
+                           _owner_gen=lambda s: 1,
+                           seg=SimpleNamespace(reap_records=lambda: 0), exits=Exits(lambda pids: None))
 
 
 def test_the_settle_waits_the_sized_time_after_an_end_and_the_fixed_one_without() -> None:
