@@ -147,16 +147,19 @@ EXPORT int simgpu_set_device(int dev) {
  * own (next to the timeline's: `<KREX_SIM_SHM>-rm`): a process's first context on a device
  * holds it KREX_SIM_CTX_MS, a query passes through it. A turn that is not given back within
  * KREX_SIM_CTX_MS + SIM_RM_SLACK_US of its start (its holder killed, stopped or frozen; a real
- * driver finishes the ioctl before a stop takes effect) is skipped, and a ticket whose turn
- * passed while its holder was stopped is drawn again. */
+ * driver finishes the ioctl before a stop takes effect), or not claimed within SIM_RM_SLACK_US
+ * (its waiter gone, stopped or frozen in the queue: a real freezer waits for a task blocked in
+ * the driver), is skipped, and a ticket whose turn passed meanwhile is drawn again. */
 struct sim_rm_shm {
-    uint32_t next;     /* tickets drawn (mod 2^24) */
+    uint32_t next;     /* tickets drawn (mod 2^23) */
     uint32_t pad;
-    uint64_t serving;  /* ticket served (24 bits) << 40 | when its turn began (us, mod 2^40) */
+    uint64_t serving;  /* claimed (bit 63) | ticket served (23 bits) << 40 | when its turn began or
+                        * was claimed (us, mod 2^40) */
 };
-#define SIM_RM_TICKETS 16777215u
+#define SIM_RM_TICKETS 8388607u
 #define SIM_RM_US_MASK ((1ull << 40) - 1)
-#define SIM_RM_SLACK_US 50000ull
+#define SIM_RM_CLAIMED (1ull << 63)
+#define SIM_RM_SLACK_US 20000ull
 static struct sim_rm_shm *g_rm;
 static int g_ctx_ms;
 
@@ -191,16 +194,17 @@ static uint64_t rm_turn(uint64_t hold_ns) {
         uint64_t s = __atomic_load_n(&rm->serving, __ATOMIC_SEQ_CST), now_us = simgpu_now() / 1000;
         uint32_t st = (uint32_t)(s >> 40) & SIM_RM_TICKETS;
         uint32_t ahead = (my - st) & SIM_RM_TICKETS;
-        if (ahead == 0) {
-            uint64_t mine = (uint64_t)my << 40 | (now_us & SIM_RM_US_MASK);
+        if (ahead == 0 && !(s & SIM_RM_CLAIMED)) {
+            uint64_t mine = SIM_RM_CLAIMED | (uint64_t)my << 40 | (now_us & SIM_RM_US_MASK);
             if (__atomic_compare_exchange_n(&rm->serving, &s, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
             continue;
         }
-        if (ahead > SIM_RM_TICKETS / 2) { /* our turn passed while we were stopped: draw again */
+        if (ahead == 0 || ahead > SIM_RM_TICKETS / 2) { /* our turn passed while we were stopped: draw again */
             my = __atomic_fetch_add(&rm->next, 1, __ATOMIC_SEQ_CST) & SIM_RM_TICKETS;
             continue;
         }
-        if (((now_us - (s & SIM_RM_US_MASK)) & SIM_RM_US_MASK) > lapse_us) {
+        uint64_t most = s & SIM_RM_CLAIMED ? lapse_us : SIM_RM_SLACK_US;
+        if (((now_us - (s & SIM_RM_US_MASK)) & SIM_RM_US_MASK) > most) {
             uint64_t next = (uint64_t)((st + 1) & SIM_RM_TICKETS) << 40 | (now_us & SIM_RM_US_MASK);
             __atomic_compare_exchange_n(&rm->serving, &s, next, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
             continue;
