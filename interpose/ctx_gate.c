@@ -118,9 +118,14 @@ int krex_ctx_begin(void) {
     t_ctx_held = krex_ctx_token_try(shm, same_ns ? (int64_t)getpid() : 0, krex_now_ns(), same_ns);
     if (t_ctx_held) return 1;
     if (t_life_counted != g_fork_gen + 1 || !life) return 0;
+    /* Out of the call meanwhile, depth too: a signal handler's GPU call on this thread is then
+     * gated as any other, not passed as nested while no count covers it. */
+    int depth = t_depth;
+    t_depth = 0;
     step_out(life);
     t_ctx_held = take_wait();
     step_in(life);
+    t_depth = depth;
     return 1;
 }
 
