@@ -36,10 +36,11 @@ from cffi import FFI
 ROOT = Path(__file__).resolve().parent
 INTERPOSE = ROOT / "interpose"
 # The core: krex._native and the shim both link it (so do test victims that use it).
-CORE_SOURCES = ("krex_core.c", "seg_guard.c", "slot_table.c")
+CORE_SOURCES = ("krex_core.c", "seg_guard.c", "slot_table.c", "ctx_token.c")
 # libkrex_interpose.so: the shim's parts (interpose/shim.h says what each holds) and the core.
 SHIM_SOURCES = (
-    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "client.c", "wire.c", "nvtx_env.c", *CORE_SOURCES
+    "shim.c", "hooks.c", "resolve.c", "drain.c", "pace.c", "ctx_gate.c", "client.c", "wire.c", "nvtx_env.c",
+    *CORE_SOURCES,
 )
 # The build directory never lands in what is built (debug info, __FILE__): two builds of the
 # same sources from different directories give the same bytes.

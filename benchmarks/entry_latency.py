@@ -21,6 +21,17 @@ grant's step timings. Worlds are interleaved round by round, so a drift of the m
 hits all of them alike. The script uses only `krex run` and `krex.region()`, so it drives
 an older build unchanged.
 
+Context creations (`--kinds ctxchurn`, `ctxchurn_rt`): each sibling starts one short-lived
+process after another that makes a context and runs a little (see _CHURN_DRIVER). The A/B of
+the shim's context-creation token (krex_abi.h, KREX_CTX_TOKEN_LEASE_MS) is two worlds, the
+token on and off in every process (the variable reaches the commands through `krex run`):
+
+    python3 benchmarks/entry_latency.py --device gpu --siblings 8 --kinds ctxchurn,ctxchurn_rt \
+        --regions 20 --rounds 3 --config token= --config notoken=KREX_CTX_TOKEN=0
+
+On `--device sim`, add KREX_SIM_CTX_MS=300 to both worlds (the simulator's model of the
+driver's creation lock; off by default).
+
 On `--device sim` the siblings drive the simulated GPU through ctypes (a hammer queues
 four 500-us kernels and synchronises, in a loop; a `life` sibling also allocates and frees
 device memory each time round; a `long` sibling queues four 3-ms kernels); on `--device gpu`
@@ -101,15 +112,49 @@ def life_step():
     p = vp(); rt.cudaMalloc(ctypes.byref(p), 1 << 20); rt.cudaFree(p)
 """
 
+# A `ctxchurn` sibling starts one short-lived process after another, each making a context on
+# the GPU and running a little (as commands that start, set up and exit do), so contexts are
+# being made while regions begin: through the driver's retain (`ctxchurn`: ctypes on libcuda,
+# a process starts in ~50 ms, so creations queue in the driver) or inside the CUDA runtime's
+# first call (`ctxchurn_rt`: torch on a GPU, the simulated runtime on --device sim).
+_CHURN_DRIVER = r"""
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+vp, sz = ctypes.c_void_p, ctypes.c_size_t
+assert cu.cuInit(0) == 0
+dev, ctx, ptr = ctypes.c_int(), vp(), ctypes.c_uint64()
+assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+if hasattr(cu, "cuCtxSetCurrent"):
+    cu.cuCtxSetCurrent(ctx)
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), sz(64 << 20)) == 0
+cu.cuMemsetD8_v2(ptr, ctypes.c_ubyte(1), sz(64 << 20))
+cu.cuCtxSynchronize()
+cu.cuMemFree_v2(ptr)
+cu.cuDevicePrimaryCtxRelease_v2(dev)
+"""
+_CHURN_RT = {
+    "gpu": r"""
+import torch
+x = torch.ones(1 << 24, device="cuda")
+x.mul_(2.0)
+torch.cuda.synchronize()
+""",
+    "sim": SIM_RUNTIME + r"""
+p = vp(); rt.cudaMalloc(ctypes.byref(p), 1 << 20); kernel(200); sync()
+""",
+}
+
 _SIBLING = r"""
-import sys, threading, time
+import subprocess, sys, threading, time
 secs, ready, burn = float(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 stop = time.time() + secs
 def burner():
     x = 0
     while time.time() < stop:
         x += 1
-warm()
+if not KIND.startswith("ctxchurn"):  # a churner makes no context of its own
+    warm()
 if KIND in ("hammer", "life", "long") and burn:
     threading.Thread(target=burner, daemon=True).start()
 open(ready, "w").write("ready")
@@ -128,6 +173,8 @@ while time.time() < stop:
         for _ in range(4):
             long_step()
         sync()
+    elif KIND.startswith("ctxchurn"):
+        subprocess.run([sys.executable, "-c", CHURN], check=False, timeout=300)
     else:
         time.sleep(0.5)
 """
@@ -156,6 +203,9 @@ STEPS = ("queue_wait_s", "block_s", "inflight_s", "drain_s", "freeze_s", "settle
 
 
 def source(device: str, body: str, kind: str = "") -> str:
+    if kind.startswith("ctxchurn"):  # no GPU work of its own: not even torch's import
+        churn = _CHURN_RT[device] if kind == "ctxchurn_rt" else _CHURN_DRIVER
+        return f"KIND = {kind!r}\nCHURN = {churn!r}\n" + body
     prelude = _GPU_PRELUDE if device == "gpu" else _SIM_PRELUDE + _SIM_OPS
     return f"KIND = {kind!r}\n" + prelude + body
 
@@ -269,7 +319,8 @@ def main() -> None:
                     help="the interpreter (build) the --config worlds run; default: this one")
     ap.add_argument("--siblings", default="8", help="sibling counts, e.g. 7,15 (C = siblings + 1)")
     ap.add_argument("--regions", type=int, default=100, help="regions per measurement")
-    ap.add_argument("--kinds", default="idle,hammer", help="idle, hammer, life, long (comma-separated)")
+    ap.add_argument("--kinds", default="idle,hammer",
+                    help="idle, hammer, life, long, ctxchurn, ctxchurn_rt (comma-separated)")
     ap.add_argument("--warmup", type=int, default=3, help="operations before each region, outside it")
     ap.add_argument("--rounds", type=int, default=1, help="rounds, each measuring every world once")
     ap.add_argument("--burn", choices=("auto", "on", "off"), default="auto",

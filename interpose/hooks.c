@@ -37,12 +37,17 @@
 #define KREX_BODY_GRAPH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_GRAPH, p, a)
 #define KREX_BODY_PREFETCH(f, n, k, p, a) KREX_GATED(f, n, k, KREX_CLS_PREFETCH, p, a)
 /* Contexts, modules and device memory: gated; a free is stamped before and after the call
- * (the driver may free as soon as it is called), and a success arms the exit hold (shim.c). */
+ * (the driver may free as soon as it is called), and a success arms the exit hold (shim.c).
+ * A call that makes a context takes the node's token first (ctx_gate.c), and gives it back
+ * once the vendor call has returned; t_life_counted tells a creation nested inside this call
+ * that it may step out of this call's count while it waits for the token. */
 #define KREX_LIFE_CALL(fname, name, k, params, args, before, after) \
     KREX_RET fname params {                                        \
         KREX_GET_FN(name, k)                                       \
         krex_life_defer();                                         \
+        int krex_ct = krex_ctx_makes[KREX_ID_##name] ? krex_ctx_begin() : 0; \
         int krex_counted = krex_enter(KREX_CLS_LIFE);              \
+        if (krex_counted) t_life_counted = krex_counted;           \
         uint32_t krex_lt = krex_counted ? krex_life_thread() : 0;  \
         before;                                                    \
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
@@ -51,7 +56,9 @@
         KREX_RET krex_rc = fn args;                                \
         krex_life_free(KREX_ID_##name, krex_a0, 1, krex_fs);       \
         krex_life_thread_end(krex_lt);                             \
+        if (krex_counted) t_life_counted = 0;                      \
         krex_leave(krex_counted, KREX_CLS_LIFE);                   \
+        krex_ctx_end(krex_ct);                                     \
         krex_life_ordered(KREX_ID_##name, 1);                      \
         if (krex_rc == 0) {                                        \
             krex_life_done();                                      \

@@ -198,6 +198,26 @@
  * hint lapses KREX_SOON_MS after it was given unless the region's BEGIN comes first. */
 #define KREX_PENDING_HOLD_MS 50
 #define KREX_SOON_MS 200
+/* One context creation at a time into the driver (ctx_token.c, shim's ctx_gate.c). The
+ * driver makes contexts one at a time node-wide, behind its resource-manager lock (an H100
+ * measured 0.35 s for one alone, a median 5.7 s with 32 at once), and a region's drain waits
+ * behind that lock for every creation queued in it: 465 ms with 5 queued. So a call that
+ * makes a context (the CTXNEW rows and the primary-context retains of the api_*.def tables)
+ * first takes the node's token (krex_header.ctx_token), not yet counted in flight at the
+ * gate (a drain does not wait for it, a freezer may stop it), and gives it back once the
+ * vendor call has returned: a drain then waits for at most the one creation inside the
+ * driver. It never parks at a closed gate holding it (it gives it back first, takes it again
+ * after), and a command whose own region holds the gate takes none. The word is holder pid
+ * << 40 | lease end (us of CLOCK_MONOTONIC, mod 2^40); pid 0 when the holder is not in
+ * krexd's pid namespace. A token whose holder died is taken over at once; one whose lease
+ * ended (a holder stopped, frozen, or exec'd while holding it) is free: KREX_CTX_TOKEN_LEASE_MS
+ * is several times the longest single creation measured (0.7 s on a loaded H200, 0.35 s on
+ * an H100), so a live holder keeps it through its call, and a stuck one holds the others back
+ * at most that long. Waiters poll with backoff up to KREX_CTX_TOKEN_POLL_MAX_US (a creation
+ * is hundreds of ms: a poll costs nothing next to it). KREX_CTX_TOKEN=0 in a process's
+ * environment turns it off there (for A/B measurements). */
+#define KREX_CTX_TOKEN_LEASE_MS 2000
+#define KREX_CTX_TOKEN_POLL_MAX_US 2000
 
 /* Timing constants: the ONE home of each. The shim (C) and krexd and its clients
  * (Python, through cffi) both read them from here; nothing restates a value.
@@ -467,7 +487,9 @@ struct krex_header {
     uint64_t instance;              /* random at creation: which segment this is (its generation) */
     uint64_t check;                 /* krex_hdr_check() of the fields that never change */
     uint64_t pidns;                 /* krexd's pid namespace (inode of /proc/self/ns/pid); 0 unknown */
-    uint64_t reserved[5];
+    uint64_t ctx_token;             /* 0 free, else holder pid << 40 | lease end (us, mod 2^40): the
+                                     * node's one context creation in the driver (KREX_CTX_TOKEN_LEASE_MS) */
+    uint64_t reserved[4];
 };
 
 struct krex_gpu {

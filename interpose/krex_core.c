@@ -92,6 +92,7 @@ void krex_hdr_restore(struct krex_shm *shm, const struct krex_header *want) {
     h->instance = want->instance;
     h->pidns = want->pidns;
     memset(h->reserved, 0, sizeof h->reserved);
+    __atomic_store_n(&h->ctx_token, 0ull, SEQ); /* whatever it held: free (a holder's give-back then misses) */
     __atomic_store_n(&h->heartbeat_ns, krex_now_ns(), SEQ);
     __atomic_store_n(&h->magic, (uint32_t)KREX_MAGIC, SEQ);
     h->check = krex_hdr_check(shm);

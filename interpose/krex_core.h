@@ -1,6 +1,7 @@
 /* The C core shared by the shim (libkrex_interpose.so) and the cffi module
  * (krex._native): segment attach, gate operations, process records, time
- * (krex_core.c; slots and process records: slot_table.c; the SIGBUS guard: seg_guard.c).
+ * (krex_core.c; slots and process records: slot_table.c; the SIGBUS guard: seg_guard.c;
+ * the context-creation token: ctx_token.c).
  * The block between the CDEF markers is fed to cffi verbatim. */
 #ifndef KREX_CORE_H
 #define KREX_CORE_H
@@ -128,6 +129,14 @@ uint32_t krex_load32(uint32_t *addr);
  * for "0"); KREX_CHUNK_OK, _CLAMPED (below the minimum: the minimum) or _BAD (not a decimal
  * byte count, e.g. "-1": the default). One rule for the shim and `krex run`'s warning. */
 int krex_chunk_bytes(const char *text, uint64_t *out);
+/* The node's context-creation token (ctx_token.c, krex_abi.h KREX_CTX_TOKEN_LEASE_MS). */
+uint64_t krex_ctx_token_word(int64_t pid, uint64_t now_ns);
+int krex_ctx_token_lapsed(uint64_t w, uint64_t now_ns);
+int64_t krex_ctx_token_pid(uint64_t w);
+int64_t krex_ctx_token_holder(struct krex_shm *shm, uint64_t now_ns);
+uint64_t krex_ctx_token_try(struct krex_shm *shm, int64_t pid, uint64_t now_ns, int check_alive);
+int krex_ctx_token_give(struct krex_shm *shm, uint64_t held);
+int krex_ctx_token_drop(struct krex_shm *shm, int64_t pid);
 /* CDEF-END */
 
 /* The shim's attach at load maps the segment with system calls only (shim.c

@@ -2,7 +2,8 @@
  *
  * The parts: shim_fastpath.h (the inline gate every gated wrapper runs),
  * hooks.c (the wrappers, generated from the api_*.def tables), resolve.c (real
- * symbols, dlsym), drain.c (the drain helper), client.c (talking to krexd), and
+ * symbols, dlsym), drain.c (the drain helper), ctx_gate.c (one context creation at a
+ * time into the driver), client.c (talking to krexd), and
  * this file: process state, the gate's slow path, registration, load and fork.
  *
  * Outside KREX (no KREX_SHM/KREX_SLOT) every wrapper is a pass-through: no
@@ -90,6 +91,7 @@ int krex_wait_gate(uint32_t w) {
     uint64_t t0 = krex_now_ns();
     if (g_proc) __atomic_fetch_add(&g_proc->blocked, 1, __ATOMIC_RELAXED);
     int failed = 0;
+    int ctx_parked = krex_ctx_gate_park(); /* never park holding the context-creation token */
     for (;;) {
         krex_futex_wait(g_fast.gate, w, KREX_GATE_RECHECK_NS);
         if (__atomic_load_n(g_fast.gate, __ATOMIC_SEQ_CST) != w) break;
@@ -109,6 +111,7 @@ int krex_wait_gate(uint32_t w) {
     if (!failed) krex_hold_pending(KREX_PEND_QUEUED, krex_now_ns());
     if (!failed) krex_pace_gate_opened();
     if (g_proc) __atomic_fetch_add(&g_proc->blocked_ns, krex_now_ns() - t0, __ATOMIC_RELAXED);
+    krex_ctx_gate_unpark(ctx_parked);
     return failed;
 }
 
@@ -531,6 +534,7 @@ static void atfork_child(void) {
     g_fork_gen++;
     t_depth = 0;
     krex_pace_after_fork();
+    krex_ctx_after_fork();
     __atomic_store_n(&g_fast.gate, NULL, RELAXED);
     __atomic_store_n(&g_proc, NULL, RELAXED);
     g_failed_gate = 0;
@@ -550,6 +554,7 @@ static int parse_int(const char *s, int *out) {
 
 __attribute__((constructor)) static void krex_init(void) {
     krex_hooks_init();
+    krex_ctx_init();
     g_real_exit[0] = (exit_fn)krex_next_sym("_exit");
     g_real_exit[1] = (exit_fn)krex_next_sym("_Exit");
     const char *lg = getenv("KREX_LOG");

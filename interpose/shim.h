@@ -1,5 +1,5 @@
 /* Private to libkrex_interpose.so: what its parts (shim.c, hooks.c, resolve.c,
- * drain.c, pace.c, client.c) share. Everything declared here is hidden: nothing leaks
+ * drain.c, pace.c, ctx_gate.c, client.c) share. Everything declared here is hidden: nothing leaks
  * into the application's symbol namespace, and hidden data is reached
  * PC-relative, so splitting the shim into files costs the fast path nothing. */
 #ifndef KREX_SHIM_H
@@ -104,6 +104,16 @@ extern __thread unsigned t_pace __attribute__((tls_model("initial-exec")));
 void krex_pace(int id, const void *stream) __attribute__((cold));
 void krex_pace_after_fork(void);
 void krex_pace_gate_opened(void); /* a call parked at a closed gate goes on: take a turn first */
+
+/* ctx_gate.c: the node's context-creation token around a call that makes a context. */
+extern unsigned char krex_ctx_makes[]; /* by entry id: 1 a call that makes a context (CTXNEW, a primary retain) */
+extern __thread int t_life_counted __attribute__((tls_model("initial-exec"))); /* this thread's counted LIFE call */
+void krex_ctx_init(void);            /* at load: the tables' creating calls, KREX_CTX_TOKEN */
+int krex_ctx_begin(void);            /* before such a call's gate entry: 1 if it owns the token's turn */
+void krex_ctx_end(int began);        /* after its vendor call: give the token back */
+int krex_ctx_gate_park(void);        /* krex_wait_gate: give the token back before parking ... */
+void krex_ctx_gate_unpark(int parked); /* ... and take it again after */
+void krex_ctx_after_fork(void);
 
 /* client.c: krexd connections (self-registration, C/C++ regions). */
 extern char g_sock_path[108];

@@ -48,6 +48,16 @@ static inline void sim_fill(void *dst, uint32_t v, int esz, size_t n) {
 #define SIM_BODY_MEMSET(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_MEMSET, p, a, s, c, ck)
 #define SIM_BODY_GRAPH(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_GRAPH, p, a, s, c, ck)
 #define SIM_BODY_PREFETCH(n, p, a, s, c, ck) SIM_GATED(n, KREX_CLS_PREFETCH, p, a, s, c, ck)
+/* The runtime's first LIFE call on a device makes its primary context. With the driver lock
+ * modelled (KREX_SIM_CTX_MS), through the driver's retain, as the real runtime does: a call it
+ * looks up, so a preloaded shim sees it, nested inside the runtime's call. */
+typedef int (*sim_retain_fn)(void **, int);
+static inline void sim_rt_context(int dev) {
+    if (simgpu_ctx_ms() <= 0 || simgpu_ctx_active(dev)) return;
+    sim_retain_fn retain = (sim_retain_fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain");
+    void *ctx = NULL;
+    if (retain) retain(&ctx, dev);
+}
 /* A LIFE call occupies the GPU (SIM_LIFE_NS, like a context or module load on a real one),
  * and returns once that is done, as the real ones do (but the stream-ordered allocators),
  * then does what the call does: sim_life_<name>, written out below for every LIFE row (a
@@ -55,6 +65,7 @@ static inline void sim_fill(void *dst, uint32_t v, int esz, size_t n) {
 #define SIM_BODY_LIFE(n, p, a, s, c, ck)                                                           \
     static SIM_RET sim_life_##n p;                                                                 \
     EXPORT SIM_RET n p {                                                                           \
+        if (SIM_API == 0) sim_rt_context(simgpu_get_device());                                     \
         int sim_rc = simgpu_gated_rc();                                                            \
         uint64_t sim_ns = (uint64_t)(c);                                                           \
         simgpu_submit(#n, KREX_CLS_LIFE, (const void *)(s), sim_ns, KREX_HASH_ARGS a,              \
@@ -274,6 +285,7 @@ EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) {
     return 0;
 }
 EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active) {
+    simgpu_ctx_query();
     *flags = 0;
     *active = simgpu_ctx_active(d);
     return 0;
@@ -422,6 +434,7 @@ struct sim_event { uint64_t t; };
 EXPORT hipError_t hipGetDeviceCount(int *n) { *n = simgpu_device_count(); return 0; }
 EXPORT hipError_t hipGetDevice(int *d) { *d = simgpu_get_device(); return 0; }
 EXPORT hipError_t hipDevicePrimaryCtxGetState(int d, unsigned int *flags, int *active) {
+    simgpu_ctx_query();
     *flags = 0;
     *active = simgpu_ctx_active(d);
     return 0;

@@ -141,12 +141,102 @@ EXPORT int simgpu_set_device(int dev) {
     t_device = dev;
     return 0;
 }
+/* The driver's resource-manager lock (KREX_SIM_CTX_MS > 0; off by default): a real driver
+ * makes contexts one at a time node-wide, in order, and a context query (the drain helper's
+ * cuDevicePrimaryCtxGetState) waits in the same queue. Here a ticket lock in a segment of its
+ * own (next to the timeline's: `<KREX_SIM_SHM>-rm`): a process's first context on a device
+ * holds it KREX_SIM_CTX_MS, a query passes through it. A turn that is not given back within
+ * KREX_SIM_CTX_MS + SIM_RM_SLACK_US of its start (its holder killed, stopped or frozen; a real
+ * driver finishes the ioctl before a stop takes effect), or not claimed within SIM_RM_SLACK_US
+ * (its waiter gone, stopped or frozen in the queue: a real freezer waits for a task blocked in
+ * the driver), is skipped, and a ticket whose turn passed meanwhile is drawn again. */
+struct sim_rm_shm {
+    uint32_t next;     /* tickets drawn (mod 2^23) */
+    uint32_t pad;
+    uint64_t serving;  /* claimed (bit 63) | ticket served (23 bits) << 40 | when its turn began or
+                        * was claimed (us, mod 2^40) */
+};
+#define SIM_RM_TICKETS 8388607u
+#define SIM_RM_US_MASK ((1ull << 40) - 1)
+#define SIM_RM_CLAIMED (1ull << 63)
+#define SIM_RM_SLACK_US 20000ull
+static struct sim_rm_shm *g_rm;
+static int g_ctx_ms;
+
+static struct sim_rm_shm *rm_shm(void) {
+    if (g_rm) return g_rm;
+    pthread_mutex_lock(&g_lock);
+    if (!g_rm) {
+        char name[160];
+        const char *n = getenv("KREX_SIM_SHM");
+        if (n && *n && strlen(n) < 120) snprintf(name, sizeof name, "%s-rm", n);
+        else snprintf(name, sizeof name, "/krex-sim-%d-rm", (int)getuid());
+        int fd = shm_open(name, O_RDWR | O_CREAT, 0666);
+        if (fd >= 0) (void)fchmod(fd, 0666);
+        if (fd >= 0 && ftruncate(fd, sizeof(struct sim_rm_shm)) == 0) {
+            void *p = mmap(NULL, sizeof(struct sim_rm_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (p != MAP_FAILED) g_rm = p;
+        }
+        if (fd >= 0) close(fd);
+        if (!g_rm) g_rm = calloc(1, sizeof(struct sim_rm_shm));
+    }
+    pthread_mutex_unlock(&g_lock);
+    return g_rm;
+}
+
+/* Wait for a turn of the lock, hold it `hold_ns`, give it back. Returns when the turn began. */
+static uint64_t rm_turn(uint64_t hold_ns) {
+    struct sim_rm_shm *rm = rm_shm();
+    if (!rm) return simgpu_now();
+    const uint64_t lapse_us = (uint64_t)g_ctx_ms * 1000ull + SIM_RM_SLACK_US;
+    uint32_t my = __atomic_fetch_add(&rm->next, 1, __ATOMIC_SEQ_CST) & SIM_RM_TICKETS;
+    for (;;) {
+        uint64_t s = __atomic_load_n(&rm->serving, __ATOMIC_SEQ_CST), now_us = simgpu_now() / 1000;
+        uint32_t st = (uint32_t)(s >> 40) & SIM_RM_TICKETS;
+        uint32_t ahead = (my - st) & SIM_RM_TICKETS;
+        if (ahead == 0 && !(s & SIM_RM_CLAIMED)) {
+            uint64_t mine = SIM_RM_CLAIMED | (uint64_t)my << 40 | (now_us & SIM_RM_US_MASK);
+            if (__atomic_compare_exchange_n(&rm->serving, &s, mine, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
+            continue;
+        }
+        if (ahead == 0 || ahead > SIM_RM_TICKETS / 2) { /* our turn passed while we were stopped: draw again */
+            my = __atomic_fetch_add(&rm->next, 1, __ATOMIC_SEQ_CST) & SIM_RM_TICKETS;
+            continue;
+        }
+        uint64_t most = s & SIM_RM_CLAIMED ? lapse_us : SIM_RM_SLACK_US;
+        if (((now_us - (s & SIM_RM_US_MASK)) & SIM_RM_US_MASK) > most) {
+            uint64_t next = (uint64_t)((st + 1) & SIM_RM_TICKETS) << 40 | (now_us & SIM_RM_US_MASK);
+            __atomic_compare_exchange_n(&rm->serving, &s, next, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+    uint64_t began = simgpu_now();
+    if (hold_ns) simgpu_sleep_until(began + hold_ns);
+    for (;;) { /* give it back, unless it was skipped meanwhile */
+        uint64_t s = __atomic_load_n(&rm->serving, __ATOMIC_SEQ_CST);
+        if (((uint32_t)(s >> 40) & SIM_RM_TICKETS) != my) break;
+        uint64_t next = (uint64_t)((my + 1) & SIM_RM_TICKETS) << 40 | ((simgpu_now() / 1000) & SIM_RM_US_MASK);
+        if (__atomic_compare_exchange_n(&rm->serving, &s, next, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
+    }
+    return began;
+}
+
+/* A context query waits for the creations queued before it (KREX_SIM_CTX_MS > 0). */
+EXPORT void simgpu_ctx_query(void) {
+    if (g_ctx_ms > 0) rm_turn(0);
+}
+EXPORT int simgpu_ctx_ms(void) { return g_ctx_ms; }
+
 EXPORT int simgpu_ctx_active(int dev) { return dev >= 0 && dev < SIMGPU_MAX && g_ctx_active[dev]; }
 EXPORT void simgpu_ctx_activate(int dev) {
     if (dev >= 0 && dev < SIMGPU_MAX && !g_ctx_active[dev]) {
+        uint64_t asked = simgpu_now(), began = g_ctx_ms > 0 ? rm_turn((uint64_t)g_ctx_ms * 1000000ull) : asked;
         g_ctx_active[dev] = 1;
-        char f[64];
-        snprintf(f, sizeof f, "\"ev\":\"ctx\",\"dev\":%d,\"t\":%llu", dev, (unsigned long long)simgpu_now());
+        char f[128];
+        snprintf(f, sizeof f, "\"ev\":\"ctx\",\"dev\":%d,\"t\":%llu,\"asked\":%llu,\"began\":%llu", dev,
+                 (unsigned long long)simgpu_now(), (unsigned long long)asked, (unsigned long long)began);
         simgpu_trace(f);
     }
 }
@@ -256,6 +346,7 @@ __attribute__((constructor)) static void sim_init(void) {
     g_rc_after = env_int("KREX_SIM_RC_AFTER", 0);
     g_move_bytes = env_int("KREX_SIM_MOVE_BYTES", 0);
     g_life_ms = env_int("KREX_SIM_LIFE_MS", 0);
+    g_ctx_ms = env_int("KREX_SIM_CTX_MS", 0);
 }
 
 /* A gated call's return code: KREX_SIM_RC, after the first KREX_SIM_RC_AFTER calls

@@ -21,7 +21,9 @@ int simgpu_device_count(void);
 int simgpu_get_device(void);
 int simgpu_set_device(int dev);                  /* 0 or an error */
 int simgpu_ctx_active(int dev);
-void simgpu_ctx_activate(int dev);
+void simgpu_ctx_activate(int dev);               /* a first one holds the driver lock (KREX_SIM_CTX_MS) */
+void simgpu_ctx_query(void);                     /* a context query waits in that lock's queue */
+int simgpu_ctx_ms(void);                         /* KREX_SIM_CTX_MS (0: no such lock) */
 int simgpu_rc(void);                             /* what every simulated call returns */
 void simgpu_set_return(int rc);
 int simgpu_gated_rc(void);                       /* a gated call's: KREX_SIM_RC[_AFTER] */

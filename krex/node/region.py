@@ -419,9 +419,11 @@ class RegionRun:
                     "memory call and belong to no command krexd can freeze",
                 )
             )
+        froze: list[Slot] = []
         for s, f in fz.futs.items():
             try:
                 st.freeze_ms[str(s.slot)] = round(f.result() * 1e3, 1)
+                froze.append(s)
                 if s.group.slow:
                     st.freeze_slow[str(s.slot)] = s.group.slow
             except (KrexError, OSError) as e:  # OSError: the group vanished mid-freeze
@@ -429,6 +431,10 @@ class RegionRun:
                     gone = s.slot not in d.slots  # the command ended meanwhile: nothing to freeze
                 if not gone:
                     st.reasons.append(("freeze-failed", f"slot {s.slot} did not freeze: {e}"))
+        # A sibling frozen inside a context creation would hold the node's token (krex_abi.h,
+        # KREX_CTX_TOKEN_LEASE_MS) until thawed: freed, so that no frozen process holds it.
+        if froze:
+            d.seg.ctx_token_drop(p for s in froze for p in d._group_pids(s))
         st.t["freeze_s"] = time.monotonic() - t1  # what the freeze added after the drain
         # What the siblings the gate does not hold queued before their freeze: no drain
         # reaches it. Waited for where the device shows it, else flagged (unheld.py).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
@@ -602,6 +602,19 @@ class Segment:
         pids, slots, tids = ffi.new("int64_t[64]"), ffi.new("int32_t[64]"), ffi.new("uint32_t[64]")
         n = min(int(lib.krex_life_busy(self.raw, gpu, owner_slot, pids, slots, tids, 64)), 64)
         return {int(pids[i]): (int(slots[i]), int(tids[i])) for i in range(n)}
+
+    def ctx_token_holder(self) -> int:
+        """The pid holding the node's context-creation token (krex_abi.h,
+        KREX_CTX_TOKEN_LEASE_MS); 0: a holder outside krexd's pid namespace; -1: free."""
+        return int(lib.krex_ctx_token_holder(self.raw, lib.krex_now_ns()))
+
+    def ctx_token_drop(self, pids: Iterable[int]) -> int:
+        """Free the token if one of `pids` (processes krexd froze) holds it: a frozen process
+        never holds it. Returns the pid it was taken from (0: none)."""
+        holder = self.ctx_token_holder()
+        if holder <= 0 or holder not in set(pids):
+            return 0
+        return holder if lib.krex_ctx_token_drop(self.raw, holder) else 0
 
     def exiting(self, gpu: int, owner_slot: int) -> set[int]:
         """Sibling processes inside the kernel's exit, past any freezer (krex_sibling_exiting)."""

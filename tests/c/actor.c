@@ -23,6 +23,8 @@
  *   capbegin:S cudaStreamBeginCapture on stream handle S (a number)
  *   capend:S   cudaStreamEndCapture on stream handle S
  *   rc:N       make the simulated GPU return N from every call from now on
+ *   ctx        cuDevicePrimaryCtxRetain of device 0 (the driver's call that makes a context)
+ *   ctxnew     cuCtxCreate_v2 on device 0
  *
  * Every line: {"act","role","pid","tid","rc","t0","t1","threads","helper"}, where
  * t0/t1 are CLOCK_MONOTONIC ns around the action and helper is the shim's
@@ -51,6 +53,8 @@ extern cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMem
 extern cudaError_t cudaDeviceSynchronize(void);
 extern cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode);
 extern cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
+extern CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
+extern CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
 
 static const char *role = "parent";
 static void *last_alloc; /* malloc's, for free */
@@ -156,6 +160,14 @@ int main(int argc, char **argv) {
             cudaGraph_t g = NULL;
             rc = cudaStreamEndCapture((cudaStream_t)strtoul(a + 7, NULL, 0), &g);
             report("capend", rc, t0, now_ns());
+        } else if (!strcmp(a, "ctx")) {
+            CUcontext c = NULL;
+            rc = cuDevicePrimaryCtxRetain(&c, 0);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "ctxnew")) {
+            CUcontext c = NULL;
+            rc = cuCtxCreate_v2(&c, 0, 0);
+            report(a, rc, t0, now_ns());
         } else if (!strncmp(a, "rc:", 3)) {
             void (*set)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "simgpu_set_return");
             if (set) set(atoi(a + 3));

@@ -83,6 +83,10 @@ class FakeSeg:
     def life_busy(self, gpu: int, owner_slot: int) -> dict[int, tuple[int, int]]:
         return {}
 
+    def ctx_token_drop(self, pids: Any) -> int:
+        list(pids)  # (the frozen siblings' pids, read as the segment's would)
+        return 0
+
     def frees_inflight(self, gpu: int, owner_slot: int) -> bool:
         return False
 
