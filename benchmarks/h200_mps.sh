@@ -7,7 +7,8 @@
 #  3. context creation with 8, 16 and 32 processes starting at once, without MPS and as
 #     clients of the control daemon krexd started: seconds to the first finished kernel
 #     (p50, max) and GPU memory per process;
-#  4. faults on the real server: a client SIGKILLed while its kernels run, then the server
+#  4. faults on the real server: a client SIGKILLed while its kernels run (the command, then
+#     a child of it), then the server
 #     itself SIGKILLed under a running client; a region after each (does it run, is it
 #     flagged), `krex status`'s MPS state and the journal's last records;
 #  5. `krex daemon stop`: the control daemon gone with it.
@@ -126,6 +127,16 @@ for _ in $(seq 300); do [ -e /tmp/mps_ready_a ] && break; sleep 0.1; done; sleep
 VICTIM=$(pgrep -f "mps_loop.py /tmp/mps_ready_a" | while read p; do [ "$(cat /proc/$p/comm)" = python3 ] && echo $p; done | tail -1)
 echo "client victim pid=$VICTIM"; kill -9 "$VICTIM"; wait; echo "killed client's krex run rc=$?"
 after_region after_client_kill
+# a2. a client below the command (a child of its shell) killed with SIGKILL while its kernels run:
+# krexd hears of it only through the child's record (it ended without its exit handlers)
+rm -f /tmp/mps_ready_c
+timeout 60 "${KREX[@]}" run --device gpu -- sh -c 'python3 /tmp/mps_loop.py /tmp/mps_ready_c 30 & wait $!' \
+  > "$O/fault_child.json" 2> "$O/fault_child.log" &
+for _ in $(seq 300); do [ -e /tmp/mps_ready_c ] && break; sleep 0.1; done; sleep 1
+VICTIM=$(pgrep -f "mps_loop.py /tmp/mps_ready_c" | while read p; do [ "$(cat /proc/$p/comm)" = python3 ] && echo $p; done | tail -1)
+echo "child client victim pid=$VICTIM"; kill -9 "$VICTIM"; wait; echo "killed child's krex run rc=$?"
+sleep 0.5
+after_region after_child_kill
 # b. the MPS server killed with SIGKILL while a client runs
 rm -f /tmp/mps_ready_b
 timeout 60 "${KREX[@]}" run --device gpu -- python3 /tmp/mps_loop.py /tmp/mps_ready_b 20 > "$O/fault_server.json" 2> "$O/fault_server.log" &
