@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -240,6 +241,9 @@ class Segment:
         # Where the records of dead processes go as krexd frees them (its exit ledger,
         # krex/node/exits.py); None: each stamps its slot with the fixed settle time.
         self.on_ended: Callable[[list[Ended]], None] | None = None
+        # Held from freeing records to their report: a look that finds nothing left to free
+        # then finds in on_ended's ledger what another thread was freeing meanwhile.
+        self._reap_lock = threading.Lock()
 
     # ---------------------------------------------------------------- life
     @classmethod
@@ -569,10 +573,11 @@ class Segment:
             return int(lib.krex_proc_reap(self.raw))
         n = lib.KREX_MAX_PROCS
         buf = ffi.new("struct krex_ended[]", n)
-        got = min(int(lib.krex_proc_reap_ended(self.raw, buf, n)), n)
-        if got:
-            sink([Ended(int(e.pid), int(e.gpu), int(e.slot), int(e.slot_gen), int(e.exit_ns))
-                  for e in (buf[i] for i in range(got))])
+        with self._reap_lock:
+            got = min(int(lib.krex_proc_reap_ended(self.raw, buf, n)), n)
+            if got:
+                sink([Ended(int(e.pid), int(e.gpu), int(e.slot), int(e.slot_gen), int(e.exit_ns))
+                      for e in (buf[i] for i in range(got))])
         return int(got)
 
     def reap(self) -> int:
