@@ -73,7 +73,8 @@ class Exits:
                 until = max(e.exit_ns + fixed, now + least)
             else:
                 until = now + fixed
-            new.append(Exit(e.pid, e.gpu, e.slot, e.slot_gen, now, until, e.exit_ns == 0, sized is not None))
+            killed = e.exit_ns == 0 and not e.unseen  # an end krexd did not see is no kill
+            new.append(Exit(e.pid, e.gpu, e.slot, e.slot_gen, now, until, killed, sized is not None))
         with self._lock:
             self._exits = [x for x in self._exits if x.until_ns + KEEP_AFTER_NS > now] + new
         for x in new:

@@ -187,3 +187,13 @@ def test_a_look_at_the_ledger_waits_for_records_another_thread_is_reporting(seg:
     until, _ = x.settle_until(0, owner_slot=1, owner_gen=1)
     reaper.join()
     assert until > 0, "an end the reaper was reporting was missed"
+
+
+def test_an_end_krexd_could_not_see_is_no_kill() -> None:
+    """A record of a process outside krexd's pid namespace, freed: no exit handler wrote
+    to it, yet nothing says it was killed (krexd may have freed it while it lived)."""
+    told: list[Exit] = []
+    x = Exits(lambda pids: None, told.append)
+    x.add([Ended(5, 0, 1, 1, 0, unseen=True)])
+    assert told == []
+    assert x.settle_until(0, 9, 9)[0] > 0  # still waited for, as any freed record
