@@ -625,6 +625,9 @@ __attribute__((constructor)) static void krex_init(void) {
             int fd = __atomic_exchange_n(&g_load_fd, -1, __ATOMIC_ACQ_REL);
             if (fd >= 0) syscall(SYS_close, (long)fd);
         }
+        /* An exec'd image: its old one's record tells krexd that image ended, not killed. */
+        shm = __atomic_load_n(&g_shm, ACQUIRE);
+        if (shm) krex_proc_note_exec(shm, (int64_t)getpid(), krex_now_ns());
     }
 }
 

@@ -197,3 +197,17 @@ def test_an_end_krexd_could_not_see_is_no_kill() -> None:
     x.add([Ended(5, 0, 1, 1, 0, unseen=True)])
     assert told == []
     assert x.settle_until(0, 9, 9)[0] > 0  # still waited for, as any freed record
+
+
+def test_a_new_image_marks_its_old_images_record_ended_not_a_dead_ones(seg: Any) -> None:
+    """exec keeps the pid and start time: the new image finds the old one's record and says
+    that image ended (exit_ns). A record of a dead process whose pid it reuses is left be."""
+    me = int(lib.krex_proc_register(seg.raw, 2, 0, os.getpid()))
+    assert lib.krex_proc_note_exec(seg.raw, os.getpid(), 777) == 1
+    assert int(seg.raw.procs[me].exit_ns) == 777
+    assert lib.krex_proc_note_exec(seg.raw, os.getpid(), 888) == 1
+    assert int(seg.raw.procs[me].exit_ns) == 777  # the first end stands
+    seg.raw.procs[me].exit_ns = 0
+    seg.raw.procs[me].start_ticks = int(seg.raw.procs[me].start_ticks) + 1  # another process's
+    assert lib.krex_proc_note_exec(seg.raw, os.getpid(), 999) == 0
+    assert int(seg.raw.procs[me].exit_ns) == 0
