@@ -11,6 +11,10 @@ KREX_FREE_SETTLE_NS from the start of its exit (the shim's exit handler), or fro
 was found gone if it had none: a signal or a crash ended it. That second kind is also what
 an MPS server may fail its other clients for (krex/node/mps.py).
 
+An exec ends a GPU image as _exit does (the new image marks the old one's record at load). A
+record of a process outside krexd's pid namespace (Ended.unseen) tells no kill: krexd may
+have freed it while the process lived.
+
 The shim's exit handler still stamps the slot's free time (the recent-free flag's "since"),
 with no settle time of its own: the wait is this ledger's, sized, from the process's end
 rather than the start of its exit.
