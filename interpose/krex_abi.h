@@ -95,6 +95,11 @@
 /* Inside its exit handler (the shim's, atexit): its drain helper was stopped on purpose,
  * its last drain runs or ran, and its calls still pass the gate. */
 #define KREX_PF_IN_EXIT 16384
+/* Registered outside krexd's pid namespace (a container): its record's pid means another
+ * process, or none, to krexd, which may free the record while it lives. A freed record of
+ * such a process tells no end: neither a kill nor when it ended (its exit stamps the
+ * fixed settle time itself). */
+#define KREX_PF_OTHER_PID_NS 32768
 
 /* krex_proc_trust(): whether a process's record proves that the gate holds it. HELD: a
  * sealed record of this process, under the asked slot and generation, its drain helper

@@ -111,10 +111,11 @@ struct krex_ended {
     int32_t slot; /* KREX_PROC_STALE: it had outlived its command */
     int32_t gpu;
     uint32_t slot_gen;
-    uint32_t pad0;
+    uint32_t flags;   /* krex_proc.flags: KREX_PF_OTHER_PID_NS, its end unseen */
     uint64_t exit_ns; /* krex_proc.exit_ns: 0 = it ended without its exit handler */
 };
 int krex_proc_reap_ended(struct krex_shm *shm, struct krex_ended *out, int max);
+int krex_proc_note_exec(struct krex_shm *shm, int64_t pid, uint64_t now_ns);
 void krex_proc_check_restore(struct krex_proc *p, uint32_t c);
 void krex_slot_note_unrecorded(struct krex_slot *sl, int64_t pid);
 int krex_unrecorded_alive(int64_t entry);

@@ -208,8 +208,11 @@ static void exit_hold(void) {
     t_depth--;
     /* Its teardown frees all its memory once the process is gone: krexd waits for that
      * from when it finds it gone, sized by what it held (the record's exit_ns, above). The
-     * stamp here marks the time only, for the frees a grant must not miss. */
-    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, 0);
+     * stamp here marks the time only, for the frees a grant must not miss. Outside krexd's
+     * pid namespace krexd cannot find it gone (KREX_PF_OTHER_PID_NS): the fixed time. */
+    struct krex_proc *p = __atomic_load_n(&g_proc, ACQUIRE);
+    int unseen = p && (__atomic_load_n(&p->flags, RELAXED) & KREX_PF_OTHER_PID_NS);
+    krex_note_free(g_shm, g_gpu, g_slot, g_stamp_gen, unseen ? KREX_FREE_SETTLE_NS : 0);
 }
 
 typedef int (*fn_addr_range)(uint64_t *, size_t *, uint64_t);
@@ -456,7 +459,10 @@ static int register_now(void) {
     int idx = krex_proc_register(g_shm, stale ? KREX_PROC_STALE : g_slot, g_gpu, (int64_t)getpid());
     if (idx >= 0) {
         struct krex_proc *p = &g_shm->procs[idx];
-        __atomic_or_fetch(&p->flags, __atomic_load_n(&g_pending_flags, RELAXED), RELAXED);
+        /* Outside krexd's pid namespace: first, before krexd may free the record. */
+        int other_ns = !krex_in_krexds_pid_ns();
+        __atomic_or_fetch(&p->flags, __atomic_load_n(&g_pending_flags, RELAXED) | (other_ns ? KREX_PF_OTHER_PID_NS : 0),
+                          __ATOMIC_SEQ_CST);
         __atomic_store_n(&p->captures, __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST), RELAXED);
         /* The command's generation: krexd holds a process to its slot's gate only while its
          * record names the slot's current one (krex_proc_trust). */
@@ -482,7 +488,7 @@ static int register_now(void) {
         /* In another pid namespace our pid means another process to krexd: it cannot
          * tell whether we live, so it may skip our drain. Counted as a process it cannot
          * account for: its regions are flagged while our command lives. */
-        if (!krex_in_krexds_pid_ns()) __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
+        if (other_ns) __atomic_add_fetch(&g_shm->slots[g_slot].unrecorded, 1, __ATOMIC_SEQ_CST);
     } else {
         /* No record left: still gated, through the slot's shared counter; but no drain
          * helper of ours is known to krexd, so it flags every region while we live. */
@@ -619,6 +625,9 @@ __attribute__((constructor)) static void krex_init(void) {
             int fd = __atomic_exchange_n(&g_load_fd, -1, __ATOMIC_ACQ_REL);
             if (fd >= 0) syscall(SYS_close, (long)fd);
         }
+        /* An exec'd image: its old one's record tells krexd that image ended, not killed. */
+        shm = __atomic_load_n(&g_shm, ACQUIRE);
+        if (shm) krex_proc_note_exec(shm, (int64_t)getpid(), krex_now_ns());
     }
 }
 

@@ -227,6 +227,24 @@ int krex_proc_reap_ended(struct krex_shm *shm, struct krex_ended *out, int max) 
     return n;
 }
 
+/* A new image of process `pid` (exec keeps the pid and the start time) found the record of
+ * its old one: that image ended by the exec, its exit handlers skipped as by _exit, which is
+ * no kill. Its exit_ns says so, unless set already (a new image that registers starts its
+ * record afresh). Returns 1 if such a record was found. */
+int krex_proc_note_exec(struct krex_shm *shm, int64_t pid, uint64_t now_ns) {
+    uint64_t st = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        if (__atomic_load_n(&p->pid, SEQ) != pid) continue;
+        if (!st) st = krex_pid_start_ticks(pid);
+        if (p->start_ticks && st && p->start_ticks != st) continue; /* a dead one's, pid reused */
+        uint64_t zero = 0;
+        __atomic_compare_exchange_n(&p->exit_ns, &zero, now_ns, 0, SEQ, SEQ);
+        return 1;
+    }
+    return 0;
+}
+
 /* What a dead process's record says of it: read before its record is freed or claimed
  * (winning the pid CAS afterwards proves no one changed it meanwhile). */
 static struct krex_ended ended_of(const struct krex_proc *p, int64_t pid) {
@@ -236,6 +254,7 @@ static struct krex_ended ended_of(const struct krex_proc *p, int64_t pid) {
     e.slot = p->slot;
     e.gpu = p->gpu;
     e.slot_gen = p->slot_gen;
+    e.flags = __atomic_load_n(&p->flags, SEQ);
     e.exit_ns = __atomic_load_n(&p->exit_ns, SEQ);
     return e;
 }

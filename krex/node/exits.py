@@ -11,6 +11,10 @@ KREX_FREE_SETTLE_NS from the start of its exit (the shim's exit handler), or fro
 was found gone if it had none: a signal or a crash ended it. That second kind is also what
 an MPS server may fail its other clients for (krex/node/mps.py).
 
+An exec ends a GPU image as _exit does (the new image marks the old one's record at load). A
+record of a process outside krexd's pid namespace (Ended.unseen) tells no kill: krexd may
+have freed it while the process lived.
+
 The shim's exit handler still stamps the slot's free time (the recent-free flag's "since"),
 with no settle time of its own: the wait is this ledger's, sized, from the process's end
 rather than the start of its exit.
@@ -73,7 +77,8 @@ class Exits:
                 until = max(e.exit_ns + fixed, now + least)
             else:
                 until = now + fixed
-            new.append(Exit(e.pid, e.gpu, e.slot, e.slot_gen, now, until, e.exit_ns == 0, sized is not None))
+            killed = e.exit_ns == 0 and not e.unseen  # an end krexd did not see is no kill
+            new.append(Exit(e.pid, e.gpu, e.slot, e.slot_gen, now, until, killed, sized is not None))
         with self._lock:
             self._exits = [x for x in self._exits if x.until_ns + KEEP_AFTER_NS > now] + new
         for x in new:

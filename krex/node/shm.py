@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -38,7 +39,8 @@ PROC_FLAG_NAMES = {
     lib.KREX_PF_FOREIGN_NS: "foreign-namespace",
 }
 # KREX_PF_IN_EXIT is a state, not a problem: a process inside its exit handlers (ProcInfo.exiting).
-PROC_STATE_BITS = {lib.KREX_PF_IN_EXIT: "exiting"}
+# KREX_PF_OTHER_PID_NS too: outside krexd's pid namespace (its regions say so as drain-unknown).
+PROC_STATE_BITS = {lib.KREX_PF_IN_EXIT: "exiting", lib.KREX_PF_OTHER_PID_NS: "other-pid-namespace"}
 
 
 def pid_namespace() -> int:
@@ -227,6 +229,9 @@ class Ended:
     slot: int  # KREX_PROC_STALE: it had outlived its command
     slot_gen: int  # the low 32 bits of its command's slot generation
     exit_ns: int  # krex_now_ns as its exit began; 0: it ended without its exit handler (killed)
+    # Outside krexd's pid namespace (KREX_PF_OTHER_PID_NS): krexd may have freed its record
+    # while it lived, so this tells neither a kill nor when it ended.
+    unseen: bool = False
 
 
 class Segment:
@@ -240,6 +245,9 @@ class Segment:
         # Where the records of dead processes go as krexd frees them (its exit ledger,
         # krex/node/exits.py); None: each stamps its slot with the fixed settle time.
         self.on_ended: Callable[[list[Ended]], None] | None = None
+        # Held from freeing records to their report: a look that finds nothing left to free
+        # then finds in on_ended's ledger what another thread was freeing meanwhile.
+        self._reap_lock = threading.Lock()
 
     # ---------------------------------------------------------------- life
     @classmethod
@@ -569,10 +577,14 @@ class Segment:
             return int(lib.krex_proc_reap(self.raw))
         n = lib.KREX_MAX_PROCS
         buf = ffi.new("struct krex_ended[]", n)
-        got = min(int(lib.krex_proc_reap_ended(self.raw, buf, n)), n)
-        if got:
-            sink([Ended(int(e.pid), int(e.gpu), int(e.slot), int(e.slot_gen), int(e.exit_ns))
-                  for e in (buf[i] for i in range(got))])
+        with self._reap_lock:
+            got = min(int(lib.krex_proc_reap_ended(self.raw, buf, n)), n)
+            if got:
+                sink([
+                    Ended(int(e.pid), int(e.gpu), int(e.slot), int(e.slot_gen), int(e.exit_ns),
+                          bool(e.flags & lib.KREX_PF_OTHER_PID_NS))
+                    for e in (buf[i] for i in range(got))
+                ])
         return int(got)
 
     def reap(self) -> int:

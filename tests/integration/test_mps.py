@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -541,6 +542,68 @@ def test_a_gpu_process_below_a_command_that_is_killed_is_a_client_fault_and_one_
         assert not _mps_status(env)["gpus"][0].get("client_faults"), _mps_status(env)
         assert not _journal_events(env, "mps-client-fault")
         assert not any("shutdown_server" in e for e in _events(rec))
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
+_EXECS = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    from cp_worker import Gpu
+    g = Gpu(); g.kernel(1); g.synchronize()  # a GPU image: it registers
+    os.execv("/bin/sleep", ["sleep", "0.3"])  # ... and ends as _exit would, in a new image
+    """
+)
+
+
+def test_a_gpu_process_that_execs_a_program_that_exits_is_no_client_fault(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """exec ends the GPU image as _exit does (its exit handlers skipped, by its own choice);
+    the new image uses no GPU and exits: no client fault, no server restart."""
+    env, rec = _fault_env(krex_env, tmp_path)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: _servers(rec), "the fake MPS server")
+    time.sleep(0.5)  # the watcher has seen the server
+    script = tmp_path / "execs.py"
+    script.write_text(_EXECS)
+    guardian, _root = _started(env, "sh", "-c", f"{sys.executable} {script} {WORKER.parent}; true")
+    done = _ended(guardian)
+    assert done.returncode == 0, done.stderr
+    time.sleep(1.0)  # krexd's reaper has freed its record (every 0.1 s)
+    assert not _mps_status(env)["gpus"][0].get("client_faults"), _mps_status(env)
+    assert not _journal_events(env, "mps-client-fault")
+    assert not any("shutdown_server" in e for e in _events(rec))
+    assert _krex(env, "daemon", "stop").returncode == 0
+
+
+def test_a_gpu_process_in_a_pid_namespace_of_its_own_is_no_client_fault(
+    krex_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A GPU process in a pid namespace of its own (a container): its record's pid means
+    another process (or none) to krexd, which frees the record while it lives. That is no
+    end krexd saw, and its exit, a clean one, is no kill: no client fault, no restart."""
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare(1)")
+    env, rec = _fault_env(krex_env, tmp_path)
+    assert _krex(env, "daemon", "start", "--device", "sim", "--mps").returncode == 0
+    _wait(lambda: _servers(rec), "the fake MPS server")
+    time.sleep(0.5)  # the watcher has seen the server
+    out = tmp_path / "kid"
+    out.mkdir()
+    go = out / "kid.go"
+    worker = f"{sys.executable} {WORKER} life {out} --name kid --calls 3 --exit-on {go}"
+    kid_cmd = f"unshare -pf --mount-proc {worker}"
+    guardian, _root = _started(env, "sh", "-c", kid_cmd)
+    _wait(lambda: (out / "kid.ready").exists(), "the child's GPU calls", timeout=60)
+    time.sleep(1.0)  # krexd's reaper has looked at its record (every 0.1 s)
+    assert not _mps_status(env)["gpus"][0].get("client_faults"), _mps_status(env)
+    go.touch()
+    assert _ended(guardian).returncode == 0
+    time.sleep(1.0)
+    assert not _mps_status(env)["gpus"][0].get("client_faults"), _mps_status(env)
+    assert not _journal_events(env, "mps-client-fault")
+    assert not any("shutdown_server" in e for e in _events(rec))
     assert _krex(env, "daemon", "stop").returncode == 0
 
 

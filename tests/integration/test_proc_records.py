@@ -10,12 +10,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from helpers.krex_world import Krex
+from helpers.krex_world import WORKER, Krex
 
 from krex.native import lib
 from krex.node.shm import Segment
@@ -159,3 +161,36 @@ def test_a_commands_own_process_in_another_pid_namespace_does_not_flag_its_regio
     acts = [json.loads(x) for x in (kx.out / "own.log").read_text().splitlines() if x.startswith('{"act"')]
     end = next(a for a in acts if a["act"] == "end")
     assert end["rc"] == 0, kx.journal()
+
+
+def test_a_region_right_after_a_sibling_in_another_pid_namespace_ended_waits_for_its_memory(kx: Krex) -> None:
+    """krexd cannot find a process of another pid namespace gone (its record's pid means
+    another process, or none, to krexd): its exit stamps the fixed settle time itself, and
+    a region granted right after its end waits for its memory, or is flagged."""
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare(1)")
+    settle_s = int(lib.KREX_FREE_SETTLE_NS) / 1e9
+    kx.start_daemon(slots=3)
+    until = kx.out / "own.until"
+    kx.run("own", "regions", "-n", "2000", "--kernels", "1", "--us", "200", "--until", str(until))
+    kx.wait(lambda: (kx.out / "own.log").exists(), 10, "the owner")
+    time.sleep(0.5)
+    go = kx.out / "exit-now"
+    kx.run_argv("sib", ["unshare", "-pf", "--mount-proc", sys.executable, str(WORKER), "life", str(kx.out),
+                        "--name", "sib", "--calls", "30", "--exit-on", str(go)])
+    kx.result("sib", "ready", timeout=30)
+    time.sleep(settle_s + 0.1)  # its frees are old now: only its end counts
+    go.touch()
+    t_exit = kx.result("sib", timeout=30)["t_exit"]
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    time.sleep(0.3)
+    until.touch()
+    res = kx.result("own", timeout=60)
+    assert res["errors"] == [], res["errors"]
+    with Segment.attach(kx.shm) as seg:
+        t_stamp = max((int(t) for t in seg.raw.gpus[0].slot_free_ns if int(t) >= t_exit), default=0)
+    assert t_stamp, "the sibling's exit left no stamp"
+    window = [r["grant"] for r in res["regions"] if t_stamp < r["t_grant"] < t_stamp + 1.5 * settle_s * 1e9]
+    assert window, "no region was granted right after the sibling ended: this proves nothing"
+    early = [r["grant"] for r in res["regions"] if t_stamp < r["t_grant"] < t_stamp + 0.9 * settle_s * 1e9]
+    assert all(g["contaminated"] for g in early), early  # none granted clean before its memory settled

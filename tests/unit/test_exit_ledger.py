@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -162,3 +163,51 @@ def test_a_record_freed_where_krexd_does_not_hear_stamps_the_fixed_time(seg: Any
     assert int(g.slot_free_gen[2]) == (3 << 32) | 9
     assert int(g.slot_free_until_ns[2]) - int(g.slot_free_ns[2]) == int(lib.KREX_FREE_SETTLE_NS)
     assert int(g.slot_free_ns[2]) >= t0
+
+
+def test_a_look_at_the_ledger_waits_for_records_another_thread_is_reporting(seg: Any) -> None:
+    """The reaper thread frees a record, then reports it: a region's settle step reaping
+    meanwhile finds the record gone already, and must still see its end in the ledger."""
+    x = Exits(lambda pids: 40 * MS)
+    freed = threading.Event()
+
+    def slow_sink(ended: list[Ended]) -> None:
+        freed.set()  # the record is free in the segment, not yet in the ledger
+        time.sleep(0.3)
+        x.add(ended)
+
+    seg.on_ended = slow_sink
+    pid = _dead_child(False)
+    assert int(lib.krex_proc_register(seg.raw, 2, 0, pid)) >= 0
+    reaper = threading.Thread(target=seg.reap_records)
+    reaper.start()
+    assert freed.wait(5)
+    seg.on_ended = x.add
+    seg.reap_records()  # the settle step's look: nothing left to free
+    until, _ = x.settle_until(0, owner_slot=1, owner_gen=1)
+    reaper.join()
+    assert until > 0, "an end the reaper was reporting was missed"
+
+
+def test_an_end_krexd_could_not_see_is_no_kill() -> None:
+    """A record of a process outside krexd's pid namespace, freed: no exit handler wrote
+    to it, yet nothing says it was killed (krexd may have freed it while it lived)."""
+    told: list[Exit] = []
+    x = Exits(lambda pids: None, told.append)
+    x.add([Ended(5, 0, 1, 1, 0, unseen=True)])
+    assert told == []
+    assert x.settle_until(0, 9, 9)[0] > 0  # still waited for, as any freed record
+
+
+def test_a_new_image_marks_its_old_images_record_ended_not_a_dead_ones(seg: Any) -> None:
+    """exec keeps the pid and start time: the new image finds the old one's record and says
+    that image ended (exit_ns). A record of a dead process whose pid it reuses is left be."""
+    me = int(lib.krex_proc_register(seg.raw, 2, 0, os.getpid()))
+    assert lib.krex_proc_note_exec(seg.raw, os.getpid(), 777) == 1
+    assert int(seg.raw.procs[me].exit_ns) == 777
+    assert lib.krex_proc_note_exec(seg.raw, os.getpid(), 888) == 1
+    assert int(seg.raw.procs[me].exit_ns) == 777  # the first end stands
+    seg.raw.procs[me].exit_ns = 0
+    seg.raw.procs[me].start_ticks = int(seg.raw.procs[me].start_ticks) + 1  # another process's
+    assert lib.krex_proc_note_exec(seg.raw, os.getpid(), 999) == 0
+    assert int(seg.raw.procs[me].exit_ns) == 0
