@@ -235,7 +235,7 @@ static unsigned long long g_loaded_seen[2]; /* the loader's counters check_loade
 static void check_loaded(void) {
     unsigned long long *seen = g_loaded_seen;
     unsigned long long v[3] = {0, 0, 0};
-    dl_iterate_phdr(loaded_gen, v);
+    krex_dl_iterate(loaded_gen, v);
     if (v[2] && v[0] == seen[0] && v[1] == seen[1]) return;
     seen[0] = v[0];
     seen[1] = v[1];
@@ -245,7 +245,7 @@ static void check_loaded(void) {
 
 static void drain_fns(void) {
     unsigned long long v[3] = {0, 0, 0};
-    dl_iterate_phdr(loaded_gen, v);
+    krex_dl_iterate(loaded_gen, v);
     uint32_t gen = __atomic_load_n(&krex_real_gen, __ATOMIC_ACQUIRE);
     if (g_dfn.valid && v[2] && v[0] == g_dfn.adds && v[1] == g_dfn.subs && gen == g_dfn.real_gen) return;
     g_dfn.cu_count = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuDeviceGetCount");

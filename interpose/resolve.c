@@ -7,9 +7,30 @@
 #include <limits.h>
 #include <elf.h>
 #include <link.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "shim.h"
+
+static pthread_mutex_t g_dl_lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+
+int krex_dl_iterate(int (*cb)(struct dl_phdr_info *, size_t, void *), void *data) {
+    pthread_mutex_lock(&g_dl_lock);
+    int r = dl_iterate_phdr(cb, data);
+    pthread_mutex_unlock(&g_dl_lock);
+    return r;
+}
+
+void krex_dl_fork_prepare(void) { pthread_mutex_lock(&g_dl_lock); }
+void krex_dl_fork_parent(void) { pthread_mutex_unlock(&g_dl_lock); }
+/* A recursive mutex names its owner by thread id, which the child's thread does not share. */
+void krex_dl_fork_child(void) {
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&g_dl_lock, &a);
+    pthread_mutexattr_destroy(&a);
+}
 
 void *krex_real[KREX_N_IDS][KREX_NSLOT];
 uint32_t krex_real_gen; /* atomic: bumped as a real pointer is stored (vendor_sym's fallback reads them) */
@@ -161,7 +182,7 @@ KREX_NO_SANITIZE static int elf_find_in(ElfW(Addr) base, const ElfW(Dyn) *dyn, s
 
 KREX_NO_SANITIZE static void *dlsym_from_elf(void) {
     struct elf_find f = {"dlsym", NULL};
-    dl_iterate_phdr(elf_find_cb, &f);
+    krex_dl_iterate(elf_find_cb, &f);
     return f.addr != (void *)krex_self_dlsym ? f.addr : NULL;
 }
 
@@ -330,7 +351,7 @@ void *vendor_sym(int api, const char *name) {
     char path[PATH_MAX]; /* one path at a time: app threads (pacer, capture ends) call this too */
     for (int skip = 0; skip < 8; skip++) {
         struct so_probe q = {krex_sonames[api], skip, path};
-        if (!dl_iterate_phdr(so_probe_cb, &q)) break;
+        if (!krex_dl_iterate(so_probe_cb, &q)) break;
         void *p = sym_in_loaded(path, name);
         if (p) return p;
     }

@@ -523,13 +523,18 @@ out:
 static void atfork_prepare(void) {
     krex_wait_helper_settled();
     pthread_mutex_lock(&g_reg_lock);
+    krex_dl_fork_prepare(); /* after the registration lock: registration may walk the loader */
 }
 
-static void atfork_parent(void) { pthread_mutex_unlock(&g_reg_lock); }
+static void atfork_parent(void) {
+    krex_dl_fork_parent();
+    pthread_mutex_unlock(&g_reg_lock);
+}
 
 int g_fork_gen;
 
 static void atfork_child(void) {
+    krex_dl_fork_child();
     pthread_mutex_unlock(&g_reg_lock);
     /* The child is a new process: re-register (own record, own helper) lazily.
      * The parent's connections stay the parent's. A fork inside a gated call (from a

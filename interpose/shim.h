@@ -72,6 +72,15 @@ static inline void set_flag(uint32_t f) {
 extern void *krex_real[KREX_N_IDS][KREX_NSLOT];
 extern uint32_t krex_real_gen;
 void *vendor_sym(int api, const char *name);
+/* dl_iterate_phdr under the shim's loader-walk lock, which fork's prepare handler takes too:
+ * a child forked while another thread walked the list could inherit the loader's own lock held
+ * (the ASan build's fork stress test hung so in dl_iterate_phdr). Recursive: a signal handler's
+ * GPU call may resolve a symbol on a thread inside a walk. */
+struct dl_phdr_info;
+int krex_dl_iterate(int (*cb)(struct dl_phdr_info *, size_t, void *), void *data);
+void krex_dl_fork_prepare(void);
+void krex_dl_fork_parent(void);
+void krex_dl_fork_child(void);
 void *krex_next_sym(const char *name);
 void *krex_resolve(int id, int k);
 
