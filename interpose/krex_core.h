@@ -113,6 +113,8 @@ struct krex_ended {
     uint32_t slot_gen;
     uint32_t flags;   /* krex_proc.flags: KREX_PF_OTHER_PID_NS, its end unseen */
     uint64_t exit_ns; /* krex_proc.exit_ns: 0 = it ended without its exit handler */
+    struct krex_proc rec; /* the record as it was freed: its counters still count in its
+                           * command's --report (krexd frees records as their processes end) */
 };
 int krex_proc_reap_ended(struct krex_shm *shm, struct krex_ended *out, int max);
 int krex_proc_note_exec(struct krex_shm *shm, int64_t pid, uint64_t now_ns);

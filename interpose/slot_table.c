@@ -256,6 +256,7 @@ static struct krex_ended ended_of(const struct krex_proc *p, int64_t pid) {
     e.slot_gen = p->slot_gen;
     e.flags = __atomic_load_n(&p->flags, SEQ);
     e.exit_ns = __atomic_load_n(&p->exit_ns, SEQ);
+    e.rec = *p; /* a dead process writes no more: its counters are final */
     return e;
 }
 

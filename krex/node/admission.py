@@ -299,7 +299,7 @@ class Admission(Regions):
                 slot = self.slots.get(n)
             counters = None
             if msg.get("report") and slot is not None:  # before the release clears its records
-                counters = optin.gate_counters(p for p in self.seg.snapshot().procs if p.slot == n)
+                counters = optin.gate_counters(self.seg.slot_procs(n))
             told = self._mps_exit(slot, _exit_of(msg)) if slot is not None else None
             policy = "keep" if msg.get("leftovers") == "keep" else "kill"
             out = self._leftovers(n, policy)

@@ -129,6 +129,42 @@ class ProcInfo:
     quiet: bool = False  # nothing queued since its last full drain: a drain skips it
     exiting: bool = False  # its exit handlers stopped the shim's helper (KREX_PF_IN_EXIT)
 
+    def plus(self, o: ProcInfo) -> ProcInfo:
+        """The counters of both (pid 0): the freed records of one command, as one."""
+        return ProcInfo(
+            0, self.slot, self.gpu, False, self.has_ctx or o.has_ctx, 0, 0, 0,
+            {k: v + o.submits.get(k, 0) for k, v in self.submits.items()},
+            self.blocked + o.blocked, self.blocked_ms + o.blocked_ms, self.fail_opens + o.fail_opens,
+            self.drains + o.drains, [], self.paced + o.paced, self.paced_ms + o.paced_ms,
+            self.held + o.held, self.held_ms + o.held_ms,
+        )
+
+
+def proc_info(r: Any, alive: bool, quiet: bool = False) -> ProcInfo:
+    """A process record (struct krex_proc) as read now."""
+    return ProcInfo(
+        pid=int(r.pid),
+        slot=int(r.slot),
+        gpu=int(r.gpu),
+        alive=alive,
+        has_ctx=bool(r.has_ctx),
+        inflight=int(r.inflight),
+        life_inflight=int(r.life_inflight),
+        drain_ack=int(r.drain_ack),
+        submits={n: int(r.submits[k]) for k, n in enumerate(CLASS_NAMES)},
+        blocked=int(r.blocked),
+        blocked_ms=int(r.blocked_ns) / 1e6,
+        fail_opens=int(r.fail_opens),
+        drains=int(r.drains),
+        flags=[n for bit, n in PROC_FLAG_NAMES.items() if r.flags & bit],
+        paced=int(r.paced),
+        paced_ms=int(r.paced_ns) / 1e6,
+        held=int(r.held),
+        held_ms=int(r.held_ns) / 1e6,
+        quiet=quiet,
+        exiting=bool(r.flags & lib.KREX_PF_IN_EXIT),
+    )
+
 
 @dataclass
 class Snapshot:
@@ -232,6 +268,7 @@ class Ended:
     # Outside krexd's pid namespace (KREX_PF_OTHER_PID_NS): krexd may have freed its record
     # while it lived, so this tells neither a kill nor when it ended.
     unseen: bool = False
+    record: ProcInfo | None = None  # its record as freed: its counters for its command's report
 
 
 class Segment:
@@ -248,6 +285,9 @@ class Segment:
         # Held from freeing records to their report: a look that finds nothing left to free
         # then finds in on_ended's ledger what another thread was freeing meanwhile.
         self._reap_lock = threading.Lock()
+        # What the records freed by reap_records counted, per slot, under the low 32 bits of
+        # its generation: a command's report counts its processes that ended before it did.
+        self._freed: dict[int, tuple[int, ProcInfo]] = {}
 
     # ---------------------------------------------------------------- life
     @classmethod
@@ -345,30 +385,9 @@ class Segment:
             r = p.procs[i]
             if r.pid == 0:
                 continue
-            flags = [n for bit, n in PROC_FLAG_NAMES.items() if r.flags & bit]
             procs.append(
-                ProcInfo(
-                    pid=int(r.pid),
-                    slot=int(r.slot),
-                    gpu=int(r.gpu),
-                    alive=bool(lib.krex_pid_alive(r.pid, r.start_ticks)),
-                    has_ctx=bool(r.has_ctx),
-                    inflight=int(r.inflight),
-                    life_inflight=int(r.life_inflight),
-                    drain_ack=int(r.drain_ack),
-                    submits={n: int(r.submits[k]) for k, n in enumerate(CLASS_NAMES)},
-                    blocked=int(r.blocked),
-                    blocked_ms=int(r.blocked_ns) / 1e6,
-                    fail_opens=int(r.fail_opens),
-                    drains=int(r.drains),
-                    flags=flags,
-                    paced=int(r.paced),
-                    paced_ms=int(r.paced_ns) / 1e6,
-                    held=int(r.held),
-                    held_ms=int(r.held_ns) / 1e6,
-                    quiet=bool(lib.krex_proc_quiet(ffi.addressof(p.procs, i))),
-                    exiting=bool(r.flags & lib.KREX_PF_IN_EXIT),
-                )
+                proc_info(r, bool(lib.krex_pid_alive(r.pid, r.start_ticks)),
+                          bool(lib.krex_proc_quiet(ffi.addressof(p.procs, i))))
             )
         return Snapshot(
             name=self.name,
@@ -569,6 +588,17 @@ class Segment:
     def release_slot(self, slot: int) -> None:
         self.reap_records()  # first: what the release frees of its dead processes is not reported
         lib.krex_slot_release(self.raw, slot)
+        with self._reap_lock:
+            self._freed.pop(slot, None)
+
+    def slot_procs(self, slot: int) -> list[ProcInfo]:
+        """The process records of the command holding `slot`: the live ones, then one that
+        sums those krexd freed as their processes ended (gate counters for its report)."""
+        gen = int(self.raw.slots[slot].generation) & 0xFFFFFFFF if 0 <= slot < lib.KREX_MAX_SLOTS else -1
+        with self._reap_lock:
+            procs = [p for p in self.snapshot().procs if p.slot == slot]
+            freed = self._freed.get(slot)
+        return procs + [freed[1]] if freed is not None and freed[0] == gen else procs
 
     def reap_records(self) -> int:
         """Free the records of dead processes; what each said of its end goes to on_ended."""
@@ -580,12 +610,25 @@ class Segment:
         with self._reap_lock:
             got = min(int(lib.krex_proc_reap_ended(self.raw, buf, n)), n)
             if got:
-                sink([
+                ended = [
                     Ended(int(e.pid), int(e.gpu), int(e.slot), int(e.slot_gen), int(e.exit_ns),
-                          bool(e.flags & lib.KREX_PF_OTHER_PID_NS))
+                          bool(e.flags & lib.KREX_PF_OTHER_PID_NS), proc_info(e.rec, False))
                     for e in (buf[i] for i in range(got))
-                ])
+                ]
+                for e in ended:
+                    self._tally(e)
+                sink(ended)
         return int(got)
+
+    def _tally(self, e: Ended) -> None:
+        """Count a freed record toward its command (under _reap_lock)."""
+        if e.record is None or not 0 <= e.slot < lib.KREX_MAX_SLOTS:
+            return  # one that outlived its command counts toward none
+        had = self._freed.get(e.slot)
+        if had is not None and had[0] == e.slot_gen:
+            self._freed[e.slot] = (e.slot_gen, had[1].plus(e.record))
+        else:  # the slot's first, or the earlier ones were of a command gone since
+            self._freed[e.slot] = (e.slot_gen, e.record)
 
     def reap(self) -> int:
         """Free process records and slots whose owners are dead."""
@@ -598,13 +641,19 @@ class Segment:
         return n
 
     def slot_submits(self, slot: int) -> int:
-        """Gated submissions of every process record of one slot (LIFE calls are no
-        submissions: they say nothing of how launch-bound a region is)."""
-        n = 0
-        for i in range(lib.KREX_MAX_PROCS):
-            r = self.raw.procs[i]
-            if r.pid and r.slot == slot:
-                n += sum(int(r.submits[k]) for k in range(lib.KREX_CLS_LIFE))
+        """Gated submissions of the command holding one slot, its ended processes' included
+        (LIFE calls are no submissions: they say nothing of how launch-bound a region is).
+        Read at a region's ends: the records as they are, no liveness check."""
+        gen = int(self.raw.slots[slot].generation) & 0xFFFFFFFF
+        with self._reap_lock:
+            n = 0
+            for i in range(lib.KREX_MAX_PROCS):
+                r = self.raw.procs[i]
+                if r.pid and r.slot == slot:
+                    n += sum(int(r.submits[k]) for k in range(lib.KREX_CLS_LIFE))
+            freed = self._freed.get(slot)
+        if freed is not None and freed[0] == gen:
+            n += sum(freed[1].submits[k] for k in CLASS_NAMES[: lib.KREX_CLS_LIFE])
         return n
 
     def life_busy(self, gpu: int, owner_slot: int) -> dict[int, tuple[int, int]]:

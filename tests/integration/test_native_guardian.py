@@ -443,6 +443,27 @@ def test_the_native_report_has_the_python_guardians_fields(kx: Krex, tmp_path: P
     assert isinstance(nat["admission_wait_s"], float) and isinstance(nat["slot"], int)
 
 
+def test_the_report_counts_the_gpu_work_of_processes_that_ended_before_the_command(
+    kx: Krex, tmp_path: Path
+) -> None:
+    """krexd frees a process's record soon after it ends (its reaper, exits.py): what the
+    record counted still goes to its command's report, under both guardians."""
+    kx.start_daemon()
+    child = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'helpers')!r})\n"
+        "from cp_worker import Gpu\ngpu = Gpu()\n"
+        "for _ in range(7):\n    gpu.kernel(20)\ngpu.synchronize()\n"
+    )
+    # The GPU child ends first; its command lives on for several of the reaper's rounds.
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.run([sys.executable, '-c', {child!r}], check=True)\ntime.sleep(0.6)\n"
+    )
+    r = reports(kx, tmp_path, *MARK_THEN_PY, code, rc=0)
+    for g, rep in r.items():
+        assert rep["submits"].get("kernel") == 7, (g, rep["submits"])
+
+
 def test_an_exec_error_is_reported_as_by_the_python_guardian(kx: Krex, tmp_path: Path) -> None:
     kx.start_daemon()
     bad = tmp_path / "bad"
