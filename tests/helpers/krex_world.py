@@ -376,6 +376,35 @@ class Krex:
                 )
         return json.loads(path.read_text())
 
+    def regions_across_an_end(self, start_sibling: Any) -> tuple[dict[str, Any], int]:
+        """An owner ("own") takes regions back to back while a sibling command ends.
+        `start_sibling(go)` starts the sibling as "sib", a cp_worker `life` run with
+        `--exit-on go`; its frees are let grow older than a settle time first, so only its
+        end can flag. Returns the owner's result and the newest slot-free stamp at or after
+        the sibling's exit (0: none)."""
+        from krex.native import lib
+        from krex.node.shm import Segment
+
+        settle_s = int(lib.KREX_FREE_SETTLE_NS) / 1e9
+        until = self.out / "own.until"
+        self.run("own", "regions", "-n", "2000", "--kernels", "1", "--us", "200", "--until", str(until))
+        self.wait(lambda: (self.out / "own.log").exists(), 10, "the owner")
+        time.sleep(0.5)
+        go = self.out / "exit-now"
+        start_sibling(go)
+        self.result("sib", "ready", timeout=30)
+        time.sleep(settle_s + 0.1)  # its frees are old now: only its end counts
+        go.touch()
+        t_exit = self.result("sib", timeout=30)["t_exit"]
+        assert self.cmds["sib"].wait(30) == 0, self.cmds["sib"].output()
+        time.sleep(0.3)
+        until.touch()
+        res = self.result("own", timeout=60)
+        assert res["errors"] == [], res["errors"]
+        with Segment.attach(self.shm) as seg:
+            stamps = [int(t) for t in seg.raw.gpus[0].slot_free_ns]
+        return res, max((t for t in stamps if t >= t_exit), default=0)
+
     def touch(self, name: str, suffix: str = "stop") -> None:
         (self.out / f"{name}.{suffix}").write_text("")
 

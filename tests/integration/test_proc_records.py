@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -171,24 +170,10 @@ def test_a_region_right_after_a_sibling_in_another_pid_namespace_ended_waits_for
         pytest.skip("needs unshare(1)")
     settle_s = int(lib.KREX_FREE_SETTLE_NS) / 1e9
     kx.start_daemon(slots=3)
-    until = kx.out / "own.until"
-    kx.run("own", "regions", "-n", "2000", "--kernels", "1", "--us", "200", "--until", str(until))
-    kx.wait(lambda: (kx.out / "own.log").exists(), 10, "the owner")
-    time.sleep(0.5)
-    go = kx.out / "exit-now"
-    kx.run_argv("sib", ["unshare", "-pf", "--mount-proc", sys.executable, str(WORKER), "life", str(kx.out),
-                        "--name", "sib", "--calls", "30", "--exit-on", str(go)])
-    kx.result("sib", "ready", timeout=30)
-    time.sleep(settle_s + 0.1)  # its frees are old now: only its end counts
-    go.touch()
-    t_exit = kx.result("sib", timeout=30)["t_exit"]
-    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
-    time.sleep(0.3)
-    until.touch()
-    res = kx.result("own", timeout=60)
-    assert res["errors"] == [], res["errors"]
-    with Segment.attach(kx.shm) as seg:
-        t_stamp = max((int(t) for t in seg.raw.gpus[0].slot_free_ns if int(t) >= t_exit), default=0)
+    res, t_stamp = kx.regions_across_an_end(
+        lambda go: kx.run_argv("sib", ["unshare", "-pf", "--mount-proc", sys.executable, str(WORKER), "life",
+                                       str(kx.out), "--name", "sib", "--calls", "30", "--exit-on", str(go)])
+    )
     assert t_stamp, "the sibling's exit left no stamp"
     window = [r["grant"] for r in res["regions"] if t_stamp < r["t_grant"] < t_stamp + 1.5 * settle_s * 1e9]
     assert window, "no region was granted right after the sibling ended: this proves nothing"

@@ -1402,29 +1402,14 @@ def test_regions_right_after_a_sibling_command_ended_wait_for_its_memory(kx: Kre
     granted a few ms after such an end would read clean). A region
     asked for right after waits for it to settle, and is clean."""
     kx.start_daemon(slots=3)
-    until = kx.out / "own.until"
-    kx.run("own", "regions", "-n", "2000", "--kernels", "1", "--us", "200", "--until", str(until))
-    kx.wait(lambda: (kx.out / "own.log").exists(), 10, "the owner")
-    time.sleep(0.5)
-    go = kx.out / "exit-now"
     hard = ["--hard-exit"] if how == "_exit" else []
-    kx.run("sib", "life", "--calls", "30", "--exit-on", str(go), *hard)
-    kx.result("sib", "ready", timeout=30)
-    time.sleep(lib_settle_s() + 0.1)  # its frees are old now: only the end counts
-    go.touch()
-    t_exit = kx.result("sib", timeout=30)["t_exit"]
-    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
-    time.sleep(0.3)
-    until.touch()
-    res = kx.result("own", timeout=60)
-    assert res["errors"] == [], res["errors"]
     # Its frees were older than the window when it began to exit: only its end can flag.
     # (A region granted before its exit hold ran is not flagged: its teardown waits for it.)
     # The window starts at the exit hold's stamp, not at exit(): under load the hold can wait
     # for a gap between the owner's back-to-back regions longer than a settle time.
-    with Segment.attach(kx.shm) as seg:
-        stamps = [int(t) for t in seg.raw.gpus[0].slot_free_ns]
-    t_stamp = max((t for t in stamps if t >= t_exit), default=0)
+    res, t_stamp = kx.regions_across_an_end(
+        lambda go: kx.run("sib", "life", "--calls", "30", "--exit-on", str(go), *hard)
+    )
     assert t_stamp, "the sibling's exit left no stamp"
     window = [r for r in res["regions"] if t_stamp < r["t_grant"] < t_stamp + 1.5 * lib_settle_s() * 1e9]
     assert window, "no region was granted right after the sibling ended: this proves nothing"
