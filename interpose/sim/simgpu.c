@@ -84,26 +84,31 @@ static void init_visible(void) {
     }
 }
 
+/* The node-wide shared memory named KREX_SIM_SHM (or per user) plus `suffix`, `size` bytes,
+ * mapped once; a private zeroed block where it cannot be (a lone process still runs).
+ * The node's GPU serves every user's processes (as /dev/nvidia* does): a process of another
+ * user, or one that dropped root, shares this timeline too. Only its creator can widen the
+ * mode past the umask; for the others the fchmod fails harmlessly. Called under g_lock. */
+static void *map_node_shm(const char *suffix, size_t size) {
+    char name[160];
+    const char *n = getenv("KREX_SIM_SHM");
+    if (n && *n && strlen(n) < 120) snprintf(name, sizeof name, "%s%s", n, suffix);
+    else snprintf(name, sizeof name, "/krex-sim-%d%s", (int)getuid(), suffix);
+    void *out = NULL;
+    int fd = shm_open(name, O_RDWR | O_CREAT, 0666);
+    if (fd >= 0) (void)fchmod(fd, 0666);
+    if (fd >= 0 && ftruncate(fd, (off_t)size) == 0) {
+        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) out = p;
+    }
+    if (fd >= 0) close(fd);
+    return out ? out : calloc(1, size);
+}
+
 static struct sim_dev_shm *dev_shm(void) {
     if (g_dev) return g_dev;
     pthread_mutex_lock(&g_lock);
-    if (!g_dev) {
-        char name[128];
-        const char *n = getenv("KREX_SIM_SHM");
-        if (n && *n) snprintf(name, sizeof name, "%s", n);
-        else snprintf(name, sizeof name, "/krex-sim-%d", (int)getuid());
-        int fd = shm_open(name, O_RDWR | O_CREAT, 0666);
-        /* The node's GPU serves every user's processes (as /dev/nvidia* does): a process of
-         * another user, or one that dropped root, shares this timeline too. Only its
-         * creator can widen the mode past the umask; for the others this fails harmlessly. */
-        if (fd >= 0) (void)fchmod(fd, 0666);
-        if (fd >= 0 && ftruncate(fd, sizeof(struct sim_dev_shm)) == 0) {
-            void *p = mmap(NULL, sizeof(struct sim_dev_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (p != MAP_FAILED) g_dev = p;
-        }
-        if (fd >= 0) close(fd);
-        if (!g_dev) g_dev = calloc(1, sizeof(struct sim_dev_shm)); /* private fallback */
-    }
+    if (!g_dev) g_dev = map_node_shm("", sizeof(struct sim_dev_shm));
     pthread_mutex_unlock(&g_lock);
     return g_dev;
 }
@@ -166,20 +171,7 @@ static int g_ctx_ms;
 static struct sim_rm_shm *rm_shm(void) {
     if (g_rm) return g_rm;
     pthread_mutex_lock(&g_lock);
-    if (!g_rm) {
-        char name[160];
-        const char *n = getenv("KREX_SIM_SHM");
-        if (n && *n && strlen(n) < 120) snprintf(name, sizeof name, "%s-rm", n);
-        else snprintf(name, sizeof name, "/krex-sim-%d-rm", (int)getuid());
-        int fd = shm_open(name, O_RDWR | O_CREAT, 0666);
-        if (fd >= 0) (void)fchmod(fd, 0666);
-        if (fd >= 0 && ftruncate(fd, sizeof(struct sim_rm_shm)) == 0) {
-            void *p = mmap(NULL, sizeof(struct sim_rm_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (p != MAP_FAILED) g_rm = p;
-        }
-        if (fd >= 0) close(fd);
-        if (!g_rm) g_rm = calloc(1, sizeof(struct sim_rm_shm));
-    }
+    if (!g_rm) g_rm = map_node_shm("-rm", sizeof(struct sim_rm_shm));
     pthread_mutex_unlock(&g_lock);
     return g_rm;
 }
