@@ -672,6 +672,40 @@ int krex_proc_quiet(struct krex_proc *p) {
     return at == 1 + krex_proc_submits(p);
 }
 
+/* 1 if all `p` may have queued on the GPU is what the context, module or memory call it is
+ * inside does (krexd may freeze it inside the call rather than wait for it: a freeze lands
+ * between two of the call's ioctls): quiet but for that call. Not a free (its memory's
+ * scrubbing is the settle step's) and not a process the hooks may not see whole. */
+int krex_proc_life_only(struct krex_proc *p) {
+    uint64_t at = __atomic_load_n(&p->drained_at, SEQ);
+    uint32_t fl = __atomic_load_n(&p->flags, SEQ);
+    if (!at || (fl & (KREX_PF_UNSEEN | KREX_PF_LOOKUP_FALLBACK | KREX_PF_FOREIGN_NS)) ||
+        __atomic_load_n(&p->inflight, SEQ) != 0)
+        return 0;
+    if (__atomic_load_n(&p->life_inflight, SEQ) == 0 || __atomic_load_n(&p->free_inflight, SEQ) != 0) return 0;
+    uint64_t ord = __atomic_load_n(&p->ordered_life, SEQ);
+    if ((uint32_t)ord != (uint32_t)(ord >> 32)) return 0;
+    return at == 1 + krex_proc_submits(p);
+}
+
+/* krexd froze process `pid` (of `gpu`) while it owed drain `seq` for nothing but the LIFE
+ * call it is inside (krex_proc_life_only): its ack is taken as given, as its frozen helper
+ * cannot give it. Returns 1 if the record was found so and acked. */
+int krex_drain_excuse(struct krex_shm *shm, int gpu, int64_t pid, uint32_t seq) {
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        if (__atomic_load_n(&p->pid, SEQ) != pid || p->gpu != gpu) continue;
+        uint32_t ack = __atomic_load_n(&p->drain_ack, SEQ);
+        if ((int32_t)(ack - seq) >= 0) return 1; /* it acked itself */
+        if (!krex_proc_life_only(p)) return 0;
+        /* A helper thawed meanwhile writes the same sequence: a CAS keeps the newer one. */
+        __atomic_compare_exchange_n(&p->drain_ack, &ack, seq, 0, SEQ, SEQ);
+        krex_wake_controller(shm, gpu);
+        return 1;
+    }
+    return 0;
+}
+
 enum drain_query { DRAIN_PENDING, DRAIN_PARTIAL };
 
 /* Sibling processes of `gpu` (not in `owner_slot`) that hold GPU work and match `q`:

@@ -95,6 +95,8 @@ uint64_t krex_settle_until(struct krex_shm *shm, int gpu, int owner_slot, uint64
 int krex_frees_inflight(struct krex_shm *shm, int gpu, int owner_slot);
 uint64_t krex_proc_submits(struct krex_proc *p);
 int krex_proc_quiet(struct krex_proc *p);
+int krex_proc_life_only(struct krex_proc *p);
+int krex_drain_excuse(struct krex_shm *shm, int gpu, int64_t pid, uint32_t seq);
 int krex_sibling_exiting(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int max);
 void krex_slot_release(struct krex_shm *shm, int slot);
 /* Pre-warmed starts: set or clear a slot's `warm` (clearing wakes its waiting processes). */

@@ -150,8 +150,10 @@ EXPORT int simgpu_set_device(int dev) {
  * makes contexts one at a time node-wide, in order, and a context query (the drain helper's
  * cuDevicePrimaryCtxGetState) waits in the same queue. Here a ticket lock in a segment of its
  * own (next to the timeline's: `<KREX_SIM_SHM>-rm`): a process's first context on a device
- * holds it KREX_SIM_CTX_MS, a query passes through it. A turn that is not given back within
- * KREX_SIM_CTX_MS + SIM_RM_SLACK_US of its start (its holder killed, stopped or frozen; a real
+ * holds it KREX_SIM_CTX_MS, a query passes through it. A real creation is many ioctls, each
+ * taking the lock: with KREX_SIM_CTX_STEP_MS the creation takes one turn per step of that
+ * length (a holder frozen between steps holds nothing). A turn that is not given back within
+ * its length + SIM_RM_SLACK_US of its start (its holder killed, stopped or frozen; a real
  * driver finishes the ioctl before a stop takes effect), or not claimed within SIM_RM_SLACK_US
  * (its waiter gone, stopped or frozen in the queue: a real freezer waits for a task blocked in
  * the driver), is skipped, and a ticket whose turn passed meanwhile is drawn again. */
@@ -167,6 +169,7 @@ struct sim_rm_shm {
 #define SIM_RM_SLACK_US 20000ull
 static struct sim_rm_shm *g_rm;
 static int g_ctx_ms;
+static int g_ctx_step_ms; /* one turn of the lock per step of a creation (0: one turn) */
 
 static struct sim_rm_shm *rm_shm(void) {
     if (g_rm) return g_rm;
@@ -180,7 +183,8 @@ static struct sim_rm_shm *rm_shm(void) {
 static uint64_t rm_turn(uint64_t hold_ns) {
     struct sim_rm_shm *rm = rm_shm();
     if (!rm) return simgpu_now();
-    const uint64_t lapse_us = (uint64_t)g_ctx_ms * 1000ull + SIM_RM_SLACK_US;
+    const int turn_ms = g_ctx_step_ms > 0 && g_ctx_step_ms < g_ctx_ms ? g_ctx_step_ms : g_ctx_ms;
+    const uint64_t lapse_us = (uint64_t)turn_ms * 1000ull + SIM_RM_SLACK_US;
     uint32_t my = __atomic_fetch_add(&rm->next, 1, __ATOMIC_SEQ_CST) & SIM_RM_TICKETS;
     for (;;) {
         uint64_t s = __atomic_load_n(&rm->serving, __ATOMIC_SEQ_CST), now_us = simgpu_now() / 1000;
@@ -215,16 +219,31 @@ static uint64_t rm_turn(uint64_t hold_ns) {
     return began;
 }
 
-/* A context query waits for the creations queued before it (KREX_SIM_CTX_MS > 0). */
+/* The driver library's own lock, per process: held for a whole creation (all its steps),
+ * so this process's other driver calls (its drain helper's query) wait for all of it. */
+static pthread_mutex_t g_drv_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* A context query waits for this process's creation in progress, then for the creations
+ * queued before it node-wide (KREX_SIM_CTX_MS > 0). */
 EXPORT void simgpu_ctx_query(void) {
-    if (g_ctx_ms > 0) rm_turn(0);
+    if (g_ctx_ms <= 0) return;
+    pthread_mutex_lock(&g_drv_lock);
+    pthread_mutex_unlock(&g_drv_lock);
+    rm_turn(0);
 }
 EXPORT int simgpu_ctx_ms(void) { return g_ctx_ms; }
 
 EXPORT int simgpu_ctx_active(int dev) { return dev >= 0 && dev < SIMGPU_MAX && g_ctx_active[dev]; }
 EXPORT void simgpu_ctx_activate(int dev) {
     if (dev >= 0 && dev < SIMGPU_MAX && !g_ctx_active[dev]) {
-        uint64_t asked = simgpu_now(), began = g_ctx_ms > 0 ? rm_turn((uint64_t)g_ctx_ms * 1000000ull) : asked;
+        uint64_t asked = simgpu_now(), began = asked;
+        int step = g_ctx_step_ms > 0 && g_ctx_step_ms < g_ctx_ms ? g_ctx_step_ms : g_ctx_ms;
+        if (g_ctx_ms > 0) pthread_mutex_lock(&g_drv_lock);
+        for (int left = g_ctx_ms; left > 0; left -= step) {
+            uint64_t b = rm_turn((uint64_t)(left < step ? left : step) * 1000000ull);
+            if (left == g_ctx_ms) began = b;
+        }
+        if (g_ctx_ms > 0) pthread_mutex_unlock(&g_drv_lock);
         g_ctx_active[dev] = 1;
         char f[128];
         snprintf(f, sizeof f, "\"ev\":\"ctx\",\"dev\":%d,\"t\":%llu,\"asked\":%llu,\"began\":%llu", dev,
@@ -326,6 +345,7 @@ EXPORT void simgpu_sync_all(const char *who) {
 static void atfork_child(void) {
     /* A child has its own (empty) streams and contexts, like a CUDA child. */
     pthread_mutex_init(&g_lock, NULL);
+    pthread_mutex_init(&g_drv_lock, NULL); /* a fork mid-creation: the child makes its own */
     memset(g_streams, 0, sizeof g_streams);
     memset(g_ctx_active, 0, sizeof g_ctx_active);
     g_proc_tail = 0;
@@ -339,6 +359,7 @@ __attribute__((constructor)) static void sim_init(void) {
     g_move_bytes = env_int("KREX_SIM_MOVE_BYTES", 0);
     g_life_ms = env_int("KREX_SIM_LIFE_MS", 0);
     g_ctx_ms = env_int("KREX_SIM_CTX_MS", 0);
+    g_ctx_step_ms = env_int("KREX_SIM_CTX_STEP_MS", 0);
 }
 
 /* A gated call's return code: KREX_SIM_RC, after the first KREX_SIM_RC_AFTER calls

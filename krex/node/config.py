@@ -37,6 +37,10 @@ Precedence: command line > environment > config file > defaults. The config file
                                                              entered), siblings' queues shrink and their
                                                              context, module and memory calls wait for
                                                              its gate
+  life_freeze      KREX_LIFE_FREEZE                          off (default) or on: under the gpu policy, a
+                                                             region's entry freezes a sibling inside a
+                                                             context, module or memory call with nothing
+                                                             else queued, rather than wait for the call
   helper_nice      KREX_HELPER_NICE                          the nice krexd lends the threads a region's drain
                                                              waits for: drain helpers, and a thread inside
                                                              a context, module or memory call (root; 0: off)
@@ -202,6 +206,12 @@ class Config:
     # A region queued or announced shrinks siblings' queues and holds their LIFE calls before
     # its gate closes (krex_abi.h, KREX_PENDING_HOLD_MS).
     early_shrink: bool = True
+    # Under `gpu`, a sibling inside a LIFE call with nothing else queued is frozen inside the
+    # call (the freeze lands between its ioctls) and its drain ack excused, rather than
+    # waited for (100-250 ms for a context creation on a loaded GPU). Off until measured on
+    # a GPU that a half-done call leaves nothing that disturbs a region
+    # (benchmarks/gpu_frozen_life.py; unheld.LIFE_FROZEN_SETTLE_S).
+    life_freeze: bool = False
     # A region's entry waits for every sibling's drain helper to answer; at nice 0 on a full
     # node a helper sat runnable behind its own command's CPU-bound threads (H200, the
     # CPU-heavy family). krexd (root) renices each helper once, at its first region, and
@@ -305,6 +315,7 @@ KEYS = (
     Key("queue_cap_ms", "queue_cap", "KREX_QUEUE_CAP_MS", _num(0, 60000),
         "milliseconds, e.g. 20, or 0 for none"),
     Key("early_shrink", "early_shrink", "KREX_EARLY_SHRINK", _bool, "on or off (yes/no, 1/0)"),
+    Key("life_freeze", "life_freeze", "KREX_LIFE_FREEZE", _bool, "on or off (yes/no, 1/0)"),
     Key("helper_nice", "helper_nice", "KREX_HELPER_NICE", _num(-20, 0, True), "a whole number -20..0"),
     Key("freeze_timeout_s", "freeze_timeout", "KREX_FREEZE_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 2"),
     Key("drain_timeout_s", "drain_timeout", "KREX_DRAIN_TIMEOUT", _num(0.01, 3600), "seconds, e.g. 5"),

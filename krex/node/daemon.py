@@ -330,6 +330,7 @@ class Daemon(Server):
             "pace_tokens": c.pace_tokens,
             "queue_cap_ms": c.queue_cap_ms,
             "early_shrink": c.early_shrink,
+            "life_freeze": c.life_freeze,
             "log_level": c.log_level,
         }
         log.info(
@@ -455,6 +456,7 @@ class Daemon(Server):
                     "pace_tokens": self.cfg.pace_tokens,
                     "queue_cap_ms": self.cfg.queue_cap_ms,
                     "early_shrink": self.cfg.early_shrink,
+                    "life_freeze": self.cfg.life_freeze,
                     "idle_exit_s": self.cfg.idle_exit_s,
                     "log": str(paths.state_dir() / "krexd.log"),
                     "settings_from": self.cfg.sources,

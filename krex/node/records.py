@@ -5,7 +5,7 @@ and the journal carry, in the key order their readers have always seen."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Why a region is contaminated: (flag, text). The flag is a short code for machines (the
@@ -53,6 +53,9 @@ class Grant:
     device: str
     tenant: str
     label: str = ""
+    # Siblings frozen inside a context, module or memory call, their drain acks excused
+    # (krexd's life_freeze): pids.
+    life_frozen: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -74,6 +77,7 @@ class Grant:
             "running_slots": self.running_slots,
             "freeze_why": self.freeze_why,
             "unheld": self.unheld,
+            "life_frozen": self.life_frozen,
             "reserved_cpus": self.reserved_cpus,
             **verdict(self.reasons),
             "freezer": self.freezer,

@@ -66,9 +66,21 @@ class _FreezePlan:
     the siblings that arrived meanwhile and starts every freeze not yet started."""
 
     def __init__(
-        self, d: RegionChecks, gpu: int, owner_slot: int, frozen: list[Slot], stuck: Iterable[int] = ()
+        self,
+        d: RegionChecks,
+        gpu: int,
+        owner_slot: int,
+        frozen: list[Slot],
+        stuck: Iterable[int] = (),
+        excuse_life: bool = False,
     ) -> None:
         self.d, self.gpu, self.owner_slot = d, gpu, owner_slot
+        # life_freeze: a sibling whose only owed drain is the LIFE call it is inside is frozen
+        # at once, and its ack excused once frozen (krex_drain_excuse), not waited for.
+        self.excuse_life = excuse_life
+        self.excusable: set[int] = set()  # such pids, read at the first plan
+        self.excused: list[int] = []  # those frozen and excused (pool threads append)
+        self.seq = 0  # the drain request they owed
         # Pids still inside a GPU call when the in-flight wait gave up: past the gate, so
         # the gate cannot hold them; their slots are frozen whatever the policy.
         self.stuck = set(stuck)
@@ -99,6 +111,9 @@ class _FreezePlan:
             life.setdefault(slot, []).append(pid)
         if self.draining:
             self._lend(busy, siblings)
+        if self.excuse_life and busy:
+            self.seq = int(self.d.seg.raw.gpus[self.gpu].drain_seq)  # the request just made
+            self.excusable |= self.d.seg.life_only(p for p in busy if p not in self.unheld)
         for s in siblings:
             if s in chosen:
                 continue
@@ -161,12 +176,31 @@ class _FreezePlan:
             known = set(self.siblings)
             self._plan([s for s in now if s not in known])
         for s in self.to_freeze:
+            if s in self.futs:
+                continue
             # Its registered pids read now, not at the plan: one that registered since
             # must have acked too.
-            if s not in self.futs and (final or not (set(d.seg.slot_pids(s.slot)) & pending)):
+            owing = set(d.seg.slot_pids(s.slot)) & pending
+            if final or not owing:
                 self.early += 0 if final else 1
                 self.frozen.append(s)
                 self.futs[s] = d.pool.submit(s.group.freeze, d.cfg.freeze_timeout_s)
+            elif owing <= self.excusable:
+                self.early += 1
+                self.frozen.append(s)
+                self.futs[s] = d.pool.submit(self._freeze_excusing, s, owing)
+
+    def _freeze_excusing(self, s: Slot, owing: set[int]) -> float:
+        """Freeze a sibling whose owing pids are inside a LIFE call with nothing else queued,
+        then take their drain acks as given: a frozen helper cannot ack, and nothing but
+        the frozen call can be queued (the gate closed before the drain: they submit no
+        more). Only pids of the tree the freeze holds."""
+        took = s.group.freeze(self.d.cfg.freeze_timeout_s)
+        held = set(self.d._group_pids(s))
+        for p in sorted(owing & held):
+            if self.d.seg.drain_excuse(self.gpu, p, self.seq):
+                self.excused.append(p)
+        return took
 
 
 @dataclass
@@ -344,7 +378,13 @@ class RegionRun:
         not every drain then every freeze. The plan is made right after the drain request (its
         checks run while the GPU finishes the siblings' queued work)."""
         d, gpu, req, st = self.d, self.gpu, self.req, self.st
-        st.fz = fz = _FreezePlan(d, gpu, req.slot, st.frozen, stuck=st.stuck)
+        # Under `all` (and `adaptive`, which may pick it) every sibling drains, quiet or not:
+        # a process whose work the hooks cannot see (a static CUDA runtime in a library it
+        # loaded) is covered there, as its freeze covers its later work.
+        policy0 = (st.owner_slot.freeze if st.owner_slot is not None else "") or d.cfg.freeze_policy
+        st.fz = fz = _FreezePlan(
+            d, gpu, req.slot, st.frozen, stuck=st.stuck, excuse_life=d.cfg.life_freeze and policy0 == "gpu"
+        )
 
         def slow_drain(owing: set[int]) -> None:
             for p in sorted(owing)[:3]:
@@ -355,10 +395,6 @@ class RegionRun:
                     f"helper {helper}; main {procfs.thread_line(p, p)}"[:500]
                 )
 
-        # Under `all` (and `adaptive`, which may pick it) every sibling drains, quiet or not:
-        # a process whose work the hooks cannot see (a static CUDA runtime in a library it
-        # loaded) is covered there, as its freeze covers its later work.
-        policy0 = (st.owner_slot.freeze if st.owner_slot is not None else "") or d.cfg.freeze_policy
         r = d.seg.drain(
             gpu,
             req.slot,
@@ -442,6 +478,12 @@ class RegionRun:
             d.info.kind, d.attestor, gpu, d._phys(gpu), fz.unheld, d.cfg.drain_timeout_s, d._sim_shm_of
         )
         st.reasons.extend(more)
+        # What siblings frozen inside a LIFE call (their acks excused) had queued.
+        if fz.excused:
+            more, st.t["life_settle_s"] = unheldwork.life_frozen_settle(
+                d.info.kind, d._phys(gpu), fz.excused, d.cfg.drain_timeout_s, d._sim_shm_of
+            )
+            st.reasons.extend(more)
 
     def exits(self) -> None:
         """Wait for siblings that are ending: one inside the kernel's exit cannot be frozen,
@@ -515,6 +557,7 @@ class RegionRun:
             running_slots=sorted(s.slot for s in set(fz.siblings) - set(st.frozen)),
             freeze_why=fz.why,
             unheld=[[p, sl, w] for p, (sl, w) in sorted(fz.unheld.items())[:8]],
+            life_frozen=sorted(fz.excused),
             reserved_cpus=st.reserved,
             reasons=list(st.reasons),
             freezer=d.freezer.name,

@@ -687,6 +687,22 @@ class Segment:
         """Live sibling processes between the two stamps of a free (krex_proc.free_inflight)."""
         return int(lib.krex_frees_inflight(self.raw, gpu, owner_slot))
 
+    def life_only(self, pids: Iterable[int]) -> set[int]:
+        """Those of `pids` whose records show nothing that could be queued on the GPU but
+        the context, module or memory call they are inside (krex_proc_life_only)."""
+        want = set(pids)
+        out = set()
+        for i in range(lib.KREX_MAX_PROCS):
+            r = self.raw.procs[i]
+            if int(r.pid) in want and lib.krex_proc_life_only(ffi.addressof(self.raw.procs, i)):
+                out.add(int(r.pid))
+        return out
+
+    def drain_excuse(self, gpu: int, pid: int, seq: int) -> bool:
+        """Take a frozen process's ack of drain `seq` as given: it owed it only for the LIFE
+        call it is inside (krex_drain_excuse)."""
+        return bool(lib.krex_drain_excuse(self.raw, gpu, pid, seq & 0xFFFFFFFF))
+
     def proc_brief(self, pid: int) -> dict[str, int] | None:
         """A process record's in-flight counts and drain-helper thread, for a slow entry's
         record (one pass over the records: use only when something is already slow)."""

@@ -132,3 +132,33 @@ def _nvml_check(
             "cannot be matched to krexd's yet (another pid namespace?)",
         )
     ]
+
+
+# A sibling frozen inside a context, module or memory call (krexd's `life_freeze`): what the
+# half-done call queued on the GPU before the freeze landed. On a real GPU this short wait is
+# the whole of it until benchmarks/gpu_frozen_life.py measures what such a call leaves
+# (hence the knob is off by default); the simulated GPU's timeline says when it ends.
+LIFE_FROZEN_SETTLE_S = 0.005
+LIFE_FLAG = "life-frozen"
+
+
+def life_frozen_settle(
+    kind: str, phys: int, pids: list[int], bound_s: float, sim_shm_of: Callable[[int], str | None]
+) -> tuple[list[tuple[str, str]], float]:
+    """(reasons, seconds waited) for what siblings frozen inside a LIFE call had queued."""
+    if not pids:
+        return [], 0.0
+    t0 = time.monotonic()
+    if kind != "sim":
+        time.sleep(LIFE_FROZEN_SETTLE_S)
+        return [], time.monotonic() - t0
+    ends = [sim_busy_until(n, phys) for n in sim_models(sorted(pids), sim_shm_of)]
+    until = max((e for e in ends if e is not None), default=0)
+    now = time.monotonic_ns()
+    if until - now > bound_s * 1e9:
+        return [(LIFE_FLAG, f"pids {sorted(pids)}, frozen inside a context, module or memory call, had "
+                 f"{(until - now) / 1e6:.0f} ms of work queued on the simulated GPU, past the drain timeout "
+                 f"{bound_s:g}s: it ran into the region")], time.monotonic() - t0
+    if until > now:
+        time.sleep((until - now) / 1e9)
+    return [], time.monotonic() - t0

@@ -66,11 +66,13 @@ def _wait_all(kx: Krex, names: list[str], timeout: float) -> None:
         assert rc == 0, f"{name}: {kx.cmds[name].output()[-1500:]}"
 
 
-def _entry_with_creations(kx: Krex, how: str, token: str, n: int = 6, ctx_ms: int = 300) -> dict[str, Any]:
+def _entry_with_creations(
+    kx: Krex, how: str, token: str, n: int = 6, ctx_ms: int = 300, extra: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A command that made its context waits; n siblings start making theirs (`how`: the
     driver's retain, or the runtime's cudaMalloc, which retains inside it); once the first has
     finished, the command enters a region. Returns the region's record."""
-    env = {"KREX_SIM_CTX_MS": str(ctx_ms), "KREX_CTX_TOKEN": token}
+    env = {"KREX_SIM_CTX_MS": str(ctx_ms), "KREX_CTX_TOKEN": token, **(extra or {})}
     kx.start_daemon(slots=n + 2, env_extra=env)
     actor = str(victims()["actor"])
     kx.run_argv("owner", [actor, "k:1", "sync", "sigwait", "begin", "k:1", "sync", "end"], env_extra=env)
@@ -172,3 +174,37 @@ def test_the_owner_makes_a_context_in_its_region_while_siblings_queue_for_the_to
     held = {h for _t, h, _why in inside if h in pids}
     for h in held:  # a parked sibling gives it back: held in one sample at most, for a moment
         assert sum(1 for _t, x, _w in inside if x == h) <= 2, inside
+
+
+@root
+@pytest.mark.parametrize("how", ["ctx", "malloc"])
+def test_life_freeze_freezes_a_sibling_inside_its_creation_rather_than_wait_for_it(
+    kx: Krex, how: str
+) -> None:
+    """With life_freeze, a sibling inside its context creation (600 ms in the modelled driver)
+    with nothing else queued is frozen inside it and its drain ack excused: the region's drain
+    takes a fraction of one creation, the region is clean, and nothing of the frozen sibling
+    ran inside it; once thawed, every sibling finishes its creation and its kernel."""
+    rec = _entry_with_creations(
+        kx,
+        how,
+        "1",
+        n=4,
+        ctx_ms=600,
+        extra={"KREX_LIFE_FREEZE": "1", "KREX_SIM_CTX_STEP_MS": "20", "KREX_FREEZE_POLICY": "gpu"},
+    )
+    assert rec["drain_s"] < 0.3, json.dumps(rec)
+    assert rec["life_frozen"], rec
+    assert not rec["contaminated"], rec["reasons"]
+    t0, t1 = rec["t_grant_ns"], rec["t_end_ns"]
+    frozen = set(rec["life_frozen"])
+
+    def during(e: dict[str, Any]) -> bool:
+        if e.get("ev") == "op":
+            return bool(e["start"] < t1 and e["end"] > t0)
+        return bool(t0 <= e.get("t", 0) <= t1)
+
+    trace = read_jsonl(kx.trace)
+    assert [e for e in trace if e.get("pid") in frozen and during(e)] == []
+    done = {e["pid"] for e in _ctx_done(kx)}
+    assert frozen <= done, (frozen, done)  # thawed, each finished its creation
