@@ -408,7 +408,8 @@ GRANT_KEYS = [
     "exit_wait_s", "teardown_wait_s", "pin_s", "settle_s", "entry_s", "drained", "wait_inflight",
     "wait_drain",
     "frozen_slots", "freeze_policy", "frozen_early", "drain_slow", "drain_waited_on", "lent_priority",
-    "freeze_ms", "freeze_slow", "evicted_threads", "running_slots", "freeze_why", "unheld", "reserved_cpus",
+    "freeze_ms", "freeze_slow", "evicted_threads", "running_slots", "freeze_why", "unheld", "life_frozen",
+    "reserved_cpus",
     "contaminated", "reasons", "flags", "freezer", "partition_degraded", "device", "label", "tenant",
 ]  # fmt: skip
 RECORD_END_KEYS = ["region_s", "thaw_s", "end", "siblings_frozen", "t_grant_ns", "t_end_ns", "cut", "attest"]
