@@ -33,6 +33,7 @@ static long g_rc_after;  /* KREX_SIM_RC_AFTER: gated calls that succeed before g
 static long g_gated_calls;
 static int g_move_bytes;
 static int g_life_ms;
+static int g_stall_ms; /* KREX_SIM_STALL_MS (submit_stall) */
 static int g_visible[SIMGPU_MAX];
 static int g_nvisible = -1;
 static __thread int t_device;
@@ -256,6 +257,20 @@ EXPORT void simgpu_set_return(int rc) { g_rc = rc; }
 
 static uint64_t g_null_tail[SIMGPU_MAX];
 
+/* How far back an op may be dated from the moment it was queued (a stop inside the submitting
+ * call longer than this is taken out of its start). */
+#define SIM_REDATE_NS 1000ull
+
+/* KREX_SIM_STALL_MS: a process's first submission that occupies the device stops this long
+ * between reading the clock and queueing its op, as a caller preempted or frozen there does. */
+static void submit_stall(void) {
+    int ms = g_stall_ms;
+    g_stall_ms = 0;
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
 /* Streams belong to a device: the same handle on two devices is two queues. */
 static uint64_t *stream_slot(int dev, const void *s) {
     if (!s) return &g_null_tail[dev];
@@ -287,13 +302,32 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
     if (cls == KREX_CLS_LIFE && cost_ns == 0) goto trace;
     pthread_mutex_lock(&g_lock);
     uint64_t *tail = stream_slot(dev, stream);
-    uint64_t after = *tail > submit ? *tail : submit;
     uint64_t old = __atomic_load_n(&d->busy_until[phys], __ATOMIC_SEQ_CST);
+    /* An op is queued when the exchange succeeds, not when its call began: the clock is read
+     * on every try, so a caller stopped inside the call (preempted, or frozen for another
+     * command's region) queues its op where the device stands once it runs again, never
+     * into the time that passed meanwhile (where another process's work already ran). */
+    int first = 1;
     do { /* time-slicing: the device runs one operation at a time, node-wide */
+        submit = simgpu_now();
+        if (first && g_stall_ms > 0) submit_stall();
+        first = 0;
+        uint64_t after = *tail > submit ? *tail : submit;
         start = old > after ? old : after;
         end = start + cost_ns;
     } while (!__atomic_compare_exchange_n(&d->busy_until[phys], &old, end, 0, __ATOMIC_SEQ_CST,
                                           __ATOMIC_SEQ_CST));
+    /* A stop between the last read of the clock and the exchange dated the op back into that
+     * stop: it moves to now, unless work was queued behind it meanwhile (then it ran first). */
+    uint64_t now = simgpu_now();
+    if (now > start + SIM_REDATE_NS) {
+        uint64_t queued = end, moved = now + cost_ns;
+        if (__atomic_compare_exchange_n(&d->busy_until[phys], &queued, moved, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
+            start = now;
+            end = moved;
+        }
+    }
     *tail = end;
     if (end > g_proc_tail) g_proc_tail = end;
     pthread_mutex_unlock(&g_lock);
@@ -360,6 +394,7 @@ __attribute__((constructor)) static void sim_init(void) {
     g_life_ms = env_int("KREX_SIM_LIFE_MS", 0);
     g_ctx_ms = env_int("KREX_SIM_CTX_MS", 0);
     g_ctx_step_ms = env_int("KREX_SIM_CTX_STEP_MS", 0);
+    g_stall_ms = env_int("KREX_SIM_STALL_MS", 0);
 }
 
 /* A gated call's return code: KREX_SIM_RC, after the first KREX_SIM_RC_AFTER calls

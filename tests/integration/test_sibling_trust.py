@@ -353,3 +353,31 @@ def test_a_sibling_process_that_hides_its_gpu_use_still_flags_the_region(kx: Kre
     end_ns = int(rec.get("t_end_ns") or time.monotonic_ns())
     assert _ran_inside(kx, pid, ready, end_ns), "the child's kernels did not run inside the region"
     assert "unheld-sibling" in rec["flags"] and f"pid {pid}" in " ".join(rec["reasons"]), rec["reasons"]
+
+
+def test_a_sibling_frozen_inside_its_launch_queues_its_kernel_after_the_region(kx: Krex) -> None:
+    """A sibling whose launches the gate cannot hold (a static runtime) stops inside its first
+    launch, after the simulated device read the clock and before the kernel is queued
+    (KREX_SIM_STALL_MS), and another command's region, its kernels and its end pass while it
+    is stopped and frozen. Its kernel is queued once it runs again, after the region: the
+    region is clean, and so is the device's trace of it (the chaos test's verdict,
+    helpers/chaos.py), never a kernel dated back into the region."""
+    v = _world(kx, KREX_FREEZE_POLICY="all")
+    kx.start_daemon(slots=3)
+    go = kx.out / "a.go"
+    kx.run("a", "regions", "-n", "1", "--kernels", "2", "--us", "100", "--sleep-ms", "300", "--go", str(go))
+    kx.wait(lambda: (kx.out / "a.waiting").exists(), 30, "the owner's first kernel")
+    kx.run_argv("sib", escape_argv("static-runtime", v, 0.5, 200, 1), env_extra={"KREX_SIM_STALL_MS": "900"})
+    sib = _pid(kx, "sib")
+    time.sleep(0.1)  # inside its first launch's stop
+    go.touch()
+    res = kx.result("a", timeout=30)
+    assert not res["errors"] and len(res["regions"]) == 1, res
+    kx.wait(lambda: [r for r in kx.journal() if r["owner_pid"] == res["pid"]], 10, "the journal record")
+    rec = [r for r in kx.journal() if r["owner_pid"] == res["pid"]][-1]
+    assert not rec["contaminated"], rec["reasons"]
+    assert sib in {p for p, _slot, _why in rec["unheld"]}, rec["unheld"]  # frozen in the region
+    assert kx.cmds["sib"].wait(30) == 0, kx.cmds["sib"].output()
+    ops = [o for o in kx.ops(gpu=0) if o["pid"] == sib]
+    assert len(ops) == 1, ops
+    assert ops[0]["start"] >= rec["t_end_ns"], (ops[0], rec["t_grant_ns"], rec["t_end_ns"])
