@@ -264,7 +264,7 @@ def main() -> int:
             return sorted(v)[int(f * (len(v) - 1))] if v else float("nan")
 
         print(
-            f"{label:10s} call {mean_op_ms:7.1f} ms, {n_ops / secs:6.1f}/s; windows {len(wins)} "
+            f"{label:10s} call (frozen time included) {mean_op_ms:7.1f} ms, {n_ops / secs:6.1f}/s; windows {len(wins)} "
             f"({len(fz_mid)} mid-call); freeze mid-call p50/p95/max {q(fz_mid, 0.5):.1f}/{q(fz_mid, 0.95):.1f}/"
             f"{max(fz_mid, default=float('nan')):.1f} ms, between calls p50 {q(fz_none, 0.5):.1f} ms",
             flush=True,
