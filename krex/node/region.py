@@ -196,7 +196,10 @@ class _FreezePlan:
         the frozen call can be queued (the gate closed before the drain: they submit no
         more). Only pids of the tree the freeze holds."""
         took = s.group.freeze(self.d.cfg.freeze_timeout_s)
-        held = set(self.d._group_pids(s))
+        try:
+            held = set(s.group.pids())  # the group's members, all frozen now (not its registered pids)
+        except KrexError:
+            return took  # the group went: its acks are waited for, as without life_freeze
         for p in sorted(owing & held):
             if self.d.seg.drain_excuse(self.gpu, p, self.seq):
                 self.excused.append(p)

@@ -86,6 +86,7 @@ class ChaosConfig:
     escape_us: int = 200  # their kernels' length
     escape_depth: int = 20  # kernels they queue before each wait
     freeze: str = ""  # krexd's freeze policy (KREX_FREEZE_POLICY); "": the test default
+    env: tuple[tuple[str, str], ...] = ()  # more settings for krexd and every command
 
 
 @dataclass
@@ -114,6 +115,7 @@ class ChaosResult:
     long_not_flagged: list[str] = field(default_factory=list)
     journal_regions: int = 0
     journal_clean: int = 0
+    life_frozen: int = 0  # journal regions whose entry froze a sibling inside a LIFE call
     journal_false_clean: list[str] = field(default_factory=list)
     ops: int = 0
     daemon_tracebacks: int = 0
@@ -202,6 +204,7 @@ class Chaos:
         settings = {"KREX_MAX_REGION": str(cfg.max_region), "KREX_SLOTS_PER_GPU": str(cfg.slots)}
         if cfg.freeze:
             settings["KREX_FREEZE_POLICY"] = cfg.freeze
+        settings.update(cfg.env)
         self.kx.env = lambda **extra: base_env(**settings, **extra)  # type: ignore[method-assign]
         self.cmds: list[Cmd] = []
         self.done: list[Cmd] = []
@@ -497,6 +500,7 @@ class Chaos:
             if not rec.get("t_grant_ns"):
                 continue
             self.res.journal_regions += 1
+            self.res.life_frozen += bool(rec.get("life_frozen"))
             if rec.get("contaminated"):
                 continue
             self.res.journal_clean += 1
@@ -532,6 +536,7 @@ def summary_table(res: ChaosResult) -> str:
         ("flagged with foreign work inside", d["true_flags"]),
         ("flagged without (false alarms)", d["false_alarms"]),
         ("journal regions (daemon view)", f"{d['journal_regions']} ({d['journal_clean']} clean)"),
+        ("  froze a sibling inside a LIFE call", str(d["life_frozen"])),
         ("FALSE CLEAN (owner view)", d["false_clean_count"]),
         ("FALSE CLEAN (journal)", d["journal_false_clean_count"]),
         *(

@@ -77,6 +77,16 @@ class Gpu:
         self.sync.argtypes = []
         self.sync.restype = ctypes.c_int
         self.func = ctypes.cast(self.sync, vp)
+        if os.environ.get("CP_WORKER_MALLOC_FIRST") == "1":
+            # As torch starts: the first call allocates, and the runtime makes the context
+            # inside it (a LIFE call; the simulator's KREX_SIM_CTX_MS models its length).
+            malloc = self.lib.cudaMalloc
+            malloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t]
+            malloc.restype = ctypes.c_int
+            ptr = vp()
+            rc = malloc(ctypes.byref(ptr), 1 << 20)
+            if rc != 0:
+                raise RuntimeError(f"cudaMalloc returned {rc}")
 
     def kernel(self, us: int) -> None:
         rc = self.launch(self.func, Dim3(us, 1, 1), Dim3(1, 1, 1), None, 0, None)
