@@ -32,7 +32,9 @@ def _busy_until(path: Path, ns: int) -> None:
     path.write_bytes(struct.pack("<II", 0x53494D47, 1) + struct.pack("<16Q", ns, *([0] * 15)))
 
 
-def test_the_region_waits_until_the_simulated_device_has_run_what_was_queued(device: tuple[str, Path]) -> None:
+def test_the_region_waits_until_the_simulated_device_has_run_what_was_queued(
+    device: tuple[str, Path],
+) -> None:
     name, path = device
     _busy_until(path, time.monotonic_ns() + 80_000_000)
     reasons, waited = unheld.life_frozen_settle("sim", 0, [os.getpid()], 5.0, lambda _pid: name)
