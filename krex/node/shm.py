@@ -689,13 +689,19 @@ class Segment:
 
     def life_only(self, pids: Iterable[int]) -> set[int]:
         """Those of `pids` whose records show nothing that could be queued on the GPU but
-        the context, module or memory call they are inside (krex_proc_life_only)."""
+        the context, module or memory call they are inside (krex_proc_life_only). The live
+        process's record: not one an earlier process with the pid left (krex_drain_excuse)."""
         want = set(pids)
         out = set()
         for i in range(lib.KREX_MAX_PROCS):
             r = self.raw.procs[i]
-            if int(r.pid) in want and lib.krex_proc_life_only(ffi.addressof(self.raw.procs, i)):
-                out.add(int(r.pid))
+            pid = int(r.pid)
+            if (
+                pid in want
+                and lib.krex_pid_alive(pid, r.start_ticks)
+                and lib.krex_proc_life_only(ffi.addressof(self.raw.procs, i))
+            ):
+                out.add(pid)
         return out
 
     def drain_excuse(self, gpu: int, pid: int, seq: int) -> bool:
