@@ -704,6 +704,12 @@ class Segment:
                 out.add(pid)
         return out
 
+    def drain_owing(self, gpu: int, owner_slot: int, seq: int) -> set[int]:
+        """Sibling pids that still owe drain `seq` an ack (at most 256)."""
+        pids = ffi.new("int64_t[256]")
+        n = int(lib.krex_drain_pending(self.raw, gpu, owner_slot, seq & 0xFFFFFFFF, pids, 256))
+        return {int(pids[i]) for i in range(min(n, 256))}
+
     def drain_excuse(self, gpu: int, pid: int, seq: int) -> bool:
         """Take a frozen process's ack of drain `seq` as given: it owed it only for the LIFE
         call it is inside (krex_drain_excuse)."""

@@ -456,6 +456,8 @@ def test_a_first_gated_call_in_a_runtime_library_constructor_is_not_quiet_before
     op = max(h.ops(child.pid, life=False), key=lambda o: o["end"])
     assert op["end"] - op["start"] > 500e6, op
     assert res.ok, res
-    assert op["end"] <= t_ret, f"I2: granted {(op['end'] - t_ret) / 1e6:.0f} ms before the hidden kernel ended: {res}"
+    assert op["end"] <= t_ret, (
+        f"I2: granted {(op['end'] - t_ret) / 1e6:.0f} ms before the hidden kernel ended: {res}"
+    )
     child.expect(lambda d: d.get("step") == "loaded", 30, "the dlopen's end")
     child.send("\n")

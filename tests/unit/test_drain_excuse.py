@@ -74,7 +74,9 @@ def test_an_excuse_acks_the_live_process_not_an_earlier_one_with_its_pid(
     assert int(lib.krex_drain_pending(seg.raw, 0, OWNER, seq, ffi.NULL, 0)) == 0
 
 
-def test_a_process_with_work_queued_is_not_excusable_for_an_earlier_ones_record(seg: Segment, live: int) -> None:
+def test_a_process_with_work_queued_is_not_excusable_for_an_earlier_ones_record(
+    seg: Segment, live: int
+) -> None:
     """The live process has a kernel queued since its last drain: an earlier process with its
     pid, dead inside a LIFE call, does not make it read as excusable, nor excuse it."""
     _record(seg, live, in_life=True, dead=True)
