@@ -377,6 +377,15 @@ static void *krex_helper(void *arg) {
      * (a first GPU call inside a library constructor, under dlopen). */
     __atomic_store_n(&g_helper_named, 1, __ATOMIC_SEQ_CST);
     krex_futex_wake(&g_helper_named);
+    if (exe_defines("__cudaRegisterFatBinary")) set_flag(KREX_PF_UNSEEN);
+    check_loaded();
+    /* Only now does the record read as drained (krex_proc_quiet): nothing of it was queued
+     * before its first gated call, but a runtime the hooks cannot see (in the executable, or
+     * in a library whose constructor made that call, the loader's lock held meanwhile, so
+     * that the look above waits for it) queues what no count shows. After the flag: a
+     * reader that sees the stamp sees it. A raise only (0 to 1). */
+    uint64_t never = 0;
+    __atomic_compare_exchange_n(&g_proc->drained_at, &never, 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     /* Relaxed capture mode on this thread: a context synchronise here must not
      * invalidate a graph another thread is capturing (DESIGN.md consequence 7). */
     typedef CUresult (*fn_xmode)(CUstreamCaptureMode *);
@@ -385,8 +394,6 @@ static void *krex_helper(void *arg) {
         CUstreamCaptureMode m = CU_STREAM_CAPTURE_MODE_RELAXED;
         xmode(&m);
     }
-    if (exe_defines("__cudaRegisterFatBinary")) set_flag(KREX_PF_UNSEEN);
-    check_loaded();
     __atomic_store_n(&g_helper_settled, 1, __ATOMIC_SEQ_CST);
     krex_futex_wake(&g_helper_settled);
     struct krex_gpu *g = &g_shm->gpus[g_gpu];

@@ -690,11 +690,13 @@ int krex_proc_life_only(struct krex_proc *p) {
 
 /* krexd froze process `pid` (of `gpu`) while it owed drain `seq` for nothing but the LIFE
  * call it is inside (krex_proc_life_only): its ack is taken as given, as its frozen helper
- * cannot give it. Returns 1 if the record was found so and acked. */
+ * cannot give it. Returns 1 if the record was found so and acked. The live process's record
+ * only: an earlier process that had the pid may have left one the reaper has not freed yet
+ * (the drain's scan skips it; its ack is not the one owed). */
 int krex_drain_excuse(struct krex_shm *shm, int gpu, int64_t pid, uint32_t seq) {
     for (int i = 0; i < KREX_MAX_PROCS; i++) {
         struct krex_proc *p = &shm->procs[i];
-        if (__atomic_load_n(&p->pid, SEQ) != pid || p->gpu != gpu) continue;
+        if (__atomic_load_n(&p->pid, SEQ) != pid || p->gpu != gpu || !krex_pid_alive(pid, p->start_ticks)) continue;
         uint32_t ack = __atomic_load_n(&p->drain_ack, SEQ);
         if ((int32_t)(ack - seq) >= 0) return 1; /* it acked itself */
         if (!krex_proc_life_only(p)) return 0;

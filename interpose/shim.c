@@ -473,10 +473,10 @@ static int register_now(void) {
         g_fast.inflight = &p->inflight;
         g_fast.life_inflight = &p->life_inflight;
         g_fast.submits = p->submits;
-        /* Nothing of it is queued yet: every gated call registers before it is counted, so
-         * until it submits it is as drained (krex_proc_quiet; krexd may also freeze it
-         * inside its first context creation, krex_proc_life_only). */
-        __atomic_store_n(&p->drained_at, 1, __ATOMIC_SEQ_CST);
+        /* Nothing of it is queued yet (every gated call registers before it is counted), so
+         * until it submits it reads as drained (krex_proc_quiet; krexd may also freeze it
+         * inside its first context creation, krex_proc_life_only): from when its drain
+         * helper has looked for a runtime the hooks cannot see (drain.c, krex_helper). */
         __atomic_store_n(&p->has_ctx, 1, __ATOMIC_SEQ_CST);
         /* It registers at its first gated call, so it has no GPU work yet: it owes no ack
          * to a drain requested before now. Without this, a process registering at a

@@ -81,6 +81,8 @@ class _FreezePlan:
         self.excusable: set[int] = set()  # such pids, read at the first plan
         self.excused: list[int] = []  # those frozen and excused (pool threads append)
         self.seq = 0  # the drain request they owed
+        self.t0 = time.monotonic()  # (made just before the drain request)
+        self.ending = threading.Event()  # the region's thaw began: freeze nothing again
         # Pids still inside a GPU call when the in-flight wait gave up: past the gate, so
         # the gate cannot hold them; their slots are frozen whatever the policy.
         self.stuck = set(stuck)
@@ -195,14 +197,28 @@ class _FreezePlan:
         then take their drain acks as given: a frozen helper cannot ack, and nothing but
         the frozen call can be queued (the gate closed before the drain: they submit no
         more). Only pids of the tree the freeze holds."""
-        took = s.group.freeze(self.d.cfg.freeze_timeout_s)
+        d = self.d
+        took = s.group.freeze(d.cfg.freeze_timeout_s)
         try:
             held = set(s.group.pids())  # the group's members, all frozen now (not its registered pids)
         except KrexError:
             return took  # the group went: its acks are waited for, as without life_freeze
+        left = set()
         for p in sorted(owing & held):
-            if self.d.seg.drain_excuse(self.gpu, p, self.seq):
+            if d.seg.drain_excuse(self.gpu, p, self.seq):
                 self.excused.append(p)
+            else:
+                left.add(p)
+        if left & d.seg.drain_owing(self.gpu, self.owner_slot, self.seq):
+            # Its record changed between the plan and the freeze (the call ended and a free
+            # began, a flag came): not excusable now, and frozen its helper could never ack.
+            # Thawed until it has acked (within the drain's time), then frozen again.
+            s.group.thaw()
+            while left & d.seg.drain_owing(self.gpu, self.owner_slot, self.seq):
+                if time.monotonic() - self.t0 >= d.cfg.drain_timeout_s or self.ending.wait(0.002):
+                    break
+            if not self.ending.is_set():  # (the region's thaw waits for this freeze to end)
+                took += s.group.freeze(d.cfg.freeze_timeout_s)
         return took
 
 
@@ -689,6 +705,7 @@ class RegionRun:
         if st.fz is not None:
             # A freeze still running (an error ended the entry early) would undo the thaw
             # below and leave its sibling frozen: let every started freeze end first.
+            st.fz.ending.set()
             concurrent.futures.wait(list(st.fz.futs.values()), timeout=d.cfg.freeze_timeout_s + 1)
         with d.lock:  # slots admitted during the region started frozen: thaw them too
             req.thawing = True

@@ -689,14 +689,26 @@ class Segment:
 
     def life_only(self, pids: Iterable[int]) -> set[int]:
         """Those of `pids` whose records show nothing that could be queued on the GPU but
-        the context, module or memory call they are inside (krex_proc_life_only)."""
+        the context, module or memory call they are inside (krex_proc_life_only). The live
+        process's record: not one an earlier process with the pid left (krex_drain_excuse)."""
         want = set(pids)
         out = set()
         for i in range(lib.KREX_MAX_PROCS):
             r = self.raw.procs[i]
-            if int(r.pid) in want and lib.krex_proc_life_only(ffi.addressof(self.raw.procs, i)):
-                out.add(int(r.pid))
+            pid = int(r.pid)
+            if (
+                pid in want
+                and lib.krex_pid_alive(pid, r.start_ticks)
+                and lib.krex_proc_life_only(ffi.addressof(self.raw.procs, i))
+            ):
+                out.add(pid)
         return out
+
+    def drain_owing(self, gpu: int, owner_slot: int, seq: int) -> set[int]:
+        """Sibling pids that still owe drain `seq` an ack (at most 256)."""
+        pids = ffi.new("int64_t[256]")
+        n = int(lib.krex_drain_pending(self.raw, gpu, owner_slot, seq & 0xFFFFFFFF, pids, 256))
+        return {int(pids[i]) for i in range(min(n, 256))}
 
     def drain_excuse(self, gpu: int, pid: int, seq: int) -> bool:
         """Take a frozen process's ack of drain `seq` as given: it owed it only for the LIFE

@@ -392,3 +392,72 @@ def test_drain_count_survives_controller_preemption(
     assert res.ok, res
     assert h.proc(child.pid).drains == 1, "the sibling's helper drained"
     assert res.count == 1, f"count {res.count}, but 1 sibling drained"
+
+
+CTOR_RUNTIME_LIB = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+void __cudaRegisterFatBinary(void) {}
+extern int cudaMalloc(void **p, size_t n);
+extern int simgpu_cu_gpa(const char *symbol, void **pfn, uint64_t flags);
+typedef int (*cu_launch)(const void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         void *, void **, void **);
+/* Its constructor (under dlopen: the loader's lock held) makes the process's first gated
+ * call, a LIFE one, then launches through its own runtime, past every hook. */
+__attribute__((constructor)) static void init(void) {
+    void *d = NULL, *pfn = NULL;
+    int rc = cudaMalloc(&d, 256);
+    if (rc == 0) rc = simgpu_cu_gpa("cuLaunchKernel", &pfn, 0);
+    if (rc == 0) rc = ((cu_launch)pfn)((const void *)0x1234, 600000, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    char line[64];
+    int n = snprintf(line, sizeof line, "{\"step\": \"hidden\", \"rc\": %d}\n", rc);
+    if (write(1, line, (size_t)n) < 0) return;
+    struct timespec ts = {0, 300000000};
+    nanosleep(&ts, NULL); /* still inside the dlopen */
+}
+"""
+
+CTOR_RUNTIME = r"""
+import ctypes, json, sys
+ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+ctypes.CDLL("libcudart.so.13")
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+print(json.dumps({"step": "loaded"}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_first_gated_call_in_a_runtime_library_constructor_is_not_quiet_before_the_helper_looked(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """A library that carries its own CUDA runtime makes the process's first gated call (a
+    LIFE one) in its constructor, then launches through that runtime, unseen, while the
+    dlopen still holds the loader's lock (its drain helper, looking at what is loaded,
+    waits for it). Until the helper has looked, the record must not read as drained: a
+    region's drain waits for the hidden kernel rather than skip the process."""
+    import subprocess
+    import sys
+
+    h = harness
+    src = tmp_path / "rt.c"
+    src.write_text(CTOR_RUNTIME_LIB)
+    so = tmp_path / "libctor_rt.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    owner, sib = h.claim(), h.claim()
+    child = Child([sys.executable, "-c", CTOR_RUNTIME, str(so)], h.env(sib))
+    h.children.append(child)
+    assert child.expect(lambda d: d.get("step") == "hidden", 60, "the hidden launch")["rc"] == 0
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=10)
+    t_ret = time.monotonic_ns()
+    op = max(h.ops(child.pid, life=False), key=lambda o: o["end"])
+    assert op["end"] - op["start"] > 500e6, op
+    assert res.ok, res
+    assert op["end"] <= t_ret, (
+        f"I2: granted {(op['end'] - t_ret) / 1e6:.0f} ms before the hidden kernel ended: {res}"
+    )
+    child.expect(lambda d: d.get("step") == "loaded", 30, "the dlopen's end")
+    child.send("\n")

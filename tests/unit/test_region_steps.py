@@ -447,3 +447,73 @@ def test_a_lost_guardians_journal_line() -> None:
     }  # fmt: skip
     assert list(line) == ["ts", "event", "gpu", "slot", "guardian_pid", "why", "action", "processes", "alive"]
     assert "alive" not in GuardianLost(1.5, 0, 3, 99, "gone", "killed", procs).as_dict()
+
+
+class _LifeSeg(FakeSeg):
+    """Sibling pid 41 (slot 1) is inside a LIFE call with nothing else queued as the plan
+    reads it; by the time its freeze lands the excuse no longer holds (`excusable`), so its
+    ack can only come from its helper, which runs only while its slot is thawed."""
+
+    def __init__(self, events: list[tuple[str, Any]], groups: dict[int, FakeGroup], excusable: bool) -> None:
+        super().__init__(events)
+        self.raw.gpus[0].drain_seq = 7
+        self.groups, self.excusable, self.acked = groups, excusable, False
+
+    def slot_pids(self, slot: int) -> list[int]:
+        return [41] if slot == 1 else []
+
+    def life_busy(self, gpu: int, owner_slot: int) -> dict[int, tuple[int, int]]:
+        return {41: (1, 0)}
+
+    def life_only(self, pids: Any) -> set[int]:
+        return set(pids) & {41}
+
+    def drain_excuse(self, gpu: int, pid: int, seq: int) -> bool:
+        self.acked |= self.excusable
+        return self.excusable
+
+    def drain_owing(self, gpu: int, owner_slot: int, seq: int) -> set[int]:
+        if not self.acked and not self.groups[1].frozen:
+            self.acked = True  # its helper, running, acks
+        return set() if self.acked else {41}
+
+    def drain(self, gpu: int, slot: int, timeout_s: float, on_progress: Any, on_slow: Any, full: bool) -> Any:
+        self.events.append(("drain", full))
+        on_progress({41})  # it owes: frozen (and excused) at once
+        deadline = time.monotonic() + timeout_s
+        while self.drain_owing(gpu, slot, 7) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self.drain_owing(gpu, slot, 7):
+            return SimpleNamespace(
+                ok=False, seconds=timeout_s, acks={}, stats={"scans": 1}, count=1, stragglers=[41], partial=[]
+            )
+        on_progress(set())
+        return self.drained
+
+
+@pytest.mark.parametrize("excusable", [True, False])
+def test_a_life_frozen_sibling_whose_excuse_no_longer_holds_is_thawed_until_it_acks(excusable: bool) -> None:
+    """life_freeze: a sibling frozen inside its LIFE call is excused; one whose record changed
+    between the plan and the freeze (its call ended and a free began, a flag came) cannot be,
+    and frozen it could never ack: it is thawed until its helper has acked, then frozen again,
+    rather than hold the drain to its timeout."""
+    d = FakeDaemon(siblings=1, policy="gpu")
+    d.cfg = Config(freeze_policy="gpu", life_freeze=True, drain_timeout_s=2.0, lend_cores="off")
+    groups = {n: s.group for n, s in d.slots.items()}
+    d.seg = _LifeSeg(d.events, groups, excusable)  # type: ignore[assignment]
+    d._group_pids = lambda s, deep=False: [41] if s.slot == 1 else []  # type: ignore[method-assign]
+    run, req = _region(d)
+    steps = run.steps()
+    next(steps)
+    assert not req.grant["contaminated"], req.grant["reasons"]
+    assert req.grant["frozen_slots"] == [1]
+    assert req.grant["life_frozen"] == ([41] if excusable else [])
+    assert req.grant["drain_s"] < 1.0, req.grant
+    freezes = [e for e in d.events if e[0] in ("freeze", "thaw") and e[1] == "slot-1"]
+    assert freezes == (
+        [("freeze", "slot-1")]
+        if excusable
+        else [("freeze", "slot-1"), ("thaw", "slot-1"), ("freeze", "slot-1")]
+    )
+    req.ended.set()
+    list(steps)
