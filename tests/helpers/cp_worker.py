@@ -14,12 +14,10 @@ Modes (every output file is written atomically into OUT_DIR, named after --name)
            write NAME.done at the end and exit once N such files exist. --until FILE:
            stop taking regions once FILE exists.
            Output: NAME.json {"pid", "regions": [...], "errors": [...]}
-  hammer   until NAME.stop appears (or --seconds): launch a --us kernel (--entry NAME:
-           queue that driver call instead, a stream memory operation or a host function,
-           see STREAM_WORK), synchronise, burn ~1 ms of CPU, bump a progress counter.
-           The counter and the time of the last bump live in NAME.progress (two int64:
-           counter, monotonic ns, plus the pid) through a shared mapping, so a test can
-           read it live.
+  hammer   until NAME.stop appears (or --seconds): launch a --us kernel, synchronise,
+           burn ~1 ms of CPU, bump a progress counter. The counter and the time of
+           the last bump live in NAME.progress (two int64: counter, monotonic ns,
+           plus the pid) through a shared mapping, so a test can read it live.
            With --long-us, first queue one kernel that long and write NAME.ready.
            At the end: NAME.json {"pid", "ticks": [monotonic ns of every bump]}
   hold     enter a region (with --child-end, first run `end` as a child process of the
@@ -99,34 +97,6 @@ class Gpu:
         rc = self.sync()
         if rc != 0:
             raise RuntimeError(f"cudaDeviceSynchronize returned {rc}")
-
-
-# Driver calls that queue work on a stream but launch no kernel: (argument types, arguments
-# after the stream). Looked up in the simulated libcuda by name (dlsym, so the shim's hook).
-STREAM_WORK: dict[str, tuple[list[Any], tuple[Any, ...]]] = {
-    "cuStreamWriteValue32_v2": (
-        [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
-        (4096, 1, 0),
-    ),
-    "cuLaunchHostFunc": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], (None, None)),
-}
-STREAM = 0x7100
-
-
-def stream_work(name: str) -> Any:
-    """A callable that queues one `name` call on STREAM, raising on an error."""
-    from krex.native import sim_dir
-
-    fn = getattr(ctypes.CDLL(str(sim_dir() / "libcuda.so.1")), name)
-    fn.argtypes, args = STREAM_WORK[name]
-    fn.restype = ctypes.c_int
-
-    def call() -> None:
-        rc = fn(STREAM, *args)
-        if rc != 0:
-            raise RuntimeError(f"{name} returned {rc}")
-
-    return call
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -214,7 +184,6 @@ def progress_map(out: Path, name: str) -> mmap.mmap:
 
 def mode_hammer(a: argparse.Namespace, out: Path) -> int:
     gpu = Gpu()
-    work = stream_work(a.entry) if a.entry else None
     mem = progress_map(out, a.name)
     stop = out / f"{a.name}.stop"
     if a.long_us:
@@ -227,10 +196,7 @@ def mode_hammer(a: argparse.Namespace, out: Path) -> int:
     ticks: list[int] = []
     n = 0
     while time.monotonic() < deadline and not stop.exists():
-        if work is not None:
-            work()
-            gpu.synchronize()
-        elif a.us and not a.long_us:
+        if a.us and not a.long_us:
             gpu.kernel(a.us)
             gpu.synchronize()
         end = time.perf_counter() + 0.001
@@ -421,9 +387,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="upper bound on a hammer's life")
     p.add_argument("--long-us", type=int, default=0, help="hammer: queue one kernel this long first")
     p.add_argument("--trigger", default="", help="hammer: queue the long kernel once this file exists")
-    p.add_argument(
-        "--entry", default="", choices=["", *STREAM_WORK], help="hammer: queue this call, no kernel"
-    )
     p.add_argument("--go", default="", help="regions: start the first region once this file exists")
     p.add_argument("--prime", action="store_true", help="regions: one unrecorded region before --go")
     p.add_argument("--until", default="", help="regions: stop early once this file exists")
