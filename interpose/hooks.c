@@ -13,10 +13,10 @@
 #include "sim/sim_samples.h" /* the names the tables' `stream` column uses (SIM_NULL_STREAM, ...) */
 
 #define KREX_GET_FN(name, k)                                                           \
-    krex_fn_##name krex_fn = (krex_fn_##name)__atomic_load_n(&krex_real[KREX_ID_##name][k], \
+    krex_fn_##name fn = (krex_fn_##name)__atomic_load_n(&krex_real[KREX_ID_##name][k], \
                                                          __ATOMIC_ACQUIRE);            \
-    if (UNLIKELY(!krex_fn)) krex_fn = (krex_fn_##name)krex_resolve(KREX_ID_##name, k); \
-    if (UNLIKELY(!krex_fn)) return KREX_NOTFOUND;
+    if (UNLIKELY(!fn)) fn = (krex_fn_##name)krex_resolve(KREX_ID_##name, k);           \
+    if (UNLIKELY(!fn)) return KREX_NOTFOUND;
 
 /* After a counted submission: one TLS increment; every KREX_PACE_EVERY-th, pace.c bounds
  * the process's queued work (krex_st_NAME: the call's stream, from the table's column). */
@@ -26,7 +26,7 @@
     KREX_RET fname params {                           \
         KREX_GET_FN(name, k)                          \
         int krex_counted = krex_enter(cls);           \
-        KREX_RET krex_rc = krex_fn args;              \
+        KREX_RET krex_rc = fn args;                   \
         krex_leave(krex_counted, cls);                \
         KREX_PACE_TICK(name, krex_counted, args);     \
         return krex_rc;                               \
@@ -53,7 +53,7 @@
         uintptr_t krex_a0 = (uintptr_t)KREX_FIRST(args);           \
         uint64_t krex_fs = krex_life_free(KREX_ID_##name, krex_a0, 0, 0); \
         krex_life_ordered(KREX_ID_##name, 0);                      \
-        KREX_RET krex_rc = krex_fn args;                           \
+        KREX_RET krex_rc = fn args;                                \
         krex_life_free(KREX_ID_##name, krex_a0, 1, krex_fs);       \
         krex_life_thread_end(krex_lt);                             \
         if (krex_counted) t_life_counted = 0;                      \
@@ -90,7 +90,7 @@ static inline int krex_may_chunk(void) {
                 uint64_t krex_n = krex_left < krex_step ? krex_left : krex_step;     \
                 cnt = (__typeof__(cnt))krex_n;                                       \
                 int krex_counted = krex_enter(cls);                                  \
-                krex_rc = krex_fn args;                                              \
+                krex_rc = fn args;                                                   \
                 krex_leave(krex_counted, cls);                                       \
                 KREX_PACE_TICK(name, krex_counted, args);                            \
                 uint64_t krex_bytes = krex_n * (esz);                                \
@@ -100,7 +100,7 @@ static inline int krex_may_chunk(void) {
             return krex_rc;                                                          \
         }                                                                            \
         int krex_counted = krex_enter(cls);                                          \
-        KREX_RET krex_rc = krex_fn args;                                             \
+        KREX_RET krex_rc = fn args;                                                  \
         krex_leave(krex_counted, cls);                                               \
         KREX_PACE_TICK(name, krex_counted, args);                                    \
         return krex_rc;                                                              \
@@ -118,7 +118,7 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
 #define KREX_BODY_LOOKUP(fname, name, k, params, args)                          \
     KREX_RET fname params {                                                     \
         KREX_GET_FN(name, k)                                                    \
-        KREX_RET krex_rc = krex_fn args;                                        \
+        KREX_RET krex_rc = fn args;                                             \
         if (krex_rc == 0 && pfn && *pfn)                                        \
             *pfn = krex_redirect(KREX_ID_##name, symbol, *pfn, (uint64_t)flags); \
         return krex_rc;                                                         \
@@ -132,14 +132,14 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
 #define KREX_BODY_CAPBEGIN(fname, name, k, params, args)               \
     KREX_RET fname params {                                            \
         KREX_GET_FN(name, k)                                           \
-        KREX_RET krex_rc = krex_fn args;                               \
+        KREX_RET krex_rc = fn args;                                    \
         if (krex_rc == 0) krex_capture_begin((void *)KREX_FIRST(args)); \
         return krex_rc;                                                \
     }
 #define KREX_BODY_CAPEND(fname, name, k, params, args)                                      \
     KREX_RET fname params {                                                                 \
         KREX_GET_FN(name, k)                                                                \
-        KREX_RET krex_rc = krex_fn args;                                                    \
+        KREX_RET krex_rc = fn args;                                                         \
         krex_capture_end(krex_entries[KREX_ID_##name].api, (void *)KREX_FIRST(args));      \
         return krex_rc;                                                                     \
     }

@@ -16,7 +16,6 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned int CUdeviceptr_v1;
 typedef uint64_t cuuint64_t;
-typedef uint32_t cuuint32_t;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUfunc_st *CUfunction;
@@ -45,9 +44,6 @@ typedef int CUlibraryOption;              /* enum CUlibraryOption_enum */
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUmemAllocationProp_st CUmemAllocationProp;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
-typedef void (*CUhostFn)(void *userData);
-typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
-typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ;
     unsigned int blockDimX, blockDimY, blockDimZ;
@@ -90,8 +86,6 @@ typedef struct cudaGraphEdgeData_st cudaGraphEdgeData;
 struct cudaPitchedPtr { void *ptr; size_t pitch; size_t xsize; size_t ysize; };
 struct cudaExtent { size_t width; size_t height; size_t depth; };
 struct cudaMemLocation { int type; int id; };
-typedef void (*cudaHostFn_t)(void *userData);
-typedef void (*cudaStreamCallback_t)(cudaStream_t stream, cudaError_t status, void *userData);
 struct cudaMemcpy3DParms;
 struct cudaMemcpy3DPeerParms;
 struct cudaMemcpyAttributes;
@@ -133,9 +127,6 @@ typedef struct hipGraphEdgeData hipGraphEdgeData;
 typedef struct hipPitchedPtr { void *ptr; size_t pitch; size_t xsize; size_t ysize; } hipPitchedPtr;
 typedef struct hipExtent { size_t width; size_t height; size_t depth; } hipExtent;
 typedef struct hipMemLocation { int type; int id; } hipMemLocation; /* type: enum hipMemLocationType */
-typedef void (*hipHostFn_t)(void *userData);
-typedef void (*hipStreamCallback_t)(hipStream_t stream, hipError_t status, void *userData);
-typedef union hipStreamBatchMemOpParams_union hipStreamBatchMemOpParams;
 struct hipMemcpy3DParms;
 struct hipMemcpy3DBatchOp;
 typedef struct hipMemcpy3DPeerParms hipMemcpy3DPeerParms;

@@ -15,11 +15,8 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-/* Synchronous: the copies and memsets without "Async" in their name, but the stream memory
- * operations (cuStreamWriteValue32, hipStreamWaitValue64, ...), which are queued. */
 static int sim_is_sync(const char *name, int cls) {
-    int stream_op = !strncmp(name, "cuStream", 8) || !strncmp(name, "hipStream", 9);
-    return (cls == KREX_CLS_COPY || cls == KREX_CLS_MEMSET) && !strstr(name, "Async") && !stream_op;
+    return (cls == KREX_CLS_COPY || cls == KREX_CLS_MEMSET) && !strstr(name, "Async");
 }
 
 /* 1-D copies and memsets (the tables' chunk column) move real bytes when

@@ -5,7 +5,6 @@
  *   copies   1 ns per byte, memsets likewise, batches: the sum of sizes
  *   graphs   the exec handle's value, in microseconds
  *   anything described only by an opaque struct: SIM_FIXED_NS
- *   stream memory operations, host functions, callbacks: SIM_STREAM_OP_NS
  * A sample is an argument list that launches a sim_us-microsecond kernel or a
  * sim_bytes-byte copy through that entry point. */
 #ifndef KREX_SIM_SAMPLES_H
@@ -15,8 +14,6 @@
 
 #define SIM_US_NS(us) ((uint64_t)(us) * 1000ull)
 #define SIM_FIXED_NS 10000ull
-/* Stream memory operations (a word written or compared), host functions and stream callbacks. */
-#define SIM_STREAM_OP_NS 1000ull
 #define SIM_NULL_STREAM ((const void *)0)
 /* LIFE calls (contexts, modules, device memory) occupy the simulated GPU this long: on an
  * H200 a sibling loading modules made a GEMM 42% slower (docs/results/lifecycle-calls/). */
