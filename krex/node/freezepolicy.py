@@ -48,7 +48,10 @@ maps, a library carrying a statically linked CUDA runtime and launches through i
 freezes it, and its work is waited for or flagged as above), and a process of a running
 sibling that starts, runs GPU work outside the gate and ends within one region (one alive
 at the region's end is judged then; one that by then has also unloaded every GPU library
-and closed its GPU device files passes as one that never reached a GPU)."""
+and closed its GPU device files passes as one that never reached a GPU). Nor, until its
+drain helper's next look at what is loaded (at a drain that finds work to sync, else once
+a second), a registered process quiet since its last drain that then loads a library with
+its own CUDA runtime and launches through it: its record still reads quiet and held."""
 
 from __future__ import annotations
 
