@@ -84,8 +84,9 @@ def test_the_budget_bounds_what_all_hammering_siblings_leave_for_a_drain(kx: Kre
     left = _left_at_close(kx, recs)[2:]  # the first two: the hammers may still be cold
     med = statistics.median(left)
     # Slack: the simulated device and the siblings share this machine's CPUs; on a loaded
-    # machine the medians reached 9.1 ms (a cap per command leaves several times that).
-    bound = BUDGET_MS + n * KERNEL_US / 1e3 + 4.0
+    # machine (a whole test run on 2 cores) the medians reached 9.8 ms. A cap per command
+    # leaves several times that (40 ms here), which the bound stays well below.
+    bound = BUDGET_MS + n * KERNEL_US / 1e3 + 8.0
     if budget_ms == "0":
         assert med > bound, f"a cap per command left only {med:.1f} ms at the close: the test proves nothing"
     else:
