@@ -184,8 +184,6 @@ def _stats(t: list[float], base: float) -> dict[str, float]:
 def main() -> int:
     import multiprocessing as mp
 
-    import torch
-
     secs = float(os.environ.get("FL_SECS", "8"))
     nsib = int(os.environ.get("FL_SIBLINGS", "4"))
     run_ms = float(os.environ.get("FL_RUN_MS", "250"))
@@ -281,21 +279,11 @@ def main() -> int:
                 )
     with contextlib.suppress(OSError):
         os.rmdir(CG)
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "frozen-life.json"), "w") as f:
-        json.dump(
-            {
-                "siblings": nsib,
-                "secs": secs,
-                "run_ms": run_ms,
-                "frozen_ms": frozen_ms,
-                "results": results,
-                "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name(),
-            },
-            f,
-            indent=1,
-        )
+    from gpu_lifecycle import write_results
+
+    write_results(
+        "frozen-life.json", siblings=nsib, secs=secs, run_ms=run_ms, frozen_ms=frozen_ms, results=results
+    )
     return 0
 
 

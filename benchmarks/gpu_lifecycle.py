@@ -187,8 +187,6 @@ def summarise(label: str, trials: dict[str, list[float]], base: dict[str, float]
 def main() -> int:
     import multiprocessing as mp
 
-    import torch
-
     kernels = _kernels()
     # spawn, not fork: a forked child of a process with a CUDA context must not touch CUDA
     spawn = mp.get_context("spawn")
@@ -214,20 +212,17 @@ def main() -> int:
         row: dict[str, Any] = {"sibling_ops": ops, "ops_per_s": ops / secs}
         summarise(label, trials, base, row)
         results[label] = row
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "lifecycle.json"), "w") as f:
-        json.dump(
-            {
-                "siblings": nsib,
-                "secs": secs,
-                "results": results,
-                "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name(),
-            },
-            f,
-            indent=1,
-        )
+    write_results("lifecycle.json", siblings=nsib, secs=secs, results=results)
     return 0
+
+
+def write_results(name: str, **data: Any) -> None:
+    """$OUT/NAME (default: here): `data`, with the torch and GPU it ran on."""
+    import torch
+
+    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
+        json.dump({**data, **meta}, f, indent=1)
 
 
 def _sibling_cmd(count_file: str, kind: str) -> None:
