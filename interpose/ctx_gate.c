@@ -1,9 +1,9 @@
 /* One context creation at a time into the driver (krex_abi.h, KREX_CTX_TOKEN_LEASE_MS): the
  * shim's side of the node's token (ctx_token.c holds the word's rules).
  *
- * A call that makes a context (krex_ctx_makes: the tables' CTXNEW rows and primary-context
- * retains) takes the token before the gate counts it in flight, and gives it back once the
- * vendor call has returned. Waiting for it, a thread is in no call: a region's drain does not
+ * A call that makes a context (krex_ctx_makes: the tables' CTXNEW and GREENNEW rows and
+ * primary-context retains) takes the token before the gate counts it in flight, and gives it
+ * back once the vendor call has returned. Waiting for it, a thread is in no call: a region's drain does not
  * wait for it and a freezer may stop it; so a drain waits for the one creation inside the
  * driver, not for every one queued behind the driver's lock.
  *   - A call made inside another of this thread's calls (the CUDA runtime retains its primary
@@ -38,7 +38,8 @@ static int g_ctx_on = 1;
 void krex_ctx_init(void) {
     for (int i = 0; i < KREX_N_IDS; i++)
         krex_ctx_makes[i] = krex_entries[i].name &&
-                            (krex_entries[i].cls == KREX_CLS_CTXNEW || strstr(krex_entries[i].name, "PrimaryCtxRetain"));
+                            (krex_entries[i].cls == KREX_CLS_CTXNEW || krex_entries[i].cls == KREX_CLS_GREENNEW ||
+                             strstr(krex_entries[i].name, "PrimaryCtxRetain"));
     const char *v = getenv("KREX_CTX_TOKEN");
     g_ctx_on = !(v && !strcmp(v, "0"));
 }

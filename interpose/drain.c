@@ -85,23 +85,100 @@ void krex_capture_end(int api, void *stream) {
     }
 }
 
+/* The contexts a drain synchronises besides the primary ones: those cuCtxCreate made, and
+ * the CUcontext of each green context (a primary sync need not wait for a green context's
+ * work: cuda.h promises it only from CUDA 13 on). A context that fits in no table is counted
+ * in g_ctx_overflow instead, as a capture that does not fit is: while any is, the process's
+ * drains ack as partial and never raise drained_at (krexd marks the region contaminated),
+ * rather than read as drained with work on a context nobody synchronised. An end of a
+ * context no table holds ends one of those. */
 #define KREX_MAX_CTX 32
 static void *g_ctxs[KREX_MAX_CTX];
+static uint32_t g_ctx_overflow;
 
+static void ctx_overflow_end(void) {
+    uint32_t o = __atomic_load_n(&g_ctx_overflow, RELAXED);
+    while (o > 0 && !__atomic_compare_exchange_n(&g_ctx_overflow, &o, o - 1, 0, RELAXED, RELAXED)) {
+    }
+}
+
+/* Idempotent: a context already held is not added again (two threads adding the same one at
+ * once may both take a slot; krex_ctx_del clears every slot that holds it). */
 void krex_ctx_add(void *ctx) {
+    if (!ctx) return;
+    for (int i = 0; i < KREX_MAX_CTX; i++)
+        if (__atomic_load_n(&g_ctxs[i], __ATOMIC_ACQUIRE) == ctx) return;
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *expect = NULL;
         if (__atomic_compare_exchange_n(&g_ctxs[i], &expect, ctx, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE))
             return;
     }
+    __atomic_add_fetch(&g_ctx_overflow, 1, __ATOMIC_SEQ_CST);
 }
 
 void krex_ctx_del(void *ctx) {
+    int found = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *expect = ctx;
-        __atomic_compare_exchange_n(&g_ctxs[i], &expect, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        found |= __atomic_compare_exchange_n(&g_ctxs[i], &expect, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     }
+    if (!found) ctx_overflow_end();
+}
+
+/* Green context -> the CUcontext it converts to, so that its destruction takes that context
+ * out of g_ctxs. A slot is claimed by its green handle, then given its context. */
+#define KREX_MAX_GREEN 32
+static struct {
+    void *green;
+    void *ctx;
+} g_greens[KREX_MAX_GREEN];
+
+static int green_slot(void *green) {
+    for (int i = 0; i < KREX_MAX_GREEN; i++)
+        if (__atomic_load_n(&g_greens[i].green, __ATOMIC_ACQUIRE) == green) return i;
+    return -1;
+}
+
+/* 1 if `green` is held now (it was, or it took a free slot), 0 if no slot was free. */
+static int green_put(void *green, void *ctx) {
+    if (green_slot(green) >= 0) return 1;
+    for (int i = 0; i < KREX_MAX_GREEN; i++) {
+        void *expect = NULL;
+        if (__atomic_compare_exchange_n(&g_greens[i].green, &expect, green, 0, __ATOMIC_ACQ_REL, ACQUIRE)) {
+            __atomic_store_n(&g_greens[i].ctx, ctx, RELEASE);
+            krex_ctx_add(ctx);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* After a green context was made: its CUcontext from the real cuCtxFromGreenCtx (resolved once,
+ * as a hook's own function is). One it cannot convert, or no slot holds, is one no drain
+ * synchronises: counted (g_ctx_overflow) until its destruction. */
+void krex_green_add(void *green) {
+    typedef CUresult (*fn_from_green)(CUcontext *, CUgreenCtx);
+    fn_from_green from = (fn_from_green)__atomic_load_n(&krex_real[KREX_ID_cuCtxFromGreenCtx][0], ACQUIRE);
+    if (!from) from = (fn_from_green)krex_resolve(KREX_ID_cuCtxFromGreenCtx, 0);
+    CUcontext ctx = NULL;
+    if (green && from && from(&ctx, (CUgreenCtx)green) == CUDA_SUCCESS && ctx && green_put(green, ctx)) return;
+    __atomic_add_fetch(&g_ctx_overflow, 1, __ATOMIC_SEQ_CST);
+}
+
+/* The application converted a green context: held if it was not (its creation's conversion
+ * failed), never counted here (its creation was). */
+void krex_green_note(void *green, void *ctx) { (void)green_put(green, ctx); }
+
+void krex_green_del(void *green) {
+    int i = green ? green_slot(green) : -1;
+    if (i < 0) {
+        ctx_overflow_end(); /* one that no slot held ends */
+        return;
+    }
+    void *ctx = __atomic_exchange_n(&g_greens[i].ctx, NULL, __ATOMIC_ACQ_REL);
+    if (ctx) krex_ctx_del(ctx);
+    __atomic_store_n(&g_greens[i].green, NULL, RELEASE);
 }
 
 typedef CUresult (*fn_i_p)(void *);
@@ -297,6 +374,7 @@ static int drain_cuda(void) {
         }
         release(d);
     }
+    if (__atomic_load_n(&g_ctx_overflow, __ATOMIC_SEQ_CST)) ok = 0; /* a context no table holds */
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *ctx = __atomic_load_n(&g_ctxs[i], __ATOMIC_ACQUIRE);
         if (!ctx) continue;
@@ -430,6 +508,10 @@ static void *krex_helper(void *arg) {
             __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
         } else {
             full_drain(p);
+            if (__atomic_load_n(&g_ctx_overflow, __ATOMIC_SEQ_CST)) { /* work of a context it could not name */
+                __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
+                __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
+            }
         }
         __atomic_fetch_add(&p->drains, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->drain_ack, cur, __ATOMIC_SEQ_CST);
@@ -603,4 +685,6 @@ void krex_drain_after_fork(void) {
     g_captures = g_capture_overflow = 0;
     g_cap_waiting = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) g_ctxs[i] = NULL;
+    for (int i = 0; i < KREX_MAX_GREEN; i++) g_greens[i].green = g_greens[i].ctx = NULL;
+    g_ctx_overflow = 0;
 }

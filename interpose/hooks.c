@@ -126,6 +126,17 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
 /* Contexts: LIFE calls, also tracked so the drain helper can synchronise non-primary ones. */
 #define KREX_BODY_CTXNEW(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, if (pctx) krex_ctx_add((void *)*pctx))
 #define KREX_BODY_CTXDEL(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, krex_ctx_del((void *)ctx), (void)0)
+/* Green contexts: the same, by the CUcontext each converts to (drain.c, krex_green_add); an
+ * application's own conversion (GREENCTX, not gated: no GPU work) records it too. */
+#define KREX_BODY_GREENNEW(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, if (phCtx) krex_green_add((void *)*phCtx))
+#define KREX_BODY_GREENDEL(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, krex_green_del((void *)hCtx), (void)0)
+#define KREX_BODY_GREENCTX(fname, name, k, params, args)                                        \
+    KREX_RET fname params {                                                                     \
+        KREX_GET_FN(name, k)                                                                    \
+        KREX_RET krex_rc = fn args;                                                             \
+        if (krex_rc == 0 && pContext && *pContext) krex_green_note((void *)hCtx, (void *)*pContext); \
+        return krex_rc;                                                                         \
+    }
 
 #define KREX_FIRST_(a, ...) a
 #define KREX_FIRST(args) KREX_FIRST_ args /* a capture row's first argument is the stream, a LIFE row's its pointer or handle */

@@ -14,6 +14,9 @@
 #define KREX_CLS_CTXDEL 9
 #define KREX_CLS_CAPBEGIN 10
 #define KREX_CLS_CAPEND 11
+#define KREX_CLS_GREENNEW 12
+#define KREX_CLS_GREENDEL 13
+#define KREX_CLS_GREENCTX 14
 
 enum krex_variant { KREX_VAR_DEF = 0, KREX_VAR_PT = 1, KREX_VAR_V1 = 2 };
 enum krex_api { KREX_API_CUDART = 0, KREX_API_DRIVER = 1, KREX_API_HIP = 2, KREX_N_APIS = 3 };

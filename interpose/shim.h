@@ -100,6 +100,9 @@ extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
 void krex_ctx_add(void *ctx);
 void krex_ctx_del(void *ctx);
+void krex_green_add(void *green);             /* a green context made: track its CUcontext */
+void krex_green_note(void *green, void *ctx); /* ... the CUcontext it converts to, known */
+void krex_green_del(void *green);             /* ... about to be destroyed */
 void krex_capture_begin(void *stream);
 void krex_capture_end(int api, void *stream);
 void start_helper(void);
@@ -115,7 +118,7 @@ void krex_pace_after_fork(void);
 void krex_pace_gate_opened(void); /* a call parked at a closed gate goes on: take a turn first */
 
 /* ctx_gate.c: the node's context-creation token around a call that makes a context. */
-extern unsigned char krex_ctx_makes[]; /* by entry id: 1 a call that makes a context (CTXNEW, a primary retain) */
+extern unsigned char krex_ctx_makes[]; /* by entry id: 1 a call that makes a context (CTXNEW, GREENNEW, a primary retain) */
 extern __thread int t_life_counted __attribute__((tls_model("initial-exec"))); /* this thread's counted LIFE call */
 void krex_ctx_init(void);            /* at load: the tables' creating calls, KREX_CTX_TOKEN */
 int krex_ctx_begin(void);            /* before such a call's gate entry: 1 if it owns the token's turn */

@@ -5,6 +5,7 @@
  * when the shim interposes the same name. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,6 +84,13 @@ static inline void sim_rt_context(int dev) {
         simgpu_ctx_activate(0);                                        \
         return (SIM_RET)simgpu_rc();                                   \
     }
+/* Green contexts: made and destroyed as a LIFE call is (sim_life_<name>, below); a conversion
+ * only answers (sim_do_<name>). */
+#define SIM_BODY_GREENNEW(n, p, a, s, c, ck) SIM_BODY_LIFE(n, p, a, s, c, ck)
+#define SIM_BODY_GREENDEL(n, p, a, s, c, ck) SIM_BODY_LIFE(n, p, a, s, c, ck)
+#define SIM_BODY_GREENCTX(n, p, a, s, c, ck) \
+    static SIM_RET sim_do_##n p;             \
+    EXPORT SIM_RET n p { return sim_do_##n a; }
 #define SIM_BODY_CAPBEGIN(n, p, a, s, c, ck) \
     EXPORT SIM_RET n p { return (SIM_RET)simgpu_rc(); }
 #define SIM_BODY_CAPEND(n, p, a, s, c, ck) \
@@ -365,8 +373,10 @@ static CUresult sim_life_cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, 
 }
 static CUresult sim_life_cuMemFreeAsync(CUdeviceptr p, CUstream s) { return sim_life_cuMemFree_v2(p); }
 static CUresult sim_life_cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return sim_life_cuMemFree_v2(p); }
+static int green_of_ctx(const void *c);
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext c) {
     if (t_ctx_depth >= 8) return 1;
+    if (green_of_ctx(c) == -2) return 201; /* a destroyed green context's: CUDA_ERROR_INVALID_CONTEXT */
     t_ctx_stack[t_ctx_depth++] = c;
     return 0;
 }
@@ -375,7 +385,77 @@ EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *c) {
     *c = t_ctx_stack[--t_ctx_depth];
     return 0;
 }
-EXPORT CUresult cuCtxSynchronize(void) { simgpu_sync_all("cuCtxSynchronize"); return 0; }
+/* Green contexts (one process's; a fork child's are the parent's, never valid in CUDA).
+ * Making one retains the device's primary context, as the real call does. Its handle and the
+ * CUcontext it converts to are two addresses in its slot; its number on the timeline is the
+ * slot's index + 1: work on its streams is its own (simgpu_stream_bind), and a sync of its
+ * CUcontext waits for that work only. */
+static struct sim_green { int used, dev; char ctx; } g_green[SIMGPU_GREENS];
+static pthread_mutex_t g_green_lock = PTHREAD_MUTEX_INITIALIZER;
+static int green_index(const void *h) {
+    for (int i = 0; i < SIMGPU_GREENS; i++)
+        if (h == (const void *)&g_green[i] && __atomic_load_n(&g_green[i].used, __ATOMIC_ACQUIRE)) return i;
+    return -1;
+}
+/* Its index, -1 if `c` is not a green context's, -2 if it is a destroyed one's. */
+static int green_of_ctx(const void *c) {
+    for (int i = 0; i < SIMGPU_GREENS; i++)
+        if (c == (const void *)&g_green[i].ctx) return __atomic_load_n(&g_green[i].used, __ATOMIC_ACQUIRE) ? i : -2;
+    return -1;
+}
+static CUresult sim_life_cuGreenCtxCreate(CUgreenCtx *ph, CUdevResourceDesc desc, CUdevice dev, unsigned int flags) {
+    (void)desc;
+    (void)flags;
+    if (!ph) return 1; /* CUDA_ERROR_INVALID_VALUE */
+    if (dev < 0 || dev >= simgpu_device_count()) return 101;
+    simgpu_ctx_activate(dev);
+    int i = 0;
+    pthread_mutex_lock(&g_green_lock);
+    while (i < SIMGPU_GREENS && g_green[i].used) i++;
+    if (i < SIMGPU_GREENS) {
+        g_green[i].dev = dev;
+        __atomic_store_n(&g_green[i].used, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_green_lock);
+    if (i == SIMGPU_GREENS) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    *ph = (CUgreenCtx)(void *)&g_green[i];
+    return 0;
+}
+static CUresult sim_life_cuGreenCtxDestroy(CUgreenCtx h) {
+    int i = green_index(h);
+    if (i < 0) return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    __atomic_store_n(&g_green[i].used, 0, __ATOMIC_RELEASE);
+    return 0;
+}
+static CUresult sim_do_cuCtxFromGreenCtx(CUcontext *pc, CUgreenCtx h) {
+    int i = green_index(h);
+    if (!pc) return 1;
+    if (i < 0) return 201;
+    *pc = (CUcontext)(void *)&g_green[i].ctx;
+    return 0;
+}
+EXPORT CUresult cuGreenCtxStreamCreate(CUstream *ps, CUgreenCtx h, unsigned int flags, int priority) {
+    (void)flags;
+    (void)priority;
+    static uintptr_t next = 0x900000;
+    int i = green_index(h);
+    if (!ps) return 1;
+    if (i < 0) return 201;
+    CUstream s = (CUstream)__atomic_add_fetch(&next, 16, __ATOMIC_RELAXED);
+    if (simgpu_stream_bind(s, i + 1)) return 2;
+    *ps = s;
+    return 0;
+}
+EXPORT CUresult cuCtxGetCurrent(CUcontext *c);
+/* The current context's tasks: a green context's own, else the process's others. */
+EXPORT CUresult cuCtxSynchronize(void) {
+    CUcontext c = NULL;
+    cuCtxGetCurrent(&c);
+    int i = green_of_ctx(c);
+    if (i >= 0) simgpu_sync_green(i + 1, "cuCtxSynchronize");
+    else simgpu_sync_all("cuCtxSynchronize");
+    return 0;
+}
 EXPORT CUresult cuStreamSynchronize(CUstream s) { simgpu_sync_stream(s); return 0; }
 EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *m) {
     static __thread CUstreamCaptureMode cur;
@@ -413,6 +493,14 @@ EXPORT CUresult cuEventRecord(void *e, CUstream s) {
     /* The legacy (1) and per-thread (2) handles: this simulator runs both as the NULL stream. */
     const void *st = (uintptr_t)s <= 2 ? NULL : (const void *)s;
     uint64_t now = simgpu_now(), tail = simgpu_stream_tail(st);
+    ((struct sim_cu_event *)e)->t = tail > now ? tail : now;
+    return 0;
+}
+EXPORT CUresult cuGreenCtxRecordEvent(CUgreenCtx h, void *e) {
+    /* Stamped when the green context's work queued before it has finished. */
+    int i = green_index(h);
+    if (i < 0) return 201;
+    uint64_t now = simgpu_now(), tail = simgpu_green_tail(i + 1);
     ((struct sim_cu_event *)e)->t = tail > now ? tail : now;
     return 0;
 }

@@ -42,6 +42,12 @@ static int g_ctx_active[SIMGPU_MAX];
 #define NSTREAMS 256
 static struct { const void *s; int dev; uint64_t tail; } g_streams[NSTREAMS];
 static uint64_t g_proc_tail;
+/* Streams of green contexts (simgpu_stream_bind) and when each green context's work ends:
+ * that work is not the process's other contexts' (g_proc_tail). */
+#define NBOUND 256
+static struct { const void *s; int green; } g_bound[NBOUND];
+static uint64_t g_green_tail[SIMGPU_GREENS + 1];
+static int g_primary_syncs_green; /* KREX_SIM_PRIMARY_SYNCS_GREEN (CUDA 13's cuCtxSynchronize) */
 
 EXPORT uint64_t simgpu_now(void) {
     struct timespec ts;
@@ -287,6 +293,28 @@ static uint64_t *stream_slot(int dev, const void *s) {
     return &g_proc_tail; /* table full: treat as the legacy stream */
 }
 
+/* The green context a stream belongs to (0: none). Called under g_lock. */
+static int stream_green(const void *s) {
+    if (!s) return 0;
+    for (int i = 0; i < NBOUND && g_bound[i].s; i++)
+        if (g_bound[i].s == s) return g_bound[i].green;
+    return 0;
+}
+
+EXPORT int simgpu_stream_bind(const void *stream, int green) {
+    if (!stream || green < 1 || green > SIMGPU_GREENS) return 1;
+    int rc = 1;
+    pthread_mutex_lock(&g_lock);
+    for (int i = 0; i < NBOUND && rc; i++)
+        if (!g_bound[i].s || g_bound[i].s == stream) {
+            g_bound[i].s = stream;
+            g_bound[i].green = green;
+            rc = 0;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
 EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint64_t cost_ns,
                               uint64_t arghash, int sync) {
     struct sim_dev_shm *d = dev_shm();
@@ -329,7 +357,9 @@ EXPORT uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint
         }
     }
     *tail = end;
-    if (end > g_proc_tail) g_proc_tail = end;
+    int green = stream_green(stream);
+    uint64_t *ctx_tail = green ? &g_green_tail[green] : &g_proc_tail;
+    if (end > *ctx_tail) *ctx_tail = end;
     pthread_mutex_unlock(&g_lock);
 trace:;
     char f[600];
@@ -365,16 +395,32 @@ EXPORT uint64_t simgpu_stream_tail(const void *stream) {
 
 EXPORT void simgpu_sync_stream(const void *stream) { simgpu_sleep_until(simgpu_stream_tail(stream)); }
 
+static void sync_until(const char *who, int green, uint64_t until) {
+    simgpu_sleep_until(until);
+    char f[192];
+    snprintf(f, sizeof f, "\"ev\":\"sync\",\"api\":\"%s\",\"green\":%d,\"t\":%llu,\"until\":%llu", who,
+             green, (unsigned long long)simgpu_now(), (unsigned long long)until);
+    simgpu_trace(f);
+}
+
 EXPORT void simgpu_sync_all(const char *who) {
     pthread_mutex_lock(&g_lock);
     uint64_t until = g_proc_tail;
+    for (int g = 1; g_primary_syncs_green && g <= SIMGPU_GREENS; g++)
+        if (g_green_tail[g] > until) until = g_green_tail[g];
     pthread_mutex_unlock(&g_lock);
-    simgpu_sleep_until(until);
-    char f[160];
-    snprintf(f, sizeof f, "\"ev\":\"sync\",\"api\":\"%s\",\"t\":%llu,\"until\":%llu", who,
-             (unsigned long long)simgpu_now(), (unsigned long long)until);
-    simgpu_trace(f);
+    sync_until(who, 0, until);
 }
+
+EXPORT uint64_t simgpu_green_tail(int green) {
+    if (green < 1 || green > SIMGPU_GREENS) return 0;
+    pthread_mutex_lock(&g_lock);
+    uint64_t t = g_green_tail[green];
+    pthread_mutex_unlock(&g_lock);
+    return t;
+}
+
+EXPORT void simgpu_sync_green(int green, const char *who) { sync_until(who, green, simgpu_green_tail(green)); }
 
 static void atfork_child(void) {
     /* A child has its own (empty) streams and contexts, like a CUDA child. */
@@ -384,6 +430,8 @@ static void atfork_child(void) {
     memset(g_ctx_active, 0, sizeof g_ctx_active);
     g_proc_tail = 0;
     memset(g_null_tail, 0, sizeof g_null_tail);
+    memset(g_bound, 0, sizeof g_bound);
+    memset(g_green_tail, 0, sizeof g_green_tail);
 }
 
 __attribute__((constructor)) static void sim_init(void) {
@@ -395,6 +443,7 @@ __attribute__((constructor)) static void sim_init(void) {
     g_ctx_ms = env_int("KREX_SIM_CTX_MS", 0);
     g_ctx_step_ms = env_int("KREX_SIM_CTX_STEP_MS", 0);
     g_stall_ms = env_int("KREX_SIM_STALL_MS", 0);
+    g_primary_syncs_green = env_int("KREX_SIM_PRIMARY_SYNCS_GREEN", 0);
 }
 
 /* A gated call's return code: KREX_SIM_RC, after the first KREX_SIM_RC_AFTER calls

@@ -16,7 +16,14 @@ uint64_t simgpu_submit(const char *api, int cls, const void *stream, uint64_t co
                        uint64_t arghash, int sync);
 uint64_t simgpu_stream_tail(const void *stream); /* when work queued on it ends */
 void simgpu_sync_stream(const void *stream);
-void simgpu_sync_all(const char *who);          /* wait for all of this process's work */
+void simgpu_sync_all(const char *who);          /* wait for this process's work (not its green contexts') */
+/* Green contexts, by number (1..SIMGPU_GREENS): a stream bound to one queues that context's
+ * work, which only a sync of that context waits for (and a primary one's with
+ * KREX_SIM_PRIMARY_SYNCS_GREEN=1). */
+#define SIMGPU_GREENS 64
+int simgpu_stream_bind(const void *stream, int green); /* 0, or 1: the table is full */
+void simgpu_sync_green(int green, const char *who);
+uint64_t simgpu_green_tail(int green);           /* when its queued work ends */
 int simgpu_device_count(void);
 int simgpu_get_device(void);
 int simgpu_set_device(int dev);                  /* 0 or an error */

@@ -25,6 +25,10 @@
  *   rc:N       make the simulated GPU return N from every call from now on
  *   ctx        cuDevicePrimaryCtxRetain of device 0 (the driver's call that makes a context)
  *   ctxnew     cuCtxCreate_v2 on device 0
+ *   green      cuGreenCtxCreate on device 0, then cuGreenCtxStreamCreate: a stream of it
+ *   green:N    N such green contexts, the stream on the last one
+ *   gk:US      a US-microsecond kernel with cuLaunchKernel on that green context's stream
+ *   greendel   cuGreenCtxDestroy of that green context
  *
  * Every line: {"act","role","pid","tid","rc","t0","t1","threads","helper"}, where
  * t0/t1 are CLOCK_MONOTONIC ns around the action and helper is the shim's
@@ -55,9 +59,17 @@ extern cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCa
 extern cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
 extern CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 extern CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+extern CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags);
+extern CUresult cuGreenCtxDestroy(CUgreenCtx hCtx);
+extern CUresult cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority);
+extern CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                               unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra);
 
 static const char *role = "parent";
 static void *last_alloc; /* malloc's, for free */
+static CUgreenCtx green;   /* green's, for gk and greendel */
+static CUstream green_stream;
 
 static unsigned long long now_ns(void) {
     struct timespec ts;
@@ -167,6 +179,19 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "ctxnew")) {
             CUcontext c = NULL;
             rc = cuCtxCreate_v2(&c, 0, 0);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "green") || !strncmp(a, "green:", 6)) {
+            long n = a[5] == ':' ? atol(a + 6) : 1;
+            for (long j = 0; j < n && rc == 0; j++)
+                rc = cuGreenCtxCreate(&green, NULL, 0, 1 /* CU_GREEN_CTX_DEFAULT_STREAM */);
+            if (rc == 0) rc = cuGreenCtxStreamCreate(&green_stream, green, 1 /* CU_STREAM_NON_BLOCKING */, 0);
+            report("green", rc, t0, now_ns());
+        } else if (!strncmp(a, "gk:", 3)) {
+            rc = cuLaunchKernel((CUfunction)(void *)0x1234, (unsigned)strtoul(a + 3, NULL, 10), 1, 1, 1, 1, 1, 0,
+                                green_stream, NULL, NULL);
+            report("gk", rc, t0, now_ns());
+        } else if (!strcmp(a, "greendel")) {
+            rc = cuGreenCtxDestroy(green);
             report(a, rc, t0, now_ns());
         } else if (!strncmp(a, "rc:", 3)) {
             void (*set)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "simgpu_set_return");

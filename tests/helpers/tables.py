@@ -15,7 +15,7 @@ from helpers import CC, INTERPOSE
 
 TABLES = (("cudart", "api_cudart.def"), ("driver", "api_driver.def"), ("hip", "api_hip.def"))
 GATED_CLASSES = ("KERNEL", "COPY", "MEMSET", "GRAPH", "PREFETCH")
-OTHER_CLASSES = ("LOOKUP", "CTXNEW", "CTXDEL", "CAPBEGIN", "CAPEND")
+OTHER_CLASSES = ("LOOKUP", "CTXNEW", "CTXDEL", "CAPBEGIN", "CAPEND", "GREENNEW", "GREENDEL", "GREENCTX")
 VARIANTS = ("DEF", "PT", "V1")
 RET = {"cudart": "cudaError_t", "driver": "CUresult", "hip": "hipError_t"}
 

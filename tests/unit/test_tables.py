@@ -275,7 +275,7 @@ def test_classes_and_variants_known() -> None:
 
 ORDERING_ONLY = re.compile(
     r"^(cu|cuda|hip)(StreamWriteValue|StreamWaitValue|StreamBatchMemOp|LaunchHostFunc|StreamAddCallback"
-    r"|EventRecord|StreamWaitEvent)"
+    r"|EventRecord|StreamWaitEvent|GreenCtxRecordEvent|GreenCtxWaitEvent)"
 )
 
 
@@ -302,6 +302,21 @@ def test_sample_and_args_arity_match_params() -> None:
     assert not bad, bad
 
 
+def test_green_context_rows_track_their_contexts_and_only_order_nothing() -> None:
+    """Green contexts are made and destroyed as a context is (LIFE calls that track the
+    CUcontext for the drain helper); the conversion is recorded, not gated; their stream
+    creation, like every stream creation, and their event record and wait (ordering only)
+    have no row."""
+    by_name = {r.name: r for r in ROWS}
+    assert {n: by_name[n].cls for n in ("cuGreenCtxCreate", "cuGreenCtxDestroy", "cuCtxFromGreenCtx")} == {
+        "cuGreenCtxCreate": "GREENNEW",
+        "cuGreenCtxDestroy": "GREENDEL",
+        "cuCtxFromGreenCtx": "GREENCTX",
+    }
+    assert not {"cuGreenCtxStreamCreate", "cuGreenCtxRecordEvent", "cuGreenCtxWaitEvent"} & set(by_name)
+    assert [r.name for r in ROWS if r.cls.startswith("GREEN") and r.api != "driver"] == []
+
+
 def test_per_thread_variants_are_named_so() -> None:
     """PT rows carry a per-thread suffix; a suffixed row is PT, or V1 (legacy ABI
     of a per-thread variant, never returned by a modern lookup)."""
@@ -312,7 +327,14 @@ def test_per_thread_variants_are_named_so() -> None:
 
 
 def test_lookup_and_ctx_rows_have_the_names_the_shim_uses() -> None:
-    need = {"LOOKUP": {"symbol", "pfn", "flags"}, "CTXNEW": {"pctx"}, "CTXDEL": {"ctx"}}
+    need = {
+        "LOOKUP": {"symbol", "pfn", "flags"},
+        "CTXNEW": {"pctx"},
+        "CTXDEL": {"ctx"},
+        "GREENNEW": {"phCtx"},
+        "GREENDEL": {"hCtx"},
+        "GREENCTX": {"pContext", "hCtx"},
+    }
     bad = [r.name for r in ROWS if r.cls in need and not need[r.cls] <= set(param_names(r.params))]
     assert not bad, bad
 
