@@ -39,7 +39,9 @@ def _green_kernel(h: Harness, child: Child) -> dict[str, Any]:
         d = child.expect(lambda d, act=act: d["act"] == act, 30, act)
         assert d["rc"] == 0, d
     (op,) = [o for o in h.ops(child.pid, life=False) if o["api"] == "cuLaunchKernel"]
-    assert time.monotonic_ns() < op["end"], "the green kernel ended before the drain began: the test would prove nothing"
+    assert time.monotonic_ns() < op["end"], (
+        "the green kernel ended before the drain: the test would prove nothing"
+    )
     return op
 
 
@@ -47,7 +49,8 @@ def test_the_simulated_primary_sync_does_not_wait_for_a_green_contexts_work(harn
     """The model the other tests rely on: without KREX, a device synchronise returns while the
     green context's kernel runs (so the drain's primary sync alone would too)."""
     h = harness
-    child = h.spawn("actor", ["green", f"gk:{LONG_US}", "sync", "line"], h.env(None, krex=False, preload=False))
+    env = h.env(None, krex=False, preload=False)
+    child = h.spawn("actor", ["green", f"gk:{LONG_US}", "sync", "line"], env)
     op = _green_kernel(h, child)
     d = child.expect(lambda d: d["act"] == "sync", 30, "the device synchronise")
     assert d["t1"] < op["end"], "the primary context's sync waited for the green context's kernel"
@@ -71,7 +74,7 @@ def test_a_drain_waits_for_a_siblings_green_context_work(harness: Harness, prima
     assert res.ok and res.count == 1 and res.stragglers == [], res
     assert res.partial == [], res
     assert op["end"] <= t_ret, (
-        f"the drain returned {(op['end'] - t_ret) / 1e6:.1f} ms before the sibling's green-context kernel ended"
+        f"the drain returned {(op['end'] - t_ret) / 1e6:.1f} ms before the sibling's green kernel ended"
     )
     syncs = [e for e in h.events() if e.get("ev") == "sync" and e["pid"] == child.pid]
     assert any(e["until"] >= op["end"] and e["t"] <= t_ret for e in syncs), (
@@ -92,10 +95,14 @@ def test_a_destroyed_green_context_is_no_longer_synchronised(harness: Harness) -
     _close(h, owner)
     res = h.seg.drain(0, owner, timeout=10)
     assert res.ok and res.count == 1 and res.partial == [], res
-    green_syncs = [e for e in h.events() if e.get("ev") == "sync" and e["pid"] == child.pid and e["green"]]
+    green_syncs = [
+        e for e in h.events() if e.get("ev") == "sync" and e["pid"] == child.pid and e.get("green")
+    ]
     assert green_syncs == [], green_syncs
     rec = h.proc(child.pid)
-    assert rec is not None and rec.quiet, f"the drain did not count as full (a context it could not push?): {rec}"
+    assert rec is not None and rec.quiet, (
+        f"the drain did not count as full (a context it could not push?): {rec}"
+    )
 
 
 def test_green_contexts_beyond_the_table_flag_the_drain_as_partial(harness: Harness) -> None:
@@ -125,13 +132,14 @@ def test_no_sibling_green_context_work_runs_inside_a_clean_region(kx: Krex) -> N
     actor = str(victims()["actor"])
     kx.run_argv("sib", [actor, "green", "gk:3000000", "sleep:8000"])
     (gk,) = kx.wait(
-        lambda: [o for o in kx.ops(life=False) if o["api"] == "cuLaunchKernel"], 60, "the sibling's green kernel"
+        lambda: [o for o in kx.ops(life=False) if o["api"] == "cuLaunchKernel"], 60, "the green kernel"
     )
-    kx.run_argv("owner", [actor, "begin", "k:1", "sync", "end"])  # no GPU work before: it would queue behind the kernel
+    # No GPU work before its region: it would queue behind the kernel (one op at a time).
+    kx.run_argv("owner", [actor, "begin", "k:1", "sync", "end"])
     assert kx.cmds["owner"].popen.wait(60) == 0, kx.cmds["owner"].output()[-1500:]
     lines = [ln for ln in kx.cmds["owner"].output().splitlines() if ln.startswith("{")]
     begin = next(d for d in map(json.loads, lines) if d["act"] == "begin")
-    assert begin["t0"] < gk["end"], "the green kernel ended before the region's entry: the test would prove nothing"
+    assert begin["t0"] < gk["end"], "the green kernel ended before the region's entry: it would prove nothing"
     (rec,) = [r for r in kx.journal() if "t_grant_ns" in r]
     inside = gk["start"] < rec["t_end_ns"] and gk["end"] > rec["t_grant_ns"]
     assert not inside or rec["contaminated"], (
