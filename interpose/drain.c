@@ -118,6 +118,7 @@ void krex_ctx_add(void *ctx) {
 }
 
 void krex_ctx_del(void *ctx) {
+    if (!ctx) return;
     int found = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *expect = ctx;
