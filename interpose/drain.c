@@ -200,6 +200,7 @@ static struct {
     fn_retain cu_retain;
     fn_release cu_release;
     fn_void cu_sync;
+    fn_i_p cu_sync_ctx; /* cuCtxSynchronize_v2 (CUDA 12.8+): a context synced without being made current */
     fn_i_p hip_count;
     fn_dev_state hip_state;
     fn_setdev hip_setdev;
@@ -333,6 +334,7 @@ static void drain_fns(void) {
     g_dfn.cu_push = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPushCurrent_v2");
     g_dfn.cu_pop = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxPopCurrent_v2");
     g_dfn.cu_sync = (fn_void)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize");
+    g_dfn.cu_sync_ctx = (fn_i_p)vendor_sym(KREX_API_DRIVER, "cuCtxSynchronize_v2");
     g_dfn.hip_count = (fn_i_p)vendor_sym(KREX_API_HIP, "hipGetDeviceCount");
     g_dfn.hip_state = (fn_dev_state)vendor_sym(KREX_API_HIP, "hipDevicePrimaryCtxGetState");
     g_dfn.hip_setdev = (fn_setdev)vendor_sym(KREX_API_HIP, "hipSetDevice");
@@ -379,6 +381,14 @@ static int drain_cuda(void) {
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *ctx = __atomic_load_n(&g_ctxs[i], __ATOMIC_ACQUIRE);
         if (!ctx) continue;
+        /* By handle where the driver can: a green context is current to one thread at a
+         * time (cuda.h, cuCtxFromGreenCtx), so pushing it here could fail while an
+         * application thread has it current. A driver without it says NOT_SUPPORTED. */
+        CUresult r = g_dfn.cu_sync_ctx ? (CUresult)g_dfn.cu_sync_ctx(ctx) : CUDA_ERROR_NOT_SUPPORTED;
+        if (r != CUDA_ERROR_NOT_SUPPORTED) {
+            if (r != CUDA_SUCCESS) ok = 0;
+            continue;
+        }
         if (push(ctx) != CUDA_SUCCESS) {
             ok = 0; /* (a context destroyed meanwhile, too: a stamp less, never a wrong one) */
             continue;

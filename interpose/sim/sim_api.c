@@ -456,6 +456,22 @@ EXPORT CUresult cuCtxSynchronize(void) {
     else simgpu_sync_all("cuCtxSynchronize");
     return 0;
 }
+/* A context by its handle (CUDA 12.8+): a green context's work only, else the process's.
+ * KREX_SIM_NO_CTX_SYNC_V2=1 answers as a driver without it (CUDA_ERROR_NOT_SUPPORTED). */
+EXPORT CUresult cuCtxSynchronize_v2(CUcontext c) {
+    static int off = -1;
+    if (off < 0) {
+        const char *v = getenv("KREX_SIM_NO_CTX_SYNC_V2");
+        off = v && *v == '1';
+    }
+    if (off) return 801;
+    if (!c) return cuCtxSynchronize();
+    int i = green_of_ctx(c);
+    if (i == -2) return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    if (i >= 0) simgpu_sync_green(i + 1, "cuCtxSynchronize_v2");
+    else simgpu_sync_all("cuCtxSynchronize_v2");
+    return 0;
+}
 EXPORT CUresult cuStreamSynchronize(CUstream s) { simgpu_sync_stream(s); return 0; }
 EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *m) {
     static __thread CUstreamCaptureMode cur;

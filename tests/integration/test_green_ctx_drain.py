@@ -56,14 +56,20 @@ def test_the_simulated_primary_sync_does_not_wait_for_a_green_contexts_work(harn
     assert d["t1"] < op["end"], "the primary context's sync waited for the green context's kernel"
 
 
+@pytest.mark.parametrize("no_sync_by_handle", ["0", "1"])
 @pytest.mark.parametrize("primary_syncs_green", ["0", "1"])
-def test_a_drain_waits_for_a_siblings_green_context_work(harness: Harness, primary_syncs_green: str) -> None:
+def test_a_drain_waits_for_a_siblings_green_context_work(
+    harness: Harness, primary_syncs_green: str, no_sync_by_handle: str
+) -> None:
     """A sibling queues a 0.6 s kernel on a green context's stream; a drain that returns ok
-    returns after that kernel ended, by a sync of the green context on the helper thread.
+    returns after that kernel ended, by a sync of the green context on the helper thread
+    (cuCtxSynchronize_v2 by handle, or a push and cuCtxSynchronize on a driver without it).
     With the primary sync covering green contexts (CUDA 13) it holds as well."""
     h = harness
     owner, sib = h.claim(), h.claim()
-    env = h.env(sib, KREX_SIM_PRIMARY_SYNCS_GREEN=primary_syncs_green)
+    env = h.env(
+        sib, KREX_SIM_PRIMARY_SYNCS_GREEN=primary_syncs_green, KREX_SIM_NO_CTX_SYNC_V2=no_sync_by_handle
+    )
     child = h.spawn("actor", ["green", f"gk:{LONG_US}", "line"], env)
     op = _green_kernel(h, child)
 
@@ -81,6 +87,9 @@ def test_a_drain_waits_for_a_siblings_green_context_work(harness: Harness, prima
         f"no synchronisation by the sibling's helper covering its green kernel: {syncs}"
     )
     assert all(e["tid"] != op["tid"] for e in syncs), "the drain ran on the app thread, not the helper"
+    green = {e["api"] for e in syncs if e["green"]}
+    want = "cuCtxSynchronize" if no_sync_by_handle == "1" else "cuCtxSynchronize_v2"
+    assert primary_syncs_green == "1" or green == {want}, f"the green context was synced by {green}"
 
 
 def test_a_destroyed_green_context_is_no_longer_synchronised(harness: Harness) -> None:
