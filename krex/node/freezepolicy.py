@@ -102,7 +102,10 @@ RECORD_WHY = {
     int(lib.KREX_TRUST_EXECD): "it exec'd since it registered (its drain helper is gone)",
     int(lib.KREX_TRUST_FOREIGN_NS): "it loaded a GPU library into another link-map namespace (dlmopen), "
     "whose calls pass no hook",
+    int(lib.KREX_TRUST_UNSEEN): "it loaded a CUDA runtime the hooks cannot see (unseen-runtime): its "
+    "launches through it pass no hook",
 }
+_UNSEEN = int(lib.KREX_TRUST_UNSEEN)
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,8 @@ def _unheld_why(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef) -> tu
     executable links the CUDA runtime statically, or not inspected yet: frozen, drained)."""
     name = f"pid {pid} ({os.path.basename(exe)})"
     held = code == _HELD
+    if code == _UNSEEN:  # gated and drained by its record, as a static runtime in its executable
+        return f"{name}: {RECORD_WHY[code]}", False
     if not held and code != _NONE:
         return f"{name}: {RECORD_WHY.get(code, f'its record says {code}')}", True
     if facts is _PENDING and held:
