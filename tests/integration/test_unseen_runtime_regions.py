@@ -27,9 +27,10 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups"),
 ]
 
-# One counted launch (it registers: a record and a drain helper), then on OUT/go: dlopen a
-# library that exports its own CUDA runtime, and launch a 0.6 s kernel through the simulated
-# driver's own lookup (no hook counts or gates it), then wait for OUT/stop.
+# One counted launch (it registers: a record and a drain helper), then on OUT/sib.go: dlopen a
+# library that exports its own CUDA runtime, and launch a kernel of US simulated microseconds
+# through the simulated driver's own lookup (no hook counts or gates it), then wait for
+# OUT/sib.stop.
 SIBLING = r"""
 import ctypes, json, os, sys, time
 vp = ctypes.c_void_p
@@ -40,7 +41,7 @@ def say(**kw):
 def wait_for(path):
     while not os.path.exists(path):
         time.sleep(0.005)
-lib_path, out = sys.argv[1], sys.argv[2]
+lib_path, out, us = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cu = ctypes.CDLL("libcuda.so.1")
 rt = ctypes.CDLL("libcudart.so.13")
 rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
@@ -52,7 +53,7 @@ ctypes.CDLL(lib_path, mode=ctypes.RTLD_GLOBAL)
 pfn = vp()
 assert cu.simgpu_cu_gpa(b"cuLaunchKernel", ctypes.byref(pfn), ctypes.c_uint64(0)) == 0
 L = ctypes.CFUNCTYPE(ctypes.c_int, vp, *([ctypes.c_uint] * 7), vp, vp, vp)(pfn.value)
-assert L(vp(0x1234), 600000, 1, 1, 1, 1, 1, 0, None, None, None) == 0  # 0.6 s, through no hook
+assert L(vp(0x1234), us, 1, 1, 1, 1, 1, 0, None, None, None) == 0  # through no hook
 say(step="hidden", t=time.monotonic_ns())
 wait_for(os.path.join(out, "sib.stop"))
 """
@@ -96,21 +97,22 @@ def _end(kx: Krex, name: str, pid: int) -> dict[str, Any]:
     return rec
 
 
-def _quiet_sibling(kx: Krex, so: Path) -> int:
+def _quiet_sibling(kx: Krex, so: Path, us: int = 600_000) -> int:
     """The sibling, registered, drained by a first region (its record reads quiet since)."""
     kx.start_daemon(slots=4)
-    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out)])
+    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), str(us)])
     sib = int(_step(kx, "sib", "ready")["pid"])
     first = _hold(kx, "first")
     rec = _end(kx, "first", first["pid"])
     assert not rec["contaminated"], rec["reasons"]
 
-    def quiet() -> bool:
-        p = next((p for p in kx.snapshot().procs if p.pid == sib), None)
-        return p is not None and p.quiet and "unseen-runtime" not in p.flags
-
-    kx.wait(quiet, 10, "the sibling's record to read quiet")
+    kx.wait(lambda: _quiet(kx, sib), 10, "the sibling's record to read quiet")
     return sib
+
+
+def _quiet(kx: Krex, pid: int) -> bool:
+    p = next((p for p in kx.snapshot().procs if p.pid == pid), None)
+    return p is not None and p.quiet and "unseen-runtime" not in p.flags
 
 
 def _hidden_op(kx: Krex, sib: int) -> dict[str, Any]:
@@ -130,17 +132,26 @@ def _unseen_reason(rec: dict[str, Any], sib: int) -> bool:
 def test_a_runtime_loaded_by_a_quiet_sibling_just_before_a_region_never_leaves_it_clean(
     kx: Krex, tmp_path: Path
 ) -> None:
-    """Loaded and launched through after the helper's last look: the region's drain request
-    makes the helper look before it acks as quiet, and krexd judges the records again at the
-    end. Flagged, or drained (its kernel over by the grant) and frozen: never clean with the
-    kernel inside it."""
+    """Loaded and launched through right after the owner's first region drained the sibling
+    (its helper's next look between drains is up to a second away), and the owner's next
+    region begins at once: its drain request makes the helper look before it acks as quiet,
+    and krexd judges the records again at the end. Flagged, or drained (its kernel over by
+    the grant) and frozen: never clean with the kernel inside it."""
     so = _world(kx, tmp_path)
-    sib = _quiet_sibling(kx, so)
+    kx.start_daemon(slots=4)
+    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), "2000000"])  # 2 s
+    sib = int(_step(kx, "sib", "ready")["pid"])
+    go = kx.out / "b.go"
+    kx.run("b", "regions", "-n", "1", "--kernels", "0", "--sleep-ms", "200", "--go", str(go), "--prime")
+    kx.wait(lambda: (kx.out / "b.waiting").exists(), 30, "the owner's first region")
+    kx.wait(lambda: _quiet(kx, sib), 10, "the sibling's record to read quiet")
     kx.touch("sib", "go")
     _step(kx, "sib", "hidden")
-    ready = _hold(kx, "b")
-    time.sleep(0.2)
-    rec = _end(kx, "b", ready["pid"])
+    go.touch()
+    res = kx.result("b", timeout=30)
+    assert not res["errors"] and len(res["regions"]) == 1, res
+    kx.wait(lambda: len([r for r in kx.journal() if r["owner_pid"] == res["pid"]]) == 2, 10, "the journal")
+    rec = [r for r in kx.journal() if r["owner_pid"] == res["pid"]][-1]
     kx.touch("sib")
     op = _hidden_op(kx, sib)
     if not rec["contaminated"]:
