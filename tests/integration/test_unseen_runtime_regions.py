@@ -21,6 +21,7 @@ import pytest
 from helpers.krex_world import Krex
 
 from krex.native import lib
+from krex.node.shm import Segment
 
 pytestmark = [
     pytest.mark.cgroup,
@@ -204,3 +205,43 @@ def test_a_running_sibling_that_cannot_answer_the_look_flags_the_region_within_i
     assert any(f"[{sib}]" in r and "did not look" in r for r in rec["reasons"]), rec["reasons"]
     bound = lib.KREX_LOOK_TIMEOUT_MS / 1e3
     assert bound <= rec["look_s"] < bound + 0.25, rec["look_s"]
+
+
+def test_a_look_is_owed_by_a_live_helper_until_it_acks_and_by_an_exit_until_its_own_look() -> None:
+    """krex_look_pending on a record of a live process: owed from the request until the
+    helper's ack; by a process inside its exit (its helper stopped) until its exit handler
+    looked; never by a record with no helper (krexd judges it unheld) or of another pid."""
+    name = f"/krex-look-{os.getpid()}"
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        with Segment.create(name, n_gpus=1) as seg:
+            raw = seg.raw
+            i = int(lib.krex_proc_register(raw, 2, 0, child.pid))
+            p = raw.procs[i]
+            p.helper_tid = child.pid
+
+            def owed(seq: int) -> bool:
+                return child.pid in seg.wait_look(0, [child.pid, 1], seq, 0.0).stragglers
+
+            seq = seg.look_request(0)
+            assert int(raw.gpus[0].look_seq) == seq == int(raw.gpus[0].drain_seq)
+            assert owed(seq) and not seg.wait_look(0, [1], seq, 0.0).stragglers
+            p.look_ack = seq
+            assert not owed(seq)
+            seq = seg.look_request(0)
+            assert owed(seq)
+            p.helper_tid = 0
+            assert not owed(seq)  # no helper, not exiting: judged by its record instead
+            p.flags |= lib.KREX_PF_IN_EXIT
+            assert owed(seq)
+            p.exit_looked = 1
+            assert not owed(seq)
+            assert seg.bypass_procs(0, 1) == {}
+            p.flags |= lib.KREX_PF_UNSEEN
+            start = int(lib.krex_pid_start_ticks(child.pid))
+            assert seg.bypass_procs(0, 1) == {(child.pid, start): int(lib.KREX_PF_UNSEEN)}
+            assert seg.bypass_procs(0, 2) == {}  # the owner's own
+    finally:
+        child.kill()
+        child.wait()
+        Segment.unlink(name)
