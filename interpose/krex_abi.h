@@ -15,6 +15,7 @@
  * Waking the controller (the same pairing, once more):
  *   shim:       inflight-- ; g = gate ; if closed and not owner: wake++, futex-wake(wake) if waiters
  *   helper:     drain_ack = seq ; wake++, futex-wake(wake) if waiters
+ *   (a look round: look_ack = look_seq as read before the look ; the same wake)
  *   controller: waiters++ ; w = wake ; scan counters/acks ; if not done: futex-wait(wake, w, recheck)
  * so the controller either sees the change in its scan or the wake word has moved.
  */
