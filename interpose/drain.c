@@ -322,6 +322,17 @@ static void check_loaded(void) {
     note_foreign_ns();
 }
 
+/* A look that acks krexd's look rounds: the request read first, so every library loaded
+ * before any request up to it is looked at. dlsym (note_unseen_runtime) takes the loader's
+ * lock, so a look waits for a dlopen in progress, its constructors included: that is what
+ * makes it right (a constructor may launch through the runtime it brings); krexd waits for
+ * the ack at most KREX_LOOK_TIMEOUT_MS and flags the region past that. */
+static void look(struct krex_gpu *g, struct krex_proc *p) {
+    uint32_t ls = __atomic_load_n(&g->look_seq, __ATOMIC_SEQ_CST);
+    check_loaded();
+    if (__atomic_exchange_n(&p->look_ack, ls, __ATOMIC_SEQ_CST) != ls) krex_wake_controller(g_shm, g_gpu);
+}
+
 static void drain_fns(void) {
     unsigned long long v[3] = {0, 0, 0};
     krex_dl_iterate(loaded_gen, v);
@@ -466,8 +477,10 @@ static void *krex_helper(void *arg) {
      * (a first GPU call inside a library constructor, under dlopen). */
     __atomic_store_n(&g_helper_named, 1, __ATOMIC_SEQ_CST);
     krex_futex_wake(&g_helper_named);
+    struct krex_gpu *g = &g_shm->gpus[g_gpu];
+    struct krex_proc *p = g_proc;
     if (exe_defines("__cudaRegisterFatBinary")) set_flag(KREX_PF_UNSEEN);
-    check_loaded();
+    look(g, p);
     /* Only now does the record read as drained (krex_proc_quiet): nothing of it was queued
      * before its first gated call, but a runtime the hooks cannot see (in the executable, or
      * in a library whose constructor made that call, the loader's lock held meanwhile, so
@@ -485,20 +498,27 @@ static void *krex_helper(void *arg) {
     }
     __atomic_store_n(&g_helper_settled, 1, __ATOMIC_SEQ_CST);
     krex_futex_wake(&g_helper_settled);
-    struct krex_gpu *g = &g_shm->gpus[g_gpu];
-    struct krex_proc *p = g_proc;
     uint32_t seen = __atomic_load_n(&p->drain_ack, __ATOMIC_SEQ_CST);
     for (;;) {
         __atomic_store_n(&g_helper_busy, 0, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
         uint32_t cur = __atomic_load_n(&g->drain_seq, __ATOMIC_SEQ_CST);
         if (cur == seen) {
-            if (krex_futex_wait(&g->drain_seq, cur, KREX_HELPER_RECHECK_NS) == ETIMEDOUT) check_loaded();
+            if (krex_futex_wait(&g->drain_seq, cur, KREX_HELPER_RECHECK_NS) == ETIMEDOUT) look(g, p);
             continue;
         }
         /* Busy before the stop check: exit either sees busy, or we see stop. */
         __atomic_store_n(&g_helper_busy, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&g_helper_stop, __ATOMIC_SEQ_CST)) break;
+        /* Every request first looks at what was loaded since the last look (cheap while the
+         * loader's counters have not moved): a library loaded just before it that brings its
+         * own runtime makes the process not quiet here, and drained. A look-only request
+         * (krexd's look round at a region's end) ends there: no drain, no drain ack. */
+        look(g, p);
+        if (__atomic_load_n(&g->look_seq, __ATOMIC_SEQ_CST) == cur) {
+            seen = cur;
+            continue;
+        }
         /* A context synchronise would invalidate a capture in progress: give
          * the capture a moment to end, else ack as partial so the controller
          * marks the grant contaminated instead of silently clean. */
@@ -594,6 +614,15 @@ static void stop_helper(void) {
     }
     __atomic_store_n(&g_helper_stop, 1, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_futex_wake(&shm->gpus[g_gpu].drain_seq); /* others just re-check */
+    /* The helper answers no look round from here on: this thread looks once more at what is
+     * loaded (not through check_loaded, whose counters are the helper's), and krexd's look
+     * rounds owe the record nothing after it (what an exit handler loads later is not seen). */
+    if (rec) {
+        note_unseen_runtime();
+        note_foreign_ns();
+        __atomic_store_n(&rec->exit_looked, 1, __ATOMIC_SEQ_CST);
+        if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu);
+    }
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += KREX_HEARTBEAT_TIMEOUT_NS / 1000000000;

@@ -15,6 +15,7 @@
  * Waking the controller (the same pairing, once more):
  *   shim:       inflight-- ; g = gate ; if closed and not owner: wake++, futex-wake(wake) if waiters
  *   helper:     drain_ack = seq ; wake++, futex-wake(wake) if waiters
+ *   (a look round: look_ack = look_seq as read before the look ; the same wake)
  *   controller: waiters++ ; w = wake ; scan counters/acks ; if not done: futex-wait(wake, w, recheck)
  * so the controller either sees the change in its scan or the wake word has moved.
  */
@@ -23,7 +24,7 @@
 #include <stdint.h>
 
 #define KREX_MAGIC 1480938059
-#define KREX_ABI_VERSION 10
+#define KREX_ABI_VERSION 11
 #define KREX_MAX_GPUS 16
 #define KREX_MAX_SLOTS 64
 #define KREX_MAX_PROCS 1024
@@ -107,7 +108,7 @@
  * FILLING: being written or freed right now. DAMAGED: it fails its check. OTHER_SLOT:
  * under another command's slot. STALE: under an earlier generation of the slot.
  * NO_HELPER: its drain helper has not started (or cannot be named). EXECD: its helper is
- * gone while it lives (it exec'd). FOREIGN_NS: KREX_PF_FOREIGN_NS. */
+ * gone while it lives (it exec'd). FOREIGN_NS: KREX_PF_FOREIGN_NS. UNSEEN: KREX_PF_UNSEEN. */
 #define KREX_TRUST_HELD 0
 #define KREX_TRUST_NONE 1
 #define KREX_TRUST_FILLING 2
@@ -117,6 +118,10 @@
 #define KREX_TRUST_NO_HELPER 6
 #define KREX_TRUST_EXECD 7
 #define KREX_TRUST_FOREIGN_NS 8
+/* KREX_PF_UNSEEN: its record holds its hooked calls, but it may launch through a CUDA runtime
+ * the hooks cannot see (a library exporting its own): frozen, as a static runtime in its
+ * executable is, and drained by its helper. */
+#define KREX_TRUST_UNSEEN 9
 
 /* Header flags (krex_header.flags). */
 #define KREX_HF_PROCS_FULL 1
@@ -258,6 +263,12 @@
 /* An exit waits out the region that holds the gate, then at most this long for regions
  * that follow it at once (drain.c, wait_out_region). */
 #define KREX_EXIT_WAIT_NS 250000000
+/* A look round (krex_look_request) at a region's end: krexd waits at most this long for the
+ * helpers of the siblings it did not freeze to look at what their process loaded (a CUDA
+ * runtime the hooks cannot see, a GPU library in another namespace) and ack. One that does
+ * not ack in time (stopped, starved, its helper inside a dlopen's constructors) flags the
+ * region. */
+#define KREX_LOOK_TIMEOUT_MS 100
 /* Registration and fork() wait at most this long for a just-started drain helper to
  * finish starting. */
 #define KREX_HELPER_SETTLE_NS 500000000
@@ -538,7 +549,9 @@ struct krex_gpu {
                                      * pid << 40 | lease end (us, mod 2^40) (pace.c) */
     uint32_t turn_waiters;          /* processes waiting for a turn (pace.c; a waiter that died
                                      * leaves it high: releasers then only yield once more) */
-    uint32_t pad1;
+    uint32_t look_seq;              /* the drain_seq of the latest look-only request (krex_look_request):
+                                     * helpers woken for it look at what their process loaded and ack
+                                     * it in look_ack, with no drain */
 };
 
 struct krex_slot {
@@ -601,6 +614,12 @@ struct krex_proc {
                                      * it priority while a region's drain waits for that call */
     uint32_t slot_gen;              /* low 32 bits of the slot generation it registered under
                                      * (its command's): krex_proc_trust compares it */
+    uint32_t look_ack;              /* the latest look_seq its helper read before a look at what the
+                                     * process loaded (dl_iterate_phdr's counters, then dlsym): every
+                                     * library loaded before that request was looked at. Set at its
+                                     * helper's start, every drain request, every KREX_HELPER_RECHECK_NS */
+    uint32_t exit_looked;           /* 1 once its exit handler, its helper stopped, looked at what it
+                                     * loaded: krexd's look rounds owe it no ack from then on */
     uint64_t exit_ns;               /* krex_now_ns as its exit began (exit(), _exit(), a return from
                                      * main: the shim's exit handler); 0: not begun, or it ended
                                      * without one (a signal, a crash). krexd reads it as it frees

@@ -432,6 +432,7 @@ static int trust_code(struct krex_shm *shm, struct krex_proc *p, int64_t pid, in
         return KREX_TRUST_EXECD;
     }
     if (flags & KREX_PF_FOREIGN_NS) return KREX_TRUST_FOREIGN_NS;
+    if (flags & KREX_PF_UNSEEN) return KREX_TRUST_UNSEEN;
     return KREX_TRUST_HELD;
 }
 
@@ -749,19 +750,95 @@ int krex_drain_partial(struct krex_shm *shm, int gpu, int owner_slot, uint32_t s
     return drain_scan(shm, gpu, owner_slot, seq, DRAIN_PARTIAL, pids, max_pids);
 }
 
+/* A look-only request: every helper of `gpu` looks at what its process loaded (a CUDA
+ * runtime the hooks cannot see, a GPU library in another namespace: the record's flags) and
+ * acks in look_ack, without a drain. It is a drain_seq whose value look_seq names, so one
+ * futex word wakes the helpers for both; installed with a CAS so that look_seq is never the
+ * value of a drain request made meanwhile. Returns its sequence. */
+uint32_t krex_look_request(struct krex_shm *shm, int gpu) {
+    struct krex_gpu *g = &shm->gpus[gpu];
+    uint32_t cur = __atomic_load_n(&g->drain_seq, SEQ);
+    for (;;) {
+        __atomic_store_n(&g->look_seq, cur + 1, SEQ);
+        if (__atomic_compare_exchange_n(&g->drain_seq, &cur, cur + 1, 0, SEQ, SEQ)) break;
+    }
+    krex_futex_wake(&g->drain_seq);
+    return cur + 1;
+}
+
+/* Whether record `p` (of `pid`) still owes look `seq`: live, its image the one that
+ * registered, and not acked. A helper that stopped at exit owes none once its exit handler
+ * looked (exit_looked); a record with no helper and not in its exit never answers, and
+ * krexd's freeze policy judges it unheld instead (krex_proc_trust). */
+static int look_owed(struct krex_proc *p, int64_t pid, uint32_t seq) {
+    if ((int32_t)(__atomic_load_n(&p->look_ack, SEQ) - seq) >= 0) return 0;
+    if (!__atomic_load_n(&p->helper_tid, SEQ)) {
+        uint32_t fl = __atomic_load_n(&p->flags, SEQ);
+        if (!(fl & KREX_PF_IN_EXIT) || __atomic_load_n(&p->exit_looked, SEQ)) return 0;
+    } else if (image_gone(p, pid)) {
+        return 0;
+    }
+    return krex_pid_alive(pid, p->start_ticks);
+}
+
+/* The processes among want[0..n) with a record on `gpu` that still owe look `seq`. */
+int krex_look_pending(struct krex_shm *shm, int gpu, const int64_t *want, int n, uint32_t seq, int64_t *pids,
+                      int max_pids) {
+    int out = 0;
+    for (int i = 0; i < KREX_MAX_PROCS && n > 0; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = __atomic_load_n(&p->pid, SEQ);
+        if (pid == 0 || p->gpu != gpu) continue;
+        int k = 0;
+        while (k < n && want[k] != pid) k++;
+        if (k == n || !look_owed(p, pid, seq)) continue;
+        if (pids && out < max_pids) pids[out] = pid;
+        out++;
+    }
+    return out;
+}
+
+/* Records of other commands' processes on `gpu` (as krex_sibling_procs) flagged with a way
+ * past the hooks (KREX_PF_UNSEEN, KREX_PF_FOREIGN_NS): their pid, start time and those
+ * flags. Returns the count, which may exceed `max`. */
+int krex_bypass_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, uint32_t *flags,
+                      int max) {
+    int n = 0;
+    for (int i = 0; i < KREX_MAX_PROCS; i++) {
+        struct krex_proc *p = &shm->procs[i];
+        int64_t pid = sibling_pid(p, gpu, owner_slot);
+        uint32_t fl = pid ? __atomic_load_n(&p->flags, SEQ) & (KREX_PF_UNSEEN | KREX_PF_FOREIGN_NS) : 0;
+        if (!fl) continue;
+        if (out && n < max) {
+            out[n].pid = pid;
+            out[n].start_ticks = p->start_ticks;
+            out[n].helper_tid = 0;
+            out[n].pad0 = 0;
+            flags[n] = fl;
+        }
+        n++;
+    }
+    return n;
+}
+
 void krex_wake_controller(struct krex_shm *shm, int gpu) {
     struct krex_gpu *g = &shm->gpus[gpu];
     __atomic_add_fetch(&g->wake, 1, SEQ);
     if (__atomic_load_n(&g->waiters, SEQ)) krex_futex_wake(&g->wake);
 }
 
-enum wait_what { WAIT_INFLIGHT, WAIT_DRAIN };
+enum wait_what { WAIT_INFLIGHT, WAIT_DRAIN, WAIT_LOOK };
+
+struct look_want {
+    const int64_t *pids;
+    int n;
+};
 
 /* Scan, and sleep on the wake word between scans. The word is read before each scan, so
  * a change that the scan missed has moved it and the futex wait returns at once. */
 static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_what what, uint32_t seq,
                      uint64_t timeout_ns, uint64_t recheck_ns, int below, int64_t *pids, int max_pids,
-                     struct krex_wait_stats *st) {
+                     struct krex_wait_stats *st, const struct look_want *want) {
     struct krex_gpu *g = &shm->gpus[gpu];
     struct krex_wait_stats local;
     if (!st) st = &local;
@@ -773,6 +850,7 @@ static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_wh
         uint32_t w = __atomic_load_n(&g->wake, SEQ);
         if (pids) memset(pids, 0, sizeof *pids * (size_t)(max_pids > 0 ? max_pids : 0)); /* this scan's only */
         n = what == WAIT_INFLIGHT ? krex_gate_inflight(shm, gpu, owner_slot, pids, max_pids)
+            : what == WAIT_LOOK   ? krex_look_pending(shm, gpu, want->pids, want->n, seq, pids, max_pids)
                                   : drain_scan(shm, gpu, owner_slot, seq, DRAIN_PENDING, pids, max_pids);
         st->scans++;
         uint64_t now = krex_now_ns();
@@ -795,13 +873,19 @@ static int wait_loop(struct krex_shm *shm, int gpu, int owner_slot, enum wait_wh
 
 int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t timeout_ns, uint64_t recheck_ns,
                        int64_t *pids, int max_pids, struct krex_wait_stats *st) {
-    return wait_loop(shm, gpu, owner_slot, WAIT_INFLIGHT, 0, timeout_ns, recheck_ns, 1, pids, max_pids, st);
+    return wait_loop(shm, gpu, owner_slot, WAIT_INFLIGHT, 0, timeout_ns, recheck_ns, 1, pids, max_pids, st, NULL);
 }
 
 int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, int below, uint64_t timeout_ns,
                     uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
     return wait_loop(shm, gpu, owner_slot, WAIT_DRAIN, seq, timeout_ns, recheck_ns, below < 1 ? 1 : below, pids,
-                     max_pids, st);
+                     max_pids, st, NULL);
+}
+
+int krex_wait_look(struct krex_shm *shm, int gpu, const int64_t *want, int n, uint32_t seq, uint64_t timeout_ns,
+                   uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st) {
+    struct look_want w = {want, n};
+    return wait_loop(shm, gpu, -1, WAIT_LOOK, seq, timeout_ns, recheck_ns, 1, pids, max_pids, st, &w);
 }
 
 void krex_heartbeat(struct krex_shm *shm) {

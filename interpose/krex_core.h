@@ -69,6 +69,14 @@ int krex_wait_inflight(struct krex_shm *shm, int gpu, int owner_slot, uint64_t t
  * freeze each sibling as soon as it has drained, while the others still drain. */
 int krex_wait_drain(struct krex_shm *shm, int gpu, int owner_slot, uint32_t seq, int below, uint64_t timeout_ns,
                     uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st);
+/* A region's end: a look-only request to every helper of `gpu` (they look at what their
+ * process loaded, then ack in look_ack), and the wait for the acks of the processes in
+ * want[0..n) (the siblings krexd did not freeze), as krex_wait_drain waits. */
+uint32_t krex_look_request(struct krex_shm *shm, int gpu);
+int krex_look_pending(struct krex_shm *shm, int gpu, const int64_t *want, int n, uint32_t seq, int64_t *pids,
+                      int max_pids);
+int krex_wait_look(struct krex_shm *shm, int gpu, const int64_t *want, int n, uint32_t seq, uint64_t timeout_ns,
+                   uint64_t recheck_ns, int64_t *pids, int max_pids, struct krex_wait_stats *st);
 /* Waker side: a sibling's call left while the gate was closed, or a helper acked. */
 void krex_wake_controller(struct krex_shm *shm, int gpu);
 
@@ -85,6 +93,9 @@ struct krex_proc_id {
     uint32_t pad0;
 };
 int krex_sibling_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, int max);
+/* Those of them flagged KREX_PF_UNSEEN or KREX_PF_FOREIGN_NS (helper_tid 0), with those flags. */
+int krex_bypass_procs(struct krex_shm *shm, int gpu, int owner_slot, struct krex_proc_id *out, uint32_t *flags,
+                      int max);
 int krex_life_busy(struct krex_shm *shm, int gpu, int owner_slot, int64_t *pids, int32_t *slots, uint32_t *tids,
                    int max);
 int krex_recent_frees(struct krex_shm *shm, int gpu, int owner_slot, uint64_t owner_gen, uint64_t since_ns,

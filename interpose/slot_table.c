@@ -132,6 +132,8 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->free_inflight = 0;
     p->drained_at = 0;
     p->exit_drained = 0;
+    p->look_ack = 0; /* owes every look until its helper's start-up look */
+    p->exit_looked = 0;
     p->ordered_life = 0;
     p->flags = 0;
     p->drain_ack = __atomic_load_n(&p->drain_ack, SEQ);

@@ -8,7 +8,8 @@ A sibling process is HELD by the gate only when it is proven to be, by one of:
     exec ends that thread: every exec is caught; one its own exit handler stopped,
     KREX_PF_IN_EXIT, still holds), and no GPU driver or runtime library
     loaded in another link-map namespace (KREX_PF_FOREIGN_NS, set by the shim's dlmopen
-    hook and its helper); or
+    hook and its helper), nor a library exporting a CUDA runtime of its own
+    (KREX_PF_UNSEEN: frozen, drained, as a static runtime in its executable); or
   - for a process that made no gated call yet (no record): its maps and environment show
     an active, attached shim: the shim mapped, krexd's segment mapped (the shim attaches at
     load, with the credentials the process started with), KREX_SHM naming this segment and
@@ -48,10 +49,13 @@ maps, a library carrying a statically linked CUDA runtime and launches through i
 freezes it, and its work is waited for or flagged as above), and a process of a running
 sibling that starts, runs GPU work outside the gate and ends within one region (one alive
 at the region's end is judged then; one that by then has also unloaded every GPU library
-and closed its GPU device files passes as one that never reached a GPU). Nor, until its
-drain helper's next look at what is loaded (at a drain that finds work to sync, else once
-a second), a registered process quiet since its last drain that then loads a library with
-its own CUDA runtime and launches through it: its record still reads quiet and held."""
+and closed its GPU device files passes as one that never reached a GPU). A registered
+process quiet since its last drain that loads a library with its own CUDA runtime and
+launches through it, just before a region (its helper looks at each drain request, but
+krexd does not wait for a quiet record) or inside it, is flagged at the region's end: a look
+round of the siblings left running and their records' flags against those read as the
+drain was requested (regionchecks.py, _look_end). Not seen: such a process of a sibling
+the region froze whose helper had not looked between its dlopen and the freeze."""
 
 from __future__ import annotations
 
@@ -102,7 +106,10 @@ RECORD_WHY = {
     int(lib.KREX_TRUST_EXECD): "it exec'd since it registered (its drain helper is gone)",
     int(lib.KREX_TRUST_FOREIGN_NS): "it loaded a GPU library into another link-map namespace (dlmopen), "
     "whose calls pass no hook",
+    int(lib.KREX_TRUST_UNSEEN): "it loaded a CUDA runtime the hooks cannot see (unseen-runtime): its "
+    "launches through it pass no hook",
 }
+_UNSEEN = int(lib.KREX_TRUST_UNSEEN)
 
 
 @dataclass(frozen=True)
@@ -382,6 +389,8 @@ def _unheld_why(pid: int, exe: str, code: int, facts: Facts, ref: SlotRef) -> tu
     executable links the CUDA runtime statically, or not inspected yet: frozen, drained)."""
     name = f"pid {pid} ({os.path.basename(exe)})"
     held = code == _HELD
+    if code == _UNSEEN:  # gated and drained by its record, as a static runtime in its executable
+        return f"{name}: {RECORD_WHY[code]}", False
     if not held and code != _NONE:
         return f"{name}: {RECORD_WHY.get(code, f'its record says {code}')}", True
     if facts is _PENDING and held:

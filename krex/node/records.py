@@ -111,6 +111,7 @@ class RegionRecord:
     reasons: list[Reason]  # the verdict at the end: the grant's reasons plus what happened inside
     attest: dict[str, Any]
     cgroup_fallback: str | None = None  # where its command's group went instead, and why
+    look_s: float | None = None  # the end's wait for running siblings' look acks (None: none asked)
 
     def as_dict(self) -> dict[str, Any]:
         rec: dict[str, Any] = {
@@ -134,6 +135,8 @@ class RegionRecord:
         rec.pop("ok", None)
         if self.cgroup_fallback is not None:
             rec["cgroup_fallback"] = self.cgroup_fallback
+        if self.look_s is not None:
+            rec["look_s"] = round(self.look_s, 6)
         return rec
 
 

@@ -247,6 +247,7 @@ class RegionState:
     waited_on: list[str] = field(default_factory=list)  # where the siblings a slow drain waits for are
     drain_slow: list[list[float]] = field(default_factory=list)  # the last acks: [pid, ms]
     drained: int = 0
+    bypass0: dict[tuple[int, int], int] = field(default_factory=dict)  # siblings flagged past the hooks then
     # freeze
     freeze_ms: dict[str, float] = field(default_factory=dict)
     freeze_slow: dict[str, list[str]] = field(default_factory=dict)
@@ -272,6 +273,7 @@ class RegionState:
     known_at_entry: dict[int, int] = field(default_factory=dict)  # pid -> start time: ours at the grant
     own_at_entry: set[int] = field(default_factory=set)  # the owner's command's processes at the grant
     attest: dict[str, Any] = field(default_factory=dict)
+    look_s: float | None = None  # how long the end waited for the running siblings' look acks
     # thaw
     thaw_s: float = 0.0
 
@@ -414,6 +416,9 @@ class RegionRun:
                     f"helper {helper}; main {procfs.thread_line(p, p)}"[:500]
                 )
 
+        # Who had a way past the hooks before the request (not quiet: drained): one flagged from
+        # here on (its helper looks at each request) is judged at the end (_look_end).
+        st.bypass0 = d.seg.bypass_procs(gpu, req.slot)
         r = d.seg.drain(
             gpu,
             req.slot,
@@ -625,6 +630,7 @@ class RegionRun:
         d, gpu, req, st = self.d, self.gpu, self.req, self.st
         fz = st.fz
         assert fz is not None
+        look_seq, look_pids = d._look_begin(gpu, fz, st.frozen)  # answered while the checks below run
         st.reasons.extend(d._region_core_time(st.core_watch, st.reserved))
         sib_procs_end = d._sibling_gpu_procs(gpu, req.slot)  # first: the timing is over
         owner = fz.owner
@@ -657,6 +663,8 @@ class RegionRun:
         )
         if st.evicted is not None:
             st.reasons.extend(d._audit_region_core(req, st.at_close, st.frozen, st.reserved))
+        more, st.look_s = d._look_end(gpu, req.slot, look_seq, look_pids, st.bypass0)
+        st.reasons.extend(more)
         stalled = d._stalled_during(st.t0, time.monotonic())
         if stalled:
             st.reasons.append(
@@ -755,6 +763,7 @@ class RegionRun:
             reasons=st.reasons,
             attest=st.attest,
             cgroup_fallback=note.removeprefix("krex: warning: ") if note else None,
+            look_s=st.look_s,
         ).as_dict()
         req.record = rec
         if owner_slot is not None:

@@ -111,6 +111,63 @@ class RegionChecks(Loops):
             )
         ]
 
+    def _look_begin(self, gpu: int, fz: _FreezePlan, frozen: list[Slot]) -> tuple[int, list[int]]:
+        """At the region's end, before the thaw: ask the drain helpers of the siblings it did not
+        freeze to look at what their processes loaded (krex_look_request). (Its sequence, the
+        pids whose ack the end waits for; (0, []) when every sibling was frozen: a frozen one
+        loaded nothing.)"""
+        with self.lock:
+            running = [
+                s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s
+            ]
+        pids = [p for s in running for p in self._group_pids(s)]
+        if not pids:
+            return 0, []
+        return self.seg.look_request(gpu), pids
+
+    def _look_end(
+        self, gpu: int, owner_slot: int, seq: int, pids: list[int], before: dict[tuple[int, int], int]
+    ) -> tuple[list[tuple[str, str]], float | None]:
+        """Wait (at most KREX_LOOK_TIMEOUT_MS) for the look acks `_look_begin` asked for, then
+        compare the siblings' records with `before` (read just before the drain request): one
+        flagged since with a way past the hooks (a CUDA runtime the hooks cannot see, a GPU
+        library in another namespace) may have queued work the drain did not wait for (its
+        record read quiet) or launched inside the region past the gate. A sibling that did
+        not ack may have done the same unseen. (The reasons, the seconds it waited; None when
+        no look was asked.)"""
+        out: list[tuple[str, str]] = []
+        timeout = lib.KREX_LOOK_TIMEOUT_MS / 1e3
+        waited = None
+        if seq:
+            r = self.seg.wait_look(gpu, pids, seq, timeout)
+            waited = r.seconds
+            if not r.ok:
+                out.append(
+                    (
+                        unheldwork.FLAG,
+                        f"sibling pids {r.stragglers} did not look at what they loaded within "
+                        f"{lib.KREX_LOOK_TIMEOUT_MS} ms of the region's end (stopped, starved, or inside a "
+                        "dlopen): a CUDA runtime the hooks cannot see that they loaded would go unseen",
+                    )
+                )
+        names = {int(lib.KREX_PF_UNSEEN): "unseen-runtime", int(lib.KREX_PF_FOREIGN_NS): "foreign-namespace"}
+        new = []
+        for (pid, start), fl in sorted(self.seg.bypass_procs(gpu, owner_slot).items()):
+            got = fl & ~before.get((pid, start), 0)
+            if got:
+                new.append(f"pid {pid} ({', '.join(n for b, n in names.items() if got & b)})")
+        if new:
+            out.append(
+                (
+                    unheldwork.FLAG,
+                    f"sibling processes loaded a way past the hooks after the region's drain request "
+                    f"({'; '.join(new[:8])}): a CUDA runtime the hooks cannot see (unseen-runtime) or a GPU "
+                    "library in another link-map namespace; work they queued through it may have run "
+                    "inside the region",
+                )
+            )
+        return out, waited
+
     def _trust_checks(self, gpu: int, req: Region, since_ns: int) -> list[tuple[str, str]]:
         """Run before the grant and again at the region's end: the segment is krexd's own and
         intact, nothing that lived through an incident could have disturbed the region, and

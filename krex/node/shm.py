@@ -715,6 +715,37 @@ class Segment:
         call it is inside (krex_drain_excuse)."""
         return bool(lib.krex_drain_excuse(self.raw, gpu, pid, seq & 0xFFFFFFFF))
 
+    def look_request(self, gpu: int) -> int:
+        """Ask every drain helper of `gpu` to look at what its process loaded and ack, with
+        no drain (krex_look_request). Its sequence, for wait_look."""
+        return int(lib.krex_look_request(self.raw, gpu))
+
+    def wait_look(self, gpu: int, pids: Iterable[int], seq: int, timeout: float) -> StepResult:
+        """Wait until every process of `pids` with a record on `gpu` acked look `seq`, at most
+        `timeout` s (a C futex wait on the GPU's wake word, as the drain's)."""
+        want = sorted(set(pids))
+        if not want:
+            return StepResult(True, 0.0, 0, [])
+        arr = ffi.new("int64_t[]", want)
+        out = ffi.new("int64_t[256]")
+        every = _recheck_ns(None)
+        n, secs, stats = _wait(
+            lambda left, st: lib.krex_wait_look(
+                self.raw, gpu, arr, len(want), seq & 0xFFFFFFFF, left, every, out, 256, st
+            ),
+            timeout,
+        )
+        late = sorted(int(out[i]) for i in range(min(n, 256))) if n else []
+        return StepResult(n == 0, secs, n, late, stats=stats)
+
+    def bypass_procs(self, gpu: int, owner_slot: int) -> dict[tuple[int, int], int]:
+        """(pid, start time) -> flags of other commands' records on `gpu` flagged with a way past
+        the hooks (KREX_PF_UNSEEN, KREX_PF_FOREIGN_NS): one C pass (krex_bypass_procs)."""
+        n = lib.KREX_MAX_PROCS
+        ids, fl = ffi.new("struct krex_proc_id[]", n), ffi.new("uint32_t[]", n)
+        got = min(int(lib.krex_bypass_procs(self.raw, gpu, owner_slot, ids, fl, n)), n)
+        return {(int(ids[i].pid), int(ids[i].start_ticks)): int(fl[i]) for i in range(got)}
+
     def proc_brief(self, pid: int) -> dict[str, int] | None:
         """A process record's in-flight counts and drain-helper thread, for a slow entry's
         record (one pass over the records: use only when something is already slow)."""

@@ -184,6 +184,9 @@ def test_a_record_proves_a_process_held_only_under_its_slot_generation_and_live_
             p.flags |= lib.KREX_PF_FOREIGN_NS
             assert code() == lib.KREX_TRUST_FOREIGN_NS
             p.flags &= ~lib.KREX_PF_FOREIGN_NS
+            p.flags |= lib.KREX_PF_UNSEEN  # a CUDA runtime of its own: frozen, drained
+            assert code() == lib.KREX_TRUST_UNSEEN
+            p.flags &= ~lib.KREX_PF_UNSEEN
             p.helper_tid = 0
             p.flags |= lib.KREX_PF_IN_EXIT  # its exit handler stopped the helper: still held
             assert code() == lib.KREX_TRUST_HELD

@@ -96,6 +96,9 @@ class FakeSeg:
     def proc_brief(self, pid: int) -> dict[str, Any]:
         return {}
 
+    def bypass_procs(self, gpu: int, owner_slot: int) -> dict[tuple[int, int], int]:
+        return {}
+
 
 class FakeAttestor:
     nvml = None
@@ -211,6 +214,12 @@ class FakeDaemon:
 
     def _unheld_at_end(self, fz: Any, frozen: list[Slot]) -> list[tuple[str, str]]:
         return []
+
+    def _look_begin(self, gpu: int, fz: Any, frozen: list[Slot]) -> tuple[int, list[int]]:
+        return 0, []
+
+    def _look_end(self, *a: Any) -> tuple[list[tuple[str, str]], float | None]:
+        return self._check("look"), None
 
     def _journal(self, rec: dict[str, Any]) -> None:
         self.events.append(("journal", rec["owner_slot"]))
