@@ -258,12 +258,21 @@ static int exe_defines(const char *sym) {
     return found;
 }
 
+/* Every loaded object, not only the global scope that dlsym(RTLD_DEFAULT) searches (a
+ * library loaded RTLD_LOCAL, or after libcudart, hides its runtime from dlsym), read from
+ * memory: dl_iterate_phdr takes only the loader's short list lock, so a look never waits
+ * for a dlopen in progress (a cuBLAS or cuDNN load runs its constructors for hundreds of ms
+ * under the loader's big lock). An object of a dlopen in progress is listed once mapped,
+ * before its constructors run, so one that brings a runtime is seen before it can launch. */
+static int defines_runtime(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    (void)data;
+    if (info->dlpi_name && strstr(info->dlpi_name, "libcudart")) return 0;
+    return krex_object_defines(info, "__cudaRegisterFatBinary");
+}
+
 static void note_unseen_runtime(void) {
-    static const char sym[] = "__cudaRegisterFatBinary";
-    void *f = dlsym(RTLD_DEFAULT, sym);
-    Dl_info info;
-    if (f && dladdr(f, &info) && info.dli_fname && !strstr(info.dli_fname, "libcudart"))
-        set_flag(KREX_PF_UNSEEN);
+    if (krex_dl_iterate(defines_runtime, NULL)) set_flag(KREX_PF_UNSEEN);
 }
 
 /* A GPU driver or runtime library, by its file name (the real ones and the simulated
@@ -323,10 +332,10 @@ static void check_loaded(void) {
 }
 
 /* A look that acks krexd's look rounds: the request read first, so every library loaded
- * before any request up to it is looked at. dlsym (note_unseen_runtime) takes the loader's
- * lock, so a look waits for a dlopen in progress, its constructors included: that is what
- * makes it right (a constructor may launch through the runtime it brings); krexd waits for
- * the ack at most KREX_LOOK_TIMEOUT_MS and flags the region past that. */
+ * before any request up to it is looked at, one still being loaded included (listed before
+ * its constructors run, which may launch through the runtime it brings). It takes no lock a
+ * dlopen holds (note_unseen_runtime); krexd waits for the ack at most KREX_LOOK_TIMEOUT_MS
+ * and flags the region past that. */
 static void look(struct krex_gpu *g, struct krex_proc *p) {
     uint32_t ls = __atomic_load_n(&g->look_seq, __ATOMIC_SEQ_CST);
     check_loaded();

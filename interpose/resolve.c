@@ -238,6 +238,73 @@ static int in_object(const struct dl_phdr_info *info, ElfW(Addr) p, ElfW(Xword) 
     return 0;
 }
 
+/* A pointer of the object's dynamic section where it is in memory: glibc relocates them in
+ * place only where that section is writable, and an object loaded below its link address
+ * wraps base + pointer (so neither form is assumed: the one inside its segments). 0: neither. */
+static ElfW(Addr) dyn_ptr(const struct dl_phdr_info *info, ElfW(Addr) v, ElfW(Xword) n) {
+    if (in_object(info, v, n)) return v;
+    return in_object(info, v + info->dlpi_addr, n) ? v + info->dlpi_addr : 0;
+}
+
+/* Whether the object defines `name` (its default version) in its dynamic symbol table, read
+ * from memory through its hash table with every table bounded by its segments. It takes
+ * none of the loader's locks (dlsym takes the one a dlopen holds through its constructors). */
+int krex_object_defines(const struct dl_phdr_info *info, const char *name) {
+    const ElfW(Dyn) *d = NULL;
+    for (int i = 0; i < info->dlpi_phnum; i++)
+        if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
+            d = (const ElfW(Dyn) *)(info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+    if (!d) return 0;
+    ElfW(Addr) sym = 0, str = 0, gnu = 0, sysv = 0, ver = 0;
+    ElfW(Xword) strsz = 0;
+    for (; d->d_tag != DT_NULL; d++) {
+        ElfW(Addr) v = d->d_un.d_ptr;
+        switch (d->d_tag) {
+        case DT_SYMTAB: sym = v; break;
+        case DT_STRTAB: str = v; break;
+        case DT_STRSZ: strsz = d->d_un.d_val; break;
+        case DT_GNU_HASH: gnu = v; break;
+        case DT_HASH: sysv = v; break;
+        case DT_VERSYM: ver = v; break;
+        default: break;
+        }
+    }
+    str = strsz ? dyn_ptr(info, str, strsz) : 0;
+    sym = dyn_ptr(info, sym, sizeof(ElfW(Sym)));
+    gnu = gnu ? dyn_ptr(info, gnu, 16) : 0;
+    sysv = sysv ? dyn_ptr(info, sysv, 8) : 0;
+    ver = ver ? dyn_ptr(info, ver, sizeof(ElfW(Half))) : 0;
+    if (!str || !sym || (!gnu && !sysv)) return 0;
+    const ElfW(Sym) *symtab = (const ElfW(Sym) *)sym;
+    const ElfW(Half) *versym = (const ElfW(Half) *)ver;
+    const char *strtab = (const char *)str;
+#define OBJ_MATCH(i)                                                                             \
+    (in_object(info, (ElfW(Addr))&symtab[i], sizeof(ElfW(Sym))) && symtab[i].st_shndx != SHN_UNDEF && \
+     symtab[i].st_name < strsz && memchr(strtab + symtab[i].st_name, 0, strsz - symtab[i].st_name) &&  \
+     !strcmp(strtab + symtab[i].st_name, name) &&                                                    \
+     (!versym || (in_object(info, (ElfW(Addr))&versym[i], sizeof *versym) && !(versym[i] & 0x8000))))
+    if (gnu) {
+        const uint32_t *g = (const uint32_t *)gnu;
+        uint32_t nb = g[0], off = g[1], bloom = g[2];
+        const uint32_t *buckets = (const uint32_t *)((const ElfW(Addr) *)&g[4] + bloom);
+        if (!nb || !in_object(info, (ElfW(Addr))buckets, (ElfW(Xword))nb * 4)) return 0;
+        const uint32_t *chain = buckets + nb;
+        uint32_t h = elf_gnu_hash(name);
+        for (uint32_t i = buckets[h % nb]; i >= off && i != 0; i++) {
+            if (!in_object(info, (ElfW(Addr))&chain[i - off], 4)) return 0;
+            uint32_t h2 = chain[i - off];
+            if ((h | 1) == (h2 | 1) && OBJ_MATCH(i)) return 1;
+            if (h2 & 1) break;
+        }
+    } else {
+        const uint32_t *h = (const uint32_t *)sysv;
+        for (uint32_t i = 0; i < h[1]; i++)
+            if (OBJ_MATCH(i)) return 1;
+    }
+#undef OBJ_MATCH
+    return 0;
+}
+
 /* The object's DT_SONAME in *out: 1 found, 0 none, -1 cannot be read (its string table is
  * not inside its segments, relocated or not: glibc relocates DT_STRTAB in place only where
  * the dynamic section is writable, not the vdso's). */

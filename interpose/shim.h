@@ -78,6 +78,7 @@ void *vendor_sym(int api, const char *name);
  * GPU call may resolve a symbol on a thread inside a walk. */
 struct dl_phdr_info;
 int krex_dl_iterate(int (*cb)(struct dl_phdr_info *, size_t, void *), void *data);
+int krex_object_defines(const struct dl_phdr_info *info, const char *name);
 void krex_dl_fork_prepare(void);
 void krex_dl_fork_parent(void);
 void krex_dl_fork_child(void);

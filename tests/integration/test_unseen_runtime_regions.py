@@ -43,6 +43,7 @@ def wait_for(path):
     while not os.path.exists(path):
         time.sleep(0.005)
 lib_path, out, us = sys.argv[1], sys.argv[2], int(sys.argv[3])
+mode = ctypes.RTLD_LOCAL if sys.argv[4:] == ["local"] else ctypes.RTLD_GLOBAL
 cu = ctypes.CDLL("libcuda.so.1")
 rt = ctypes.CDLL("libcudart.so.13")
 rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
@@ -50,7 +51,11 @@ assert rt.cudaLaunchKernel(vp(0x1234), Dim3(5, 1, 1), Dim3(1, 1, 1), None, 0, No
 assert rt.cudaDeviceSynchronize() == 0
 say(step="ready", pid=os.getpid())
 wait_for(os.path.join(out, "sib.go"))
-ctypes.CDLL(lib_path, mode=ctypes.RTLD_GLOBAL)
+ctypes.CDLL(lib_path, mode=mode)
+if us == 0:  # a load only
+    say(step="loaded")
+    wait_for(os.path.join(out, "sib.stop"))
+    sys.exit(0)
 pfn = vp()
 assert cu.simgpu_cu_gpa(b"cuLaunchKernel", ctypes.byref(pfn), ctypes.c_uint64(0)) == 0
 L = ctypes.CFUNCTYPE(ctypes.c_int, vp, *([ctypes.c_uint] * 7), vp, vp, vp)(pfn.value)
@@ -98,10 +103,10 @@ def _end(kx: Krex, name: str, pid: int) -> dict[str, Any]:
     return rec
 
 
-def _quiet_sibling(kx: Krex, so: Path, us: int = 600_000) -> int:
+def _quiet_sibling(kx: Krex, so: Path, us: int = 600_000, mode: str = "global") -> int:
     """The sibling, registered, drained by a first region (its record reads quiet since)."""
     kx.start_daemon(slots=4)
-    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), str(us)])
+    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), str(us), mode])
     sib = int(_step(kx, "sib", "ready")["pid"])
     first = _hold(kx, "first")
     rec = _end(kx, "first", first["pid"])
@@ -180,6 +185,51 @@ def test_a_runtime_loaded_by_a_running_sibling_during_a_region_flags_it_at_its_e
     kx.touch("sib")
     assert _overlaps(_hidden_op(kx, sib), rec)
     assert "unheld-sibling" in rec["flags"] and _unseen_reason(rec, sib), rec["reasons"]
+    assert rec.get("look_s") is not None and rec["look_s"] < lib.KREX_LOOK_TIMEOUT_MS / 1e3, rec.get("look_s")
+
+
+def test_a_runtime_in_a_library_loaded_rtld_local_is_seen_too(kx: Krex, tmp_path: Path) -> None:
+    """A library loaded RTLD_LOCAL is outside the global scope that a lookup by name
+    (dlsym(RTLD_DEFAULT)) searches: the helper reads every loaded object's own symbols, so
+    its runtime flags the region it loaded and launched in all the same."""
+    so = _world(kx, tmp_path)
+    sib = _quiet_sibling(kx, so, mode="local")
+    ready = _hold(kx, "b")
+    assert not ready["grant"]["frozen_slots"], ready["grant"]
+    kx.touch("sib", "go")
+    _step(kx, "sib", "hidden")
+    time.sleep(0.1)
+    rec = _end(kx, "b", ready["pid"])
+    kx.touch("sib")
+    assert _overlaps(_hidden_op(kx, sib), rec)
+    assert "unheld-sibling" in rec["flags"] and _unseen_reason(rec, sib), rec["reasons"]
+
+
+def test_a_sibling_inside_a_slow_library_load_answers_the_look_at_once(kx: Krex, tmp_path: Path) -> None:
+    """A sibling inside a dlopen whose constructors take long (a cuBLAS or cuDNN load: the
+    loader's big lock held meanwhile) as the region ends: its helper's look takes no lock a
+    dlopen holds, so it acks within the bound and the region stays clean (the library brings
+    no runtime). A look through dlsym would wait for the whole load and flag the region."""
+    _world(kx, tmp_path)
+    src = tmp_path / "slow.c"
+    marker = kx.out / "slow.loading"
+    src.write_text(
+        "#include <stdio.h>\n#include <unistd.h>\n"
+        f'__attribute__((constructor)) static void slow(void) {{ fclose(fopen("{marker}", "w")); '
+        "usleep(1500000); }\n"
+    )
+    so = tmp_path / "libslow.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    sib = _quiet_sibling(kx, so, us=0)
+    ready = _hold(kx, "b")
+    assert not ready["grant"]["frozen_slots"], ready["grant"]
+    kx.touch("sib", "go")
+    kx.wait(marker.exists, 30, "the sibling inside the library's constructor")
+    rec = _end(kx, "b", ready["pid"])
+    still_loading = not any(d.get("step") == "loaded" for d in _lines(kx, "sib"))
+    kx.touch("sib")
+    assert still_loading, "the load ended before the region did: the test would prove nothing"
+    assert not rec["contaminated"], rec["reasons"]
     assert rec.get("look_s") is not None and rec["look_s"] < lib.KREX_LOOK_TIMEOUT_MS / 1e3, rec.get("look_s")
 
 
