@@ -231,6 +231,8 @@ def test_a_sibling_inside_a_slow_library_load_answers_the_look_at_once(kx: Krex,
     assert still_loading, "the load ended before the region did: the test would prove nothing"
     assert not rec["contaminated"], rec["reasons"]
     assert rec.get("look_s") is not None and rec["look_s"] < lib.KREX_LOOK_TIMEOUT_MS / 1e3, rec.get("look_s")
+    flags = next((p.flags for p in kx.snapshot().procs if p.pid == sib), None)
+    assert flags is not None and "unseen-runtime" not in flags, flags
 
 
 def test_a_running_sibling_that_cannot_answer_the_look_flags_the_region_within_its_bound(
