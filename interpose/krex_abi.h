@@ -266,9 +266,9 @@
 /* A look round (krex_look_request) at a region's end: krexd waits at most this long for the
  * helpers of the siblings it did not freeze to look at what their process loaded (a CUDA
  * runtime the hooks cannot see, a GPU library in another namespace) and ack. One that does
- * not ack in time (stopped, starved, its helper inside a dlopen's constructors) flags the
- * region. */
-#define KREX_LOOK_TIMEOUT_MS 100
+ * not ack in time (stopped, starved, its helper blocked) flags the
+ * region. 250 ms: a helper woken late on a loaded CPU (tens of ms seen) is no reason to flag. */
+#define KREX_LOOK_TIMEOUT_MS 250
 /* Registration and fork() wait at most this long for a just-started drain helper to
  * finish starting. */
 #define KREX_HELPER_SETTLE_NS 500000000

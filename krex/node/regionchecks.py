@@ -146,8 +146,8 @@ class RegionChecks(Loops):
                     (
                         unheldwork.FLAG,
                         f"sibling pids {r.stragglers} did not look at what they loaded within "
-                        f"{lib.KREX_LOOK_TIMEOUT_MS} ms of the region's end (stopped, starved, or inside a "
-                        "dlopen): a CUDA runtime the hooks cannot see that they loaded would go unseen",
+                        f"{lib.KREX_LOOK_TIMEOUT_MS} ms of the region's end (stopped or starved: "
+                        "a CUDA runtime the hooks cannot see that they loaded would go unseen",
                     )
                 )
         names = {int(lib.KREX_PF_UNSEEN): "unseen-runtime", int(lib.KREX_PF_FOREIGN_NS): "foreign-namespace"}
