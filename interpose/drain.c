@@ -88,19 +88,14 @@ void krex_capture_end(int api, void *stream) {
 /* The contexts a drain synchronises besides the primary ones: those cuCtxCreate made, and
  * the CUcontext of each green context (a primary sync need not wait for a green context's
  * work: cuda.h promises it only from CUDA 13 on). A context that fits in no table is counted
- * in g_ctx_overflow instead, as a capture that does not fit is: while any is, the process's
- * drains ack as partial and never raise drained_at (krexd marks the region contaminated),
- * rather than read as drained with work on a context nobody synchronised. An end of a
- * context no table holds ends one of those. */
+ * in g_ctx_overflow instead, for good: while it is non-zero, the process's drains ack as
+ * partial and never raise drained_at (krexd marks the region contaminated), rather than read
+ * as drained with work on a context nobody synchronised. Never counted down: a destroy call
+ * cannot tell which context it ends (one that fails, of a handle never counted, would make a
+ * live untracked context's work read as drained); a process past the tables stays flagged. */
 #define KREX_MAX_CTX 32
 static void *g_ctxs[KREX_MAX_CTX];
 static uint32_t g_ctx_overflow;
-
-static void ctx_overflow_end(void) {
-    uint32_t o = __atomic_load_n(&g_ctx_overflow, RELAXED);
-    while (o > 0 && !__atomic_compare_exchange_n(&g_ctx_overflow, &o, o - 1, 0, RELAXED, RELAXED)) {
-    }
-}
 
 /* Idempotent: a context already held is not added again (two threads adding the same one at
  * once may both take a slot; krex_ctx_del clears every slot that holds it). */
@@ -117,14 +112,16 @@ void krex_ctx_add(void *ctx) {
     __atomic_add_fetch(&g_ctx_overflow, 1, __ATOMIC_SEQ_CST);
 }
 
-void krex_ctx_del(void *ctx) {
-    if (!ctx) return;
+/* Before its destruction (the helper must not synchronise a context being destroyed).
+ * Returns whether it was held: a destroy that fails puts it back (krex_ctx_add). */
+int krex_ctx_del(void *ctx) {
+    if (!ctx) return 0;
     int found = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *expect = ctx;
         found |= __atomic_compare_exchange_n(&g_ctxs[i], &expect, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     }
-    if (!found) ctx_overflow_end();
+    return found;
 }
 
 /* Green context -> the CUcontext it converts to, so that its destruction takes that context
@@ -171,15 +168,20 @@ void krex_green_add(void *green) {
  * failed), never counted here (its creation was). */
 void krex_green_note(void *green, void *ctx) { (void)green_put(green, ctx); }
 
-void krex_green_del(void *green) {
+/* Before its destruction, as krex_ctx_del. Returns the CUcontext it untracked (NULL: none),
+ * for krex_green_restore when the destroy fails. */
+void *krex_green_del(void *green) {
     int i = green ? green_slot(green) : -1;
-    if (i < 0) {
-        ctx_overflow_end(); /* one that no slot held ends */
-        return;
-    }
+    if (i < 0) return NULL;
     void *ctx = __atomic_exchange_n(&g_greens[i].ctx, NULL, __ATOMIC_ACQ_REL);
     if (ctx) krex_ctx_del(ctx);
     __atomic_store_n(&g_greens[i].green, NULL, RELEASE);
+    return ctx;
+}
+
+/* A destroy that failed: the green context lives on, tracked again (or counted). */
+void krex_green_restore(void *green, void *ctx) {
+    if (ctx && !green_put(green, ctx)) __atomic_add_fetch(&g_ctx_overflow, 1, __ATOMIC_SEQ_CST);
 }
 
 typedef CUresult (*fn_i_p)(void *);
@@ -267,13 +269,17 @@ static int exe_defines(const char *sym) {
 static int defines_runtime(struct dl_phdr_info *info, size_t size, void *data) {
     (void)size;
     (void)data;
-    if (info->dlpi_name && strstr(info->dlpi_name, "libcudart")) return 0;
+    const char *b = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
+    b = b ? b + 1 : info->dlpi_name;
+    if (b && !strncmp(b, "libcudart.so", 12)) return 0; /* the file's name, not a folder's */
     return krex_object_defines(info, "__cudaRegisterFatBinary");
 }
 
 static void note_unseen_runtime(void) {
     if (krex_dl_iterate(defines_runtime, NULL)) set_flag(KREX_PF_UNSEEN);
 }
+
+void krex_note_unseen_runtime(void) { note_unseen_runtime(); }
 
 /* A GPU driver or runtime library, by its file name (the real ones and the simulated
  * ones share these names). */

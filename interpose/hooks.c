@@ -41,7 +41,7 @@
  * A call that makes a context takes the node's token first (ctx_gate.c), and gives it back
  * once the vendor call has returned; t_life_counted tells a creation nested inside this call
  * that it may step out of this call's count while it waits for the token. */
-#define KREX_LIFE_CALL(fname, name, k, params, args, before, after) \
+#define KREX_LIFE_CALL_OR(fname, name, k, params, args, before, after, failed) \
     KREX_RET fname params {                                        \
         KREX_GET_FN(name, k)                                       \
         krex_life_defer();                                         \
@@ -63,9 +63,12 @@
         if (krex_rc == 0) {                                        \
             krex_life_done();                                      \
             after;                                                 \
+        } else {                                                   \
+            failed;                                                \
         }                                                          \
         return krex_rc;                                            \
     }
+#define KREX_LIFE_CALL(f, n, k, p, a, before, after) KREX_LIFE_CALL_OR(f, n, k, p, a, before, after, (void)0)
 #define KREX_BODY_LIFE(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, (void)0)
 
 /* Large 1-D copies and memsets (the `chunk` column): above g_chunk_bytes the call is
@@ -125,11 +128,17 @@ static void *krex_redirect(int lookup_id, const char *symbol, void *realp, uint6
     }
 /* Contexts: LIFE calls, also tracked so the drain helper can synchronise non-primary ones. */
 #define KREX_BODY_CTXNEW(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, if (pctx) krex_ctx_add((void *)*pctx))
-#define KREX_BODY_CTXDEL(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, krex_ctx_del((void *)ctx), (void)0)
+/* A context leaves the drain's tables before its destruction, and comes back if that fails
+ * (it lives on: its work must still be synchronised). */
+#define KREX_BODY_CTXDEL(f, n, k, p, a)                                                          \
+    KREX_LIFE_CALL_OR(f, n, k, p, a, int krex_held = krex_ctx_del((void *)ctx), (void)0,          \
+                      if (krex_held) krex_ctx_add((void *)ctx))
 /* Green contexts: the same, by the CUcontext each converts to (drain.c, krex_green_add); an
  * application's own conversion (GREENCTX, not gated: no GPU work) records it too. */
 #define KREX_BODY_GREENNEW(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, (void)0, if (phCtx) krex_green_add((void *)*phCtx))
-#define KREX_BODY_GREENDEL(f, n, k, p, a) KREX_LIFE_CALL(f, n, k, p, a, krex_green_del((void *)hCtx), (void)0)
+#define KREX_BODY_GREENDEL(f, n, k, p, a)                                                        \
+    KREX_LIFE_CALL_OR(f, n, k, p, a, void *krex_gc = krex_green_del((void *)hCtx), (void)0,       \
+                      krex_green_restore((void *)hCtx, krex_gc))
 #define KREX_BODY_GREENCTX(fname, name, k, params, args)                                        \
     KREX_RET fname params {                                                                     \
         KREX_GET_FN(name, k)                                                                    \

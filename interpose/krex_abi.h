@@ -615,9 +615,11 @@ struct krex_proc {
     uint32_t slot_gen;              /* low 32 bits of the slot generation it registered under
                                      * (its command's): krex_proc_trust compares it */
     uint32_t look_ack;              /* the latest look_seq its helper read before a look at what the
-                                     * process loaded (dl_iterate_phdr's counters, then dlsym): every
-                                     * library loaded before that request was looked at. Set at its
-                                     * helper's start, every drain request, every KREX_HELPER_RECHECK_NS */
+                                     * process loaded (the loader's counters, then each object's
+                                     * dynamic symbols): every library loaded before that request
+                                     * was looked at. Set at registration (one behind the GPU's
+                                     * requests), its helper's start, every drain request, every
+                                     * KREX_HELPER_RECHECK_NS */
     uint32_t exit_looked;           /* 1 once its exit handler, its helper stopped, looked at what it
                                      * loaded: krexd's look rounds owe it no ack from then on */
     uint64_t exit_ns;               /* krex_now_ns as its exit began (exit(), _exit(), a return from

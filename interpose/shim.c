@@ -665,6 +665,24 @@ KREX_EXPORT void *dlmopen(Lmid_t lmid, const char *file, int mode) {
     return h;
 }
 
+/* dlclose: a library that brought its own CUDA runtime, launched through it and is
+ * unloaded before the drain helper's next look would leave no trace for that look (it
+ * reads the objects loaded now): look once more while it is still mapped. One scan of the
+ * loaded objects per unload, which is rare. */
+typedef int (*dlclose_fn)(void *);
+
+KREX_EXPORT int dlclose(void *handle) {
+    static dlclose_fn real;
+    dlclose_fn r = __atomic_load_n(&real, ACQUIRE);
+    if (!r) {
+        r = (dlclose_fn)krex_next_sym("dlclose");
+        __atomic_store_n(&real, r, RELEASE);
+    }
+    if (!r) return -1;
+    if (handle && mode_on() && __atomic_load_n(&g_fast.gate, ACQUIRE)) krex_note_unseen_runtime();
+    return r(handle);
+}
+
 /* Exposed for tests and `krex doctor`: is this process under KREX? */
 KREX_EXPORT int krex_shim_active(void) { return mode_on(); }
 KREX_EXPORT int krex_shim_registered(void) { return __atomic_load_n(&g_fast.gate, ACQUIRE) != NULL; }

@@ -79,6 +79,7 @@ void *vendor_sym(int api, const char *name);
 struct dl_phdr_info;
 int krex_dl_iterate(int (*cb)(struct dl_phdr_info *, size_t, void *), void *data);
 int krex_object_defines(const struct dl_phdr_info *info, const char *name);
+void krex_note_unseen_runtime(void); /* flag KREX_PF_UNSEEN if a loaded object brings a CUDA runtime */
 void krex_dl_fork_prepare(void);
 void krex_dl_fork_parent(void);
 void krex_dl_fork_child(void);
@@ -100,10 +101,11 @@ int krex_ns_has_gpu(void *h); /* the link-map namespace of handle h holds a GPU 
 extern int g_helper_started;          /* atomic */
 extern uint32_t g_captures;           /* streams capturing, plus captures that did not fit */
 void krex_ctx_add(void *ctx);
-void krex_ctx_del(void *ctx);
+int krex_ctx_del(void *ctx);
 void krex_green_add(void *green);             /* a green context made: track its CUcontext */
 void krex_green_note(void *green, void *ctx); /* ... the CUcontext it converts to, known */
-void krex_green_del(void *green);             /* ... about to be destroyed */
+void *krex_green_del(void *green);            /* ... about to be destroyed */
+void krex_green_restore(void *green, void *ctx); /* ... whose destruction failed */
 void krex_capture_begin(void *stream);
 void krex_capture_end(int api, void *stream);
 void start_helper(void);

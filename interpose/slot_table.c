@@ -120,7 +120,7 @@ void krex_slot_set_warm(struct krex_shm *shm, int slot, int warm) {
     if (!warm) krex_futex_wake(&shm->slots[slot].warm);
 }
 
-static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
+static void proc_init(struct krex_shm *shm, struct krex_proc *p, int slot, int gpu, int64_t pid) {
     struct krex_proc fresh;
     memset(&fresh, 0, sizeof fresh);
     p->slot = slot;
@@ -132,7 +132,10 @@ static void proc_init(struct krex_proc *p, int slot, int gpu, int64_t pid) {
     p->free_inflight = 0;
     p->drained_at = 0;
     p->exit_drained = 0;
-    p->look_ack = 0; /* owes every look until its helper's start-up look */
+    /* Owes every look from the GPU's current request on until its helper's start-up look:
+     * one behind the request sequence, as look_owed compares (a 0 would owe none once the
+     * sequence is 2^31 past it). */
+    p->look_ack = gpu >= 0 && gpu < KREX_MAX_GPUS ? __atomic_load_n(&shm->gpus[gpu].drain_seq, SEQ) - 1 : 0;
     p->exit_looked = 0;
     p->ordered_life = 0;
     p->flags = 0;
@@ -179,7 +182,7 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
                  * is left, so its record starts afresh (an exec from inside a gated
                  * call would otherwise leave an in-flight count of 1 for good). */
                 __atomic_store_n(&p->check, 0, SEQ);
-                proc_init(p, slot, gpu, pid);
+                proc_init(shm, p, slot, gpu, pid);
                 return i;
             }
         }
@@ -198,7 +201,7 @@ int krex_proc_register(struct krex_shm *shm, int slot, int gpu, int64_t pid) {
             uint32_t c = __atomic_exchange_n(&p->check, 0, SEQ);
             if (__atomic_compare_exchange_n(&p->pid, &cur, pid, 0, SEQ, SEQ)) {
                 if (cur != 0) stamp_unreported(shm, &was); /* a dead one's record: krexd never saw it end */
-                proc_init(p, slot, gpu, pid);
+                proc_init(shm, p, slot, gpu, pid);
                 return i;
             }
             krex_proc_check_restore(p, c);

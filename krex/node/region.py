@@ -449,7 +449,8 @@ class RegionRun:
             st.reasons.append(
                 (
                     "drain-partial",
-                    f"pids {r.partial} were capturing a CUDA graph; their earlier work was not drained",
+                    f"pids {r.partial} could not drain all their work (a CUDA graph capture under way, or a "
+                    "context beyond the drain helper's tables); their earlier work was not drained",
                 )
             )
         unrec = {n: c for n, c in d._unrecorded(gpu).items() if n != req.slot}  # its own are its own

@@ -29,6 +29,9 @@
  *   green:N    N such green contexts, the stream on the last one
  *   gk:US      a US-microsecond kernel with cuLaunchKernel on that green context's stream
  *   greendel   cuGreenCtxDestroy of that green context
+ *   greendel1  cuGreenCtxDestroy of the first green context made (green:N's first)
+ *   greenconv  cuCtxFromGreenCtx of the green context of gk (the application's own conversion)
+ *   greenbad   cuGreenCtxDestroy of a handle no green context has (it fails)
  *
  * Every line: {"act","role","pid","tid","rc","t0","t1","threads","helper"}, where
  * t0/t1 are CLOCK_MONOTONIC ns around the action and helper is the shim's
@@ -61,6 +64,7 @@ extern CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 extern CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
 extern CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags);
 extern CUresult cuGreenCtxDestroy(CUgreenCtx hCtx);
+extern CUresult cuCtxFromGreenCtx(CUcontext *pContext, CUgreenCtx hCtx);
 extern CUresult cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority);
 extern CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
                                unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
@@ -69,6 +73,7 @@ extern CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int
 static const char *role = "parent";
 static void *last_alloc; /* malloc's, for free */
 static CUgreenCtx green;   /* green's, for gk and greendel */
+static CUgreenCtx green_first; /* the first one green made, for greendel1 */
 static CUstream green_stream;
 
 static unsigned long long now_ns(void) {
@@ -183,7 +188,8 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "green") || !strncmp(a, "green:", 6)) {
             long n = a[5] == ':' ? atol(a + 6) : 1;
             for (long j = 0; j < n && rc == 0; j++)
-                rc = cuGreenCtxCreate(&green, NULL, 0, 1 /* CU_GREEN_CTX_DEFAULT_STREAM */);
+                if ((rc = cuGreenCtxCreate(&green, NULL, 0, 1 /* CU_GREEN_CTX_DEFAULT_STREAM */)) == 0 && j == 0)
+                    green_first = green;
             if (rc == 0) rc = cuGreenCtxStreamCreate(&green_stream, green, 1 /* CU_STREAM_NON_BLOCKING */, 0);
             report("green", rc, t0, now_ns());
         } else if (!strncmp(a, "gk:", 3)) {
@@ -192,6 +198,17 @@ int main(int argc, char **argv) {
             report("gk", rc, t0, now_ns());
         } else if (!strcmp(a, "greendel")) {
             rc = cuGreenCtxDestroy(green);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "greendel1")) {
+            rc = cuGreenCtxDestroy(green_first);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "greenconv")) {
+            CUcontext c = NULL;
+            rc = cuCtxFromGreenCtx(&c, green);
+            report(a, rc, t0, now_ns());
+        } else if (!strcmp(a, "greenbad")) {
+            static char never_made;
+            rc = cuGreenCtxDestroy((CUgreenCtx)(void *)&never_made);
             report(a, rc, t0, now_ns());
         } else if (!strncmp(a, "rc:", 3)) {
             void (*set)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "simgpu_set_return");
