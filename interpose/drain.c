@@ -373,7 +373,10 @@ static void drain_fns(void) {
 }
 
 /* Synchronise the CUDA contexts this process already has; never create one. Returns 1 if
- * every one was synchronised (or CUDA is not loaded), 0 if any step failed. */
+ * every one was synchronised (or CUDA is not loaded), 0 if any step failed, -1 if a tracked
+ * context that lives could not be made current to synchronise it (a green context current
+ * on an application thread, on a driver without cuCtxSynchronize_v2): its work may still
+ * be queued, so the drain is partial, never whole. A destroyed one has nothing queued. */
 static int drain_cuda(void) {
     fn_i_p count = g_dfn.cu_count, push = g_dfn.cu_push, pop = g_dfn.cu_pop;
     fn_dev_state state = g_dfn.cu_state;
@@ -404,6 +407,7 @@ static int drain_cuda(void) {
         release(d);
     }
     if (__atomic_load_n(&g_ctx_overflow, __ATOMIC_SEQ_CST)) ok = 0; /* a context no table holds */
+    int unsynced = 0;
     for (int i = 0; i < KREX_MAX_CTX; i++) {
         void *ctx = __atomic_load_n(&g_ctxs[i], __ATOMIC_ACQUIRE);
         if (!ctx) continue;
@@ -415,15 +419,19 @@ static int drain_cuda(void) {
             if (r != CUDA_SUCCESS) ok = 0;
             continue;
         }
-        if (push(ctx) != CUDA_SUCCESS) {
-            ok = 0; /* (a context destroyed meanwhile, too: a stamp less, never a wrong one) */
+        CUresult pr = push(ctx);
+        if (pr != CUDA_SUCCESS) {
+            /* Destroyed meanwhile: a stamp less, never a wrong one. Else: work left behind. */
+            int gone = pr == CUDA_ERROR_INVALID_CONTEXT || pr == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+            unsynced |= !gone;
+            ok = 0;
             continue;
         }
         if (sync() != CUDA_SUCCESS) ok = 0;
         CUcontext old;
         pop(&old);
     }
-    return ok;
+    return unsynced ? -1 : ok;
 }
 
 static int drain_hip(void) {
@@ -449,11 +457,14 @@ static int drain_hip(void) {
 /* Synchronise every context of the process. drained_at is raised only when nothing was in
  * flight as it began (the counts read first, then in flight found 0: every call counted by
  * then had queued its work), so that work is done once the syncs return. */
-static void full_drain(struct krex_proc *p) {
+/* Returns 0 when a live context's work may be left queued (drain_cuda's -1): the drain is
+ * partial. */
+static int full_drain(struct krex_proc *p) {
     uint64_t before = krex_proc_submits(p), ord = __atomic_load_n(&p->ordered_life, __ATOMIC_SEQ_CST);
     int quiet = __atomic_load_n(&p->inflight, __ATOMIC_SEQ_CST) == 0 && (uint32_t)ord == (uint32_t)(ord >> 32);
     drain_fns();
-    int ok = drain_cuda();
+    int cu = drain_cuda();
+    int ok = cu > 0;
     ok &= drain_hip();
     if (quiet && ok) {
         uint64_t cur = __atomic_load_n(&p->drained_at, __ATOMIC_SEQ_CST);
@@ -462,6 +473,7 @@ static void full_drain(struct krex_proc *p) {
                !__atomic_compare_exchange_n(&p->drained_at, &cur, 1 + before, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         }
     }
+    return cu >= 0;
 }
 
 int g_helper_started;
@@ -553,8 +565,9 @@ static void *krex_helper(void *arg) {
             __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
             __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
         } else {
-            full_drain(p);
-            if (__atomic_load_n(&g_ctx_overflow, __ATOMIC_SEQ_CST)) { /* work of a context it could not name */
+            int whole = full_drain(p);
+            /* Work of a context it could not name, or could not make current. */
+            if (!whole || __atomic_load_n(&g_ctx_overflow, __ATOMIC_SEQ_CST)) {
                 __atomic_store_n(&p->drain_partial, cur, __ATOMIC_SEQ_CST);
                 __atomic_or_fetch(&p->flags, KREX_PF_DRAIN_PARTIAL, __ATOMIC_RELAXED);
             }
@@ -671,7 +684,7 @@ static void last_drain(struct krex_shm *shm, struct krex_proc *rec) {
      * does the same at every drain), and an exit must not wait out an operator's pause.
      * It raises drained_at if nothing was in flight as it began; another thread that
      * submitted since moves the count past it, and krexd then owes an ack nobody gives. */
-    full_drain(rec);
+    (void)full_drain(rec);
     __atomic_store_n(&g_exit_drained, 1, __ATOMIC_SEQ_CST);
     __atomic_store_n(&rec->exit_drained, 1, __ATOMIC_SEQ_CST);
     if (shm && g_gpu >= 0) krex_wake_controller(shm, g_gpu); /* a drain waiting on us re-checks */

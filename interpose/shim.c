@@ -679,7 +679,7 @@ KREX_EXPORT int dlclose(void *handle) {
         __atomic_store_n(&real, r, RELEASE);
     }
     if (!r) return -1;
-    if (handle && mode_on() && __atomic_load_n(&g_fast.gate, ACQUIRE)) krex_note_unseen_runtime();
+    if (mode_on() && __atomic_load_n(&g_fast.gate, ACQUIRE)) krex_note_unseen_runtime();
     return r(handle);
 }
 

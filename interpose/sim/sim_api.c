@@ -377,6 +377,14 @@ static int green_of_ctx(const void *c);
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext c) {
     if (t_ctx_depth >= 8) return 1;
     if (green_of_ctx(c) == -2) return 201; /* a destroyed green context's: CUDA_ERROR_INVALID_CONTEXT */
+    /* KREX_SIM_GREEN_PUSH_FAILS=RC: a live green context cannot be made current here (current
+     * to another thread: cuda.h lets a green context be current to one thread at a time). */
+    static int fail = -1;
+    if (fail < 0) {
+        const char *v = getenv("KREX_SIM_GREEN_PUSH_FAILS");
+        fail = v ? atoi(v) : 0;
+    }
+    if (fail > 0 && green_of_ctx(c) >= 0) return (CUresult)fail;
     t_ctx_stack[t_ctx_depth++] = c;
     return 0;
 }

@@ -92,6 +92,25 @@ def test_a_drain_waits_for_a_siblings_green_context_work(
     assert primary_syncs_green == "1" or green == {want}, f"the green context was synced by {green}"
 
 
+def test_a_green_context_the_helper_cannot_make_current_makes_the_drain_partial(harness: Harness) -> None:
+    """On a driver without cuCtxSynchronize_v2 the helper pushes each green context to
+    synchronise it; a live one current on another thread cannot be pushed (cuda.h: current to
+    one thread at a time). Its kernel may still run: the drain acks as partial, never whole."""
+    h = harness
+    owner, sib = h.claim(), h.claim()
+    env = h.env(sib, KREX_SIM_NO_CTX_SYNC_V2="1", KREX_SIM_GREEN_PUSH_FAILS="1")
+    child = h.spawn("actor", ["green", f"gk:{LONG_US}", "line"], env)
+    op = _green_kernel(h, child)
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=10)
+    t_ret = time.monotonic_ns()
+    assert res.ok and res.count == 1, res
+    assert res.partial == [child.pid] or op["end"] <= t_ret, (
+        f"the drain acked whole {(op['end'] - t_ret) / 1e6:.0f} ms before the green kernel it could not "
+        f"synchronise ended: {res}"
+    )
+
+
 def test_a_destroyed_green_context_is_no_longer_synchronised(harness: Harness) -> None:
     """Once destroyed, its CUcontext leaves the helper's contexts: later drains push no
     context that is gone (a failed push would leave the process never drained again)."""
