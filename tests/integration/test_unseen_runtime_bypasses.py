@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 from helpers.krex_world import Krex
-from test_unseen_runtime_regions import (
+from helpers.unseen_runtime import (
     SIBLING,
-    _end,
-    _hidden_op,
-    _hold,
-    _overlaps,
-    _quiet,
-    _step,
-    _world,
+    end,
+    hidden_op,
+    hold,
+    overlaps,
+    quiet,
+    step,
+    world,
 )
 
 from krex.native import LIB_DIR, lib
@@ -75,7 +75,7 @@ wait_for(os.path.join(out, "sib.stop"))
 
 def _start_sibling(kx: Krex, so: Path, us: int) -> int:
     kx.run_argv("sib", [sys.executable, "-c", SIBLING_UNLOADS, str(so), str(kx.out), str(us)])
-    return int(_step(kx, "sib", "ready")["pid"])
+    return int(step(kx, "sib", "ready")["pid"])
 
 
 def test_a_runtime_loaded_launched_through_and_unloaded_inside_a_region_flags_it(
@@ -85,24 +85,24 @@ def test_a_runtime_loaded_launched_through_and_unloaded_inside_a_region_flags_it
     library, launches a 0.6 s kernel through it and closes the library at once. Its helper's
     periodic look is up to KREX_HELPER_RECHECK_NS away, and the end's look round finds the
     object gone: the region must still be flagged, its kernel being inside it."""
-    so = _world(kx, tmp_path)
+    so = world(kx, tmp_path)
     kx.start_daemon(slots=4)
     sib = _start_sibling(kx, so, 600_000)
-    first = _hold(kx, "first")
-    rec = _end(kx, "first", first["pid"])
+    first = hold(kx, "first")
+    rec = end(kx, "first", first["pid"])
     assert not rec["contaminated"], rec["reasons"]
-    kx.wait(lambda: _quiet(kx, sib), 10, "the sibling's record to read quiet")
+    kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
 
-    ready = _hold(kx, "b")
+    ready = hold(kx, "b")
     assert not ready["grant"]["frozen_slots"], ready["grant"]
     kx.touch("sib", "go")
-    hidden = _step(kx, "sib", "hidden")
+    hidden = step(kx, "sib", "hidden")
     assert hidden["unloaded"], "the library stayed loaded: the test would prove nothing"
     time.sleep(0.1)
-    rec = _end(kx, "b", ready["pid"])
+    rec = end(kx, "b", ready["pid"])
     kx.touch("sib")
-    op = _hidden_op(kx, sib)
-    assert _overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
+    op = hidden_op(kx, sib)
+    assert overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
     assert rec["contaminated"], (
         f"clean, with the sibling's hidden kernel inside it: op {op['start']}..{op['end']}, "
         f"region {rec['t_grant_ns']}..{rec['t_end_ns']}, reasons {rec['reasons']}"
@@ -115,15 +115,15 @@ def test_a_runtime_loaded_launched_through_and_unloaded_just_before_a_region_nev
     """The same just before the owner's next region: the drain request's look sees the
     loader's counters moved but no runtime left, so the record reads quiet, is not drained
     and not frozen, and its 2 s kernel runs on into the region."""
-    so = _world(kx, tmp_path)
+    so = world(kx, tmp_path)
     kx.start_daemon(slots=4)
     sib = _start_sibling(kx, so, 2_000_000)
     go = kx.out / "b.go"
     kx.run("b", "regions", "-n", "1", "--kernels", "0", "--sleep-ms", "200", "--go", str(go), "--prime")
     kx.wait(lambda: (kx.out / "b.waiting").exists(), 30, "the owner's first region")
-    kx.wait(lambda: _quiet(kx, sib), 10, "the sibling's record to read quiet")
+    kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
     kx.touch("sib", "go")
-    hidden = _step(kx, "sib", "hidden")
+    hidden = step(kx, "sib", "hidden")
     assert hidden["unloaded"], "the library stayed loaded: the test would prove nothing"
     go.touch()
     res = kx.result("b", timeout=30)
@@ -131,9 +131,9 @@ def test_a_runtime_loaded_launched_through_and_unloaded_just_before_a_region_nev
     kx.wait(lambda: len([r for r in kx.journal() if r["owner_pid"] == res["pid"]]) == 2, 10, "the journal")
     rec = [r for r in kx.journal() if r["owner_pid"] == res["pid"]][-1]
     kx.touch("sib")
-    op = _hidden_op(kx, sib)
+    op = hidden_op(kx, sib)
     if not rec["contaminated"]:
-        assert not _overlaps(op, rec), (
+        assert not overlaps(op, rec), (
             f"clean, with the sibling's hidden kernel inside it: op {op['start']}..{op['end']}, "
             f"region {rec['t_grant_ns']}..{rec['t_end_ns']}, frozen {rec['frozen_slots']}"
         )
@@ -212,22 +212,22 @@ def test_a_sibling_flagged_unseen_that_keeps_launching_leaves_no_kernel_inside_a
     launches after that sync and before its freeze lands runs inside the region. A sibling
     that keeps launching 20 ms kernels does so: the region must be flagged, or no kernel
     of its may overlap it."""
-    so = _world(kx, tmp_path)
+    so = world(kx, tmp_path)
     if policy == "all":
         kx_env = kx.env
         kx.env = lambda **extra: kx_env(**{**extra, "KREX_FREEZE_POLICY": "all"})  # type: ignore[method-assign]
     kx.start_daemon(slots=8)
     kx.run_argv("sib", [sys.executable, "-c", SIBLING_LAUNCHES, str(so), str(kx.out), "20000"])
-    sib = int(_step(kx, "sib", "ready")["pid"])
+    sib = int(step(kx, "sib", "ready")["pid"])
     kx.wait(lambda: _flagged(kx, sib), 10, "the sibling's unseen-runtime flag")
     kx.touch("sib", "go")
     time.sleep(0.3)
     bad = []
     for i in range(3):
-        ready = _hold(kx, f"o{i}")
+        ready = hold(kx, f"o{i}")
         time.sleep(0.05)
-        rec = _end(kx, f"o{i}", ready["pid"])
-        inside = [o for o in kx.ops(gpu=0, life=False) if o["pid"] == sib and _overlaps(o, rec)]
+        rec = end(kx, f"o{i}", ready["pid"])
+        inside = [o for o in kx.ops(gpu=0, life=False) if o["pid"] == sib and overlaps(o, rec)]
         if inside and not rec["contaminated"]:
             bad.append((i, inside[0]["start"], inside[0]["end"], rec["t_grant_ns"], rec["t_end_ns"]))
     kx.touch("sib", "stop")
@@ -280,7 +280,7 @@ def test_a_library_loaded_with_rtld_deepbind_that_launches_through_libcudart_fla
     cudaLaunchKernel is never reached) and launches a 0.6 s kernel through it. No hook counts
     or gates it; the look skips every libcudart by name. The region must not read clean with
     that kernel inside it."""
-    _world(kx, tmp_path)
+    world(kx, tmp_path)
     src = tmp_path / "ext.c"
     src.write_text(EXT)
     ext = tmp_path / "libext.so"
@@ -288,19 +288,19 @@ def test_a_library_loaded_with_rtld_deepbind_that_launches_through_libcudart_fla
     subprocess.run(cc, check=True)
     kx.start_daemon(slots=4)
     kx.run_argv("sib", [sys.executable, "-c", SIBLING_DEEPBIND, str(ext), str(kx.out), "600000"])
-    sib = int(_step(kx, "sib", "ready")["pid"])
-    first = _hold(kx, "first")
-    assert not _end(kx, "first", first["pid"])["contaminated"]
-    kx.wait(lambda: _quiet(kx, sib), 10, "the sibling's record to read quiet")
-    ready = _hold(kx, "b")
+    sib = int(step(kx, "sib", "ready")["pid"])
+    first = hold(kx, "first")
+    assert not end(kx, "first", first["pid"])["contaminated"]
+    kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
+    ready = hold(kx, "b")
     assert not ready["grant"]["frozen_slots"], ready["grant"]
     kx.touch("sib", "go")
-    _step(kx, "sib", "hidden")
+    step(kx, "sib", "hidden")
     time.sleep(0.1)
-    rec = _end(kx, "b", ready["pid"])
+    rec = end(kx, "b", ready["pid"])
     kx.touch("sib")
-    op = _hidden_op(kx, sib)
-    assert _overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
+    op = hidden_op(kx, sib)
+    assert overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
     assert rec["contaminated"], (
         f"clean, with the sibling's kernel launched past the shim inside it: op {op['start']}..{op['end']}, "
         f"region {rec['t_grant_ns']}..{rec['t_end_ns']}"
@@ -322,7 +322,7 @@ def test_a_runtime_linked_into_a_library_without_exporting_it_flags_the_region(
     krex.device.elfcheck reads an executable's) but not in its dynamic symbols. Loaded and
     launched through by a running sibling inside a region, it must not leave the region
     clean."""
-    _world(kx, tmp_path)
+    world(kx, tmp_path)
     src = tmp_path / "rt.c"
     so = tmp_path / "librt_quiet.so"
     if how == "hidden-visibility":
@@ -339,19 +339,19 @@ def test_a_runtime_linked_into_a_library_without_exporting_it_flags_the_region(
     subprocess.run(cc, check=True)
     kx.start_daemon(slots=4)
     kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), "600000"])
-    sib = int(_step(kx, "sib", "ready")["pid"])
-    first = _hold(kx, "first")
-    assert not _end(kx, "first", first["pid"])["contaminated"]
-    kx.wait(lambda: _quiet(kx, sib), 10, "the sibling's record to read quiet")
-    ready = _hold(kx, "b")
+    sib = int(step(kx, "sib", "ready")["pid"])
+    first = hold(kx, "first")
+    assert not end(kx, "first", first["pid"])["contaminated"]
+    kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
+    ready = hold(kx, "b")
     assert not ready["grant"]["frozen_slots"], ready["grant"]
     kx.touch("sib", "go")
-    _step(kx, "sib", "hidden")
+    step(kx, "sib", "hidden")
     time.sleep(0.1)
-    rec = _end(kx, "b", ready["pid"])
+    rec = end(kx, "b", ready["pid"])
     kx.touch("sib")
-    op = _hidden_op(kx, sib)
-    assert _overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
+    op = hidden_op(kx, sib)
+    assert overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
     assert rec["contaminated"], (
         f"clean, with the kernel of a runtime the library does not export inside it: "
         f"op {op['start']}..{op['end']}, region {rec['t_grant_ns']}..{rec['t_end_ns']}"
