@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from helpers.krex_world import Krex
 # library that exports its own CUDA runtime, and launch a kernel of US simulated microseconds
 # through the simulated driver's own lookup (no hook counts or gates it), then wait for
 # OUT/sib.stop.
-SIBLING = r"""
+# What every sibling script starts with: its imports, a dim3, a JSON line out, a wait for a file.
+PREAMBLE = r"""
 import ctypes, json, os, sys, time
 vp = ctypes.c_void_p
 class Dim3(ctypes.Structure):
@@ -26,6 +28,11 @@ def say(**kw):
 def wait_for(path):
     while not os.path.exists(path):
         time.sleep(0.005)
+"""
+
+SIBLING = (
+    PREAMBLE
+    + r"""
 lib_path, out, us = sys.argv[1], sys.argv[2], int(sys.argv[3])
 mode = ctypes.RTLD_LOCAL if sys.argv[4:] == ["local"] else ctypes.RTLD_GLOBAL
 cu = ctypes.CDLL("libcuda.so.1")
@@ -47,6 +54,7 @@ assert L(vp(0x1234), us, 1, 1, 1, 1, 1, 0, None, None, None) == 0  # through no 
 say(step="hidden", t=time.monotonic_ns())
 wait_for(os.path.join(out, "sib.stop"))
 """
+)
 
 
 def world(kx: Krex, tmp_path: Path) -> Path:
@@ -87,10 +95,11 @@ def end(kx: Krex, name: str, pid: int) -> dict[str, Any]:
     return rec
 
 
-def quiet_sibling(kx: Krex, so: Path, us: int = 600_000, mode: str = "global") -> int:
-    """The sibling, registered, drained by a first region (its record reads quiet since)."""
+def quiet_sibling(kx: Krex, so: Path, us: int = 600_000, mode: str = "global", script: str = SIBLING) -> int:
+    """The sibling (`script`, SIBLING's arguments), registered, drained by a first region
+    (its record reads quiet since)."""
     kx.start_daemon(slots=4)
-    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), str(us), mode])
+    kx.run_argv("sib", [sys.executable, "-c", script, str(so), str(kx.out), str(us), mode])
     sib = int(step(kx, "sib", "ready")["pid"])
     first = hold(kx, "first")
     rec = end(kx, "first", first["pid"])
@@ -98,6 +107,21 @@ def quiet_sibling(kx: Krex, so: Path, us: int = 600_000, mode: str = "global") -
 
     kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
     return sib
+
+
+def load_in_region(kx: Krex, sib: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A region whose grant froze no sibling, inside which the quiet sibling loads its
+    library and launches its hidden kernel: (the region's journal record, that kernel's op)."""
+    ready = hold(kx, "b")
+    assert not ready["grant"]["frozen_slots"], ready["grant"]
+    kx.touch("sib", "go")
+    step(kx, "sib", "hidden")
+    time.sleep(0.1)
+    rec = end(kx, "b", ready["pid"])
+    kx.touch("sib")
+    op = hidden_op(kx, sib)
+    assert overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
+    return rec, op
 
 
 def quiet(kx: Krex, pid: int) -> bool:

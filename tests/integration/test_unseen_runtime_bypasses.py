@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 from helpers.krex_world import Krex
 from helpers.unseen_runtime import (
-    SIBLING,
+    PREAMBLE,
     end,
     hidden_op,
     hold,
+    load_in_region,
     overlaps,
     quiet,
+    quiet_sibling,
     step,
     world,
 )
@@ -36,18 +38,11 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real cgroups"),
 ]
 
-# As test_unseen_runtime_regions.SIBLING, but the library is closed right after the hidden
+# As helpers.unseen_runtime.SIBLING, but the library is closed right after the hidden
 # launch (a library loaded to run one kernel and unloaded: the loader forgets it).
-SIBLING_UNLOADS = r"""
-import ctypes, json, os, sys, time
-vp = ctypes.c_void_p
-class Dim3(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
-def say(**kw):
-    print(json.dumps(kw), flush=True)
-def wait_for(path):
-    while not os.path.exists(path):
-        time.sleep(0.005)
+SIBLING_UNLOADS = (
+    PREAMBLE
+    + r"""
 lib_path, out, us = sys.argv[1], sys.argv[2], int(sys.argv[3])
 libc = ctypes.CDLL(None)
 libc.dlopen.restype = vp
@@ -71,6 +66,7 @@ gone = libc.dlopen(lib_path.encode(), 4 | 2)  # RTLD_NOLOAD: really unloaded?
 say(step="hidden", t=time.monotonic_ns(), unloaded=not gone)
 wait_for(os.path.join(out, "sib.stop"))
 """
+)
 
 
 def _start_sibling(kx: Krex, so: Path, us: int) -> int:
@@ -165,11 +161,7 @@ def test_a_new_record_owes_the_look_whatever_the_sequence_number() -> None:
 # Registered (one counted launch), then loads a library that exports its own CUDA runtime,
 # waits until its helper flagged it, and launches US-microsecond kernels through no hook,
 # back to back (one queued behind the running one), until OUT/sib.stop.
-SIBLING_LAUNCHES = r"""
-import ctypes, json, os, sys, time
-vp = ctypes.c_void_p
-class Dim3(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+SIBLING_LAUNCHES = PREAMBLE + r"""
 lib_path, out, us = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cu = ctypes.CDLL("libcuda.so.1")
 rt = ctypes.CDLL("libcudart.so.13")
@@ -237,11 +229,7 @@ def test_a_sibling_flagged_unseen_that_keeps_launching_leaves_no_kernel_inside_a
 # Registered (one counted launch); on OUT/sib.go it loads, with RTLD_DEEPBIND, a library linked
 # against libcudart and launches a US-microsecond kernel through it: the library's own lookup
 # scope comes first, so its cudaLaunchKernel binds to libcudart's, not to the shim's.
-SIBLING_DEEPBIND = r"""
-import ctypes, json, os, sys, time
-vp = ctypes.c_void_p
-class Dim3(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+SIBLING_DEEPBIND = PREAMBLE + r"""
 ext_path, out, us = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rt = ctypes.CDLL("libcudart.so.13")
 rt.cudaLaunchKernel.argtypes = [vp, Dim3, Dim3, ctypes.POINTER(vp), ctypes.c_size_t, vp]
@@ -286,21 +274,8 @@ def test_a_library_loaded_with_rtld_deepbind_that_launches_through_libcudart_fla
     ext = tmp_path / "libext.so"
     cc = ["gcc", "-shared", "-fPIC", "-o", str(ext), str(src), f"-L{LIB_DIR}", "-l:libcudart.so.13"]
     subprocess.run(cc, check=True)
-    kx.start_daemon(slots=4)
-    kx.run_argv("sib", [sys.executable, "-c", SIBLING_DEEPBIND, str(ext), str(kx.out), "600000"])
-    sib = int(step(kx, "sib", "ready")["pid"])
-    first = hold(kx, "first")
-    assert not end(kx, "first", first["pid"])["contaminated"]
-    kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
-    ready = hold(kx, "b")
-    assert not ready["grant"]["frozen_slots"], ready["grant"]
-    kx.touch("sib", "go")
-    step(kx, "sib", "hidden")
-    time.sleep(0.1)
-    rec = end(kx, "b", ready["pid"])
-    kx.touch("sib")
-    op = hidden_op(kx, sib)
-    assert overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
+    sib = quiet_sibling(kx, ext, script=SIBLING_DEEPBIND)
+    rec, op = load_in_region(kx, sib)
     assert rec["contaminated"], (
         f"clean, with the sibling's kernel launched past the shim inside it: op {op['start']}..{op['end']}, "
         f"region {rec['t_grant_ns']}..{rec['t_end_ns']}"
@@ -337,21 +312,8 @@ def test_a_runtime_linked_into_a_library_without_exporting_it_flags_the_region(
         vs.write_text("{ global: entry; local: *; };\n")
         cc = ["gcc", "-shared", "-fPIC", f"-Wl,--version-script={vs}", "-o", str(so), str(src)]
     subprocess.run(cc, check=True)
-    kx.start_daemon(slots=4)
-    kx.run_argv("sib", [sys.executable, "-c", SIBLING, str(so), str(kx.out), "600000"])
-    sib = int(step(kx, "sib", "ready")["pid"])
-    first = hold(kx, "first")
-    assert not end(kx, "first", first["pid"])["contaminated"]
-    kx.wait(lambda: quiet(kx, sib), 10, "the sibling's record to read quiet")
-    ready = hold(kx, "b")
-    assert not ready["grant"]["frozen_slots"], ready["grant"]
-    kx.touch("sib", "go")
-    step(kx, "sib", "hidden")
-    time.sleep(0.1)
-    rec = end(kx, "b", ready["pid"])
-    kx.touch("sib")
-    op = hidden_op(kx, sib)
-    assert overlaps(op, rec), (op, rec["t_grant_ns"], rec["t_end_ns"])
+    sib = quiet_sibling(kx, so)
+    rec, op = load_in_region(kx, sib)
     assert rec["contaminated"], (
         f"clean, with the kernel of a runtime the library does not export inside it: "
         f"op {op['start']}..{op['end']}, region {rec['t_grant_ns']}..{rec['t_end_ns']}"

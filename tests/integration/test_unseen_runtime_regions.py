@@ -23,6 +23,7 @@ from helpers.unseen_runtime import (
     hidden_op,
     hold,
     lines,
+    load_in_region,
     overlaps,
     quiet,
     quiet_sibling,
@@ -81,14 +82,7 @@ def test_a_runtime_loaded_by_a_running_sibling_during_a_region_flags_it_at_its_e
     the library and launches through it: the end's look round sees the flag."""
     so = world(kx, tmp_path)
     sib = quiet_sibling(kx, so)
-    ready = hold(kx, "b")
-    assert not ready["grant"]["frozen_slots"], ready["grant"]
-    kx.touch("sib", "go")
-    step(kx, "sib", "hidden")
-    time.sleep(0.1)
-    rec = end(kx, "b", ready["pid"])
-    kx.touch("sib")
-    assert overlaps(hidden_op(kx, sib), rec)
+    rec, _ = load_in_region(kx, sib)
     assert "unheld-sibling" in rec["flags"] and unseen_reason(rec, sib), rec["reasons"]
     assert rec.get("look_s") is not None and rec["look_s"] < lib.KREX_LOOK_TIMEOUT_MS / 1e3, rec.get("look_s")
 
@@ -99,14 +93,7 @@ def test_a_runtime_in_a_library_loaded_rtld_local_is_seen_too(kx: Krex, tmp_path
     its runtime flags the region it loaded and launched in all the same."""
     so = world(kx, tmp_path)
     sib = quiet_sibling(kx, so, mode="local")
-    ready = hold(kx, "b")
-    assert not ready["grant"]["frozen_slots"], ready["grant"]
-    kx.touch("sib", "go")
-    step(kx, "sib", "hidden")
-    time.sleep(0.1)
-    rec = end(kx, "b", ready["pid"])
-    kx.touch("sib")
-    assert overlaps(hidden_op(kx, sib), rec)
+    rec, _ = load_in_region(kx, sib)
     assert "unheld-sibling" in rec["flags"] and unseen_reason(rec, sib), rec["reasons"]
 
 
