@@ -45,6 +45,18 @@ def _green_kernel(h: Harness, child: Child) -> dict[str, Any]:
     return op
 
 
+def _partial_or_waited(h: Harness, owner: int, pid: int, op: dict[str, Any], what: str) -> None:
+    """Drain once: a process whose green kernel `op` no drain synchronised must ack as
+    partial, or the drain must return after that kernel ended, never whole before it."""
+    _close(h, owner)
+    res = h.seg.drain(0, owner, timeout=10)
+    t_ret = time.monotonic_ns()
+    assert res.ok and res.count == 1, res
+    assert res.partial == [pid] or op["end"] <= t_ret, (
+        f"the drain acked whole {(op['end'] - t_ret) / 1e6:.0f} ms before {what} ended: {res}"
+    )
+
+
 def test_the_simulated_primary_sync_does_not_wait_for_a_green_contexts_work(harness: Harness) -> None:
     """The model the other tests rely on: without KREX, a device synchronise returns while the
     green context's kernel runs (so the drain's primary sync alone would too)."""
@@ -101,14 +113,7 @@ def test_a_green_context_the_helper_cannot_make_current_makes_the_drain_partial(
     env = h.env(sib, KREX_SIM_NO_CTX_SYNC_V2="1", KREX_SIM_GREEN_PUSH_FAILS="1")
     child = h.spawn("actor", ["green", f"gk:{LONG_US}", "line"], env)
     op = _green_kernel(h, child)
-    _close(h, owner)
-    res = h.seg.drain(0, owner, timeout=10)
-    t_ret = time.monotonic_ns()
-    assert res.ok and res.count == 1, res
-    assert res.partial == [child.pid] or op["end"] <= t_ret, (
-        f"the drain acked whole {(op['end'] - t_ret) / 1e6:.0f} ms before the green kernel it could not "
-        f"synchronise ended: {res}"
-    )
+    _partial_or_waited(h, owner, child.pid, op, "the green kernel it could not synchronise")
 
 
 def test_a_destroyed_green_context_is_no_longer_synchronised(harness: Harness) -> None:
@@ -199,14 +204,7 @@ def test_a_failed_green_context_destroy_does_not_uncount_one_the_drain_cannot_sy
         assert (d["rc"] != 0) == (act == "greenbad"), d  # the bad destroy fails, the rest succeed
     (op,) = [o for o in h.ops(child.pid, life=False) if o["api"] == "cuLaunchKernel"]
     assert time.monotonic_ns() < op["end"], "the green kernel ended before the drain: it would prove nothing"
-    _close(h, owner)
-    res = h.seg.drain(0, owner, timeout=10)
-    t_ret = time.monotonic_ns()
-    assert res.ok and res.count == 1, res
-    assert res.partial == [child.pid] or op["end"] <= t_ret, (
-        f"the drain acked whole {(op['end'] - t_ret) / 1e6:.0f} ms before the kernel of a green context "
-        f"it never synchronised ended: {res}"
-    )
+    _partial_or_waited(h, owner, child.pid, op, "the kernel of a green context it never synchronised")
 
 
 def test_a_process_past_the_context_tables_drains_partial_for_good(harness: Harness) -> None:
