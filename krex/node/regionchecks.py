@@ -85,14 +85,16 @@ class RegionChecks(Loops):
         v = f.env.get(b"KREX_SIM_SHM") if f is not None else None
         return v.decode(errors="replace") if v else None
 
+    def _running_siblings(self, fz: _FreezePlan, frozen: list[Slot]) -> list[Slot]:
+        """The region's siblings it did not freeze that still hold their slots, once each."""
+        with self.lock:
+            return [s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s]
+
     def _unheld_at_end(self, fz: _FreezePlan, frozen: list[Slot]) -> list[tuple[str, str]]:
         """The siblings a region did not freeze, judged again at its end: a process of
         theirs the gate does not hold now (one that exec'd without the shim, or started
         during the region) may have run GPU work inside it."""
-        with self.lock:
-            running = [
-                s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s
-            ]
+        running = self._running_siblings(fz, frozen)
         bad: dict[int, tuple[int, str]] = {}
         for s in running:
             for pid, v in freezepolicy.classify(self._group_pids(s), self.inspector, self._slot_ref(s)):
@@ -116,11 +118,7 @@ class RegionChecks(Loops):
         freeze to look at what their processes loaded (krex_look_request). (Its sequence, the
         pids whose ack the end waits for; (0, []) when every sibling was frozen: a frozen one
         loaded nothing.)"""
-        with self.lock:
-            running = [
-                s for s in dict.fromkeys(fz.siblings) if s not in frozen and self.slots.get(s.slot) is s
-            ]
-        pids = [p for s in running for p in self._group_pids(s)]
+        pids = [p for s in self._running_siblings(fz, frozen) for p in self._group_pids(s)]
         if not pids:
             return 0, []
         return self.seg.look_request(gpu), pids
@@ -146,7 +144,7 @@ class RegionChecks(Loops):
                     (
                         unheldwork.FLAG,
                         f"sibling pids {r.stragglers} did not look at what they loaded within "
-                        f"{lib.KREX_LOOK_TIMEOUT_MS} ms of the region's end (stopped or starved: "
+                        f"{lib.KREX_LOOK_TIMEOUT_MS} ms of the region's end (stopped or starved): "
                         "a CUDA runtime the hooks cannot see that they loaded would go unseen",
                     )
                 )
